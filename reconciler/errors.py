@@ -1,0 +1,82 @@
+"""The reconciler's exceptions, one root, each carrying the fields a report needs.
+
+    ReconcilerError
+     ├── ConfigError          bad desired state: a list of Problems (file, key, message); exit 1
+     ├── SourceError          the git repo or revision cannot be read; exit 1
+     └── HostError            one host failed; the others go on (reason is CamelCase)
+          ├── ConnectError        unreachable, refused, timed out, auth failed (Unreachable)
+          ├── HostKeyError        host key unknown or changed (HostKeyUnverified)
+          ├── CommandError        a command on the host failed (ApplyFailed / ObserveFailed)
+          └── ObserveError        the host's answer could not be understood (ObserveFailed)
+
+Messages never include environment values: they may carry tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ReconcilerError(Exception):
+    """Root of every error the reconciler raises on purpose."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the desired state: where (file, dotted key) and what is expected."""
+
+    file: str
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}: {self.key}" if self.key else self.file
+        return f"{where}: {self.message}"
+
+
+class ConfigError(ReconcilerError):
+    """The desired state is invalid; nothing may be applied anywhere."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        super().__init__("\n".join(str(p) for p in self.problems))
+
+
+class SourceError(ReconcilerError):
+    """The git repository or the revision cannot be read."""
+
+
+class HostError(ReconcilerError):
+    """Something failed on one host. `reason` is a short CamelCase code for reports."""
+
+    reason = "HostFailed"
+
+    def __init__(self, host: str, message: str):
+        self.host = host
+        self.message = message
+        super().__init__(f"{host}: {message}")
+
+
+class ConnectError(HostError):
+    reason = "Unreachable"
+
+
+class HostKeyError(HostError):
+    reason = "HostKeyUnverified"
+
+
+class CommandError(HostError):
+    """A command on the host exited non-zero. stderr is kept short and never holds env values."""
+
+    reason = "CommandFailed"
+
+    def __init__(self, host: str, what: str, exit_status: int | None, stderr: str):
+        self.what = what
+        self.exit_status = exit_status
+        self.stderr = stderr.strip()[-1000:]
+        tail = f": {self.stderr}" if self.stderr else ""
+        super().__init__(host, f"{what} failed (exit {exit_status}){tail}")
+
+
+class ObserveError(HostError):
+    reason = "ObserveFailed"

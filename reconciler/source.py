@@ -1,0 +1,114 @@
+"""Reading the desired-state repository at a revision, from git objects (pygit2).
+
+The working tree is never read: what is deployed is exactly what a commit holds. `--repo` is a
+local path (working clone or bare repo) or a URL, which is mirrored into a cache directory and
+fetched on every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import pygit2
+
+from .errors import SourceError
+
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://|^[^/\s]+@[^:\s]+:")
+
+
+def default_cache_dir() -> Path:
+    """Where URL repos are mirrored: $RECONCILER_CACHE_DIR or the user's cache dir."""
+    env = os.environ.get("RECONCILER_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "reconciler"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The files of one commit (optionally below a sub-directory), read on demand."""
+
+    repo: pygit2.Repository
+    commit: pygit2.Commit
+    subdir: str = ""
+
+    @property
+    def revision(self) -> str:
+        return str(self.commit.id)
+
+    @property
+    def short(self) -> str:
+        return self.revision[:7]
+
+    def _entry(self, path: str):
+        full = str(PurePosixPath(self.subdir, path)) if self.subdir else path
+        full = full.strip("/")
+        try:
+            return self.commit.tree[full] if full else self.commit.tree
+        except KeyError:
+            return None
+
+    def read(self, path: str) -> bytes | None:
+        """The bytes of a file at this revision, or None when there is no such file."""
+        obj = self._entry(path)
+        if obj is None or obj.type != pygit2.GIT_OBJECT_BLOB:
+            return None
+        return obj.data
+
+    def list(self, directory: str) -> list[str]:
+        """Names of the files directly inside a directory (sorted; [] when absent)."""
+        obj = self._entry(directory) if directory else self._entry("")
+        if obj is None or obj.type != pygit2.GIT_OBJECT_TREE:
+            return []
+        return sorted(e.name for e in obj if e.type == pygit2.GIT_OBJECT_BLOB)
+
+
+def is_url(repo: str) -> bool:
+    return bool(_URL.match(repo)) and not Path(repo).exists()
+
+
+def open_repo(repo: str, cache_dir: Path | None = None) -> pygit2.Repository:
+    """Open a local repository, or mirror a URL into the cache and fetch it."""
+    if not is_url(repo):
+        path = pygit2.discover_repository(str(Path(repo).resolve()))
+        if path is None:
+            raise SourceError(f"{repo}: not a git repository")
+        return pygit2.Repository(path)
+    cache = (cache_dir or default_cache_dir()) / "repos"
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / hashlib.sha256(repo.encode()).hexdigest()[:16]
+    try:
+        if not (dest / "HEAD").exists():
+            r = pygit2.clone_repository(repo, str(dest), bare=True)
+        else:
+            r = pygit2.Repository(str(dest))
+        remote = r.remotes["origin"]
+        remote.fetch(["+refs/heads/*:refs/heads/*"], prune=pygit2.enums.FetchPrune.PRUNE)
+        # Follow the remote's default branch if it has one we know.
+        return r
+    except (pygit2.GitError, KeyError, ValueError) as e:
+        raise SourceError(f"cannot fetch {_redact(repo)}: {e}") from None
+
+
+def _redact(url: str) -> str:
+    """Drop user:password@ from a URL so a token in it never reaches a message."""
+    return re.sub(r"//[^/@]*@", "//***@", url)
+
+
+def snapshot(repo: pygit2.Repository, rev: str | None = None, subdir: str = "") -> Snapshot:
+    """Resolve a revision (default HEAD) to a commit and return its snapshot."""
+    spec = rev or "HEAD"
+    try:
+        obj = repo.revparse_single(spec)
+        commit = obj.peel(pygit2.Commit)
+    except (KeyError, ValueError, pygit2.GitError, pygit2.InvalidSpecError) as e:
+        raise SourceError(f"revision {spec!r} not found in {repo.path}: {e}") from None
+    snap = Snapshot(repo, commit, subdir.strip("/"))
+    if subdir and snap._entry("") is None:
+        raise SourceError(f"{subdir!r} does not exist at {snap.short}")
+    return snap

@@ -1,0 +1,101 @@
+"""The desired state after loading: validated, merged and rendered, ready for the planner.
+
+load.py turns the TOML files of a revision into these objects (and rejects bad input there);
+everything downstream (plan, apply, health, reports) reads only these. They are plain frozen
+dataclasses: no I/O, no validation left to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HealthSpec:
+    """How to tell that a service is healthy (used by the health checker)."""
+
+    http: str | None = None          # e.g. http://127.0.0.1:30000/health, probed from the host itself
+    startup_timeout: float = 1200.0  # seconds a model may take to load before we give up
+    interval: float = 2.0            # seconds between HTTP probes
+    stable_for: float = 30.0         # after the first success, a crash within this window still fails
+    expect_status: int = 200
+    body_contains: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model a service serves: its hub id and where it lives on the host."""
+
+    id: str
+    path: str
+    architecture: str | None = None  # optional declared architecture (pre-flight rules)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One systemd service on one host, fully rendered.
+
+    unit_text is the final content of /etc/systemd/system/<name>.service (placeholders such as
+    {model.path} and {host.address} already substituted). env holds the variables the service
+    gets through a drop-in; values may be secret and never appear in logs or exceptions.
+    """
+
+    name: str
+    unit_text: str
+    env: dict[str, str] = field(default_factory=dict)
+    health: HealthSpec = field(default_factory=HealthSpec)
+    model: ModelSpec | None = None
+    source: str = ""                 # repo file(s) it was defined in, for messages
+    definition: str | None = None    # name of the shared services/<definition>.toml, if any
+
+    def content_hash(self) -> str:
+        """A stable digest of everything that, when changed, requires a restart."""
+        h = hashlib.sha256()
+        h.update(self.unit_text.encode())
+        for k in sorted(self.env):
+            h.update(b"\0" + k.encode() + b"=" + self.env[k].encode())
+        return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class SSHSpec:
+    """How to reach a host. known_hosts holds the text of the repo's known_hosts file."""
+
+    address: str
+    port: int = 22
+    user: str = "root"
+    host_key: str | None = None      # pinned public key line "ssh-ed25519 AAAA..."
+    known_hosts: str | None = None   # content of the fleet's known_hosts file, if any
+    known_hosts_file: str | None = None  # its path in the repo, for messages
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One host: how to reach it and the services it should run."""
+
+    name: str
+    ssh: SSHSpec
+    services: dict[str, ServiceSpec] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    source: str = ""                 # hosts/<name>.toml
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """Fleet-wide settings from fleet.toml that are not per-host defaults."""
+
+    concurrency: int = 20
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    """The whole fleet at one git revision."""
+
+    revision: str
+    hosts: dict[str, HostSpec]
+    settings: FleetSettings = field(default_factory=FleetSettings)
+
+    @property
+    def short(self) -> str:
+        return self.revision[:7]

@@ -1,0 +1,292 @@
+"""A fleet of real test hosts: systemd + sshd in systemd-nspawn containers on loopback.
+
+Follows ../shared/TESTHOSTS.md. Each host is a container booted from one cached Debian root
+filesystem with ``--volatile=overlay`` (writes land in a tmpfs, the cache stays clean), real
+PID 1 systemd, journald and sshd listening on its own loopback address 127.0.0.N:22.
+
+Besides the base system, every host gets (read-only bind mounts):
+  /usr/local/bin/sglang-standin   the project's stand-in for an SGLang server (tests/standin.py)
+  /models                         small fake model directories (tests/models)
+
+Used by the pytest fixtures (tests/conftest.py), the sandbox demo (.ci/sandbox) and the
+benchmarks. Command line::
+
+    python -m tests.fleet build                 # rootfs + client key (idempotent, cached)
+    python -m tests.fleet up N [--first K]      # boot N hosts, print them, stay in background
+    python -m tests.fleet down                  # stop every host this module started
+
+Nothing here ever addresses anything outside 127.0.0.0/8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CACHE = Path(os.environ.get("RECONCILER_FLEET_CACHE", "/var/cache/reconciler-testfleet"))
+RUN_DIR = Path(os.environ.get("RECONCILER_FLEET_RUN", "/run/reconciler-testfleet"))
+PACKAGES = "systemd,systemd-sysv,dbus,openssh-server,iproute2,procps,python3"
+# Bump when the build steps below change, so cached root filesystems are rebuilt.
+BUILD_VERSION = "2"
+STANDIN = HERE / "standin.py"
+MODELS = HERE / "models"
+
+
+class FleetError(RuntimeError):
+    """The test fleet could not be built or booted; the message says why."""
+
+
+def _rootfs_key() -> str:
+    return hashlib.sha256(f"{PACKAGES}|{BUILD_VERSION}".encode()).hexdigest()[:12]
+
+
+def rootfs_path() -> Path:
+    """Where the cached root filesystem for the current package list lives."""
+    return CACHE / f"rootfs-{_rootfs_key()}"
+
+
+def client_key_path() -> Path:
+    """The private key the test client logs in with (trusted by root on every test host)."""
+    return CACHE / "client_ed25519"
+
+
+def debian_mirror() -> str:
+    """The plain Debian archive URI that this machine's own apt sources name."""
+    for src in sorted(glob.glob("/etc/apt/sources.list.d/*.sources")):
+        for block in Path(src).read_text().split("\n\n"):
+            uris = re.search(r"^URIs:\s*(\S+)", block, re.M)
+            suites = re.search(r"^Suites:\s*(.+)$", block, re.M)
+            if uris and suites and "security" not in uris.group(1) and "bookworm" in suites.group(1).split():
+                return uris.group(1)
+    lst = Path("/etc/apt/sources.list")
+    if lst.exists():
+        for line in lst.read_text().splitlines():
+            m = re.match(r"deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+bookworm\s", line)
+            if m:
+                return m.group(1)
+    raise FleetError("no Debian bookworm archive found in /etc/apt/sources.list(.d)")
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    res = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if res.returncode != 0:
+        raise FleetError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
+    return res
+
+
+def build() -> Path:
+    """Build (once) the root filesystem and the client key; return the rootfs path."""
+    for tool in ("systemd-nspawn", "debootstrap", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            raise FleetError(f"{tool} not found: run .ci/setup (it installs the Debian packages)")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    key = client_key_path()
+    if not key.exists():
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "reconciler-test-client", "-f", str(key)])
+    root = rootfs_path()
+    if not (root / ".complete").exists():
+        tmp = root.with_name(root.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"fleet: building test-host rootfs with debootstrap (about a minute) into {root}", file=sys.stderr)
+        _run(["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", str(tmp), debian_mirror()])
+        # Keep boots quick and quiet: nothing in the container needs these.
+        for unit in ("apt-daily.timer", "apt-daily-upgrade.timer", "e2scrub_all.timer", "fstrim.timer"):
+            (tmp / "etc/systemd/system" / unit).unlink(missing_ok=True)
+            link = tmp / "etc/systemd/system/timers.target.wants" / unit
+            link.unlink(missing_ok=True)
+        (tmp / ".complete").write_text(_rootfs_key())
+        tmp.rename(root)
+    ssh_dir = root / "root/.ssh"
+    ssh_dir.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(ssh_dir, 0o700)
+    auth = ssh_dir / "authorized_keys"
+    auth.write_text(Path(str(key) + ".pub").read_text())
+    os.chmod(auth, 0o600)
+    return root
+
+
+def host_public_key() -> str:
+    """'<type> <base64>' of the ed25519 host key all test hosts share."""
+    parts = (rootfs_path() / "etc/ssh/ssh_host_ed25519_key.pub").read_text().split()
+    return f"{parts[0]} {parts[1]}"
+
+
+@dataclass
+class Host:
+    """One booted test host."""
+
+    name: str
+    address: str
+    pid: int
+
+    def known_hosts_line(self) -> str:
+        return f"{self.address} {host_public_key()}"
+
+
+def _pidfile(name: str) -> Path:
+    return RUN_DIR / f"{name}.pid"
+
+
+def boot(name: str, address: str) -> Host:
+    """Start one container with sshd on address:22 (returns at once; see wait_ready)."""
+    root = rootfs_path()
+    if not (root / ".complete").exists():
+        raise FleetError("test-host rootfs missing: run `python -m tests.fleet build` (or .ci/setup)")
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    stop(name)
+    conf = RUN_DIR / f"{name}.sshd.conf"
+    conf.write_text(f"ListenAddress {address}:22\nPermitRootLogin prohibit-password\nUseDNS no\n")
+    log = open(RUN_DIR / f"{name}.log", "wb")
+    cmd = [
+        "systemd-nspawn", "-q", "-b", "-D", str(root), "--volatile=overlay", "-M", name,
+        "--register=no", "--keep-unit",
+        f"--bind-ro={conf}:/etc/ssh/sshd_config.d/test.conf",
+        f"--bind-ro={STANDIN}:/usr/local/bin/sglang-standin",
+        f"--bind-ro={MODELS}:/models",
+    ]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    _pidfile(name).write_text(str(proc.pid))
+    return Host(name=name, address=address, pid=proc.pid)
+
+
+def ssh_base(address: str, known_hosts: Path) -> list[str]:
+    return ["ssh", "-q", "-i", str(client_key_path()), "-o", "BatchMode=yes", "-o", "ConnectTimeout=2",
+            "-o", f"UserKnownHostsFile={known_hosts}", "-o", "StrictHostKeyChecking=yes",
+            "-o", "ForwardAgent=no", "-F", "/dev/null", f"root@{address}"]
+
+
+def write_known_hosts(hosts: list[Host], path: Path) -> Path:
+    path.write_text("".join(h.known_hosts_line() + "\n" for h in hosts))
+    return path
+
+
+def wait_ready(hosts: list[Host], timeout: float = 60.0) -> None:
+    """Block until every host answers over SSH and systemd finished booting."""
+    kh = write_known_hosts(hosts, RUN_DIR / "known_hosts")
+    deadline = time.monotonic() + timeout
+    pending = list(hosts)
+    while pending:
+        still = []
+        procs = [(h, subprocess.Popen(ssh_base(h.address, kh) + ["systemctl is-system-running --wait"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+                 for h in pending]
+        for h, p in procs:
+            out, _ = p.communicate()
+            state = out.strip()
+            if p.returncode is None or state not in ("running", "degraded"):
+                still.append(h)
+        pending = still
+        if pending:
+            if time.monotonic() > deadline:
+                logs = {h.name: (RUN_DIR / f"{h.name}.log").read_text(errors="replace")[-800:] for h in pending}
+                raise FleetError(f"test hosts did not come up within {timeout:.0f}s: "
+                                 f"{[h.name for h in pending]}\n{json.dumps(logs, indent=1)}")
+            for h in pending:
+                try:
+                    os.kill(h.pid, 0)
+                except ProcessLookupError:
+                    log = (RUN_DIR / f"{h.name}.log").read_text(errors="replace")[-2000:]
+                    raise FleetError(f"test host {h.name} exited during boot:\n{log}") from None
+            time.sleep(0.3)
+
+
+def up(count: int, first: int = 2, prefix: str = "rt") -> list[Host]:
+    """Boot `count` hosts on 127.0.0.<first>... and wait until all answer."""
+    if count > 12:
+        # Many containers need more inotify instances than the default (TESTHOSTS.md).
+        subprocess.run(["sysctl", "-q", "-w", "fs.inotify.max_user_instances=8192",
+                        "fs.inotify.max_user_watches=1048576"], check=False)
+    hosts = [boot(f"{prefix}{i}", f"127.0.0.{i}") for i in range(first, first + count)]
+    wait_ready(hosts)
+    return hosts
+
+
+def stop(name: str) -> None:
+    """Stop one container (SIGTERM to its systemd-nspawn, then wait)."""
+    pf = _pidfile(name)
+    if not pf.exists():
+        return
+    pid = int(pf.read_text())
+    try:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            os.kill(pid, 0)
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    pf.unlink(missing_ok=True)
+
+
+def down(hosts: list[Host] | None = None) -> None:
+    """Stop the given hosts, or every host this module started on this machine."""
+    names = [h.name for h in hosts] if hosts else [p.stem for p in RUN_DIR.glob("*.pid")]
+    for n in names:
+        stop(n)
+
+
+# Brings a host back to its freshly booted state: every unit file placed under
+# /etc/systemd/system (by the reconciler or a test) is stopped, disabled and removed, with the
+# reconciler's record on the host. The base rootfs has no regular unit files there.
+RESET_SCRIPT = r"""
+set -u
+for f in /etc/systemd/system/*.service; do
+  [ -f "$f" ] && [ ! -L "$f" ] || continue
+  u=$(basename "$f")
+  systemctl disable --now --no-block "$u" >/dev/null 2>&1
+  systemctl kill "$u" >/dev/null 2>&1
+  rm -f "$f"; rm -rf "$f.d"
+done
+rm -rf /var/lib/reconciler /etc/systemd/system/*.service.d /etc/systemd/system/.reconciler-* /tmp/model-*
+systemctl daemon-reload
+systemctl reset-failed
+true
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tests.fleet")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("build")
+    p_up = sub.add_parser("up")
+    p_up.add_argument("count", type=int)
+    p_up.add_argument("--first", type=int, default=2)
+    p_up.add_argument("--prefix", default="rt")
+    sub.add_parser("down")
+    sub.add_parser("hostkey")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "build":
+            print(build())
+        elif args.cmd == "up":
+            for h in up(args.count, args.first, args.prefix):
+                print(f"{h.name} {h.address} pid={h.pid}")
+        elif args.cmd == "down":
+            down()
+        elif args.cmd == "hostkey":
+            print(host_public_key())
+    except FleetError as e:
+        print(f"fleet: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
