@@ -1,0 +1,5 @@
+"""`python -m reconciler` runs the `reconcile` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,689 @@
+"""TOML files of one revision -> a validated, merged and rendered DesiredState.
+
+The repository layout (desired-state/README.md documents it for users)::
+
+    fleet.toml               optional: [ssh] and [health] defaults, concurrency
+    known_hosts              named by fleet.toml ssh.known_hosts
+    hosts/<host>.toml        one per host: address, labels, [ssh], [services.<name>]
+    services/<def>.toml      shared service definitions, merged under `use = "<def>"`
+    units/<x>.service        unit files named by unit_file
+
+Loading is all-or-nothing: every problem in every file is collected (file, dotted key, what is
+expected) and raised together as one ConfigError, so a bad commit is rejected before anything is
+applied anywhere. Nothing here does I/O other than snap.read and snap.list.
+
+Merging, lowest layer first: fleet.toml [health] < services/<def>.toml < the host's table.
+env, vars, model and health merge key by key; unit and unit_file replace each other as a pair.
+Placeholders {host.name} {host.address} {service.name} {model.id} {model.path} {vars.<name>}
+are substituted in the unit text, env values, vars and health.http; any other brace (systemd's
+${VAR}, %i, JSON) passes through untouched.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+import types
+from typing import Any, Protocol, TypeVar, Union, get_args, get_origin
+from urllib.parse import urlsplit
+
+import tomlkit
+import tomlkit.exceptions
+from pydantic import BaseModel, ValidationError
+
+from . import schema
+from .errors import ConfigError, Problem
+from .spec import DesiredState, FleetSettings, HealthSpec, HostSpec, ModelSpec, ServiceSpec, SSHSpec
+
+FLEET_FILE = "fleet.toml"
+HOSTS_DIR = "hosts"
+SERVICES_DIR = "services"
+HEADER = "# Managed by reconciler from git; edits on this host are reverted.\n# Source: {source}\n"
+
+PLACEHOLDER = re.compile(r"\{(host|service|model|vars)\.([A-Za-z0-9_]+)\}")
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_SERVICE_SECTION = re.compile(r"^[ \t]*\[Service\][ \t]*$", re.MULTILINE)
+_PARSE_POSITION = re.compile(r" at line \d+ col \d+$")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+T = TypeVar("T", bound=BaseModel)
+
+
+class SnapshotLike(Protocol):
+    """What load needs from a revision: source.Snapshot, MemorySnapshot, or a test double."""
+
+    @property
+    def revision(self) -> str: ...
+
+    def read(self, path: str) -> bytes | None: ...
+
+    def list(self, directory: str) -> list[str]: ...
+
+
+class MemorySnapshot:
+    """A revision held in memory: {repo path: content}. For tests, previews and tools."""
+
+    def __init__(self, files: Mapping[str, bytes | str], revision: str = "0" * 40):
+        self.files = {
+            path.strip("/"): data.encode() if isinstance(data, str) else data for path, data in files.items()
+        }
+        self.revision = revision
+
+    @property
+    def short(self) -> str:
+        return self.revision[:7]
+
+    def read(self, path: str) -> bytes | None:
+        """The bytes of a file, or None when there is no such file."""
+        return self.files.get(path.strip("/"))
+
+    def list(self, directory: str) -> list[str]:
+        """Names of the files directly inside a directory (sorted; [] when absent)."""
+        prefix = directory.strip("/") + "/" if directory.strip("/") else ""
+        names = {p[len(prefix) :] for p in self.files if p.startswith(prefix)}
+        return sorted(n for n in names if n and "/" not in n)
+
+
+def load_desired(snap: SnapshotLike) -> DesiredState:
+    """Load, validate, merge and render the desired state of one revision.
+
+    Raises ConfigError listing every problem found, in every file, when anything is wrong.
+    """
+    return _Loader(snap).load()
+
+
+def dotted(*parts: object) -> str:
+    """A dotted key for messages; parts that are not bare TOML keys are quoted: services."a;b"."""
+    return ".".join(p if _BARE_KEY.match(p) else json.dumps(p) for p in (str(x) for x in parts))
+
+
+# ---- problems -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Use:
+    """One service on one host: the context a problem in a shared file is reported for."""
+
+    service: str
+    host: str
+
+
+class _Problems:
+    """Collects problems in order; the same problem in a shared file is reported once, listing
+    the services and hosts it affects (a unit file used by 500 hosts gives one line, not 500)."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[str, str, str], list[_Use]] = {}
+        self.count = 0  # every add, duplicates included: "did this step find anything?"
+
+    def add(self, file: str, key: str, message: str, use: _Use | None = None) -> None:
+        self.count += 1
+        uses = self._found.setdefault((file, key, message), [])
+        if use is not None and use not in uses:
+            uses.append(use)
+
+    def __bool__(self) -> bool:
+        return bool(self._found)
+
+    def result(self) -> list[Problem]:
+        return [Problem(f, k, m + _uses_text(uses)) for (f, k, m), uses in self._found.items()]
+
+
+def _uses_text(uses: list[_Use]) -> str:
+    if not uses:
+        return ""
+    by_service: dict[str, list[str]] = {}
+    for u in uses:
+        by_service.setdefault(u.service, []).append(u.host)
+    parts = []
+    for service, hosts in by_service.items():
+        shown = ", ".join(hosts[:5]) + (f" and {len(hosts) - 5} more" if len(hosts) > 5 else "")
+        parts.append(f"service {service} on host{'s' if len(hosts) > 1 else ''} {shown}")
+    return " (in " + "; ".join(parts) + ")"
+
+
+def _validation_problems(file: str, model: type[BaseModel], error: ValidationError) -> list[Problem]:
+    """Turn pydantic's errors into Problems: loc tuples become dotted keys, and every message
+    says what is expected. Input values are never echoed here (env values may be secrets);
+    only the schema validators, which know whether a value is secret, show values."""
+    problems = []
+    for e in error.errors(include_url=False):
+        loc = tuple(str(x) for x in e["loc"])
+        is_name = bool(loc) and loc[-1] == "[key]"
+        path = loc[:-1] if is_name else loc
+        kind = e["type"]
+        if kind == "missing":
+            message = "required key missing"
+        elif kind == "extra_forbidden":
+            message = _unknown_key(model, path)
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            message = f"expected a table, got {schema.kind_of(e['input'])}"
+        elif kind == "expected":
+            message = ("invalid name: " if is_name else "") + e["msg"]
+        else:
+            message = e["msg"]
+        problems.append(Problem(file, dotted(*path), message))
+    return problems
+
+
+def _unknown_key(model: type[BaseModel], path: tuple[str, ...]) -> str:
+    parent = _model_at(model, path[:-1])
+    allowed = list(parent.model_fields) if parent else []
+    key = path[-1]
+    if parent is schema.HostSSH and key == "known_hosts":
+        return "unknown key: known_hosts is fleet-wide, set it under [ssh] in fleet.toml"
+    if parent is schema.ServiceDefinition and key == "use":
+        return "unknown key: a definition cannot `use` another one (only a host's service table can)"
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown key ({hint}allowed: {', '.join(allowed)})"
+
+
+def _error_path(loc: tuple[int | str, ...]) -> tuple[str, ...]:
+    """The key path of an error: ('services', 'a;b', '[key]') -> ('services', 'a;b')."""
+    path = tuple(str(x) for x in loc)
+    return path[:-1] if path and path[-1] == "[key]" else path
+
+
+def _without(data: dict[str, Any], paths: set[tuple[str, ...]]) -> dict[str, Any]:
+    """A copy of parsed TOML with the keys at `paths` removed (absent ones are ignored)."""
+
+    def prune(table: dict[str, Any], prefix: tuple[str, ...]) -> dict[str, Any]:
+        out = {}
+        for key, value in table.items():
+            path = (*prefix, key)
+            if path in paths:
+                continue
+            out[key] = prune(value, path) if isinstance(value, dict) else value
+        return out
+
+    return prune(data, ())
+
+
+def _under(path: tuple[str, ...], bad: set[tuple[str, ...]]) -> bool:
+    """Whether any problem path lies at or below `path`."""
+    return any(b[: len(path)] == path for b in bad)
+
+
+def _model_at(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] | None:
+    """The model class that validates the table at `path` (walking fields and dict values)."""
+    tp: Any = model
+    for part in path:
+        tp = _strip(tp)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            info = tp.model_fields.get(part)
+            if info is None:
+                return None
+            tp = info.annotation
+        elif get_origin(tp) is dict:
+            tp = get_args(tp)[1]
+        else:
+            return None
+    tp = _strip(tp)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _strip(tp: Any) -> Any:
+    """Annotated[X, ...] -> X; X | None -> X."""
+    while True:
+        if hasattr(tp, "__metadata__"):
+            tp = get_args(tp)[0]
+            continue
+        if get_origin(tp) in (Union, types.UnionType):
+            args = [a for a in get_args(tp) if a is not type(None)]
+            if len(args) == 1:
+                tp = args[0]
+                continue
+        return tp
+
+
+# ---- merging --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _At:
+    """Where a value was set: a repo file and the dotted key inside it."""
+
+    file: str
+    key: str
+
+
+@dataclass
+class _Merged:
+    """One service after merging its layers; every value remembers where it was set."""
+
+    unit: tuple[str, _At] | None = None        # inline unit text
+    unit_file: tuple[str, _At] | None = None   # repo path of the unit file
+    conflict: bool = False                     # a layer set both unit and unit_file
+    env: dict[str, tuple[str, _At]] = field(default_factory=dict)
+    vars: dict[str, tuple[str, _At]] = field(default_factory=dict)
+    model: dict[str, tuple[str, _At]] = field(default_factory=dict)
+    health: dict[str, tuple[Any, _At]] = field(default_factory=dict)
+
+    def add_health(self, table: schema.HealthTable | None, file: str, prefix: tuple[str, ...]) -> None:
+        if table is None:
+            return
+        for name, value in table.model_dump(exclude_none=True).items():
+            self.health[name] = (value, _At(file, dotted(*prefix, "health", name)))
+
+    def add_layer(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
+        if table.unit is not None and table.unit_file is not None:
+            self.conflict = True
+        if table.unit is not None or table.unit_file is not None:
+            # The pair is replaced as a whole: a host's unit_file clears the definition's unit.
+            self.unit = (table.unit, _At(file, dotted(*prefix, "unit"))) if table.unit is not None else None
+            self.unit_file = (
+                (table.unit_file, _At(file, dotted(*prefix, "unit_file"))) if table.unit_file is not None else None
+            )
+        for k, v in table.env.items():
+            self.env[k] = (v, _At(file, dotted(*prefix, "env", k)))
+        for k, v in table.vars.items():
+            self.vars[k] = (v, _At(file, dotted(*prefix, "vars", k)))
+        if table.model is not None:
+            for k, v in table.model.model_dump(exclude_none=True).items():
+                self.model[k] = (v, _At(file, dotted(*prefix, "model", k)))
+        self.add_health(table.health, file, prefix)
+
+
+# ---- placeholders ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Context:
+    """The values placeholders may name. vars is None while the vars themselves are rendered."""
+
+    host: dict[str, str]
+    service: dict[str, str]
+    model: dict[str, str] | None
+    vars: dict[str, str] | None
+
+
+def _render(text: str, ctx: _Context) -> tuple[str, list[tuple[int, str]]]:
+    """Substitute placeholders; return the text and [(line, why)] for each unknown one."""
+    unknown: list[tuple[int, str]] = []
+
+    def substitute(m: re.Match[str]) -> str:
+        space, name = m.group(1), m.group(2)
+        table = {"host": ctx.host, "service": ctx.service, "model": ctx.model, "vars": ctx.vars}[space]
+        if table is not None and name in table:
+            return table[name]
+        line = text.count("\n", 0, m.start()) + 1
+        unknown.append((line, _unknown_placeholder(m.group(0), space, table)))
+        return m.group(0)
+
+    return PLACEHOLDER.sub(substitute, text), unknown
+
+
+def _unknown_placeholder(found: str, space: str, table: dict[str, str] | None) -> str:
+    if space == "vars" and table is None:
+        return f"placeholder {found} in a var: vars cannot refer to other vars"
+    if space == "model" and table is None:
+        return f"placeholder {found} but the service has no model (set model.id and model.path)"
+    if space == "vars":
+        have = ", ".join(sorted(table or {})) or "none"
+        return f"unknown placeholder {found}: no such var (vars set: {have})"
+    known = ", ".join(f"{{{space}.{k}}}" for k in (table or {}))
+    return f"unknown placeholder {found} (known: {known})"
+
+
+def _check_health_url(url: str) -> str | None:
+    """Why a rendered health URL is unusable, or None."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "the port is not a number 1-65535"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "it needs http:// or https:// and a host"
+    if port is None or port == 0:
+        return "it needs an explicit port, like http://{host.address}:30000/health"
+    return None
+
+
+# ---- the loader -----------------------------------------------------------------------------
+
+
+class _Loader:
+    """One load: reads files through the snapshot and collects problems as it goes."""
+
+    def __init__(self, snap: SnapshotLike):
+        self.snap = snap
+        self.problems = _Problems()
+        self._units: dict[str, str | None] = {}  # unit files read so far; None: unusable
+
+    def load(self) -> DesiredState:
+        fleet = self._load_fleet()
+        known_hosts = self._load_known_hosts(fleet)
+        definitions = self._load_definitions()
+        hosts = self._load_hosts(fleet, known_hosts, definitions)
+        if self.problems:
+            raise ConfigError(self.problems.result())
+        return DesiredState(
+            revision=self.snap.revision,
+            hosts=hosts,
+            settings=FleetSettings(concurrency=fleet.concurrency),
+        )
+
+    # -- files --
+
+    def _parse(self, file: str, data: bytes) -> dict[str, Any] | None:
+        try:
+            text = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            self.problems.add(file, "", f"not UTF-8 text (bad byte at offset {e.start})")
+            return None
+        try:
+            parsed = tomlkit.parse(text).unwrap()
+        except tomlkit.exceptions.ParseError as e:
+            why = _PARSE_POSITION.sub("", str(e))
+            self.problems.add(file, "", f"TOML syntax error at line {e.line}, column {e.col}: {why}")
+            return None
+        except (tomlkit.exceptions.TOMLKitError, ValueError) as e:
+            self.problems.add(file, "", f"TOML syntax error: {e}")
+            return None
+        return dict(parsed)
+
+    def _validate(self, file: str, model: type[T], data: bytes) -> tuple[T | None, set[tuple[str, ...]]]:
+        """Parse and validate one file; report its problems.
+
+        Returns the model and the key paths that had problems. When only some keys are wrong,
+        the model is validated again without them, so that the rest of the file (a host's other
+        services, say) is still checked and its problems reported in the same run; callers skip
+        whatever lies under a bad path. None when nothing usable is left (a required key).
+        """
+        parsed = self._parse(file, data)
+        if parsed is None:
+            return None, set()
+        try:
+            return model.model_validate(parsed), set()
+        except ValidationError as e:
+            for p in _validation_problems(file, model, e):
+                self.problems.add(p.file, p.key, p.message)
+            bad = {_error_path(err["loc"]) for err in e.errors(include_url=False)}
+        try:
+            return model.model_validate(_without(parsed, bad)), bad
+        except ValidationError:
+            return None, bad
+
+    def _toml_files(self, directory: str, what: str) -> list[tuple[str, str]]:
+        """(stem, path) of the .toml files in a directory; other files there are problems,
+        except README* and dotfiles, so that a mistyped extension never silently does nothing."""
+        found = []
+        for name in self.snap.list(directory):
+            path = f"{directory}/{name}"
+            if name.endswith(".toml"):
+                found.append((name[: -len(".toml")], path))
+            elif not (name.startswith(".") or name.upper().startswith("README")):
+                self.problems.add(path, "", f"not a .toml file: {directory}/ holds only <{what}>.toml files")
+        return found
+
+    # -- fleet.toml and known_hosts --
+
+    def _load_fleet(self) -> schema.FleetFile:
+        data = self.snap.read(FLEET_FILE)
+        if data is None:
+            return schema.FleetFile()
+        return self._validate(FLEET_FILE, schema.FleetFile, data)[0] or schema.FleetFile()
+
+    def _load_known_hosts(self, fleet: schema.FleetFile) -> str | None:
+        path = fleet.ssh.known_hosts
+        if path is None:
+            return None
+        data = self.snap.read(path)
+        if data is None:
+            self.problems.add(FLEET_FILE, "ssh.known_hosts", f"file {path!r} not found in the repository")
+            return None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            self.problems.add(path, "", "not UTF-8 text")
+            return None
+        for number, line in enumerate(text.splitlines(), 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            if fields[0].startswith("@"):  # @cert-authority / @revoked marker
+                fields = fields[1:]
+            why = (
+                schema.host_key_problem(" ".join(fields[1:3]))
+                if len(fields) >= 3
+                else "expected '<host patterns> <key type> <base64 key>'"
+            )
+            if why:
+                self.problems.add(path, "", f"line {number}: {why}")
+        return text
+
+    # -- services/<def>.toml --
+
+    def _load_definitions(self) -> dict[str, schema.ServiceDefinition | None]:
+        """Every definition, used or not; None for one that exists but is invalid."""
+        definitions: dict[str, schema.ServiceDefinition | None] = {}
+        for name, path in self._toml_files(SERVICES_DIR, "definition"):
+            definitions[name] = None
+            if not schema.SERVICE_NAME.match(name):
+                self.problems.add(
+                    path, "", f"invalid definition name {name!r}: use letters, digits, '_' and '-' (no dots)"
+                )
+                continue
+            data = self.snap.read(path) or b""
+            definition, bad = self._validate(path, schema.ServiceDefinition, data)
+            if definition is None or bad:  # a host using it is skipped: no follow-on noise
+                continue
+            if definition.unit is not None and definition.unit_file is not None:
+                self.problems.add(path, "unit", "set either unit or unit_file, not both")
+                continue
+            if definition.unit_file is not None:
+                self._unit_file(definition.unit_file, _At(path, "unit_file"))
+            if definition.unit is not None:
+                self._check_unit_text(definition.unit, _At(path, "unit"))
+            definitions[name] = definition
+        return definitions
+
+    # -- units --
+
+    def _unit_file(self, path: str, at: _At) -> str | None:
+        """The text of a unit file (read and checked once per path), or None with a problem."""
+        data = self.snap.read(path)
+        if data is None:
+            self.problems.add(at.file, at.key, f"file {path!r} not found in the repository")
+            return None
+        if path not in self._units:
+            text: str | None = None
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                self.problems.add(path, "", "not UTF-8 text")
+            if text is not None and not self._check_unit_text(text, _At(path, "")):
+                text = None
+            self._units[path] = text
+        return self._units[path]
+
+    def _check_unit_text(self, text: str, at: _At) -> bool:
+        if "\x00" in text:
+            self.problems.add(at.file, at.key, "the unit text contains a NUL character")
+            return False
+        if not _SERVICE_SECTION.search(text):
+            self.problems.add(at.file, at.key, "not a service unit: no [Service] section")
+            return False
+        return True
+
+    # -- hosts/<name>.toml --
+
+    def _load_hosts(
+        self,
+        fleet: schema.FleetFile,
+        known_hosts: str | None,
+        definitions: dict[str, schema.ServiceDefinition | None],
+    ) -> dict[str, HostSpec]:
+        files = self._toml_files(HOSTS_DIR, "host")
+        if not files:
+            self.problems.add(f"{HOSTS_DIR}/", "", "no hosts: add hosts/<name>.toml")
+        hosts: dict[str, HostSpec] = {}
+        endpoints: dict[tuple[str, int], str] = {}
+        for name, path in files:
+            if not schema.HOST_NAME.match(name):
+                self.problems.add(
+                    path,
+                    "",
+                    f"invalid host name {name!r}: the file name must be <name>.toml where name has "
+                    "letters, digits, '_', '.' and '-', starts with a letter or digit, at most 63",
+                )
+                continue
+            host, bad = self._validate(path, schema.HostFile, self.snap.read(path) or b"")
+            if host is None:
+                continue
+            port = host.ssh.port if host.ssh.port is not None else fleet.ssh.port
+            other = endpoints.setdefault((host.address, port), path)
+            if other != path and not _under(("ssh",), bad):
+                self.problems.add(
+                    path, "address", f"{host.address}:{port} is also the address of {other}: one file per host"
+                )
+            services = {}
+            for service_name, table in host.services.items():
+                if _under(("services", service_name), bad):
+                    continue
+                spec = self._service(name, path, host, service_name, table, fleet, definitions)
+                if spec is not None:
+                    services[service_name] = spec
+            hosts[name] = HostSpec(
+                name=name,
+                ssh=SSHSpec(
+                    address=host.address,
+                    port=port,
+                    user=host.ssh.user if host.ssh.user is not None else fleet.ssh.user,
+                    host_key=host.ssh.host_key,
+                    known_hosts=known_hosts,
+                    known_hosts_file=fleet.ssh.known_hosts if known_hosts is not None else None,
+                ),
+                services=services,
+                labels=dict(host.labels),
+                source=path,
+            )
+        return hosts
+
+    def _service(
+        self,
+        host_name: str,
+        host_file: str,
+        host: schema.HostFile,
+        name: str,
+        table: schema.ServiceTable,
+        fleet: schema.FleetFile,
+        definitions: dict[str, schema.ServiceDefinition | None],
+    ) -> ServiceSpec | None:
+        """Merge one service's layers, render it, and check everything that needs the host."""
+        prefix = ("services", name)
+        use = _Use(name, host_name)
+        problems_before = self.problems.count
+
+        merged = _Merged()
+        merged.add_health(fleet.health, FLEET_FILE, ())
+        sources = [host_file]
+        def_file = None
+        if table.use is not None:
+            if table.use not in definitions:
+                available = ", ".join(definitions) or "none"
+                self.problems.add(
+                    host_file,
+                    dotted(*prefix, "use"),
+                    f"unknown definition {table.use!r}: no services/{table.use}.toml (available: {available})",
+                )
+                return None
+            definition = definitions[table.use]
+            if definition is None:
+                return None  # its own problems are already reported
+            def_file = f"{SERVICES_DIR}/{table.use}.toml"
+            sources.append(def_file)
+            merged.add_layer(definition, def_file, ())
+        if table.unit is not None and table.unit_file is not None:
+            self.problems.add(host_file, dotted(*prefix, "unit"), "set either unit or unit_file, not both")
+            return None
+        merged.add_layer(table, host_file, prefix)
+
+        # The unit.
+        text: str | None = None
+        unit_at: _At | None = None
+        unit_source = ""
+        if merged.unit_file is not None:
+            text = self._unit_file(*merged.unit_file)
+            unit_source, unit_at = merged.unit_file[0], _At(merged.unit_file[0], "")
+        elif merged.unit is not None:
+            text, unit_at = merged.unit
+            unit_source = unit_at.file
+            if unit_at.file == host_file:
+                self._check_unit_text(text, unit_at)
+        else:
+            where = f" (here or in {def_file})" if def_file else ""
+            self.problems.add(host_file, dotted(*prefix), f"no unit: set unit_file or unit{where}")
+
+        # The model: id and path are required once any model key is set, in any layer.
+        model: ModelSpec | None = None
+        if merged.model:
+            missing = [k for k in ("id", "path") if k not in merged.model]
+            for k in missing:
+                where = f" (not set here nor in {def_file})" if def_file else ""
+                self.problems.add(
+                    host_file, dotted(*prefix, "model", k), f"required key missing: a model needs id and path{where}"
+                )
+            if not missing:
+                model = ModelSpec(
+                    id=merged.model["id"][0],
+                    path=merged.model["path"][0],
+                    architecture=merged.model["architecture"][0] if "architecture" in merged.model else None,
+                )
+
+        # Placeholders: vars first (they may name host/service/model), then everything else.
+        ctx = _Context(
+            host={"name": host_name, "address": host.address},
+            service={"name": name},
+            model={"id": model.id, "path": model.path} if model else None,
+            vars=None,
+        )
+        rendered_vars = {k: self._render_value(v, at, ctx, host_file, use) for k, (v, at) in merged.vars.items()}
+        ctx = _Context(ctx.host, ctx.service, ctx.model, rendered_vars)
+        env = {k: self._render_value(v, at, ctx, host_file, use) for k, (v, at) in merged.env.items()}
+
+        health_values = {k: v for k, (v, _) in merged.health.items()}
+        if "http" in merged.health:
+            template, at = merged.health["http"]
+            url = self._render_value(template, at, ctx, host_file, use)
+            why = None if PLACEHOLDER.search(url) else _check_health_url(url)
+            if why:
+                self.problems.add(
+                    at.file, at.key, f"expected an http(s) URL with a host and port, got {url!r}: {why}",
+                    use if at.file != host_file else None,
+                )
+            health_values["http"] = url
+
+        unit_text = None
+        if text is not None and unit_at is not None:
+            rendered, unknown = _render(text, ctx)
+            for line, why in unknown:
+                where = f"line {line}: " if unit_at.key == "" else f"line {line} of the unit: "
+                self.problems.add(unit_at.file, unit_at.key, where + why, use if unit_at.file != host_file else None)
+            unit_text = HEADER.format(source=unit_source) + rendered.rstrip("\n") + "\n"
+
+        if unit_text is None or self.problems.count != problems_before:
+            return None
+        return ServiceSpec(
+            name=name,
+            unit_text=unit_text,
+            env=env,
+            health=HealthSpec(**health_values),
+            model=model,
+            source=" + ".join(sources),
+            definition=table.use,
+        )
+
+    def _render_value(self, value: str, at: _At, ctx: _Context, host_file: str, use: _Use) -> str:
+        """Render placeholders in a one-line value (env, vars, health.http). The problem names
+        the key and the placeholder, never the value: env values may be secrets."""
+        rendered, unknown = _render(value, ctx)
+        for _, why in unknown:
+            self.problems.add(at.file, at.key, why, use if at.file != host_file else None)
+        if _CONTROL.search(rendered):  # impossible by validation; kept as the last line of defence
+            self.problems.add(at.file, at.key, "renders to a value with a control character")
+        return rendered

@@ -1,0 +1,168 @@
+"""The one narrow interface through which the reconciler touches a host.
+
+`Transport.run(cmd, input=..., timeout=...) -> Completed` (asyncssh's own shape) plus
+`open_connection(host, port)` for HTTP health probes through the same connection. Every other
+module talks to this interface, never to asyncssh directly.
+
+Two implementations: `SSHTransport` (asyncssh; one connection per host, reused for the whole
+run; host keys verified strictly; agent forwarding off) and `LocalTransport` (a local shell,
+for a machine without sshd, such as the GPU check host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import asyncssh
+
+from .errors import CommandError, ConnectError, HostKeyError
+from .spec import SSHSpec
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The result of one command on a host."""
+
+    exit_status: int | None
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0
+
+
+class Transport(Protocol):
+    """What the reconciler needs from a connection to a host."""
+
+    host: str
+
+    async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
+                  timeout: float | None = 60.0, what: str = "command") -> Completed:
+        """Run a shell command on the host; with check=True raise CommandError on non-zero."""
+        ...
+
+    async def open_connection(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A byte stream to host:port as seen from the host itself."""
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+def _checked(host: str, res: Completed, check: bool, what: str) -> Completed:
+    if check and not res.ok:
+        raise CommandError(host, what, res.exit_status, res.stderr)
+    return res
+
+
+def identity_files(explicit: str | None) -> list[str] | None:
+    """The client key files: --identity, else $RECONCILER_IDENTITY, else None (ssh defaults)."""
+    path = explicit or os.environ.get("RECONCILER_IDENTITY")
+    return [str(Path(path).expanduser())] if path else None
+
+
+def known_hosts_for(spec: SSHSpec) -> asyncssh.SSHKnownHosts:
+    """Trusted keys for one host: its pinned host_key, else the fleet's known_hosts text.
+
+    There is no trust on first use: with neither, every key is unknown and the host fails.
+    """
+    if spec.host_key:
+        pattern = spec.address if spec.port == 22 else f"[{spec.address}]:{spec.port}"
+        return asyncssh.import_known_hosts(f"{pattern} {spec.host_key}\n")
+    return asyncssh.import_known_hosts(spec.known_hosts or "")
+
+
+class SSHTransport:
+    """One asyncssh connection to one host, reused for every command of a run."""
+
+    def __init__(self, host: str, conn: asyncssh.SSHClientConnection):
+        self.host = host
+        self._conn = conn
+
+    @classmethod
+    async def connect(cls, host: str, spec: SSHSpec, *, identity: str | None = None,
+                      connect_timeout: float = 10.0) -> "SSHTransport":
+        """Connect and verify the host key strictly; map failures to ConnectError/HostKeyError."""
+        keys = identity_files(identity)
+        kwargs: dict = dict(
+            port=spec.port, username=spec.user, known_hosts=known_hosts_for(spec),
+            agent_forwarding=False, config=[], connect_timeout=connect_timeout,
+            x11_forwarding=False,
+        )
+        if keys is not None:
+            kwargs["client_keys"] = keys
+            kwargs["agent_path"] = None
+        where = f"{spec.user}@{spec.address}:{spec.port}"
+        try:
+            conn = await asyncssh.connect(spec.address, **kwargs)
+        except asyncssh.HostKeyNotVerifiable as e:
+            src = f"pinned ssh.host_key" if spec.host_key else (spec.known_hosts_file or "no known_hosts file")
+            raise HostKeyError(host, f"host key of {spec.address}:{spec.port} is unknown or has changed "
+                                     f"(checked against {src}): {e.reason}. If the host was reinstalled, "
+                                     f"enroll its new key (see desired-state/README.md).") from None
+        except asyncssh.PermissionDenied as e:
+            raise ConnectError(host, f"{where}: authentication failed ({e.reason})") from None
+        except (OSError, asyncio.TimeoutError, asyncssh.Error) as e:
+            msg = getattr(e, "reason", None) or str(e) or type(e).__name__
+            raise ConnectError(host, f"{where}: cannot connect: {msg}") from None
+        return cls(host, conn)
+
+    async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
+                  timeout: float | None = 60.0, what: str = "command") -> Completed:
+        try:
+            r = await self._conn.run(cmd, input=input, check=False, timeout=timeout)
+        except asyncssh.TimeoutError as e:
+            raise CommandError(self.host, what, None, f"timed out after {timeout}s: {e.stderr or ''}") from None
+        except (OSError, asyncssh.Error) as e:
+            raise ConnectError(self.host, f"connection lost during {what}: {e}") from None
+        res = Completed(r.exit_status, _text(r.stdout), _text(r.stderr))
+        return _checked(self.host, res, check, what)
+
+    async def open_connection(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await self._conn.open_connection(host, port)
+        return reader, writer  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        self._conn.close()
+        try:
+            await asyncio.wait_for(self._conn.wait_closed(), 5)
+        except (asyncio.TimeoutError, OSError):
+            pass
+
+
+def _text(data: str | bytes | None) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+class LocalTransport:
+    """Runs commands on this machine through bash (for hosts without sshd)."""
+
+    def __init__(self, host: str = "local"):
+        self.host = host
+
+    async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
+                  timeout: float | None = 60.0, what: str = "command") -> Completed:
+        proc = await asyncio.create_subprocess_exec(
+            "bash", "-c", cmd, stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(input.encode() if input is not None else None), timeout)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise CommandError(self.host, what, None, f"timed out after {timeout}s") from None
+        res = Completed(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
+        return _checked(self.host, res, check, what)
+
+    async def open_connection(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection(host, port)
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,167 @@
+"""Shared fixtures: the real test fleet (booted once per session), desired-state git repos
+built with pygit2, and helpers to run the `reconcile` CLI and commands on hosts.
+
+The fleet tests never skip: when the fleet cannot boot, they fail with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pygit2
+import pytest
+
+from tests import fleet as fleetlib
+
+FLEET_SIZE = int(os.environ.get("RECONCILER_TEST_FLEET_SIZE", "10"))
+# Test hosts live on 127.0.0.20 and up, apart from the sandbox demo (127.0.0.2-3) and benchmarks.
+FLEET_FIRST = 20
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Fleet:
+    """The booted hosts plus helpers to look at them over plain ssh (not the reconciler's code)."""
+
+    def __init__(self, hosts: list[fleetlib.Host], known_hosts: Path):
+        self.hosts = hosts
+        self.known_hosts = known_hosts
+
+    def ssh(self, host: fleetlib.Host, cmd: str, check: bool = True) -> str:
+        res = subprocess.run(fleetlib.ssh_base(host.address, self.known_hosts) + [cmd],
+                             capture_output=True, text=True, timeout=30)
+        if check and res.returncode != 0:
+            raise AssertionError(f"{host.name}: {cmd!r} failed ({res.returncode}): {res.stderr}")
+        return res.stdout
+
+    def show(self, host: fleetlib.Host, unit: str, *props: str) -> dict[str, str]:
+        out = self.ssh(host, f"systemctl show {unit} -p {','.join(props)}")
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def exists(self, host: fleetlib.Host, path: str) -> bool:
+        return self.ssh(host, f"test -e {path} && echo yes || echo no").strip() == "yes"
+
+    def reset(self, hosts: list[fleetlib.Host] | None = None) -> None:
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda h: self.ssh(h, fleetlib.RESET_SCRIPT), hosts or self.hosts))
+
+
+@pytest.fixture(scope="session")
+def fleet_session():
+    try:
+        fleetlib.build()
+        hosts = fleetlib.up(FLEET_SIZE, first=FLEET_FIRST)
+    except fleetlib.FleetError as e:
+        pytest.fail(f"the test fleet could not boot (run .ci/setup as root): {e}", pytrace=False)
+    kh = fleetlib.write_known_hosts(hosts, fleetlib.RUN_DIR / "test_known_hosts")
+    yield Fleet(hosts, kh)
+    fleetlib.down(hosts)
+
+
+@pytest.fixture
+def fleet(fleet_session: Fleet) -> Fleet:
+    """The fleet with every host back in its freshly booted state."""
+    fleet_session.reset()
+    return fleet_session
+
+
+class DesiredRepo:
+    """A real git repository of desired state, built with pygit2 in a temp dir."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.repo = pygit2.init_repository(str(path), initial_head="main")
+
+    def write(self, rel: str, text: str) -> None:
+        p = self.path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text).lstrip("\n"))
+
+    def remove(self, rel: str) -> None:
+        (self.path / rel).unlink()
+
+    def commit(self, message: str = "change") -> str:
+        idx = self.repo.index
+        idx.add_all()
+        idx.update_all()
+        idx.write()
+        tree = idx.write_tree()
+        sig = pygit2.Signature("Test", "test@example.invalid")
+        parents = [] if self.repo.head_is_unborn else [self.repo.head.target]
+        return str(self.repo.create_commit("HEAD", sig, sig, message, tree, parents))
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> DesiredRepo:
+    return DesiredRepo(tmp_path / "desired")
+
+
+def fleet_known_hosts(hosts: list[fleetlib.Host]) -> str:
+    return "".join(h.known_hosts_line() + "\n" for h in hosts)
+
+
+STANDIN_UNIT = """
+[Unit]
+Description=stand-in model server {service.name}
+
+[Service]
+Type=simple
+ExecStart=/usr/local/bin/sglang-standin --model-path {model.path} --host {host.address} --port {vars.port}
+Restart=always
+RestartSec=1
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def write_fleet(repo: DesiredRepo, hosts: list[fleetlib.Host], services: dict[str, dict] | None = None,
+                extra: dict[str, str] | None = None) -> None:
+    """A standard desired state: fleet.toml, known_hosts, units/standin.service, one host file each.
+
+    services: name -> {"port": 30000, "env": {...}} put on every host.
+    """
+    services = services if services is not None else {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info"}}}
+    repo.write("fleet.toml", """
+        [ssh]
+        user = "root"
+        known_hosts = "known_hosts"
+    """)
+    repo.write("known_hosts", fleet_known_hosts(hosts))
+    repo.write("units/standin.service", STANDIN_UNIT)
+    for h in hosts:
+        body = [f'address = "{h.address}"', ""]
+        for name, s in services.items():
+            body.append(f"[services.{name}]")
+            body.append('unit_file = "units/standin.service"')
+            body.append(f'vars = {{ port = "{s.get("port", 30000)}" }}')
+            body.append('model = { id = "Qwen/Qwen3-8B", path = "/models/Qwen3-8B" }')
+            env = s.get("env", {})
+            if env:
+                body.append("env = { " + ", ".join(f'{k} = "{v}"' for k, v in env.items()) + " }")
+            body.append("")
+        repo.write(f"hosts/{h.name}.toml", "\n".join(body))
+    for rel, text in (extra or {}).items():
+        repo.write(rel, text)
+
+
+def run_cli(*args: str, check_codes: tuple[int, ...] | None = None) -> subprocess.CompletedProcess:
+    """Run the real `reconcile` command as a user would, with the test client key."""
+    env = {**os.environ, "RECONCILER_IDENTITY": str(fleetlib.client_key_path()),
+           "COLUMNS": "200", "NO_COLOR": "1"}
+    res = subprocess.run([sys.executable, "-m", "reconciler", *args], capture_output=True, text=True,
+                         env=env, timeout=120, cwd=ROOT)
+    if check_codes is not None and res.returncode not in check_codes:
+        raise AssertionError(f"reconcile {' '.join(args)} exited {res.returncode}, wanted {check_codes}\n"
+                             f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}")
+    return res
+
+
+def run_json(*args: str, check_codes: tuple[int, ...] | None = None) -> tuple[int, dict]:
+    res = run_cli(*args, "--json", check_codes=check_codes)
+    return res.returncode, json.loads(res.stdout)

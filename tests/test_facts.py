@@ -1,0 +1,111 @@
+"""The observation parser on captured output, and the executor over a fake transport."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import pytest
+
+from reconciler.apply import apply_plan, build_script, failed_step
+from reconciler.errors import CommandError, ObserveError
+from reconciler.facts import observe_command, parse_observation, parse_show
+from reconciler.plan import plan_host
+from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
+from reconciler.transport import Completed
+
+# Captured on a test host (systemd 252): two units in one `systemctl show` call.
+SHOW = """Id=crashy.service
+Result=exit-code
+NRestarts=3
+ExecMainStatus=1
+ActiveState=activating
+SubState=auto-restart
+
+Id=missing.service
+LoadState=not-found
+ActiveState=inactive
+"""
+
+
+def b64(s: str) -> str:
+    return base64.b64encode(s.encode()).decode()
+
+
+def test_parse_show_by_key_and_blocks():
+    out = parse_show(SHOW)
+    assert out["crashy.service"]["SubState"] == "auto-restart"
+    assert out["crashy.service"]["NRestarts"] == "3"
+    assert out["missing.service"]["LoadState"] == "not-found"
+    assert "Result" not in out["missing.service"]   # missing keys are fine
+
+
+def test_parse_observation():
+    t = "tok"
+    host_json, rec_json, unit = b64('{"applied_revision": "abc"}'), b64('{"hash": "h"}'), b64("[Service]\n")
+    out = "\n".join([
+        f"{t} H - {host_json}",
+        f"{t} R crashy {rec_json}",
+        f"{t} U crashy {unit}",
+        f"{t} E crashy -",
+        f"{t} S - {b64(SHOW)}",
+        "noise line from a login banner",
+        f"{t} END",
+    ])
+    f = parse_observation(out, t)
+    assert f.record == {"applied_revision": "abc"}
+    s = f.services["crashy"]
+    assert s.unit_text == "[Service]\n" and s.env_text is None and s.managed
+    assert s.props["SubState"] == "auto-restart" and s.running
+    assert f.inventory == {"crashy"}
+
+
+def test_truncated_observation_is_an_error():
+    with pytest.raises(ObserveError):
+        parse_observation("tok H - -\n", "tok")
+
+
+def test_observe_command_quotes_names():
+    cmd, token = observe_command(["a", "b"])
+    assert token in cmd and cmd.endswith(" a b")
+
+
+class FakeTransport:
+    """Records commands; answers with a canned result. For executor unit tests only."""
+
+    host = "h1"
+
+    def __init__(self, result: Completed):
+        self.result = result
+        self.calls: list[tuple[str, str | None]] = []
+
+    async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
+        self.calls.append((cmd, input))
+        return self.result
+
+
+def _plan():
+    from reconciler.facts import HostFacts
+    h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", "[Service]\nExecStart=/bin/x\n", {"A": "1"})})
+    return plan_host(h, HostFacts(services={}), "f" * 40)
+
+
+def test_script_writes_atomically_then_reloads_once_then_records_last():
+    p = _plan()
+    script = build_script(p, 0)
+    assert script.count("systemctl daemon-reload") == 1
+    assert script.index("atomic_write /etc/systemd/system/m.service") < script.index("systemctl daemon-reload")
+    assert script.index("systemctl start m.service") < script.index("/var/lib/reconciler/host.json")
+    assert '.reconciler-tmp.XXXXXX' in script
+
+
+def test_failed_step_names_the_action():
+    p = _plan()
+    stderr = "@@step 0\n@@step 1\n@@step 2\nFailed to start m.service: Unit m.service has a bad setting.\n"
+    idx, err = failed_step(stderr)
+    assert idx == 2 and "bad setting" in err
+    t = FakeTransport(Completed(1, "", stderr))
+    with pytest.raises(CommandError) as e:
+        asyncio.run(apply_plan(t, p))
+    assert "daemon-reload" in str(e.value) or "start" in str(e.value)
+    assert len(t.calls) == 1   # the whole plan is one round trip
