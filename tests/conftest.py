@@ -84,11 +84,12 @@ class DesiredRepo:
 
     def remove(self, rel: str) -> None:
         (self.path / rel).unlink()
+        self.repo.index.remove(rel)
+        self.repo.index.write()
 
     def commit(self, message: str = "change") -> str:
         idx = self.repo.index
         idx.add_all()
-        idx.update_all()
         idx.write()
         tree = idx.write_tree()
         sig = pygit2.Signature("Test", "test@example.invalid")
