@@ -27,6 +27,7 @@ from .transport import Transport
 _PRELUDE = r"""set -eu
 umask 022
 step() { printf '@@step %s\n' "$1" >&2; }
+printf '@@now %s\n' "$(date +%s)"
 cleanup() { rm -f /etc/systemd/system/.reconciler-tmp.* /etc/systemd/system/*.service.d/.reconciler-tmp.* """ \
     + STATE_DIR + r"""/.reconciler-tmp.* """ + STATE_DIR + r"""/services/.reconciler-tmp.* 2>/dev/null || true; }
 trap cleanup EXIT
@@ -112,14 +113,34 @@ def failed_step(stderr: str) -> tuple[int | None, str]:
     return idx, "\n".join(tail).strip()
 
 
-async def apply_plan(t: Transport, plan: HostPlan, *, timeout: float = 120.0) -> None:
-    """Run the plan on the host. Raises CommandError naming the failed action."""
+async def apply_plan(t: Transport, plan: HostPlan, *, timeout: float = 120.0) -> float | None:
+    """Run the plan on the host; return the host's clock (epoch s) when it began, for the journal.
+
+    Raises CommandError naming the failed action.
+    """
     if not plan.actions:
-        return
+        return None
     script = build_script(plan, time.time())
     res = await t.run("sh -s", input=script, timeout=timeout, what="apply")
     if res.ok:
-        return
+        for line in res.stdout.splitlines():
+            if line.startswith("@@now "):
+                return float(line.split()[1])
+        return None
     idx, err = failed_step(res.stderr)
     what = plan.actions[idx].describe() if idx is not None and idx < len(plan.actions) else "apply"
     raise CommandError(t.host, what, res.exit_status, err)
+
+
+async def write_records(t: Transport, records: dict[str, dict]) -> None:
+    """Atomically rewrite some per-service records (last good, quarantine) on the host."""
+    if not records:
+        return
+    body = "\n".join(_write(record_path(n), json.dumps(r, sort_keys=True) + "\n") for n, r in sorted(records.items()))
+    await t.run("sh -s", input=_PRELUDE + body + "\n", check=True, timeout=60, what="write records")
+
+
+async def stop_service(t: Transport, name: str) -> None:
+    """Stop a failing unit so it stops crash-looping and frees its GPUs."""
+    await t.run(action_script(Action(Kind.STOP, "failed health", name)), check=True, timeout=120,
+                what=f"stop {name}")

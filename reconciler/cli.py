@@ -17,8 +17,9 @@ from rich.console import Console
 
 from . import load, source
 from .errors import ConfigError, SourceError
-from .reconcile import reconcile_fleet, ssh_connector
-from .report import print_config_error, print_result
+from .reconcile import FleetResult, reconcile_fleet, ssh_connector
+from .report import PhaseView, print_config_error, print_history, print_result, print_status
+from .status import Store
 
 app = typer.Typer(add_completion=False, no_args_is_help=False,
                   help="GitOps for bare-metal GPU hosts: converge systemd model servers to a git revision.")
@@ -30,6 +31,8 @@ PathOpt = typer.Option("", "--path", envvar="RECONCILER_PATH",
                        help="Sub-directory of the repo that holds fleet.toml and hosts/.")
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
 CacheOpt = typer.Option(None, "--cache-dir", envvar="RECONCILER_CACHE_DIR", help="Where URL repos are mirrored.")
+StateOpt = typer.Option(None, "--state-dir", envvar="RECONCILER_STATE_DIR",
+                        help="Where the state store lives (default ~/.local/state/reconciler).")
 
 
 def _console() -> Console:
@@ -40,6 +43,50 @@ def _load(repo: str, rev: str | None, path: str, cache_dir: Optional[Path]):
     r = source.open_repo(repo, cache_dir)
     snap = source.snapshot(r, rev, path)
     return snap, load.load_desired(snap)
+
+
+def _renderer(snap: source.Snapshot):
+    """Desired state at another revision of the same repo (for rollback), cached per revision."""
+    cache: dict[str, object] = {}
+
+    def render_at(rev: str):
+        if rev not in cache:
+            try:
+                cache[rev] = load.load_desired(source.snapshot(snap.repo, rev, snap.subdir))
+            except (ConfigError, SourceError):
+                cache[rev] = None
+        return cache[rev]
+    return render_at
+
+
+def _remember(store: Store, result: FleetResult) -> None:
+    """Write every attempt and the latest per-service status to the state store."""
+    for r in result.hosts:
+        for e in r.events:
+            o = e.outcome
+            store.add_attempt(r.host, e.service, e.revision, e.content_hash, e.action,
+                              o.reason if o else e.action.capitalize(), (o.message if o else e.note) or "",
+                              o.quote if o else None, o.journal if o else None, o.seconds if o else 0.0)
+        services = set(r.plan.states) if r.plan else set()
+        for svc in sorted(services):
+            evs = [e for e in r.events if e.service == svc]
+            last = evs[-1] if evs else None
+            failed = [e for e in evs if e.outcome and not e.outcome.healthy]
+            if r.status == "failed" and not r.plan:
+                health = "unknown"
+            elif last and last.outcome:
+                health = "healthy" if last.outcome.healthy else "unhealthy"
+            elif last and last.action == "held":
+                health = "stopped"
+            else:
+                health = "unchanged"
+            event = (f"{r.status}: {r.message}" if r.message else r.status)
+            quote = failed[-1].outcome.quote if failed else None
+            store.set_status(r.host, svc, desired_rev=result.revision, running_rev=r.running.get(svc),
+                             health=health, last_event=event, quote=quote)
+        if r.status == "failed" and not r.plan:
+            store.set_status(r.host, "*", desired_rev=result.revision, running_rev=None, health="unknown",
+                             last_event=f"failed: {r.reason}: {r.message}")
 
 
 def _fail_input(err: Exception, as_json: bool, where: str) -> None:
@@ -67,7 +114,9 @@ def main_cmd(
                                            help="SSH private key (default: ~/.ssh defaults)."),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Hosts at once (default: fleet.toml, 20)."),
     host: Optional[list[str]] = typer.Option(None, "--host", "-H", help="Only these hosts (repeatable)."),
+    retry: bool = typer.Option(False, "--retry", help="Re-apply quarantined (failed) service versions once more."),
     cache_dir: Optional[Path] = CacheOpt,
+    state_dir: Optional[Path] = StateOpt,
 ) -> None:
     """Converge every host to the desired state at a revision (or preview it with --dry-run)."""
     if ctx.invoked_subcommand is not None:
@@ -82,12 +131,19 @@ def main_cmd(
     if unknown:
         _fail_input(SourceError(f"unknown host(s) {', '.join(unknown)} at {snap.short} "
                                 f"(known: {', '.join(sorted(state.hosts))})"), as_json, where)
-    result = asyncio.run(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
-                                         concurrency=concurrency, hosts=host or None))
+    console = _console()
+    with PhaseView(Console(stderr=True, highlight=False)) as view:
+        result = asyncio.run(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
+                                             concurrency=concurrency, hosts=host or None,
+                                             render_at=_renderer(snap), retry=retry, on_phase=view))
+    if not dry_run:
+        store = Store(state_dir)
+        _remember(store, result)
+        store.close()
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
     else:
-        print_result(_console(), result)
+        print_result(console, result)
     raise typer.Exit(result.exit_code())
 
 
@@ -105,6 +161,29 @@ def validate(repo: str = RepoOpt, rev: Optional[str] = RevOpt, path: str = PathO
         print(json.dumps({"revision": snap.revision, "valid": True, "hosts": len(state.hosts), "services": n_svc}))
     else:
         _console().print(f"{snap.short}: valid ({len(state.hosts)} hosts, {n_svc} services)")
+
+
+@app.command()
+def status(as_json: bool = JsonOpt, state_dir: Optional[Path] = StateOpt) -> None:
+    """The fleet at a glance: host, service, desired and running revision, health, last event."""
+    store = Store(state_dir)
+    rows = store.status()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print_status(_console(), rows)
+
+
+@app.command()
+def history(host: str = typer.Argument(..., help="Host name."), as_json: bool = JsonOpt,
+            state_dir: Optional[Path] = StateOpt,
+            limit: int = typer.Option(50, "--limit", min=1)) -> None:
+    """Every attempt on one host, newest first: revision, result, reason, journal line, duration."""
+    rows = Store(state_dir).history(host, limit)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print_history(_console(), host, rows)
 
 
 def main() -> None:

@@ -80,21 +80,24 @@ class HostFacts:
 _SCRIPT = r"""
 T=%(token)s
 D=%(state)s
-b64() { if [ -f "$1" ]; then base64 -w0 < "$1"; else printf -- '-'; fi; }
-names="$*"
-for f in "$D"/services/*.json; do [ -e "$f" ] && names="$names $(basename "$f" .json)"; done
-names=$(printf '%%s\n' $names | sort -u)
-printf '%%s H - %%s\n' "$T" "$(b64 "$D/host.json")"
+b64() { if [ -f "$3" ]; then printf '%%s %%s %%s ' "$T" "$1" "$2"; base64 -w0 < "$3"; echo; else printf '%%s %%s %%s -\n' "$T" "$1" "$2"; fi; }
+names=" $* "
+for f in "$D"/services/*.json; do
+  [ -e "$f" ] || continue
+  n=${f##*/}; n=${n%%.json}
+  case "$names" in *" $n "*) ;; *) names="$names$n ";; esac
+done
+b64 H - "$D/host.json"
 units=""
 for n in $names; do
   u=%(unit_dir)s/$n.service
-  printf '%%s R %%s %%s\n' "$T" "$n" "$(b64 "$D/services/$n.json")"
-  printf '%%s U %%s %%s\n' "$T" "$n" "$(b64 "$u")"
-  printf '%%s E %%s %%s\n' "$T" "$n" "$(b64 "$u.d/%(dropin)s")"
+  b64 R "$n" "$D/services/$n.json"
+  b64 U "$n" "$u"
+  b64 E "$n" "$u.d/%(dropin)s"
   units="$units $n.service"
 done
 if [ -n "$units" ]; then
-  printf '%%s S - %%s\n' "$T" "$(systemctl show -p %(props)s $units | base64 -w0)"
+  printf '%%s S - ' "$T"; systemctl show -p %(props)s $units | base64 -w0; echo
 fi
 printf '%%s END\n' "$T"
 """

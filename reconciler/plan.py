@@ -45,6 +45,7 @@ class State(str, Enum):
     STOPPED = "Stopped"      # files in sync, but not running
     IN_SYNC = "InSync"
     ORPHANED = "Orphaned"    # installed by us, no longer desired
+    HELD = "Held"            # left exactly as it is (quarantined with nothing to roll back to)
 
 
 @dataclass(frozen=True)
@@ -184,8 +185,11 @@ def _write_reason(state: State, path: str, old: str | None, svc: ServiceSpec) ->
     return "unit changed in the revision"
 
 
-def plan_host(desired: HostSpec, facts: HostFacts, revision: str) -> HostPlan:
-    """Compute the actions that converge one host to `desired` at `revision` (pure)."""
+def plan_host(desired: HostSpec, facts: HostFacts, revision: str, hold: frozenset[str] = frozenset()) -> HostPlan:
+    """Compute the actions that converge one host to `desired` at `revision` (pure).
+
+    Services named in `hold` are left exactly as they are (no writes, no start, no removal).
+    """
     short = revision[:7]
     actions: list[Action] = []
     states: dict[str, State] = {}
@@ -193,6 +197,9 @@ def plan_host(desired: HostSpec, facts: HostFacts, revision: str) -> HostPlan:
     reload_needed = False
 
     for name, svc in sorted(desired.services.items()):
+        if name in hold:
+            states[name] = State.HELD
+            continue
         f = facts.services.get(name)
         state = classify(svc, f)
         states[name] = state
@@ -223,7 +230,7 @@ def plan_host(desired: HostSpec, facts: HostFacts, revision: str) -> HostPlan:
             records[name] = {**old_record, "hash": svc.content_hash(), "revision": revision}
 
     dropped: list[str] = []
-    for name in sorted(facts.inventory - set(desired.services)):
+    for name in sorted(facts.inventory - set(desired.services) - hold):
         f = facts.services[name]
         states[name] = State.ORPHANED
         dropped.append(name)

@@ -12,7 +12,8 @@ from rich.table import Table
 from .errors import ConfigError
 from .reconcile import FleetResult, HostResult
 
-_STYLE = {"in-sync": "green", "converged": "green", "would-change": "yellow", "failed": "bold red"}
+_STYLE = {"in-sync": "green", "converged": "green", "would-change": "yellow", "failed": "bold red",
+          "rolled-back": "bold yellow", "quarantined": "yellow"}
 
 
 def print_diff(console: Console, diff: str) -> None:
@@ -40,12 +41,13 @@ def print_result(console: Console, res: FleetResult) -> None:
     """Everything a person needs after a run: per-host detail, then the table and a total."""
     for r in res.hosts:
         print_host(console, r, res.dry_run)
+    print_events(console, res)
     table = Table(title=f"revision {res.revision[:7]}{' (dry run: nothing changed)' if res.dry_run else ''}",
                   title_justify="left")
     for col in ("host", "address", "result", "detail", "time"):
         table.add_column(col)
     for r in res.hosts:
-        detail = (f"{r.reason}: {r.message}" if r.status == "failed"
+        detail = (f"{r.reason}: {r.message}" if r.reason
                   else r.plan.summary() if r.plan else "")
         table.add_row(r.host, r.address, f"[{_STYLE.get(r.status, '')}]{r.status}[/]", escape(detail),
                       f"{r.seconds:.2f}s")
@@ -62,3 +64,83 @@ def print_config_error(console: Console, err: ConfigError, where: str) -> None:
                   f"({len(err.problems)} problem{'s' * (len(err.problems) != 1)}); nothing was applied", highlight=False)
     for p in err.problems:
         console.print(f"  {escape(str(p))}", highlight=False)
+
+
+class PhaseView:
+    """Per host and service: the phase and elapsed/timeout while health waits run.
+
+    A rich progress display on a terminal; plain lines on phase changes otherwise.
+    """
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.live = console.is_terminal
+        self.last: dict[tuple[str, str], str] = {}
+        self.progress = None
+        self.tasks: dict[tuple[str, str], int] = {}
+        if self.live:
+            from rich.progress import BarColumn, Progress, TextColumn
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                     TextColumn("{task.fields[clock]}"), console=console, transient=True)
+
+    def __enter__(self) -> "PhaseView":
+        if self.progress:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress:
+            self.progress.stop()
+
+    def __call__(self, host: str, service: str, phase: str, elapsed: float, timeout: float) -> None:
+        key = (host, service)
+        clock = f"{elapsed:5.1f}s / {timeout:.0f}s"
+        if self.progress is not None:
+            desc = f"{host} {service}: {phase}"
+            if key not in self.tasks:
+                self.tasks[key] = self.progress.add_task(desc, total=timeout, clock=clock)
+            self.progress.update(self.tasks[key], description=desc, completed=min(elapsed, timeout), clock=clock)
+        elif self.last.get(key) != phase:
+            self.last[key] = phase
+            self.console.print(f"[{elapsed:6.1f}s] {host} {service}: {phase}", highlight=False)
+
+
+def print_events(console: Console, res: FleetResult) -> None:
+    """Health outcomes, rollbacks and quarantines, with the journal line that explains each failure."""
+    for r in res.hosts:
+        for e in r.events:
+            if e.outcome is None:
+                console.print(f"{r.host} {e.service}: {e.note}", highlight=False)
+                continue
+            o = e.outcome
+            head = f"{r.host} {e.service} ({e.action} {e.revision[:7]}): {o.reason}"
+            if o.healthy:
+                console.print(f"[green]{escape(head)}[/] {escape(o.message)}", highlight=False)
+            else:
+                console.print(f"[bold red]{escape(head)}[/] {escape(o.message)}", highlight=False)
+                if o.quote:
+                    console.print(f"    journal: {escape(o.quote)}", highlight=False)
+
+
+def print_status(console: Console, rows: list[dict]) -> None:
+    table = Table(title="fleet status (from the local state store)", title_justify="left")
+    for col in ("host", "service", "desired", "running", "health", "last event"):
+        table.add_column(col)
+    for r in rows:
+        event = r["last_event"] + (f" — {r['quote']}" if r.get("quote") else "")
+        table.add_row(r["host"], r["service"], (r["desired_rev"] or "")[:7], (r["running_rev"] or "-")[:7],
+                      r["health"], escape(event))
+    console.print(table)
+
+
+def print_history(console: Console, host: str, rows: list[dict]) -> None:
+    import datetime as _dt
+    table = Table(title=f"history of {host}", title_justify="left")
+    for col in ("when", "service", "action", "revision", "result", "detail", "time"):
+        table.add_column(col)
+    for r in rows:
+        when = _dt.datetime.fromtimestamp(r["at"]).strftime("%Y-%m-%d %H:%M:%S")
+        detail = r["quote"] or r["message"] or ""
+        table.add_row(when, r["service"], r["action"], r["revision"][:7], r["result"], escape(detail),
+                      f"{r['seconds']:.1f}s")
+    console.print(table)

@@ -51,6 +51,13 @@ class Fleet:
             list(pool.map(lambda h: self.ssh(h, fleetlib.RESET_SCRIPT), hosts or self.hosts))
 
 
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path, monkeypatch):
+    """Each test gets its own state store and URL cache."""
+    monkeypatch.setenv("RECONCILER_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("RECONCILER_CACHE_DIR", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="session")
 def fleet_session():
     try:
@@ -112,7 +119,7 @@ Description=stand-in model server {service.name}
 
 [Service]
 Type=simple
-ExecStart=/usr/local/bin/sglang-standin --model-path {model.path} --host {host.address} --port {vars.port}
+ExecStart=/usr/local/bin/sglang-standin --model-path {model.path} --host {host.address} --port {vars.port} {vars.args}
 Restart=always
 RestartSec=1
 
@@ -125,7 +132,8 @@ def write_fleet(repo: DesiredRepo, hosts: list[fleetlib.Host], services: dict[st
                 extra: dict[str, str] | None = None) -> None:
     """A standard desired state: fleet.toml, known_hosts, units/standin.service, one host file each.
 
-    services: name -> {"port": 30000, "env": {...}} put on every host.
+    services: name -> {"port": 30000, "env": {...}, "args": "--flag x", "model": "Qwen3-8B",
+    "health": {...}} put on every host. Health defaults are short (tests wait seconds, not minutes).
     """
     services = services if services is not None else {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info"}}}
     repo.write("fleet.toml", """
@@ -140,8 +148,13 @@ def write_fleet(repo: DesiredRepo, hosts: list[fleetlib.Host], services: dict[st
         for name, s in services.items():
             body.append(f"[services.{name}]")
             body.append('unit_file = "units/standin.service"')
-            body.append(f'vars = {{ port = "{s.get("port", 30000)}" }}')
-            body.append('model = { id = "Qwen/Qwen3-8B", path = "/models/Qwen3-8B" }')
+            body.append(f'vars = {{ port = "{s.get("port", 30000)}", args = "{s.get("args", "")}" }}')
+            model = s.get("model", "Qwen3-8B")
+            body.append(f'model = {{ id = "Qwen/{model}", path = "/models/{model}" }}')
+            health = {"http": "http://{host.address}:{vars.port}/health", "startup_timeout": 10,
+                      "stable_for": 1, "interval": 0.5, **s.get("health", {})}
+            body.append("health = { " + ", ".join(
+                f"{k} = {json.dumps(v)}" for k, v in health.items() if v is not None) + " }")
             env = s.get("env", {})
             if env:
                 body.append("env = { " + ", ".join(f'{k} = "{v}"' for k, v in env.items()) + " }")

@@ -1,0 +1,217 @@
+"""Health: systemd state, crash-loop detection, the HTTP health endpoint, journal forensics.
+
+Pure judges (`judge_systemd`, `explain`) plus one watcher (`watch_service`) that polls a host
+through the Transport. A crash loop fails fast (NRestarts above the baseline, SubState
+auto-restart, ActiveState failed), long before the start-up timeout; the HTTP check is probed
+from the host itself through the SSH connection, so the server need not be exposed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shlex
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+from urllib.parse import urlsplit
+
+from .errors import HostError
+from .facts import parse_show
+from .spec import HealthSpec
+from .transport import Transport
+
+WATCH_PROPS = "Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID"
+SYSTEMD_POLL = 0.5   # seconds between systemd polls: a crash shows within about a second
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What systemd says about a unit right now."""
+
+    state: str            # "running" | "starting" | "crashed" | "not-loaded" | "exited"
+    reason: str = ""      # CamelCase when not fine
+    detail: str = ""
+
+
+def judge_systemd(props: dict[str, str], baseline_restarts: int) -> Verdict:
+    """Sort one `systemctl show` reading (pure). See ../shared/SYSTEMD.md for the states."""
+    load = props.get("LoadState", "")
+    active, sub = props.get("ActiveState", ""), props.get("SubState", "")
+    result = props.get("Result", "")
+    try:
+        restarts = int(props.get("NRestarts", "0") or 0)
+    except ValueError:
+        restarts = 0
+    summary = f"ActiveState={active} SubState={sub} Result={result} NRestarts={restarts}"
+    if load and load != "loaded":
+        return Verdict("not-loaded", "UnitNotLoaded", f"LoadState={load}: the unit file is invalid")
+    if active == "failed":
+        why = "start limit hit" if result == "start-limit-hit" else f"Result={result}"
+        return Verdict("crashed", "CrashLoop", f"unit failed ({why}, NRestarts={restarts})")
+    if sub.startswith("auto-restart") or restarts > baseline_restarts:
+        return Verdict("crashed", "CrashLoop", f"crash loop: {summary}")
+    if active == "active" and sub in ("running", "exited", "reload"):
+        return Verdict("running", detail=summary)
+    if active in ("inactive", "deactivating"):
+        return Verdict("exited", "Exited", f"process ended: {summary}")
+    return Verdict("starting", detail=summary)
+
+
+# Lines that explain a failure, best first. Matching is case-sensitive where case carries meaning.
+_EXPLAIN = [
+    re.compile(r"\bneeds\b.*--|\brequires?\b.*--"),
+    re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory", re.I),
+    re.compile(r"NCCL (error|WARN)|ncclSystemError|ncclInternalError|NCCL.*(failed|error)", re.I),
+    re.compile(r"[Aa]ddress already in use"),
+    re.compile(r"^\w*(Error|Exception)\b.*:"),
+    re.compile(r"\b(error|fatal|FATAL|ERROR)\b"),
+    re.compile(r"Failed to (locate|execute|start)|No such file or directory|Permission denied"),
+]
+_SYSTEMD_NOISE = re.compile(
+    r"^(Started|Stopped|Stopping|Starting|Scheduled restart job|Consumed|Deactivated successfully)|"
+    r"Main process exited|Failed with result|Start request repeated too quickly|\.service: Scheduled")
+
+
+def explain(lines: list[tuple[str, bool]]) -> str | None:
+    """Pick the journal line that explains a failure (pure).
+
+    `lines` are (message, from_service) in journal order; the service's own lines win over
+    systemd's. The best pattern wins; among equals, the last line (closest to the crash).
+    """
+    for own in (True, False):
+        cands = [m.strip() for m, o in lines if o == own and m.strip() and not _SYSTEMD_NOISE.search(m)]
+        for pat in _EXPLAIN:
+            hits = [m for m in cands if pat.search(m)]
+            if hits:
+                return hits[-1]
+    own_lines = [m.strip() for m, o in lines if o and m.strip()]
+    return own_lines[-1] if own_lines else None
+
+
+def journal_command(unit: str, since_epoch: float, lines: int = 200) -> str:
+    return (f"journalctl -u {shlex.quote(unit)} --since @{int(since_epoch)} -o json --no-pager "
+            f"-n {lines} 2>/dev/null || true")
+
+
+def parse_journal(stdout: str) -> list[tuple[str, bool]]:
+    """journalctl -o json -> [(message, from_service)]; systemd's own lines have _PID 1."""
+    out: list[tuple[str, bool]] = []
+    for line in stdout.splitlines():
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        msg = e.get("MESSAGE", "")
+        if isinstance(msg, list):  # non-UTF-8 messages come as byte arrays
+            msg = bytes(msg).decode(errors="replace")
+        from_systemd = e.get("_PID") == "1" or e.get("SYSLOG_IDENTIFIER") == "systemd"
+        for part in str(msg).splitlines():
+            out.append((part, not from_systemd))
+    return out
+
+
+@dataclass
+class Outcome:
+    """The result of watching one service after a (re)start."""
+
+    service: str
+    healthy: bool
+    reason: str                     # Healthy | CrashLoop | StartTimeout | Unstable | UnitNotLoaded | Exited ...
+    message: str
+    quote: str | None = None        # the journal line that explains a failure
+    journal: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"service": self.service, "healthy": self.healthy, "reason": self.reason,
+                "message": self.message, "quote": self.quote, "journal": self.journal[-20:],
+                "seconds": round(self.seconds, 2)}
+
+
+async def http_probe(t: Transport, url: str, timeout: float = 5.0) -> tuple[int | None, str]:
+    """GET url from the host itself (direct-tcpip through SSH). (status, body) or (None, error)."""
+    u = urlsplit(url)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
+    try:
+        reader, writer = await asyncio.wait_for(t.open_connection(u.hostname or "127.0.0.1", port), timeout)
+    except Exception as e:  # refused while the model loads: not an error, just not ready
+        return None, f"connect: {type(e).__name__}"
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: {u.hostname}\r\nConnection: close\r\n\r\n".encode())
+        data = await asyncio.wait_for(reader.read(65536), timeout)
+        head, _, body = data.partition(b"\r\n\r\n")
+        status_line = head.split(b"\r\n", 1)[0].decode(errors="replace")
+        parts = status_line.split()
+        status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+        return status, body.decode(errors="replace")
+    except Exception as e:
+        return None, f"read: {type(e).__name__}"
+    finally:
+        writer.close()
+
+
+Phase = Callable[[str, str, float, float], None]   # (service, phase, elapsed, timeout)
+
+
+async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline_restarts: int,
+                        since_epoch: float, on_phase: Phase | None = None,
+                        systemd_poll: float = SYSTEMD_POLL) -> Outcome:
+    """Watch a service after a (re)start until healthy and stable, or failed.
+
+    Healthy = systemd running, the HTTP check (if any) answered as expected, and nothing crashed
+    during `stable_for` after that. Any crash sign fails at once.
+    """
+    unit = f"{name}.service"
+    t0 = time.monotonic()
+    first_ok: float | None = None
+    next_http = 0.0
+    phase = "starting"
+
+    def report(p: str) -> None:
+        if on_phase:
+            on_phase(name, p, time.monotonic() - t0, health.startup_timeout)
+
+    async def fail(reason: str, message: str) -> Outcome:
+        res = await t.run(journal_command(unit, since_epoch), timeout=20, what="journal")
+        lines = parse_journal(res.stdout)
+        quote = explain(lines)
+        report(f"failed: {reason}")
+        return Outcome(name, False, reason, message, quote, [m for m, _ in lines][-40:], time.monotonic() - t0)
+
+    report(phase)
+    while True:
+        now = time.monotonic()
+        res = await t.run(f"systemctl show -p {WATCH_PROPS} {shlex.quote(unit)}", timeout=20, what="health")
+        props = parse_show(res.stdout).get(unit, {})
+        v = judge_systemd(props, baseline_restarts)
+        if v.state in ("crashed", "not-loaded", "exited"):
+            if first_ok is not None and v.state == "crashed":
+                return await fail("Unstable", f"crashed {now - first_ok:.1f}s after becoming healthy: {v.detail}")
+            return await fail(v.reason, v.detail)
+        if v.state == "running" and now >= next_http:
+            next_http = now + health.interval
+            if health.http:
+                status, body = await http_probe(t, health.http)
+                ok = status == health.expect_status and (not health.body_contains or health.body_contains in body)
+            else:
+                ok = True
+            if ok and first_ok is None:
+                first_ok = now
+                phase = f"healthy, stable for {health.stable_for:.0f}s?"
+                report(phase)
+            elif not ok and first_ok is not None:
+                return await fail("HealthCheckFailed",
+                                  f"{health.http} answered {status} after being healthy")
+            elif not ok and phase != "loading":
+                phase = "loading"
+                report(phase)
+        if first_ok is not None and now - first_ok >= health.stable_for:
+            report("healthy")
+            return Outcome(name, True, "Healthy", f"healthy after {now - t0:.1f}s", seconds=now - t0)
+        if first_ok is None and now - t0 >= health.startup_timeout:
+            what = f"{health.http} never answered {health.expect_status}" if health.http else "never ran"
+            return await fail("StartTimeout", f"not healthy within startup_timeout={health.startup_timeout:.0f}s: {what}")
+        await asyncio.sleep(systemd_poll)

@@ -1,0 +1,102 @@
+"""The local state store (SQLite, embedded): every attempt per host and service, and the
+latest status of each, for `reconcile status` and `reconcile history`.
+
+The host's own record (/var/lib/reconciler) stays the source of truth for last-good and
+quarantine, so another controller or a fresh checkout knows them; this store is the
+controller's memory of what it did and saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS attempts (
+  id INTEGER PRIMARY KEY,
+  at REAL NOT NULL,
+  host TEXT NOT NULL,
+  service TEXT NOT NULL,
+  revision TEXT NOT NULL,
+  content_hash TEXT,
+  action TEXT NOT NULL,          -- deploy | rollback
+  result TEXT NOT NULL,          -- Healthy | CrashLoop | StartTimeout | ... | RolledBack
+  message TEXT,
+  quote TEXT,                    -- the journal line that explains a failure
+  journal TEXT,                  -- JSON list: the tail of the journal
+  seconds REAL
+);
+CREATE INDEX IF NOT EXISTS attempts_host ON attempts(host, at);
+CREATE TABLE IF NOT EXISTS services (
+  host TEXT NOT NULL,
+  service TEXT NOT NULL,
+  desired_rev TEXT,
+  running_rev TEXT,
+  health TEXT,
+  last_event TEXT,
+  quote TEXT,
+  updated_at REAL,
+  PRIMARY KEY (host, service)
+);
+"""
+
+
+def default_state_dir() -> Path:
+    """$RECONCILER_STATE_DIR, else $XDG_STATE_HOME/reconciler, else ~/.local/state/reconciler."""
+    env = os.environ.get("RECONCILER_STATE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "reconciler"
+
+
+class Store:
+    """A small SQLite database of attempts and per-service status."""
+
+    def __init__(self, state_dir: Path | None = None):
+        d = state_dir or default_state_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        self.path = d / "state.db"
+        self.db = sqlite3.connect(self.path, timeout=10)
+        self.db.row_factory = sqlite3.Row
+        self.db.executescript(SCHEMA)
+
+    def add_attempt(self, host: str, service: str, revision: str, content_hash: str | None, action: str,
+                    result: str, message: str = "", quote: str | None = None,
+                    journal: list[str] | None = None, seconds: float = 0.0) -> None:
+        with self.db:
+            self.db.execute(
+                "INSERT INTO attempts(at, host, service, revision, content_hash, action, result, message, quote,"
+                " journal, seconds) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (time.time(), host, service, revision, content_hash, action, result, message, quote,
+                 json.dumps(journal or []), seconds))
+
+    def set_status(self, host: str, service: str, *, desired_rev: str | None, running_rev: str | None,
+                   health: str, last_event: str, quote: str | None = None) -> None:
+        with self.db:
+            self.db.execute(
+                "INSERT INTO services(host, service, desired_rev, running_rev, health, last_event, quote, updated_at)"
+                " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(host, service) DO UPDATE SET desired_rev=excluded.desired_rev,"
+                " running_rev=excluded.running_rev, health=excluded.health, last_event=excluded.last_event,"
+                " quote=excluded.quote, updated_at=excluded.updated_at",
+                (host, service, desired_rev, running_rev, health, last_event, quote, time.time()))
+
+    def status(self) -> list[dict]:
+        rows = self.db.execute("SELECT * FROM services ORDER BY host, service").fetchall()
+        return [dict(r) for r in rows]
+
+    def history(self, host: str, limit: int = 50) -> list[dict]:
+        rows = self.db.execute("SELECT * FROM attempts WHERE host = ? ORDER BY at DESC, id DESC LIMIT ?",
+                               (host, limit)).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["journal"] = json.loads(d["journal"] or "[]")
+            out.append(d)
+        return out
+
+    def close(self) -> None:
+        self.db.close()
