@@ -203,8 +203,9 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
                 phase = f"healthy, stable for {health.stable_for:.0f}s?"
                 report(phase)
             elif not ok and first_ok is not None:
-                return await fail("HealthCheckFailed",
-                                  f"{health.http} answered {status} after being healthy")
+                got = status if status is not None else body
+                return await fail("Unstable", f"{health.http} failed ({got}) {now - first_ok:.1f}s after "
+                                              f"becoming healthy")
             elif not ok and phase != "loading":
                 phase = "loading"
                 report(phase)

@@ -202,7 +202,8 @@ class _HostRun:
         """Apply a plan, then watch every service it started or restarted, concurrently."""
         since = await apply_plan(self.t, plan) or time.time()
         for name, rec in plan.records.items():
-            self.records[name] = dict(rec)
+            # what was applied changes; last good and quarantine stay as this run knows them
+            self.records[name] = {**self.records.get(name, {}), "hash": rec["hash"], "revision": rec["revision"]}
         for name in plan.dropped_records:
             self.records.pop(name, None)
         started = [a for a in plan.actions if a.kind in (Kind.START, Kind.RESTART) and a.service in specs]

@@ -45,13 +45,17 @@ def print_result(console: Console, res: FleetResult) -> None:
     table = Table(title=f"revision {res.revision[:7]}{' (dry run: nothing changed)' if res.dry_run else ''}",
                   title_justify="left")
     for col in ("host", "address", "result", "detail", "time"):
-        table.add_column(col)
+        table.add_column(col, overflow="ellipsis", no_wrap=col == "detail")
     for r in res.hosts:
         detail = (f"{r.reason}: {r.message}" if r.reason
                   else r.plan.summary() if r.plan else "")
         table.add_row(r.host, r.address, f"[{_STYLE.get(r.status, '')}]{r.status}[/]", escape(detail),
                       f"{r.seconds:.2f}s")
     console.print(table)
+    for r in res.hosts:
+        if r.reason:
+            console.print(f"{escape(r.host)}: {escape(r.reason)}: {escape(r.message or '')}", highlight=False,
+                          soft_wrap=True)
     counts: dict[str, int] = {}
     for r in res.hosts:
         counts[r.status] = counts.get(r.status, 0) + 1

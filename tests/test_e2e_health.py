@@ -1,0 +1,153 @@
+"""End-to-end: health checks, crash-loop detection and rollback on real hosts (issue 3).
+
+The managed service is the project's stand-in for SGLang (tests/standin.py), which, like the
+real server, refuses speculative decoding on a hybrid model without the extra buffer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli, run_json, write_fleet
+
+pytestmark = pytest.mark.fleet
+
+INCIDENT_LINE = ("MTP with the hybrid GDN model needs --mamba-scheduler-strategy extra_buffer "
+                 "and SGLANG_ENABLE_SPEC_V2=1")
+SPEC_FLAGS = ("--speculative-algo NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
+              "--speculative-num-draft-tokens 4")
+QWEN35 = "Qwen3.5-122B-A10B"
+
+
+def svc(**kw) -> dict:
+    base = {"port": 30000, "model": QWEN35, "env": {"STANDIN_LOAD_SECONDS": "1"}}
+    base.update(kw)
+    return base
+
+
+def http_status(fleet, h, port=30000) -> str:
+    return fleet.ssh(h, "python3 -c \"import urllib.request as u;"
+                        f"print(u.urlopen('http://{h.address}:{port}/health', timeout=3).status)\"", check=False).strip()
+
+
+def events(out: dict, host: str) -> list[dict]:
+    return next(r for r in out["hosts"] if r["host"] == host)["events"]
+
+
+@pytest.mark.timeout(120)
+def test_incident_replayed(fleet, repo):
+    h = fleet.hosts[0]
+    name = "sglang-qwen"
+    write_fleet(repo, [h], {name: svc()})
+    c1 = repo.commit("qwen3.5 without speculative decoding")
+    code, out = run_json("--repo", str(repo.path), check_codes=(0,))
+    assert events(out, h.name)[0]["outcome"]["reason"] == "Healthy"
+    assert http_status(fleet, h) == "200"
+
+    write_fleet(repo, [h], {name: svc(args=SPEC_FLAGS)})
+    c2 = repo.commit("add MTP speculative decoding")
+    res = run_cli("--repo", str(repo.path), check_codes=(3,))
+    assert INCIDENT_LINE in res.stdout, res.stdout
+    assert "rolled back to " + c1[:7] in res.stdout
+    rec = json.loads(fleet.ssh(h, f"cat /var/lib/reconciler/services/{name}.json"))
+    assert rec["last_good_revision"] == c1 and rec["quarantine"]["revision"] == c2
+    assert rec["quarantine"]["quote"] == INCIDENT_LINE
+    assert http_status(fleet, h) == "200"
+    assert "--speculative" not in fleet.show(h, name, "ExecStart")["ExecStart"]
+
+    hist = json.loads(run_cli("history", h.name, "--json", check_codes=(0,)).stdout)
+    deploy = next(a for a in hist if a["action"] == "deploy" and a["revision"] == c2)
+    assert deploy["result"] == "CrashLoop" and deploy["quote"] == INCIDENT_LINE
+    assert deploy["seconds"] < 10          # detected within 10 s of the (re)start, so of the first crash
+    assert any(a["action"] == "rollback" and a["revision"] == c1 and a["result"] == "Healthy" for a in hist)
+
+    # Same HEAD again: nothing restarts; the quarantine is reported.
+    inv = fleet.show(h, name, "InvocationID")["InvocationID"]
+    res = run_cli("--repo", str(repo.path), check_codes=(3,))
+    assert f"desired {c2[:7]} quarantined" in res.stdout and f"running {c1[:7]}" in res.stdout
+    assert fleet.show(h, name, "InvocationID")["InvocationID"] == inv
+
+    st = json.loads(run_cli("status", "--json", check_codes=(0,)).stdout)
+    row = next(r for r in st if r["host"] == h.name and r["service"] == name)
+    assert row["desired_rev"] == c2 and row["running_rev"] == c1 and "quarantined" in row["last_event"]
+
+    # The fix: extra buffer + spec v2.
+    write_fleet(repo, [h], {name: svc(args=SPEC_FLAGS + " --mamba-scheduler-strategy extra_buffer",
+                                      env={"STANDIN_LOAD_SECONDS": "1", "SGLANG_ENABLE_SPEC_V2": "1"})})
+    c3 = repo.commit("fix: extra_buffer and SGLANG_ENABLE_SPEC_V2")
+    code, out = run_json("--repo", str(repo.path), check_codes=(0,))
+    assert events(out, h.name)[-1]["outcome"]["reason"] == "Healthy"
+    assert http_status(fleet, h) == "200"
+    rec = json.loads(fleet.ssh(h, f"cat /var/lib/reconciler/services/{name}.json"))
+    assert rec["last_good_revision"] == c3 and "quarantine" not in rec
+
+
+@pytest.mark.timeout(90)
+def test_never_healthy_is_rolled_back_at_startup_timeout(fleet, repo):
+    h = fleet.hosts[0]
+    write_fleet(repo, [h], {"m": svc(model="Qwen3-8B")})
+    c1 = repo.commit()
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    write_fleet(repo, [h], {"m": svc(model="Qwen3-8B", env={"STANDIN_HANG": "1"}, health={"startup_timeout": 4})})
+    repo.commit("hangs while loading")
+    code, out = run_json("--repo", str(repo.path), check_codes=(3,))
+    ev = events(out, h.name)
+    assert ev[0]["outcome"]["reason"] == "StartTimeout" and 4 <= ev[0]["outcome"]["seconds"] < 8
+    assert ev[1]["action"] == "rollback" and ev[1]["revision"] == c1 and ev[1]["outcome"]["healthy"]
+    assert http_status(fleet, h) == "200"
+
+
+@pytest.mark.timeout(90)
+def test_crash_within_stable_for_is_rolled_back(fleet, repo):
+    h = fleet.hosts[0]
+    write_fleet(repo, [h], {"m": svc(model="Qwen3-8B")})
+    c1 = repo.commit()
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    write_fleet(repo, [h], {"m": svc(model="Qwen3-8B", env={"STANDIN_LOAD_SECONDS": "1", "STANDIN_CRASH_AFTER": "1"},
+                                     health={"stable_for": 5})})
+    repo.commit("crashes a second after it is healthy")
+    code, out = run_json("--repo", str(repo.path), check_codes=(3,))
+    ev = events(out, h.name)
+    assert ev[0]["outcome"]["reason"] == "Unstable"
+    assert "illegal memory access" in ev[0]["outcome"]["quote"]
+    assert ev[1]["revision"] == c1 and ev[1]["outcome"]["healthy"]
+
+
+@pytest.mark.timeout(60)
+def test_failed_first_deploy_leaves_service_stopped(fleet, repo):
+    h = fleet.hosts[0]
+    write_fleet(repo, [h], {"sglang-qwen": svc(args=SPEC_FLAGS)})
+    repo.commit("first deploy, bad flags")
+    res = run_cli("--repo", str(repo.path), check_codes=(4,))
+    assert "FirstDeployFailed" in res.stdout and INCIDENT_LINE in res.stdout
+    p = fleet.show(h, "sglang-qwen", "ActiveState", "SubState")
+    assert p["ActiveState"] in ("inactive", "failed")
+    # the next run at the same HEAD does not try again
+    res = run_cli("--repo", str(repo.path), check_codes=(4,))
+    assert "quarantined" in res.stdout
+    assert fleet.show(h, "sglang-qwen", "ActiveState")["ActiveState"] in ("inactive", "failed")
+
+
+@pytest.mark.timeout(90)
+def test_two_hosts_one_bad(fleet, repo):
+    good, bad = fleet.hosts[0], fleet.hosts[1]
+    write_fleet(repo, [good, bad], {"m": svc()})
+    c1 = repo.commit()
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    # a change for both hosts; the bad host also gets the incident's flags
+    write_fleet(repo, [good, bad], {"m": svc(env={"STANDIN_LOAD_SECONDS": "1", "LOG_LEVEL": "debug"})})
+    text = (repo.path / f"hosts/{bad.name}.toml").read_text().replace('args = ""', f'args = "{SPEC_FLAGS}"')
+    repo.write(f"hosts/{bad.name}.toml", text)
+    c2 = repo.commit("debug logging; speculative decoding on one host")
+    res = run_cli("--repo", str(repo.path), check_codes=(3,))
+    lines = {ln.split()[0]: ln for ln in res.stdout.splitlines() if ln.split() and ln.split()[0] in (good.name, bad.name)}
+    assert "rolled back to " + c1[:7] in res.stdout and INCIDENT_LINE in res.stdout
+    code, out = run_json("--repo", str(repo.path), check_codes=(3,))
+    st = {r["host"]: r["status"] for r in out["hosts"]}
+    assert st == {good.name: "in-sync", bad.name: "quarantined"}
+    assert "LOG_LEVEL=debug" in fleet.show(good, "m", "Environment")["Environment"]
+    assert "LOG_LEVEL=debug" not in fleet.show(bad, "m", "Environment")["Environment"]
+    assert http_status(fleet, good) == "200" and http_status(fleet, bad) == "200"
+    assert lines  # the table names both hosts
