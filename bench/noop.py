@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -26,7 +27,7 @@ from reconciler.reconcile import reconcile_fleet, ssh_connector
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 
-FIRST = 40
+FIRST = int(os.environ.get("RECONCILER_BENCH_FIRST", "40"))
 
 
 async def floor(hosts: list[fleetlib.Host], known_hosts: Path, key: Path) -> float:

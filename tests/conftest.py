@@ -21,7 +21,8 @@ from tests import fleet as fleetlib
 
 FLEET_SIZE = int(os.environ.get("RECONCILER_TEST_FLEET_SIZE", "10"))
 # Test hosts live on 127.0.0.20 and up, apart from the sandbox demo (127.0.0.2-3) and benchmarks.
-FLEET_FIRST = 20
+FLEET_FIRST = int(os.environ.get("RECONCILER_TEST_FLEET_FIRST", "20"))
+FLEET_PREFIX = os.environ.get("RECONCILER_TEST_FLEET_PREFIX", "rt")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -62,10 +63,10 @@ def _state_dir(tmp_path, monkeypatch):
 def fleet_session():
     try:
         fleetlib.build()
-        hosts = fleetlib.up(FLEET_SIZE, first=FLEET_FIRST)
+        hosts = fleetlib.up(FLEET_SIZE, first=FLEET_FIRST, prefix=FLEET_PREFIX)
     except fleetlib.FleetError as e:
         pytest.fail(f"the test fleet could not boot (run .ci/setup as root): {e}", pytrace=False)
-    kh = fleetlib.write_known_hosts(hosts, fleetlib.RUN_DIR / "test_known_hosts")
+    kh = fleetlib.write_known_hosts(hosts, fleetlib.RUN_DIR / f"{FLEET_PREFIX}_known_hosts")
     yield Fleet(hosts, kh)
     fleetlib.down(hosts)
 
