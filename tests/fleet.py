@@ -175,7 +175,7 @@ def write_known_hosts(hosts: list[Host], path: Path) -> Path:
 
 def wait_ready(hosts: list[Host], timeout: float = 60.0) -> None:
     """Block until every host answers over SSH and systemd finished booting."""
-    kh = write_known_hosts(hosts, RUN_DIR / "known_hosts")
+    kh = write_known_hosts(hosts, RUN_DIR / f"known_hosts.{hosts[0].name if hosts else 'none'}")
     deadline = time.monotonic() + timeout
     pending = list(hosts)
     while pending:
