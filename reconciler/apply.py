@@ -31,6 +31,9 @@ printf '@@now %s\n' "$(date +%s)"
 cleanup() { rm -f /etc/systemd/system/.reconciler-tmp.* /etc/systemd/system/*.service.d/.reconciler-tmp.* """ \
     + STATE_DIR + r"""/.reconciler-tmp.* """ + STATE_DIR + r"""/services/.reconciler-tmp.* 2>/dev/null || true; }
 trap cleanup EXIT
+# A dropped SSH connection (controller killed) ends the script through these, running cleanup:
+# writes are atomic, so no unit is ever half-written, and the next run re-plans from the host.
+trap 'exit 129' HUP INT TERM PIPE
 atomic_write() {  # path mode base64-content
   d=$(dirname "$1"); mkdir -p "$d"
   t=$(mktemp "$d/.reconciler-tmp.XXXXXX")

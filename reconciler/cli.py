@@ -66,7 +66,7 @@ def _remember(store: Store, result: FleetResult) -> None:
             o = e.outcome
             store.add_attempt(r.host, e.service, e.revision, e.content_hash, e.action,
                               o.reason if o else e.action.capitalize(), (o.message if o else e.note) or "",
-                              o.quote if o else None, o.journal if o else None, o.seconds if o else 0.0)
+                              o.quote if o else e.quote, o.journal if o else None, o.seconds if o else 0.0)
         services = set(r.plan.states) if r.plan else set()
         for svc in sorted(services):
             evs = [e for e in r.events if e.service == svc]
@@ -81,7 +81,7 @@ def _remember(store: Store, result: FleetResult) -> None:
             else:
                 health = "unchanged"
             event = (f"{r.status}: {r.message}" if r.message else r.status)
-            quote = failed[-1].outcome.quote if failed else None
+            quote = failed[-1].outcome.quote if failed else (last.quote if last else None)
             store.set_status(r.host, svc, desired_rev=result.revision, running_rev=r.running.get(svc),
                              health=health, last_event=event, quote=quote)
         if r.status == "failed" and not r.plan:
@@ -184,6 +184,61 @@ def history(host: str = typer.Argument(..., help="Host name."), as_json: bool = 
         print(json.dumps(rows, indent=2))
     else:
         print_history(_console(), host, rows)
+
+
+@app.command()
+def watch(
+    config: Optional[Path] = typer.Option(None, "--config", help="Controller config (default /etc/reconciler/config.toml "
+                                          "or $RECONCILER_CONFIG); RECONCILER_<KEY> env vars override it."),
+    repo: Optional[str] = typer.Option(None, "--repo", help="Override config: the desired-state repo."),
+    branch: Optional[str] = typer.Option(None, "--branch", help="Override config: the deploy branch."),
+    interval: Optional[float] = typer.Option(None, "--interval", help="Seconds between periodic runs."),
+    identity: Optional[str] = typer.Option(None, "--identity", "-i"),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir"),
+    metrics: Optional[str] = typer.Option(None, "--metrics", help="host:port of the Prometheus endpoint, '' = off."),
+) -> None:
+    """Run as a daemon: reconcile on every push (within a second), every interval, and on trigger."""
+    from .config import load_config
+    from .daemon import Daemon
+    try:
+        cfg = load_config(config)
+    except ConfigError as e:
+        _fail_input(e, False, str(config or "config"))
+        return
+    overrides = {k: v for k, v in dict(repo=repo, branch=branch, identity=identity,
+                                       state_dir=str(state_dir) if state_dir else None, metrics=metrics).items()
+                 if v is not None}
+    cfg = cfg.model_copy(update=overrides)
+    asyncio.run(Daemon(cfg, interval=interval).serve())
+
+
+@app.command("init-repo")
+def init_repo_cmd(
+    path: Path = typer.Argument(..., help="Where to create the bare deploy repo."),
+    branch: str = typer.Option("main", "--branch"),
+    state_dir: Optional[Path] = typer.Option(None, "--state-dir", envvar="RECONCILER_STATE_DIR",
+                                             help="The daemon's state dir, for streaming results to the pusher."),
+    stream: bool = typer.Option(False, "--stream", help="Always stream the deploy's outcome to the pusher."),
+) -> None:
+    """Create a bare repo with the pre-receive (validate) and post-receive (deploy) hooks installed."""
+    from .hooks import init_repo
+    if path.exists() and any(path.iterdir()):
+        Console(stderr=True).print(f"[bold red]error:[/] {path} exists and is not empty")
+        raise typer.Exit(1)
+    init_repo(path, branch=branch, state_dir=str(state_dir.resolve()) if state_dir else None, stream=stream)
+    _console().print(f"bare deploy repo at {path} (branch {branch}); hooks installed.\n"
+                     f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
+
+
+@app.command(hidden=True)
+def hook(name: str = typer.Argument(..., help="pre-receive | post-receive")) -> None:
+    """Entry point of the git hook shims (reads ref updates on stdin)."""
+    from .hooks import post_receive, pre_receive
+    try:
+        code = {"pre-receive": pre_receive, "post-receive": post_receive}[name]()
+    except KeyError:
+        raise typer.BadParameter(f"unknown hook {name}") from None
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -47,10 +47,11 @@ class ServiceEvent:
     content_hash: str
     outcome: Outcome | None = None
     note: str = ""
+    quote: str | None = None        # for quarantined/held: the journal line recorded at the failure
 
     def to_json(self) -> dict:
         return {"service": self.service, "action": self.action, "revision": self.revision,
-                "content_hash": self.content_hash, "note": self.note,
+                "content_hash": self.content_hash, "note": self.note, "quote": self.quote,
                 "outcome": self.outcome.to_json() if self.outcome else None}
 
 
@@ -158,19 +159,34 @@ def resolve_targets(host: HostSpec, facts: HostFacts, revision: str, render_at: 
                 targets[name] = _Target(good, good_rev, substituted=True)
                 note = (f"desired {q.get('revision', '?')[:7]} quarantined ({q.get('reason')}), "
                         f"running {good_rev[:7]}")
-                events.append(ServiceEvent(name, "quarantined", revision, svc.content_hash(), note=note))
+                events.append(ServiceEvent(name, "quarantined", revision, svc.content_hash(), note=note,
+                                           quote=q.get("quote")))
             else:
                 services[name] = svc
                 hold.add(name)
                 why = "rollback failed" if q.get("rollback_failed") else "no last good revision"
                 note = (f"desired {q.get('revision', '?')[:7]} quarantined ({q.get('reason')}); {why}: "
                         f"left stopped until a new commit changes it or --retry")
-                events.append(ServiceEvent(name, "held", revision, svc.content_hash(), note=note))
+                events.append(ServiceEvent(name, "held", revision, svc.content_hash(), note=note,
+                                           quote=q.get("quote")))
         else:
             services[name] = svc
             targets[name] = _Target(svc, revision)
     eff = HostSpec(host.name, host.ssh, services, host.labels, host.source)
     return eff, targets, frozenset(hold), events
+
+
+def unverified(host: HostSpec, facts: HostFacts, hold: frozenset[str]) -> frozenset[str]:
+    """Services whose applied version matches the desired one but never passed health here."""
+    out = set()
+    for name, svc in host.services.items():
+        f = facts.services.get(name)
+        rec = (f.record if f else None) or {}
+        q = rec.get("quarantine") or {}
+        if (name not in hold and rec.get("hash") == svc.content_hash() and
+                rec.get("last_good_hash") != rec["hash"] and q.get("hash") != rec["hash"]):
+            out.add(name)
+    return frozenset(out)
 
 
 class _HostRun:
@@ -198,9 +214,15 @@ class _HostRun:
                 rec[k] = v
         self.dirty.add(name)
 
-    async def apply_and_watch(self, plan: HostPlan, facts: HostFacts, specs: dict[str, ServiceSpec]) -> dict[str, Outcome]:
-        """Apply a plan, then watch every service it started or restarted, concurrently."""
-        since = await apply_plan(self.t, plan) or time.time()
+    async def apply_and_watch(self, plan: HostPlan, facts: HostFacts, specs: dict[str, ServiceSpec],
+                              verify: frozenset[str] = frozenset()) -> dict[str, Outcome]:
+        """Apply a plan, then watch every service it started or restarted, concurrently.
+
+        `verify` names services applied earlier but never seen healthy (a run killed during its
+        health wait): they are watched again without a restart, so the next run converges.
+        """
+        applied_at = await apply_plan(self.t, plan)
+        since = applied_at or time.time()
         for name, rec in plan.records.items():
             # what was applied changes; last good and quarantine stay as this run knows them
             self.records[name] = {**self.records.get(name, {}), "hash": rec["hash"], "revision": rec["revision"]}
@@ -213,7 +235,11 @@ class _HostRun:
             base = 0 if kind is Kind.START or f is None else int(f.props.get("NRestarts", "0") or 0)
             return name, await watch_service(self.t, name, specs[name].health, baseline_restarts=base,
                                              since_epoch=since - 1, on_phase=self.phase())
-        pairs = await asyncio.gather(*(one(a.kind, a.service) for a in started if a.service))
+        todo = [(a.kind, a.service) for a in started if a.service]
+        todo += [(Kind.RECORD, n) for n in sorted(verify - {n for _, n in todo})]
+        if applied_at is None and verify:
+            since = time.time() - 3600   # the deploy began in an earlier run
+        pairs = await asyncio.gather(*(one(kind, name) for kind, name in todo))
         return dict(pairs)
 
 
@@ -239,7 +265,7 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
                 result.worsen("would-change")
         else:
             run = _HostRun(t, host, facts, result, on_phase)
-            outcomes = await run.apply_and_watch(plan, facts, eff.services)
+            outcomes = await run.apply_and_watch(plan, facts, eff.services, unverified(eff, facts, hold))
             if plan.changes and result.status == "in-sync":
                 result.status = "converged"
             for name, out in sorted(outcomes.items()):

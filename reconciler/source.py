@@ -78,7 +78,12 @@ def open_repo(repo: str, cache_dir: Path | None = None) -> pygit2.Repository:
         path = pygit2.discover_repository(str(Path(repo).resolve()))
         if path is None:
             raise SourceError(f"{repo}: not a git repository")
-        return pygit2.Repository(path)
+        r = pygit2.Repository(path)
+        quarantine = os.environ.get("GIT_QUARANTINE_PATH")
+        if quarantine:
+            # Inside a pre-receive hook the pushed objects are still in git's quarantine dir.
+            r.odb.add_disk_alternate(quarantine)
+        return r
     cache = (cache_dir or default_cache_dir()) / "repos"
     cache.mkdir(parents=True, exist_ok=True)
     dest = cache / hashlib.sha256(repo.encode()).hexdigest()[:16]

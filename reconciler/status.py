@@ -41,6 +41,10 @@ CREATE TABLE IF NOT EXISTS services (
   updated_at REAL,
   PRIMARY KEY (host, service)
 );
+CREATE TABLE IF NOT EXISTS controller (
+  key TEXT PRIMARY KEY,
+  value TEXT
+);
 """
 
 
@@ -97,6 +101,16 @@ class Store:
             d["journal"] = json.loads(d["journal"] or "[]")
             out.append(d)
         return out
+
+    def get_value(self, key: str) -> str | None:
+        """A controller-level value (e.g. last_applied_revision)."""
+        row = self.db.execute("SELECT value FROM controller WHERE key = ?", (key,)).fetchone()
+        return row["value"] if row else None
+
+    def set_value(self, key: str, value: str) -> None:
+        with self.db:
+            self.db.execute("INSERT INTO controller(key, value) VALUES (?, ?) "
+                            "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, value))
 
     def close(self) -> None:
         self.db.close()

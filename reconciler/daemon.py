@@ -1,0 +1,208 @@
+"""`reconcile watch`: the long-running reconciler.
+
+Level-based, like controller-runtime: a timer (apscheduler, every `interval`), a file watcher on
+the repo's branch ref and a trigger file (watchfiles: a push starts a reconcile within a
+second), and a post-receive hook all only *ask* for a reconcile. One runner task does the work,
+so there are never two reconciles at once; asks that arrive during a run coalesce into one
+more run. A failed run (git unreachable, a host down) retries with back-off.
+
+SIGTERM: stop asking, cancel the run in flight, close SSH connections. Files on hosts are
+written atomically and the record last, so a killed run leaves every host runnable and the
+next run (after a restart) converges, re-watching services applied but not yet seen healthy.
+
+Each run's output goes to the journal (stdout) and to <state_dir>/runs/<sha>.log; <sha>.exit
+holds the exit code when it ends, for the post-receive hook to stream to the pusher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import signal
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from . import load, source
+from .config import ControllerConfig
+from .errors import ConfigError, ReconcilerError, SourceError
+from .metrics import Metrics
+from .reconcile import reconcile_fleet, ssh_connector
+from .report import PhaseView, print_config_error, print_result
+from .status import Store, default_state_dir
+from .trust import RevisionRefused, check_descends, verify_signature
+
+BACKOFF_START = 2.0
+
+
+class _Tee(io.TextIOBase):
+    """Write run output to stdout (the journal) and the run's log file at once."""
+
+    def __init__(self, *files):
+        self.files = files
+
+    def write(self, s: str) -> int:
+        for f in self.files:
+            f.write(s)
+            f.flush()
+        return len(s)
+
+    def flush(self) -> None:
+        for f in self.files:
+            f.flush()
+
+
+class Daemon:
+    """Reconciles the fleet whenever asked (timer, push, trigger file), one run at a time."""
+
+    def __init__(self, cfg: ControllerConfig, *, interval: float | None = None):
+        self.cfg = cfg
+        self.state_dir = Path(cfg.state_dir) if cfg.state_dir else default_state_dir()
+        self.runs_dir = self.state_dir / "runs"
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        self.cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
+        self.interval = interval or cfg.interval or 60.0
+        self.wake = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.reasons: list[str] = []
+        self.backoff = BACKOFF_START
+        self.metrics = Metrics()
+        self.console = Console(highlight=False, force_terminal=False, width=160)
+        self.store = Store(self.state_dir)
+
+    # -- asking ---------------------------------------------------------------------------
+    def ask(self, why: str) -> None:
+        """Ask for a reconcile; asks during a run coalesce into one more run."""
+        self.reasons.append(why)
+        self.wake.set()
+
+    def _watch_paths(self) -> tuple[list[Path], set[str]]:
+        """What to watch: the branch ref of a local repo (and packed-refs), and the trigger file."""
+        paths: list[Path] = []
+        names: set[str] = set()
+        trigger = self.trigger_file()
+        if trigger:
+            trigger.parent.mkdir(parents=True, exist_ok=True)
+            trigger.touch(exist_ok=True)
+            paths.append(trigger.parent)
+            names.add(str(trigger))
+        if not source.is_url(self.cfg.repo):
+            gitdir = Path(source.open_repo(self.cfg.repo).path)
+            paths.append(gitdir)
+            names |= {str(gitdir / "refs" / "heads" / self.cfg.branch), str(gitdir / "packed-refs")}
+        return paths, names
+
+    def trigger_file(self) -> Path | None:
+        if self.cfg.trigger_file:
+            return Path(self.cfg.trigger_file)
+        if not source.is_url(self.cfg.repo):
+            return Path(source.open_repo(self.cfg.repo).path) / "reconciler.trigger"
+        return None
+
+    async def _watch(self) -> None:
+        from watchfiles import awatch
+        paths, names = self._watch_paths()
+        if not paths:
+            return
+        async for changes in awatch(*paths, watch_filter=lambda _c, p: p in names, debounce=50, step=10,
+                                    stop_event=self.stopping, recursive=True):
+            self.ask("push" if any("refs" in p for _, p in changes) else "trigger")
+
+    # -- running --------------------------------------------------------------------------
+    def _last_applied(self) -> str | None:
+        return self.store.get_value("last_applied_revision")
+
+    async def run_once(self) -> int:
+        """One reconcile of the whole fleet at the branch head. Returns its exit code."""
+        started = time.monotonic()
+        why = ", ".join(sorted(set(self.reasons))) or "start"
+        self.reasons.clear()
+        rev_name = "unknown"
+        log = None
+        try:
+            repo = source.open_repo(self.cfg.repo, self.cache_dir)
+            snap = source.snapshot(repo, f"refs/heads/{self.cfg.branch}", self.cfg.path)
+            rev_name = snap.revision
+            log = open(self.runs_dir / f"{snap.revision}.log", "a")
+            console = Console(file=_Tee(self.console.file, log), highlight=False, force_terminal=False, width=160)
+            console.print(f"reconcile {snap.short} ({why})")
+            if not self.cfg.allow_rewind:
+                check_descends(repo, self._last_applied(), snap.revision)
+            if self.cfg.require_signed:
+                who = verify_signature(repo, snap.revision, self.cfg.allowed_signers or "/etc/reconciler/allowed_signers")
+                console.print(f"{snap.short}: signed by {who}")
+            state = load.load_desired(snap)
+            from .cli import _remember, _renderer   # shared with the one-shot command
+            view = PhaseView(console)
+            result = await reconcile_fleet(state, ssh_connector(self.cfg.identity), render_at=_renderer(snap),
+                                           on_phase=view)
+            print_result(console, result)
+            _remember(self.store, result)
+            self.store.set_value("last_applied_revision", snap.revision)
+            code = result.exit_code()
+            self.metrics.observe_run(result, time.monotonic() - started)
+        except RevisionRefused as e:
+            code = 1
+            self._say(log, f"refused: {e.reason}: {e}")
+            self.metrics.run_failed("refused", time.monotonic() - started)
+        except ConfigError as e:
+            code = 1
+            buf = Console(file=_Tee(self.console.file, *( [log] if log else [])), highlight=False, width=160)
+            print_config_error(buf, e, rev_name[:7])
+            self.metrics.run_failed("invalid", time.monotonic() - started)
+        except (SourceError, ReconcilerError, OSError) as e:
+            code = 1
+            self._say(log, f"run failed: {type(e).__name__}: {e}")
+            self.metrics.run_failed("error", time.monotonic() - started)
+        finally:
+            if log is not None:
+                log.close()
+        if rev_name != "unknown":
+            (self.runs_dir / f"{rev_name}.exit").write_text(f"{code}\n")
+        return code
+
+    def _say(self, log, line: str) -> None:
+        print(line, flush=True)
+        if log is not None:
+            log.write(line + "\n")
+
+    async def _runner(self) -> None:
+        while not self.stopping.is_set():
+            await self.wake.wait()
+            self.wake.clear()
+            if self.stopping.is_set():
+                break
+            code = await self.run_once()
+            if code in (1, 4):
+                # git down, a host unreachable, a refused revision: retry, backing off
+                delay = min(self.backoff, self.interval)
+                self.backoff = min(self.backoff * 2, self.interval)
+                asyncio.get_running_loop().call_later(delay, self.ask, "retry")
+            else:
+                self.backoff = BACKOFF_START
+
+    async def serve(self) -> None:
+        """Run until SIGTERM/SIGINT."""
+        from apscheduler.schedulers.asyncio import AsyncIOScheduler
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        if self.cfg.metrics:
+            host, _, port = self.cfg.metrics.rpartition(":")
+            self.metrics.serve(host or "127.0.0.1", int(port))
+        sched = AsyncIOScheduler(event_loop=loop)
+        sched.add_job(self.ask, "interval", seconds=self.interval, args=["interval"], coalesce=True,
+                      max_instances=1, id="interval")
+        sched.start()
+        print(f"reconciler watching {self.cfg.repo} branch {self.cfg.branch} every {self.interval:.0f}s", flush=True)
+        self.ask("start")
+        runner = asyncio.create_task(self._runner())
+        watcher = asyncio.create_task(self._watch())
+        await self.stopping.wait()
+        print("reconciler: stopping", flush=True)
+        sched.shutdown(wait=False)
+        for task in (runner, watcher):
+            task.cancel()
+        await asyncio.gather(runner, watcher, return_exceptions=True)
+        self.store.close()

@@ -1,0 +1,180 @@
+"""Git hooks for the deploy repo: pre-receive validates, post-receive triggers the daemon.
+
+The hook files themselves (hooks/pre-receive, hooks/post-receive, written by
+`reconcile init-repo`) are two-line shims that call `reconcile hook <name>`; all logic is here.
+
+pre-receive: for a push to the deploy branch, refuse (exit 1, reasons shown to the pusher) a
+  branch deletion, a non-fast-forward (a force-push back) unless the push option
+  `reconcile.allow-rewind` is given and allow_rewind is on, an unsigned commit when
+  require_signed is on, and any revision `reconcile validate` rejects (file, key, reason).
+post-receive: touch the daemon's trigger file; with the push option `reconcile.wait` (or git
+  config reconciler.stream=true) stream the daemon's run for the pushed revision, Heroku-style.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pygit2
+
+from . import load, source
+from .config import load_config
+from .errors import ConfigError, SourceError
+from .trust import RevisionRefused, verify_signature
+
+ZERO = "0" * 40
+
+SHIM = """#!/bin/sh
+# reconciler {name} hook (installed by `reconcile init-repo`): all logic is in `reconcile hook {name}`.
+exec "$(git config --get reconciler.bin || command -v reconcile)" hook {name}
+"""
+
+
+def shim(name: str) -> str:
+    """The text of hooks/<name>."""
+    return SHIM.format(name=name)
+
+
+def _git_config(repo: pygit2.Repository, key: str, default: str = "") -> str:
+    try:
+        return str(repo.config[key])
+    except KeyError:
+        return default
+
+
+def _push_options() -> set[str]:
+    n = int(os.environ.get("GIT_PUSH_OPTION_COUNT", "0") or 0)
+    return {os.environ.get(f"GIT_PUSH_OPTION_{i}", "") for i in range(n)}
+
+
+def _updates() -> list[tuple[str, str, str]]:
+    out = []
+    for line in sys.stdin.read().splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            out.append((parts[0], parts[1], parts[2]))
+    return out
+
+
+def pre_receive() -> int:
+    """Validate every push to the deploy branch; print reasons to the pusher; 0 accept, 1 reject."""
+    repo = source.open_repo(os.environ.get("GIT_DIR", "."))
+    branch = _git_config(repo, "reconciler.branch", "main")
+    subdir = _git_config(repo, "reconciler.path", "")
+    cfg = load_config()
+    options = _push_options()
+    rejected = False
+    for old, new, ref in _updates():
+        if ref != f"refs/heads/{branch}":
+            continue
+        if new == ZERO:
+            print(f"reconciler: refusing to delete the deploy branch {branch}", file=sys.stderr)
+            rejected = True
+            continue
+        if old != ZERO and not repo.descendant_of(new, old) and new != old:
+            if not (cfg.allow_rewind and "reconcile.allow-rewind" in options):
+                print(f"reconciler: rejected {new[:7]}: it does not descend from {old[:7]} (a force-push back "
+                      f"to an older commit would silently roll the fleet back). Revert with a new commit instead.",
+                      file=sys.stderr)
+                rejected = True
+                continue
+        if cfg.require_signed:
+            try:
+                who = verify_signature(repo, new, cfg.allowed_signers or "/etc/reconciler/allowed_signers")
+                print(f"reconciler: {new[:7]} signed by {who}", file=sys.stderr)
+            except RevisionRefused as e:
+                print(f"reconciler: rejected {new[:7]}: {e.reason}: {e}", file=sys.stderr)
+                rejected = True
+                continue
+        try:
+            state = load.load_desired(source.snapshot(repo, new, subdir))
+        except ConfigError as e:
+            print(f"reconciler: rejected {new[:7]}: invalid desired state ({len(e.problems)} problem"
+                  f"{'s' * (len(e.problems) != 1)}):", file=sys.stderr)
+            for p in e.problems:
+                print(f"  {p}", file=sys.stderr)
+            rejected = True
+            continue
+        except SourceError as e:
+            print(f"reconciler: rejected {new[:7]}: {e}", file=sys.stderr)
+            rejected = True
+            continue
+        n = sum(len(h.services) for h in state.hosts.values())
+        print(f"reconciler: {new[:7]} valid ({len(state.hosts)} hosts, {n} services)", file=sys.stderr)
+    return 1 if rejected else 0
+
+
+def post_receive() -> int:
+    """Ask the daemon to reconcile now; optionally stream its run for the pushed revision."""
+    repo = source.open_repo(os.environ.get("GIT_DIR", "."))
+    branch = _git_config(repo, "reconciler.branch", "main")
+    trigger = Path(_git_config(repo, "reconciler.trigger", str(Path(repo.path) / "reconciler.trigger")))
+    stream = "reconcile.wait" in _push_options() or _git_config(repo, "reconciler.stream") == "true"
+    state_dir = _git_config(repo, "reconciler.statedir", "")
+    timeout = float(_git_config(repo, "reconciler.streamtimeout", "1800"))
+    for _old, new, ref in _updates():
+        if ref != f"refs/heads/{branch}" or new == ZERO:
+            continue
+        trigger.touch()
+        os.utime(trigger)
+        print(f"reconciler: deploy of {new[:7]} requested", flush=True)
+        if stream and state_dir:
+            return _stream(Path(state_dir) / "runs", new, timeout)
+    return 0
+
+
+def _stream(runs: Path, rev: str, timeout: float) -> int:
+    """Print the daemon's log for rev as it grows, until its exit file appears."""
+    log, done = runs / f"{rev}.log", runs / f"{rev}.exit"
+    deadline = time.monotonic() + timeout
+    pos = 0
+    while time.monotonic() < deadline:
+        if log.exists():
+            with open(log) as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        if done.exists() and (not log.exists() or log.stat().st_size <= pos):
+            code = done.read_text().strip()
+            print(f"reconciler: {rev[:7]} finished with exit {code}", flush=True)
+            return 0
+        time.sleep(0.2)
+    print(f"reconciler: stopped waiting for {rev[:7]} after {timeout:.0f}s; see `reconcile status`", flush=True)
+    return 0
+
+
+def init_repo(path: Path, *, branch: str = "main", reconcile_bin: str | None = None,
+              state_dir: str | None = None, stream: bool = False) -> pygit2.Repository:
+    """Create a bare deploy repo with the hooks installed and configured."""
+    repo = pygit2.init_repository(str(path), bare=True, initial_head=branch)
+    hooks = Path(repo.path) / "hooks"
+    hooks.mkdir(exist_ok=True)
+    for name in ("pre-receive", "post-receive"):
+        p = hooks / name
+        p.write_text(shim(name))
+        p.chmod(0o755)
+    exe = reconcile_bin or _reconcile_bin()
+    repo.config["reconciler.bin"] = exe
+    repo.config["reconciler.branch"] = branch
+    repo.config["receive.advertisePushOptions"] = True
+    if state_dir:
+        repo.config["reconciler.statedir"] = state_dir
+    if stream:
+        repo.config["reconciler.stream"] = "true"
+    return repo
+
+
+def _reconcile_bin() -> str:
+    """The `reconcile` executable to put in the hooks: the one next to this Python, else PATH."""
+    beside = Path(sys.executable).parent / "reconcile"
+    if beside.exists():
+        return str(beside)
+    found = subprocess.run(["sh", "-c", "command -v reconcile"], capture_output=True, text=True).stdout.strip()
+    return found or "reconcile"

@@ -1,0 +1,55 @@
+"""Prometheus metrics of the daemon (prometheus-client): runs and durations, per-host health,
+rollbacks, the last applied revision, drift found. Served on 127.0.0.1 by default."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from .plan import State
+from .reconcile import FleetResult
+
+
+class Metrics:
+    """The daemon's series, in a registry of their own."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.runs = Counter("reconciler_runs_total", "Reconcile runs by result", ["result"], registry=r)
+        self.duration = Histogram("reconciler_run_duration_seconds", "Wall time of a reconcile run", registry=r,
+                                  buckets=(0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800))
+        self.healthy = Gauge("reconciler_service_healthy", "1 when the service passed health in its last check",
+                             ["host", "service"], registry=r)
+        self.host_up = Gauge("reconciler_host_reachable", "1 when the last run reached the host", ["host"], registry=r)
+        self.rollbacks = Counter("reconciler_rollbacks_total", "Rollbacks to the last good revision",
+                                 ["host", "service"], registry=r)
+        self.drift = Counter("reconciler_drift_found_total", "Services found edited on the host",
+                             ["host", "service"], registry=r)
+        self.revision = Gauge("reconciler_last_applied_revision_info", "The last applied revision (value 1)",
+                              ["revision"], registry=r)
+        self.last_run = Gauge("reconciler_last_run_timestamp_seconds", "When the last run ended", registry=r)
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def observe_run(self, res: FleetResult, seconds: float) -> None:
+        code = res.exit_code()
+        self.runs.labels({0: "ok", 3: "rolled_back", 4: "host_failed"}.get(code, str(code))).inc()
+        self.duration.observe(seconds)
+        self.last_run.set_to_current_time()
+        self.revision.clear()
+        self.revision.labels(res.revision).set(1)
+        for h in res.hosts:
+            self.host_up.labels(h.host).set(0 if h.reason in ("Unreachable", "HostKeyUnverified") else 1)
+            for name, state in (h.plan.states.items() if h.plan else ()):
+                if state is State.DRIFTED:
+                    self.drift.labels(h.host, name).inc()
+            for e in h.events:
+                if e.outcome is not None:
+                    self.healthy.labels(h.host, e.service).set(1 if e.outcome.healthy else 0)
+                if e.action == "rollback" and e.outcome is not None and e.outcome.healthy:
+                    self.rollbacks.labels(h.host, e.service).inc()
+
+    def run_failed(self, result: str, seconds: float) -> None:
+        self.runs.labels(result).inc()
+        self.duration.observe(seconds)
+        self.last_run.set_to_current_time()

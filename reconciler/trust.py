@@ -1,0 +1,75 @@
+"""Revision safety: never deploy an older revision by accident, and optionally only signed ones.
+
+- `check_descends(repo, last_applied, target)`: a force-push back to an old commit must not
+  silently roll the fleet back; the target must descend from (or equal) the last applied one.
+- `verify_signature(repo, commit, allowed_signers)`: SSH-signed commits (`git commit -S` with
+  gpg.format=ssh), verified with `ssh-keygen -Y find-principals` + `ssh-keygen -Y verify`
+  against an allowed-signers file on the control host.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pygit2
+
+from .errors import ReconcilerError
+
+
+class RevisionRefused(ReconcilerError):
+    """The revision may not be deployed; `reason` is CamelCase."""
+
+    def __init__(self, reason: str, message: str):
+        self.reason = reason
+        super().__init__(message)
+
+
+def check_descends(repo: pygit2.Repository, last_applied: str | None, target: str) -> None:
+    """Raise RevisionRefused when target does not descend from last_applied."""
+    if not last_applied or last_applied == target:
+        return
+    try:
+        last = repo.get(last_applied)
+    except ValueError:
+        last = None
+    if last is None:
+        # The last applied commit is gone from the repo (history rewritten): refuse as well.
+        raise RevisionRefused("NotDescendant", f"last applied revision {last_applied[:7]} is not in the repo "
+                              f"(history rewritten?); refusing {target[:7]} without --allow-rewind")
+    if not repo.descendant_of(target, last_applied):
+        raise RevisionRefused("NotDescendant", f"{target[:7]} does not descend from the last applied revision "
+                              f"{last_applied[:7]} (a force-push back?); refusing without --allow-rewind")
+
+
+def verify_signature(repo: pygit2.Repository, rev: str, allowed_signers: str | Path) -> str:
+    """Return the signer's principal for an SSH-signed commit, or raise RevisionRefused."""
+    commit = repo.revparse_single(rev).peel(pygit2.Commit)
+    short = str(commit.id)[:7]
+    try:
+        sig, payload = commit.gpg_signature
+    except (ValueError, TypeError):
+        sig, payload = None, None
+    if not sig:
+        raise RevisionRefused("Unsigned", f"commit {short} is not signed (require_signed is on)")
+    if b"BEGIN SSH SIGNATURE" not in sig:
+        raise RevisionRefused("UnknownSignature", f"commit {short} has a non-SSH signature; only SSH signatures "
+                              "are verified (ssh-keygen -Y verify)")
+    signers = Path(allowed_signers)
+    if not signers.exists():
+        raise RevisionRefused("NoAllowedSigners", f"allowed_signers file {signers} does not exist")
+    with tempfile.TemporaryDirectory() as d:
+        sig_file = Path(d) / "commit.sig"
+        sig_file.write_bytes(sig)
+        found = subprocess.run(["ssh-keygen", "-Y", "find-principals", "-s", str(sig_file), "-f", str(signers)],
+                               capture_output=True, text=True)
+        principals = [p for p in found.stdout.split() if p]
+        if found.returncode != 0 or not principals:
+            raise RevisionRefused("UnknownSigner", f"commit {short} is signed by a key not in {signers}")
+        for principal in principals:
+            ok = subprocess.run(["ssh-keygen", "-Y", "verify", "-f", str(signers), "-I", principal, "-n", "git",
+                                 "-s", str(sig_file)], input=payload, capture_output=True)
+            if ok.returncode == 0:
+                return principal
+    raise RevisionRefused("BadSignature", f"commit {short}: signature does not verify against {signers}")
