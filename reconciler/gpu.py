@@ -11,8 +11,9 @@ processes are gone and the memory is back), `stray_holders(facts, ...)` (holders
 the service's) and `kill_strays(t, holders, policy)` ("report" never kills; "kill" sends
 SIGTERM, then SIGKILL after a grace period).
 
-This module needs nothing outside the standard library at run time (the transport is only a
-type), so bench/gpu_gate_device.py can run it on a GPU machine that has no pydantic or asyncssh.
+This module needs nothing outside the standard library: it talks to any object with the shape
+of transport.Transport's `run` (the `Runner` protocol below), so bench/gpu_gate_device.py can
+run it on a GPU machine that has no pydantic or asyncssh.
 """
 
 from __future__ import annotations
@@ -25,12 +26,29 @@ import secrets
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from .errors import ObserveError
 
-if TYPE_CHECKING:
-    from .transport import Transport
+class Result(Protocol):
+    """What a command returns: transport.Completed has this shape."""
+
+    @property
+    def exit_status(self) -> int | None: ...
+
+    @property
+    def stdout(self) -> str: ...
+
+
+class Runner(Protocol):
+    """The part of transport.Transport the gate uses (SSHTransport and LocalTransport fit)."""
+
+    @property
+    def host(self) -> str: ...
+
+    async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
+                  timeout: float | None = 60.0, what: str = "command") -> Result: ...
+
 
 Policy = Literal["report", "kill"]
 POLICIES: tuple[str, ...] = ("report", "kill")
@@ -70,7 +88,8 @@ class Holder:
         mem = f"{self.used_mib} MiB" if self.used_mib is not None else "memory n/a"
         devs = " ".join(self.devices) or "no /dev/nvidia* fds seen"
         unit = f", unit {self.unit}" if self.unit else ""
-        return f"pid {self.pid} ({self.comm}{unit}): {mem}, {devs}"
+        on = f" on GPU {','.join(str(g) for g in self.gpus)}" if self.gpus else ""
+        return f"pid {self.pid} ({self.comm}{unit}): {mem}{on}, {devs}"
 
 
 @dataclass(frozen=True)
@@ -85,6 +104,13 @@ class GpuFacts:
     @property
     def gpu_count(self) -> int:
         return len(self.gpus)
+
+    @property
+    def observed_gpu_count(self) -> int | None:
+        """The GPU count to give preflight.check_host: None when it could not be observed (no
+        nvidia-smi, as on the test fleet, or nvidia-smi failing), so that GPU-count checks are
+        skipped rather than failing every service against 0 GPUs."""
+        return len(self.gpus) if self.has_nvidia_smi and not self.error else None
 
     def holder(self, pid: int) -> Holder | None:
         """The holder with this PID, if it holds the GPUs."""
@@ -120,11 +146,11 @@ T=%(token)s
 printf '%%s BEGIN\n' "$T"
 # One ls over every process's fd directory (no process per fd): "/proc/PID/fd:" headers, then
 # "... N -> /dev/nvidia0" lines. awk keeps, per PID, the distinct /dev/nvidia* targets.
-ls -l /proc/[0-9]*/fd 2>/dev/null | awk '
+ls -l /proc/[0-9]*/fd 2>/dev/null | awk -v P=%(arrow)s '
   /^\/proc\/[0-9]+\/fd:$/ { split($0, a, "/"); pid = a[3]; next }
-  / -> \/dev\/nvidia/ {
-    n = split($0, b, " -> "); dev = b[n]
-    if (!((pid, dev) in seen)) { seen[pid, dev] = 1; devs[pid] = devs[pid] " " dev }
+  index($0, P) {
+    dev = substr($0, index($0, P) + 4); k = pid " " dev
+    if (!(k in seen)) { seen[k] = 1; devs[pid] = devs[pid] " " dev }
   }
   END { for (p in devs) print p devs[p] }' | while read -r pid devs; do
   comm=$(cat "/proc/$pid/comm" 2>/dev/null) || continue
@@ -146,16 +172,24 @@ printf '%%s END\n' "$T"
 """
 
 
-def gpu_command(token: str | None = None) -> tuple[str, str]:
+DEVICE_PREFIX = "/dev/nvidia"
+
+
+def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX) -> tuple[str, str]:
     """The POSIX sh command that reads the GPU state of a host. Returns (command, token).
 
     Lists every process with /dev/nvidia* open (pid, comm, cgroup, device nodes) by scanning
     /proc/*/fd, and where nvidia-smi exists: index, uuid, memory.used, memory.total of each
     GPU, and pid, process_name, used_memory, gpu_uuid of each compute process. Run it as root
-    to see every process's fds (others' /proc/PID/fd are unreadable).
+    to see every process's fds (others' /proc/PID/fd are unreadable). device_prefix is the
+    path prefix of the device nodes (tests point it at a file of their own, since /dev/nvidia*
+    cannot be created on a machine without the driver).
     """
+    if any(c.isspace() for c in device_prefix) or "\\" in device_prefix:
+        raise ValueError("device_prefix must not contain whitespace or backslashes")
     token = token or secrets.token_hex(8)
-    script = _SCRIPT % {"token": token, "query_gpu": QUERY_GPU, "query_apps": QUERY_APPS}
+    script = _SCRIPT % {"token": token, "query_gpu": QUERY_GPU, "query_apps": QUERY_APPS,
+                        "arrow": shlex.quote(" -> " + device_prefix)}
     return f"sh -c {shlex.quote(script)} reconciler-gpu", token
 
 
@@ -201,7 +235,7 @@ def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
     has_smi = False
     gpus: list[Gpu] = []
     procs: dict[int, tuple[str, str | None, tuple[str, ...]]] = {}
-    apps: dict[int, tuple[str, int | None, list[str]]] = {}
+    apps: dict[int, tuple[str, list[int], list[str]]] = {}
     errors: list[str] = []
     gpu_lines: list[str] = []
     ended = False
@@ -236,14 +270,16 @@ def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
                 continue
             # process_name may itself hold commas: pid first, memory and uuid last.
             pid = int(fields[0])
-            uuid = fields[-1] if len(fields) >= 4 else ""
-            mem_field = fields[-2] if len(fields) >= 4 else fields[-1]
-            name = ",".join(fields[1:-2] if len(fields) >= 4 else fields[1:-1])
-            mem = _int(mem_field)
-            prev = apps.get(pid)
-            total = (prev[1] or 0) + (mem or 0) if prev else mem
-            uuids = (prev[2] if prev else []) + ([uuid] if uuid else [])
-            apps[pid] = (name, total if (mem is not None or (prev and prev[1] is not None)) else None, uuids)
+            if len(fields) >= 4:
+                name, mem, uuid = ",".join(fields[1:-2]), _int(fields[-2]), fields[-1]
+            else:
+                name, mem, uuid = ",".join(fields[1:-1]), _int(fields[-1]), ""
+            # One line per (process, GPU): a process on several GPUs gets its memory summed.
+            entry = apps.setdefault(pid, (name, [], []))
+            if mem is not None:
+                entry[1].append(mem)
+            if uuid:
+                entry[2].append(uuid)
         elif kind in ("GRC", "ARC"):
             if payload.strip() != "0":
                 errors.append(f"{'--query-gpu' if kind == 'GRC' else '--query-compute-apps'} "
@@ -267,16 +303,17 @@ def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
         if app and not comm:
             comm = app[0].rsplit("/", 1)[-1]
         holders.append(Holder(
-            pid=pid, comm=comm, devices=devices, used_mib=app[1] if app else None, unit=unit,
+            pid=pid, comm=comm, devices=devices, used_mib=sum(app[1]) if app and app[1] else None, unit=unit,
             gpus=tuple(sorted({by_uuid[u] for u in (app[2] if app else []) if u in by_uuid}))))
     error = "; ".join(errors[:3]) if has_smi and errors else None
     return GpuFacts(has_nvidia_smi=has_smi, gpus=sorted(gpus, key=lambda g: g.index),
                     holders=holders, error=error)
 
 
-async def gpu_facts(t: Transport, *, timeout: float = 30.0) -> GpuFacts:
-    """Read and parse the GPU state of the host behind a transport."""
-    cmd, token = gpu_command()
+async def gpu_facts(t: Runner, *, timeout: float = 30.0,
+                    device_prefix: str = DEVICE_PREFIX) -> GpuFacts:
+    """Read and parse the GPU state of the host behind a transport (one command)."""
+    cmd, token = gpu_command(device_prefix=device_prefix)
     res = await t.run(cmd, timeout=timeout, what="GPU check")
     return parse_gpu(res.stdout, token, t.host)
 
@@ -290,9 +327,10 @@ def released(facts: GpuFacts, *, pids: set[int] | None, max_used_mib: int,
     return not facts.used_over(max_used_mib, gpus)
 
 
-async def wait_released(t: Transport, *, pids: set[int] | None = None, timeout: float,
+async def wait_released(t: Runner, *, pids: set[int] | None = None, timeout: float,
                         poll: float = 0.25, max_used_mib: int = 1024,
-                        gpus: set[int] | None = None) -> tuple[bool, GpuFacts, float]:
+                        gpus: set[int] | None = None,
+                        device_prefix: str = DEVICE_PREFIX) -> tuple[bool, GpuFacts, float]:
     """After a stop: wait (at most timeout seconds) until the GPUs are free again.
 
     Free: none of pids is still a holder, and memory.used is below max_used_mib on every GPU
@@ -301,7 +339,7 @@ async def wait_released(t: Transport, *, pids: set[int] | None = None, timeout: 
     """
     start = time.monotonic()
     while True:
-        facts = await gpu_facts(t, timeout=max(5.0, min(30.0, timeout)))
+        facts = await gpu_facts(t, timeout=max(5.0, min(30.0, timeout)), device_prefix=device_prefix)
         waited = time.monotonic() - start
         if released(facts, pids=pids, max_used_mib=max_used_mib, gpus=gpus):
             return True, facts, waited
@@ -326,10 +364,11 @@ def stray_holders(facts: GpuFacts, service_pids: set[int],
 class KillOutcome:
     """What kill_strays did to one holder: reported (policy report), terminated (exited after
     SIGTERM), killed (needed SIGKILL), gone (had exited already, or its PID now belongs to
-    another program), or survived (still there after SIGKILL)."""
+    another program), survived (still there after SIGKILL) or failed (the signal could not be
+    sent, e.g. not permitted)."""
 
     holder: Holder
-    outcome: Literal["reported", "terminated", "killed", "gone", "survived"]
+    outcome: Literal["reported", "terminated", "killed", "gone", "survived", "failed"]
 
 
 def _alive_script(pids: list[int]) -> str:
@@ -339,14 +378,19 @@ def _alive_script(pids: list[int]) -> str:
             f"[ -n \"$s\" ] && [ \"$s\" != Z ] && echo $p; done; true")
 
 
-async def _alive(t: Transport, pids: list[int]) -> set[int]:
+async def _alive(t: Runner, pids: list[int]) -> set[int]:
     if not pids:
         return set()
     res = await t.run(_alive_script(pids), timeout=15, what="GPU holder check")
     return {int(x) for x in res.stdout.split() if x.isdigit()}
 
 
-async def kill_strays(t: Transport, holders: list[Holder], policy: str = "report", *,
+def _marked(stdout: str, mark: str) -> set[int]:
+    return {int(p) for m, _, p in (line.partition(" ") for line in stdout.splitlines())
+            if m == mark and p.strip().isdigit()}
+
+
+async def kill_strays(t: Runner, holders: list[Holder], policy: str = "report", *,
                       grace: float = 10.0, poll: float = 0.25) -> list[KillOutcome]:
     """Deal with stray GPU holders according to the service's policy.
 
@@ -360,10 +404,12 @@ async def kill_strays(t: Transport, holders: list[Holder], policy: str = "report
         return [KillOutcome(h, "reported") for h in holders]
     # Signal only a PID whose comm is still the one observed (PIDs get reused).
     term = "; ".join(
-        f"[ \"$(cat /proc/{h.pid}/comm 2>/dev/null)\" = {shlex.quote(h.comm)} ] && "
-        f"kill -TERM {h.pid} 2>/dev/null && echo {h.pid}" for h in holders)
+        f"if [ \"$(cat /proc/{h.pid}/comm 2>/dev/null)\" = {shlex.quote(h.comm)} ]; then "
+        f"if kill -TERM {h.pid} 2>/dev/null; then echo S {h.pid}; else echo F {h.pid}; fi; fi"
+        for h in holders)
     res = await t.run(term + "; true", timeout=15, what="SIGTERM stray GPU holders")
-    signalled = {int(x) for x in res.stdout.split() if x.isdigit()}
+    signalled = _marked(res.stdout, "S")
+    failed = _marked(res.stdout, "F")
     deadline = time.monotonic() + grace
     alive = await _alive(t, sorted(signalled))
     while alive and time.monotonic() < deadline:
@@ -381,7 +427,9 @@ async def kill_strays(t: Transport, holders: list[Holder], policy: str = "report
             alive = await _alive(t, sorted(alive))
     out: list[KillOutcome] = []
     for h in holders:
-        if h.pid not in signalled:
+        if h.pid in failed:
+            out.append(KillOutcome(h, "failed"))
+        elif h.pid not in signalled:
             out.append(KillOutcome(h, "gone"))
         elif h.pid in alive:
             out.append(KillOutcome(h, "survived"))

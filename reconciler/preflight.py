@@ -63,7 +63,7 @@ import re
 import secrets
 import shlex
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol
 
@@ -364,9 +364,11 @@ def _locate_server(tokens: list[str], env: dict[str, str]) -> tuple[Server | Non
             i += 1
             continue
         if base in _SHELLS:
-            # sh -c "script": read the script (the usual `exec python -m ...`) as the command.
-            if "-c" in tokens[i + 1:]:
-                c = tokens.index("-c", i + 1)
+            # sh -c "script" (or -lc, -ec): the script, usually `exec python -m ...`, is the
+            # command.
+            c = next((j for j in range(i + 1, len(tokens))
+                      if re.match(r"^-[a-z]*c[a-z]*$", tokens[j])), None)
+            if c is not None:
                 if c + 1 < len(tokens):
                     try:
                         inner = shlex.split(tokens[c + 1])
@@ -375,18 +377,7 @@ def _locate_server(tokens: list[str], env: dict[str, str]) -> tuple[Server | Non
                     return _locate_server(inner, env)
             return None, []
         if _PYTHON.match(base):
-            if "-m" in tokens[i + 1:]:
-                j = tokens.index("-m", i + 1)
-                module = tokens[j + 1] if j + 1 < len(tokens) else ""
-                if module.startswith("sglang.launch_server"):
-                    return "sglang", tokens[j + 2:]
-                if module.startswith("vllm.entrypoints.openai.api_server"):
-                    return "vllm", tokens[j + 2:]
-                if module == "sglang" and tokens[j + 2:j + 3] == ["serve"]:
-                    return "sglang", tokens[j + 3:]
-                if module in ("vllm", "vllm.entrypoints.cli.main") and tokens[j + 2:j + 3] == ["serve"]:
-                    return "vllm", tokens[j + 3:]
-            return None, []
+            return _python_entry(tokens[i + 1:])
         if base == "sglang" and tokens[i + 1:i + 2] == ["serve"]:
             return "sglang", tokens[i + 2:]
         if base == "vllm" and tokens[i + 1:i + 2] == ["serve"]:
@@ -396,6 +387,35 @@ def _locate_server(tokens: list[str], env: dict[str, str]) -> tuple[Server | Non
         if base in ("sglang", "vllm"):
             return None, []
         i += 1          # a wrapper (numactl, taskset, ...) or one of its options
+    return None, []
+
+
+def _python_entry(args: list[str]) -> tuple[Server | None, list[str]]:
+    """`python3 [options] -m module ...` or `python3 [options] path/to/sglang/launch_server.py`."""
+    j = 0
+    while j < len(args):
+        tok = args[j]
+        if tok == "-m":
+            module, rest = (args[j + 1] if j + 1 < len(args) else ""), args[j + 2:]
+            if module == "sglang.launch_server":
+                return "sglang", rest
+            if module == "vllm.entrypoints.openai.api_server":
+                return "vllm", rest
+            if module == "sglang" and rest[:1] == ["serve"]:
+                return "sglang", rest[1:]
+            if module in ("vllm", "vllm.entrypoints.cli.main") and rest[:1] == ["serve"]:
+                return "vllm", rest[1:]
+            return None, []
+        if tok in ("-X", "-W"):
+            j += 2                   # options of python itself that take a value
+        elif tok.startswith("-"):
+            j += 1
+        else:                        # a script: python stops reading its own options here
+            if tok.endswith("sglang/launch_server.py"):
+                return "sglang", args[j + 1:]
+            if tok.endswith("vllm/entrypoints/openai/api_server.py"):
+                return "vllm", args[j + 1:]
+            return None, []
     return None, []
 
 
@@ -896,8 +916,8 @@ def load_rules(snap: SnapshotLike | None = None) -> RuleSet:
     origin: dict[str, str] = {}
     models: list[ModelEntry] = []
     disabled: dict[str, str] = {}
-    for file, data in _package_files():
-        parsed = parse_rule_file(data, file)     # a broken shipped file is a bug: raise
+    for file, shipped_data in _package_files():
+        parsed = parse_rule_file(shipped_data, file)     # a broken shipped file is a bug: raise
         for r in parsed.rule:
             rules[r.id] = r
             origin[r.id] = file
@@ -1155,8 +1175,9 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> str | None:
     for _, section in _sections(config):
         for key in ("quantization_config", "compression_config"):
             q = section.get(key)
-            if isinstance(q, Mapping) and isinstance(q.get("quant_method"), str) and q["quant_method"]:
-                return q["quant_method"].lower().replace("compressed_tensors", "compressed-tensors")
+            method = q.get("quant_method") if isinstance(q, Mapping) else None
+            if isinstance(method, str) and method:
+                return method.lower().replace("compressed_tensors", "compressed-tensors")
     return None
 
 
@@ -1200,7 +1221,7 @@ def check_service(svc: ServiceSpec, *, rules: RuleSet, model_config: Mapping[str
             f = evaluate_rule(rule, svc, cmd, info)
             if f is not None:
                 findings.append(f)
-    builtins = (
+    builtins: tuple[tuple[str, Callable[[], list[Finding]]], ...] = (
         ("tp-exceeds-gpus", lambda: _check_gpu_count(svc, cmd, gpu_count)),
         ("sglang-dp-attention-tp-divisible", lambda: _check_dp_attention(svc, cmd)),
         ("vllm-tp-divides-attention-heads", lambda: _check_heads(svc, cmd, info)),
@@ -1210,9 +1231,6 @@ def check_service(svc: ServiceSpec, *, rules: RuleSet, model_config: Mapping[str
         if rules.enabled(rule_id):
             findings.extend(run())
     return findings
-
-
-ALL_GPUS = None   # a claim of every GPU on the host (CUDA_VISIBLE_DEVICES unset)
 
 
 def gpu_claim(cmd: Command) -> frozenset[str] | None:
@@ -1230,7 +1248,7 @@ def gpu_claim(cmd: Command) -> frozenset[str] | None:
             return frozenset(str(p) for p in positions)
         return frozenset(visible[p] for p in positions if p < len(visible))
     if visible is None:
-        return ALL_GPUS
+        return None                  # every GPU of the host
     return frozenset(visible)
 
 
