@@ -24,6 +24,8 @@ import pygit2
 from . import load, source
 from .config import load_config
 from .errors import ConfigError, SourceError
+from .gate import check_desired
+from .preflight import load_rules
 from .trust import RevisionRefused, verify_signature
 
 ZERO = "0" * 40
@@ -91,7 +93,13 @@ def pre_receive() -> int:
                 rejected = True
                 continue
         try:
-            state = load.load_desired(source.snapshot(repo, new, subdir))
+            snap = source.snapshot(repo, new, subdir)
+            state = load.load_desired(snap)
+            problems, warnings = check_desired(state, load_rules(snap))
+            for w in warnings:
+                print(f"reconciler: {w}", file=sys.stderr)
+            if problems:
+                raise ConfigError(problems)
         except ConfigError as e:
             print(f"reconciler: rejected {new[:7]}: invalid desired state ({len(e.problems)} problem"
                   f"{'s' * (len(e.problems) != 1)}):", file=sys.stderr)

@@ -42,6 +42,7 @@ def print_result(console: Console, res: FleetResult) -> None:
     for r in res.hosts:
         print_host(console, r, res.dry_run)
     print_events(console, res)
+    print_rollouts(console, res)
     table = Table(title=f"revision {res.revision[:7]}{' (dry run: nothing changed)' if res.dry_run else ''}",
                   title_justify="left")
     for col in ("host", "address", "result", "detail", "time"):
@@ -67,7 +68,7 @@ def print_config_error(console: Console, err: ConfigError, where: str) -> None:
     console.print(f"[bold red]error:[/] invalid desired state at {escape(where)} "
                   f"({len(err.problems)} problem{'s' * (len(err.problems) != 1)}); nothing was applied", highlight=False)
     for p in err.problems:
-        console.print(f"  {escape(str(p))}", highlight=False)
+        console.print(f"  {escape(str(p))}", highlight=False, soft_wrap=True)
 
 
 class PhaseView:
@@ -148,3 +149,40 @@ def print_history(console: Console, host: str, rows: list[dict]) -> None:
         table.add_row(when, r["service"], r["action"], r["revision"][:7], r["result"], escape(detail),
                       f"{r['seconds']:.1f}s")
     console.print(table)
+
+
+def print_rollouts(console: Console, res: FleetResult) -> None:
+    """Per rollout group: the waves and their hosts (dry run), or how far it got and where it
+    halted, with the journal line that explains the halt. Then any warnings (webhook)."""
+    for ro in res.rollouts:
+        p = ro.plan
+        head = (f"rollout of {p.group.service} (services/{p.group.definition}.toml) at {res.revision[:7]}: "
+                f"{len(p.pending)} of {len(p.members)} hosts restart, {p.policy.describe()} "
+                f"(at most {p.bound} at once)")
+        console.print(f"[bold]{escape(head)}[/]", highlight=False)
+        for w in p.waves:
+            mark = ""
+            if not res.dry_run:
+                mark = ("  halted here" if ro.halted_wave == w.number else
+                        "  not started" if ro.halted_wave is not None and w.number > ro.halted_wave else
+                        "  done" if w.number <= ro.waves_done else "")
+            console.print(f"  wave {w.number}{' (canary)' if w.canary else ''}: {escape(', '.join(w.hosts))}{mark}",
+                          highlight=False)
+        if ro.status == "halted":
+            console.print(f"  [bold red]halted at {escape(ro.halted_at or '?')} (wave {ro.halted_wave}"
+                          f"{', canary' if p.waves[(ro.halted_wave or 1) - 1].canary else ''}): "
+                          f"{escape(ro.reason or '')}[/]", highlight=False)
+            if ro.quote:
+                console.print(f"    journal: {escape(ro.quote)}", highlight=False)
+            if ro.untouched:
+                console.print(f"  not restarted, quarantined at {res.revision[:7]}: {escape(', '.join(ro.untouched))}",
+                              highlight=False)
+        elif ro.status == "done":
+            console.print(f"  [green]done: {len(p.pending)} hosts in {len(p.waves)} waves, {ro.seconds:.1f}s[/]",
+                          highlight=False)
+        if ro.skipped:
+            console.print(f"  skipped (could not be observed): {escape(', '.join(ro.skipped))}", highlight=False)
+    if res.rollouts:
+        console.print()
+    for w in res.warnings:
+        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
