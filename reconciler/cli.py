@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -17,7 +18,9 @@ from rich.console import Console
 
 from . import load, source
 from .errors import ConfigError, SourceError
-from .reconcile import FleetResult, reconcile_fleet, ssh_connector
+from .gate import check_desired
+from .preflight import load_rules
+from .reconcile import FleetResult, reconcile_fleet, select_hosts, ssh_connector
 from .report import PhaseView, print_config_error, print_history, print_result, print_status
 from .status import Store
 
@@ -35,8 +38,13 @@ StateOpt = typer.Option(None, "--state-dir", envvar="RECONCILER_STATE_DIR",
                         help="Where the state store lives (default ~/.local/state/reconciler).")
 
 
-def _console() -> Console:
-    return Console(highlight=False)
+def _console(stderr: bool = False) -> Console:
+    """Rich on a terminal; plain text at least 160 columns wide in logs, pipes and CI (no
+    mid-line wrapping of diffs and journal lines)."""
+    c = Console(highlight=False, stderr=stderr)
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(highlight=False, stderr=stderr, width=160)
+    return c
 
 
 def _load(repo: str, rev: str | None, path: str, cache_dir: Optional[Path]):
@@ -96,9 +104,9 @@ def _fail_input(err: Exception, as_json: bool, where: str) -> None:
             payload["problems"] = [p.__dict__ for p in err.problems]
         print(json.dumps(payload, indent=2))
     elif isinstance(err, ConfigError):
-        print_config_error(Console(stderr=True, highlight=False), err, where)
+        print_config_error(_console(stderr=True), err, where)
     else:
-        Console(stderr=True, highlight=False).print(f"[bold red]error:[/] {err}")
+        _console(stderr=True).print(f"[bold red]error:[/] {err}")
     raise typer.Exit(1)
 
 
@@ -114,6 +122,8 @@ def main_cmd(
                                            help="SSH private key (default: ~/.ssh defaults)."),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Hosts at once (default: fleet.toml, 20)."),
     host: Optional[list[str]] = typer.Option(None, "--host", "-H", help="Only these hosts (repeatable)."),
+    label: Optional[list[str]] = typer.Option(None, "--label", "-l", metavar="KEY=VALUE",
+                                              help="Only hosts with this label (repeatable: all must match)."),
     retry: bool = typer.Option(False, "--retry", help="Re-apply quarantined (failed) service versions once more."),
     cache_dir: Optional[Path] = CacheOpt,
     state_dir: Optional[Path] = StateOpt,
@@ -127,14 +137,15 @@ def main_cmd(
     except (ConfigError, SourceError) as e:
         _fail_input(e, as_json, where)
         return
-    unknown = sorted(set(host or []) - set(state.hosts))
-    if unknown:
-        _fail_input(SourceError(f"unknown host(s) {', '.join(unknown)} at {snap.short} "
-                                f"(known: {', '.join(sorted(state.hosts))})"), as_json, where)
+    try:
+        selected = select_hosts(state, host, label)
+    except SourceError as e:
+        _fail_input(e, as_json, where)
+        return
     console = _console()
-    with PhaseView(Console(stderr=True, highlight=False)) as view:
+    with PhaseView(_console(stderr=True)) as view:
         result = asyncio.run(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
-                                             concurrency=concurrency, hosts=host or None,
+                                             concurrency=concurrency, hosts=selected,
                                              render_at=_renderer(snap), retry=retry, on_phase=view))
     if not dry_run:
         store = Store(state_dir)
@@ -153,9 +164,14 @@ def validate(repo: str = RepoOpt, rev: Optional[str] = RevOpt, path: str = PathO
     """Check the desired state at a revision without contacting any host (exit 0 or 1)."""
     try:
         snap, state = _load(repo, rev, path, cache_dir)
+        problems, warnings = check_desired(state, load_rules(snap))
+        if problems:
+            raise ConfigError(problems)
     except (ConfigError, SourceError) as e:
         _fail_input(e, as_json, f"{repo}@{rev or 'HEAD'}")
         return
+    for w in warnings:
+        Console(stderr=True, highlight=False).print(w)
     n_svc = sum(len(h.services) for h in state.hosts.values())
     if as_json:
         print(json.dumps({"revision": snap.revision, "valid": True, "hosts": len(state.hosts), "services": n_svc}))
