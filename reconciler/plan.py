@@ -251,3 +251,27 @@ def plan_host(desired: HostSpec, facts: HostFacts, revision: str, hold: frozense
         actions.append(Action(Kind.RECORD, f"record revision {short} and inventory"))
     actions.sort(key=lambda a: ORDER[a.kind])
     return HostPlan(desired.name, revision, tuple(actions), states, records, tuple(dropped))
+
+
+def split_for_gate(plan: HostPlan, services: set[str]) -> tuple[HostPlan, HostPlan]:
+    """Split a plan around the GPU gate (pure).
+
+    The first part writes files, reloads and *stops* the given services where the plan would
+    restart them; the second part starts them (and runs every other start, restart, enable and
+    the record). Between the two the caller waits until the old processes have released the GPUs.
+    """
+    from dataclasses import replace
+
+    first: list[Action] = []
+    second: list[Action] = []
+    for a in plan.actions:
+        if a.kind is Kind.RESTART and a.service in services:
+            first.append(Action(Kind.STOP, "stop before the GPU gate", a.service))
+            second.append(Action(Kind.START, a.reason + "; GPUs released", a.service))
+        elif ORDER[a.kind] < ORDER[Kind.ENABLE]:
+            first.append(a)
+        else:
+            second.append(a)
+    first.sort(key=lambda a: ORDER[a.kind])
+    return (replace(plan, actions=tuple(first), records={}, dropped_records=()),
+            replace(plan, actions=tuple(second)))

@@ -117,3 +117,13 @@ def test_secrets_masked_in_diffs():
     text = '+Environment="HF_TOKEN=hf_abcdef"\n+Environment="LOG=info"\n'
     out = mask_secrets(text)
     assert "hf_abcdef" not in out and 'HF_TOKEN=***' in out and "LOG=info" in out
+
+
+def test_split_for_gate_stops_first_then_starts_after_the_gate():
+    old, new = svc(env={"A": "1"}), svc(env={"A": "2"})
+    from reconciler.plan import split_for_gate
+    p = plan_host(host(new), facts_for(old), REV)
+    a, b = split_for_gate(p, {"m"})
+    assert kinds(a) == [("stop", "m"), ("write", "m"), ("daemon-reload", None)]
+    assert kinds(b) == [("start", "m"), ("record", None)]
+    assert a.records == {} and b.records == p.records
