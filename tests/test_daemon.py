@@ -1,0 +1,75 @@
+"""The daemon's loop without hosts: asks coalesce, one run at a time, back-off after failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+from reconciler.config import ControllerConfig
+from reconciler.daemon import Daemon
+
+
+def make(tmp_path, **kw) -> Daemon:
+    cfg = ControllerConfig(repo=str(tmp_path / "nope.git"), state_dir=str(tmp_path / "state"), metrics="", **kw)
+    return Daemon(cfg, interval=60)
+
+
+def test_unreadable_repo_is_a_failed_run_not_a_crash(tmp_path, capsys):
+    d = make(tmp_path)
+    code = asyncio.run(d.run_once())
+    assert code == 1
+    assert "run failed" in capsys.readouterr().out
+
+
+def test_asks_during_a_run_coalesce_into_one_more_run(tmp_path):
+    d = make(tmp_path)
+    runs: list[float] = []
+    active = 0
+    overlap = False
+
+    async def fake_run_once() -> int:
+        nonlocal active, overlap
+        active += 1
+        overlap |= active > 1
+        runs.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(0.2)
+        active -= 1
+        return 0
+
+    async def scenario() -> None:
+        d.run_once = fake_run_once  # type: ignore[method-assign]
+        task = asyncio.create_task(d._runner())
+        d.ask("push")
+        await asyncio.sleep(0.05)          # first run in flight
+        for _ in range(5):
+            d.ask("push")                  # five pushes during it
+        await asyncio.sleep(0.6)
+        d.stopping.set()
+        d.wake.set()
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(scenario())
+    assert len(runs) == 2 and not overlap
+
+
+def test_failed_runs_retry_with_back_off(tmp_path):
+    d = make(tmp_path)
+    d.backoff = 0.05                   # start small so the test takes well under a second
+    times: list[float] = []
+
+    async def failing() -> int:
+        times.append(asyncio.get_running_loop().time())
+        return 4                       # a host failed
+
+    async def scenario() -> None:
+        d.run_once = failing  # type: ignore[method-assign]
+        task = asyncio.create_task(d._runner())
+        d.ask("start")
+        await asyncio.sleep(0.5)
+        d.stopping.set()
+        d.wake.set()
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(scenario())
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert len(times) >= 3                       # retried without any new ask
+    assert all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:]))   # each wait longer than the last
