@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .apply import apply_plan
 from .errors import Problem
-from .gpu import GpuFacts, gpu_command, parse_gpu
-from .preflight import Finding, ModelFacts, RuleSet, check_host, model_check_command, parse_model_check
-from .spec import DesiredState, HostSpec
+from .facts import HostFacts
+from .gpu import GpuFacts, gpu_command, kill_strays, parse_gpu, stray_holders, wait_released
+from .plan import HostPlan, Kind, split_for_gate
+from .preflight import (ModelFacts, RuleSet, check_host, gpu_claim, model_check_command, parse_command,
+                        parse_model_check)
+from .spec import DesiredState, HostSpec, ServiceSpec
 from .transport import Transport
 
 MODEL_RULE_SOURCE = "https://huggingface.co/docs/safetensors (sharded checkpoints: model.safetensors.index.json)"
@@ -78,3 +82,67 @@ async def preflight_host(t: Transport, host: HostSpec, services: set[str], rules
                 f"{name}: model-incomplete: {svc.model.path}: {', '.join(m.problems())}. "
                 f"Fix: finish the download (or set model.fetch) before deploying (source: {MODEL_RULE_SOURCE})")
     return out
+
+
+@dataclass
+class GateResult:
+    """What the GPU gate did: when the apply began (host clock), services it kept from
+    starting (service -> why), and notes (strays found, how long the release took)."""
+
+    applied_at: float | None = None
+    blocked: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _claimed_gpus(svc: ServiceSpec | None, gpu: GpuFacts) -> set[int] | None:
+    """GPU indexes a service claims (CUDA_VISIBLE_DEVICES ids or uuids), or None for all."""
+    if svc is None:
+        return None
+    claim = gpu_claim(parse_command(svc))
+    if claim is None:
+        return None
+    out: set[int] = set()
+    for c in claim:
+        if c.isdigit():
+            out.add(int(c))
+        else:
+            out |= {g.index for g in gpu.gpus if g.uuid == c}
+    return out or None
+
+
+async def gated_apply(t: Transport, plan: HostPlan, facts: HostFacts, host: HostSpec, gpu: GpuFacts | None,
+                      *, timeout: float = 120.0, policy: str = "report") -> GateResult:
+    """Apply a plan; on a host with GPUs, restarts become stop -> GPUs released -> start.
+
+    After the stop it waits (bounded) until the old processes are gone and memory is free on
+    the GPUs the service claims. A stray holder that is not the service's is reported, and
+    killed only when the policy says "kill". If the GPUs stay busy, the service is not started.
+    """
+    restarting = {a.service for a in plan.actions if a.kind is Kind.RESTART and a.service}
+    if gpu is None or not gpu.has_nvidia_smi or not restarting:
+        return GateResult(await apply_plan(t, plan))
+    first, second = split_for_gate(plan, restarting)
+    res = GateResult(await apply_plan(t, first))
+    for name in sorted(restarting):
+        f = facts.services.get(name)
+        pid = int((f.props.get("ExecMainPID", "0") if f else "0") or 0)
+        pids = {pid} if pid else set()
+        gpus = _claimed_gpus(host.services.get(name), gpu)
+        ok, after, waited = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
+        strays = stray_holders(after, pids, {f"{name}.service"})
+        for s in strays:
+            res.notes.append(f"{name}: stray GPU holder pid {s.pid} ({s.comm}, {s.used_mib} MiB)")
+        if not ok and strays and policy == "kill":
+            outcomes = await kill_strays(t, strays, "kill")
+            res.notes += [f"{name}: stray pid {o.holder.pid}: {o.outcome}" for o in outcomes]
+            ok, after, more = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
+            waited += more
+        if ok:
+            res.notes.append(f"{name}: GPUs released {waited:.1f}s after the stop")
+        else:
+            res.blocked[name] = (f"GPUs still busy {waited:.0f}s after stopping {name}: {after.summary()}"
+                                 f" (stray-process policy {policy})")
+    keep = tuple(a for a in second.actions if not (a.kind is Kind.START and a.service in res.blocked))
+    from dataclasses import replace
+    await apply_plan(t, replace(second, actions=keep))
+    return res

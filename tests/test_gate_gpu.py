@@ -1,0 +1,105 @@
+"""The GPU gate in the apply path, on this machine: a real process stands for the old server,
+a fake `nvidia-smi` (a shell script on PATH) reports its memory while it lives, and a local
+transport runs the gate's real shell commands. Apply scripts are recorded, not run (no systemd
+here); stopping the service kills the stand-in process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+
+from reconciler.facts import HostFacts, ServiceFacts
+from reconciler.gate import gated_apply
+from reconciler.gpu import GpuFacts, Gpu
+from reconciler.plan import plan_host, render_env
+from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
+from reconciler.transport import Completed, LocalTransport
+
+FAKE_SMI = """#!/bin/sh
+pid=$(cat {state})
+alive=0; kill -0 "$pid" 2>/dev/null && alive=1
+case "$*" in
+  *query-gpu*) if [ $alive = 1 ]; then echo "0, GPU-aaaa, 21090, 143771"; else echo "0, GPU-aaaa, 0, 143771"; fi ;;
+  *query-compute-apps*) [ $alive = 1 ] && echo "$pid, python3, 21090, GPU-aaaa" ;;
+esac
+exit 0
+"""
+
+
+class GpuHost(LocalTransport):
+    """Runs the gate's reads for real; records apply scripts; 'systemctl stop' kills the old server."""
+
+    def __init__(self, old: subprocess.Popen, path: str):
+        super().__init__("gpuhost")
+        self.old, self.path, self.log = old, path, []
+
+    async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
+        if input is not None and cmd == "sh -s":
+            self.log.append(("apply", input))
+            if "systemctl stop m.service" in input:
+                self.old.terminate()
+                await asyncio.sleep(0.3)      # the process takes a moment to exit and free the GPU
+                self.old.wait()
+            return Completed(0, "@@now 1\n", "")
+        self.log.append(("read", cmd[:40]))
+        return await super().run(f"export PATH={self.path}:$PATH; {cmd}", input=input, check=check,
+                                 timeout=timeout, what=what)
+
+
+def test_restart_on_a_gpu_host_waits_for_release_before_start(tmp_path):
+    old = subprocess.Popen(["sleep", "60"])
+    (tmp_path / "pid").write_text(str(old.pid))
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(FAKE_SMI.format(state=tmp_path / "pid"))
+    smi.chmod(0o755)
+    unit = "[Service]\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /m --tp-size 1\n"
+    new = ServiceSpec("m", unit, {"A": "2"})
+    host = HostSpec("gpuhost", SSHSpec("127.0.0.2"), {"m": new})
+    facts = HostFacts(services={"m": ServiceFacts(
+        "m", unit, render_env({"A": "1"}), {"hash": "old"},
+        {"ActiveState": "active", "ExecMainPID": str(old.pid), "UnitFileState": "enabled"})})
+    plan = plan_host(host, facts, "a" * 40)
+    gpu = GpuFacts(has_nvidia_smi=True, gpus=[Gpu(0, 21090, 143771, "GPU-aaaa")], holders=[])
+    t = GpuHost(old, str(smi.parent))
+    try:
+        res = asyncio.run(gated_apply(t, plan, facts, host, gpu, timeout=10))
+    finally:
+        if old.poll() is None:
+            old.kill()
+    kinds = [k for k, _ in t.log]
+    assert kinds[0] == "apply" and "systemctl stop m.service" in t.log[0][1]
+    assert "systemctl restart" not in t.log[0][1] and "systemctl start m.service" not in t.log[0][1]
+    assert kinds[-1] == "apply" and "systemctl start m.service" in t.log[-1][1]
+    assert "read" in kinds[1:-1]                      # the gate polled between stop and start
+    assert res.blocked == {} and any("GPUs released" in n for n in res.notes)
+
+
+def test_gpus_that_stay_busy_keep_the_service_from_starting(tmp_path):
+    old = subprocess.Popen(["sleep", "60"])
+    stray = subprocess.Popen(["sleep", "60"])          # not the service's: never stopped
+    (tmp_path / "pid").write_text(str(stray.pid))
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(FAKE_SMI.format(state=tmp_path / "pid"))
+    smi.chmod(0o755)
+    unit = "[Service]\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /m\n"
+    host = HostSpec("gpuhost", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", unit, {"A": "2"})})
+    facts = HostFacts(services={"m": ServiceFacts(
+        "m", unit, render_env({"A": "1"}), {"hash": "old"},
+        {"ActiveState": "active", "ExecMainPID": str(old.pid), "UnitFileState": "enabled"})})
+    plan = plan_host(host, facts, "a" * 40)
+    gpu = GpuFacts(has_nvidia_smi=True, gpus=[Gpu(0, 21090, 143771, "GPU-aaaa")], holders=[])
+    t = GpuHost(old, str(smi.parent))
+    try:
+        res = asyncio.run(gated_apply(t, plan, facts, host, gpu, timeout=1.5))
+        stray_alive = stray.poll() is None
+    finally:
+        for p in (old, stray):
+            if p.poll() is None:
+                p.kill()
+    assert "m" in res.blocked and "busy" in res.blocked["m"]
+    assert any(f"stray GPU holder pid {stray.pid}" in n for n in res.notes)
+    assert stray_alive                                 # policy "report": reported, never killed
+    assert "systemctl start m.service" not in t.log[-1][1]
