@@ -2,7 +2,7 @@
 
 The repository layout (desired-state/README.md documents it for users)::
 
-    fleet.toml               optional: [ssh] and [health] defaults, concurrency
+    fleet.toml               optional: [ssh], [health] and [rollout] defaults, [notify], concurrency
     known_hosts              named by fleet.toml ssh.known_hosts
     hosts/<host>.toml        one per host: address, labels, [ssh], [services.<name>]
     services/<def>.toml      shared service definitions, merged under `use = "<def>"`
@@ -12,8 +12,9 @@ Loading is all-or-nothing: every problem in every file is collected (file, dotte
 expected) and raised together as one ConfigError, so a bad commit is rejected before anything is
 applied anywhere. Nothing here does I/O other than snap.read and snap.list.
 
-Merging, lowest layer first: fleet.toml [health] < services/<def>.toml < the host's table.
-env, vars, model and health merge key by key; unit and unit_file replace each other as a pair.
+Merging, lowest layer first: fleet.toml [health]/[rollout] < services/<def>.toml < the host's
+table. env, vars, model, health and rollout merge key by key; unit and unit_file replace each
+other as a pair. The hosts that share a definition must end with one rollout policy.
 Placeholders {host.name} {host.address} {service.name} {model.id} {model.path} {vars.<name>}
 are substituted in the unit text, env values, vars and health.http; any other brace (systemd's
 ${VAR}, %i, JSON) passes through untouched.
@@ -36,7 +37,8 @@ from pydantic import BaseModel, ValidationError
 
 from . import schema
 from .errors import ConfigError, Problem
-from .spec import DesiredState, FleetSettings, HealthSpec, HostSpec, ModelSpec, ServiceSpec, SSHSpec
+from .spec import (DesiredState, FleetSettings, HealthSpec, HostSpec, ModelSpec, NotifySpec, RolloutPolicy,
+                   ServiceSpec, SSHSpec)
 
 FLEET_FILE = "fleet.toml"
 HOSTS_DIR = "hosts"
@@ -262,6 +264,16 @@ class _Merged:
     vars: dict[str, tuple[str, _At]] = field(default_factory=dict)
     model: dict[str, tuple[str, _At]] = field(default_factory=dict)
     health: dict[str, tuple[Any, _At]] = field(default_factory=dict)
+    rollout: dict[str, tuple[Any, _At]] = field(default_factory=dict)
+
+    def add_rollout(self, table: schema.RolloutTable | None, file: str, prefix: tuple[str, ...]) -> None:
+        if table is None:
+            return
+        for name, value in table.model_dump(exclude_none=True).items():
+            self.rollout[name] = (value, _At(file, dotted(*prefix, "rollout", name)))
+
+    def policy(self) -> RolloutPolicy:
+        return RolloutPolicy(**{k: v for k, (v, _) in self.rollout.items()})
 
     def add_health(self, table: schema.HealthTable | None, file: str, prefix: tuple[str, ...]) -> None:
         if table is None:
@@ -286,6 +298,7 @@ class _Merged:
             for k, v in table.model.model_dump(exclude_none=True).items():
                 self.model[k] = (v, _At(file, dotted(*prefix, "model", k)))
         self.add_health(table.health, file, prefix)
+        self.add_rollout(table.rollout, file, prefix)
 
 
 # ---- placeholders ---------------------------------------------------------------------------
@@ -353,19 +366,43 @@ class _Loader:
         self.snap = snap
         self.problems = _Problems()
         self._units: dict[str, str | None] = {}  # unit files read so far; None: unusable
+        # (service, definition) -> [(host file, the host's own rollout key or None, policy,
+        # the policy without the host's layer)], to check that a rollout group has one policy.
+        self._rollouts: dict[tuple[str, str], list[tuple[str, _At | None, RolloutPolicy, RolloutPolicy]]] = {}
 
     def load(self) -> DesiredState:
         fleet = self._load_fleet()
         known_hosts = self._load_known_hosts(fleet)
         definitions = self._load_definitions()
         hosts = self._load_hosts(fleet, known_hosts, definitions)
+        self._check_rollout_groups()
         if self.problems:
             raise ConfigError(self.problems.result())
+        notify = None
+        if fleet.notify is not None:
+            notify = NotifySpec(webhook=fleet.notify.webhook, format=fleet.notify.format,
+                                **({"timeout": fleet.notify.timeout} if fleet.notify.timeout is not None else {}))
         return DesiredState(
             revision=self.snap.revision,
             hosts=hosts,
-            settings=FleetSettings(concurrency=fleet.concurrency),
+            settings=FleetSettings(concurrency=fleet.concurrency, notify=notify),
         )
+
+    def _check_rollout_groups(self) -> None:
+        """The hosts that share a definition roll out as one group, so under one policy: a host
+        whose own `rollout` makes its policy differ from the others' is an error (the fleet would
+        otherwise have to pick one silently)."""
+        for (service, definition), entries in self._rollouts.items():
+            if len({policy for _, _, policy, _ in entries}) < 2:
+                continue
+            for _, at, policy, base in entries:
+                if at is not None and policy != base:
+                    self.problems.add(
+                        at.file, at.key,
+                        f"this host's policy ({policy.describe()}) differs from the other hosts using "
+                        f"services/{definition}.toml ({base.describe()}): the hosts that share a definition "
+                        f"roll out {service} as one group under one policy; set rollout in "
+                        f"services/{definition}.toml")
 
     # -- files --
 
@@ -581,6 +618,7 @@ class _Loader:
 
         merged = _Merged()
         merged.add_health(fleet.health, FLEET_FILE, ())
+        merged.add_rollout(fleet.rollout, FLEET_FILE, ())
         sources = [host_file]
         def_file = None
         if table.use is not None:
@@ -601,7 +639,14 @@ class _Loader:
         if table.unit is not None and table.unit_file is not None:
             self.problems.add(host_file, dotted(*prefix, "unit"), "set either unit or unit_file, not both")
             return None
+        base_policy = merged.policy()
         merged.add_layer(table, host_file, prefix)
+        host_rollout = _At(host_file, dotted(*prefix, "rollout")) if table.rollout is not None else None
+        if host_rollout is not None and table.use is None:
+            self.problems.add(
+                host_rollout.file, host_rollout.key,
+                "has no effect here: only a service that uses a shared definition (`use`) rolls out in "
+                "waves over the hosts that share it; set rollout in services/<definition>.toml")
 
         # The unit.
         text: str | None = None
@@ -668,6 +713,9 @@ class _Loader:
 
         if unit_text is None or self.problems.count != problems_before:
             return None
+        policy = merged.policy()
+        if table.use is not None:
+            self._rollouts.setdefault((name, table.use), []).append((host_file, host_rollout, policy, base_policy))
         return ServiceSpec(
             name=name,
             unit_text=unit_text,
@@ -676,6 +724,7 @@ class _Loader:
             model=model,
             source=" + ".join(sources),
             definition=table.use,
+            rollout=policy,
         )
 
     def _render_value(self, value: str, at: _At, ctx: _Context, host_file: str, use: _Use) -> str:

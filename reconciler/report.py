@@ -45,8 +45,13 @@ def print_result(console: Console, res: FleetResult) -> None:
     print_rollouts(console, res)
     table = Table(title=f"revision {res.revision[:7]}{' (dry run: nothing changed)' if res.dry_run else ''}",
                   title_justify="left")
+    # A long detail must not squeeze the other columns to nothing: cap it at what they leave.
+    others = sum(max([len(col)] + [len(v) for v in values]) for col, values in (
+        ("host", [r.host for r in res.hosts]), ("address", [r.address for r in res.hosts]),
+        ("result", [r.status for r in res.hosts]), ("time", ["000.00s"])))
     for col in ("host", "address", "result", "detail", "time"):
-        table.add_column(col, overflow="ellipsis", no_wrap=col == "detail")
+        table.add_column(col, overflow="ellipsis", no_wrap=col == "detail",
+                         max_width=max(20, console.width - others - 16) if col == "detail" else None)
     for r in res.hosts:
         detail = (f"{r.reason}: {r.message}" if r.reason
                   else r.plan.summary() if r.plan else "")

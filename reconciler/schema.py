@@ -19,6 +19,7 @@ import re
 import struct
 from collections.abc import Callable
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator
 from pydantic_core import PydanticCustomError
@@ -108,7 +109,28 @@ def _seconds(*, allow_zero: bool) -> PlainValidator:
     return _checked(check)
 
 
+def _max_unavailable(value: Any) -> int | str:
+    # A count, or a percentage of the group's hosts. Integer percentages only: "12.5%" would
+    # suggest a precision that rounding to whole hosts does not have.
+    expected = 'an integer >= 1 or a percentage 1-100 like "25%"'
+    if isinstance(value, bool):
+        raise _fail(expected, value)
+    if isinstance(value, int):
+        if value >= 1:
+            return value
+        raise _fail(expected, value)
+    if isinstance(value, str):
+        m = _PERCENT.match(value)
+        if m and 1 <= int(m.group(1)) <= 100:
+            return f"{int(m.group(1))}%"
+    raise _fail(expected, value)
+
+
+_PERCENT = re.compile(r"^([0-9]{1,3})%$")
+
 Port = Annotated[int, _int_in(1, 65535, "an integer 1-65535")]
+Canary = Annotated[int, _int_in(0, None, "an integer >= 0")]
+MaxUnavailable = Annotated[int | str, _checked(_max_unavailable)]
 Concurrency = Annotated[int, _int_in(1, None, "an integer >= 1")]
 HttpStatus = Annotated[int, _int_in(100, 599, "an HTTP status code 100-599")]
 PositiveSeconds = Annotated[float, _seconds(allow_zero=False)]
@@ -229,6 +251,27 @@ def _http_template(value: Any) -> str:
     return value
 
 
+def _webhook(value: Any) -> str:
+    expected = "an http:// or https:// URL with a host, like 'http://127.0.0.1:9000/hooks/deploys'"
+    if not isinstance(value, str) or _WHITESPACE_OR_CONTROL.search(value):
+        raise _fail("an http:// or https:// URL", value, secret=True)
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 -- raises ValueError for a bad port
+    except ValueError:
+        raise _fail(expected, value, secret=True) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        # The URL may carry a token (Slack's does): name its kind, never its text.
+        raise PydanticCustomError("expected", f"expected {expected}; the value is not shown")
+    return value
+
+
+def _notify_format(value: Any) -> str:
+    if value not in ("json", "slack"):
+        raise _fail("'json' or 'slack'", value)
+    return str(value)
+
+
 ServiceName = Annotated[
     str,
     _pattern(
@@ -254,6 +297,8 @@ SingleLine = Annotated[str, _checked(_single_line)]
 ModelId = Annotated[str, _no_space("a model id without whitespace, like 'Qwen/Qwen3-8B'")]
 ModelPath = Annotated[str, _no_space("an absolute path without whitespace, like '/models/Qwen3-8B'", absolute=True)]
 HttpTemplate = Annotated[str, _checked(_http_template)]
+Webhook = Annotated[str, _checked(_webhook)]
+NotifyFormat = Annotated[str, _checked(_notify_format)]
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -276,6 +321,22 @@ class HealthTable(Table):
     body_contains: SingleLine | None = None
 
 
+class RolloutTable(Table):
+    """rollout = { canary, max_unavailable } in fleet.toml [rollout], a definition or a service;
+    unset keys fall through to the layer below."""
+
+    canary: Canary | None = None
+    max_unavailable: MaxUnavailable | None = None
+
+
+class NotifyTable(Table):
+    """[notify] in fleet.toml: a webhook for rollout events."""
+
+    webhook: Webhook
+    format: NotifyFormat = "json"
+    timeout: PositiveSeconds | None = None
+
+
 class ModelTable(Table):
     """model = { id, path, architecture }; id and path are required once merged."""
 
@@ -293,6 +354,7 @@ class ServiceDefinition(Table):
     model: ModelTable | None = None
     vars: dict[VarName, VarValue] = Field(default_factory=dict)
     health: HealthTable | None = None
+    rollout: RolloutTable | None = None
 
 
 class ServiceTable(ServiceDefinition):
@@ -332,3 +394,5 @@ class FleetFile(Table):
     ssh: FleetSSH = Field(default_factory=FleetSSH)
     health: HealthTable = Field(default_factory=HealthTable)
     concurrency: Concurrency = 20
+    rollout: RolloutTable = Field(default_factory=RolloutTable)
+    notify: NotifyTable | None = None

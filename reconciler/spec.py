@@ -24,6 +24,45 @@ class HealthSpec:
 
 
 @dataclass(frozen=True)
+class RolloutPolicy:
+    """How a change to a shared service definition spreads over the hosts that use it.
+
+    canary: how many hosts restart first, alone (0: no canary wave).
+    max_unavailable: at most this many hosts of the group restart at once: a count (int >= 1)
+    or a percentage of the hosts that run the service ("25%"), rounded down but at least 1.
+    A host counts as unavailable from the moment its service stops until it is healthy again;
+    each wave waits for the health of all its hosts, so the wave size is the bound.
+    """
+
+    canary: int = 1
+    max_unavailable: int | str = "25%"
+
+    def bound(self, members: int) -> int:
+        """max_unavailable as a number of hosts, for a group of `members` hosts (>= 1)."""
+        if isinstance(self.max_unavailable, str):
+            percent = int(self.max_unavailable.rstrip("%"))
+            return max(1, members * percent // 100)
+        return max(1, self.max_unavailable)
+
+    def describe(self) -> str:
+        """The policy as TOML would spell it: 'canary = 1, max_unavailable = "25%"'."""
+        mu = f'"{self.max_unavailable}"' if isinstance(self.max_unavailable, str) else str(self.max_unavailable)
+        return f"canary = {self.canary}, max_unavailable = {mu}"
+
+
+@dataclass(frozen=True)
+class NotifySpec:
+    """Where rollout events go: a webhook URL (POST), in generic JSON or Slack's shape.
+
+    The URL may hold a token (Slack's does): it is never printed whole.
+    """
+
+    webhook: str
+    format: str = "json"             # "json" | "slack"
+    timeout: float = 5.0             # seconds per request; a slow webhook never holds a deploy
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """The model a service serves: its hub id and where it lives on the host."""
 
@@ -48,6 +87,7 @@ class ServiceSpec:
     model: ModelSpec | None = None
     source: str = ""                 # repo file(s) it was defined in, for messages
     definition: str | None = None    # name of the shared services/<definition>.toml, if any
+    rollout: RolloutPolicy = field(default_factory=RolloutPolicy)   # used when definition is set
 
     def content_hash(self) -> str:
         """A stable digest of everything that, when changed, requires a restart."""
@@ -86,6 +126,7 @@ class FleetSettings:
     """Fleet-wide settings from fleet.toml that are not per-host defaults."""
 
     concurrency: int = 20
+    notify: NotifySpec | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,335 @@
+"""Rollouts, pure parts: waves (tables), groups, the halt's reach, policy loading, selectors,
+and the webhook notifier (against a real HTTP server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from reconciler.errors import ConfigError, SourceError
+from reconciler.load import MemorySnapshot, load_desired
+from reconciler.notify import Notifier, slack_text, where
+from reconciler.reconcile import HostResult, ServiceEvent, merge_result, select_hosts
+from reconciler.rollout import GroupKey, Halt, natural_key, order_hosts, plan_rollouts, plan_waves, quarantine_cover
+from reconciler.spec import DesiredState, NotifySpec, RolloutPolicy
+
+# ---- waves ----------------------------------------------------------------------------------
+
+
+def hosts(n: int) -> list[str]:
+    return [f"h{i}" for i in range(1, n + 1)]
+
+
+@pytest.mark.parametrize("pending, labels, policy, members, want", [
+    # the issue's case: six hosts, canary 1, at most 2 at once
+    (hosts(6), {}, RolloutPolicy(1, 2), 6, [["h1"], ["h2", "h3"], ["h4", "h5"], ["h6"]]),
+    # default policy: 25% of 6 is 1.5 -> 1
+    (hosts(6), {}, RolloutPolicy(), 6, [["h1"], ["h2"], ["h3"], ["h4"], ["h5"], ["h6"]]),
+    # 30 hosts, max_unavailable 10: canary, then 10, 10, 9
+    (hosts(30), {}, RolloutPolicy(1, 10), 30, [["h1"], hosts(11)[1:], [f"h{i}" for i in range(12, 22)],
+                                               [f"h{i}" for i in range(22, 31)]]),
+    # all at once
+    (hosts(5), {}, RolloutPolicy(0, "100%"), 5, [hosts(5)]),
+    # canary with everything else at once
+    (hosts(5), {}, RolloutPolicy(1, "100%"), 5, [["h1"], ["h2", "h3", "h4", "h5"]]),
+    # labelled canaries go first, in name order; then the rest in natural order (h2 < h10)
+    (["h10", "h2", "h3", "h9"], {"h9": {"canary": "true"}, "h3": {"canary": "true"}}, RolloutPolicy(2, 1), 4,
+     [["h3"], ["h9"], ["h2"], ["h10"]]),
+    # more canaries than the bound: several canary waves
+    (hosts(4), {}, RolloutPolicy(3, 2), 4, [["h1", "h2"], ["h3"], ["h4"]]),
+    # a percentage counts every member, not only the pending ones: 50% of 8 is 4
+    (hosts(3), {}, RolloutPolicy(0, "50%"), 8, [["h1", "h2", "h3"]]),
+    # canary "true" only: another value is no canary
+    (hosts(3), {"h3": {"canary": "yes"}}, RolloutPolicy(1, 1), 3, [["h1"], ["h2"], ["h3"]]),
+    # one host to restart: no waves; none: no waves
+    (["h1"], {}, RolloutPolicy(), 6, []),
+    ([], {}, RolloutPolicy(), 6, []),
+])
+def test_plan_waves(pending, labels, policy, members, want) -> None:
+    waves = plan_waves(pending, labels, policy, members)
+    assert [list(w.hosts) for w in waves] == want
+    assert [w.number for w in waves] == list(range(1, len(want) + 1))
+    assert all(len(w.hosts) <= policy.bound(members) for w in waves)
+    n_canary = min(policy.canary, len(pending)) if len(pending) >= 2 else 0
+    assert sum(len(w.hosts) for w in waves if w.canary) == n_canary
+
+
+@pytest.mark.parametrize("mu, members, bound", [
+    (1, 6, 1), (2, 6, 2), (10, 3, 10), ("25%", 6, 1), ("25%", 50, 12), ("100%", 30, 30), ("1%", 30, 1),
+    ("50%", 3, 1), ("34%", 3, 1), ("67%", 3, 2),
+])
+def test_bound(mu, members, bound) -> None:
+    assert RolloutPolicy(1, mu).bound(members) == bound
+
+
+def test_natural_order() -> None:
+    assert sorted(["gpu-10", "gpu-2", "gpu-1", "a"], key=natural_key) == ["a", "gpu-1", "gpu-2", "gpu-10"]
+    assert order_hosts(["b", "a", "c"], {"c": {"canary": "true"}}) == ["c", "a", "b"]
+
+
+# ---- groups from a loaded desired state -----------------------------------------------------
+
+UNIT = "[Service]\nExecStart=/bin/server --host {host.address} --port {vars.port}\n"
+
+
+def repo(n: int = 4, fleet: str = "", definition_extra: str = "", host_extra: dict[int, str] | None = None,
+         labels: dict[int, str] | None = None) -> dict[str, str]:
+    files = {
+        "fleet.toml": fleet,
+        "units/s.service": UNIT,
+        "services/shared.toml": 'unit_file = "units/s.service"\nvars = { port = "30000" }\n' + definition_extra,
+        "services/other.toml": 'unit_file = "units/s.service"\nvars = { port = "30001" }\n',
+    }
+    for i in range(1, n + 1):
+        lab = f"labels = {{ {labels[i]} }}\n" if labels and i in labels else ""
+        files[f"hosts/h{i}.toml"] = (f'address = "127.0.0.{100 + i}"\n{lab}'
+                                     f'[services.m]\nuse = "shared"\n{(host_extra or {}).get(i, "")}'
+                                     f'[services.o]\nuse = "other"\n'
+                                     f'[services.solo]\nunit_file = "units/s.service"\nvars = {{ port = "30002" }}\n')
+    return files
+
+
+def load(files: dict[str, str]) -> DesiredState:
+    return load_desired(MemorySnapshot(files, revision="cd" * 20))
+
+
+def problems(files: dict[str, str]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load(files)
+    return [str(p) for p in info.value.problems]
+
+
+def test_groups_are_per_service_and_definition() -> None:
+    state = load(repo(4, fleet="[rollout]\ncanary = 1\nmax_unavailable = 2\n"))
+    # h1..h4 restart m; h2 and h3 restart o; solo (no definition) never has waves; h4 restarts
+    # only m among the o-group, so o has two pending hosts.
+    restarts = {"h1": {"m", "solo"}, "h2": {"m", "o", "solo"}, "h3": {"m", "o"}, "h4": {"m"}}
+    plans = {p.group: p for p in plan_rollouts(state, restarts)}
+    assert set(plans) == {GroupKey("m", "shared"), GroupKey("o", "other")}
+    m = plans[GroupKey("m", "shared")]
+    assert [list(w.hosts) for w in m.waves] == [["h1"], ["h2", "h3"], ["h4"]]
+    assert m.members == ("h1", "h2", "h3", "h4") and m.bound == 2
+    o = plans[GroupKey("o", "other")]
+    assert [list(w.hosts) for w in o.waves] == [["h2"], ["h3"]]
+
+
+def test_a_change_on_one_host_needs_no_waves() -> None:
+    state = load(repo(4))
+    assert plan_rollouts(state, {"h3": {"m"}}) == []
+    assert plan_rollouts(state, {}) == []
+
+
+def test_labelled_canary_goes_first() -> None:
+    state = load(repo(4, labels={3: 'canary = "true", gpu = "h200"'}))
+    (m,) = [p for p in plan_rollouts(state, {h: {"m"} for h in ("h1", "h2", "h3", "h4")})]
+    assert m.waves[0].hosts == ("h3",) and m.waves[0].canary
+
+
+# ---- policy in the TOML ---------------------------------------------------------------------
+
+
+def test_policy_layers_fleet_then_definition() -> None:
+    state = load(repo(2, fleet='[rollout]\ncanary = 2\nmax_unavailable = "50%"\n',
+                      definition_extra="rollout = { max_unavailable = 3 }\n"))
+    assert state.hosts["h1"].services["m"].rollout == RolloutPolicy(2, 3)
+    assert state.hosts["h1"].services["o"].rollout == RolloutPolicy(2, "50%")
+    assert load(repo(1)).hosts["h1"].services["m"].rollout == RolloutPolicy(1, "25%")
+
+
+def test_host_override_that_agrees_is_fine_one_that_differs_is_an_error() -> None:
+    same = 'rollout = { canary = 0 }\n'
+    state = load(repo(2, host_extra={1: same, 2: same}))
+    assert state.hosts["h2"].services["m"].rollout.canary == 0
+    probs = problems(repo(3, host_extra={2: 'rollout = { max_unavailable = 2 }\n'}))
+    assert len(probs) == 1
+    assert probs[0].startswith("hosts/h2.toml: services.m.rollout: this host's policy "
+                               "(canary = 1, max_unavailable = 2) differs from the other hosts")
+    assert "set rollout in services/shared.toml" in probs[0]
+
+
+@pytest.mark.parametrize("toml, where, expected", [
+    ('[rollout]\ncanary = -1\n', "fleet.toml: rollout.canary", "expected an integer >= 0, got -1"),
+    ('[rollout]\ncanary = "1"\n', "fleet.toml: rollout.canary", "expected an integer >= 0, got '1'"),
+    ('[rollout]\nmax_unavailable = 0\n', "fleet.toml: rollout.max_unavailable", "expected an integer >= 1 or a"),
+    ('[rollout]\nmax_unavailable = "0%"\n', "fleet.toml: rollout.max_unavailable", "got '0%'"),
+    ('[rollout]\nmax_unavailable = "101%"\n', "fleet.toml: rollout.max_unavailable", "got '101%'"),
+    ('[rollout]\nmax_unavailable = "12.5%"\n', "fleet.toml: rollout.max_unavailable", "got '12.5%'"),
+    ('[rollout]\nmax_unavailable = true\n', "fleet.toml: rollout.max_unavailable", "got true"),
+    ('[rollout]\ncanaries = 1\n', "fleet.toml: rollout.canaries", "did you mean 'canary'?"),
+    ('[notify]\nformat = "json"\n', "fleet.toml: notify.webhook", "required key missing"),
+    ('[notify]\nwebhook = "ftp://127.0.0.1/x"\n', "fleet.toml: notify.webhook", "expected an http:// or https:// URL"),
+    ('[notify]\nwebhook = "http://127.0.0.1:9/x"\nformat = "teams"\n', "fleet.toml: notify.format",
+     "expected 'json' or 'slack', got 'teams'"),
+    ('[notify]\nwebhook = "http://127.0.0.1:9/x"\nretries = 3\n', "fleet.toml: notify.retries", "unknown key"),
+])
+def test_bad_policy_names_file_and_key(toml, where, expected) -> None:
+    probs = problems(repo(1, fleet=toml))
+    assert any(p.startswith(where + ": ") and expected in p for p in probs), probs
+
+
+def test_bad_policy_in_a_definition_and_on_a_service_without_one() -> None:
+    probs = problems(repo(1, definition_extra='rollout = { max_unavailable = "all" }\n'))
+    assert any(p.startswith("services/shared.toml: rollout.max_unavailable: expected") for p in probs), probs
+    files = repo(1)
+    files["hosts/h1.toml"] += "rollout = { canary = 0 }\n"      # lands in [services.solo]
+    probs = problems(files)
+    assert any(p.startswith("hosts/h1.toml: services.solo.rollout: has no effect here") for p in probs), probs
+
+
+def test_webhook_secret_is_not_echoed() -> None:
+    probs = problems(repo(1, fleet='[notify]\nwebhook = "https:///T000/SECRET"\n'))
+    assert any("notify.webhook" in p for p in probs) and not any("SECRET" in p for p in probs)
+
+
+def test_notify_settings_load() -> None:
+    state = load(repo(1, fleet='[notify]\nwebhook = "http://127.0.0.1:9/hook"\nformat = "slack"\ntimeout = 2\n'))
+    assert state.settings.notify == NotifySpec("http://127.0.0.1:9/hook", "slack", 2.0)
+    assert load(repo(1)).settings.notify is None
+
+
+# ---- the halt's reach -----------------------------------------------------------------------
+
+G = GroupKey("m", "shared")
+HALT = {"hash": "c1", "revision": "R1", "reason": "CrashLoop", "quote": "needs --flag", "halted_at": "h1"}
+
+
+@pytest.mark.parametrize("desired, halts, revision, then, want", [
+    # same revision: every pending member is covered, with the canary's cause and quote
+    ({"h2": "b2", "h3": "b3"}, [Halt("h1", HALT)], "R1", {}, {"h2", "h3"}),
+    # a later commit that did not change h2's rendering keeps it covered; h3's changed: lifted
+    ({"h2": "b2", "h3": "b3-new"}, [Halt("h1", HALT)], "R2", {("R1", "h2"): "b2", ("R1", "h3"): "b3"}, {"h2"}),
+    # a failure outside a waved rollout (no halted_at) stays on its own host
+    ({"h2": "b2"}, [Halt("h1", {**HALT, "halted_at": None})], "R1", {}, set()),
+    # a record written on an untouched host carries the halt on
+    ({"h3": "b3"}, [Halt("h2", {**HALT, "hash": "b2", "reason": "RolloutHalted", "cause": "CrashLoop"})],
+     "R1", {}, {"h3"}),
+    # the revision cannot be rendered any more: nothing is assumed
+    ({"h2": "b2"}, [Halt("h1", HALT)], "R2", {}, set()),
+])
+def test_quarantine_cover(desired, halts, revision, then, want) -> None:
+    out = quarantine_cover(G, desired, halts, revision, lambda rev, host, svc: then.get((rev, host)))
+    assert set(out) == want
+    for host, q in out.items():
+        assert q["hash"] == desired[host] and q["revision"] == "R1" and q["reason"] == "RolloutHalted"
+        assert q["halted_at"] in ("h1",) and q["cause"] == "CrashLoop" and q["quote"] == "needs --flag"
+
+
+# ---- merging passes -------------------------------------------------------------------------
+
+
+def test_merge_keeps_the_worst_and_adds_failures() -> None:
+    r = HostResult("h1", "127.0.0.101", "in-sync")
+    merge_result(r, HostResult("h1", "127.0.0.101", "converged", events=[ServiceEvent("o", "deploy", "R", "x")]))
+    assert r.status == "converged" and len(r.events) == 1
+    merge_result(r, HostResult("h1", "127.0.0.101", "rolled-back", reason="RolledBack", message="m: bad"))
+    merge_result(r, HostResult("h1", "127.0.0.101", "quarantined", reason="Quarantined", message="q"))
+    assert (r.status, r.reason, r.message) == ("rolled-back", "RolledBack", "m: bad")
+    merge_result(r, HostResult("h1", "127.0.0.101", "failed", reason="ApplyFailed", message="a"))
+    merge_result(r, HostResult("h1", "127.0.0.101", "failed", reason="RollbackFailed", message="b"))
+    assert (r.status, r.reason, r.message) == ("failed", "ApplyFailed", "a; b")
+
+
+# ---- selectors ------------------------------------------------------------------------------
+
+
+def test_select_hosts_by_name_and_label() -> None:
+    state = load(repo(4, labels={1: 'gpu = "h200", rack = "a"', 2: 'gpu = "h200", rack = "b"', 3: 'gpu = "a100"'}))
+    assert select_hosts(state, None, None) is None
+    assert select_hosts(state, None, ["gpu=h200"]) == ["h1", "h2"]
+    assert select_hosts(state, None, ["gpu=h200", "rack=b"]) == ["h2"]
+    assert select_hosts(state, ["h1", "h3"], ["gpu=h200"]) == ["h1"]
+    assert select_hosts(state, ["h4"], None) == ["h4"]
+    with pytest.raises(SourceError, match="no host matches --label gpu=b200 .*labels in use: gpu=a100, gpu=h200"):
+        select_hosts(state, None, ["gpu=b200"])
+    with pytest.raises(SourceError, match="KEY=VALUE"):
+        select_hosts(state, None, ["gpu"])
+    with pytest.raises(SourceError, match="unknown host"):
+        select_hosts(state, ["h9"], None)
+
+
+# ---- notifications --------------------------------------------------------------------------
+
+
+class _Hook(http.server.BaseHTTPRequestHandler):
+    received: list[dict] = []
+    status = 200
+    delay = 0.0
+
+    def do_POST(self) -> None:  # noqa: N802 -- http.server's naming
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(type(self).delay)
+        type(self).received.append(json.loads(body))
+        self.send_response(type(self).status)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def hook() -> Iterator[tuple[str, type[_Hook]]]:
+    handler = type("Hook", (_Hook,), {"received": [], "status": 200, "delay": 0.0})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hooks/T0/SECRET", handler
+    server.shutdown()
+
+
+def test_json_events_arrive_in_order(hook) -> None:
+    url, handler = hook
+    n = Notifier(NotifySpec(url))
+    n.send("rollout.start", service="m", short="abc1234", hosts=["h1", "h2"])
+    n.send("rollout.halt", service="m", host="h1", reason="CrashLoop", journal_line="needs --x")
+    n.close(5)
+    assert [e["event"] for e in handler.received] == ["rollout.start", "rollout.halt"]
+    assert handler.received[1]["journal_line"] == "needs --x" and n.failures == []
+
+
+def test_slack_shape(hook) -> None:
+    url, handler = hook
+    n = Notifier(NotifySpec(url, "slack"))
+    n.send("rollback", host="h1", service="m", short="abc1234", reason="CrashLoop", result="rolled-back",
+           rolled_back_to="def5678aaaa", journal_line="needs --x")
+    n.close(5)
+    (msg,) = handler.received
+    assert set(msg) == {"text"} and "rolled back to `def5678`" in msg["text"] and "> needs --x" in msg["text"]
+
+
+def test_failing_or_slow_webhook_never_blocks(hook) -> None:
+    url, handler = hook
+    handler.status = 500
+    n = Notifier(NotifySpec(url))
+    t0 = time.monotonic()
+    n.send("rollout.finish", service="m")
+    assert time.monotonic() - t0 < 0.1           # send never waits on the network
+    n.close(5)
+    assert len(n.failures) == 1 and "500" in n.failures[0]
+    assert "SECRET" not in n.failures[0] and where(url) in n.failures[0]
+    # nothing listens: refused, reported, not raised
+    closed = Notifier(NotifySpec("http://127.0.0.1:9/x", timeout=1))
+    closed.send("rollout.start", service="m")
+    closed.close(5)
+    assert closed.failures and "not delivered" in closed.failures[0]
+    # a webhook slower than the wait at the end: the run goes on; the event is dropped
+    handler.status, handler.delay = 200, 3.0
+    slow = Notifier(NotifySpec(url, timeout=10))
+    slow.send("rollout.start", service="m")
+    slow.send("rollout.finish", service="m")
+    t0 = time.monotonic()
+    slow.close(0.5)
+    assert time.monotonic() - t0 < 1.5 and "still busy" in slow.failures[-1]
+
+
+def test_slack_text_for_each_event() -> None:
+    start = slack_text({"event": "rollout.start", "service": "m", "short": "abc", "hosts": ["a", "b"],
+                        "waves": [{"canary": True, "hosts": ["a"]}, {"canary": False, "hosts": ["b"]}],
+                        "policy": {"bound": 1}})
+    assert "2 hosts in 2 waves (canary: a" in start
+    halt = slack_text({"event": "rollout.halt", "service": "m", "short": "abc", "host": "a", "wave": 1,
+                       "reason": "CrashLoop", "untouched": ["b"], "journal_line": "boom"})
+    assert "halted at *a*" in halt and "1 hosts left" in halt and halt.endswith("> boom")
