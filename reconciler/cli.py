@@ -134,6 +134,7 @@ def main_cmd(
     where = f"{repo}@{rev or 'HEAD'}"
     try:
         snap, state = _load(repo, rev, path, cache_dir)
+        rules = load_rules(snap)
     except (ConfigError, SourceError) as e:
         _fail_input(e, as_json, where)
         return
@@ -146,7 +147,8 @@ def main_cmd(
     with PhaseView(_console(stderr=True)) as view:
         result = asyncio.run(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
                                              concurrency=concurrency, hosts=selected,
-                                             render_at=_renderer(snap), retry=retry, on_phase=view))
+                                             render_at=_renderer(snap), retry=retry, on_phase=view,
+                                             rules=rules))
     if not dry_run:
         store = Store(state_dir)
         _remember(store, result)

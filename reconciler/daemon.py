@@ -28,6 +28,7 @@ from . import load, source
 from .config import ControllerConfig
 from .errors import ConfigError, ReconcilerError, SourceError
 from .metrics import Metrics
+from .preflight import load_rules
 from .reconcile import reconcile_fleet, ssh_connector
 from .report import PhaseView, print_config_error, print_result
 from .status import Store, default_state_dir
@@ -133,10 +134,11 @@ class Daemon:
                 who = verify_signature(repo, snap.revision, self.cfg.allowed_signers or "/etc/reconciler/allowed_signers")
                 console.print(f"{snap.short}: signed by {who}")
             state = load.load_desired(snap)
+            rules = load_rules(snap)
             from .cli import _remember, _renderer   # shared with the one-shot command
             view = PhaseView(console)
             result = await reconcile_fleet(state, ssh_connector(self.cfg.identity), render_at=_renderer(snap),
-                                           on_phase=view)
+                                           on_phase=view, rules=rules)
             print_result(console, result)
             _remember(self.store, result)
             self.store.set_value("last_applied_revision", snap.revision)

@@ -111,12 +111,13 @@ def _claimed_gpus(svc: ServiceSpec | None, gpu: GpuFacts) -> set[int] | None:
 
 
 async def gated_apply(t: Transport, plan: HostPlan, facts: HostFacts, host: HostSpec, gpu: GpuFacts | None,
-                      *, timeout: float = 120.0, policy: str = "report") -> GateResult:
+                      *, timeout: float = 120.0) -> GateResult:
     """Apply a plan; on a host with GPUs, restarts become stop -> GPUs released -> start.
 
     After the stop it waits (bounded) until the old processes are gone and memory is free on
     the GPUs the service claims. A stray holder that is not the service's is reported, and
-    killed only when the policy says "kill". If the GPUs stay busy, the service is not started.
+    killed only when the service's gpu_policy says "kill". If the GPUs stay busy, the service is
+    not started.
     """
     restarting = {a.service for a in plan.actions if a.kind is Kind.RESTART and a.service}
     if gpu is None or not gpu.has_nvidia_smi or not restarting:
@@ -127,7 +128,9 @@ async def gated_apply(t: Transport, plan: HostPlan, facts: HostFacts, host: Host
         f = facts.services.get(name)
         pid = int((f.props.get("ExecMainPID", "0") if f else "0") or 0)
         pids = {pid} if pid else set()
-        gpus = _claimed_gpus(host.services.get(name), gpu)
+        svc = host.services.get(name)
+        policy = svc.gpu_policy if svc else "report"
+        gpus = _claimed_gpus(svc, gpu)
         ok, after, waited = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
         strays = stray_holders(after, pids, {f"{name}.service"})
         for s in strays:

@@ -265,6 +265,7 @@ class _Merged:
     model: dict[str, tuple[str, _At]] = field(default_factory=dict)
     health: dict[str, tuple[Any, _At]] = field(default_factory=dict)
     rollout: dict[str, tuple[Any, _At]] = field(default_factory=dict)
+    gpu_policy: str = "report"
 
     def add_rollout(self, table: schema.RolloutTable | None, file: str, prefix: tuple[str, ...]) -> None:
         if table is None:
@@ -298,6 +299,8 @@ class _Merged:
             for k, v in table.model.model_dump(exclude_none=True).items():
                 self.model[k] = (v, _At(file, dotted(*prefix, "model", k)))
         self.add_health(table.health, file, prefix)
+        if table.gpu_policy is not None:
+            self.gpu_policy = table.gpu_policy
         self.add_rollout(table.rollout, file, prefix)
 
 
@@ -725,6 +728,7 @@ class _Loader:
             source=" + ".join(sources),
             definition=table.use,
             rollout=policy,
+            gpu_policy=merged.gpu_policy,
         )
 
     def _render_value(self, value: str, at: _At, ctx: _Context, host_file: str, use: _Use) -> str:

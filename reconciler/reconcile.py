@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Mapping
 from typing import Awaitable, Callable
 
-from .apply import apply_plan, stop_service, write_records
+from .apply import stop_service, write_records
+from .gate import gated_apply, preflight_host
+from .gpu import GpuFacts
+from .preflight import RuleSet
 from .errors import HostError, ReconcilerError, SourceError
 from .facts import HostFacts, observe_command, parse_observation
 from .health import Outcome, Phase, watch_service
@@ -252,11 +255,12 @@ class _HostRun:
     """Mutable state of one host's run: the transport, the records, the result."""
 
     def __init__(self, t: Transport, host: HostSpec, facts: HostFacts, result: HostResult,
-                 on_phase: HostPhase | None):
+                 on_phase: HostPhase | None, gpu: GpuFacts | None = None):
         self.t, self.host, self.result = t, host, result
         self.records: dict[str, dict] = {n: dict(s.record) for n, s in facts.services.items() if s.record}
         self.dirty: set[str] = set()
         self.on_phase = on_phase
+        self.gpu = gpu          # None or a host without nvidia-smi: restarts need no GPU gate
 
     def phase(self) -> Phase:
         def cb(service: str, phase: str, elapsed: float, timeout: float) -> None:
@@ -280,18 +284,28 @@ class _HostRun:
         `verify` names services applied earlier but never seen healthy (a run killed during its
         health wait): they are watched again without a restart, so the next run converges.
         """
-        applied_at = await apply_plan(self.t, plan)
+        gate = await gated_apply(self.t, plan, facts, self.host, self.gpu)
+        applied_at = gate.applied_at
         since = applied_at or time.time()
+        for name, why in gate.blocked.items():
+            self.result.events.append(ServiceEvent(name, "blocked", plan.revision, specs[name].content_hash(),
+                                                   note=why))
+            self.result.worsen("failed", "GpuBusy", f"{name}: {why}")
+        gated = {a.service for a in plan.actions if a.kind is Kind.RESTART} if self.gpu and self.gpu.has_nvidia_smi \
+            else set()
         for name, rec in plan.records.items():
             # what was applied changes; last good and quarantine stay as this run knows them
             self.records[name] = {**self.records.get(name, {}), "hash": rec["hash"], "revision": rec["revision"]}
         for name in plan.dropped_records:
             self.records.pop(name, None)
-        started = [a for a in plan.actions if a.kind in (Kind.START, Kind.RESTART) and a.service in specs]
+        started = [a for a in plan.actions if a.kind in (Kind.START, Kind.RESTART) and a.service in specs
+                   and a.service not in gate.blocked]
 
         async def one(kind: Kind, name: str) -> tuple[str, Outcome]:
             f = facts.services.get(name)
-            base = 0 if kind is Kind.START or f is None else int(f.props.get("NRestarts", "0") or 0)
+            # start (also a gated stop+start) resets NRestarts to 0; restart keeps it (SYSTEMD.md)
+            fresh = kind is Kind.START or name in gated or f is None
+            base = 0 if fresh else int(f.props.get("NRestarts", "0") or 0)
             return name, await watch_service(self.t, name, specs[name].health, baseline_restarts=base,
                                              since_epoch=since - 1, on_phase=self.phase())
         todo = [(a.kind, a.service) for a in started if a.service]
@@ -306,13 +320,15 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
                          render_at: RenderAt | None = None, retry: bool = False,
                          on_phase: HostPhase | None = None, hold: frozenset[str] = frozenset(),
                          quarantine: Mapping[str, dict] | None = None, transport: Transport | None = None,
-                         facts: HostFacts | None = None) -> HostResult:
+                         facts: HostFacts | None = None, rules: RuleSet | None = None) -> HostResult:
     """Converge one host (or, with dry_run, only plan it). Never raises for host failures.
 
     For the fleet's passes: `hold` names services left exactly as they are in this pass (another
     pass, a rollout wave, takes care of them); `quarantine` adds fleet-wide quarantines
     (service -> record) that act like recorded ones and are written into the host's records;
     `transport` reuses an open connection (the caller closes it); `facts` skips observing.
+    `rules`: run the pre-flight (rules against the model's real config.json, model presence,
+    GPUs) before anything starts; a service that fails it is held, and nothing of it is written.
     """
     started = time.monotonic()
     result = HostResult(host.name, host.ssh.address, "in-sync")
@@ -329,6 +345,21 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
         hold = held | hold
         result.events.extend(events)
         plan = plan_host(eff, facts, revision, hold)
+        gpu = None
+        starting = {a.service for a in plan.actions if a.kind in (Kind.START, Kind.RESTART) and a.service}
+        if rules is not None and starting:
+            pf = await preflight_host(t, eff, starting, rules)
+            gpu = pf.gpu
+            if pf.blocked:
+                hold = hold | frozenset(pf.blocked)
+                plan = plan_host(eff, facts, revision, hold)
+                if not plan.changes:
+                    plan = replace(plan, actions=())    # a blocked deploy writes nothing, not even the record
+                for name, reasons in sorted(pf.blocked.items()):
+                    note = "pre-flight blocked the deploy: " + " | ".join(reasons)
+                    result.events.append(ServiceEvent(name, "blocked", revision, eff.services[name].content_hash(),
+                                                      note=note))
+                    result.worsen("failed", "PreflightFailed", f"{name}: " + " | ".join(reasons))
         result.plan = plan
         for e in events:
             result.worsen("quarantined" if e.action == "quarantined" else "failed",
@@ -337,7 +368,7 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
             if plan.changes:
                 result.worsen("would-change")
         else:
-            run = _HostRun(t, host, facts, result, on_phase)
+            run = _HostRun(t, host, facts, result, on_phase, gpu)
             outcomes = await run.apply_and_watch(plan, facts, eff.services, unverified(eff, facts, hold))
             if plan.changes and result.status == "in-sync":
                 result.status = "converged"
@@ -416,17 +447,19 @@ async def _settle(run: _HostRun, name: str, out: Outcome, target: _Target, facts
 async def reconcile_fleet(state: DesiredState, connect: Connector, *, dry_run: bool = False,
                           concurrency: int | None = None, hosts: list[str] | None = None,
                           render_at: RenderAt | None = None, retry: bool = False,
-                          on_phase: HostPhase | None = None, notifier: Notifier | None = None) -> FleetResult:
+                          on_phase: HostPhase | None = None, notifier: Notifier | None = None,
+                          rules: RuleSet | None = None) -> FleetResult:
     """Reconcile every selected host (at most `concurrency` at once), rolling shared services
     out in waves; with dry_run, only survey and plan them (the waves included).
 
     hosts: the selected host names (None: all). notifier: where rollout events go (default:
-    fleet.toml [notify], never on a dry run).
+    fleet.toml [notify], never on a dry run). rules: the pre-flight rule pack (None: no pre-flight).
     """
     if notifier is None and not dry_run and state.settings.notify is not None:
         notifier = Notifier(state.settings.notify)
     run = _FleetRun(state, connect, dry_run=dry_run, concurrency=concurrency or state.settings.concurrency,
-                    selected=hosts, render_at=render_at, retry=retry, on_phase=on_phase, notifier=notifier)
+                    selected=hosts, render_at=render_at, retry=retry, on_phase=on_phase, notifier=notifier,
+                    rules=rules)
     return await run.run()
 
 
@@ -508,8 +541,8 @@ class _FleetRun:
 
     def __init__(self, state: DesiredState, connect: Connector, *, dry_run: bool, concurrency: int,
                  selected: list[str] | None, render_at: RenderAt | None, retry: bool,
-                 on_phase: HostPhase | None, notifier: Notifier | None):
-        self.state, self.connect, self.dry_run = state, connect, dry_run
+                 on_phase: HostPhase | None, notifier: Notifier | None, rules: RuleSet | None = None):
+        self.state, self.connect, self.dry_run, self.rules = state, connect, dry_run, rules
         self.render_at, self.retry, self.on_phase, self.notifier = render_at, retry, on_phase, notifier
         self.sem = asyncio.Semaphore(concurrency)
         self.hosts = [h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
@@ -569,7 +602,7 @@ class _FleetRun:
                 return
             self.transports[h.name] = t
             r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
-                                     retry=self.retry, transport=t)
+                                     retry=self.retry, transport=t, rules=self.rules)
             self.results[h.name] = r
             if r.status == "failed" and r.plan is None:
                 # It could not even be observed: report it, and leave it out of every pass.
@@ -601,7 +634,7 @@ class _FleetRun:
             host, old = self.state.hosts[name], self.results[name]
             r = await reconcile_host(host, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
                                      retry=self.retry, quarantine=qs, transport=self.transports[name],
-                                     facts=old.facts)
+                                     facts=old.facts, rules=self.rules)
             r.seconds += old.seconds
             self.results[name] = r
 
@@ -621,7 +654,8 @@ class _FleetRun:
                 qs = {**self.fleet_q.get(h.name, {}), **(quarantine or {})}
                 r = await reconcile_host(h, self.state.revision, self.connect, dry_run=False,
                                          render_at=self.render_at, retry=self.retry, on_phase=self.on_phase,
-                                         hold=hold, quarantine=qs, transport=t, facts=None if fresh else before.facts)
+                                         hold=hold, quarantine=qs, transport=t, facts=None if fresh else before.facts,
+                                         rules=self.rules)
             if h.name not in self.passed:
                 # The survey's result was a plan, not an outcome: the first pass replaces it.
                 self.passed.add(h.name)

@@ -18,7 +18,7 @@ import math
 import re
 import struct
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Literal, Annotated, Any
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator
@@ -355,6 +355,9 @@ class ServiceDefinition(Table):
     vars: dict[VarName, VarValue] = Field(default_factory=dict)
     health: HealthTable | None = None
     rollout: RolloutTable | None = None
+    # What to do with a process that holds the service's GPUs but is not the service's own
+    # (found by the GPU gate before a start): "report" (default) or "kill".
+    gpu_policy: Literal["report", "kill"] | None = None
 
 
 class ServiceTable(ServiceDefinition):

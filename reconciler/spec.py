@@ -87,6 +87,7 @@ class ServiceSpec:
     model: ModelSpec | None = None
     source: str = ""                 # repo file(s) it was defined in, for messages
     definition: str | None = None    # name of the shared services/<definition>.toml, if any
+    gpu_policy: str = "report"       # stray GPU holders before a start: "report" or "kill"
     rollout: RolloutPolicy = field(default_factory=RolloutPolicy)   # used when definition is set
 
     def content_hash(self) -> str:

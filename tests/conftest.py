@@ -114,6 +114,14 @@ def fleet_known_hosts(hosts: list[fleetlib.Host]) -> str:
     return "".join(h.known_hosts_line() + "\n" for h in hosts)
 
 
+# The incident's flags (speculative decoding on the hybrid Qwen3.5 without the extra buffer).
+SPEC_FLAGS = ("--speculative-algo NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
+              "--speculative-num-draft-tokens 4")
+# A repo rule file that switches off the pre-flight rule for the incident. Tests of crash-loop
+# detection and rollback use it to let a bad deploy through to the host, as happens with a flag
+# rule the pack does not know yet: the crash loop is then caught on the host (defence in depth).
+WITHOUT_INCIDENT_RULE = {"rules/without-incident-rule.toml": 'disable = ["sglang-spec-hybrid-extra-buffer"]\n'}
+
 STANDIN_UNIT = """
 [Unit]
 Description=stand-in model server {service.name}
@@ -135,6 +143,8 @@ def write_fleet(repo: DesiredRepo, hosts: list[fleetlib.Host], services: dict[st
 
     services: name -> {"port": 30000, "env": {...}, "args": "--flag x", "model": "Qwen3-8B",
     "health": {...}} put on every host. Health defaults are short (tests wait seconds, not minutes).
+    extra: more repo files; by default the rule file WITHOUT_INCIDENT_RULE (pass {} for the full
+    rule pack).
     """
     services = services if services is not None else {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info"}}}
     repo.write("fleet.toml", """
@@ -161,7 +171,7 @@ def write_fleet(repo: DesiredRepo, hosts: list[fleetlib.Host], services: dict[st
                 body.append("env = { " + ", ".join(f'{k} = "{v}"' for k, v in env.items()) + " }")
             body.append("")
         repo.write(f"hosts/{h.name}.toml", "\n".join(body))
-    for rel, text in (extra or {}).items():
+    for rel, text in (extra if extra is not None else WITHOUT_INCIDENT_RULE).items():
         repo.write(rel, text)
 
 

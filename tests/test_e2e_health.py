@@ -10,14 +10,12 @@ import json
 
 import pytest
 
-from tests.conftest import run_cli, run_json, write_fleet
+from tests.conftest import SPEC_FLAGS, run_cli, run_json, write_fleet
 
 pytestmark = pytest.mark.fleet
 
 INCIDENT_LINE = ("MTP with the hybrid GDN model needs --mamba-scheduler-strategy extra_buffer "
                  "and SGLANG_ENABLE_SPEC_V2=1")
-SPEC_FLAGS = ("--speculative-algo NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
-              "--speculative-num-draft-tokens 4")
 QWEN35 = "Qwen3.5-122B-A10B"
 
 

@@ -16,12 +16,10 @@ from pathlib import Path
 import pytest
 
 from tests import fleet as fleetlib
-from tests.conftest import ROOT, DesiredRepo, write_fleet
+from tests.conftest import ROOT, SPEC_FLAGS, DesiredRepo, write_fleet
 
 pytestmark = pytest.mark.fleet
 
-SPEC_FLAGS = ("--speculative-algo NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
-              "--speculative-num-draft-tokens 4")
 GIT_ENV = {"GIT_AUTHOR_NAME": "Dev", "GIT_AUTHOR_EMAIL": "dev@example.invalid",
            "GIT_COMMITTER_NAME": "Dev", "GIT_COMMITTER_EMAIL": "dev@example.invalid"}
 

@@ -20,15 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests import fleet as fleetlib
-from tests.conftest import STANDIN_UNIT, DesiredRepo, Fleet, fleet_known_hosts, run_cli, run_json
+from tests.conftest import (SPEC_FLAGS, STANDIN_UNIT, WITHOUT_INCIDENT_RULE, DesiredRepo, Fleet, fleet_known_hosts,
+                            run_cli, run_json)
 
 pytestmark = pytest.mark.fleet
 
 SERVICE = "sglang-qwen"
 INCIDENT_LINE = ("MTP with the hybrid GDN model needs --mamba-scheduler-strategy extra_buffer "
                  "and SGLANG_ENABLE_SPEC_V2=1")
-SPEC_FLAGS = ("--speculative-algo NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
-              "--speculative-num-draft-tokens 4")
 QWEN35 = "Qwen3.5-122B-A10B"
 
 
@@ -57,6 +56,8 @@ def write_shared(repo: DesiredRepo, hosts: list[fleetlib.Host], *, args: str = "
     for name, address in all_hosts:
         lab = f"labels = {{ {labels[name]} }}\n" if labels and name in labels else ""
         repo.write(f"hosts/{name}.toml", f'address = "{address}"\n{lab}\n[services.{SERVICE}]\nuse = "qwen"\n')
+    for rel, text in WITHOUT_INCIDENT_RULE.items():   # let the bad change reach the hosts (see conftest)
+        repo.write(rel, text)
 
 
 def invocations(fleet: Fleet, hosts: list[fleetlib.Host]) -> dict[str, str]:
