@@ -89,6 +89,7 @@ class HostResult:
     events: list[ServiceEvent] = field(default_factory=list)
     running: dict[str, str | None] = field(default_factory=dict)   # service -> revision running
     facts: HostFacts | None = field(default=None, repr=False, compare=False)   # what the plan saw
+    notes: list[str] = field(default_factory=list)      # pre-flight warnings, GPU gate notes
 
     def worsen(self, status: str, reason: str | None = None, message: str | None = None) -> None:
         if STATUS_CODE[status] >= STATUS_CODE.get(self.status, 0):
@@ -103,6 +104,7 @@ class HostResult:
             "summary": self.plan.summary() if self.plan else None,
             "actions": [a.to_json() for a in self.plan.actions] if self.plan else [],
             "events": [e.to_json() for e in self.events],
+            "notes": self.notes,
             "running": self.running,
         }
 
@@ -287,6 +289,7 @@ class _HostRun:
         gate = await gated_apply(self.t, plan, facts, self.host, self.gpu)
         applied_at = gate.applied_at
         since = applied_at or time.time()
+        self.result.notes.extend(gate.notes)
         for name, why in gate.blocked.items():
             self.result.events.append(ServiceEvent(name, "blocked", plan.revision, specs[name].content_hash(),
                                                    note=why))
@@ -350,6 +353,7 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
         if rules is not None and starting:
             pf = await preflight_host(t, eff, starting, rules)
             gpu = pf.gpu
+            result.notes.extend(pf.warnings)
             if pf.blocked:
                 hold = hold | frozenset(pf.blocked)
                 plan = plan_host(eff, facts, revision, hold)
@@ -517,6 +521,7 @@ def merge_plans(a: HostPlan | None, b: HostPlan | None) -> HostPlan | None:
 def merge_result(into: HostResult, r: HostResult) -> None:
     """Fold one pass's result into a host's result: the worst status wins; failures add up."""
     into.events.extend(r.events)
+    into.notes.extend(n for n in r.notes if n not in into.notes)
     into.plan = merge_plans(into.plan, r.plan)
     into.running.update(r.running)
     into.facts = r.facts or into.facts

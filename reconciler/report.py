@@ -118,6 +118,8 @@ class PhaseView:
 def print_events(console: Console, res: FleetResult) -> None:
     """Health outcomes, rollbacks and quarantines, with the journal line that explains each failure."""
     for r in res.hosts:
+        for n in r.notes:
+            console.print(f"[dim]{escape(r.host)}: {escape(n)}[/]", highlight=False, soft_wrap=True)
         for e in r.events:
             if e.outcome is None:
                 console.print(f"{r.host} {e.service}: {e.note}", highlight=False)

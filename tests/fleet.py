@@ -214,12 +214,24 @@ def up(count: int, first: int = 2, prefix: str = "rt") -> list[Host]:
     return hosts
 
 
+def _is_our_container(pid: int, name: str) -> bool:
+    """True when pid is the systemd-nspawn that boots container `name`."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(argv) and argv[0].endswith(b"systemd-nspawn") and name.encode() in argv
+
+
 def stop(name: str) -> None:
     """Stop one container (SIGTERM to its systemd-nspawn, then wait)."""
     pf = _pidfile(name)
     if not pf.exists():
         return
     pid = int(pf.read_text())
+    pf.unlink(missing_ok=True)
+    if not _is_our_container(pid, name):
+        return   # a stale pid file (e.g. after a reboot): the pid may belong to anything now
     try:
         os.kill(pid, signal.SIGTERM)
         for _ in range(100):
@@ -232,7 +244,6 @@ def stop(name: str) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    pf.unlink(missing_ok=True)
 
 
 def down(hosts: list[Host] | None = None) -> None:
