@@ -19,10 +19,11 @@ from rich.console import Console
 from . import load, source
 from .errors import ConfigError, SourceError
 from .gate import check_desired
+from .load import render_at
 from .preflight import load_rules
 from .reconcile import FleetResult, reconcile_fleet, select_hosts, ssh_connector
 from .report import PhaseView, print_config_error, print_history, print_result, print_status
-from .status import Store
+from .status import Store, remember
 
 app = typer.Typer(add_completion=False, no_args_is_help=False,
                   help="GitOps for bare-metal GPU hosts: converge systemd model servers to a git revision.")
@@ -51,50 +52,6 @@ def _load(repo: str, rev: str | None, path: str, cache_dir: Optional[Path]):
     r = source.open_repo(repo, cache_dir)
     snap = source.snapshot(r, rev, path)
     return snap, load.load_desired(snap)
-
-
-def _renderer(snap: source.Snapshot):
-    """Desired state at another revision of the same repo (for rollback), cached per revision."""
-    cache: dict[str, object] = {}
-
-    def render_at(rev: str):
-        if rev not in cache:
-            try:
-                cache[rev] = load.load_desired(source.snapshot(snap.repo, rev, snap.subdir))
-            except (ConfigError, SourceError):
-                cache[rev] = None
-        return cache[rev]
-    return render_at
-
-
-def _remember(store: Store, result: FleetResult) -> None:
-    """Write every attempt and the latest per-service status to the state store."""
-    for r in result.hosts:
-        for e in r.events:
-            o = e.outcome
-            store.add_attempt(r.host, e.service, e.revision, e.content_hash, e.action,
-                              o.reason if o else e.action.capitalize(), (o.message if o else e.note) or "",
-                              o.quote if o else e.quote, o.journal if o else None, o.seconds if o else 0.0)
-        services = set(r.plan.states) if r.plan else set()
-        for svc in sorted(services):
-            evs = [e for e in r.events if e.service == svc]
-            last = evs[-1] if evs else None
-            failed = [e for e in evs if e.outcome and not e.outcome.healthy]
-            if r.status == "failed" and not r.plan:
-                health = "unknown"
-            elif last and last.outcome:
-                health = "healthy" if last.outcome.healthy else "unhealthy"
-            elif last and last.action == "held":
-                health = "stopped"
-            else:
-                health = "unchanged"
-            event = (f"{r.status}: {r.message}" if r.message else r.status)
-            quote = failed[-1].outcome.quote if failed else (last.quote if last else None)
-            store.set_status(r.host, svc, desired_rev=result.revision, running_rev=r.running.get(svc),
-                             health=health, last_event=event, quote=quote)
-        if r.status == "failed" and not r.plan:
-            store.set_status(r.host, "*", desired_rev=result.revision, running_rev=None, health="unknown",
-                             last_event=f"failed: {r.reason}: {r.message}")
 
 
 def _fail_input(err: Exception, as_json: bool, where: str) -> None:
@@ -147,11 +104,11 @@ def main_cmd(
     with PhaseView(_console(stderr=True)) as view:
         result = asyncio.run(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
                                              concurrency=concurrency, hosts=selected,
-                                             render_at=_renderer(snap), retry=retry, on_phase=view,
+                                             render_at=render_at(snap), retry=retry, on_phase=view,
                                              rules=rules))
     if not dry_run:
         store = Store(state_dir)
-        _remember(store, result)
+        remember(store, result)
         store.close()
     if as_json:
         print(json.dumps(result.to_json(), indent=2))

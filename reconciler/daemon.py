@@ -25,13 +25,14 @@ from pathlib import Path
 from rich.console import Console
 
 from . import load, source
+from .load import render_at
 from .config import ControllerConfig
 from .errors import ConfigError, ReconcilerError, SourceError
 from .metrics import Metrics
 from .preflight import load_rules
 from .reconcile import reconcile_fleet, ssh_connector
 from .report import PhaseView, print_config_error, print_result
-from .status import Store, default_state_dir
+from .status import Store, default_state_dir, remember
 from .trust import RevisionRefused, check_descends, verify_signature
 
 BACKOFF_START = 2.0
@@ -135,12 +136,11 @@ class Daemon:
                 console.print(f"{snap.short}: signed by {who}")
             state = load.load_desired(snap)
             rules = load_rules(snap)
-            from .cli import _remember, _renderer   # shared with the one-shot command
             view = PhaseView(console)
-            result = await reconcile_fleet(state, ssh_connector(self.cfg.identity), render_at=_renderer(snap),
+            result = await reconcile_fleet(state, ssh_connector(self.cfg.identity), render_at=render_at(snap),
                                            on_phase=view, rules=rules)
             print_result(console, result)
-            _remember(self.store, result)
+            remember(self.store, result)
             self.store.set_value("last_applied_revision", snap.revision)
             code = result.exit_code()
             self.metrics.observe_run(result, time.monotonic() - started)

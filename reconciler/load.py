@@ -25,18 +25,21 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 import types
-from typing import Any, Protocol, TypeVar, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
 import tomlkit
+
+if TYPE_CHECKING:
+    from .source import Snapshot
 import tomlkit.exceptions
 from pydantic import BaseModel, ValidationError
 
 from . import schema
-from .errors import ConfigError, Problem
+from .errors import ConfigError, SourceError, Problem
 from .spec import (DesiredState, FleetSettings, HealthSpec, HostSpec, ModelSpec, NotifySpec, RolloutPolicy,
                    ServiceSpec, SSHSpec)
 
@@ -740,3 +743,20 @@ class _Loader:
         if _CONTROL.search(rendered):  # impossible by validation; kept as the last line of defence
             self.problems.add(at.file, at.key, "renders to a value with a control character")
         return rendered
+
+
+def render_at(snap: "Snapshot") -> Callable[[str], DesiredState | None]:
+    """A function giving the desired state at another revision of the same repo (for rollback),
+    cached per revision; None where that revision is missing or invalid."""
+    from .source import snapshot
+
+    cache: dict[str, DesiredState | None] = {}
+
+    def at(rev: str) -> DesiredState | None:
+        if rev not in cache:
+            try:
+                cache[rev] = load_desired(snapshot(snap.repo, rev, snap.subdir))
+            except (ConfigError, SourceError):
+                cache[rev] = None
+        return cache[rev]
+    return at

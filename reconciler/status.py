@@ -13,6 +13,10 @@ import os
 import sqlite3
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .reconcile import FleetResult
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS attempts (
@@ -114,3 +118,33 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+
+def remember(store: Store, result: "FleetResult") -> None:
+    """Write every attempt and the latest per-service status to the state store."""
+    for r in result.hosts:
+        for e in r.events:
+            o = e.outcome
+            store.add_attempt(r.host, e.service, e.revision, e.content_hash, e.action,
+                              o.reason if o else e.action.capitalize(), (o.message if o else e.note) or "",
+                              o.quote if o else e.quote, o.journal if o else None, o.seconds if o else 0.0)
+        services = set(r.plan.states) if r.plan else set()
+        for svc in sorted(services):
+            evs = [e for e in r.events if e.service == svc]
+            last = evs[-1] if evs else None
+            failed = [e for e in evs if e.outcome and not e.outcome.healthy]
+            if r.status == "failed" and not r.plan:
+                health = "unknown"
+            elif last and last.outcome:
+                health = "healthy" if last.outcome.healthy else "unhealthy"
+            elif last and last.action == "held":
+                health = "stopped"
+            else:
+                health = "unchanged"
+            event = (f"{r.status}: {r.message}" if r.message else r.status)
+            quote = failed[-1].outcome.quote if failed else (last.quote if last else None)
+            store.set_status(r.host, svc, desired_rev=result.revision, running_rev=r.running.get(svc),
+                             health=health, last_event=event, quote=quote)
+        if r.status == "failed" and not r.plan:
+            store.set_status(r.host, "*", desired_rev=result.revision, running_rev=None, health="unknown",
+                             last_event=f"failed: {r.reason}: {r.message}")
