@@ -11,16 +11,20 @@ Two places:
 
 from __future__ import annotations
 
+import asyncio
+import shlex
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .apply import apply_plan
-from .errors import Problem
+from .errors import CommandError, Problem
 from .facts import HostFacts
 from .gpu import GpuFacts, gpu_command, kill_strays, parse_gpu, stray_holders, wait_released
 from .plan import HostPlan, Kind, split_for_gate
 from .preflight import (ModelFacts, RuleSet, check_host, gpu_claim, model_check_command, parse_command,
                         parse_model_check)
-from .spec import DesiredState, HostSpec, ServiceSpec
+from .spec import DesiredState, HostSpec, ModelSpec, ServiceSpec
 from .transport import Transport
 
 # Rules about which GPUs a service claims: only meaningful on a host that has GPUs to claim
@@ -54,8 +58,48 @@ class Preflight:
     gpu: GpuFacts | None = None
 
 
-async def preflight_host(t: Transport, host: HostSpec, services: set[str], rules: RuleSet) -> Preflight:
-    """Check the services about to (re)start against their real models and the host's GPUs."""
+Progress = Callable[[str, str, float, float], None]   # service, phase, elapsed, timeout
+
+
+async def fetch_model(t: Transport, service: str, model: ModelSpec, facts: ModelFacts,
+                      on_phase: Progress | None = None) -> str | None:
+    """Run model.fetch on the host (before anything is stopped). Returns why it failed, or None.
+
+    Checks free disk space first when the size is known (model.size_gb, or the index's
+    total_size), then runs the command in the model directory with model.fetch_timeout.
+    """
+    need = model.size_gb * 1e9 if model.size_gb else facts.total_size
+    if need and facts.free_bytes is not None and facts.free_bytes < need:
+        return (f"model-fetch: not enough disk for {model.id} at {model.path}: needs {need / 1e9:.1f} GB, "
+                f"{facts.free_bytes / 1e9:.1f} GB free")
+    cmd = f"mkdir -p {shlex.quote(model.path)} && cd {shlex.quote(model.path)} && {model.fetch}"
+    started = time.monotonic()
+
+    async def tick() -> None:
+        while True:
+            if on_phase:
+                on_phase(service, f"fetching {model.id}", time.monotonic() - started, model.fetch_timeout)
+            await asyncio.sleep(1.0)
+    ticker = asyncio.create_task(tick())
+    try:
+        res = await t.run(cmd, timeout=model.fetch_timeout, what=f"fetch {model.id}")
+    except CommandError as e:
+        return f"model-fetch: {model.fetch!r} did not finish within {model.fetch_timeout:.0f}s: {e.stderr}"
+    finally:
+        ticker.cancel()
+    if not res.ok:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        return f"model-fetch: {model.fetch!r} failed (exit {res.exit_status}): {' / '.join(tail)}"
+    return None
+
+
+async def preflight_host(t: Transport, host: HostSpec, services: set[str], rules: RuleSet,
+                         on_phase: Progress | None = None, allow_fetch: bool = True) -> Preflight:
+    """Check the services about to (re)start against their real models and the host's GPUs.
+
+    A missing or incomplete model with `model.fetch` is downloaded first, while the old
+    version keeps serving; with allow_fetch=False (a dry run) it is only announced.
+    """
     out = Preflight()
     if not services:
         return out
@@ -69,6 +113,26 @@ async def preflight_host(t: Transport, host: HostSpec, services: set[str], rules
     res = await t.run("; ".join(cmds), check=True, timeout=60, what="pre-flight")
     out.gpu = parse_gpu(res.stdout, gtok, host.name)
     out.models = parse_model_check(res.stdout, mtok, host.name) if paths else {}
+    fetched: dict[str, str | None] = {}
+    for name in sorted(services):
+        m = host.services[name].model if name in host.services else None
+        if m is None or not m.fetch or m.path in fetched or not out.models.get(m.path, None) \
+                or out.models[m.path].complete:
+            continue
+        if not allow_fetch:
+            out.warnings.append(f"would fetch {m.id} into {m.path} first ({m.fetch})")
+            out.models.pop(m.path)          # judged after the fetch, not now
+            continue
+        fetched[m.path] = await fetch_model(t, name, m, out.models[m.path], on_phase)
+        out.warnings.append(fetched[m.path] or f"fetched {m.id} into {m.path}")
+    if fetched:
+        mcmd, mtok = model_check_command(sorted(fetched))
+        again = await t.run(mcmd, check=True, timeout=60, what="model check")
+        out.models.update(parse_model_check(again.stdout, mtok, host.name))
+    for name in sorted(services):
+        m = host.services[name].model if name in host.services else None
+        if m is not None and fetched.get(m.path):
+            out.blocked.setdefault(name, []).append(f"{name}: {fetched[m.path]}")
     configs = {p: m.config for p, m in out.models.items() if m.config is not None}
     no_gpus = not out.gpu.has_nvidia_smi
     if no_gpus:
@@ -83,7 +147,7 @@ async def preflight_host(t: Transport, host: HostSpec, services: set[str], rules
     for name in sorted(services):
         svc = host.services.get(name)
         m = out.models.get(svc.model.path) if svc and svc.model else None
-        if m is not None and m.problems():
+        if m is not None and m.problems() and not fetched.get(m.path):
             out.blocked.setdefault(name, []).append(
                 f"{name}: model-incomplete: {svc.model.path}: {', '.join(m.problems())}. "
                 f"Fix: finish the download (or set model.fetch) before deploying (source: {MODEL_RULE_SOURCE})")

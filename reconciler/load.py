@@ -26,7 +26,7 @@ import difflib
 import json
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 import types
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Union, get_args, get_origin
 from urllib.parse import urlsplit
@@ -684,6 +684,8 @@ class _Loader:
                     id=merged.model["id"][0],
                     path=merged.model["path"][0],
                     architecture=merged.model["architecture"][0] if "architecture" in merged.model else None,
+                    fetch_timeout=merged.model["fetch_timeout"][0] if "fetch_timeout" in merged.model else 3600.0,
+                    size_gb=merged.model["size_gb"][0] if "size_gb" in merged.model else None,
                 )
 
         # Placeholders: vars first (they may name host/service/model), then everything else.
@@ -696,6 +698,9 @@ class _Loader:
         rendered_vars = {k: self._render_value(v, at, ctx, host_file, use) for k, (v, at) in merged.vars.items()}
         ctx = _Context(ctx.host, ctx.service, ctx.model, rendered_vars)
         env = {k: self._render_value(v, at, ctx, host_file, use) for k, (v, at) in merged.env.items()}
+        if model is not None and "fetch" in merged.model:
+            template, at = merged.model["fetch"]
+            model = replace(model, fetch=self._render_value(template, at, ctx, host_file, use))
 
         health_values = {k: v for k, (v, _) in merged.health.items()}
         if "http" in merged.health:

@@ -351,7 +351,8 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
         gpu = None
         starting = {a.service for a in plan.actions if a.kind in (Kind.START, Kind.RESTART) and a.service}
         if rules is not None and starting:
-            pf = await preflight_host(t, eff, starting, rules)
+            progress = (lambda svc, ph, el, to: on_phase(host.name, svc, ph, el, to)) if on_phase else None
+            pf = await preflight_host(t, eff, starting, rules, progress, allow_fetch=not dry_run)
             gpu = pf.gpu
             result.notes.extend(pf.warnings)
             if pf.blocked:

@@ -343,6 +343,11 @@ class ModelTable(Table):
     id: ModelId | None = None
     path: ModelPath | None = None
     architecture: SingleLine | None = None
+    # A shell command (one line) that downloads the model into model.path when it is missing
+    # or incomplete, run on the host before the old service is stopped.
+    fetch: SingleLine | None = None
+    fetch_timeout: PositiveSeconds | None = None
+    size_gb: PositiveSeconds | None = None     # the checkpoint's size, for the free-space check
 
 
 class ServiceDefinition(Table):

@@ -69,6 +69,9 @@ class ModelSpec:
     id: str
     path: str
     architecture: str | None = None  # optional declared architecture (pre-flight rules)
+    fetch: str | None = None         # shell command that downloads the model into path
+    fetch_timeout: float = 3600.0
+    size_gb: float | None = None     # declared checkpoint size (free-space check before a fetch)
 
 
 @dataclass(frozen=True)

@@ -81,3 +81,38 @@ def test_complete_model_and_good_flags_pass_the_gate(fleet, repo):
     repo.commit()
     code, out = run_json("--repo", str(repo.path), check_codes=(0,))
     assert out["hosts"][0]["status"] == "converged"
+
+
+@pytest.mark.timeout(60)
+def test_model_fetch_downloads_a_missing_model_before_the_start(fleet, repo):
+    h = fleet.hosts[0]
+    write_fleet(repo, [h], {"sglang": svc("Qwen3-8B")}, extra={})
+    # point the service at a directory that does not exist yet, with a fetch command that fills it
+    text = (repo.path / f"hosts/{h.name}.toml").read_text().replace(
+        'path = "/models/Qwen3-8B" }',
+        'path = "/tmp/model-fetched/Qwen3-8B", fetch = "sleep 1 && cp -r /models/Qwen3-8B/. .", fetch_timeout = 20 }')
+    repo.write(f"hosts/{h.name}.toml", text)
+    repo.commit()
+    code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2,))
+    assert any("would fetch" in n for n in out["hosts"][0]["notes"])
+    assert not fleet.exists(h, "/tmp/model-fetched")               # a dry run fetches nothing
+    code, out = run_json("--repo", str(repo.path), check_codes=(0,))
+    assert any("fetched Qwen/Qwen3-8B" in n for n in out["hosts"][0]["notes"])
+    assert fleet.exists(h, "/tmp/model-fetched/Qwen3-8B/model-00002-of-00002.safetensors")
+    assert fleet.show(h, "sglang", "ActiveState")["ActiveState"] == "active"
+
+
+@pytest.mark.timeout(60)
+def test_failing_or_slow_fetch_blocks_the_deploy(fleet, repo):
+    h = fleet.hosts[0]
+    for fetch, expect in (("echo 'hub: 401 Unauthorized' >&2; exit 3", "401 Unauthorized"),
+                          ("sleep 30", "did not finish within 2s")):
+        write_fleet(repo, [h], {"sglang": svc("Qwen3-8B")}, extra={})
+        text = (repo.path / f"hosts/{h.name}.toml").read_text().replace(
+            'path = "/models/Qwen3-8B" }',
+            f'path = "/tmp/model-fetched/X", fetch = "{fetch}", fetch_timeout = 2 }}')
+        repo.write(f"hosts/{h.name}.toml", text)
+        repo.commit(fetch)
+        code, out = run_json("--repo", str(repo.path), check_codes=(4,))
+        assert out["hosts"][0]["reason"] == "PreflightFailed" and expect in out["hosts"][0]["message"]
+        assert not fleet.exists(h, UNIT)
