@@ -137,20 +137,27 @@ def test_push_goes_live_and_streams_the_outcome(fleet, deploy):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("case", ["toml-syntax", "unknown-key"])
+@pytest.mark.parametrize("case", ["toml-syntax", "unknown-key", "preflight-rule"])
 def test_invalid_push_is_rejected_with_file_key_reason(fleet, deploy, case):
     h = fleet.hosts[0]
-    deploy.write([h])
+    deploy.write([h], extra={})
     good = deploy.commit()
     deploy.push()
-    bad_text = {"toml-syntax": f'address = "{h.address}"\n[services.model-a\n',
-                "unknown-key": f'address = "{h.address}"\nadress = "x"\n'}[case]
-    (deploy.clone / f"hosts/{h.name}.toml").write_text(bad_text)
+    if case == "preflight-rule":      # the incident's flags, with the full rule pack
+        deploy.write([h], {"model-a": {"port": 30000, "model": "Qwen3.5-122B-A10B", "args": SPEC_FLAGS}}, extra={})
+    else:
+        bad_text = {"toml-syntax": f'address = "{h.address}"\n[services.model-a\n',
+                    "unknown-key": f'address = "{h.address}"\nadress = "x"\n'}[case]
+        (deploy.clone / f"hosts/{h.name}.toml").write_text(bad_text)
     deploy.commit("broken")
     res = deploy.push(check=False)
     assert res.returncode != 0
     assert f"hosts/{h.name}.toml" in res.stderr and "rejected" in res.stderr
-    assert ("line 2" in res.stderr) if case == "toml-syntax" else ("adress" in res.stderr)
+    expect = {"toml-syntax": "line 2", "unknown-key": "adress",
+              "preflight-rule": "services.model-a: sglang-spec-hybrid-extra-buffer"}[case]
+    assert expect in res.stderr
+    if case == "preflight-rule":
+        assert "Fix:" in res.stderr
     assert git(deploy.bare, "rev-parse", "main").stdout.strip() == good    # nothing landed
     assert not fleet.exists(h, "/etc/systemd/system/model-a.service")       # nothing deployed (no daemon)
 
