@@ -47,22 +47,26 @@ class GpuHost(LocalTransport):
                                  timeout=timeout, what=what)
 
 
-def test_restart_on_a_gpu_host_waits_for_release_before_start(tmp_path):
-    old = subprocess.Popen(["sleep", "60"])
-    (tmp_path / "pid").write_text(str(old.pid))
+def gpu_host_setup(tmp_path, holder_pid: int, old_pid: int, unit: str):
+    """A fake nvidia-smi reporting holder_pid's memory, and a plan restarting service m."""
+    (tmp_path / "pid").write_text(str(holder_pid))
     smi = tmp_path / "bin" / "nvidia-smi"
     smi.parent.mkdir()
     smi.write_text(FAKE_SMI.format(state=tmp_path / "pid"))
     smi.chmod(0o755)
-    unit = "[Service]\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /m --tp-size 1\n"
-    new = ServiceSpec("m", unit, {"A": "2"})
-    host = HostSpec("gpuhost", SSHSpec("127.0.0.2"), {"m": new})
+    host = HostSpec("gpuhost", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", unit, {"A": "2"})})
     facts = HostFacts(services={"m": ServiceFacts(
         "m", unit, render_env({"A": "1"}), {"hash": "old"},
-        {"ActiveState": "active", "ExecMainPID": str(old.pid), "UnitFileState": "enabled"})})
-    plan = plan_host(host, facts, "a" * 40)
+        {"ActiveState": "active", "ExecMainPID": str(old_pid), "UnitFileState": "enabled"})})
     gpu = GpuFacts(has_nvidia_smi=True, gpus=[Gpu(0, 21090, 143771, "GPU-aaaa")], holders=[])
-    t = GpuHost(old, str(smi.parent))
+    return str(smi.parent), host, facts, plan_host(host, facts, "a" * 40), gpu
+
+
+def test_restart_on_a_gpu_host_waits_for_release_before_start(tmp_path):
+    old = subprocess.Popen(["sleep", "60"])
+    unit = "[Service]\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /m --tp-size 1\n"
+    path, host, facts, plan, gpu = gpu_host_setup(tmp_path, old.pid, old.pid, unit)
+    t = GpuHost(old, path)
     try:
         res = asyncio.run(gated_apply(t, plan, facts, host, gpu, timeout=10))
     finally:
@@ -79,19 +83,9 @@ def test_restart_on_a_gpu_host_waits_for_release_before_start(tmp_path):
 def test_gpus_that_stay_busy_keep_the_service_from_starting(tmp_path):
     old = subprocess.Popen(["sleep", "60"])
     stray = subprocess.Popen(["sleep", "60"])          # not the service's: never stopped
-    (tmp_path / "pid").write_text(str(stray.pid))
-    smi = tmp_path / "bin" / "nvidia-smi"
-    smi.parent.mkdir()
-    smi.write_text(FAKE_SMI.format(state=tmp_path / "pid"))
-    smi.chmod(0o755)
     unit = "[Service]\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /m\n"
-    host = HostSpec("gpuhost", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", unit, {"A": "2"})})
-    facts = HostFacts(services={"m": ServiceFacts(
-        "m", unit, render_env({"A": "1"}), {"hash": "old"},
-        {"ActiveState": "active", "ExecMainPID": str(old.pid), "UnitFileState": "enabled"})})
-    plan = plan_host(host, facts, "a" * 40)
-    gpu = GpuFacts(has_nvidia_smi=True, gpus=[Gpu(0, 21090, 143771, "GPU-aaaa")], holders=[])
-    t = GpuHost(old, str(smi.parent))
+    path, host, facts, plan, gpu = gpu_host_setup(tmp_path, stray.pid, old.pid, unit)
+    t = GpuHost(old, path)
     try:
         res = asyncio.run(gated_apply(t, plan, facts, host, gpu, timeout=1.5))
         stray_alive = stray.poll() is None
