@@ -18,9 +18,8 @@ from rich.console import Console
 
 from . import load, source
 from .errors import ConfigError, SourceError
-from .gate import check_desired
 from .load import render_at
-from .preflight import load_rules
+from .preflight import check_desired, load_rules
 from .reconcile import FleetResult, reconcile_fleet, select_hosts, ssh_connector
 from .report import PhaseView, print_config_error, print_history, print_result, print_status
 from .status import Store, remember
@@ -203,17 +202,6 @@ def init_repo_cmd(
     init_repo(path, branch=branch, state_dir=str(state_dir.resolve()) if state_dir else None, stream=stream)
     _console().print(f"bare deploy repo at {path} (branch {branch}); hooks installed.\n"
                      f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
-
-
-@app.command(hidden=True)
-def hook(name: str = typer.Argument(..., help="pre-receive | post-receive")) -> None:
-    """Entry point of the git hook shims (reads ref updates on stdin)."""
-    from .hooks import post_receive, pre_receive
-    try:
-        code = {"pre-receive": pre_receive, "post-receive": post_receive}[name]()
-    except KeyError:
-        raise typer.BadParameter(f"unknown hook {name}") from None
-    raise typer.Exit(code)
 
 
 def main() -> None:

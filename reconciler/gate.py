@@ -1,9 +1,8 @@
 """Pre-flight gates: the rule pack, model presence and the GPU state, applied before any
 service is (re)started, so a bad deploy is refused while the old, working service still runs.
 
-Two places:
-  * `check_desired(state, rules)`: no host needed; what the repo declares (model id, declared
-    architecture). Used by `reconcile validate` and so by the pre-receive hook.
+The host-side half (the repo-side half, `preflight.check_desired`, runs in `reconcile validate`
+and the pre-receive hook):
   * `preflight_host(t, host, services, rules)`: one extra round trip, only when a plan starts or
     restarts services: the models' config.json and shard list from the host, and the GPUs.
     A failing rule or an incomplete model blocks that service's deploy; nothing is written.
@@ -18,34 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .apply import apply_plan
-from .errors import CommandError, Problem
+from .errors import CommandError
 from .facts import HostFacts
 from .gpu import GpuFacts, gpu_command, kill_strays, parse_gpu, stray_holders, wait_released
 from .plan import HostPlan, Kind, split_for_gate
 from .preflight import (ModelFacts, RuleSet, check_host, gpu_claim, model_check_command, parse_command,
                         parse_model_check)
-from .spec import DesiredState, HostSpec, ModelSpec, ServiceSpec
+from .spec import HostSpec, ModelSpec, ServiceSpec
 from .transport import Transport
 
 # Rules about which GPUs a service claims: only meaningful on a host that has GPUs to claim
 # (a host without nvidia-smi, like the test fleet, reports "no GPUs" and skips them).
 GPU_RULES = frozenset({"gpu-overlap", "tp-exceeds-gpus"})
 MODEL_RULE_SOURCE = "https://huggingface.co/docs/safetensors (sharded checkpoints: model.safetensors.index.json)"
-
-
-def check_desired(state: DesiredState, rules: RuleSet) -> tuple[list[Problem], list[str]]:
-    """Run every rule on what the repo declares. Returns (blocking problems, warnings)."""
-    problems: list[Problem] = []
-    warnings: list[str] = []
-    for name, host in sorted(state.hosts.items()):
-        for f in check_host(host, rules=rules, model_configs={}, gpu_count=None):
-            where = f"services.{f.service}"
-            text = f"{f.rule_id}: {f.message.rstrip('.')}. Fix: {f.fix.rstrip('.')} (source: {f.source})"
-            if f.blocking:
-                problems.append(Problem(host.source or f"hosts/{name}.toml", where, text))
-            else:
-                warnings.append(f"{host.source}: {where}: warning: {text}")
-    return problems, warnings
 
 
 @dataclass

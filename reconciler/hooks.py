@@ -1,7 +1,9 @@
 """Git hooks for the deploy repo: pre-receive validates, post-receive triggers the daemon.
 
 The hook files themselves (hooks/pre-receive, hooks/post-receive, written by
-`reconcile init-repo`) are two-line shims that call `reconcile hook <name>`; all logic is here.
+`reconcile init-repo`) are two-line shims that call `reconcile-hook <name>`; all logic is here.
+`reconcile-hook` is a console script of its own so a push does not pay for importing the SSH
+and terminal-UI code.
 
 pre-receive: for a push to the deploy branch, refuse (exit 1, reasons shown to the pusher) a
   branch deletion, a non-fast-forward (a force-push back) unless the push option
@@ -24,15 +26,15 @@ import pygit2
 from . import load, source
 from .config import load_config
 from .errors import ConfigError, SourceError
-from .gate import check_desired
-from .preflight import load_rules
+
+from .preflight import check_desired, load_rules
 from .trust import RevisionRefused, verify_signature
 
 ZERO = "0" * 40
 
 SHIM = """#!/bin/sh
-# reconciler {name} hook (installed by `reconcile init-repo`): all logic is in `reconcile hook {name}`.
-exec "$(git config --get reconciler.bin || command -v reconcile)" hook {name}
+# reconciler {name} hook (installed by `reconcile init-repo`): all logic is in `reconcile-hook {name}`.
+exec "$(git config --get reconciler.hook || command -v reconcile-hook)" {name}
 """
 
 
@@ -158,7 +160,7 @@ def _stream(runs: Path, rev: str, timeout: float) -> int:
     return 0
 
 
-def init_repo(path: Path, *, branch: str = "main", reconcile_bin: str | None = None,
+def init_repo(path: Path, *, branch: str = "main", hook_bin: str | None = None,
               state_dir: str | None = None, stream: bool = False) -> pygit2.Repository:
     """Create a bare deploy repo with the hooks installed and configured."""
     repo = pygit2.init_repository(str(path), bare=True, initial_head=branch)
@@ -168,8 +170,8 @@ def init_repo(path: Path, *, branch: str = "main", reconcile_bin: str | None = N
         p = hooks / name
         p.write_text(shim(name))
         p.chmod(0o755)
-    exe = reconcile_bin or _reconcile_bin()
-    repo.config["reconciler.bin"] = exe
+    exe = hook_bin or _hook_bin()
+    repo.config["reconciler.hook"] = exe
     repo.config["reconciler.branch"] = branch
     repo.config["receive.advertisePushOptions"] = True
     if state_dir:
@@ -179,10 +181,28 @@ def init_repo(path: Path, *, branch: str = "main", reconcile_bin: str | None = N
     return repo
 
 
-def _reconcile_bin() -> str:
-    """The `reconcile` executable to put in the hooks: the one next to this Python, else PATH."""
-    beside = Path(sys.executable).parent / "reconcile"
+def _hook_bin() -> str:
+    """The `reconcile-hook` executable for the shims: the one next to this Python, else PATH."""
+    beside = Path(sys.executable).parent / "reconcile-hook"
     if beside.exists():
         return str(beside)
-    found = subprocess.run(["sh", "-c", "command -v reconcile"], capture_output=True, text=True).stdout.strip()
-    return found or "reconcile"
+    found = subprocess.run(["sh", "-c", "command -v reconcile-hook"], capture_output=True, text=True).stdout.strip()
+    return found or "reconcile-hook"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`reconcile-hook pre-receive|post-receive`: the entry point of the git hook shims."""
+    args = sys.argv[1:] if argv is None else argv
+    hooks = {"pre-receive": pre_receive, "post-receive": post_receive}
+    if len(args) != 1 or args[0] not in hooks:
+        print("usage: reconcile-hook pre-receive|post-receive (ref updates on stdin)", file=sys.stderr)
+        return 2
+    try:
+        return hooks[args[0]]()
+    except (SourceError, ConfigError) as e:
+        print(f"reconciler: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

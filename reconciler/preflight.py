@@ -70,7 +70,7 @@ from typing import Annotated, Any, Literal, Protocol
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import ConfigError, ObserveError, Problem
-from .spec import HostSpec, ServiceSpec
+from .spec import DesiredState, HostSpec, ServiceSpec
 
 RULES_DIR = "rules"          # in the desired-state repo, and in this package
 
@@ -1495,3 +1495,18 @@ def parse_model_check(stdout: str, token: str, host: str = "?") -> dict[str, Mod
         raise ObserveError(host, "model check output ended early (is there a POSIX shell?)")
     flush()
     return out
+
+
+def check_desired(state: DesiredState, rules: RuleSet) -> tuple[list[Problem], list[str]]:
+    """Run every rule on what the repo declares. Returns (blocking problems, warnings)."""
+    problems: list[Problem] = []
+    warnings: list[str] = []
+    for name, host in sorted(state.hosts.items()):
+        for f in check_host(host, rules=rules, model_configs={}, gpu_count=None):
+            where = f"services.{f.service}"
+            text = f"{f.rule_id}: {f.message.rstrip('.')}. Fix: {f.fix.rstrip('.')} (source: {f.source})"
+            if f.blocking:
+                problems.append(Problem(host.source or f"hosts/{name}.toml", where, text))
+            else:
+                warnings.append(f"{host.source}: {where}: warning: {text}")
+    return problems, warnings
