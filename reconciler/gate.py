@@ -120,7 +120,7 @@ async def preflight_host(t: Transport, host: HostSpec, services: set[str], rules
     configs = {p: m.config for p, m in out.models.items() if m.config is not None}
     no_gpus = not out.gpu.has_nvidia_smi
     if no_gpus:
-        out.warnings.append(f"{host.name}: {out.gpu.summary()}: GPU rules ({', '.join(sorted(GPU_RULES))}) skipped")
+        out.warnings.append(f"{out.gpu.summary()}: GPU rules ({', '.join(sorted(GPU_RULES))}) skipped")
     for f in check_host(host, rules=rules, model_configs=configs, gpu_count=out.gpu.observed_gpu_count):
         if f.service not in services or (no_gpus and f.rule_id in GPU_RULES):
             continue
