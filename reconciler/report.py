@@ -141,7 +141,7 @@ def print_status(console: Console, rows: list[dict]) -> None:
     for r in rows:
         event = r["last_event"] + (f" — {r['quote']}" if r.get("quote") else "")
         table.add_row(r["host"], r["service"], (r["desired_rev"] or "")[:7], (r["running_rev"] or "-")[:7],
-                      r["health"], escape(event))
+                      r["health"] or "-", escape(event))
     console.print(table)
 
 

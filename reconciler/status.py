@@ -83,12 +83,14 @@ class Store:
                  json.dumps(journal or []), seconds))
 
     def set_status(self, host: str, service: str, *, desired_rev: str | None, running_rev: str | None,
-                   health: str, last_event: str, quote: str | None = None) -> None:
+                   health: str | None, last_event: str, quote: str | None = None) -> None:
+        """Upsert one service's status; health None keeps the health recorded before."""
         with self.db:
             self.db.execute(
                 "INSERT INTO services(host, service, desired_rev, running_rev, health, last_event, quote, updated_at)"
                 " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(host, service) DO UPDATE SET desired_rev=excluded.desired_rev,"
-                " running_rev=excluded.running_rev, health=excluded.health, last_event=excluded.last_event,"
+                " running_rev=excluded.running_rev, health=COALESCE(excluded.health, services.health),"
+                " last_event=excluded.last_event,"
                 " quote=excluded.quote, updated_at=excluded.updated_at",
                 (host, service, desired_rev, running_rev, health, last_event, quote, time.time()))
 
@@ -139,8 +141,11 @@ def remember(store: Store, result: "FleetResult") -> None:
                 health = "healthy" if last.outcome.healthy else "unhealthy"
             elif last and last.action == "held":
                 health = "stopped"
+            elif last and last.action == "blocked":
+                health = "blocked"
             else:
-                health = "unchanged"
+                health = None      # not checked this run: keep what the store knew
+
             event = (f"{r.status}: {r.message}" if r.message else r.status)
             quote = failed[-1].outcome.quote if failed else (last.quote if last else None)
             store.set_status(r.host, svc, desired_rev=result.revision, running_rev=r.running.get(svc),
