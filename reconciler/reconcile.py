@@ -216,22 +216,21 @@ def resolve_targets(host: HostSpec, facts: HostFacts, revision: str, render_at: 
                 note = f"desired {q.get('revision', '?')[:7]} quarantined ({why_q}), running {good_rev[:7]}"
                 events.append(ServiceEvent(name, "quarantined", revision, svc.content_hash(), note=note,
                                            quote=q.get("quote")))
-            elif q.get("halted_at") and q.get("halted_at") != host.name:
-                # Never restarted by the halted rollout, and no last good to swap in: whatever
-                # runs here keeps running, untouched.
-                services[name] = svc
-                hold.add(name)
-                note = (f"desired {q.get('revision', '?')[:7]} quarantined ({why_q}); left as it is "
-                        f"until a new commit changes it or --retry")
-                events.append(ServiceEvent(name, "quarantined", revision, svc.content_hash(), note=note,
-                                           quote=q.get("quote")))
             else:
                 services[name] = svc
                 hold.add(name)
-                why = "rollback failed" if q.get("rollback_failed") else "no last good revision"
-                note = (f"desired {q.get('revision', '?')[:7]} quarantined ({why_q}); {why}: "
-                        f"left stopped until a new commit changes it or --retry")
-                events.append(ServiceEvent(name, "held", revision, svc.content_hash(), note=note,
+                rev7 = q.get('revision', '?')[:7]
+                if q.get("halted_at") and q.get("halted_at") != host.name:
+                    # Never restarted by the halted rollout, and no last good to swap in: whatever
+                    # runs here keeps running, untouched.
+                    action = "quarantined"
+                    note = f"desired {rev7} quarantined ({why_q}); left as it is until a new commit changes it or --retry"
+                else:
+                    action = "held"
+                    why = "rollback failed" if q.get("rollback_failed") else "no last good revision"
+                    note = (f"desired {rev7} quarantined ({why_q}); {why}: "
+                            f"left stopped until a new commit changes it or --retry")
+                events.append(ServiceEvent(name, action, revision, svc.content_hash(), note=note,
                                            quote=q.get("quote")))
         else:
             services[name] = svc
