@@ -23,7 +23,8 @@ from pathlib import Path
 import asyncssh
 
 from reconciler import load, source
-from reconciler.reconcile import reconcile_fleet, ssh_connector
+from reconciler.fleet import reconcile_fleet
+from reconciler.reconcile import ssh_connector
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 

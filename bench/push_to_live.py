@@ -66,14 +66,15 @@ def main() -> None:
 
             change(0)
             git(clone, "push", "-q", "origin", "HEAD:main", env=env)
-            log = open(tmp / "daemon.log", "wb")
-            proc = subprocess.Popen([sys.executable, "-m", "reconciler", "watch", "--repo", str(bare),
-                                     "--interval", "600", "--metrics", ""], env=env, cwd=ROOT,
-                                    stdout=log, stderr=subprocess.STDOUT)
+            with open(tmp / "daemon.log", "wb") as log:   # the daemon keeps its own copy of the descriptor
+                proc = subprocess.Popen([sys.executable, "-m", "reconciler", "watch", "--repo", str(bare),
+                                         "--interval", "600", "--metrics", ""], env=env, cwd=ROOT,
+                                        stdout=log, stderr=subprocess.STDOUT)
             kh = fleetlib.write_known_hosts(hosts, tmp / "known_hosts")
 
             def show() -> dict[str, str]:
-                out = subprocess.run(fleetlib.ssh_base(h.address, kh) + [
+                out = subprocess.run([
+                    *fleetlib.ssh_base(h.address, kh),
                     "systemctl show model-a -p Environment,ActiveState,ExecMainStartTimestampMonotonic"],
                     capture_output=True, text=True).stdout
                 return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from reconciler import load, source
-from reconciler.reconcile import FleetResult, reconcile_fleet, ssh_connector
+from reconciler.fleet import FleetResult, reconcile_fleet
+from reconciler.reconcile import ssh_connector
 from tests import fleet as fleetlib
 from tests.conftest import STANDIN_UNIT, DesiredRepo, fleet_known_hosts
 

@@ -1,149 +1,261 @@
 """The executor: the only code that changes a host. Runs a HostPlan over a Transport.
 
-The whole plan goes to the host as one shell script (one round trip), so a change costs one
-SSH exchange more than a no-change run. Each step announces itself on stderr; when the script
-stops at a failing step, the error names that step.
+A plan goes to the host as one shell script (one round trip); a plan with a GPU gate goes as
+two, with the wait for the GPUs between them. Each step reports its own result:
+
+  * files and records (intent, adopt, write, remove, restore, daemon-reload, record) are fatal
+    when they fail: the script stops there and `CommandError` names the step. The durable intent
+    was written first, so the next run re-plans from what is really on the host;
+  * systemctl steps (stop, disable, enable, start, restart) never stop the script: each reports
+    ok or its exit status and message, and a start or restart that fails is judged like any
+    other health failure (reason StartFailed) by the caller. Starts are queued with --no-block:
+    a server with Type=notify may take many minutes to report ready, and the health watch,
+    not this script, waits for it.
 
 Safety:
   * every file is written atomically: a temp file in the same directory whose name systemd
-    never loads (`.reconciler-tmp.*`), fsync, rename, fsync of the directory;
-  * one daemon-reload per host; restart only what the plan says;
-  * the record (revision + inventory) is written last, so a run that fails part-way is
-    re-planned from what is really on the host and the next run converges.
+    never loads (`.reconciler-tmp.*`), fsync, rename, fsync of the directory; the clean-up on
+    exit removes only this script's own temp files;
+  * the record of a service says `pending` (what is deployed, what it replaces) before any of
+    its files is replaced; one daemon-reload per host; restart only what the plan says;
+  * a drop-in someone else wrote is moved to /var/lib/reconciler/removed/, never just deleted;
+    an adopted unit's originals are copied to /var/lib/reconciler/adopted/ before the takeover.
 """
 
 from __future__ import annotations
 
 import base64
-import json
 import shlex
-import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from .errors import CommandError
-from .facts import HOST_RECORD, STATE_DIR, record_path
-from .plan import Action, HostPlan, Kind
+from .facts import HOST_RECORD, STATE_DIR, adopted_copy, record_path
+from .plan import ORDER, Action, HostPlan, Kind, Reason
+from .records import HostRecord, ServiceRecord
 from .transport import Transport
 
-_PRELUDE = r"""set -eu
+REMOVED_DIR = f"{STATE_DIR}/removed"
+
+_PRELUDE = r"""set -u
 umask 022
+TMPS=""
 step() { printf '@@step %s\n' "$1" >&2; }
 printf '@@now %s\n' "$(date +%s)"
-cleanup() { rm -f /etc/systemd/system/.reconciler-tmp.* /etc/systemd/system/*.service.d/.reconciler-tmp.* """ \
-    + STATE_DIR + r"""/.reconciler-tmp.* """ + STATE_DIR + r"""/services/.reconciler-tmp.* 2>/dev/null || true; }
+cleanup() { [ -z "$TMPS" ] || rm -f $TMPS 2>/dev/null; true; }
 trap cleanup EXIT
 # A dropped SSH connection (controller killed) ends the script through these, running cleanup:
-# writes are atomic, so no unit is ever half-written, and the next run re-plans from the host.
+# writes are atomic, so no file is ever half-written, and the next run re-plans from the host.
 trap 'exit 129' HUP INT TERM PIPE
+fatal() { printf '@@fatal %s %s\n' "$1" "$2"; exit 1; }
 atomic_write() {  # path mode base64-content
-  d=$(dirname "$1"); mkdir -p "$d"
-  t=$(mktemp "$d/.reconciler-tmp.XXXXXX")
-  printf '%s' "$3" | base64 -d > "$t"
-  chmod "$2" "$t"
-  sync "$t"
-  mv -f "$t" "$1"
-  sync "$d"
+  d=$(dirname "$1"); mkdir -p "$d" || return 1
+  t=$(mktemp "$d/.reconciler-tmp.XXXXXX") || return 1
+  TMPS="$TMPS $t"
+  printf '%s' "$3" | base64 -d > "$t" && chmod "$2" "$t" && sync "$t" && mv -f "$t" "$1" && sync "$d"
 }
+atomic_copy() {  # source destination
+  d=$(dirname "$2"); mkdir -p "$d" || return 1
+  t=$(mktemp "$d/.reconciler-tmp.XXXXXX") || return 1
+  TMPS="$TMPS $t"
+  cp -p "$1" "$t" && sync "$t" && mv -f "$t" "$2" && sync "$d"
+}
+soft() {  # step-index command...: never stops the script; reports ok or the failure
+  i=$1; shift
+  if err=$("$@" 2>&1); then printf '@@ok %s\n' "$i"
+  else printf '@@fail %s %s %s\n' "$i" "$?" "$(printf '%s' "$err" | tail -n 5 | base64 -w0)"; fi
+}
+u_stop() { systemctl stop "$1" && { systemctl reset-failed "$1" 2>/dev/null; true; }; }
+u_start() { systemctl reset-failed "$1" 2>/dev/null; systemctl start --no-block "$1"; }
 """
 
 
+def _b64(content: str) -> str:
+    return base64.b64encode(content.encode()).decode()
+
+
 def _write(path: str, content: str, mode: str = "0644") -> str:
-    b64 = base64.b64encode(content.encode()).decode()
-    return f"atomic_write {shlex.quote(path)} {mode} {b64}"
+    return f"atomic_write {shlex.quote(path)} {mode} {_b64(content)}"
 
 
 def _unit(service: str | None) -> str:
     return shlex.quote(f"{service}.service")
 
 
-def action_script(a: Action) -> str:
-    """The shell for one action (paths and names are validated upstream and quoted here)."""
+def _record(name: str, rec: ServiceRecord, now: int) -> str:
+    if rec.pending is not None and not rec.pending.at:
+        rec = replace(rec, pending=replace(rec.pending, at=now))
+    return _write(record_path(name), rec.dumps())
+
+
+def _soft(a: Action) -> str | None:
+    """The systemctl command of a soft step, or None when the action is not one."""
+    u = _unit(a.service)
+    return {Kind.STOP: f"u_stop {u}", Kind.DISABLE: f"systemctl disable --quiet --no-reload {u}",
+            Kind.ENABLE: f"systemctl enable --quiet --no-reload {u}", Kind.START: f"u_start {u}",
+            Kind.RESTART: f"systemctl restart --no-block {u}"}.get(a.kind)
+
+
+def _fatal(a: Action, plan: HostPlan, now: int) -> str:
+    """The shell of a file or record step (paths and names are validated upstream, quoted here)."""
+    q = shlex.quote
+    if a.kind in (Kind.INTENT, Kind.RECORD) and a.service:
+        assert a.record is not None
+        return _record(a.service, a.record, now)
+    if a.kind is Kind.RECORD:
+        lines = [f"rm -f {q(record_path(n))}; rm -rf {q(adopted_copy(n, ''))}" for n in plan.dropped_records]
+        lines.append(_write(HOST_RECORD, HostRecord(plan.revision, now).dumps()))
+        return " && ".join(lines)
     if a.kind is Kind.WRITE:
         assert a.path is not None and a.content is not None
         return _write(a.path, a.content)
     if a.kind is Kind.REMOVE:
-        assert a.path is not None
+        assert a.path is not None and a.service is not None
         d = a.path.rsplit("/", 1)[0]
-        rm = f"rm -f {shlex.quote(a.path)}"
-        return rm + (f"; rmdir {shlex.quote(d)} 2>/dev/null || true" if d.endswith(".service.d") else "")
+        keep = ""
+        if a.reason is Reason.FOREIGN_DROPIN:
+            backup = f"{REMOVED_DIR}/{a.service}/{now}{a.path}"
+            keep = f"mkdir -p {q(backup.rsplit('/', 1)[0])} && cp -p {q(a.path)} {q(backup)} && "
+        return f"{keep}rm -f {q(a.path)} && {{ rmdir {q(d)} 2>/dev/null || true; }}" if d.endswith(".service.d") \
+            else f"{keep}rm -f {q(a.path)}"
+    if a.kind is Kind.ADOPT:
+        assert a.path is not None and a.service is not None
+        return f"atomic_copy {q(a.path)} {q(adopted_copy(a.service, a.path))}"
+    if a.kind is Kind.RESTORE:
+        assert a.path is not None and a.service is not None
+        return f"atomic_copy {q(adopted_copy(a.service, a.path))} {q(a.path)}"
     if a.kind is Kind.DAEMON_RELOAD:
         return "systemctl daemon-reload"
-    if a.kind is Kind.ENABLE:
-        return f"systemctl enable --quiet {_unit(a.service)}"
-    if a.kind is Kind.DISABLE:
-        return f"systemctl disable --quiet {_unit(a.service)}"
-    if a.kind is Kind.STOP:
-        return f"systemctl stop {_unit(a.service)}; systemctl reset-failed {_unit(a.service)} 2>/dev/null || true"
-    if a.kind is Kind.START:
-        return f"systemctl reset-failed {_unit(a.service)} 2>/dev/null || true; systemctl start {_unit(a.service)}"
-    if a.kind is Kind.RESTART:
-        return f"systemctl restart {_unit(a.service)}"
     raise ValueError(a.kind)
 
 
-def record_script(plan: HostPlan, applied_at: float) -> str:
-    """Write per-service records, drop records of removed services, then the host record."""
-    lines = []
-    for name, rec in sorted(plan.records.items()):
-        lines.append(_write(record_path(name), json.dumps(rec, sort_keys=True) + "\n"))
-    for name in plan.dropped_records:
-        lines.append(f"rm -f {shlex.quote(record_path(name))}")
-    host = {"applied_revision": plan.revision, "applied_at": int(applied_at)}
-    lines.append(_write(HOST_RECORD, json.dumps(host, sort_keys=True) + "\n"))
-    return "\n".join(lines)
+# Steps the controller runs itself (not in the host script).
+CONTROLLER = frozenset({Kind.FETCH, Kind.HOLD, Kind.WAIT_GPUS, Kind.WATCH})
 
 
-def build_script(plan: HostPlan, applied_at: float) -> str:
-    """The whole plan as one script; step N marks the start of plan.actions[N]."""
+def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
+    """The given actions of a plan as one script; step N marks plan.actions[N]."""
+    index = {id(a): i for i, a in enumerate(plan.actions)}
     parts = [_PRELUDE]
-    for i, a in enumerate(plan.actions):
+    for a in actions:
+        if a.kind in CONTROLLER:
+            continue
+        i = index[id(a)]
+        soft = _soft(a)
         parts.append(f"step {i}")
-        parts.append(record_script(plan, applied_at) if a.kind is Kind.RECORD else action_script(a))
+        parts.append(f"soft {i} {soft}" if soft else f"{_fatal(a, plan, now)} || fatal {i} $?")
     parts.append("step done")
     return "\n".join(parts) + "\n"
 
 
-def failed_step(stderr: str) -> tuple[int | None, str]:
-    """From the script's stderr: the index of the step that failed and what it printed."""
-    idx: int | None = None
-    tail: list[str] = []
+@dataclass(frozen=True)
+class StepFailure:
+    """A systemctl step that failed (the script went on)."""
+
+    action: Action
+    exit_status: int
+    message: str
+
+
+@dataclass
+class Applied:
+    """What running (part of) a plan did: the host's clock when it began, and failed steps."""
+
+    host_clock: float | None = None
+    failures: list[StepFailure] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)    # service -> why its start was skipped
+
+    def failed(self, service: str) -> StepFailure | None:
+        """The failed start or restart of a service, if any."""
+        return next((f for f in self.failures if f.action.service == service
+                     and f.action.kind in (Kind.START, Kind.RESTART)), None)
+
+
+def parse_results(plan: HostPlan, stdout: str, stderr: str) -> tuple[float | None, list[StepFailure],
+                                                                       tuple[int, int, str] | None]:
+    """From the script's output: the host clock, the soft failures, and the fatal step (index,
+    exit status, what it printed) if the script stopped at one."""
+    clock: float | None = None
+    failures: list[StepFailure] = []
+    fatal: tuple[int, int, str] | None = None
+    for line in stdout.splitlines():
+        parts = line.split(" ")
+        if parts[0] == "@@now" and len(parts) > 1:
+            clock = float(parts[1])
+        elif parts[0] == "@@fail" and len(parts) >= 3 and parts[1].isdigit() and int(parts[1]) < len(plan.actions):
+            msg = base64.b64decode(parts[3]).decode(errors="replace").strip() if len(parts) > 3 else ""
+            failures.append(StepFailure(plan.actions[int(parts[1])], int(parts[2]) if parts[2].isdigit() else 1, msg))
+        elif parts[0] == "@@fatal" and len(parts) >= 3 and parts[1].isdigit():
+            fatal = (int(parts[1]), int(parts[2]) if parts[2].isdigit() else 1, _stderr_of(stderr, parts[1]))
+    return clock, failures, fatal
+
+
+def _stderr_of(stderr: str, step: str) -> str:
+    """What the script printed on stderr during one step."""
+    out: list[str] = []
+    inside = False
     for line in stderr.splitlines():
         if line.startswith("@@step "):
-            arg = line.split(" ", 1)[1]
-            idx = int(arg) if arg.isdigit() else None
-            tail = []
-        else:
-            tail.append(line)
-    return idx, "\n".join(tail).strip()
+            inside = line.split(" ", 1)[1] == step
+        elif inside:
+            out.append(line)
+    return "\n".join(out).strip()
 
 
-async def apply_plan(t: Transport, plan: HostPlan, *, timeout: float = 120.0) -> float | None:
-    """Run the plan on the host; return the host's clock (epoch s) when it began, for the journal.
-
-    Raises CommandError naming the failed action.
-    """
-    if not plan.actions:
-        return None
-    script = build_script(plan, time.time())
-    res = await t.run("sh -s", input=script, timeout=timeout, what="apply")
-    if res.ok:
-        for line in res.stdout.splitlines():
-            if line.startswith("@@now "):
-                return float(line.split()[1])
-        return None
-    idx, err = failed_step(res.stderr)
-    what = plan.actions[idx].describe() if idx is not None and idx < len(plan.actions) else "apply"
-    raise CommandError(t.host, what, res.exit_status, err)
-
-
-async def write_records(t: Transport, records: dict[str, dict]) -> None:
-    """Atomically rewrite some per-service records (last good, quarantine) on the host."""
-    if not records:
+async def _run(t: Transport, plan: HostPlan, actions: Sequence[Action], now: int, timeout: float,
+               out: Applied) -> None:
+    if not any(a.kind not in CONTROLLER for a in actions):
         return
-    body = "\n".join(_write(record_path(n), json.dumps(r, sort_keys=True) + "\n") for n, r in sorted(records.items()))
-    await t.run("sh -s", input=_PRELUDE + body + "\n", check=True, timeout=60, what="write records")
+    res = await t.run("sh -s", input=build_script(plan, actions, now), timeout=timeout, what="apply")
+    clock, failures, fatal = parse_results(plan, res.stdout, res.stderr)
+    if out.host_clock is None:
+        out.host_clock = clock
+    out.failures.extend(failures)
+    if fatal is not None:
+        idx, status, err = fatal
+        raise CommandError(t.host, plan.actions[idx].describe(), status, err)
+    if not res.ok:
+        raise CommandError(t.host, "apply", res.exit_status, res.stderr)
 
 
-async def stop_service(t: Transport, name: str) -> None:
-    """Stop a failing unit so it stops crash-looping and frees its GPUs."""
-    await t.run(action_script(Action(Kind.STOP, "failed health", name)), check=True, timeout=120,
-                what=f"stop {name}")
+# Waits until a service's GPUs are free: None when they are, else why they are not.
+GpuWait = Callable[[str], Awaitable[str | None]]
+
+
+async def apply_plan(t: Transport, plan: HostPlan, *, now: int, gpu_wait: GpuWait | None = None,
+                     timeout: float = 120.0) -> Applied:
+    """Run a plan's host steps. With WAIT_GPUS steps, the script runs in two parts and `gpu_wait`
+    runs between them; a service whose GPUs stay busy is not started (nor recorded as started).
+
+    Raises CommandError when a file or record step fails (the script stops there).
+    """
+    out = Applied()
+    waits = [a for a in plan.actions if a.kind is Kind.WAIT_GPUS and a.service]
+    if not waits or gpu_wait is None:
+        await _run(t, plan, plan.actions, now, timeout, out)
+        return out
+    cut = ORDER[Kind.WAIT_GPUS]
+    await _run(t, plan, [a for a in plan.actions if ORDER[a.kind] < cut], now, timeout, out)
+    for a in waits:
+        assert a.service is not None
+        why = await gpu_wait(a.service)
+        if why is not None:
+            out.skipped[a.service] = why
+    later = [a for a in plan.actions if ORDER[a.kind] > cut
+             and not (a.service in out.skipped and a.kind in (Kind.START, Kind.RECORD, Kind.ENABLE))]
+    await _run(t, plan, later, now, timeout, out)
+    return out
+
+
+async def write_record(t: Transport, name: str, rec: ServiceRecord, *, stop: bool = False) -> None:
+    """Write one service's record at once, by itself (a verdict); then stop the unit if asked.
+
+    The record comes first: if the connection drops after it, the next run knows the verdict.
+    """
+    body = f"{_record(name, rec, 0)} || fatal 0 $?"
+    if stop:
+        body += f"\nsoft 1 u_stop {_unit(name)}"
+    res = await t.run("sh -s", input=_PRELUDE + body + "\n", timeout=120, what=f"record verdict of {name}")
+    _, _, fatal = parse_results(HostPlan(t.host, "", (), {}), res.stdout, res.stderr)
+    if fatal is not None or not res.ok:
+        raise CommandError(t.host, f"record verdict of {name}", res.exit_status, res.stderr)

@@ -20,7 +20,8 @@ from . import load, source
 from .errors import ConfigError, SourceError
 from .load import render_at
 from .preflight import check_desired, load_rules
-from .reconcile import FleetResult, reconcile_fleet, select_hosts, ssh_connector
+from .fleet import FleetResult, reconcile_fleet, select_hosts
+from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_history, print_result, print_status
 from .status import Store, remember
 

@@ -17,20 +17,23 @@ holds the exit code when it ends, for the post-receive hook to stream to the pus
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import signal
 import time
 from pathlib import Path
+from typing import IO, TextIO, cast
 
 from rich.console import Console
 
 from . import load, source
-from .load import render_at
 from .config import ControllerConfig
 from .errors import ConfigError, ReconcilerError, SourceError
+from .fleet import reconcile_fleet
+from .load import render_at
 from .metrics import Metrics
 from .preflight import load_rules
-from .reconcile import reconcile_fleet, ssh_connector
+from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_result
 from .status import Store, default_state_dir, remember
 from .trust import RevisionRefused, check_descends, verify_signature
@@ -41,7 +44,7 @@ BACKOFF_START = 2.0
 class _Tee(io.TextIOBase):
     """Write run output to stdout (the journal) and the run's log file at once."""
 
-    def __init__(self, *files):
+    def __init__(self, *files: IO[str]):
         self.files = files
 
     def write(self, s: str) -> int:
@@ -53,6 +56,11 @@ class _Tee(io.TextIOBase):
     def flush(self) -> None:
         for f in self.files:
             f.flush()
+
+
+def _tee(*files: IO[str]) -> TextIO:
+    """A _Tee typed as the file rich's Console asks for: Console only writes and flushes it."""
+    return cast(TextIO, _Tee(*files))
 
 
 class Daemon:
@@ -121,50 +129,51 @@ class Daemon:
         why = ", ".join(sorted(set(self.reasons))) or "start"
         self.reasons.clear()
         rev_name = "unknown"
-        log = None
-        try:
-            repo = source.open_repo(self.cfg.repo, self.cache_dir)
-            snap = source.snapshot(repo, f"refs/heads/{self.cfg.branch}", self.cfg.path)
-            rev_name = snap.revision
-            log = open(self.runs_dir / f"{snap.revision}.log", "a")
-            console = Console(file=_Tee(self.console.file, log), highlight=False, force_terminal=False, width=160)
-            console.print(f"reconcile {snap.short} ({why})")
-            if not self.cfg.allow_rewind:
-                check_descends(repo, self._last_applied(), snap.revision)
-            if self.cfg.require_signed:
-                who = verify_signature(repo, snap.revision, self.cfg.allowed_signers or "/etc/reconciler/allowed_signers")
-                console.print(f"{snap.short}: signed by {who}")
-            state = load.load_desired(snap)
-            rules = load_rules(snap)
-            view = PhaseView(console)
-            result = await reconcile_fleet(state, ssh_connector(self.cfg.identity), render_at=render_at(snap),
-                                           on_phase=view, rules=rules)
-            print_result(console, result)
-            remember(self.store, result)
-            self.store.set_value("last_applied_revision", snap.revision)
-            code = result.exit_code()
-            self.metrics.observe_run(result, time.monotonic() - started)
-        except RevisionRefused as e:
-            code = 1
-            self._say(log, f"refused: {e.reason}: {e}")
-            self.metrics.run_failed("refused", time.monotonic() - started)
-        except ConfigError as e:
-            code = 1
-            buf = Console(file=_Tee(self.console.file, *( [log] if log else [])), highlight=False, width=160)
-            print_config_error(buf, e, rev_name[:7])
-            self.metrics.run_failed("invalid", time.monotonic() - started)
-        except (SourceError, ReconcilerError, OSError) as e:
-            code = 1
-            self._say(log, f"run failed: {type(e).__name__}: {e}")
-            self.metrics.run_failed("error", time.monotonic() - started)
-        finally:
-            if log is not None:
-                log.close()
+        log: TextIO | None = None
+        # The run's log stays open through the except clauses (they write to it too).
+        with contextlib.ExitStack() as closing:
+            try:
+                repo = source.open_repo(self.cfg.repo, self.cache_dir)
+                snap = source.snapshot(repo, f"refs/heads/{self.cfg.branch}", self.cfg.path)
+                rev_name = snap.revision
+                log = closing.enter_context(open(self.runs_dir / f"{snap.revision}.log", "a"))
+                console = Console(file=_tee(self.console.file, log), highlight=False, force_terminal=False,
+                                  width=160)
+                console.print(f"reconcile {snap.short} ({why})")
+                if not self.cfg.allow_rewind:
+                    check_descends(repo, self._last_applied(), snap.revision)
+                if self.cfg.require_signed:
+                    who = verify_signature(repo, snap.revision,
+                                           self.cfg.allowed_signers or "/etc/reconciler/allowed_signers")
+                    console.print(f"{snap.short}: signed by {who}")
+                state = load.load_desired(snap)
+                rules = load_rules(snap)
+                view = PhaseView(console)
+                result = await reconcile_fleet(state, ssh_connector(self.cfg.identity), render_at=render_at(snap),
+                                               on_phase=view, rules=rules)
+                print_result(console, result)
+                remember(self.store, result)
+                self.store.set_value("last_applied_revision", snap.revision)
+                code = result.exit_code()
+                self.metrics.observe_run(result, time.monotonic() - started)
+            except RevisionRefused as e:
+                code = 1
+                self._say(log, f"refused: {e.reason}: {e}")
+                self.metrics.run_failed("refused", time.monotonic() - started)
+            except ConfigError as e:
+                code = 1
+                buf = Console(file=_tee(self.console.file, *([log] if log else [])), highlight=False, width=160)
+                print_config_error(buf, e, rev_name[:7])
+                self.metrics.run_failed("invalid", time.monotonic() - started)
+            except (SourceError, ReconcilerError, OSError) as e:
+                code = 1
+                self._say(log, f"run failed: {type(e).__name__}: {e}")
+                self.metrics.run_failed("error", time.monotonic() - started)
         if rev_name != "unknown":
             (self.runs_dir / f"{rev_name}.exit").write_text(f"{code}\n")
         return code
 
-    def _say(self, log, line: str) -> None:
+    def _say(self, log: TextIO | None, line: str) -> None:
         print(line, flush=True)
         if log is not None:
             log.write(line + "\n")

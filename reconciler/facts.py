@@ -2,20 +2,21 @@
 
 Like pyinfra's facts: `observe_command(names)` builds the command, `parse_observation(out)`
 turns its output into `HostFacts`. One SSH round trip reads, for every desired or inventoried
-service, the unit file, the reconciler's env drop-in, `systemctl show` properties and the
-reconciler's own record on the host (/var/lib/reconciler).
+service: the unit file, every drop-in systemd would apply to it (ours and anyone else's, in
+/etc, /run and the `system.control` directories), `systemctl show` properties and the
+reconciler's own record on the host (/var/lib/reconciler, typed in records.py).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import json
 import secrets
 import shlex
 from dataclasses import dataclass, field
 
 from .errors import ObserveError
+from .records import HostRecord, ServiceRecord
 
 UNIT_DIR = "/etc/systemd/system"
 STATE_DIR = "/var/lib/reconciler"
@@ -23,6 +24,11 @@ ENV_DROPIN = "50-reconciler-env.conf"
 SHOW_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,"
               "ExecMainPID,InvocationID,NeedDaemonReload,FragmentPath,DropInPaths,UnitFileState,"
               "ActiveEnterTimestampMonotonic")
+# Where a drop-in for <name>.service can live, highest priority first (systemd.unit(5)): the
+# `systemctl set-property` directories, runtime (`systemctl edit --runtime`), and the admin's.
+DROPIN_DIRS = ("/etc/systemd/system.control", "/run/systemd/system.control", "/run/systemd/transient",
+               "/etc/systemd/system", "/run/systemd/system")
+ADOPTED_DIR = f"{STATE_DIR}/adopted"
 
 
 def unit_path(service: str) -> str:
@@ -40,15 +46,25 @@ def record_path(service: str) -> str:
 HOST_RECORD = f"{STATE_DIR}/host.json"
 
 
+def adopted_copy(service: str, path: str) -> str:
+    """Where the original of an adopted unit's file is kept."""
+    return f"{ADOPTED_DIR}/{service}{path}"
+
+
 @dataclass(frozen=True)
 class ServiceFacts:
-    """One service as found on the host. Files are None when absent."""
+    """One service as found on the host. Files are None when absent.
+
+    dropins: every drop-in file systemd would apply to the service (path -> content), ours
+    included; the planner tells ours from anyone else's.
+    """
 
     name: str
     unit_text: str | None = None
     env_text: str | None = None
-    record: dict | None = None            # the reconciler's record: present = in the inventory
+    record: ServiceRecord | None = None   # the reconciler's record: present = in the inventory
     props: dict[str, str] = field(default_factory=dict)
+    dropins: dict[str, str] = field(default_factory=dict)
 
     @property
     def managed(self) -> bool:
@@ -64,13 +80,35 @@ class ServiceFacts:
         """Started (or being started/restarted by systemd): stopping it is a restart, not a start."""
         return self.active_state in ("active", "activating", "reloading", "refreshing")
 
+    @property
+    def enabled(self) -> bool:
+        return self.props.get("UnitFileState") in ("enabled", "enabled-runtime")
+
+    def foreign_path(self) -> str | None:
+        """Where a unit of this name lives that the reconciler did not install, or None.
+
+        A unit file at our path without a record, a loaded unit from elsewhere (a package's
+        /lib/systemd/system/NAME.service, which our file would shadow), or a masked unit.
+        """
+        if self.managed:
+            return None
+        if self.unit_text is not None:
+            return unit_path(self.name)
+        load = self.props.get("LoadState", "")
+        fragment = self.props.get("FragmentPath", "")
+        if load == "masked":
+            return fragment or unit_path(self.name)
+        if load in ("loaded", "bad-setting", "error") and fragment and fragment != unit_path(self.name):
+            return fragment
+        return None
+
 
 @dataclass(frozen=True)
 class HostFacts:
     """Everything observed on one host in one round trip."""
 
     services: dict[str, ServiceFacts]
-    record: dict | None = None            # /var/lib/reconciler/host.json
+    record: HostRecord | None = None      # /var/lib/reconciler/host.json
 
     @property
     def inventory(self) -> set[str]:
@@ -94,6 +132,12 @@ for n in $names; do
   b64 R "$n" "$D/services/$n.json"
   b64 U "$n" "$u"
   b64 E "$n" "$u.d/%(dropin)s"
+  for d in %(dropin_dirs)s; do
+    for f in "$d/$n.service.d/"*.conf; do
+      [ -f "$f" ] || continue
+      printf '%%s D %%s %%s ' "$T" "$n" "$(printf '%%s' "$f" | base64 -w0)"; base64 -w0 < "$f"; echo
+    done
+  done
   units="$units $n.service"
 done
 if [ -n "$units" ]; then
@@ -110,7 +154,7 @@ def observe_command(desired: list[str], token: str | None = None) -> tuple[str, 
     """
     token = token or secrets.token_hex(8)
     script = _SCRIPT % {"token": token, "state": STATE_DIR, "unit_dir": UNIT_DIR,
-                        "dropin": ENV_DROPIN, "props": SHOW_PROPS}
+                        "dropin": ENV_DROPIN, "props": SHOW_PROPS, "dropin_dirs": " ".join(DROPIN_DIRS)}
     args = " ".join(shlex.quote(n) for n in sorted(desired))
     return f"sh -c {shlex.quote(script)} reconciler-observe {args}", token
 
@@ -123,7 +167,7 @@ def parse_show(text: str) -> dict[str, dict[str, str]]:
     out: dict[str, dict[str, str]] = {}
     for block in text.split("\n\n"):
         props: dict[str, str] = {}
-        for line in block.splitlines():
+        for line in block.split("\n"):   # not splitlines(): a value may hold \u2028 or \x1c
             key, sep, value = line.partition("=")
             if sep:
                 props[key] = value
@@ -141,21 +185,15 @@ def _decode(field_: str) -> str | None:
         raise ObserveError("?", "malformed observation output (bad base64)") from None
 
 
-def _json(text: str | None, what: str) -> dict | None:
-    if text is None:
-        return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        # A corrupt record is treated as present but empty: the service stays in the inventory.
-        return {"corrupt": True, "what": what}
-    return data if isinstance(data, dict) else {"corrupt": True, "what": what}
-
-
 def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
-    """Parse the output of `observe_command` into HostFacts (pure)."""
+    """Parse the output of `observe_command` into HostFacts (pure).
+
+    A record that is not valid JSON is read as a corrupt record: the service stays in the
+    inventory (so it is never mistaken for a foreign unit), and nothing in it is trusted.
+    """
     files: dict[str, dict[str, str | None]] = {}
-    host_record: dict | None = None
+    dropins: dict[str, dict[str, str]] = {}
+    host_record: HostRecord | None = None
     show: dict[str, dict[str, str]] = {}
     ended = False
     for line in stdout.splitlines():
@@ -165,29 +203,34 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
         if parts[1] == "END":
             ended = True
             continue
-        if len(parts) != 4:
+        kind = parts[1]
+        if len(parts) != (5 if kind == "D" else 4):
             raise ObserveError(host, f"malformed observation line: {line[:80]!r}")
-        _, kind, name, payload = parts
         try:
-            text = _decode(payload)
+            text = _decode(parts[-1])
+            path = _decode(parts[3]) if kind == "D" else None
         except ObserveError:
             raise ObserveError(host, "malformed observation output (bad base64)") from None
+        name = parts[2]
         if kind == "H":
-            host_record = _json(text, "host.json")
+            host_record = HostRecord.parse(text) if text is not None else None
         elif kind == "S":
             show = parse_show(text or "")
+        elif kind == "D" and path:
+            dropins.setdefault(name, {})[path] = text or ""
         elif kind in ("R", "U", "E"):
             files.setdefault(name, {})[kind] = text
     if not ended:
         raise ObserveError(host, "observation output ended early (is this a systemd host with a POSIX shell?)")
-    services = {
-        name: ServiceFacts(
+    services = {}
+    for name, f in files.items():
+        rec_text = f.get("R")
+        services[name] = ServiceFacts(
             name=name,
             unit_text=f.get("U"),
             env_text=f.get("E"),
-            record=_json(f.get("R"), f"services/{name}.json"),
+            record=ServiceRecord.parse(rec_text) if rec_text is not None else None,
             props=show.get(f"{name}.service", {}),
+            dropins=dropins.get(name, {}),
         )
-        for name, f in files.items()
-    }
     return HostFacts(services=services, record=host_record)

@@ -1,26 +1,39 @@
-"""Pre-flight gates: the rule pack, model presence and the GPU state, applied before any
-service is (re)started, so a bad deploy is refused while the old, working service still runs.
+"""Host-side pre-flight: what must hold on the host before a service (re)starts, read in one
+round trip and judged purely, so a bad deploy is refused while the old, working version runs.
 
-The host-side half (the repo-side half, `preflight.check_desired`, runs in `reconcile validate`
-and the pre-receive hook):
-  * `preflight_host(t, host, services, rules)`: one extra round trip, only when a plan starts or
-    restarts services: the models' config.json and shard list from the host, and the GPUs.
-    A failing rule or an incomplete model blocks that service's deploy; nothing is written.
+For the services a plan starts, and the units it writes:
+  * systemd's own check of every unit about to be written (`systemd-analyze verify` on a copy
+    in a private directory): an unknown key, an invalid value or a missing binary blocks that
+    service (UnitInvalid) before its file replaces a working one;
+  * the rule pack (reconciler/rules) against the command line and environment systemd will
+    really use (the rendered unit plus any drop-in the service allows) and the model's real
+    config.json on the host; model completeness (shards) - a failing rule blocks the service
+    (PreflightFailed);
+  * a missing or incomplete model with `model.fetch` becomes a FETCH action in the plan
+    (announced by a dry run); after it ran, the model is checked again;
+  * the GPUs: on a host with nvidia-smi every start waits until the GPUs it claims are free
+    (`gpu_waiter`, run by the executor between stop and start).
+
+The repo-side half (`preflight.check_desired`) runs in `reconcile validate` and the pre-receive
+hook.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import re
+import secrets
 import shlex
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 
-from .apply import apply_plan
+from .apply import GpuWait
 from .errors import CommandError
-from .facts import HostFacts
+from .facts import ENV_DROPIN, HostFacts
 from .gpu import GpuFacts, gpu_command, kill_strays, parse_gpu, stray_holders, wait_released
-from .plan import HostPlan, Kind, split_for_gate
+from .plan import Block, Checks, HostPlan, foreign_dropins, own_files, render_env, starting, writing_units
 from .preflight import (ModelFacts, RuleSet, check_host, gpu_claim, model_check_command, parse_command,
                         parse_model_check)
 from .spec import HostSpec, ModelSpec, ServiceSpec
@@ -30,32 +43,212 @@ from .transport import Transport
 # (a host without nvidia-smi, like the test fleet, reports "no GPUs" and skips them).
 GPU_RULES = frozenset({"gpu-overlap", "tp-exceeds-gpus"})
 MODEL_RULE_SOURCE = "https://huggingface.co/docs/safetensors (sharded checkpoints: model.safetensors.index.json)"
+UNIT_SOURCE = "https://www.freedesktop.org/software/systemd/man/systemd-analyze.html (verify)"
 
 
 @dataclass
 class Preflight:
-    """What the host-side pre-flight found: blocking findings per service, models, GPUs."""
+    """What the host-side pre-flight found: blocks per service, fetches to run, notes, GPUs."""
 
-    blocked: dict[str, list[str]] = field(default_factory=dict)     # service -> reasons (one line each)
+    blocked: dict[str, list[Block]] = field(default_factory=dict)
+    fetch: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     models: dict[str, ModelFacts] = field(default_factory=dict)
     gpu: GpuFacts | None = None
+
+    def checks(self) -> Checks:
+        return Checks(blocked={n: tuple(b) for n, b in self.blocked.items()}, fetch=dict(self.fetch),
+                      gpu_gate=self.gpu is not None and self.gpu.has_nvidia_smi)
+
+    def block(self, service: str, reason: str, message: str) -> None:
+        self.blocked.setdefault(service, []).append(Block(reason, message))
 
 
 Progress = Callable[[str, str, float, float], None]   # service, phase, elapsed, timeout
 
 
-async def fetch_model(t: Transport, service: str, model: ModelSpec, facts: ModelFacts,
+# ---- systemd's own check of a unit ----------------------------------------------------------------
+
+_VERIFY_SCRIPT = r"""
+T=%(token)s
+command -v systemd-analyze >/dev/null 2>&1 || { printf '%%s V - - -\n' "$T"; printf '%%s END\n' "$T"; exit 0; }
+dir=$(mktemp -d /tmp/reconciler-verify.XXXXXX) || exit 1
+trap 'rm -rf "$dir"' EXIT
+while read -r svc tmpname unit env; do
+  printf '%%s' "$unit" | base64 -d > "$dir/$tmpname.service"
+  if [ "$env" != "-" ]; then mkdir -p "$dir/$tmpname.service.d"; printf '%%s' "$env" | base64 -d > "$dir/$tmpname.service.d/%(dropin)s"; fi
+  out=$(systemd-analyze verify --man=no "$dir/$tmpname.service" 2>&1); rc=$?
+  printf '%%s V %%s %%s %%s\n' "$T" "$svc" "$rc" "$(printf '%%s' "$out" | base64 -w0)"
+done
+printf '%%s END\n' "$T"
+"""
+
+
+def verify_command(units: Mapping[str, tuple[str, str | None]], token: str | None = None) -> tuple[str, str, str]:
+    """The command that has systemd check each unit (service -> (unit text, env drop-in or None))
+    under a throw-away name, so no live drop-in of the real unit is mixed in.
+
+    Returns (command, stdin, token)."""
+    token = token or secrets.token_hex(8)
+    lines = []
+    for name, (unit, env) in sorted(units.items()):
+        tmpname = f"reconciler-verify-{secrets.token_hex(4)}-{name}"
+        enc = base64.b64encode(unit.encode()).decode()
+        env_enc = base64.b64encode(env.encode()).decode() if env else "-"
+        lines.append(f"{name} {tmpname} {enc} {env_enc}")
+    script = _VERIFY_SCRIPT % {"token": token, "dropin": ENV_DROPIN}
+    return f"sh -c {shlex.quote(script)} reconciler-verify", "\n".join(lines) + "\n", token
+
+
+_LINE_REF = re.compile(r"^(?P<file>/\S+?):(?P<line>\d+): (?P<msg>.*)$")
+
+
+def parse_verify(stdout: str, token: str, units: Mapping[str, tuple[str, str | None]]) -> tuple[dict[str, list[str]], bool]:
+    """Pure: service -> what systemd objects to in its unit (each with the offending line quoted);
+    and whether systemd-analyze was there at all."""
+    out: dict[str, list[str]] = {}
+    available = True
+    for line in stdout.splitlines():
+        parts = line.split(" ")
+        if len(parts) != 5 or parts[0] != token or parts[1] != "V":
+            continue
+        name, rc, payload = parts[2], parts[3], parts[4]
+        if name == "-":
+            available = False
+            continue
+        text = base64.b64decode(payload).decode(errors="replace") if payload != "-" else ""
+        unit, env = units.get(name, ("", None))
+        problems = []
+        for msg in text.splitlines():
+            if "reconciler-verify-" not in msg:
+                continue              # about another unit on the host, not the one we would write
+            m = _LINE_REF.match(msg.strip())
+            if m:
+                src = env if m.group("file").endswith(".conf") else unit
+                lines = (src or "").splitlines()
+                n = int(m.group("line"))
+                quoted = f" (`{lines[n - 1].strip()}`)" if 0 < n <= len(lines) else ""
+                where = f"{ENV_DROPIN} line {n}" if m.group("file").endswith(".conf") else f"line {n}"
+                problems.append(f"{where}: {m.group('msg')}{quoted}")
+            else:
+                problems.append(re.sub(r"reconciler-verify-[0-9a-f]+-", "", msg.strip()))
+        if rc != "0" and not problems:
+            problems.append(f"systemd-analyze verify exited {rc}")
+        if problems:
+            out[name] = problems
+    return out, available
+
+
+# ---- pre-flight ---------------------------------------------------------------------------------
+
+
+def effective_spec(svc: ServiceSpec, facts: HostFacts) -> ServiceSpec:
+    """The service as systemd will run it once applied: the rendered unit plus the drop-ins it
+    allows (every other foreign drop-in is removed by the apply), then our env."""
+    f = facts.services.get(svc.name)
+    if f is None:
+        return svc
+    foreign = foreign_dropins(svc, f)
+    kept = [c for p, c in sorted(f.dropins.items(), key=lambda kv: kv[0].rsplit("/", 1)[-1])
+            if p not in own_files(svc.name) and p not in foreign]
+    if not kept:
+        return svc
+    return replace(svc, unit_text=svc.unit_text + "\n" + "\n".join(kept))
+
+
+async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: HostFacts, rules: RuleSet | None,
+                         *, fetched: Mapping[str, str | None] | None = None) -> Preflight:
+    """Check what the plan starts against the host: units, rules, models, GPUs (one round trip).
+
+    `fetched`: model paths already fetched in this run -> why the fetch failed (None: it ran);
+    their models are judged as they are now, never fetched again.
+    """
+    out = Preflight()
+    targets = starting(plan)
+    units = {n: (u, render_env(plan.services[n].target.spec.env) if plan.services[n].target  # type: ignore[union-attr]
+                 and plan.services[n].target.spec.env else None)  # type: ignore[union-attr]
+             for n, u in writing_units(plan).items()}
+    if not targets and not units:
+        return out
+    specs = {n: effective_spec(tg.spec, facts) for n, tg in targets.items()}
+    paths = sorted({s.model.path for s in specs.values() if s.model})
+    cmds: list[str] = []
+    stdin = None
+    vtok = mtok = gtok = ""
+    if units:
+        vcmd, stdin, vtok = verify_command(units)
+        cmds.append(vcmd)
+    if paths:
+        mcmd, mtok = model_check_command(paths)
+        cmds.append(mcmd)
+    if targets:
+        gcmd, gtok = gpu_command()
+        cmds.append(gcmd)
+    res = await t.run("; ".join(cmds), input=stdin, check=True, timeout=60, what="pre-flight")
+    if units:
+        problems, available = parse_verify(res.stdout, vtok, units)
+        if not available:
+            out.warnings.append("systemd-analyze not found: units not verified before writing")
+        for name, lines in problems.items():
+            out.block(name, "UnitInvalid", f"{name}: systemd rejects the unit: " + "; ".join(lines)
+                      + f" (source: {UNIT_SOURCE})")
+    if targets:
+        out.gpu = parse_gpu(res.stdout, gtok, host.name)
+    out.models = parse_model_check(res.stdout, mtok, host.name) if paths else {}
+    _judge_models(out, specs, fetched or {})
+    if rules is not None and targets:
+        _judge_rules(out, host, specs, rules)
+    return out
+
+
+def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Mapping[str, str | None]) -> None:
+    for name, svc in sorted(specs.items()):
+        m = svc.model
+        facts = out.models.get(m.path) if m else None
+        if m is None or facts is None:
+            continue
+        if m.path in fetched and fetched[m.path]:
+            out.block(name, "ModelFetchFailed", f"{name}: {fetched[m.path]}")
+            continue
+        if facts.complete:
+            continue
+        if m.fetch and m.path not in fetched:
+            out.fetch[name] = f"fetch {m.id} into {m.path} first ({m.fetch})"
+            out.models.pop(m.path)       # judged after the fetch, not now
+            continue
+        out.block(name, "PreflightFailed",
+                  f"{name}: model-incomplete: {m.path}: {', '.join(facts.problems())}. "
+                  f"Fix: finish the download (or set model.fetch) before deploying (source: {MODEL_RULE_SOURCE})")
+
+
+def _judge_rules(out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec], rules: RuleSet) -> None:
+    configs = {p: m.config for p, m in out.models.items() if m.config is not None}
+    gpu = out.gpu or GpuFacts(has_nvidia_smi=False)
+    no_gpus = not gpu.has_nvidia_smi
+    if no_gpus:
+        out.warnings.append(f"{gpu.summary()}: GPU rules ({', '.join(sorted(GPU_RULES))}) skipped")
+    judged = replace(host, services={**host.services, **specs})
+    for f in check_host(judged, rules=rules, model_configs=configs, gpu_count=gpu.observed_gpu_count):
+        if f.service not in specs or (no_gpus and f.rule_id in GPU_RULES):
+            continue
+        if f.blocking:
+            out.block(f.service, "PreflightFailed", str(f))
+        else:
+            out.warnings.append(str(f))
+
+
+async def fetch_model(t: Transport, service: str, model: ModelSpec, facts: ModelFacts | None,
                       on_phase: Progress | None = None) -> str | None:
     """Run model.fetch on the host (before anything is stopped). Returns why it failed, or None.
 
     Checks free disk space first when the size is known (model.size_gb, or the index's
     total_size), then runs the command in the model directory with model.fetch_timeout.
     """
-    need = model.size_gb * 1e9 if model.size_gb else facts.total_size
-    if need and facts.free_bytes is not None and facts.free_bytes < need:
+    need = model.size_gb * 1e9 if model.size_gb else (facts.total_size if facts else None)
+    free = facts.free_bytes if facts else None
+    if need and free is not None and free < need:
         return (f"model-fetch: not enough disk for {model.id} at {model.path}: needs {need / 1e9:.1f} GB, "
-                f"{facts.free_bytes / 1e9:.1f} GB free")
+                f"{free / 1e9:.1f} GB free")
     cmd = f"mkdir -p {shlex.quote(model.path)} && cd {shlex.quote(model.path)} && {model.fetch}"
     started = time.monotonic()
 
@@ -77,75 +270,7 @@ async def fetch_model(t: Transport, service: str, model: ModelSpec, facts: Model
     return None
 
 
-async def preflight_host(t: Transport, host: HostSpec, services: set[str], rules: RuleSet,
-                         on_phase: Progress | None = None, allow_fetch: bool = True) -> Preflight:
-    """Check the services about to (re)start against their real models and the host's GPUs.
-
-    A missing or incomplete model with `model.fetch` is downloaded first, while the old
-    version keeps serving; with allow_fetch=False (a dry run) it is only announced.
-    """
-    out = Preflight()
-    if not services:
-        return out
-    paths = sorted({s.model.path for n, s in host.services.items() if n in services and s.model})
-    gcmd, gtok = gpu_command()
-    cmds = [gcmd]
-    mtok = ""
-    if paths:
-        mcmd, mtok = model_check_command(paths)
-        cmds.insert(0, mcmd)
-    res = await t.run("; ".join(cmds), check=True, timeout=60, what="pre-flight")
-    out.gpu = parse_gpu(res.stdout, gtok, host.name)
-    out.models = parse_model_check(res.stdout, mtok, host.name) if paths else {}
-    fetched: dict[str, str | None] = {}
-    for name in sorted(services):
-        m = host.services[name].model if name in host.services else None
-        if m is None or not m.fetch or m.path in fetched or not out.models.get(m.path, None) \
-                or out.models[m.path].complete:
-            continue
-        if not allow_fetch:
-            out.warnings.append(f"would fetch {m.id} into {m.path} first ({m.fetch})")
-            out.models.pop(m.path)          # judged after the fetch, not now
-            continue
-        fetched[m.path] = await fetch_model(t, name, m, out.models[m.path], on_phase)
-        out.warnings.append(fetched[m.path] or f"fetched {m.id} into {m.path}")
-    if fetched:
-        mcmd, mtok = model_check_command(sorted(fetched))
-        again = await t.run(mcmd, check=True, timeout=60, what="model check")
-        out.models.update(parse_model_check(again.stdout, mtok, host.name))
-    for name in sorted(services):
-        m = host.services[name].model if name in host.services else None
-        if m is not None and fetched.get(m.path):
-            out.blocked.setdefault(name, []).append(f"{name}: {fetched[m.path]}")
-    configs = {p: m.config for p, m in out.models.items() if m.config is not None}
-    no_gpus = not out.gpu.has_nvidia_smi
-    if no_gpus:
-        out.warnings.append(f"{out.gpu.summary()}: GPU rules ({', '.join(sorted(GPU_RULES))}) skipped")
-    for f in check_host(host, rules=rules, model_configs=configs, gpu_count=out.gpu.observed_gpu_count):
-        if f.service not in services or (no_gpus and f.rule_id in GPU_RULES):
-            continue
-        if f.blocking:
-            out.blocked.setdefault(f.service, []).append(str(f))
-        else:
-            out.warnings.append(str(f))
-    for name in sorted(services):
-        svc = host.services.get(name)
-        m = out.models.get(svc.model.path) if svc and svc.model else None
-        if m is not None and m.problems() and not fetched.get(m.path):
-            out.blocked.setdefault(name, []).append(
-                f"{name}: model-incomplete: {svc.model.path}: {', '.join(m.problems())}. "
-                f"Fix: finish the download (or set model.fetch) before deploying (source: {MODEL_RULE_SOURCE})")
-    return out
-
-
-@dataclass
-class GateResult:
-    """What the GPU gate did: when the apply began (host clock), services it kept from
-    starting (service -> why), and notes (strays found, how long the release took)."""
-
-    applied_at: float | None = None
-    blocked: dict[str, str] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
+# ---- the GPU gate -------------------------------------------------------------------------------
 
 
 def _claimed_gpus(svc: ServiceSpec | None, gpu: GpuFacts) -> set[int] | None:
@@ -164,42 +289,30 @@ def _claimed_gpus(svc: ServiceSpec | None, gpu: GpuFacts) -> set[int] | None:
     return out or None
 
 
-async def gated_apply(t: Transport, plan: HostPlan, facts: HostFacts, host: HostSpec, gpu: GpuFacts | None,
-                      *, timeout: float = 120.0) -> GateResult:
-    """Apply a plan; on a host with GPUs, restarts become stop -> GPUs released -> start.
-
-    After the stop it waits (bounded) until the old processes are gone and memory is free on
-    the GPUs the service claims. A stray holder that is not the service's is reported, and
-    killed only when the service's gpu_policy says "kill". If the GPUs stay busy, the service is
-    not started.
-    """
-    restarting = {a.service for a in plan.actions if a.kind is Kind.RESTART and a.service}
-    if gpu is None or not gpu.has_nvidia_smi or not restarting:
-        return GateResult(await apply_plan(t, plan))
-    first, second = split_for_gate(plan, restarting)
-    res = GateResult(await apply_plan(t, first))
-    for name in sorted(restarting):
+def gpu_waiter(t: Transport, plan: HostPlan, facts: HostFacts, gpu: GpuFacts, notes: list[str],
+               *, timeout: float = 120.0) -> GpuWait:
+    """The executor's wait between stop and start on a GPU host: the old processes gone and the
+    claimed GPUs' memory free (bounded). A stray holder that is not the service's is reported,
+    and killed only when the service's gpu_policy says "kill". None when free, else why not."""
+    async def wait(name: str) -> str | None:
         f = facts.services.get(name)
         pid = int((f.props.get("ExecMainPID", "0") if f else "0") or 0)
         pids = {pid} if pid else set()
-        svc = host.services.get(name)
+        sp = plan.services.get(name)
+        svc = sp.target.spec if sp is not None and sp.target is not None else None
         policy = svc.gpu_policy if svc else "report"
         gpus = _claimed_gpus(svc, gpu)
         ok, after, waited = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
         strays = stray_holders(after, pids, {f"{name}.service"})
         for s in strays:
-            res.notes.append(f"{name}: stray GPU holder pid {s.pid} ({s.comm}, {s.used_mib} MiB)")
+            notes.append(f"{name}: stray GPU holder pid {s.pid} ({s.comm}, {s.used_mib} MiB)")
         if not ok and strays and policy == "kill":
             outcomes = await kill_strays(t, strays, "kill")
-            res.notes += [f"{name}: stray pid {o.holder.pid}: {o.outcome}" for o in outcomes]
+            notes.extend(f"{name}: stray pid {o.holder.pid}: {o.outcome}" for o in outcomes)
             ok, after, more = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
             waited += more
         if ok:
-            res.notes.append(f"{name}: GPUs released {waited:.1f}s after the stop")
-        else:
-            res.blocked[name] = (f"GPUs still busy {waited:.0f}s after stopping {name}: {after.summary()}"
-                                 f" (stray-process policy {policy})")
-    keep = tuple(a for a in second.actions if not (a.kind is Kind.START and a.service in res.blocked))
-    from dataclasses import replace
-    await apply_plan(t, replace(second, actions=keep))
-    return res
+            notes.append(f"{name}: GPUs free {waited:.1f}s after the stop")
+            return None
+        return f"GPUs still busy {waited:.0f}s after stopping {name}: {after.summary()} (stray-process policy {policy})"
+    return wait

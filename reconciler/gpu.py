@@ -30,6 +30,7 @@ from typing import Literal, Protocol
 
 from .errors import ObserveError
 
+
 class Result(Protocol):
     """What a command returns: transport.Completed has this shape."""
 
@@ -280,10 +281,9 @@ def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
                 entry[1].append(mem)
             if uuid:
                 entry[2].append(uuid)
-        elif kind in ("GRC", "ARC"):
-            if payload.strip() != "0":
-                errors.append(f"{'--query-gpu' if kind == 'GRC' else '--query-compute-apps'} "
-                              f"exited {payload.strip()}")
+        elif kind in ("GRC", "ARC") and payload.strip() != "0":
+            errors.append(f"{'--query-gpu' if kind == 'GRC' else '--query-compute-apps'} "
+                          f"exited {payload.strip()}")
     if not ended:
         raise ObserveError(host, "GPU check output ended early (is there a POSIX shell?)")
     for payload in gpu_lines:

@@ -15,14 +15,14 @@ import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Callable
-from urllib.parse import urlsplit
 
 from .errors import HostError
 from .facts import parse_show
 from .spec import HealthSpec
 from .transport import Transport
 
-WATCH_PROPS = "Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID"
+WATCH_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID,"
+               "ActiveEnterTimestampMonotonic")
 SYSTEMD_POLL = 0.5   # seconds between systemd polls: a crash shows within about a second
 
 
@@ -35,8 +35,16 @@ class Verdict:
     detail: str = ""
 
 
-def judge_systemd(props: dict[str, str], baseline_restarts: int) -> Verdict:
-    """Sort one `systemctl show` reading (pure). See ../shared/SYSTEMD.md for the states."""
+def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_invocation: str = "",
+                  baseline_active_enter: str = "") -> Verdict:
+    """Sort one `systemctl show` reading (pure). See ../shared/SYSTEMD.md for the states.
+
+    baseline_invocation: the InvocationID before our (queued, --no-block) start; while it is
+    unchanged the start has not begun and the old process's state says nothing about the new.
+    baseline_active_enter: ActiveEnterTimestampMonotonic before our start; a unit that fails
+    without ever entering `active` since then failed to *start* (ExecStartPre=, a Type=notify or
+    oneshot start that failed or timed out): reason StartFailed, not CrashLoop.
+    """
     load = props.get("LoadState", "")
     active, sub = props.get("ActiveState", ""), props.get("SubState", "")
     result = props.get("Result", "")
@@ -47,11 +55,18 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int) -> Verdict:
     summary = f"ActiveState={active} SubState={sub} Result={result} NRestarts={restarts}"
     if load and load != "loaded":
         return Verdict("not-loaded", "UnitNotLoaded", f"LoadState={load}: the unit file is invalid")
+    if baseline_invocation and props.get("InvocationID", "") == baseline_invocation:
+        return Verdict("starting", detail=f"waiting for the start to begin: {summary}")
+    entered = props.get("ActiveEnterTimestampMonotonic")     # absent: unknown, judged a crash
+    never_active = entered == "0" or (bool(baseline_active_enter) and entered == baseline_active_enter)
+    crash = "StartFailed" if never_active else "CrashLoop"
     if active == "failed":
         why = "start limit hit" if result == "start-limit-hit" else f"Result={result}"
-        return Verdict("crashed", "CrashLoop", f"unit failed ({why}, NRestarts={restarts})")
+        what = "start failed" if never_active else "unit failed"
+        return Verdict("crashed", crash, f"{what} ({why}, NRestarts={restarts})")
     if sub.startswith("auto-restart") or restarts > baseline_restarts:
-        return Verdict("crashed", "CrashLoop", f"crash loop: {summary}")
+        what = "start keeps failing" if never_active else "crash loop"
+        return Verdict("crashed", crash, f"{what}: {summary}")
     if active == "active" and sub in ("running", "exited", "reload"):
         return Verdict("running", detail=summary)
     if active in ("inactive", "deactivating"):
@@ -130,27 +145,13 @@ class Outcome:
                 "seconds": round(self.seconds, 2)}
 
 
-async def http_probe(t: Transport, url: str, timeout: float = 5.0) -> tuple[int | None, str]:
-    """GET url from the host itself (direct-tcpip through SSH). (status, body) or (None, error)."""
-    u = urlsplit(url)
-    port = u.port or (443 if u.scheme == "https" else 80)
-    path = (u.path or "/") + (f"?{u.query}" if u.query else "")
-    try:
-        reader, writer = await asyncio.wait_for(t.open_connection(u.hostname or "127.0.0.1", port), timeout)
-    except Exception as e:  # refused while the model loads: not an error, just not ready
-        return None, f"connect: {type(e).__name__}"
-    try:
-        writer.write(f"GET {path} HTTP/1.0\r\nHost: {u.hostname}\r\nConnection: close\r\n\r\n".encode())
-        data = await asyncio.wait_for(reader.read(65536), timeout)
-        head, _, body = data.partition(b"\r\n\r\n")
-        status_line = head.split(b"\r\n", 1)[0].decode(errors="replace")
-        parts = status_line.split()
-        status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
-        return status, body.decode(errors="replace")
-    except Exception as e:
-        return None, f"read: {type(e).__name__}"
-    finally:
-        writer.close()
+async def http_probe(t: Transport, url: str, timeout: float = 5.0, ca_pem: str | None = None) -> tuple[int | None, str]:
+    """GET url from the host itself (through the SSH connection): (status, body) or (None, why).
+
+    httpx over the SSH channel (reconciler/probe.py), imported on first use: a run that
+    restarts nothing never pays for it."""
+    from .probe import http_probe as probe
+    return await probe(t, url, timeout=timeout, ca_pem=ca_pem)
 
 
 Phase = Callable[[str, str, float, float], None]   # (service, phase, elapsed, timeout)
@@ -158,11 +159,13 @@ Phase = Callable[[str, str, float, float], None]   # (service, phase, elapsed, t
 
 async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline_restarts: int,
                         since_epoch: float, on_phase: Phase | None = None,
-                        systemd_poll: float = SYSTEMD_POLL) -> Outcome:
+                        systemd_poll: float = SYSTEMD_POLL, baseline_invocation: str = "",
+                        baseline_active_enter: str = "", start_error: str | None = None) -> Outcome:
     """Watch a service after a (re)start until healthy and stable, or failed.
 
     Healthy = systemd running, the HTTP check (if any) answered as expected, and nothing crashed
-    during `stable_for` after that. Any crash sign fails at once.
+    during `stable_for` after that. Any crash sign fails at once. `start_error`: systemctl
+    refused the start itself (its message): that is a StartFailed verdict at once.
     """
     unit = f"{name}.service"
     t0 = time.monotonic()
@@ -182,11 +185,17 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
         return Outcome(name, False, reason, message, quote, [m for m, _ in lines][-40:], time.monotonic() - t0)
 
     report(phase)
+    if start_error is not None:
+        out = await fail("StartFailed", f"systemctl could not start it: {start_error}")
+        if start_error and not out.quote:
+            out.quote = start_error.splitlines()[-1]
+        return out
     while True:
         now = time.monotonic()
         res = await t.run(f"systemctl show -p {WATCH_PROPS} {shlex.quote(unit)}", timeout=20, what="health")
         props = parse_show(res.stdout).get(unit, {})
-        v = judge_systemd(props, baseline_restarts)
+        v = judge_systemd(props, baseline_restarts, baseline_invocation=baseline_invocation,
+                          baseline_active_enter=baseline_active_enter)
         if v.state in ("crashed", "not-loaded", "exited"):
             if first_ok is not None and v.state == "crashed":
                 return await fail("Unstable", f"crashed {now - first_ok:.1f}s after becoming healthy: {v.detail}")
@@ -194,7 +203,7 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
         if v.state == "running" and now >= next_http:
             next_http = now + health.interval
             if health.http:
-                status, body = await http_probe(t, health.http)
+                status, body = await http_probe(t, health.http, ca_pem=health.ca_pem)
                 ok = status == health.expect_status and (not health.body_contains or health.body_contains in body)
             else:
                 ok = True

@@ -26,7 +26,6 @@ import pygit2
 from . import load, source
 from .config import load_config
 from .errors import ConfigError, SourceError
-
 from .preflight import check_desired, load_rules
 from .trust import RevisionRefused, verify_signature
 
@@ -79,13 +78,13 @@ def pre_receive() -> int:
             print(f"reconciler: refusing to delete the deploy branch {branch}", file=sys.stderr)
             rejected = True
             continue
-        if old != ZERO and not repo.descendant_of(new, old) and new != old:
-            if not (cfg.allow_rewind and "reconcile.allow-rewind" in options):
-                print(f"reconciler: rejected {new[:7]}: it does not descend from {old[:7]} (a force-push back "
-                      f"to an older commit would silently roll the fleet back). Revert with a new commit instead.",
-                      file=sys.stderr)
-                rejected = True
-                continue
+        rewind = old != ZERO and not repo.descendant_of(new, old) and new != old
+        if rewind and not (cfg.allow_rewind and "reconcile.allow-rewind" in options):
+            print(f"reconciler: rejected {new[:7]}: it does not descend from {old[:7]} (a force-push back "
+                  f"to an older commit would silently roll the fleet back). Revert with a new commit instead.",
+                  file=sys.stderr)
+            rejected = True
+            continue
         if cfg.require_signed:
             try:
                 who = verify_signature(repo, new, cfg.allowed_signers or "/etc/reconciler/allowed_signers")

@@ -16,8 +16,8 @@ Merging, lowest layer first: fleet.toml [health]/[rollout] < services/<def>.toml
 table. env, vars, model, health and rollout merge key by key; unit and unit_file replace each
 other as a pair. The hosts that share a definition must end with one rollout policy.
 Placeholders {host.name} {host.address} {service.name} {model.id} {model.path} {vars.<name>}
-are substituted in the unit text, env values, vars and health.http; any other brace (systemd's
-${VAR}, %i, JSON) passes through untouched.
+are substituted in the unit text, env values, vars, health.http and model.fetch; any other
+brace (systemd's ${VAR}, %i, JSON) passes through untouched.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-import types
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Union, get_args, get_origin
 from urllib.parse import urlsplit
 
@@ -39,9 +39,18 @@ import tomlkit.exceptions
 from pydantic import BaseModel, ValidationError
 
 from . import schema
-from .errors import ConfigError, SourceError, Problem
-from .spec import (DesiredState, FleetSettings, HealthSpec, HostSpec, ModelSpec, NotifySpec, RolloutPolicy,
-                   ServiceSpec, SSHSpec)
+from .errors import ConfigError, Problem, SourceError
+from .spec import (
+    DesiredState,
+    FleetSettings,
+    HealthSpec,
+    HostSpec,
+    ModelSpec,
+    NotifySpec,
+    RolloutPolicy,
+    ServiceSpec,
+    SSHSpec,
+)
 
 FLEET_FILE = "fleet.toml"
 HOSTS_DIR = "hosts"
@@ -265,10 +274,12 @@ class _Merged:
     conflict: bool = False                     # a layer set both unit and unit_file
     env: dict[str, tuple[str, _At]] = field(default_factory=dict)
     vars: dict[str, tuple[str, _At]] = field(default_factory=dict)
-    model: dict[str, tuple[str, _At]] = field(default_factory=dict)
+    model: dict[str, tuple[str | float, _At]] = field(default_factory=dict)  # fetch_timeout, size_gb: float
     health: dict[str, tuple[Any, _At]] = field(default_factory=dict)
     rollout: dict[str, tuple[Any, _At]] = field(default_factory=dict)
     gpu_policy: str = "report"
+    adopt: bool = False
+    allow_dropins: tuple[str, ...] = ()
 
     def add_rollout(self, table: schema.RolloutTable | None, file: str, prefix: tuple[str, ...]) -> None:
         if table is None:
@@ -304,6 +315,10 @@ class _Merged:
         self.add_health(table.health, file, prefix)
         if table.gpu_policy is not None:
             self.gpu_policy = table.gpu_policy
+        if table.adopt is not None:
+            self.adopt = table.adopt
+        if table.allow_dropins is not None:
+            self.allow_dropins = tuple(table.allow_dropins)
         self.add_rollout(table.rollout, file, prefix)
 
 
@@ -527,6 +542,24 @@ class _Loader:
 
     # -- units --
 
+    def _ca_file(self, path: str, at: _At) -> str | None:
+        """The PEM text of a health CA bundle, or None with a problem naming file and key."""
+        data = self.snap.read(path)
+        if data is None:
+            self.problems.add(at.file, at.key, f"file {path!r} not found in the repository")
+            return None
+        try:
+            text = data.decode("ascii")
+        except UnicodeDecodeError:
+            self.problems.add(at.file, at.key, f"{path!r} is not a PEM file (not ASCII)")
+            return None
+        from .probe import check_ca_pem  # only where a CA is set: the probe pulls in httpx
+        why = check_ca_pem(text)
+        if why:
+            self.problems.add(at.file, at.key, f"{path!r} is not a usable CA bundle: {why}")
+            return None
+        return text
+
     def _unit_file(self, path: str, at: _At) -> str | None:
         """The text of a unit file (read and checked once per path), or None with a problem."""
         data = self.snap.read(path)
@@ -681,11 +714,12 @@ class _Loader:
                 )
             if not missing:
                 model = ModelSpec(
-                    id=merged.model["id"][0],
-                    path=merged.model["path"][0],
-                    architecture=merged.model["architecture"][0] if "architecture" in merged.model else None,
-                    fetch_timeout=merged.model["fetch_timeout"][0] if "fetch_timeout" in merged.model else 3600.0,
-                    size_gb=merged.model["size_gb"][0] if "size_gb" in merged.model else None,
+                    id=str(merged.model["id"][0]),
+                    path=str(merged.model["path"][0]),
+                    architecture=str(merged.model["architecture"][0]) if "architecture" in merged.model else None,
+                    fetch_timeout=(float(merged.model["fetch_timeout"][0]) if "fetch_timeout" in merged.model
+                                   else 3600.0),
+                    size_gb=float(merged.model["size_gb"][0]) if "size_gb" in merged.model else None,
                 )
 
         # Placeholders: vars first (they may name host/service/model), then everything else.
@@ -700,9 +734,13 @@ class _Loader:
         env = {k: self._render_value(v, at, ctx, host_file, use) for k, (v, at) in merged.env.items()}
         if model is not None and "fetch" in merged.model:
             template, at = merged.model["fetch"]
-            model = replace(model, fetch=self._render_value(template, at, ctx, host_file, use))
+            model = replace(model, fetch=self._render_value(str(template), at, ctx, host_file, use))
 
         health_values = {k: v for k, (v, _) in merged.health.items()}
+        if "ca" in merged.health:
+            ca_path, at = merged.health["ca"]
+            health_values.pop("ca")
+            health_values["ca_pem"] = self._ca_file(ca_path, at)
         if "http" in merged.health:
             template, at = merged.health["http"]
             url = self._render_value(template, at, ctx, host_file, use)
@@ -737,6 +775,8 @@ class _Loader:
             definition=table.use,
             rollout=policy,
             gpu_policy=merged.gpu_policy,
+            adopt=merged.adopt,
+            allow_dropins=merged.allow_dropins,
         )
 
     def _render_value(self, value: str, at: _At, ctx: _Context, host_file: str, use: _Use) -> str:
@@ -750,7 +790,7 @@ class _Loader:
         return rendered
 
 
-def render_at(snap: "Snapshot") -> Callable[[str], DesiredState | None]:
+def render_at(snap: Snapshot) -> Callable[[str], DesiredState | None]:
     """A function giving the desired state at another revision of the same repo (for rollback),
     cached per revision; None where that revision is missing or invalid."""
     from .source import snapshot

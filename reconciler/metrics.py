@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from .fleet import FleetResult
 from .plan import State
-from .reconcile import FleetResult
 
 
 class Metrics:

@@ -1,51 +1,153 @@
-"""PURE: desired state x observed facts -> the actions that converge one host, with reasons.
+"""PURE: desired state x observed facts x the host's records -> the actions for one host.
 
-No I/O, no clock, no globals. Like Flux's helm-controller, each service is first sorted into a
-state (Absent, Drifted, Changed, Stopped, InSync, Orphaned) and only then mapped to actions.
-Only services in the host's inventory (installed by the reconciler) can ever be removed.
+No I/O, no clock, no globals. Like Flux's helm-controller, every service is first sorted into
+one `State` (`classify`), and its actions are then chosen from that state alone
+(`_actions_for`). Every decision after a failure lives here too: substituting the last good
+version, holding a service stopped, re-verifying a deploy whose verdict was lost, recording a
+fleet-wide quarantine, the model fetch and the GPU-gated restart are all actions with a typed
+`Reason`, so `--dry-run` shows each of them.
+
+    state                  actions
+    New                    [fetch] intent, write, reload, [wait GPUs], enable, start, record, watch
+    Changed / Drifted      [fetch] intent, write/remove, reload, restart (or stop, wait GPUs,
+                           start), record, watch
+    Stopped                [wait GPUs] start, record, watch
+    Pending                watch again (re-verify); re-apply first if the deploy was cut short
+    InSync                 nothing (enable when the unit wants it)
+    Quarantined            converge to the last good version (reason SubstituteLastGood), or
+                           nothing when it already runs there; a hold marker either way
+    QuarantinedNoLastGood  stop it if it runs; hold
+    RollbackFailed         stop it if it runs; hold
+    RolloutHalted          nothing: a halted rollout never reached it (the halt is recorded)
+    Adopt                  keep the original, then as Changed
+    Foreign                nothing: a unit the reconciler did not install
+    Blocked                nothing: pre-flight or systemd refused it (nothing is written)
+    Deferred               nothing in this pass: a rollout wave converges it
+    Orphan                 stop, disable, remove (or put an adopted original back)
+
+What happens after a health verdict is `records.judge` (pure as well): the verdict is recorded
+at once, and the next plan on fresh facts picks the rollback or the hold from the new state.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field
-from enum import Enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
-from .facts import HostFacts, ServiceFacts, env_path, unit_path
+from .facts import HostFacts, ServiceFacts, adopted_copy, env_path, unit_path
+from .records import Adopted, Pending, Quarantine, Result, ServiceRecord
 from .spec import HostSpec, ServiceSpec
 
 ENV_HEADER = "# Managed by reconciler from git; edits on this host are reverted.\n"
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|PRIVATE|CREDENTIAL", re.I)
 
 
-class Kind(str, Enum):
-    """Action kinds, in the order the executor runs them."""
+class Kind(StrEnum):
+    """Action kinds, in the order the executor runs them on a host."""
 
+    FETCH = "fetch-model"        # controller: download a missing model before anything stops
+    HOLD = "hold"                # no-op marker: a service deliberately left as it is (and why)
+    INTENT = "intent"            # record on the host what is about to be deployed (pending)
     STOP = "stop"
     DISABLE = "disable"
+    ADOPT = "adopt"              # keep a foreign unit's original files under adopted/
     WRITE = "write"
     REMOVE = "remove"
+    RESTORE = "restore"          # put an adopted unit's original files back
     DAEMON_RELOAD = "daemon-reload"
+    WAIT_GPUS = "wait-gpus"      # controller: wait until the GPUs are free before starting
     ENABLE = "enable"
     START = "start"
     RESTART = "restart"
-    RECORD = "record"
+    RECORD = "record"            # per-service records after the starts, and the host record
+    WATCH = "watch"              # controller: health watch until a verdict
+
+    @property
+    def mutating(self) -> bool:
+        """Changes a service on the host (bookkeeping, markers and watches do not)."""
+        return self not in (Kind.HOLD, Kind.INTENT, Kind.RECORD, Kind.WATCH)
 
 
 ORDER = {k: i for i, k in enumerate(Kind)}
 
 
-class State(str, Enum):
-    """What a service looks like on the host compared to the revision."""
+class State(StrEnum):
+    """The fixed set of states a service can be in (see the module docstring)."""
 
-    ABSENT = "Absent"        # desired, not on the host
-    CHANGED = "Changed"      # the revision changes it
-    DRIFTED = "Drifted"      # the host was edited by hand; the revision did not change
-    STOPPED = "Stopped"      # files in sync, but not running
+    NEW = "New"
     IN_SYNC = "InSync"
-    ORPHANED = "Orphaned"    # installed by us, no longer desired
-    HELD = "Held"            # left exactly as it is (quarantined with nothing to roll back to)
+    CHANGED = "Changed"
+    DRIFTED = "Drifted"
+    STOPPED = "Stopped"
+    PENDING = "Pending"
+    QUARANTINED = "Quarantined"
+    QUARANTINED_NO_GOOD = "QuarantinedNoLastGood"
+    ROLLBACK_FAILED = "RollbackFailed"
+    HALTED = "RolloutHalted"
+    ADOPT = "Adopt"
+    FOREIGN = "Foreign"
+    BLOCKED = "Blocked"
+    DEFERRED = "Deferred"
+    ORPHAN = "Orphan"
+
+
+class Reason(StrEnum):
+    """Why an action is in the plan (CamelCase, like Flux's condition reasons)."""
+
+    NEW_SERVICE = "NewService"
+    UNIT_CHANGED = "UnitChanged"
+    ENV_CHANGED = "EnvChanged"
+    DRIFT = "Drift"
+    FOREIGN_DROPIN = "ForeignDropIn"
+    NOT_RUNNING = "NotRunning"
+    STALE_PROCESS = "ProcessPredatesFiles"
+    INTERRUPTED = "InterruptedDeploy"
+    REVERIFY = "Reverify"
+    SUBSTITUTE = "SubstituteLastGood"
+    HOLD_LAST_GOOD = "HoldLastGood"
+    HOLD_STOPPED = "HoldStopped"
+    HOLD_HALTED = "HoldHalted"
+    FOREIGN = "Foreign"
+    BLOCKED = "Blocked"
+    ADOPT = "Adopt"
+    REMOVED = "RemovedFromGit"
+    RESTORE = "RestoreAdopted"
+    GPU_GATE = "GpuGate"
+    FETCH_MODEL = "FetchModel"
+    START_AT_BOOT = "StartAtBoot"
+    RELOAD = "UnitFilesChanged"
+    RECORD = "Record"
+    QUARANTINE = "RecordQuarantine"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The version of a service this run converges to: the desired one, or the last good."""
+
+    spec: ServiceSpec
+    revision: str
+    rollback: bool = False
+
+    @property
+    def hash(self) -> str:
+        return self.spec.content_hash()
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What the health watch of one service needs to judge it against its own start."""
+
+    hash: str
+    revision: str
+    rollback: bool
+    baseline_restarts: int = 0       # NRestarts before our start (a restart keeps counting)
+    baseline_invocation: str = ""    # InvocationID before our start: unchanged = not started yet
+    baseline_active_enter: str = ""  # ActiveEnterTimestampMonotonic before: unchanged = never active
+    reverify: bool = False           # watched again, without a restart (the verdict was lost)
+    since: int | None = None         # epoch the deploy began, for the journal (None: this apply)
 
 
 @dataclass(frozen=True)
@@ -53,63 +155,123 @@ class Action:
     """One step on one host. `content` is never printed (env may hold secrets); `diff` is masked."""
 
     kind: Kind
-    reason: str
+    reason: Reason
     service: str | None = None
     path: str | None = None
     content: str | None = field(default=None, repr=False)
     diff: str | None = None
+    detail: str = ""
+    record: ServiceRecord | None = field(default=None, repr=False)   # INTENT / RECORD: what to write
+    watch: Watch | None = None
 
     def describe(self) -> str:
         target = self.path or self.service or ""
-        return f"{self.kind.value} {target}".strip() + f"  ({self.reason})"
+        return f"{self.kind.value} {target}".strip() + f"  ({self.detail or self.reason.value})"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {"kind": self.kind.value, "service": self.service, "path": self.path,
-                "reason": self.reason, "diff": self.diff}
+                "reason": self.reason.value, "detail": self.detail, "diff": self.diff}
+
+
+@dataclass(frozen=True)
+class ServicePlan:
+    """One service's state, the version it converges to, and what that means for the host."""
+
+    name: str
+    state: State
+    target: Target | None = None
+    result: Result = Result.IN_SYNC  # before any verdict: what this state alone makes of the host
+    reason: str = ""                 # CamelCase, when result is not a success
+    note: str = ""                   # for people: quarantine, foreign path, blocked reasons
+    quote: str | None = None         # the journal line recorded with a quarantine
+
+
+@dataclass(frozen=True)
+class Block:
+    """Why pre-flight (or systemd's own check of the unit) refuses to start a service."""
+
+    reason: str                      # PreflightFailed | UnitInvalid | ModelFetchFailed | GpuBusy
+    message: str
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What host-side pre-flight decided; the planner only reads it."""
+
+    blocked: Mapping[str, tuple[Block, ...]] = field(default_factory=dict)
+    fetch: Mapping[str, str] = field(default_factory=dict)   # service -> what would be fetched
+    gpu_gate: bool = False           # the host has GPUs: starts wait until they are free
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything besides desired and observed that a plan depends on (all plain values)."""
+
+    revision: str
+    last_good: Mapping[str, ServiceSpec | None] = field(default_factory=dict)  # rendered at last_good_revision
+    fleet_quarantine: Mapping[str, Quarantine] = field(default_factory=dict)   # halted rollouts
+    deferred: frozenset[str] = frozenset()    # converged by another pass (a rollout wave)
+    retry: bool = False                       # --retry: ignore quarantines once
+    checks: Checks = field(default_factory=Checks)
 
 
 @dataclass(frozen=True)
 class HostPlan:
-    """Everything to do on one host, in execution order, plus per-service states."""
+    """Everything to do on one host, in execution order, plus every service's plan."""
 
     host: str
     revision: str
     actions: tuple[Action, ...]
-    states: dict[str, State]
-    records: dict[str, dict] = field(default_factory=dict)   # service -> record to write
-    dropped_records: tuple[str, ...] = ()                      # services leaving the inventory
+    services: Mapping[str, ServicePlan]
+    dropped_records: tuple[str, ...] = ()     # services leaving the inventory
+
+    @property
+    def states(self) -> dict[str, State]:
+        return {n: s.state for n, s in self.services.items()}
 
     @property
     def changes(self) -> tuple[Action, ...]:
-        """Actions that change the host's services (bookkeeping records excluded)."""
-        return tuple(a for a in self.actions if a.kind is not Kind.RECORD)
+        """Actions that change the host's services (bookkeeping, holds and watches excluded)."""
+        return tuple(a for a in self.actions if a.kind.mutating)
+
+    @property
+    def visible(self) -> tuple[Action, ...]:
+        """What a person should see in a plan: everything but the bookkeeping writes."""
+        return tuple(a for a in self.actions if a.kind not in (Kind.INTENT, Kind.RECORD))
 
     @property
     def restarts(self) -> list[str]:
         return [a.service for a in self.actions if a.kind in (Kind.START, Kind.RESTART) and a.service]
 
+    @property
+    def watches(self) -> list[Action]:
+        return [a for a in self.actions if a.kind is Kind.WATCH]
+
     def summary(self) -> str:
         """One line: what would change, e.g. 'write 2 files, daemon-reload, restart sglang'."""
         if not self.changes:
-            return "in sync"
-        writes = sum(a.kind is Kind.WRITE for a in self.actions)
-        removes = sum(a.kind is Kind.REMOVE for a in self.actions)
+            reverify = [a.service for a in self.watches if a.service]
+            return f"in sync; re-verify {', '.join(reverify)}" if reverify else "in sync"
         parts = []
-        if writes:
-            parts.append(f"write {writes} file{'s' * (writes != 1)}")
-        if removes:
-            parts.append(f"remove {removes} file{'s' * (removes != 1)}")
-        for kind in (Kind.DAEMON_RELOAD, Kind.STOP, Kind.DISABLE, Kind.ENABLE, Kind.START, Kind.RESTART):
-            names = [a.service for a in self.actions if a.kind is kind]
-            if kind is Kind.DAEMON_RELOAD and names:
+        for kind, word in ((Kind.WRITE, "write"), (Kind.REMOVE, "remove")):
+            n = sum(a.kind is kind for a in self.actions)
+            if n:
+                parts.append(f"{word} {n} file{'s' * (n != 1)}")
+        for kind in (Kind.FETCH, Kind.ADOPT, Kind.RESTORE, Kind.DAEMON_RELOAD, Kind.STOP, Kind.DISABLE,
+                     Kind.WAIT_GPUS, Kind.ENABLE, Kind.START, Kind.RESTART):
+            names = sorted({a.service for a in self.actions if a.kind is kind and a.service})
+            if kind is Kind.DAEMON_RELOAD and any(a.kind is kind for a in self.actions):
                 parts.append("daemon-reload")
             elif names:
-                parts.append(f"{kind.value} {', '.join(n for n in names if n)}")
+                parts.append(f"{kind.value} {', '.join(names)}")
         return ", ".join(parts)
 
 
-def render_env(env: dict[str, str]) -> str:
-    """The env drop-in: one quoted Environment= line per variable (shows in `systemctl show`)."""
+# ---- files -------------------------------------------------------------------------------------
+
+
+def render_env(env: Mapping[str, str]) -> str:
+    """The env drop-in: one quoted Environment= line per variable."""
     lines = [ENV_HEADER, "[Service]\n"]
     for key in sorted(env):
         value = env[key].replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
@@ -136,11 +298,16 @@ def desired_files(svc: ServiceSpec) -> dict[str, str | None]:
             env_path(svc.name): render_env(svc.env) if svc.env else None}
 
 
+def own_files(name: str) -> frozenset[str]:
+    """The files the reconciler writes for a service (everything else is someone else's)."""
+    return frozenset({unit_path(name), env_path(name)})
+
+
 def mask_secrets(text: str) -> str:
     """Hide values of secret-looking variables (…TOKEN, …SECRET, …PASSWORD) in a diff."""
-    def repl(m: re.Match) -> str:
+    def repl(m: re.Match[str]) -> str:
         return f'{m.group(1)}{m.group(2)}=***"' if _SECRETISH.search(m.group(2)) else m.group(0)
-    return re.sub(r'^([-+ ]?Environment=")([A-Za-z_][A-Za-z0-9_]*)=.*"$', repl, text, flags=re.M)
+    return re.sub(r'^([-+ ]?Environment="?)([A-Za-z_][A-Za-z0-9_]*)=.*$', repl, text, flags=re.M)
 
 
 def unified_diff(path: str, old: str | None, new: str | None, host: str, short_rev: str) -> str:
@@ -156,122 +323,375 @@ def _has_install(unit_text: str) -> bool:
     return re.search(r"^\s*\[Install\]\s*$", unit_text, re.M) is not None
 
 
-def classify(svc: ServiceSpec, facts: ServiceFacts | None) -> State:
-    """Sort one desired service into a State (Flux's DetermineReleaseState)."""
-    if facts is None or (facts.unit_text is None and facts.env_text is None and not facts.managed):
-        return State.ABSENT
-    files_differ = any(
-        (facts.unit_text if p.endswith(".service") else facts.env_text) != want
-        for p, want in desired_files(svc).items())
-    applied = (facts.record or {}).get("hash")
-    if files_differ:
-        return State.DRIFTED if applied == svc.content_hash() else State.CHANGED
-    if applied != svc.content_hash():
-        return State.CHANGED   # files match but the running process may predate them
-    if not facts.running:
+def foreign_dropins(svc: ServiceSpec, f: ServiceFacts | None) -> dict[str, str]:
+    """Drop-ins for the service that the reconciler did not write and that are not allowed."""
+    if f is None:
+        return {}
+    return {p: c for p, c in sorted(f.dropins.items()) if p not in own_files(svc.name) and not svc.allows_dropin(p)}
+
+
+def live_quarantine(recorded: Quarantine | None, fleet: Quarantine | None, want: str) -> Quarantine | None:
+    """The quarantine in force for a service whose desired content hash is `want`: the one
+    recorded on the host, the fleet-wide one (a halted rollout), or both merged (the record wins,
+    the fleet fills in what it lacks, e.g. where the rollout halted). None when neither matches."""
+    rec = recorded if recorded is not None and recorded.hash == want else None
+    flt = fleet if fleet is not None and fleet.hash == want else None
+    if rec is not None:
+        return rec.merged(flt)
+    return flt
+
+
+# ---- classification ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Sync:
+    """How the host compares with one target version of a service."""
+
+    files: tuple[tuple[str, str | None, str | None], ...]   # (path, have, want) that differ
+    dropins: tuple[tuple[str, str], ...]                     # foreign drop-ins to remove
+    applied: bool          # the record says this version's files were applied
+    running: bool
+    pending: Pending | None  # an unfinished deploy of exactly this version
+    verified: bool         # this version passed health here
+
+    @property
+    def files_differ(self) -> bool:
+        return bool(self.files or self.dropins)
+
+
+def _sync(target: Target, f: ServiceFacts | None) -> _Sync:
+    rec = (f.record if f else None) or ServiceRecord()
+    files = []
+    for path, want in desired_files(target.spec).items():
+        have = None if f is None else (f.unit_text if path.endswith(".service") else f.env_text)
+        if have != want:
+            files.append((path, have, want))
+    pending = rec.pending if rec.pending is not None and rec.pending.hash == target.hash else None
+    return _Sync(files=tuple(files), dropins=tuple(foreign_dropins(target.spec, f).items()),
+                 applied=rec.hash == target.hash, running=f is not None and f.running, pending=pending,
+                 verified=rec.last_good_hash == target.hash)
+
+
+def _absent(f: ServiceFacts | None) -> bool:
+    return f is None or (f.unit_text is None and f.env_text is None and not f.managed)
+
+
+def _sync_state(s: _Sync, f: ServiceFacts | None) -> State:
+    """The state of a desired (not substituted) version from the file comparison."""
+    if _absent(f):
+        return State.NEW
+    if s.pending is not None:
+        return State.PENDING
+    if s.files_differ:
+        return State.DRIFTED if s.applied else State.CHANGED
+    if not s.applied:
+        return State.CHANGED          # files match but the running process may predate them
+    if not s.running:
         return State.STOPPED
+    if not s.verified:
+        return State.PENDING          # applied, never judged (a record from before pending existed)
     return State.IN_SYNC
 
 
-def _write_reason(state: State, path: str, old: str | None, svc: ServiceSpec) -> str:
-    if old is None:
-        return "new file"
-    if state is State.DRIFTED:
-        return "drift: edited on the host, reverting to the revision"
-    if path.endswith(".conf"):
-        before, after = parse_env(old), parse_env(render_env(svc.env))
-        keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-        return f"env changed: {', '.join(keys)}" if keys else "env file changed"
-    return "unit changed in the revision"
+def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
+             ctx: Context) -> ServicePlan:
+    """Sort one desired service into its State (Flux's DetermineReleaseState); pick its target."""
+    if name in ctx.deferred:
+        return ServicePlan(name, State.DEFERRED)
+    rec = (f.record if f else None) or ServiceRecord()
+    foreign = f.foreign_path() if f is not None else None
+    if foreign is not None and not svc.adopt:
+        return ServicePlan(name, State.FOREIGN, result=Result.FAILED, reason="Foreign",
+                           note=f"{foreign} was not installed by the reconciler: left untouched "
+                                f"(set adopt = true on the service to take it over)")
+    desired = Target(svc, ctx.revision)
+    q = None if ctx.retry else live_quarantine(rec.quarantine, ctx.fleet_quarantine.get(name), svc.content_hash())
+    if q is not None:
+        rev7 = q.revision[:7] or "?"
+        why = q.why(host)
+        if q.rollback_failed:
+            return ServicePlan(name, State.ROLLBACK_FAILED, result=Result.FAILED, reason="RollbackFailed",
+                               note=f"desired {rev7} quarantined ({why}); its rollback failed too: left stopped "
+                                    f"until a new commit changes it or --retry", quote=q.quote)
+        good = ctx.last_good.get(name)
+        if good is not None and rec.last_good_revision and rec.last_good_hash == good.content_hash() \
+                and good.content_hash() != svc.content_hash():
+            target = Target(good, rec.last_good_revision, rollback=True)
+            return ServicePlan(name, State.QUARANTINED, target, result=Result.QUARANTINED, reason="Quarantined",
+                               note=f"desired {rev7} quarantined ({why}), running {rec.last_good_revision[:7]}",
+                               quote=q.quote)
+        if q.halted_at and q.halted_at != host:
+            return ServicePlan(name, State.HALTED, result=Result.QUARANTINED, reason="RolloutHalted",
+                               note=f"desired {rev7} quarantined ({why}); left as it is until a new commit "
+                                    f"changes it or --retry", quote=q.quote)
+        what = "first deploy failed" if not rec.last_good_revision else \
+            f"last good {rec.last_good_revision[:7]} cannot be rendered"
+        return ServicePlan(name, State.QUARANTINED_NO_GOOD, result=Result.FAILED, reason="QuarantinedNoRollback",
+                           note=f"desired {rev7} quarantined ({why}); {what}: left stopped until a new commit "
+                                f"changes it or --retry", quote=q.quote)
+    if foreign is not None:
+        return ServicePlan(name, State.ADOPT, desired, result=Result.CONVERGED,
+                           note=f"adopting {foreign} (the original is kept and put back when the service "
+                                f"leaves the desired state)")
+    state = _sync_state(_sync(desired, f), f)
+    return ServicePlan(name, state, desired, result=Result.IN_SYNC if state is State.IN_SYNC else Result.CONVERGED)
 
 
-def plan_host(desired: HostSpec, facts: HostFacts, revision: str, hold: frozenset[str] = frozenset()) -> HostPlan:
-    """Compute the actions that converge one host to `desired` at `revision` (pure).
+def _blocked(sp: ServicePlan, blocks: tuple[Block, ...]) -> ServicePlan:
+    reason = blocks[0].reason
+    note = " | ".join(b.message for b in blocks)
+    if sp.state is State.QUARANTINED:
+        note = f"{sp.note}; the last good version cannot start: {note}"
+    return ServicePlan(sp.name, State.BLOCKED, None, result=Result.FAILED, reason=reason, note=note, quote=sp.quote)
 
-    Services named in `hold` are left exactly as they are (no writes, no start, no removal).
-    """
-    short = revision[:7]
-    actions: list[Action] = []
-    states: dict[str, State] = {}
-    records: dict[str, dict] = {}
-    reload_needed = False
 
-    for name, svc in sorted(desired.services.items()):
-        if name in hold:
-            states[name] = State.HELD
-            continue
-        f = facts.services.get(name)
-        state = classify(svc, f)
-        states[name] = state
-        files_changed = False
-        for path, want in desired_files(svc).items():
-            have = None if f is None else (f.unit_text if path.endswith(".service") else f.env_text)
-            if have == want:
-                continue
-            files_changed = True
-            diff = unified_diff(path, have, want, desired.name, short)
+# ---- actions for a state -----------------------------------------------------------------------
+
+
+class _Builder:
+    """Collects one host's actions while the per-state rules run."""
+
+    def __init__(self, host: HostSpec, facts: HostFacts, ctx: Context):
+        self.host, self.facts, self.ctx = host, facts, ctx
+        self.short = ctx.revision[:7]
+        self.actions: list[Action] = []
+        self.reload = False
+
+    def add(self, kind: Kind, reason: Reason, service: str | None = None, **kw: object) -> None:
+        self.actions.append(Action(kind, reason, service, **kw))  # type: ignore[arg-type]
+
+    def hold(self, sp: ServicePlan, reason: Reason, f: ServiceFacts | None) -> None:
+        """Leave a service as it is (stopped when it must not run), and say why."""
+        self.add(Kind.HOLD, reason, sp.name, detail=sp.note)
+        if reason is Reason.HOLD_STOPPED and f is not None and (f.running or f.active_state == "failed"):
+            self.add(Kind.STOP, reason, sp.name, detail="quarantined with nothing to roll back to: stop it")
+
+    def record_quarantine(self, sp: ServicePlan, f: ServiceFacts | None) -> None:
+        """Persist a fleet-wide quarantine (a halted rollout) in the record of an installed service,
+        so another controller and the next run see it without deriving it again."""
+        rec = f.record if f is not None else None
+        fleet = self.ctx.fleet_quarantine.get(sp.name)
+        if rec is None or fleet is None or self.ctx.retry:
+            return
+        want = live_quarantine(rec.quarantine, fleet, self.host.services[sp.name].content_hash())
+        if want is not None and want != rec.quarantine:
+            self.add(Kind.RECORD, Reason.QUARANTINE, sp.name, record=replace(rec, quarantine=want),
+                     detail=f"record the quarantine of {want.revision[:7]}")
+
+    def converge(self, sp: ServicePlan, f: ServiceFacts | None) -> None:
+        """Bring one service to its target version: write, restart, watch (any state with a target)."""
+        target = sp.target
+        assert target is not None
+        name, spec = sp.name, target.spec
+        s = _sync(target, f)
+        rec = (f.record if f else None) or ServiceRecord()
+        sub = target.rollback
+        why_sub = f"substitute last good {target.revision[:7]}: {sp.note}" if sub else ""
+
+        if s.pending is not None and s.pending.started and not s.files_differ:
+            self.add(Kind.WATCH, Reason.REVERIFY, name, watch=self._watch(target, f, reverify=True, since=s.pending.at),
+                     detail=why_sub or f"deployed {target.revision[:7]} has no verdict yet: watch it again")
+            return
+        if not s.pending and not s.files_differ and s.applied and s.running:
+            if not s.verified and not sub:
+                self.add(Kind.WATCH, Reason.REVERIFY, name, watch=self._watch(target, f, reverify=True),
+                         detail=f"applied {target.revision[:7]} was never seen healthy: watch it again")
+            self._enable(spec, f)
+            return
+
+        if name in self.ctx.checks.fetch and not sub:
+            self.add(Kind.FETCH, Reason.FETCH_MODEL, name, detail=self.ctx.checks.fetch[name])
+        if sp.state is State.ADOPT and f is not None:
+            # Durable first: the intent names the originals before anything is copied or replaced.
+            rec = replace(rec, adopted=Adopted(files=(unit_path(name),) if f.unit_text is not None else (),
+                                               was_enabled=f.enabled, was_active=f.running,
+                                               fragment=f.foreign_path()))
+        replaces = (s.pending.replaces_hash, s.pending.replaces_revision) if s.pending else (rec.hash, rec.revision)
+        if s.files_differ or not s.applied or s.pending is not None:
+            pending = Pending(hash=target.hash, revision=target.revision, rollback=sub, replaces_hash=replaces[0],
+                              replaces_revision=replaces[1])
+            self.add(Kind.INTENT, Reason.RECORD, name, record=replace(rec, pending=pending),
+                     detail=f"pending {target.revision[:7]}")
+        if sp.state is State.ADOPT and rec.adopted is not None and rec.adopted.files:
+            self.add(Kind.ADOPT, Reason.ADOPT, name, path=rec.adopted.files[0], detail=sp.note)
+        for path, have, want in s.files:
+            diff = unified_diff(path, have, want, self.host.name, target.revision[:7])
             if want is None:
-                actions.append(Action(Kind.REMOVE, "env no longer set", name, path, diff=diff))
+                self.add(Kind.REMOVE, Reason.ENV_CHANGED, name, path=path, diff=diff,
+                         detail=why_sub or "env no longer set")
             else:
-                actions.append(Action(Kind.WRITE, _write_reason(state, path, have, svc), name, path, want, diff))
-        reload_needed |= files_changed or (f is not None and f.props.get("NeedDaemonReload") == "yes")
-        running = f is not None and f.running
-        if state in (State.ABSENT, State.STOPPED) or (state in (State.CHANGED, State.DRIFTED) and not running):
-            why = "new service" if state is State.ABSENT else \
-                f"not running (ActiveState={f.active_state or '?'})" if f else "not running"
-            actions.append(Action(Kind.START, why, name))
-        elif state in (State.CHANGED, State.DRIFTED):
-            why = "unit or env changed" if files_changed else "running process predates the applied files"
-            actions.append(Action(Kind.RESTART, why, name))
-        if _has_install(svc.unit_text) and (f is None or f.props.get("UnitFileState") not in ("enabled", "enabled-runtime")):
-            actions.append(Action(Kind.ENABLE, "start at boot ([Install] section)", name))
-        old_record = (f.record if f else None) or {}
-        if old_record.get("hash") != svc.content_hash():
-            records[name] = {**old_record, "hash": svc.content_hash(), "revision": revision}
+                reason, detail = self._write_reason(sp.state, path, have, spec)
+                self.add(Kind.WRITE, reason, name, path=path, content=want, diff=diff, detail=why_sub or detail)
+        for path, content in s.dropins:
+            self.add(Kind.REMOVE, Reason.FOREIGN_DROPIN, name, path=path,
+                     diff=unified_diff(path, content, None, self.host.name, target.revision[:7]),
+                     detail=f"drop-in not written by the reconciler (a copy is kept under "
+                            f"/var/lib/reconciler/removed/); list it in allow_dropins to keep it")
+        self.reload |= s.files_differ or (f is not None and f.props.get("NeedDaemonReload") == "yes")
 
-    dropped: list[str] = []
-    for name in sorted(facts.inventory - set(desired.services) - hold):
-        f = facts.services[name]
-        states[name] = State.ORPHANED
-        dropped.append(name)
+        running = s.running
+        reason, detail = self._start_reason(sp, s, running, why_sub)
+        if self.ctx.checks.gpu_gate:
+            if running:
+                self.add(Kind.STOP, Reason.GPU_GATE, name, detail="stop first, start when its GPUs are free")
+            self.add(Kind.WAIT_GPUS, Reason.GPU_GATE, name, detail="wait until the GPUs it claims are released")
+            self.add(Kind.START, reason, name, detail=detail)
+        else:
+            self.add(Kind.RESTART if running else Kind.START, reason, name, detail=detail)
+        self._enable(spec, f)
+        started = replace(rec, hash=target.hash, revision=target.revision,
+                          pending=Pending(hash=target.hash, revision=target.revision, rollback=sub,
+                                          replaces_hash=replaces[0], replaces_revision=replaces[1], started=True))
+        self.add(Kind.RECORD, Reason.RECORD, name, record=started, detail=f"started {target.revision[:7]}")
+        fresh = not running or self.ctx.checks.gpu_gate
+        self.add(Kind.WATCH, Reason.SUBSTITUTE if sub else Reason.RECORD, name,
+                 watch=self._watch(target, f, fresh=fresh),
+                 detail=why_sub or f"until healthy (start-up timeout {spec.health.startup_timeout:.0f}s)")
+
+    def _start_reason(self, sp: ServicePlan, s: _Sync, running: bool, why_sub: str) -> tuple[Reason, str]:
+        if why_sub:
+            return Reason.SUBSTITUTE, why_sub
+        if sp.state is State.NEW:
+            return Reason.NEW_SERVICE, "new service"
+        if sp.state is State.ADOPT:
+            return Reason.ADOPT, sp.note
+        if s.pending is not None:
+            return Reason.INTERRUPTED, f"the deploy of {s.pending.revision[:7]} was cut short: start it again"
+        if not running:
+            return Reason.NOT_RUNNING, "not running"
+        if s.files_differ:
+            return Reason.UNIT_CHANGED, "unit or env changed"
+        return Reason.STALE_PROCESS, "running process predates the applied files"
+
+    def _write_reason(self, state: State, path: str, old: str | None, svc: ServiceSpec) -> tuple[Reason, str]:
+        if old is None:
+            return Reason.NEW_SERVICE, "new file"
+        if state is State.DRIFTED:
+            return Reason.DRIFT, "drift: edited on the host, reverting to the revision"
+        if path.endswith(".conf"):
+            before, after = parse_env(old), parse_env(render_env(svc.env))
+            keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+            return Reason.ENV_CHANGED, f"env changed: {', '.join(keys)}" if keys else "env file changed"
+        return Reason.UNIT_CHANGED, "unit changed in the revision"
+
+    def _enable(self, spec: ServiceSpec, f: ServiceFacts | None) -> None:
+        if _has_install(spec.unit_text) and (f is None or not f.enabled):
+            self.add(Kind.ENABLE, Reason.START_AT_BOOT, spec.name, detail="start at boot ([Install] section)")
+
+    @staticmethod
+    def _watch(target: Target, f: ServiceFacts | None, *, fresh: bool = False, reverify: bool = False,
+               since: int | None = None) -> Watch:
+        props = f.props if f is not None else {}
+        try:
+            restarts = int(props.get("NRestarts", "0") or 0)
+        except ValueError:
+            restarts = 0
+        # A start (also a gated stop + start) resets NRestarts to 0; a restart keeps counting
+        # (../shared/SYSTEMD.md). A re-verify judges from what runs now.
+        return Watch(hash=target.hash, revision=target.revision, rollback=target.rollback,
+                     baseline_restarts=0 if fresh else restarts,
+                     baseline_invocation="" if reverify else props.get("InvocationID", ""),
+                     baseline_active_enter="" if reverify else props.get("ActiveEnterTimestampMonotonic", ""),
+                     reverify=reverify, since=since)
+
+    def orphan(self, name: str, f: ServiceFacts) -> None:
+        """A service in the inventory that left the desired state: remove it, or put back what
+        was there before it was adopted."""
+        rec = f.record or ServiceRecord()
+        why = "removed from the desired state"
         if f.running or f.active_state == "failed":
-            actions.append(Action(Kind.STOP, "removed from the desired state", name))
-        if f.props.get("UnitFileState") in ("enabled", "enabled-runtime"):
-            actions.append(Action(Kind.DISABLE, "removed from the desired state", name))
+            self.add(Kind.STOP, Reason.REMOVED, name, detail=why)
+        if f.enabled:
+            self.add(Kind.DISABLE, Reason.REMOVED, name, detail=why)
         for path, have in ((unit_path(name), f.unit_text), (env_path(name), f.env_text)):
             if have is not None:
-                actions.append(Action(Kind.REMOVE, "removed from the desired state", name, path,
-                                      diff=unified_diff(path, have, None, desired.name, short)))
-                reload_needed = True
+                self.add(Kind.REMOVE, Reason.REMOVED, name, path=path, detail=why,
+                         diff=unified_diff(path, have, None, self.host.name, self.short))
+                self.reload = True
+        if rec.adopted is not None:
+            for path in rec.adopted.files:
+                self.add(Kind.RESTORE, Reason.RESTORE, name, path=path,
+                         detail=f"{why}: put back the original it replaced (kept at {adopted_copy(name, path)})")
+            self.reload = True
+            if rec.adopted.was_enabled:
+                self.add(Kind.ENABLE, Reason.RESTORE, name, detail="the original was enabled")
+            if rec.adopted.was_active:
+                self.add(Kind.START, Reason.RESTORE, name, detail="the original was running")
 
-    if reload_needed:
-        actions.append(Action(Kind.DAEMON_RELOAD, "unit files changed on disk"))
-    host_rev = (facts.record or {}).get("applied_revision")
-    if records or dropped or host_rev != revision:
-        actions.append(Action(Kind.RECORD, f"record revision {short} and inventory"))
-    actions.sort(key=lambda a: ORDER[a.kind])
-    return HostPlan(desired.name, revision, tuple(actions), states, records, tuple(dropped))
+
+def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
+    """Compute the actions that converge one host to `desired` at `ctx.revision` (pure)."""
+    b = _Builder(desired, facts, ctx)
+    services: dict[str, ServicePlan] = {}
+    for name, svc in sorted(desired.services.items()):
+        f = facts.services.get(name)
+        sp = classify(name, svc, f, desired.name, ctx)
+        blocks = ctx.checks.blocked.get(name)
+        if blocks and sp.target is not None and sp.state is not State.IN_SYNC:
+            sp = _blocked(sp, blocks)
+        services[name] = sp
+        if sp.state in (State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED):
+            b.hold(sp, Reason.HOLD_STOPPED, f)
+            b.record_quarantine(sp, f)
+        elif sp.state is State.HALTED:
+            b.hold(sp, Reason.HOLD_HALTED, f)
+            b.record_quarantine(sp, f)
+        elif sp.state is State.FOREIGN:
+            b.hold(sp, Reason.FOREIGN, f)
+        elif sp.state is State.BLOCKED:
+            b.hold(sp, Reason.BLOCKED, f)
+        elif sp.state is State.QUARANTINED:
+            b.hold(sp, Reason.HOLD_LAST_GOOD, f)
+            b.record_quarantine(sp, f)
+            b.converge(sp, f)
+        elif sp.target is not None:
+            b.converge(sp, f)
+
+    dropped: list[str] = []
+    for name in sorted(facts.inventory - set(desired.services) - ctx.deferred):
+        services[name] = ServicePlan(name, State.ORPHAN, result=Result.CONVERGED)
+        dropped.append(name)
+        b.orphan(name, facts.services[name])
+
+    if b.reload:
+        b.add(Kind.DAEMON_RELOAD, Reason.RELOAD, detail="unit files changed on disk")
+    host_rev = facts.record.applied_revision if facts.record else None
+    blocked = any(sp.state is State.BLOCKED for sp in services.values())
+    # A revision is recorded as applied when something was applied, or when nothing at it was
+    # refused: a blocked deploy writes nothing at all, not even the record.
+    if any(a.kind.mutating for a in b.actions) or dropped or (host_rev != ctx.revision and not blocked):
+        b.add(Kind.RECORD, Reason.RECORD, detail=f"record revision {b.short} and the inventory")
+    actions = sorted(b.actions, key=lambda a: ORDER[a.kind])
+    return HostPlan(desired.name, ctx.revision, tuple(actions), services, tuple(dropped))
 
 
-def split_for_gate(plan: HostPlan, services: set[str]) -> tuple[HostPlan, HostPlan]:
-    """Split a plan around the GPU gate (pure).
+def needs_last_good(desired: HostSpec, facts: HostFacts, ctx: Context) -> dict[str, str]:
+    """Service -> the last good revision to render, for services that a live quarantine may make
+    substitute (the caller renders them from git and passes them in Context.last_good)."""
+    out: dict[str, str] = {}
+    for name, svc in desired.services.items():
+        f = facts.services.get(name)
+        rec = f.record if f is not None else None
+        if rec is None or not rec.last_good_revision or ctx.retry:
+            continue
+        if live_quarantine(rec.quarantine, ctx.fleet_quarantine.get(name), svc.content_hash()) is not None:
+            out[name] = rec.last_good_revision
+    return out
 
-    The first part writes files, reloads and *stops* the given services where the plan would
-    restart them; the second part starts them (and runs every other start, restart, enable and
-    the record). Between the two the caller waits until the old processes have released the GPUs.
-    """
-    from dataclasses import replace
 
-    first: list[Action] = []
-    second: list[Action] = []
+def starting(plan: HostPlan) -> dict[str, Target]:
+    """Services the plan starts or restarts, with the version they start as."""
+    out: dict[str, Target] = {}
     for a in plan.actions:
-        if a.kind is Kind.RESTART and a.service in services:
-            first.append(Action(Kind.STOP, "stop before the GPU gate", a.service))
-            second.append(Action(Kind.START, a.reason + "; GPUs released", a.service))
-        elif ORDER[a.kind] < ORDER[Kind.ENABLE]:
-            first.append(a)
-        else:
-            second.append(a)
-    first.sort(key=lambda a: ORDER[a.kind])
-    return (replace(plan, actions=tuple(first), records={}, dropped_records=()),
-            replace(plan, actions=tuple(second)))
+        if a.kind in (Kind.START, Kind.RESTART) and a.service and a.reason is not Reason.RESTORE:
+            sp = plan.services.get(a.service)
+            if sp is not None and sp.target is not None:
+                out[a.service] = sp.target
+    return out
+
+
+def writing_units(plan: HostPlan) -> dict[str, str]:
+    """Service -> the unit text the plan writes (what systemd must accept before the rename)."""
+    return {a.service: a.content for a in plan.actions
+            if a.kind is Kind.WRITE and a.service and a.content is not None and a.path == unit_path(a.service)}

@@ -368,13 +368,12 @@ def _locate_server(tokens: list[str], env: dict[str, str]) -> tuple[Server | Non
             # command.
             c = next((j for j in range(i + 1, len(tokens))
                       if re.match(r"^-[a-z]*c[a-z]*$", tokens[j])), None)
-            if c is not None:
-                if c + 1 < len(tokens):
-                    try:
-                        inner = shlex.split(tokens[c + 1])
-                    except ValueError:
-                        return None, []
-                    return _locate_server(inner, env)
+            if c is not None and c + 1 < len(tokens):
+                try:
+                    inner = shlex.split(tokens[c + 1])
+                except ValueError:
+                    return None, []
+                return _locate_server(inner, env)
             return None, []
         if _PYTHON.match(base):
             return _python_entry(tokens[i + 1:])
@@ -985,9 +984,7 @@ def _model_cond(info: ModelInfo, cond: Condition) -> bool:
         return False
     if cond.model_type and not (info.model_type and _glob_any(info.model_type, cond.model_type)):
         return False
-    if cond.model_id and not (info.id and _glob_any(info.id, cond.model_id)):
-        return False
-    return True
+    return not cond.model_id or bool(info.id and _glob_any(info.id, cond.model_id))
 
 
 def condition_holds(cond: Condition, cmd: Command, info: ModelInfo) -> bool:
@@ -1127,7 +1124,8 @@ def _check_dp_attention(svc: ServiceSpec, cmd: Command) -> list[Finding]:
     return [_builtin("sglang-dp-attention-tp-divisible", svc, cmd,
                      f"--enable-dp-attention with --tp-size {tp} and --dp-size {dp}: tp must be a "
                      f"multiple of dp (SGLang asserts tp_size % dp_size == 0 at start-up)",
-                     f"use a --dp-size that divides {tp}, e.g. {max(d for d in range(1, tp + 1) if tp % d == 0 and d <= dp)}")]
+                     f"use a --dp-size that divides {tp}, e.g. "
+                     f"{max(d for d in range(1, tp + 1) if tp % d == 0 and d <= dp)}")]
 
 
 def _check_heads(svc: ServiceSpec, cmd: Command, info: ModelInfo) -> list[Finding]:

@@ -10,7 +10,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from .errors import ConfigError
-from .reconcile import FleetResult, HostResult
+from .fleet import FleetResult
+from .reconcile import HostResult
 
 _STYLE = {"in-sync": "green", "converged": "green", "would-change": "yellow", "failed": "bold red",
           "rolled-back": "bold yellow", "quarantined": "yellow"}
@@ -25,14 +26,14 @@ def print_diff(console: Console, diff: str) -> None:
 
 def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
     """Diffs and actions with reasons for one host that has changes (or failed)."""
-    if r.plan is None or not r.plan.changes:
+    if r.plan is None or not r.plan.visible:
         return
-    verb = "would change" if dry_run else "changes"
+    verb = ("would change" if dry_run else "changes") if r.plan.changes else "holds"
     console.print(f"[bold]── {escape(r.host)} ({escape(r.address)}) {verb} at {r.plan.revision[:7]}[/]", highlight=False)
     for a in r.plan.actions:
         if a.diff:
             print_diff(console, a.diff)
-    for a in r.plan.actions:
+    for a in r.plan.visible:
         console.print(f"  • {escape(a.describe())}", highlight=False)
     console.print()
 

@@ -1,7 +1,7 @@
 """PURE: rolling a change out over the hosts that share a service definition, in waves.
 
-No I/O, no clock, no globals: reconcile.py observes and plans every host first, then asks this
-module which hosts restart together, and in which order.
+No I/O, no clock, no globals: the fleet run (fleet.py) observes and plans every host first, then
+asks this module which hosts restart together, and in which order.
 
 A **rollout group** is one service name on every host whose service comes from the same shared
 definition (``use = "<definition>"``): ``(service, definition)``. Only hosts whose plan for that
@@ -53,7 +53,7 @@ class Wave:
     hosts: tuple[str, ...]
     canary: bool = False
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {"number": self.number, "canary": self.canary, "hosts": list(self.hosts)}
 
 
@@ -75,7 +75,7 @@ class RolloutPlan:
         """The hosts of every wave after `wave`: what a halt there leaves untouched."""
         return tuple(h for w in self.waves if w.number > wave.number for h in w.hosts)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {"service": self.group.service, "definition": self.group.definition,
                 "canary": self.policy.canary, "max_unavailable": self.policy.max_unavailable,
                 "bound": self.bound, "members": list(self.members), "pending": list(self.pending),
@@ -98,7 +98,7 @@ class RolloutResult:
     skipped: tuple[str, ...] = ()         # wave hosts that failed before anything changed
     seconds: float = 0.0
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {**self.plan.to_json(), "status": self.status, "waves_done": self.waves_done,
                 "halted": None if self.halted_at is None else {
                     "host": self.halted_at, "wave": self.halted_wave, "reason": self.reason,
@@ -110,7 +110,7 @@ class RolloutResult:
 _DIGITS = re.compile(r"(\d+)")
 
 
-def natural_key(name: str) -> tuple:
+def natural_key(name: str) -> tuple[tuple[int, int, str], ...]:
     """Sort key for host names: digit runs compare as numbers, so gpu-2 comes before gpu-10."""
     return tuple((0, int(p), p) if p.isdigit() else (1, 0, p) for p in _DIGITS.split(name) if p)
 
@@ -178,11 +178,11 @@ class Halt:
     halted, on the host that failed and on every host the rollout left untouched."""
 
     host: str
-    record: dict = field(hash=False, compare=False)
+    record: Mapping[str, object] = field(hash=False, compare=False)
 
 
 def quarantine_cover(group: GroupKey, desired_hashes: Mapping[str, str], halts: Iterable[Halt],
-                     revision: str, hash_at: HashAt) -> dict[str, dict]:
+                     revision: str, hash_at: HashAt) -> dict[str, dict[str, object]]:
     """Which members the group's halt covers, and the quarantine each of them gets.
 
     A halt lives in the service records of the hosts (the failed host's own quarantine, and the
@@ -197,7 +197,7 @@ def quarantine_cover(group: GroupKey, desired_hashes: Mapping[str, str], halts: 
     desired_hashes: member -> its desired content hash now, for the members that would restart
     without this (the executor passes only those). Returns member -> quarantine record.
     """
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, object]] = {}
     for halt in sorted(halts, key=lambda h: natural_key(h.host)):
         q = halt.record
         rev = q.get("revision")

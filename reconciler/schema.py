@@ -18,7 +18,7 @@ import math
 import re
 import struct
 from collections.abc import Callable
-from typing import Literal, Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator
@@ -272,6 +272,23 @@ def _notify_format(value: Any) -> str:
     return str(value)
 
 
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail("true or false", value)
+    return value
+
+
+_DROPIN = re.compile(r"^(/(etc|run)/systemd/[A-Za-z0-9_.@/-]+/)?[A-Za-z0-9_.@-]+\.conf$")
+
+
+def _dropin(value: Any) -> str:
+    expected = ("a drop-in file name like '10-numa.conf', or its absolute path under /etc/systemd or "
+                "/run/systemd")
+    if not isinstance(value, str) or not _DROPIN.match(value) or "/../" in value:
+        raise _fail(expected, value)
+    return value
+
+
 ServiceName = Annotated[
     str,
     _pattern(
@@ -299,6 +316,8 @@ ModelPath = Annotated[str, _no_space("an absolute path without whitespace, like 
 HttpTemplate = Annotated[str, _checked(_http_template)]
 Webhook = Annotated[str, _checked(_webhook)]
 NotifyFormat = Annotated[str, _checked(_notify_format)]
+Boolean = Annotated[bool, _checked(_boolean)]
+DropIn = Annotated[str, _checked(_dropin)]
 
 
 # ---- tables ---------------------------------------------------------------------------------
@@ -319,6 +338,9 @@ class HealthTable(Table):
     stable_for: NonNegativeSeconds | None = None
     expect_status: HttpStatus | None = None
     body_contains: SingleLine | None = None
+    # A PEM CA bundle in the repo that an https:// health URL must chain to (default: the
+    # controller's system CAs). Never a way to turn verification off.
+    ca: RepoPath | None = None
 
 
 class RolloutTable(Table):
@@ -363,6 +385,12 @@ class ServiceDefinition(Table):
     # What to do with a process that holds the service's GPUs but is not the service's own
     # (found by the GPU gate before a start): "report" (default) or "kill".
     gpu_policy: Literal["report", "kill"] | None = None
+    # Take over a unit of this name that the reconciler did not install (kept, and put back when
+    # the service leaves the desired state). Without it such a unit is reported Foreign, untouched.
+    adopt: Boolean | None = None
+    # Drop-ins for this service that someone else manages and that may stay (names or paths);
+    # every other drop-in the reconciler did not write is drift and is removed on apply.
+    allow_dropins: list[DropIn] | None = None
 
 
 class ServiceTable(ServiceDefinition):

@@ -21,6 +21,7 @@ class HealthSpec:
     stable_for: float = 30.0         # after the first success, a crash within this window still fails
     expect_status: int = 200
     body_contains: str | None = None
+    ca_pem: str | None = None        # PEM CA bundle that an https:// health URL is verified against
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,17 @@ class ServiceSpec:
     definition: str | None = None    # name of the shared services/<definition>.toml, if any
     gpu_policy: str = "report"       # stray GPU holders before a start: "report" or "kill"
     rollout: RolloutPolicy = field(default_factory=RolloutPolicy)   # used when definition is set
+    # Take over a unit of this name that the reconciler did not install (its original files are
+    # kept and put back when the service leaves the desired state). Without it such a unit is
+    # Foreign: never overwritten, stopped or deleted.
+    adopt: bool = False
+    # Drop-ins someone else manages that may stay (file names like "10-numa.conf", or absolute
+    # paths). Every other drop-in for the service is drift and is removed on apply.
+    allow_dropins: tuple[str, ...] = ()
+
+    def allows_dropin(self, path: str) -> bool:
+        """True when a drop-in at `path` (not the reconciler's own) may stay."""
+        return path in self.allow_dropins or path.rsplit("/", 1)[-1] in self.allow_dropins
 
     def content_hash(self) -> str:
         """A stable digest of everything that, when changed, requires a restart."""

@@ -15,8 +15,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .records import Result
+
 if TYPE_CHECKING:
-    from .reconcile import FleetResult
+    from .fleet import FleetResult
+    from .reconcile import HostResult
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS attempts (
@@ -122,34 +125,38 @@ class Store:
         self.db.close()
 
 
+# A service's health in the store, by what last happened to it in a run.
+_HEALTH_OF_EVENT = {"held": "stopped", "blocked": "blocked", "foreign": "foreign"}
+
+
+def service_health(r: "HostResult", service: str) -> str | None:
+    """What a run says about one service's health; None: not checked, keep what the store knew."""
+    if r.status == Result.FAILED and not r.plan:
+        return "unknown"
+    evs = [e for e in r.events if e.service == service]
+    last = evs[-1] if evs else None
+    if last is None:
+        return None
+    if last.outcome is not None:
+        return "healthy" if last.outcome.healthy else "unhealthy"
+    return _HEALTH_OF_EVENT.get(str(last.action))
+
+
 def remember(store: Store, result: "FleetResult") -> None:
     """Write every attempt and the latest per-service status to the state store."""
     for r in result.hosts:
         for e in r.events:
             o = e.outcome
-            store.add_attempt(r.host, e.service, e.revision, e.content_hash, e.action,
-                              o.reason if o else e.action.capitalize(), (o.message if o else e.note) or "",
+            store.add_attempt(r.host, e.service, e.revision, e.content_hash, str(e.action),
+                              o.reason if o else str(e.action).capitalize(), (o.message if o else e.note) or "",
                               o.quote if o else e.quote, o.journal if o else None, o.seconds if o else 0.0)
-        services = set(r.plan.states) if r.plan else set()
-        for svc in sorted(services):
-            evs = [e for e in r.events if e.service == svc]
-            last = evs[-1] if evs else None
-            failed = [e for e in evs if e.outcome and not e.outcome.healthy]
-            if r.status == "failed" and not r.plan:
-                health = "unknown"
-            elif last and last.outcome:
-                health = "healthy" if last.outcome.healthy else "unhealthy"
-            elif last and last.action == "held":
-                health = "stopped"
-            elif last and last.action == "blocked":
-                health = "blocked"
-            else:
-                health = None      # not checked this run: keep what the store knew
-
-            event = (f"{r.status}: {r.message}" if r.message else r.status)
-            quote = failed[-1].outcome.quote if failed else (last.quote if last else None)
+        for svc in sorted(r.plan.states if r.plan else ()):
+            failed = [e for e in r.events if e.service == svc and e.outcome and not e.outcome.healthy]
+            last = next((e for e in reversed(r.events) if e.service == svc), None)
+            event = f"{r.status}: {r.message}" if r.message else str(r.status)
+            quote = failed[-1].outcome.quote if failed and failed[-1].outcome else (last.quote if last else None)
             store.set_status(r.host, svc, desired_rev=result.revision, running_rev=r.running.get(svc),
-                             health=health, last_event=event, quote=quote)
-        if r.status == "failed" and not r.plan:
+                             health=service_health(r, svc), last_event=event, quote=quote)
+        if r.status == Result.FAILED and not r.plan:
             store.set_status(r.host, "*", desired_rev=result.revision, running_rev=None, health="unknown",
                              last_event=f"failed: {r.reason}: {r.message}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from itertools import pairwise
 
 from reconciler.config import ControllerConfig
 from reconciler.daemon import Daemon
@@ -70,6 +71,6 @@ def test_failed_runs_retry_with_back_off(tmp_path):
         await asyncio.wait_for(task, 2)
 
     asyncio.run(scenario())
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in pairwise(times)]
     assert len(times) >= 3                       # retried without any new ask
-    assert all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:]))   # each wait longer than the last
+    assert all(g2 > g1 for g1, g2 in pairwise(gaps))   # each wait longer than the last

@@ -79,7 +79,7 @@ def test_incident_replayed(fleet, repo):
     assert events(out, h.name)[-1]["outcome"]["reason"] == "Healthy"
     assert http_status(fleet, h) == "200"
     rec = json.loads(fleet.ssh(h, f"cat /var/lib/reconciler/services/{name}.json"))
-    assert rec["last_good_revision"] == c3 and "quarantine" not in rec
+    assert rec["last_good_revision"] == c3 and rec["quarantine"] is None and rec["pending"] is None
 
 
 @pytest.mark.timeout(90)

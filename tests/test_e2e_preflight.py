@@ -94,7 +94,8 @@ def test_model_fetch_downloads_a_missing_model_before_the_start(fleet, repo):
     repo.write(f"hosts/{h.name}.toml", text)
     repo.commit()
     code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2,))
-    assert any("would fetch" in n for n in out["hosts"][0]["notes"])
+    fetch = [a for a in out["hosts"][0]["actions"] if a["kind"] == "fetch-model"]
+    assert fetch and "fetch Qwen/Qwen3-8B into /tmp/model-fetched/Qwen3-8B first" in fetch[0]["detail"]
     assert not fleet.exists(h, "/tmp/model-fetched")               # a dry run fetches nothing
     code, out = run_json("--repo", str(repo.path), check_codes=(0,))
     assert any("fetched Qwen/Qwen3-8B" in n for n in out["hosts"][0]["notes"])
@@ -114,5 +115,5 @@ def test_failing_or_slow_fetch_blocks_the_deploy(fleet, repo):
         repo.write(f"hosts/{h.name}.toml", text)
         repo.commit(fetch)
         code, out = run_json("--repo", str(repo.path), check_codes=(4,))
-        assert out["hosts"][0]["reason"] == "PreflightFailed" and expect in out["hosts"][0]["message"]
+        assert out["hosts"][0]["reason"] == "ModelFetchFailed" and expect in out["hosts"][0]["message"]
         assert not fleet.exists(h, UNIT)

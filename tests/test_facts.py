@@ -7,10 +7,10 @@ import base64
 
 import pytest
 
-from reconciler.apply import apply_plan, build_script, failed_step
+from reconciler.apply import apply_plan, build_script, parse_results
 from reconciler.errors import CommandError, ObserveError
 from reconciler.facts import observe_command, parse_observation, parse_show
-from reconciler.plan import plan_host
+from reconciler.plan import Context, Kind, plan_host
 from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.transport import Completed
 
@@ -53,7 +53,7 @@ def test_parse_observation():
         f"{t} END",
     ])
     f = parse_observation(out, t)
-    assert f.record == {"applied_revision": "abc"}
+    assert f.record is not None and f.record.applied_revision == "abc"
     s = f.services["crashy"]
     assert s.unit_text == "[Service]\n" and s.env_text is None and s.managed
     assert s.props["SubState"] == "auto-restart" and s.running
@@ -87,25 +87,41 @@ class FakeTransport:
 def _plan():
     from reconciler.facts import HostFacts
     h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", "[Service]\nExecStart=/bin/x\n", {"A": "1"})})
-    return plan_host(h, HostFacts(services={}), "f" * 40)
+    return plan_host(h, HostFacts(services={}), Context("f" * 40))
 
 
-def test_script_writes_atomically_then_reloads_once_then_records_last():
+def test_script_records_intent_then_writes_atomically_then_reloads_once_then_records_last():
     p = _plan()
-    script = build_script(p, 0)
+    script = build_script(p, p.actions, 0)
     assert script.count("systemctl daemon-reload") == 1
-    assert script.index("atomic_write /etc/systemd/system/m.service") < script.index("systemctl daemon-reload")
-    assert script.index("systemctl start m.service") < script.index("/var/lib/reconciler/host.json")
+    intent = script.index("atomic_write /var/lib/reconciler/services/m.json")
+    assert intent < script.index("atomic_write /etc/systemd/system/m.service") < script.index("systemctl daemon-reload")
+    assert script.index("u_start m.service") < script.index("/var/lib/reconciler/host.json")
     assert '.reconciler-tmp.XXXXXX' in script
+    # the clean-up removes only this script's own temp files
+    assert 'rm -f $TMPS' in script and "rm -f /etc/systemd/system/.reconciler-tmp.*" not in script
 
 
-def test_failed_step_names_the_action():
+def test_a_failing_start_is_reported_and_the_script_goes_on():
     p = _plan()
-    stderr = "@@step 0\n@@step 1\n@@step 2\nFailed to start m.service: Unit m.service has a bad setting.\n"
-    idx, err = failed_step(stderr)
-    assert idx == 2 and "bad setting" in err
-    t = FakeTransport(Completed(1, "", stderr))
-    with pytest.raises(CommandError) as e:
-        asyncio.run(apply_plan(t, p))
-    assert "daemon-reload" in str(e.value) or "start" in str(e.value)
+    start = next(i for i, a in enumerate(p.actions) if a.kind is Kind.START)
+    err = base64.b64encode(b"Failed to start m.service: Unit m.service has a bad setting.").decode()
+    out = f"@@now 5\n@@fail {start} 1 {err}\n"
+    t = FakeTransport(Completed(0, out, f"@@step {start}\n@@step done\n"))
+    applied = asyncio.run(apply_plan(t, p, now=0))
+    assert applied.host_clock == 5.0
+    f = applied.failed("m")
+    assert f is not None and "bad setting" in f.message and f.exit_status == 1
     assert len(t.calls) == 1   # the whole plan is one round trip
+
+
+def test_a_failing_file_step_stops_the_script_and_names_the_step():
+    p = _plan()
+    write = next(i for i, a in enumerate(p.actions) if a.kind is Kind.WRITE)
+    stderr = f"@@step 0\n@@step {write}\nbase64: write error: No space left on device\n"
+    t = FakeTransport(Completed(1, f"@@now 1\n@@fatal {write} 1\n", stderr))
+    with pytest.raises(CommandError) as e:
+        asyncio.run(apply_plan(t, p, now=0))
+    assert "write /etc/systemd/system/m" in str(e.value) and "No space left" in str(e.value)
+    clock, failures, fatal = parse_results(p, f"@@fatal {write} 1\n", stderr)
+    assert fatal is not None and fatal[0] == write and failures == []

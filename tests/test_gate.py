@@ -5,12 +5,13 @@ from __future__ import annotations
 from tests.conftest import DesiredRepo, run_cli, write_fleet
 from tests.fleet import Host
 
+HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
 SPEC = "--speculative-algo NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
 H = Host("g1", "127.0.0.2", 0)
 
 
 def test_validate_rejects_incident_flags_from_the_model_id(tmp_path, monkeypatch):
-    monkeypatch.setattr("tests.fleet.host_public_key", lambda: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl")
+    monkeypatch.setattr("tests.fleet.host_public_key", lambda: HOST_KEY)
     r = DesiredRepo(tmp_path / "r")
     write_fleet(r, [H], {"sglang": {"port": 30000, "model": "Qwen3.5-122B-A10B", "args": SPEC}}, extra={})
     r.commit("incident flags")
@@ -28,7 +29,7 @@ def test_validate_rejects_incident_flags_from_the_model_id(tmp_path, monkeypatch
 
 
 def test_validate_accepts_speculative_decoding_on_a_dense_model(tmp_path, monkeypatch):
-    monkeypatch.setattr("tests.fleet.host_public_key", lambda: "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl")
+    monkeypatch.setattr("tests.fleet.host_public_key", lambda: HOST_KEY)
     r = DesiredRepo(tmp_path / "r")
     write_fleet(r, [H], {"sglang": {"port": 30000, "model": "Qwen3-8B", "args": SPEC}}, extra={})
     r.commit()

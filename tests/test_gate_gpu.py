@@ -6,13 +6,14 @@ here); stopping the service kills the stand-in process."""
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 
+from reconciler.apply import apply_plan
 from reconciler.facts import HostFacts, ServiceFacts
-from reconciler.gate import gated_apply
-from reconciler.gpu import GpuFacts, Gpu
-from reconciler.plan import plan_host, render_env
+from reconciler.gate import gpu_waiter
+from reconciler.gpu import Gpu, GpuFacts
+from reconciler.plan import Checks, Context, Kind, plan_host, render_env
+from reconciler.records import ServiceRecord
 from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.transport import Completed, LocalTransport
 
@@ -37,7 +38,7 @@ class GpuHost(LocalTransport):
     async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
         if input is not None and cmd == "sh -s":
             self.log.append(("apply", input))
-            if "systemctl stop m.service" in input:
+            if "u_stop m.service" in input:
                 self.old.terminate()
                 await asyncio.sleep(0.3)      # the process takes a moment to exit and free the GPU
                 self.old.wait()
@@ -56,44 +57,55 @@ def gpu_host_setup(tmp_path, holder_pid: int, old_pid: int, unit: str):
     smi.chmod(0o755)
     host = HostSpec("gpuhost", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", unit, {"A": "2"})})
     facts = HostFacts(services={"m": ServiceFacts(
-        "m", unit, render_env({"A": "1"}), {"hash": "old"},
+        "m", unit, render_env({"A": "1"}), ServiceRecord(hash="old"),
         {"ActiveState": "active", "ExecMainPID": str(old_pid), "UnitFileState": "enabled"})})
     gpu = GpuFacts(has_nvidia_smi=True, gpus=[Gpu(0, 21090, 143771, "GPU-aaaa")], holders=[])
-    return str(smi.parent), host, facts, plan_host(host, facts, "a" * 40), gpu
+    plan = plan_host(host, facts, Context("a" * 40, checks=Checks(gpu_gate=True)))
+    return str(smi.parent), host, facts, plan, gpu
+
+
+def gated(t, plan, facts, gpu, timeout):
+    notes: list[str] = []
+    applied = asyncio.run(apply_plan(t, plan, now=0, gpu_wait=gpu_waiter(t, plan, facts, gpu, notes, timeout=timeout)))
+    return applied, notes
 
 
 def test_restart_on_a_gpu_host_waits_for_release_before_start(tmp_path):
     old = subprocess.Popen(["sleep", "60"])
     unit = "[Service]\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /m --tp-size 1\n"
-    path, host, facts, plan, gpu = gpu_host_setup(tmp_path, old.pid, old.pid, unit)
+    path, _, facts, plan, gpu = gpu_host_setup(tmp_path, old.pid, old.pid, unit)
     t = GpuHost(old, path)
     try:
-        res = asyncio.run(gated_apply(t, plan, facts, host, gpu, timeout=10))
+        applied, notes = gated(t, plan, facts, gpu, 10)
     finally:
         if old.poll() is None:
             old.kill()
+    steps = [a.kind for a in plan.actions if a.service == "m" and a.kind in (Kind.STOP, Kind.WAIT_GPUS, Kind.START,
+                                                                             Kind.RESTART)]
+    assert steps == [Kind.STOP, Kind.WAIT_GPUS, Kind.START]   # the plan says it, so a dry run shows it
     kinds = [k for k, _ in t.log]
-    assert kinds[0] == "apply" and "systemctl stop m.service" in t.log[0][1]
-    assert "systemctl restart" not in t.log[0][1] and "systemctl start m.service" not in t.log[0][1]
-    assert kinds[-1] == "apply" and "systemctl start m.service" in t.log[-1][1]
+    assert kinds[0] == "apply" and "u_stop m.service" in t.log[0][1]
+    assert "systemctl restart" not in t.log[0][1] and "u_start m.service" not in t.log[0][1]
+    assert kinds[-1] == "apply" and "u_start m.service" in t.log[-1][1]
     assert "read" in kinds[1:-1]                      # the gate polled between stop and start
-    assert res.blocked == {} and any("GPUs released" in n for n in res.notes)
+    assert applied.skipped == {} and any("GPUs free" in n for n in notes)
 
 
 def test_gpus_that_stay_busy_keep_the_service_from_starting(tmp_path):
     old = subprocess.Popen(["sleep", "60"])
     stray = subprocess.Popen(["sleep", "60"])          # not the service's: never stopped
     unit = "[Service]\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /m\n"
-    path, host, facts, plan, gpu = gpu_host_setup(tmp_path, stray.pid, old.pid, unit)
+    path, _, facts, plan, gpu = gpu_host_setup(tmp_path, stray.pid, old.pid, unit)
     t = GpuHost(old, path)
     try:
-        res = asyncio.run(gated_apply(t, plan, facts, host, gpu, timeout=1.5))
+        applied, notes = gated(t, plan, facts, gpu, 1.5)
         stray_alive = stray.poll() is None
     finally:
         for p in (old, stray):
             if p.poll() is None:
                 p.kill()
-    assert "m" in res.blocked and "busy" in res.blocked["m"]
-    assert any(f"stray GPU holder pid {stray.pid}" in n for n in res.notes)
+    assert "m" in applied.skipped and "busy" in applied.skipped["m"]
+    assert any(f"stray GPU holder pid {stray.pid}" in n for n in notes)
     assert stray_alive                                 # policy "report": reported, never killed
-    assert "systemctl start m.service" not in t.log[-1][1]
+    assert "u_start m.service" not in t.log[-1][1]
+    assert "services/m.json" not in t.log[-1][1]       # not recorded as started: the next run tries again

@@ -219,7 +219,7 @@ def test_report_policy_never_kills_and_kill_policy_terminates(holding):
     outcome = asyncio.run(gpu.kill_strays(LocalTransport(), strays, "kill", grace=5))
     assert [o.outcome for o in outcome] == ["terminated"]
     assert h.proc.wait(timeout=5) == -15
-    ok, facts, waited = asyncio.run(gpu.wait_released(
+    ok, facts, _ = asyncio.run(gpu.wait_released(
         LocalTransport(), pids={h.proc.pid}, timeout=5, device_prefix=h.prefix))
     assert ok and facts.holders == []
 

@@ -28,6 +28,36 @@ def test_judge_systemd(props, baseline, state, reason):
     assert (v.state, v.reason) == (state, reason)
 
 
+# Captured on a test host (systemd 252): ExecStartPre= failing under Restart=always, and a
+# Type=notify unit whose start timed out. Neither ever entered `active`.
+PRE_FAILS = {"LoadState": "loaded", "ActiveState": "activating", "SubState": "auto-restart", "Result": "exit-code",
+             "NRestarts": "0", "ActiveEnterTimestampMonotonic": "0", "InvocationID": "4b6e"}
+NOTIFY_TIMEOUT = {"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "timeout",
+                  "NRestarts": "0", "ActiveEnterTimestampMonotonic": "0", "InvocationID": "0522"}
+
+
+@pytest.mark.parametrize("props,kw,state,reason", [
+    (PRE_FAILS, {}, "crashed", "StartFailed"),
+    (NOTIFY_TIMEOUT, {}, "crashed", "StartFailed"),
+    # a restart of a unit that was active: it never became active again since our restart
+    ({**PRE_FAILS, "ActiveEnterTimestampMonotonic": "1230"}, {"baseline_active_enter": "1230"}, "crashed",
+     "StartFailed"),
+    # it did become active again, then crashed: a crash loop
+    ({**PRE_FAILS, "ActiveEnterTimestampMonotonic": "1240"}, {"baseline_active_enter": "1230"}, "crashed",
+     "CrashLoop"),
+    # our queued (--no-block) start has not begun: the old process's state says nothing yet
+    ({**PRE_FAILS, "InvocationID": "old"}, {"baseline_invocation": "old"}, "starting", ""),
+    ({"LoadState": "loaded", "ActiveState": "deactivating", "SubState": "stop-sigterm", "InvocationID": "old"},
+     {"baseline_invocation": "old"}, "starting", ""),
+    # a bad unit is reported even before the start begins
+    ({"LoadState": "bad-setting", "InvocationID": "old"}, {"baseline_invocation": "old"}, "not-loaded",
+     "UnitNotLoaded"),
+])
+def test_judge_systemd_start_failures(props, kw, state, reason):
+    v = judge_systemd(props, 0, **kw)
+    assert (v.state, v.reason) == (state, reason)
+
+
 INCIDENT = "MTP with the hybrid GDN model needs --mamba-scheduler-strategy extra_buffer and SGLANG_ENABLE_SPEC_V2=1"
 
 

@@ -93,7 +93,8 @@ def test_good_fleet_loads_and_renders_placeholders() -> None:
 
 def test_minimal_repo_without_fleet_toml_uses_defaults() -> None:
     files = {
-        "hosts/h.toml": 'address = "gpu-01.example.org"\n[services.s]\nunit = """\n[Service]\nExecStart=/bin/true\n"""\n'
+        "hosts/h.toml":
+            'address = "gpu-01.example.org"\n[services.s]\nunit = """\n[Service]\nExecStart=/bin/true\n"""\n'
     }
     state = load(files)
     host = state.hosts["h"]
@@ -125,8 +126,9 @@ model = { path = "/data/m" }
 [services.web.health]
 expect_status = 204
 body_contains = "ok"
-""" % KEY
-    state = load(base_files({"hosts/a.toml": host, "fleet.toml": 'concurrency = 3\n[health]\ninterval = 9\nstable_for = 0\n'}))
+""" % KEY  # noqa: UP031 -- %-formatting leaves the TOML's inline-table braces as they are
+    fleet = 'concurrency = 3\n[health]\ninterval = 9\nstable_for = 0\n'
+    state = load(base_files({"hosts/a.toml": host, "fleet.toml": fleet}))
     h = state.hosts["a"]
     assert (h.ssh.port, h.ssh.user, h.ssh.host_key) == (2222, "ops", KEY)
     assert h.labels == {"rack": "r1", "gpu": "h200"}
@@ -267,7 +269,9 @@ def test_port_out_of_range_or_wrong_type(port: str) -> None:
 def test_newline_in_env_value_never_shows_the_value() -> None:
     secret = "hf_SeCrEt"
     host = f'address = "127.0.0.5"\n[services.web]\nuse = "server"\nenv = {{ HF_TOKEN = "{secret}\\nX" }}\n'
-    error = pytest.raises(ConfigError, load, base_files({"hosts/a.toml": host})).value
+    with pytest.raises(ConfigError) as raised:
+        load(base_files({"hosts/a.toml": host}))
+    error = raised.value
     p = find(error.problems, "hosts/a.toml", "services.web.env.HF_TOKEN")
     assert "newline" in p.message
     assert secret not in str(error) and secret not in repr(error.problems)
@@ -275,14 +279,18 @@ def test_newline_in_env_value_never_shows_the_value() -> None:
 
 def test_env_value_of_wrong_type_never_shows_the_value() -> None:
     host = 'address = "127.0.0.5"\n[services.web]\nuse = "server"\nenv = { PIN = 987654 }\n'
-    error = pytest.raises(ConfigError, load, base_files({"hosts/a.toml": host})).value
+    with pytest.raises(ConfigError) as raised:
+        load(base_files({"hosts/a.toml": host}))
+    error = raised.value
     p = find(error.problems, "hosts/a.toml", "services.web.env.PIN")
     assert p.message.startswith("expected a string, got an integer") and "987654" not in str(error)
 
 
 def test_unknown_key_with_secret_value_never_shows_the_value() -> None:
     host = 'address = "127.0.0.5"\n[services.web]\nuse = "server"\nevn = { TOKEN = "hf_SeCrEt" }\n'
-    error = pytest.raises(ConfigError, load, base_files({"hosts/a.toml": host})).value
+    with pytest.raises(ConfigError) as raised:
+        load(base_files({"hosts/a.toml": host}))
+    error = raised.value
     assert find(error.problems, "hosts/a.toml", "services.web.evn")
     assert "hf_SeCrEt" not in str(error)
 
@@ -486,7 +494,8 @@ def test_unit_file_must_be_a_repo_path(path: str) -> None:
 
 def test_bad_labels_and_concurrency() -> None:
     files = base_files({
-        "hosts/a.toml": 'address = "127.0.0.5"\nlabels = { "a b" = "x", ok = "y z" }\n', "fleet.toml": "concurrency = 0\n"
+        "hosts/a.toml": 'address = "127.0.0.5"\nlabels = { "a b" = "x", ok = "y z" }\n',
+        "fleet.toml": "concurrency = 0\n",
     })
     probs = problems(files)
     find(probs, "hosts/a.toml", 'labels."a b"')
@@ -496,7 +505,8 @@ def test_bad_labels_and_concurrency() -> None:
 
 def test_table_expected() -> None:
     host = 'address = "127.0.0.5"\nssh = "root@x"\n'
-    assert find(problems(base_files({"hosts/a.toml": host})), "hosts/a.toml", "ssh").message == "expected a table, got a string"
+    p = find(problems(base_files({"hosts/a.toml": host})), "hosts/a.toml", "ssh")
+    assert p.message == "expected a table, got a string"
 
 
 def test_no_hosts() -> None:

@@ -554,7 +554,8 @@ traits = []
     assert ("rules/bad.toml: rule[my-rule].when.flagz: unknown key (did you mean 'flags'? allowed: "
             "flag_any, flag_none, flags, flags_not, env_any, env, env_not, model, architecture, "
             "model_type, model_id)") in found
-    assert "rules/bad.toml: rule[my-rule].require.flags.tp-size: expected a flag such as '--tp-size', got 'tp-size'" in found
+    assert ("rules/bad.toml: rule[my-rule].require.flags.tp-size: expected a flag such as '--tp-size', "
+            "got 'tp-size'") in found
     assert any(p.startswith("rules/bad.toml: rule[my-rule].message: unknown placeholder {modle}") for p in found)
     assert any(p.startswith("rules/bad.toml: rule[my-rule].source: expected the URL") for p in found)
     assert "rules/bad.toml: rule[#2].id: required key missing" in found

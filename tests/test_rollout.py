@@ -8,13 +8,15 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from typing import ClassVar
 
 import pytest
 
 from reconciler.errors import ConfigError, SourceError
+from reconciler.fleet import merge_result, select_hosts
 from reconciler.load import MemorySnapshot, load_desired
 from reconciler.notify import Notifier, slack_text, where
-from reconciler.reconcile import HostResult, ServiceEvent, merge_result, select_hosts
+from reconciler.reconcile import HostResult, ServiceEvent
 from reconciler.rollout import GroupKey, Halt, natural_key, order_hosts, plan_rollouts, plan_waves, quarantine_cover
 from reconciler.spec import DesiredState, NotifySpec, RolloutPolicy
 
@@ -244,7 +246,7 @@ def test_select_hosts_by_name_and_label() -> None:
     assert select_hosts(state, None, ["gpu=h200", "rack=b"]) == ["h2"]
     assert select_hosts(state, ["h1", "h3"], ["gpu=h200"]) == ["h1"]
     assert select_hosts(state, ["h4"], None) == ["h4"]
-    with pytest.raises(SourceError, match="no host matches --label gpu=b200 .*labels in use: gpu=a100, gpu=h200"):
+    with pytest.raises(SourceError, match=r"no host matches --label gpu=b200 .*labels in use: gpu=a100, gpu=h200"):
         select_hosts(state, None, ["gpu=b200"])
     with pytest.raises(SourceError, match="KEY=VALUE"):
         select_hosts(state, None, ["gpu"])
@@ -256,11 +258,11 @@ def test_select_hosts_by_name_and_label() -> None:
 
 
 class _Hook(http.server.BaseHTTPRequestHandler):
-    received: list[dict] = []
+    received: ClassVar[list[dict[str, object]]] = []
     status = 200
     delay = 0.0
 
-    def do_POST(self) -> None:  # noqa: N802 -- http.server's naming
+    def do_POST(self) -> None:  # http.server's naming
         body = self.rfile.read(int(self.headers["Content-Length"]))
         time.sleep(type(self).delay)
         type(self).received.append(json.loads(body))

@@ -87,12 +87,12 @@ class Standin:
     def __init__(self, tmp_path: Path, *args: str, **env: str) -> None:
         self.port = free_port()
         self.stderr_path = tmp_path / f"standin-{self.port}.log"
-        self._err = open(self.stderr_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(STANDIN), "--host", "127.0.0.1", "--port", str(self.port), *args],
-            env=clean_env(**env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=self._err,
-        )
+        with open(self.stderr_path, "w") as err:   # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, str(STANDIN), "--host", "127.0.0.1", "--port", str(self.port), *args],
+                env=clean_env(**env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         self.started = time.monotonic()
 
     @property
@@ -115,10 +115,7 @@ class Standin:
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=5)
-        finally:
-            self._err.close()
+        return self.proc.wait(timeout=5)
 
 
 @pytest.fixture
@@ -135,7 +132,6 @@ def standin(tmp_path):
         if s.proc.poll() is None:
             s.proc.kill()
             s.proc.wait(timeout=5)
-        s._err.close()
 
 
 # --- the file itself ---------------------------------------------------------------------

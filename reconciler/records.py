@@ -1,0 +1,303 @@
+"""PURE: the records the reconciler keeps on each host, and the one ranking of results.
+
+The host is the source of truth for what was deployed there and how it went, so another
+controller, a restarted daemon or a fresh checkout picks up exactly where the last run stopped.
+Per service, `/var/lib/reconciler/services/<name>.json` holds a `ServiceRecord`:
+
+    hash, revision                   what the files on disk hold (the last version applied)
+    last_good_hash, last_good_revision
+                                     the last version that passed health here
+    pending {hash, revision, rollback, replaces_*, at, started}
+                                     written BEFORE any file of the service is replaced: what is
+                                     being deployed and what it replaces. Cleared by the verdict.
+    quarantine {hash, revision, reason, quote, at, rollback_failed, halted_at, ...}
+                                     a version that failed here (or whose rollout halted): never
+                                     re-applied until the rendered service changes or --retry
+    adopted {files, was_enabled, was_active, fragment}
+                                     a hand-made unit taken over with `adopt = true`; its original
+                                     files are kept under /var/lib/reconciler/adopted/<name>/
+
+A record's presence is what puts a service in the host's inventory: only those are ever stopped
+or removed. Records are read leniently (older schema, unknown keys, missing keys) and written
+strictly (schema version, every field). `/var/lib/reconciler/host.json` is a `HostRecord`.
+
+`Result` is the one ranking of host and service results, shared by the CLI (exit code), the
+state store, the metrics and the report.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+SCHEMA = 2
+
+
+class Result(StrEnum):
+    """The outcome of a host (or of one service on it), from best to worst."""
+
+    IN_SYNC = "in-sync"
+    CONVERGED = "converged"
+    WOULD_CHANGE = "would-change"
+    QUARANTINED = "quarantined"      # the desired version is quarantined; the last good runs
+    ROLLED_BACK = "rolled-back"      # this run rolled back to the last good version
+    FAILED = "failed"                # unreachable, blocked, foreign, no rollback possible ...
+
+    @property
+    def rank(self) -> int:
+        """Position in the ranking: the worst result of a host's services is the host's."""
+        return _ORDER.index(self)
+
+    @property
+    def exit_code(self) -> int:
+        """0 converged / in sync, 2 a dry run found changes, 3 rolled back or on last good, 4 failed."""
+        return _EXIT[self]
+
+    def worse(self, other: Result) -> Result:
+        """The worse of two results."""
+        return other if other.rank > self.rank else self
+
+
+_ORDER = list(Result)
+_EXIT = {Result.IN_SYNC: 0, Result.CONVERGED: 0, Result.WOULD_CHANGE: 2, Result.QUARANTINED: 3,
+         Result.ROLLED_BACK: 3, Result.FAILED: 4}
+
+
+def _str(data: Mapping[str, Any], key: str) -> str | None:
+    v = data.get(key)
+    return v if isinstance(v, str) and v else None
+
+
+def _int(data: Mapping[str, Any], key: str) -> int:
+    v = data.get(key)
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0
+
+
+def _bool(data: Mapping[str, Any], key: str) -> bool:
+    return data.get(key) is True
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None and v is not False}
+
+
+@dataclass(frozen=True)
+class Quarantine:
+    """A rendered service (by content hash) that failed on this host, or whose rollout halted."""
+
+    hash: str
+    revision: str
+    reason: str                      # CamelCase: CrashLoop, StartFailed, StartTimeout, RolloutHalted ...
+    quote: str | None = None         # the journal line that explains the failure
+    at: int = 0                      # epoch seconds
+    rollback_failed: bool = False    # the last good failed too: the service is left stopped
+    halted_at: str | None = None     # a halted rollout: the host where it halted
+    canary: bool = False             # ... in the canary wave
+    wave: int | None = None          # ... in this wave
+    cause: str | None = None         # ... for this reason (the failed host's reason)
+
+    @classmethod
+    def from_json(cls, data: object) -> Quarantine | None:
+        if not isinstance(data, Mapping) or not _str(data, "hash"):
+            return None
+        wave = data.get("wave")
+        return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "", reason=_str(data, "reason") or "Failed",
+                   quote=_str(data, "quote"), at=_int(data, "at"), rollback_failed=_bool(data, "rollback_failed"),
+                   halted_at=_str(data, "halted_at"), canary=_bool(data, "canary"),
+                   wave=wave if isinstance(wave, int) and not isinstance(wave, bool) else None,
+                   cause=_str(data, "cause"))
+
+    def to_json(self) -> dict[str, Any]:
+        return _drop_none({"hash": self.hash, "revision": self.revision, "reason": self.reason, "quote": self.quote,
+                           "at": self.at, "rollback_failed": self.rollback_failed, "halted_at": self.halted_at,
+                           "canary": self.canary, "wave": self.wave, "cause": self.cause})
+
+    def merged(self, other: Quarantine | None) -> Quarantine:
+        """This quarantine, with what it lacks filled in from another one for the same hash (the
+        host's own failure wins over a fleet-wide halt; the halt adds where the rollout stopped)."""
+        if other is None or other.hash != self.hash:
+            return self
+        return replace(self, halted_at=self.halted_at or other.halted_at, canary=self.canary or other.canary,
+                       wave=self.wave if self.wave is not None else other.wave, cause=self.cause or other.cause,
+                       quote=self.quote or other.quote,
+                       rollback_failed=self.rollback_failed or other.rollback_failed)
+
+    def why(self, host: str) -> str:
+        """Why this version is quarantined, in words: the failure, or where its rollout halted."""
+        if not self.halted_at:
+            return self.reason
+        if self.halted_at == host:
+            return f"{self.reason}; its rollout halted here"
+        return f"rollout halted at {halt_where(self.halted_at, self.canary, self.wave)}: {self.cause}"
+
+
+def halt_where(host: str, canary: bool, wave: object) -> str:
+    """Where a rollout halted, in words: 'canary gpu-3' or 'gpu-7 (wave 3)'."""
+    return f"canary {host}" if canary else f"{host} (wave {wave})"
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A deploy that was started and has no verdict yet (the durable intent)."""
+
+    hash: str
+    revision: str
+    rollback: bool = False           # a substitution of the last good, not the desired version
+    replaces_hash: str | None = None
+    replaces_revision: str | None = None
+    at: int = 0                      # host clock (epoch s) when the intent was written
+    started: bool = False            # the start/restart was issued after the files were in place
+
+    @classmethod
+    def from_json(cls, data: object) -> Pending | None:
+        if not isinstance(data, Mapping) or not _str(data, "hash"):
+            return None
+        return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "", rollback=_bool(data, "rollback"),
+                   replaces_hash=_str(data, "replaces_hash"), replaces_revision=_str(data, "replaces_revision"),
+                   at=_int(data, "at"), started=_bool(data, "started"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"hash": self.hash, "revision": self.revision, "rollback": self.rollback,
+                "replaces_hash": self.replaces_hash, "replaces_revision": self.replaces_revision,
+                "at": self.at, "started": self.started}
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A unit that was on the host before the reconciler took it over (`adopt = true`)."""
+
+    files: tuple[str, ...] = ()      # original paths, copies kept under adopted/<service>/<path>
+    was_enabled: bool = False
+    was_active: bool = False
+    fragment: str | None = None      # where systemd loaded it from at adoption
+
+    @classmethod
+    def from_json(cls, data: object) -> Adopted | None:
+        if not isinstance(data, Mapping):
+            return None
+        files = data.get("files")
+        return cls(files=tuple(f for f in files if isinstance(f, str)) if isinstance(files, list) else (),
+                   was_enabled=_bool(data, "was_enabled"), was_active=_bool(data, "was_active"),
+                   fragment=_str(data, "fragment"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"files": list(self.files), "was_enabled": self.was_enabled, "was_active": self.was_active,
+                "fragment": self.fragment}
+
+
+@dataclass(frozen=True)
+class ServiceRecord:
+    """What the reconciler knows about one service it installed on a host."""
+
+    hash: str | None = None
+    revision: str | None = None
+    last_good_hash: str | None = None
+    last_good_revision: str | None = None
+    quarantine: Quarantine | None = None
+    pending: Pending | None = None
+    adopted: Adopted | None = None
+    corrupt: bool = False            # unreadable on the host: kept in the inventory, trusted for nothing
+    schema: int = SCHEMA
+
+    @classmethod
+    def from_json(cls, data: object) -> ServiceRecord:
+        """Read leniently: older schemas, unknown keys and missing keys are fine; anything that is
+        not a JSON object is a corrupt record (still in the inventory)."""
+        if not isinstance(data, Mapping):
+            return cls(corrupt=True)
+        return cls(hash=_str(data, "hash"), revision=_str(data, "revision"),
+                   last_good_hash=_str(data, "last_good_hash"), last_good_revision=_str(data, "last_good_revision"),
+                   quarantine=Quarantine.from_json(data.get("quarantine")),
+                   pending=Pending.from_json(data.get("pending")),
+                   adopted=Adopted.from_json(data.get("adopted")),
+                   corrupt=_bool(data, "corrupt"),
+                   schema=_int(data, "schema") or 1)
+
+    @classmethod
+    def parse(cls, text: str) -> ServiceRecord:
+        try:
+            return cls.from_json(json.loads(text))
+        except json.JSONDecodeError:
+            return cls(corrupt=True)
+
+    def to_json(self) -> dict[str, Any]:
+        """Written strictly: the current schema, every field, nothing else."""
+        return {"schema": SCHEMA, "hash": self.hash, "revision": self.revision,
+                "last_good_hash": self.last_good_hash, "last_good_revision": self.last_good_revision,
+                "quarantine": self.quarantine.to_json() if self.quarantine else None,
+                "pending": self.pending.to_json() if self.pending else None,
+                "adopted": self.adopted.to_json() if self.adopted else None}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True) + "\n"
+
+    @property
+    def verified(self) -> bool:
+        """The applied version passed health here (it is the last good)."""
+        return self.hash is not None and self.hash == self.last_good_hash
+
+
+@dataclass(frozen=True)
+class HostRecord:
+    """/var/lib/reconciler/host.json: the last revision applied to the host, and when."""
+
+    applied_revision: str | None = None
+    applied_at: int = 0
+    schema: int = SCHEMA
+
+    @classmethod
+    def parse(cls, text: str) -> HostRecord:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            return cls()
+        if not isinstance(data, Mapping):
+            return cls()
+        return cls(applied_revision=_str(data, "applied_revision"), applied_at=_int(data, "applied_at"),
+                   schema=_int(data, "schema") or 1)
+
+    def dumps(self) -> str:
+        return json.dumps({"schema": SCHEMA, "applied_revision": self.applied_revision,
+                           "applied_at": self.applied_at}, sort_keys=True) + "\n"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The health verdict on one watched service (what the planner needs of health.Outcome)."""
+
+    healthy: bool
+    reason: str
+    quote: str | None = None
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Judged:
+    """A verdict applied to a record: the record to write and whether to stop the unit."""
+
+    record: ServiceRecord
+    stop: bool
+    detail: dict[str, str] = field(default_factory=dict)
+
+
+def judge(rec: ServiceRecord, *, hash: str, revision: str, rollback: bool, verdict: Verdict, now: int,
+          fleet: Quarantine | None = None) -> Judged:
+    """PURE: the record after a verdict on a watched version (written at once, by itself).
+
+    healthy deploy      -> last good = it; any quarantine of it lifted; pending cleared
+    healthy rollback    -> last good = it; the quarantine of the desired version stays
+    failed deploy       -> quarantine it (reason, journal line); stop the unit; pending cleared
+    failed rollback     -> the quarantine is marked rollback_failed; stop the unit (no flapping)
+    """
+    base = replace(rec, pending=None, hash=hash, revision=revision)
+    if verdict.healthy:
+        q = rec.quarantine if rollback else None
+        return Judged(replace(base, last_good_hash=hash, last_good_revision=revision, quarantine=q), stop=False)
+    if rollback:
+        q = rec.quarantine or Quarantine(hash=hash, revision=revision, reason=verdict.reason, quote=verdict.quote, at=now)
+        return Judged(replace(base, quarantine=replace(q, rollback_failed=True)), stop=True)
+    q = Quarantine(hash=hash, revision=revision, reason=verdict.reason, quote=verdict.quote, at=now).merged(fleet)
+    return Judged(replace(base, quarantine=q), stop=True)
