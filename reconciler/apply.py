@@ -29,6 +29,7 @@ import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from . import faults
 from .errors import CommandError
 from .facts import HOST_RECORD, STATE_DIR, adopted_copy, record_path
 from .plan import ORDER, Action, HostPlan, Kind, Reason
@@ -230,6 +231,11 @@ async def apply_plan(t: Transport, plan: HostPlan, *, now: int, gpu_wait: GpuWai
     Raises CommandError when a file or record step fails (the script stops there).
     """
     out = Applied()
+    if faults.armed("mid-apply"):
+        first_write = next((i for i, a in enumerate(plan.actions) if a.kind is Kind.WRITE), None)
+        if first_write is not None:
+            await _run(t, plan, plan.actions[:first_write + 1], now, timeout, out)
+            faults.hit("mid-apply")
     waits = [a for a in plan.actions if a.kind is Kind.WAIT_GPUS and a.service]
     if not waits or gpu_wait is None:
         await _run(t, plan, plan.actions, now, timeout, out)

@@ -82,11 +82,13 @@ _EXPLAIN = [
     re.compile(r"[Aa]ddress already in use"),
     re.compile(r"^\w*(Error|Exception)\b.*:"),
     re.compile(r"\b(error|fatal|FATAL|ERROR)\b"),
-    re.compile(r"Failed to (locate|execute|start)|No such file or directory|Permission denied"),
+    re.compile(r"Failed to (locate|execute)|No such file or directory|Permission denied"),
+    re.compile(r"\b(not found|missing|cannot|can't|unable to|timed out|refused)\b", re.I),
 ]
 _SYSTEMD_NOISE = re.compile(
     r"^(Started|Stopped|Stopping|Starting|Scheduled restart job|Consumed|Deactivated successfully)|"
-    r"Main process exited|Failed with result|Start request repeated too quickly|\.service: Scheduled")
+    r"Main process exited|Failed with result|Start request repeated too quickly|\.service: Scheduled|"
+    r"^Failed to start |Control process exited")
 
 
 def explain(lines: list[tuple[str, bool]]) -> str | None:

@@ -20,13 +20,12 @@ One host failing never stops the others: every host ends with a HostResult.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from . import faults
 from .apply import Applied, apply_plan, write_record
 from .errors import CommandError, HostError, ReconcilerError
 from .facts import HostFacts, observe_command, parse_observation
@@ -127,13 +126,6 @@ async def observe(t: Transport, host: HostSpec) -> HostFacts:
     cmd, token = observe_command(list(host.services))
     res = await t.run(cmd, check=True, timeout=30, what="observe")
     return parse_observation(res.stdout, token, host.name)
-
-
-def fault(point: str) -> None:
-    """Fault injection for tests: RECONCILER_FAULT=point[,point...] kills this process (SIGKILL,
-    nothing cleaned up) at that point of a deploy, as a crash or power loss of the controller would."""
-    if point in os.environ.get("RECONCILER_FAULT", "").split(","):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---- results ------------------------------------------------------------------------------------
@@ -258,9 +250,9 @@ class _HostRun:
         gpu = self.preflight.gpu if self.preflight is not None else None
         waiter = gpu_waiter(self.t, plan, facts, gpu, self.result.notes) if gpu is not None and gpu.has_nvidia_smi \
             else None
-        fault("before-apply")
+        faults.hit("before-apply")
         applied = await apply_plan(self.t, plan, now=int(time.time()), gpu_wait=waiter)
-        fault("after-apply")
+        faults.hit("after-apply")
         for name, why in sorted(applied.skipped.items()):
             sp = plan.services[name]
             self.result.events.append(ServiceEvent(name, Event.BLOCKED, plan.revision,
@@ -283,7 +275,7 @@ class _HostRun:
         if w.reverify:
             self.result.notes.append(f"{name}: {w.revision[:7]} has no verdict yet (a run was cut short): "
                                      f"watching it again")
-        fault("in-rollback-watch" if w.rollback else "in-watch")
+        faults.hit("in-rollback-watch" if w.rollback else "in-watch")
         out = await watch_service(self.t, name, sp.target.spec.health, baseline_restarts=w.baseline_restarts,
                                   since_epoch=since, on_phase=self._progress(),
                                   baseline_invocation=w.baseline_invocation,
@@ -298,7 +290,7 @@ class _HostRun:
                        verdict=Verdict(out.healthy, out.reason, out.quote, out.message), now=int(time.time()),
                        fleet=self.fleet_q.get(name))
         await write_record(self.t, name, judged.record, stop=judged.stop)
-        fault("after-verdict")
+        faults.hit("after-verdict")
         return out.healthy
 
     def _record(self, name: str) -> ServiceRecord:

@@ -265,7 +265,8 @@ for f in /etc/systemd/system/*.service; do
   systemctl kill "$u" >/dev/null 2>&1
   rm -f "$f"; rm -rf "$f.d"
 done
-rm -rf /var/lib/reconciler /etc/systemd/system/*.service.d /etc/systemd/system/.reconciler-* /tmp/model-*
+rm -rf /var/lib/reconciler /etc/systemd/system/*.service.d /etc/systemd/system/.reconciler-* /tmp/model-* \
+  /run/systemd/system/*.service.d /etc/systemd/system.control /run/systemd/system.control
 systemctl daemon-reload
 systemctl reset-failed
 true

@@ -1,0 +1,32 @@
+"""Fault injection, for the tests that kill the controller in the middle of a deploy.
+
+`RECONCILER_FAULT=point[,point...]` makes the process SIGKILL itself (nothing cleaned up, as a
+crash or a power loss would) when it reaches one of these points of a host's run:
+
+    mid-apply          the apply script cut short after the intent and the first file written
+    before-apply       the plan is known, nothing applied
+    after-apply        applied and started, no health watch yet
+    in-watch           the deploy's health watch has begun
+    after-verdict      a verdict was recorded on the host, nothing done after it
+    in-rollback-watch  the rollback's health watch has begun
+
+Unset in normal use: `hit()` is then one environment lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = ("mid-apply", "before-apply", "after-apply", "in-watch", "after-verdict", "in-rollback-watch")
+
+
+def armed(point: str) -> bool:
+    """True when the environment asks for a fault at `point`."""
+    return point in os.environ.get("RECONCILER_FAULT", "").split(",")
+
+
+def hit(point: str) -> None:
+    """Kill this process at `point` when the environment asks for it."""
+    if armed(point):
+        os.kill(os.getpid(), signal.SIGKILL)
