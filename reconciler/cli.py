@@ -11,16 +11,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 
 from . import load, source
 from .errors import ConfigError, SourceError
+from .fleet import reconcile_fleet, select_hosts
 from .load import render_at
 from .preflight import check_desired, load_rules
-from .fleet import FleetResult, reconcile_fleet, select_hosts
 from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_history, print_result, print_status
 from .status import Store, remember
@@ -48,7 +47,7 @@ def _console(stderr: bool = False) -> Console:
     return c
 
 
-def _load(repo: str, rev: str | None, path: str, cache_dir: Optional[Path]):
+def _load(repo: str, rev: str | None, path: str, cache_dir: Path | None):
     r = source.open_repo(repo, cache_dir)
     snap = source.snapshot(r, rev, path)
     return snap, load.load_desired(snap)
@@ -71,19 +70,20 @@ def _fail_input(err: Exception, as_json: bool, where: str) -> None:
 def main_cmd(
     ctx: typer.Context,
     repo: str = RepoOpt,
-    rev: Optional[str] = RevOpt,
+    rev: str | None = RevOpt,
     path: str = PathOpt,
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show diffs and actions; change nothing."),
     as_json: bool = JsonOpt,
-    identity: Optional[str] = typer.Option(None, "--identity", "-i", envvar="RECONCILER_IDENTITY",
+    identity: str | None = typer.Option(None, "--identity", "-i", envvar="RECONCILER_IDENTITY",
                                            help="SSH private key (default: ~/.ssh defaults)."),
-    concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Hosts at once (default: fleet.toml, 20)."),
-    host: Optional[list[str]] = typer.Option(None, "--host", "-H", help="Only these hosts (repeatable)."),
-    label: Optional[list[str]] = typer.Option(None, "--label", "-l", metavar="KEY=VALUE",
+    concurrency: int | None = typer.Option(None, "--concurrency", min=1,
+                                           help="Hosts at once (default: fleet.toml, 20)."),
+    host: list[str] | None = typer.Option(None, "--host", "-H", help="Only these hosts (repeatable)."),
+    label: list[str] | None = typer.Option(None, "--label", "-l", metavar="KEY=VALUE",
                                               help="Only hosts with this label (repeatable: all must match)."),
     retry: bool = typer.Option(False, "--retry", help="Re-apply quarantined (failed) service versions once more."),
-    cache_dir: Optional[Path] = CacheOpt,
-    state_dir: Optional[Path] = StateOpt,
+    cache_dir: Path | None = CacheOpt,
+    state_dir: Path | None = StateOpt,
 ) -> None:
     """Converge every host to the desired state at a revision (or preview it with --dry-run)."""
     if ctx.invoked_subcommand is not None:
@@ -118,8 +118,8 @@ def main_cmd(
 
 
 @app.command()
-def validate(repo: str = RepoOpt, rev: Optional[str] = RevOpt, path: str = PathOpt,
-             as_json: bool = JsonOpt, cache_dir: Optional[Path] = CacheOpt) -> None:
+def validate(repo: str = RepoOpt, rev: str | None = RevOpt, path: str = PathOpt,
+             as_json: bool = JsonOpt, cache_dir: Path | None = CacheOpt) -> None:
     """Check the desired state at a revision without contacting any host (exit 0 or 1)."""
     try:
         snap, state = _load(repo, rev, path, cache_dir)
@@ -139,7 +139,7 @@ def validate(repo: str = RepoOpt, rev: Optional[str] = RevOpt, path: str = PathO
 
 
 @app.command()
-def status(as_json: bool = JsonOpt, state_dir: Optional[Path] = StateOpt) -> None:
+def status(as_json: bool = JsonOpt, state_dir: Path | None = StateOpt) -> None:
     """The fleet at a glance: host, service, desired and running revision, health, last event."""
     store = Store(state_dir)
     rows = store.status()
@@ -151,7 +151,7 @@ def status(as_json: bool = JsonOpt, state_dir: Optional[Path] = StateOpt) -> Non
 
 @app.command()
 def history(host: str = typer.Argument(..., help="Host name."), as_json: bool = JsonOpt,
-            state_dir: Optional[Path] = StateOpt,
+            state_dir: Path | None = StateOpt,
             limit: int = typer.Option(50, "--limit", min=1)) -> None:
     """Every attempt on one host, newest first: revision, result, reason, journal line, duration."""
     rows = Store(state_dir).history(host, limit)
@@ -163,14 +163,14 @@ def history(host: str = typer.Argument(..., help="Host name."), as_json: bool = 
 
 @app.command()
 def watch(
-    config: Optional[Path] = typer.Option(None, "--config", help="Controller config (default /etc/reconciler/config.toml "
+    config: Path | None = typer.Option(None, "--config", help="Controller config (default /etc/reconciler/config.toml "
                                           "or $RECONCILER_CONFIG); RECONCILER_<KEY> env vars override it."),
-    repo: Optional[str] = typer.Option(None, "--repo", help="Override config: the desired-state repo."),
-    branch: Optional[str] = typer.Option(None, "--branch", help="Override config: the deploy branch."),
-    interval: Optional[float] = typer.Option(None, "--interval", help="Seconds between periodic runs."),
-    identity: Optional[str] = typer.Option(None, "--identity", "-i"),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir"),
-    metrics: Optional[str] = typer.Option(None, "--metrics", help="host:port of the Prometheus endpoint, '' = off."),
+    repo: str | None = typer.Option(None, "--repo", help="Override config: the desired-state repo."),
+    branch: str | None = typer.Option(None, "--branch", help="Override config: the deploy branch."),
+    interval: float | None = typer.Option(None, "--interval", help="Seconds between periodic runs."),
+    identity: str | None = typer.Option(None, "--identity", "-i"),
+    state_dir: Path | None = typer.Option(None, "--state-dir"),
+    metrics: str | None = typer.Option(None, "--metrics", help="host:port of the Prometheus endpoint, '' = off."),
 ) -> None:
     """Run as a daemon: reconcile on every push (within a second), every interval, and on trigger."""
     from .config import load_config
@@ -191,7 +191,7 @@ def watch(
 def init_repo_cmd(
     path: Path = typer.Argument(..., help="Where to create the bare deploy repo."),
     branch: str = typer.Option("main", "--branch"),
-    state_dir: Optional[Path] = typer.Option(None, "--state-dir", envvar="RECONCILER_STATE_DIR",
+    state_dir: Path | None = typer.Option(None, "--state-dir", envvar="RECONCILER_STATE_DIR",
                                              help="The daemon's state dir, for streaming results to the pusher."),
     stream: bool = typer.Option(False, "--stream", help="Always stream the deploy's outcome to the pusher."),
 ) -> None:

@@ -118,7 +118,10 @@ class HostFacts:
 _SCRIPT = r"""
 T=%(token)s
 D=%(state)s
-b64() { if [ -f "$3" ]; then printf '%%s %%s %%s ' "$T" "$1" "$2"; base64 -w0 < "$3"; echo; else printf '%%s %%s %%s -\n' "$T" "$1" "$2"; fi; }
+b64() {
+  if [ -f "$3" ]; then printf '%%s %%s %%s ' "$T" "$1" "$2"; base64 -w0 < "$3"; echo
+  else printf '%%s %%s %%s -\n' "$T" "$1" "$2"; fi
+}
 names=" $* "
 for f in "$D"/services/*.json; do
   [ -e "$f" ] || continue

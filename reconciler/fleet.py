@@ -17,6 +17,7 @@ One host failing never stops the others: every host ends with a HostResult.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,8 +26,8 @@ from .errors import HostError, ReconcilerError, SourceError
 from .notify import Notifier
 from .plan import starting
 from .preflight import RuleSet
-from .records import Quarantine, Result, halt_where
 from .reconcile import Connector, Event, HostPhase, HostResult, RenderAt, merge_plans, reconcile_host
+from .records import Quarantine, Result, halt_where
 from .rollout import Halt, RolloutResult, Wave, group_members, natural_key, plan_rollouts, quarantine_cover
 from .schema import LABEL
 from .spec import DesiredState, HostSpec
@@ -122,10 +123,8 @@ class _FleetRun:
 
     @staticmethod
     async def _close(t: Transport) -> None:
-        try:
+        with contextlib.suppress(Exception):   # a connection that already broke has nothing left to close
             await t.close()
-        except Exception:  # a connection that already broke has nothing left to close
-            pass
 
     # -- survey --
 
@@ -169,8 +168,8 @@ class _FleetRun:
                     desired[h] = want
             if not halts or not desired:
                 continue
-            for h, q in quarantine_cover(key, desired, halts, self.state.revision, self._hash_at).items():
-                fq = Quarantine.from_json(q)
+            for h, cover in quarantine_cover(key, desired, halts, self.state.revision, self._hash_at).items():
+                fq = Quarantine.from_json(cover)
                 if fq is not None:
                     self.fleet_q.setdefault(h, {})[svc] = fq
         for name, qs in self.fleet_q.items():

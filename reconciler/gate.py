@@ -34,8 +34,7 @@ from .errors import CommandError
 from .facts import ENV_DROPIN, HostFacts
 from .gpu import GpuFacts, gpu_command, kill_strays, parse_gpu, stray_holders, wait_released
 from .plan import Block, Checks, HostPlan, foreign_dropins, own_files, render_env, starting, writing_units
-from .preflight import (ModelFacts, RuleSet, check_host, gpu_claim, model_check_command, parse_command,
-                        parse_model_check)
+from .preflight import ModelFacts, RuleSet, check_host, gpu_claim, model_check_command, parse_command, parse_model_check
 from .spec import HostSpec, ModelSpec, ServiceSpec
 from .transport import Transport
 
@@ -76,7 +75,10 @@ dir=$(mktemp -d /tmp/reconciler-verify.XXXXXX) || exit 1
 trap 'rm -rf "$dir"' EXIT
 while read -r svc tmpname unit env; do
   printf '%%s' "$unit" | base64 -d > "$dir/$tmpname.service"
-  if [ "$env" != "-" ]; then mkdir -p "$dir/$tmpname.service.d"; printf '%%s' "$env" | base64 -d > "$dir/$tmpname.service.d/%(dropin)s"; fi
+  if [ "$env" != "-" ]; then
+    mkdir -p "$dir/$tmpname.service.d"
+    printf '%%s' "$env" | base64 -d > "$dir/$tmpname.service.d/%(dropin)s"
+  fi
   out=$(systemd-analyze verify --man=no "$dir/$tmpname.service" 2>&1); rc=$?
   printf '%%s V %%s %%s %%s\n' "$T" "$svc" "$rc" "$(printf '%%s' "$out" | base64 -w0)"
 done
@@ -103,7 +105,8 @@ def verify_command(units: Mapping[str, tuple[str, str | None]], token: str | Non
 _LINE_REF = re.compile(r"^(?P<file>/\S+?):(?P<line>\d+): (?P<msg>.*)$")
 
 
-def parse_verify(stdout: str, token: str, units: Mapping[str, tuple[str, str | None]]) -> tuple[dict[str, list[str]], bool]:
+def parse_verify(stdout: str, token: str,
+                 units: Mapping[str, tuple[str, str | None]]) -> tuple[dict[str, list[str]], bool]:
     """Pure: service -> what systemd objects to in its unit (each with the offending line quoted);
     and whether systemd-analyze was there at all."""
     out: dict[str, list[str]] = {}
@@ -207,7 +210,7 @@ def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Map
         facts = out.models.get(m.path) if m else None
         if m is None or facts is None:
             continue
-        if m.path in fetched and fetched[m.path]:
+        if fetched.get(m.path):
             out.block(name, "ModelFetchFailed", f"{name}: {fetched[m.path]}")
             continue
         if facts.complete:

@@ -13,10 +13,9 @@ import json
 import re
 import shlex
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from .errors import HostError
 from .facts import parse_show
 from .spec import HealthSpec
 from .transport import Transport
@@ -225,5 +224,6 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
             return Outcome(name, True, "Healthy", f"healthy after {now - t0:.1f}s", seconds=now - t0)
         if first_ok is None and now - t0 >= health.startup_timeout:
             what = f"{health.http} never answered {health.expect_status}" if health.http else "never ran"
-            return await fail("StartTimeout", f"not healthy within startup_timeout={health.startup_timeout:.0f}s: {what}")
+            return await fail("StartTimeout",
+                              f"not healthy within startup_timeout={health.startup_timeout:.0f}s: {what}")
         await asyncio.sleep(systemd_poll)

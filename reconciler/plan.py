@@ -526,8 +526,8 @@ class _Builder:
         for path, content in s.dropins:
             self.add(Kind.REMOVE, Reason.FOREIGN_DROPIN, name, path=path,
                      diff=unified_diff(path, content, None, self.host.name, target.revision[:7]),
-                     detail=f"drop-in not written by the reconciler (a copy is kept under "
-                            f"/var/lib/reconciler/removed/); list it in allow_dropins to keep it")
+                     detail="drop-in not written by the reconciler (a copy is kept under "
+                            "/var/lib/reconciler/removed/); list it in allow_dropins to keep it")
         self.reload |= s.files_differ or (f is not None and f.props.get("NeedDaemonReload") == "yes")
 
         running = s.running

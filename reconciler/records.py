@@ -104,7 +104,8 @@ class Quarantine:
         if not isinstance(data, Mapping) or not _str(data, "hash"):
             return None
         wave = data.get("wave")
-        return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "", reason=_str(data, "reason") or "Failed",
+        return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "",
+                   reason=_str(data, "reason") or "Failed",
                    quote=_str(data, "quote"), at=_int(data, "at"), rollback_failed=_bool(data, "rollback_failed"),
                    halted_at=_str(data, "halted_at"), canary=_bool(data, "canary"),
                    wave=wave if isinstance(wave, int) and not isinstance(wave, bool) else None,
@@ -297,7 +298,8 @@ def judge(rec: ServiceRecord, *, hash: str, revision: str, rollback: bool, verdi
         q = rec.quarantine if rollback else None
         return Judged(replace(base, last_good_hash=hash, last_good_revision=revision, quarantine=q), stop=False)
     if rollback:
-        q = rec.quarantine or Quarantine(hash=hash, revision=revision, reason=verdict.reason, quote=verdict.quote, at=now)
+        q = rec.quarantine or Quarantine(hash=hash, revision=revision, reason=verdict.reason, quote=verdict.quote,
+                                         at=now)
         return Judged(replace(base, quarantine=replace(q, rollback_failed=True)), stop=True)
     q = Quarantine(hash=hash, revision=revision, reason=verdict.reason, quote=verdict.quote, at=now).merged(fleet)
     return Judged(replace(base, quarantine=q), stop=True)

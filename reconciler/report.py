@@ -5,9 +5,14 @@ Printing only; all content comes from the plan and the results. Plain text when 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 from .errors import ConfigError
 from .fleet import FleetResult
@@ -29,7 +34,8 @@ def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
     if r.plan is None or not r.plan.visible:
         return
     verb = ("would change" if dry_run else "changes") if r.plan.changes else "holds"
-    console.print(f"[bold]── {escape(r.host)} ({escape(r.address)}) {verb} at {r.plan.revision[:7]}[/]", highlight=False)
+    console.print(f"[bold]── {escape(r.host)} ({escape(r.address)}) {verb} at {r.plan.revision[:7]}[/]",
+                  highlight=False)
     for a in r.plan.actions:
         if a.diff:
             print_diff(console, a.diff)
@@ -67,12 +73,14 @@ def print_result(console: Console, res: FleetResult) -> None:
     for r in res.hosts:
         counts[r.status] = counts.get(r.status, 0) + 1
     parts = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-    console.print(f"{len(res.hosts)} host{'s' * (len(res.hosts) != 1)}: {parts}; exit {res.exit_code()}", highlight=False)
+    console.print(f"{len(res.hosts)} host{'s' * (len(res.hosts) != 1)}: {parts}; exit {res.exit_code()}",
+                  highlight=False)
 
 
 def print_config_error(console: Console, err: ConfigError, where: str) -> None:
     console.print(f"[bold red]error:[/] invalid desired state at {escape(where)} "
-                  f"({len(err.problems)} problem{'s' * (len(err.problems) != 1)}); nothing was applied", highlight=False)
+                  f"({len(err.problems)} problem{'s' * (len(err.problems) != 1)}); nothing was applied",
+                  highlight=False)
     for p in err.problems:
         console.print(f"  {escape(str(p))}", highlight=False, soft_wrap=True)
 
@@ -88,13 +96,13 @@ class PhaseView:
         self.live = console.is_terminal
         self.last: dict[tuple[str, str], str] = {}
         self.progress = None
-        self.tasks: dict[tuple[str, str], int] = {}
+        self.tasks: dict[tuple[str, str], TaskID] = {}
         if self.live:
             from rich.progress import BarColumn, Progress, TextColumn
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
                                      TextColumn("{task.fields[clock]}"), console=console, transient=True)
 
-    def __enter__(self) -> "PhaseView":
+    def __enter__(self) -> PhaseView:
         if self.progress:
             self.progress.start()
         return self
@@ -192,5 +200,5 @@ def print_rollouts(console: Console, res: FleetResult) -> None:
             console.print(f"  skipped (could not be observed): {escape(', '.join(ro.skipped))}", highlight=False)
     if res.rollouts:
         console.print()
-    for w in res.warnings:
-        console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
+    for warning in res.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)

@@ -129,7 +129,7 @@ class Store:
 _HEALTH_OF_EVENT = {"held": "stopped", "blocked": "blocked", "foreign": "foreign"}
 
 
-def service_health(r: "HostResult", service: str) -> str | None:
+def service_health(r: HostResult, service: str) -> str | None:
     """What a run says about one service's health; None: not checked, keep what the store knew."""
     if r.status == Result.FAILED and not r.plan:
         return "unknown"
@@ -142,7 +142,7 @@ def service_health(r: "HostResult", service: str) -> str | None:
     return _HEALTH_OF_EVENT.get(str(last.action))
 
 
-def remember(store: Store, result: "FleetResult") -> None:
+def remember(store: Store, result: FleetResult) -> None:
     """Write every attempt and the latest per-service status to the state store."""
     for r in result.hosts:
         for e in r.events:

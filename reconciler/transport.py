@@ -12,6 +12,7 @@ for a machine without sshd, such as the GPU check host).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +87,7 @@ class SSHTransport:
 
     @classmethod
     async def connect(cls, host: str, spec: SSHSpec, *, identity: str | None = None,
-                      connect_timeout: float = 10.0) -> "SSHTransport":
+                      connect_timeout: float = 10.0) -> SSHTransport:
         """Connect and verify the host key strictly; map failures to ConnectError/HostKeyError."""
         keys = identity_files(identity)
         kwargs: dict = dict(
@@ -101,13 +102,13 @@ class SSHTransport:
         try:
             conn = await asyncssh.connect(spec.address, **kwargs)
         except asyncssh.HostKeyNotVerifiable as e:
-            src = f"pinned ssh.host_key" if spec.host_key else (spec.known_hosts_file or "no known_hosts file")
+            src = "pinned ssh.host_key" if spec.host_key else (spec.known_hosts_file or "no known_hosts file")
             raise HostKeyError(host, f"host key of {spec.address}:{spec.port} is unknown or has changed "
                                      f"(checked against {src}): {e.reason}. If the host was reinstalled, "
                                      f"enroll its new key (see desired-state/README.md).") from None
         except asyncssh.PermissionDenied as e:
             raise ConnectError(host, f"{where}: authentication failed ({e.reason})") from None
-        except (OSError, asyncio.TimeoutError, asyncssh.Error) as e:
+        except (TimeoutError, OSError, asyncssh.Error) as e:
             msg = getattr(e, "reason", None) or str(e) or type(e).__name__
             raise ConnectError(host, f"{where}: cannot connect: {msg}") from None
         return cls(host, conn)
@@ -117,7 +118,7 @@ class SSHTransport:
         try:
             r = await self._conn.run(cmd, input=input, check=False, timeout=timeout)
         except asyncssh.TimeoutError as e:
-            raise CommandError(self.host, what, None, f"timed out after {timeout}s: {e.stderr or ''}") from None
+            raise CommandError(self.host, what, None, f"timed out after {timeout}s: {_text(e.stderr)}") from None
         except (OSError, asyncssh.Error) as e:
             raise ConnectError(self.host, f"connection lost during {what}: {e}") from None
         res = Completed(r.exit_status, _text(r.stdout), _text(r.stderr))
@@ -129,10 +130,8 @@ class SSHTransport:
 
     async def close(self) -> None:
         self._conn.close()
-        try:
+        with contextlib.suppress(TimeoutError, OSError):
             await asyncio.wait_for(self._conn.wait_closed(), 5)
-        except (asyncio.TimeoutError, OSError):
-            pass
 
 
 def _text(data: str | bytes | None) -> str:
@@ -154,7 +153,7 @@ class LocalTransport:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         try:
             out, err = await asyncio.wait_for(proc.communicate(input.encode() if input is not None else None), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
             raise CommandError(self.host, what, None, f"timed out after {timeout}s") from None

@@ -34,7 +34,7 @@ class Fleet:
         self.known_hosts = known_hosts
 
     def ssh(self, host: fleetlib.Host, cmd: str, check: bool = True) -> str:
-        res = subprocess.run(fleetlib.ssh_base(host.address, self.known_hosts) + [cmd],
+        res = subprocess.run([*fleetlib.ssh_base(host.address, self.known_hosts), cmd],
                              capture_output=True, text=True, timeout=30)
         if check and res.returncode != 0:
             raise AssertionError(f"{host.name}: {cmd!r} failed ({res.returncode}): {res.stderr}")

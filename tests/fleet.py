@@ -21,6 +21,7 @@ Nothing here ever addresses anything outside 127.0.0.0/8.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import hashlib
 import json
@@ -148,7 +149,6 @@ def boot(name: str, address: str) -> Host:
     stop(name)
     conf = RUN_DIR / f"{name}.sshd.conf"
     conf.write_text(f"ListenAddress {address}:22\nPermitRootLogin prohibit-password\nUseDNS no\n")
-    log = open(RUN_DIR / f"{name}.log", "wb")
     cmd = [
         "systemd-nspawn", "-q", "-b", "-D", str(root), "--volatile=overlay", "-M", name,
         "--register=no", "--keep-unit",
@@ -156,8 +156,9 @@ def boot(name: str, address: str) -> Host:
         f"--bind-ro={STANDIN}:/usr/local/bin/sglang-standin",
         f"--bind-ro={MODELS}:/models",
     ]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    with open(RUN_DIR / f"{name}.log", "wb") as log:   # the container keeps its own copy of the fd
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     _pidfile(name).write_text(str(proc.pid))
     return Host(name=name, address=address, pid=proc.pid)
 
@@ -180,7 +181,7 @@ def wait_ready(hosts: list[Host], timeout: float = 60.0) -> None:
     pending = list(hosts)
     while pending:
         still = []
-        procs = [(h, subprocess.Popen(ssh_base(h.address, kh) + ["systemctl is-system-running --wait"],
+        procs = [(h, subprocess.Popen([*ssh_base(h.address, kh), "systemctl is-system-running --wait"],
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
                  for h in pending]
         for h, p in procs:
@@ -236,10 +237,8 @@ def stop(name: str) -> None:
         os.kill(pid, signal.SIGTERM)
         for _ in range(100):
             os.kill(pid, 0)
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
             time.sleep(0.1)
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -55,7 +55,8 @@ def test_env_change_restarts_exactly_that_service_on_those_hosts(fleet, repo):
     # change one env value of model-b on the second host only
     text = (repo.path / f"hosts/{hosts[1].name}.toml").read_text()
     head, tail = text.split("[services.model-b]")
-    repo.write(f"hosts/{hosts[1].name}.toml", head + "[services.model-b]" + tail.replace('LOG_LEVEL = "info"', 'LOG_LEVEL = "debug"'))
+    tail = tail.replace('LOG_LEVEL = "info"', 'LOG_LEVEL = "debug"')
+    repo.write(f"hosts/{hosts[1].name}.toml", head + "[services.model-b]" + tail)
     repo.commit("debug logging for model-b on one host")
 
     dry = run_cli("--repo", str(repo.path), "--dry-run", check_codes=(2,))

@@ -118,7 +118,8 @@ def test_a_failing_first_start_is_left_stopped_and_held(fleet, repo):
 
 # ---- foreign units -----------------------------------------------------------------------------
 
-HANDMADE = "[Unit]\nDescription=made by hand\n\n[Service]\nExecStart=/bin/sleep infinity\n\n[Install]\nWantedBy=multi-user.target\n"
+HANDMADE = ("[Unit]\nDescription=made by hand\n\n[Service]\nExecStart=/bin/sleep infinity\n\n"
+            "[Install]\nWantedBy=multi-user.target\n")
 
 
 @pytest.mark.timeout(90)
@@ -178,7 +179,8 @@ def test_a_hand_made_drop_in_is_drift_and_is_removed(fleet, repo):
                 f"--host {h.address} --port 30000 --log-level debug\n")
     fleet.ssh(h, "mkdir -p /etc/systemd/system/m.service.d /run/systemd/system/m.service.d && "
                  f"printf '%s' '{override}' > /etc/systemd/system/m.service.d/override.conf && "
-                 "printf '[Service]\\nEnvironment=STANDIN_LOAD_SECONDS=3\\n' > /run/systemd/system/m.service.d/50-x.conf"
+                 "printf '[Service]\\nEnvironment=STANDIN_LOAD_SECONDS=3\\n' > "
+                 "/run/systemd/system/m.service.d/50-x.conf"
                  " && systemctl daemon-reload && systemctl restart m")
     assert "--log-level debug" in fleet.show(h, "m", "ExecStart")["ExecStart"]
 
@@ -202,7 +204,8 @@ def test_a_hand_made_drop_in_is_drift_and_is_removed(fleet, repo):
     fleet.ssh(h, "printf '[Service]\\nNice=5\\n' > /etc/systemd/system/m.service.d/10-nice.conf "
                  "&& systemctl daemon-reload")
     text = (repo.path / f"hosts/{h.name}.toml").read_text()
-    repo.write(f"hosts/{h.name}.toml", text.replace("[services.m]\n", '[services.m]\nallow_dropins = ["10-nice.conf"]\n'))
+    repo.write(f"hosts/{h.name}.toml",
+               text.replace("[services.m]\n", '[services.m]\nallow_dropins = ["10-nice.conf"]\n'))
     repo.commit("allow the nice drop-in")
     code, out = run_json("--repo", str(repo.path), check_codes=(0,))
     assert host_out(out, h.name)["states"]["m"] == "InSync"
@@ -332,7 +335,8 @@ def test_a_controller_killed_mid_deploy_ends_where_an_uninterrupted_run_ends(fle
     inv = fleet.show(h, "sglang", "InvocationID")["InvocationID"]
     run_cli("--repo", str(repo.path), check_codes=(3,))
     assert fleet.show(h, "sglang", "InvocationID")["InvocationID"] == inv
-    assert not fleet.ssh(h, "ls -a /etc/systemd/system /var/lib/reconciler/services | grep reconciler-tmp || true").strip()
+    leftovers = fleet.ssh(h, "ls -a /etc/systemd/system /var/lib/reconciler/services | grep reconciler-tmp || true")
+    assert not leftovers.strip()
 
 
 @pytest.mark.timeout(90)

@@ -27,7 +27,8 @@ def svc(**kw) -> dict:
 
 def http_status(fleet, h, port=30000) -> str:
     return fleet.ssh(h, "python3 -c \"import urllib.request as u;"
-                        f"print(u.urlopen('http://{h.address}:{port}/health', timeout=3).status)\"", check=False).strip()
+                        f"print(u.urlopen('http://{h.address}:{port}/health', timeout=3).status)\"",
+                     check=False).strip()
 
 
 def events(out: dict, host: str) -> list[dict]:
@@ -138,9 +139,10 @@ def test_two_hosts_one_bad(fleet, repo):
     write_fleet(repo, [good, bad], {"m": svc(env={"STANDIN_LOAD_SECONDS": "1", "LOG_LEVEL": "debug"})})
     text = (repo.path / f"hosts/{bad.name}.toml").read_text().replace('args = ""', f'args = "{SPEC_FLAGS}"')
     repo.write(f"hosts/{bad.name}.toml", text)
-    c2 = repo.commit("debug logging; speculative decoding on one host")
+    repo.commit("debug logging; speculative decoding on one host")
     res = run_cli("--repo", str(repo.path), check_codes=(3,))
-    lines = {ln.split()[0]: ln for ln in res.stdout.splitlines() if ln.split() and ln.split()[0] in (good.name, bad.name)}
+    lines = {ln.split()[0]: ln for ln in res.stdout.splitlines()
+             if ln.split() and ln.split()[0] in (good.name, bad.name)}
     assert "rolled back to " + c1[:7] in res.stdout and INCIDENT_LINE in res.stdout
     code, out = run_json("--repo", str(repo.path), check_codes=(3,))
     st = {r["host"]: r["status"] for r in out["hosts"]}

@@ -69,11 +69,11 @@ class Deploy:
         return git(self.clone, "push", *args, "origin", "HEAD:main", env=self.env, check=check)
 
     def start(self) -> None:
-        self.log = open(self.tmp / "daemon.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "reconciler", "watch", "--repo", str(self.bare), "--interval", "300",
-             "--metrics", f"127.0.0.1:{self.metrics_port}"],
-            env={**self.env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        with open(self.tmp / "daemon.log", "ab") as log:   # the daemon keeps its own copy of the fd
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "reconciler", "watch", "--repo", str(self.bare), "--interval", "300",
+                 "--metrics", f"127.0.0.1:{self.metrics_port}"],
+                env={**self.env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             try:

@@ -20,8 +20,16 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests import fleet as fleetlib
-from tests.conftest import (SPEC_FLAGS, STANDIN_UNIT, WITHOUT_INCIDENT_RULE, DesiredRepo, Fleet, fleet_known_hosts,
-                            run_cli, run_json)
+from tests.conftest import (
+    SPEC_FLAGS,
+    STANDIN_UNIT,
+    WITHOUT_INCIDENT_RULE,
+    DesiredRepo,
+    Fleet,
+    fleet_known_hosts,
+    run_cli,
+    run_json,
+)
 
 pytestmark = pytest.mark.fleet
 
@@ -63,7 +71,7 @@ def write_shared(repo: DesiredRepo, hosts: list[fleetlib.Host], *, args: str = "
 def invocations(fleet: Fleet, hosts: list[fleetlib.Host]) -> dict[str, str]:
     with ThreadPoolExecutor(len(hosts)) as pool:
         ids = pool.map(lambda h: fleet.show(h, SERVICE, "InvocationID")["InvocationID"], hosts)
-    return dict(zip((h.name for h in hosts), ids))
+    return dict(zip((h.name for h in hosts), ids, strict=False))
 
 
 def record(fleet: Fleet, h: fleetlib.Host) -> dict:
@@ -88,11 +96,11 @@ class Sampler(threading.Thread):
 
     def ssh(self, h: fleetlib.Host) -> list[str]:
         base = fleetlib.ssh_base(h.address, self.fleet.known_hosts)
-        return base[:-1] + ["-o", "ControlMaster=auto", "-o", f"ControlPath={self.dir}/%h",
-                            "-o", "ControlPersist=120", base[-1]]
+        return [*base[:-1], "-o", "ControlMaster=auto", "-o", f"ControlPath={self.dir}/%h",
+                "-o", "ControlPersist=120", base[-1]]
 
     def up(self, h: fleetlib.Host) -> bool:
-        res = subprocess.run(self.ssh(h) + [self.PROBE.format(unit=SERVICE, addr=h.address)],
+        res = subprocess.run([*self.ssh(h), self.PROBE.format(unit=SERVICE, addr=h.address)],
                              capture_output=True, text=True, timeout=20)
         out = res.stdout
         return "ActiveState=active" in out and "SubState=running" in out and " 200 " in out
@@ -101,20 +109,20 @@ class Sampler(threading.Thread):
         with ThreadPoolExecutor(len(self.hosts)) as pool:
             while not self.stop.is_set():
                 states = list(pool.map(self.up, self.hosts))
-                self.rounds.append((time.monotonic(), {h.name: s for h, s in zip(self.hosts, states)}))
+                self.rounds.append((time.monotonic(), {h.name: s for h, s in zip(self.hosts, states, strict=False)}))
 
     def finish(self) -> None:
         self.stop.set()
         self.join(30)
         for h in self.hosts:
-            subprocess.run(self.ssh(h)[:-1] + ["-O", "exit", self.ssh(h)[-1]], capture_output=True, timeout=10)
+            subprocess.run([*self.ssh(h)[:-1], "-O", "exit", self.ssh(h)[-1]], capture_output=True, timeout=10)
 
     def max_down(self) -> int:
         return max((sum(not up for up in states.values()) for _, states in self.rounds), default=0)
 
 
 class _Hook(http.server.BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802 -- http.server's naming
+    def do_POST(self) -> None:
         self.server.events.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))  # type: ignore[attr-defined]
         self.send_response(204)
         self.end_headers()
@@ -162,7 +170,8 @@ def test_bad_change_halts_at_the_canary(fleet, repo, webhook):
     assert rec["quarantine"]["halted_at"] == canary.name and rec["quarantine"]["quote"] == INCIDENT_LINE
     for h in others:                                                   # the halt is on every host
         q = record(fleet, h)["quarantine"]
-        assert (q["revision"], q["reason"], q["halted_at"], q["cause"]) == (c2, "RolloutHalted", canary.name, "CrashLoop")
+        assert (q["revision"], q["reason"], q["halted_at"], q["cause"]) == (
+            c2, "RolloutHalted", canary.name, "CrashLoop")
 
     status = json.loads(run_cli("status", "--json", check_codes=(0,)).stdout)
     rows = {r["host"]: r for r in status if r["service"] == SERVICE}

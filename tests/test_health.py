@@ -13,13 +13,16 @@ from reconciler.health import explain, judge_systemd, parse_journal
     ({"LoadState": "loaded", "ActiveState": "active", "SubState": "running", "NRestarts": "0"}, 0, "running", ""),
     ({"LoadState": "loaded", "ActiveState": "activating", "SubState": "auto-restart", "Result": "exit-code",
       "NRestarts": "3"}, 3, "crashed", "CrashLoop"),          # the incident's state
-    ({"LoadState": "loaded", "ActiveState": "activating", "SubState": "auto-restart-queued"}, 0, "crashed", "CrashLoop"),
-    ({"LoadState": "loaded", "ActiveState": "active", "SubState": "running", "NRestarts": "3"}, 2, "crashed", "CrashLoop"),
+    ({"LoadState": "loaded", "ActiveState": "activating", "SubState": "auto-restart-queued"}, 0, "crashed",
+     "CrashLoop"),
+    ({"LoadState": "loaded", "ActiveState": "active", "SubState": "running", "NRestarts": "3"}, 2, "crashed",
+     "CrashLoop"),
     ({"LoadState": "loaded", "ActiveState": "active", "SubState": "running", "NRestarts": "2"}, 2, "running", ""),
     ({"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "exit-code",
       "NRestarts": "5"}, 0, "crashed", "CrashLoop"),            # start limit hit, Result still exit-code
     ({"LoadState": "bad-setting", "ActiveState": "inactive"}, 0, "not-loaded", "UnitNotLoaded"),
-    ({"LoadState": "loaded", "ActiveState": "inactive", "SubState": "dead", "Result": "success"}, 0, "exited", "Exited"),
+    ({"LoadState": "loaded", "ActiveState": "inactive", "SubState": "dead", "Result": "success"}, 0, "exited",
+     "Exited"),
     ({"LoadState": "loaded", "ActiveState": "activating", "SubState": "start"}, 0, "starting", ""),
     ({}, 0, "starting", ""),                                    # missing keys are tolerated
 ])
