@@ -119,6 +119,7 @@ class Reason(StrEnum):
     FETCH_MODEL = "FetchModel"
     START_AT_BOOT = "StartAtBoot"
     RELOAD = "UnitFilesChanged"
+    HEALTH = "HealthCheck"
     RECORD = "Record"
     QUARANTINE = "RecordQuarantine"
 
@@ -481,73 +482,92 @@ class _Builder:
 
     def converge(self, sp: ServicePlan, f: ServiceFacts | None) -> None:
         """Bring one service to its target version: write, restart, watch (any state with a target)."""
+        assert sp.target is not None
+        s = _sync(sp.target, f)
+        why_sub = f"substitute last good {sp.target.revision[:7]}: {sp.note}" if sp.target.rollback else ""
+        if self._nothing_to_apply(sp, f, s, why_sub):
+            return
+        if sp.name in self.ctx.checks.fetch and not sp.target.rollback:
+            self.add(Kind.FETCH, Reason.FETCH_MODEL, sp.name, detail=self.ctx.checks.fetch[sp.name])
+        rec = self._intent(sp, f, s)
+        self._files(sp, f, s, why_sub)
+        self._start(sp, f, s, rec, why_sub)
+
+    def _nothing_to_apply(self, sp: ServicePlan, f: ServiceFacts | None, s: _Sync, why_sub: str) -> bool:
+        """The target's files are in place and it runs: at most a re-verify (and an enable)."""
         target = sp.target
         assert target is not None
-        name, spec = sp.name, target.spec
-        s = _sync(target, f)
-        rec = (f.record if f else None) or ServiceRecord()
-        sub = target.rollback
-        why_sub = f"substitute last good {target.revision[:7]}: {sp.note}" if sub else ""
-
         if s.pending is not None and s.pending.started and not s.files_differ:
-            self.add(Kind.WATCH, Reason.REVERIFY, name, watch=self._watch(target, f, reverify=True, since=s.pending.at),
+            self.add(Kind.WATCH, Reason.REVERIFY, sp.name,
+                     watch=self._watch(target, f, reverify=True, since=s.pending.at),
                      detail=why_sub or f"deployed {target.revision[:7]} has no verdict yet: watch it again")
-            return
-        if not s.pending and not s.files_differ and s.applied and s.running:
-            if not s.verified and not sub:
-                self.add(Kind.WATCH, Reason.REVERIFY, name, watch=self._watch(target, f, reverify=True),
+            return True
+        if s.pending is None and not s.files_differ and s.applied and s.running:
+            if not s.verified and not target.rollback:
+                self.add(Kind.WATCH, Reason.REVERIFY, sp.name, watch=self._watch(target, f, reverify=True),
                          detail=f"applied {target.revision[:7]} was never seen healthy: watch it again")
-            self._enable(spec, f)
-            return
+            self._enable(target.spec, f)
+            return True
+        return False
 
-        if name in self.ctx.checks.fetch and not sub:
-            self.add(Kind.FETCH, Reason.FETCH_MODEL, name, detail=self.ctx.checks.fetch[name])
+    def _intent(self, sp: ServicePlan, f: ServiceFacts | None, s: _Sync) -> ServiceRecord:
+        """Record what is about to be deployed before anything changes; returns the record the
+        later steps build on (with the adopted originals named, for an adoption)."""
+        target = sp.target
+        assert target is not None
+        rec = (f.record if f else None) or ServiceRecord()
         if sp.state is State.ADOPT and f is not None:
             # Durable first: the intent names the originals before anything is copied or replaced.
-            rec = replace(rec, adopted=Adopted(files=(unit_path(name),) if f.unit_text is not None else (),
+            rec = replace(rec, adopted=Adopted(files=(unit_path(sp.name),) if f.unit_text is not None else (),
                                                was_enabled=f.enabled, was_active=f.running,
                                                fragment=f.foreign_path()))
         replaces = (s.pending.replaces_hash, s.pending.replaces_revision) if s.pending else (rec.hash, rec.revision)
+        pending = Pending(hash=target.hash, revision=target.revision, rollback=target.rollback,
+                          replaces_hash=replaces[0], replaces_revision=replaces[1])
         if s.files_differ or not s.applied or s.pending is not None:
-            pending = Pending(hash=target.hash, revision=target.revision, rollback=sub, replaces_hash=replaces[0],
-                              replaces_revision=replaces[1])
-            self.add(Kind.INTENT, Reason.RECORD, name, record=replace(rec, pending=pending),
+            self.add(Kind.INTENT, Reason.RECORD, sp.name, record=replace(rec, pending=pending),
                      detail=f"pending {target.revision[:7]}")
         if sp.state is State.ADOPT and rec.adopted is not None and rec.adopted.files:
-            self.add(Kind.ADOPT, Reason.ADOPT, name, path=rec.adopted.files[0], detail=sp.note)
+            self.add(Kind.ADOPT, Reason.ADOPT, sp.name, path=rec.adopted.files[0], detail=sp.note)
+        return replace(rec, pending=pending)
+
+    def _files(self, sp: ServicePlan, f: ServiceFacts | None, s: _Sync, why_sub: str) -> None:
+        """Write what differs, remove what must not be there (foreign drop-ins kept aside)."""
+        target = sp.target
+        assert target is not None
+        short = target.revision[:7]
         for path, have, want in s.files:
-            diff = unified_diff(path, have, want, self.host.name, target.revision[:7])
+            diff = unified_diff(path, have, want, self.host.name, short)
             if want is None:
-                self.add(Kind.REMOVE, Reason.ENV_CHANGED, name, path=path, diff=diff,
+                self.add(Kind.REMOVE, Reason.ENV_CHANGED, sp.name, path=path, diff=diff,
                          detail=why_sub or "env no longer set")
             else:
-                reason, detail = self._write_reason(sp.state, path, have, spec)
-                self.add(Kind.WRITE, reason, name, path=path, content=want, diff=diff, detail=why_sub or detail)
+                reason, detail = self._write_reason(sp.state, path, have, target.spec)
+                self.add(Kind.WRITE, reason, sp.name, path=path, content=want, diff=diff, detail=why_sub or detail)
         for path, content in s.dropins:
-            self.add(Kind.REMOVE, Reason.FOREIGN_DROPIN, name, path=path,
-                     diff=unified_diff(path, content, None, self.host.name, target.revision[:7]),
+            self.add(Kind.REMOVE, Reason.FOREIGN_DROPIN, sp.name, path=path,
+                     diff=unified_diff(path, content, None, self.host.name, short),
                      detail="drop-in not written by the reconciler (a copy is kept under "
                             "/var/lib/reconciler/removed/); list it in allow_dropins to keep it")
         self.reload |= s.files_differ or (f is not None and f.props.get("NeedDaemonReload") == "yes")
 
-        running = s.running
-        reason, detail = self._start_reason(sp, s, running, why_sub)
-        if self.ctx.checks.gpu_gate:
-            if running:
-                self.add(Kind.STOP, Reason.GPU_GATE, name, detail="stop first, start when its GPUs are free")
-            self.add(Kind.WAIT_GPUS, Reason.GPU_GATE, name, detail="wait until the GPUs it claims are released")
-            self.add(Kind.START, reason, name, detail=detail)
-        else:
-            self.add(Kind.RESTART if running else Kind.START, reason, name, detail=detail)
-        self._enable(spec, f)
-        started = replace(rec, hash=target.hash, revision=target.revision,
-                          pending=Pending(hash=target.hash, revision=target.revision, rollback=sub,
-                                          replaces_hash=replaces[0], replaces_revision=replaces[1], started=True))
-        self.add(Kind.RECORD, Reason.RECORD, name, record=started, detail=f"started {target.revision[:7]}")
-        fresh = not running or self.ctx.checks.gpu_gate
-        self.add(Kind.WATCH, Reason.SUBSTITUTE if sub else Reason.RECORD, name,
-                 watch=self._watch(target, f, fresh=fresh),
-                 detail=why_sub or f"until healthy (start-up timeout {spec.health.startup_timeout:.0f}s)")
+    def _start(self, sp: ServicePlan, f: ServiceFacts | None, s: _Sync, rec: ServiceRecord, why_sub: str) -> None:
+        """(Re)start it (through the GPU gate on a GPU host), record it started, watch it."""
+        target = sp.target
+        assert target is not None and rec.pending is not None
+        reason, detail = self._start_reason(sp, s, s.running, why_sub)
+        gated = self.ctx.checks.gpu_gate
+        if gated:
+            if s.running:
+                self.add(Kind.STOP, Reason.GPU_GATE, sp.name, detail="stop first, start when its GPUs are free")
+            self.add(Kind.WAIT_GPUS, Reason.GPU_GATE, sp.name, detail="wait until the GPUs it claims are released")
+        self.add(Kind.RESTART if s.running and not gated else Kind.START, reason, sp.name, detail=detail)
+        self._enable(target.spec, f)
+        started = replace(rec, hash=target.hash, revision=target.revision, pending=replace(rec.pending, started=True))
+        self.add(Kind.RECORD, Reason.RECORD, sp.name, record=started, detail=f"started {target.revision[:7]}")
+        self.add(Kind.WATCH, Reason.SUBSTITUTE if target.rollback else Reason.HEALTH, sp.name,
+                 watch=self._watch(target, f, fresh=not s.running or gated),
+                 detail=why_sub or f"until healthy (start-up timeout {target.spec.health.startup_timeout:.0f}s)")
 
     def _start_reason(self, sp: ServicePlan, s: _Sync, running: bool, why_sub: str) -> tuple[Reason, str]:
         if why_sub:

@@ -140,32 +140,38 @@ def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
     """PURE: what one service's run comes to (result, reason, message), from its state and the
     verdicts of this run. The one place that turns verdicts into a host's result."""
     judged = [e for e in events if e.outcome is not None]
-    name = sp.name
-    failed = next((e for e in judged if e.action != Event.ROLLBACK and not e.outcome.healthy), None)  # type: ignore[union-attr]
+    failed = next((e for e in judged if e.action != Event.ROLLBACK and e.outcome and not e.outcome.healthy), None)
     rollback = next((e for e in judged if e.action == Event.ROLLBACK), None)
     if failed is not None:
-        o = failed.outcome
-        assert o is not None
-        head = f"{name}: {o.reason}: {o.quote or o.message}"
-        if rollback is not None and rollback.outcome is not None:
-            if rollback.outcome.healthy:
-                return Result.ROLLED_BACK, "RolledBack", f"{head}; rolled back to {rollback.revision[:7]}"
-            rb = rollback.outcome
-            return Result.FAILED, "RollbackFailed", (f"{head}; rollback to {rollback.revision[:7]} failed too: "
-                                                     f"{rb.quote or rb.message}")
-        if sp.state is State.QUARANTINED_NO_GOOD and "first deploy failed" in sp.note:
-            return Result.FAILED, "FirstDeployFailed", f"{head}; first deploy failed; service left stopped"
-        return Result.FAILED, "RollbackFailed", f"{head}; {sp.note or 'no rollback possible'}"
+        return _after_failure(sp, failed, rollback)
     if rollback is not None and rollback.outcome is not None:
-        rb = rollback.outcome
-        if rb.healthy:
-            return Result.ROLLED_BACK, "RolledBack", f"{name}: {sp.note or 'running the last good version'}"
-        return Result.FAILED, "RollbackFailed", f"{name}: last good {rollback.revision[:7]} failed too: {rb.message}"
+        if rollback.outcome.healthy:
+            return Result.ROLLED_BACK, "RolledBack", f"{sp.name}: {sp.note or 'running the last good version'}"
+        return (Result.FAILED, "RollbackFailed",
+                f"{sp.name}: last good {rollback.revision[:7]} failed too: {rollback.outcome.message}")
     if sp.result.rank >= Result.QUARANTINED.rank:
-        return sp.result, sp.reason or None, f"{name}: {sp.note}" if sp.note else name
+        return sp.result, sp.reason or None, f"{sp.name}: {sp.note}" if sp.note else sp.name
     if dry_run and changes:
         return Result.WOULD_CHANGE, None, None
     return sp.result if changes else Result.IN_SYNC, None, None
+
+
+def _after_failure(sp: ServicePlan, failed: ServiceEvent,
+                   rollback: ServiceEvent | None) -> tuple[Result, str | None, str | None]:
+    """A deploy (or re-verify) failed in this run: rolled back, rollback failed, or nothing to
+    roll back to."""
+    o = failed.outcome
+    assert o is not None
+    head = f"{sp.name}: {o.reason}: {o.quote or o.message}"
+    rb = rollback.outcome if rollback is not None else None
+    if rollback is not None and rb is not None:
+        if rb.healthy:
+            return Result.ROLLED_BACK, "RolledBack", f"{head}; rolled back to {rollback.revision[:7]}"
+        return (Result.FAILED, "RollbackFailed",
+                f"{head}; rollback to {rollback.revision[:7]} failed too: {rb.quote or rb.message}")
+    if sp.state is State.QUARANTINED_NO_GOOD and "first deploy failed" in sp.note:
+        return Result.FAILED, "FirstDeployFailed", f"{head}; first deploy failed; service left stopped"
+    return Result.FAILED, "RollbackFailed", f"{head}; {sp.note or 'no rollback possible'}"
 
 
 def _fold(result: HostResult, plan: HostPlan, dry_run: bool) -> None:

@@ -142,6 +142,15 @@ def service_health(r: HostResult, service: str) -> str | None:
     return _HEALTH_OF_EVENT.get(str(last.action))
 
 
+def service_quote(r: HostResult, service: str) -> str | None:
+    """The journal line that explains a service's latest failure in a run (or its quarantine)."""
+    evs = [e for e in r.events if e.service == service]
+    failed = [e.outcome for e in evs if e.outcome is not None and not e.outcome.healthy]
+    if failed:
+        return failed[-1].quote
+    return evs[-1].quote if evs else None
+
+
 def remember(store: Store, result: FleetResult) -> None:
     """Write every attempt and the latest per-service status to the state store."""
     for r in result.hosts:
@@ -150,13 +159,10 @@ def remember(store: Store, result: FleetResult) -> None:
             store.add_attempt(r.host, e.service, e.revision, e.content_hash, str(e.action),
                               o.reason if o else str(e.action).capitalize(), (o.message if o else e.note) or "",
                               o.quote if o else e.quote, o.journal if o else None, o.seconds if o else 0.0)
+        event = f"{r.status}: {r.message}" if r.message else str(r.status)
         for svc in sorted(r.plan.states if r.plan else ()):
-            failed = [e for e in r.events if e.service == svc and e.outcome and not e.outcome.healthy]
-            last = next((e for e in reversed(r.events) if e.service == svc), None)
-            event = f"{r.status}: {r.message}" if r.message else str(r.status)
-            quote = failed[-1].outcome.quote if failed and failed[-1].outcome else (last.quote if last else None)
             store.set_status(r.host, svc, desired_rev=result.revision, running_rev=r.running.get(svc),
-                             health=service_health(r, svc), last_event=event, quote=quote)
+                             health=service_health(r, svc), last_event=event, quote=service_quote(r, svc))
         if r.status == Result.FAILED and not r.plan:
             store.set_status(r.host, "*", desired_rev=result.revision, running_rev=None, health="unknown",
                              last_event=f"failed: {r.reason}: {r.message}")

@@ -14,6 +14,7 @@ import pytest
 from reconciler.facts import HostFacts, ServiceFacts, env_path, unit_path
 from reconciler.plan import (
     ORDER,
+    Action,
     Block,
     Checks,
     Context,
@@ -55,9 +56,10 @@ _SAME = object()
 
 
 def on_host(s: ServiceSpec, record: ServiceRecord | None, *, active: str = "active", enabled: str = "enabled",
-            unit: str | None | object = _SAME, env: str | None | object = _SAME,
+            unit: object = _SAME, env: object = _SAME,
             dropins: Mapping[str, str] | None = None, **props: str) -> ServiceFacts:
-    """Service `s` as observed on the host: its files (or `unit`/`env` instead), record, state."""
+    """Service `s` as observed on the host: its files (or the text, or None, given as `unit`/`env`),
+    its record and its systemd state."""
     env_text = (render_env(s.env) if s.env else None) if env is _SAME else env
     return ServiceFacts(
         name=s.name, unit_text=s.unit_text if unit is _SAME else unit, env_text=env_text,  # type: ignore[arg-type]
@@ -407,7 +409,7 @@ def plan_of(desired: tuple[ServiceSpec, ...], observed: tuple[ServiceFacts, ...]
     return Case("", desired, observed, {}, (), host_rev=host_rev, ctx=ctx).plan()
 
 
-def only(plan: HostPlan, kind: Kind, service: str | None = "m"):  # noqa: ANN201 - an Action
+def only(plan: HostPlan, kind: Kind, service: str | None = "m") -> Action:
     found = [a for a in plan.actions if a.kind is kind and a.service == service]
     assert len(found) == 1, f"{len(found)} {kind.value} actions for {service}"
     return found[0]
