@@ -122,6 +122,9 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
     if a.kind is Kind.ADOPT:
         assert a.path is not None and a.service is not None
         return f"atomic_copy {q(a.path)} {q(adopted_copy(a.service, a.path))}"
+    if a.kind is Kind.RESTORE and a.reason is Reason.RESTORE_MASK:
+        assert a.path is not None
+        return f"ln -sfn /dev/null {q(a.path)}"
     if a.kind is Kind.RESTORE:
         assert a.path is not None and a.service is not None
         return f"atomic_copy {q(adopted_copy(a.service, a.path))} {q(a.path)}"

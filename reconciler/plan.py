@@ -115,6 +115,8 @@ class Reason(StrEnum):
     ADOPT = "Adopt"
     REMOVED = "RemovedFromGit"
     RESTORE = "RestoreAdopted"
+    RESTORE_MASK = "RestoreMask"
+    KEEP_ORPHAN = "KeptWhileBlocked"
     GPU_GATE = "GpuGate"
     FETCH_MODEL = "FetchModel"
     START_AT_BOOT = "StartAtBoot"
@@ -468,17 +470,25 @@ class _Builder:
         if reason is Reason.HOLD_STOPPED and f is not None and (f.running or f.active_state == "failed"):
             self.add(Kind.STOP, reason, sp.name, detail="quarantined with nothing to roll back to: stop it")
 
+    def base_record(self, name: str, f: ServiceFacts | None) -> ServiceRecord:
+        """The service's record as this run knows it: the observed one, with a fleet-wide
+        quarantine (a halted rollout) merged in, so every record written carries it."""
+        rec = (f.record if f is not None else None) or ServiceRecord()
+        fleet = self.ctx.fleet_quarantine.get(name)
+        if fleet is None or self.ctx.retry or name not in self.host.services:
+            return rec
+        want = live_quarantine(rec.quarantine, fleet, self.host.services[name].content_hash())
+        return replace(rec, quarantine=want) if want is not None else rec
+
     def record_quarantine(self, sp: ServicePlan, f: ServiceFacts | None) -> None:
         """Persist a fleet-wide quarantine (a halted rollout) in the record of an installed service,
-        so another controller and the next run see it without deriving it again."""
+        so another controller and the next run see it without deriving it again. (A plan that
+        also deploys the service writes it with the intent, before anything else.)"""
         rec = f.record if f is not None else None
-        fleet = self.ctx.fleet_quarantine.get(sp.name)
-        if rec is None or fleet is None or self.ctx.retry:
-            return
-        want = live_quarantine(rec.quarantine, fleet, self.host.services[sp.name].content_hash())
-        if want is not None and want != rec.quarantine:
-            self.add(Kind.RECORD, Reason.QUARANTINE, sp.name, record=replace(rec, quarantine=want),
-                     detail=f"record the quarantine of {want.revision[:7]}")
+        merged = self.base_record(sp.name, f)
+        if rec is not None and merged.quarantine is not None and merged.quarantine != rec.quarantine:
+            self.add(Kind.RECORD, Reason.QUARANTINE, sp.name, record=merged,
+                     detail=f"record the quarantine of {merged.quarantine.revision[:7]}")
 
     def converge(self, sp: ServicePlan, f: ServiceFacts | None) -> None:
         """Bring one service to its target version: write, restart, watch (any state with a target)."""
@@ -515,20 +525,24 @@ class _Builder:
         later steps build on (with the adopted originals named, for an adoption)."""
         target = sp.target
         assert target is not None
-        rec = (f.record if f else None) or ServiceRecord()
+        rec = self.base_record(sp.name, f)
         if sp.state is State.ADOPT and f is not None:
-            # Durable first: the intent names the originals before anything is copied or replaced.
-            rec = replace(rec, adopted=Adopted(files=(unit_path(sp.name),) if f.unit_text is not None else (),
-                                               was_enabled=f.enabled, was_active=f.running,
-                                               fragment=f.foreign_path()))
+            # Durable first: the intent names the originals (the unit and its drop-ins) before
+            # anything is copied or replaced; they are put back when the service leaves git.
+            files = ((unit_path(sp.name),) if f.unit_text is not None else ()) + tuple(
+                p for p in sorted(f.dropins) if p not in own_files(sp.name))
+            rec = replace(rec, adopted=Adopted(files=files, was_enabled=f.enabled, was_active=f.running,
+                                               fragment=f.foreign_path(),
+                                               masked=f.props.get("LoadState") == "masked"))
         replaces = (s.pending.replaces_hash, s.pending.replaces_revision) if s.pending else (rec.hash, rec.revision)
         pending = Pending(hash=target.hash, revision=target.revision, rollback=target.rollback,
                           replaces_hash=replaces[0], replaces_revision=replaces[1])
         if s.files_differ or not s.applied or s.pending is not None:
             self.add(Kind.INTENT, Reason.RECORD, sp.name, record=replace(rec, pending=pending),
                      detail=f"pending {target.revision[:7]}")
-        if sp.state is State.ADOPT and rec.adopted is not None and rec.adopted.files:
-            self.add(Kind.ADOPT, Reason.ADOPT, sp.name, path=rec.adopted.files[0], detail=sp.note)
+        if sp.state is State.ADOPT and rec.adopted is not None:
+            for path in rec.adopted.files:
+                self.add(Kind.ADOPT, Reason.ADOPT, sp.name, path=path, detail=f"keep the original {path}")
         return replace(rec, pending=pending)
 
     def _files(self, sp: ServicePlan, f: ServiceFacts | None, s: _Sync, why_sub: str) -> None:
@@ -633,6 +647,9 @@ class _Builder:
             for path in rec.adopted.files:
                 self.add(Kind.RESTORE, Reason.RESTORE, name, path=path,
                          detail=f"{why}: put back the original it replaced (kept at {adopted_copy(name, path)})")
+            if rec.adopted.masked:
+                self.add(Kind.RESTORE, Reason.RESTORE_MASK, name, path=unit_path(name),
+                         detail=f"{why}: it was masked before it was adopted; mask it again")
             self.reload = True
             if rec.adopted.was_enabled:
                 self.add(Kind.ENABLE, Reason.RESTORE, name, detail="the original was enabled")
@@ -669,7 +686,15 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
             b.converge(sp, f)
 
     dropped: list[str] = []
+    blocked = sorted(n for n, sp in services.items() if sp.state is State.BLOCKED)
     for name in sorted(facts.inventory - set(desired.services) - ctx.deferred):
+        if blocked:
+            # A rename whose new service is refused must not leave neither running: the old one
+            # goes once the deploy that replaces it is let through.
+            note = f"removed from the desired state; kept while {', '.join(blocked)} is blocked"
+            services[name] = ServicePlan(name, State.ORPHAN, result=Result.IN_SYNC, note=note)
+            b.add(Kind.HOLD, Reason.KEEP_ORPHAN, name, detail=note)
+            continue
         services[name] = ServicePlan(name, State.ORPHAN, result=Result.CONVERGED)
         dropped.append(name)
         b.orphan(name, facts.services[name])
@@ -677,7 +702,6 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
     if b.reload:
         b.add(Kind.DAEMON_RELOAD, Reason.RELOAD, detail="unit files changed on disk")
     host_rev = facts.record.applied_revision if facts.record else None
-    blocked = any(sp.state is State.BLOCKED for sp in services.values())
     # A revision is recorded as applied when something was applied, or when nothing at it was
     # refused: a blocked deploy writes nothing at all, not even the record.
     if any(a.kind.mutating for a in b.actions) or dropped or (host_rev != ctx.revision and not blocked):

@@ -174,6 +174,7 @@ class Adopted:
     was_enabled: bool = False
     was_active: bool = False
     fragment: str | None = None      # where systemd loaded it from at adoption
+    masked: bool = False             # it was masked (a link to /dev/null): masked again on the way out
 
     @classmethod
     def from_json(cls, data: object) -> Adopted | None:
@@ -182,11 +183,11 @@ class Adopted:
         files = data.get("files")
         return cls(files=tuple(f for f in files if isinstance(f, str)) if isinstance(files, list) else (),
                    was_enabled=_bool(data, "was_enabled"), was_active=_bool(data, "was_active"),
-                   fragment=_str(data, "fragment"))
+                   fragment=_str(data, "fragment"), masked=_bool(data, "masked"))
 
     def to_json(self) -> dict[str, Any]:
         return {"files": list(self.files), "was_enabled": self.was_enabled, "was_active": self.was_active,
-                "fragment": self.fragment}
+                "fragment": self.fragment, "masked": self.masked}
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from reconciler.plan import (
     Kind,
     Reason,
     State,
+    Watch,
     mask_secrets,
     plan_host,
     render_env,
@@ -131,7 +132,7 @@ class Case:
 
 
 NEW = ("intent m", "write m NewService", "write m NewService", "daemon-reload", "enable m", "start m NewService",
-       "record m", "record", "watch m Record")
+       "record m", "record", "watch m HealthCheck")
 SUBSTITUTE = ("hold m HoldLastGood", "intent m", "write m", "daemon-reload", "restart m SubstituteLastGood",
               "record m", "record", "watch m SubstituteLastGood")
 
@@ -149,7 +150,7 @@ CASES = [
          {"n": State.IN_SYNC}, ()),
     Case("changed unit", (M,), (on_host(M_UNIT0, verified(M_UNIT0, OLD)),), {"m": State.CHANGED},
          ("intent m", "write m UnitChanged", "daemon-reload", "restart m UnitChanged", "record m", "record",
-          "watch m Record")),
+          "watch m HealthCheck")),
     Case("changed env", (M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),), {"m": State.CHANGED},
          ("intent m", "write m EnvChanged", "daemon-reload", "restart m UnitChanged", "record m", "record",
           "watch m")),
@@ -183,7 +184,7 @@ CASES = [
     # ---- the durable intent of a deploy that was cut short --------------------------------------
     Case("pending, not started (files all written): restart and watch", (M,),
          (on_host(M, verified(M_ENV0, OLD, pending=INTENT_M)),), {"m": State.PENDING},
-         ("intent m", "restart m InterruptedDeploy", "record m", "record", "watch m Record"), host_rev=OLD),
+         ("intent m", "restart m InterruptedDeploy", "record m", "record", "watch m HealthCheck"), host_rev=OLD),
     Case("pending, not started, cut before the env was written", (M,),
          (on_host(M, verified(M_ENV0, OLD, pending=INTENT_M), env=render_env(M_ENV0.env)),), {"m": State.PENDING},
          ("intent m", "write m EnvChanged", "daemon-reload", "restart m InterruptedDeploy", "record m", "record",
@@ -201,7 +202,7 @@ CASES = [
          (on_host(M_ENV0, STARTED_M),),
          {"m": State.PENDING},
          ("intent m", "write m", "daemon-reload", "restart m InterruptedDeploy", "record m", "record",
-          "watch m Record")),
+          "watch m HealthCheck")),
     # ---- failures: quarantine, substitution, hold ----------------------------------------------
     Case("quarantined, last good in place and running: hold marker only", (BAD,), (on_host(LAST, HELD_GOOD),),
          {"m": State.QUARANTINED}, ("hold m HoldLastGood",), ctx={"last_good": {"m": LAST}}),
@@ -247,7 +248,7 @@ CASES = [
          (on_host(LAST, verified(LAST, GOOD, quarantine=FLEET)),), {"m": State.QUARANTINED},
          ("hold m HoldLastGood",), ctx={"fleet_quarantine": {"m": FLEET}, "last_good": {"m": LAST}}),
     Case("--retry ignores the quarantine", (BAD,), (on_host(BAD, FAILED_BAD, active="inactive"),),
-         {"m": State.STOPPED}, ("start m NotRunning", "record m", "record", "watch m Record"),
+         {"m": State.STOPPED}, ("start m NotRunning", "record m", "record", "watch m HealthCheck"),
          ctx={"retry": True, "last_good": {"m": LAST}}),
     Case("--retry ignores a fleet quarantine", (BAD,), (on_host(LAST, verified(LAST, GOOD)),),
          {"m": State.CHANGED}, ("intent m", "write m", "daemon-reload", "restart m", "record m", "record", "watch m"),
@@ -266,7 +267,7 @@ CASES = [
     Case("adopt a hand-made unit: keep the original, then converge", (replace(M, adopt=True),), (foreign_unit(),),
          {"m": State.ADOPT},
          ("intent m", "adopt m Adopt", "write m UnitChanged", "write m NewService", "daemon-reload", "restart m Adopt",
-          "record m", "record", "watch m Record"), host_rev=None),
+          "record m", "record", "watch m HealthCheck"), host_rev=None),
     Case("adopt a package unit: nothing to copy, ours shadows it", (replace(M, adopt=True),), (package_unit(),),
          {"m": State.ADOPT},
          ("intent m", "write m NewService", "write m NewService", "daemon-reload", "enable m", "start m Adopt",
@@ -389,8 +390,9 @@ def test_plan_invariants(case: Case) -> None:
         if files:
             assert at[Kind.INTENT] and at[Kind.INTENT][0] < min(files), "files change before the intent"
         for i in at[Kind.START] + at[Kind.RESTART]:
-            assert any(j > i and acts[j].record is not None and acts[j].record.pending is not None
-                       and acts[j].record.pending.started for j in at[Kind.RECORD]), "no started record"
+            started = [j for j in at[Kind.RECORD] if (r := acts[j].record) is not None and r.pending is not None
+                       and r.pending.started]
+            assert any(j > i for j in started), "no started record after the start"
         for i in at[Kind.WATCH]:
             w = acts[i].watch
             assert w is not None and w.hash == sp.target.hash and w.rollback == sp.target.rollback
@@ -415,6 +417,30 @@ def only(plan: HostPlan, kind: Kind, service: str | None = "m") -> Action:
     return found[0]
 
 
+def record_of(plan: HostPlan, kind: Kind = Kind.RECORD) -> ServiceRecord:
+    """The record m's one INTENT or RECORD action writes."""
+    rec = only(plan, kind).record
+    assert rec is not None
+    return rec
+
+
+def pending_of(rec: ServiceRecord) -> Pending:
+    assert rec.pending is not None
+    return rec.pending
+
+
+def watch_of(plan: HostPlan) -> Watch:
+    w = only(plan, Kind.WATCH).watch
+    assert w is not None
+    return w
+
+
+def diff_of(plan: HostPlan, kind: Kind = Kind.WRITE) -> str:
+    diff = only(plan, kind).diff
+    assert diff is not None
+    return diff
+
+
 def test_in_sync_summary() -> None:
     plan = plan_of((M,), (on_host(M, verified(M)),))
     assert plan.actions == () and plan.changes == () and plan.summary() == "in sync"
@@ -425,12 +451,12 @@ def test_new_service_writes_its_files_and_records_what_it_starts() -> None:
     plan = plan_of((M,), (), host_rev=None)
     assert {a.path: a.content for a in plan.actions if a.kind is Kind.WRITE} == {
         unit_path("m"): UNIT, env_path("m"): render_env({"A": "1"})}
-    intent, started = only(plan, Kind.INTENT).record, only(plan, Kind.RECORD).record
+    intent, started = record_of(plan, Kind.INTENT), record_of(plan)
     assert intent.pending == Pending(hash=H, revision=REV)
-    assert (started.hash, started.revision, started.pending.started) == (H, REV, True)
+    assert (started.hash, started.revision, pending_of(started).started) == (H, REV, True)
     assert started.last_good_hash is None          # only a healthy verdict makes it the last good
     assert plan.summary() == "write 2 files, daemon-reload, enable m, start m"
-    w = only(plan, Kind.WATCH).watch
+    w = watch_of(plan)
     assert (w.hash, w.rollback, w.reverify, w.baseline_restarts) == (H, False, False, 0)
 
 
@@ -441,8 +467,8 @@ def test_env_change_restarts_with_a_reason_naming_the_key() -> None:
     assert (write.reason, write.path, write.detail) == (Reason.ENV_CHANGED, env_path("m"), "env changed: A, C")
     assert plan.restarts == ["m"] and plan.states == {"m": State.CHANGED}
     # A restart keeps counting NRestarts: the watch starts from the count before it.
-    assert only(plan, Kind.WATCH).watch.baseline_restarts == 2
-    assert only(plan, Kind.WATCH).watch.baseline_invocation == "inv-0"
+    assert watch_of(plan).baseline_restarts == 2
+    assert watch_of(plan).baseline_invocation == "inv-0"
 
 
 def test_hand_edit_is_drift_with_a_diff() -> None:
@@ -450,8 +476,9 @@ def test_hand_edit_is_drift_with_a_diff() -> None:
     plan = plan_of((M,), (on_host(M, verified(M), unit=edited),))
     write = only(plan, Kind.WRITE)
     assert plan.states["m"] is State.DRIFTED and write.reason is Reason.DRIFT and "drift" in write.detail
-    assert "-ExecStart=/bin/server --bad" in write.diff and "+ExecStart=/bin/server\n" in write.diff
-    assert write.diff.startswith(f"--- {HOST}:{unit_path('m')}")
+    diff = diff_of(plan)
+    assert "-ExecStart=/bin/server --bad" in diff and "+ExecStart=/bin/server\n" in diff
+    assert diff.startswith(f"--- {HOST}:{unit_path('m')}")
 
 
 def test_env_removed_removes_the_drop_in() -> None:
@@ -464,22 +491,28 @@ def test_secrets_never_show_in_a_plan() -> None:
     plan = plan_of((new,), (on_host(old, verified(old, OLD)),))
     shown = repr(plan.actions) + "".join(str(a.to_json()) + a.describe() for a in plan.actions)
     assert "hf_old_secret" not in shown and "hf_new_secret" not in shown
-    assert "HF_TOKEN=***" in only(plan, Kind.WRITE).diff
+    assert "HF_TOKEN=***" in diff_of(plan)
     assert only(plan, Kind.WRITE).content == render_env(new.env)     # the file itself has it
 
 
-def test_interrupted_deploy_keeps_what_the_intent_replaces() -> None:
-    plan = plan_of((M,), (on_host(M, verified(M_ENV0, OLD, pending=INTENT_M)),), host_rev=OLD)
-    for rec in (only(plan, Kind.INTENT).record, only(plan, Kind.RECORD).record):
-        assert (rec.pending.replaces_hash, rec.pending.replaces_revision) == (M_ENV0.content_hash(), OLD)
-    assert only(plan, Kind.RECORD).record.pending.started
+@pytest.mark.parametrize("observed", [
+    on_host(M, verified(M_ENV0, OLD, pending=INTENT_M)),             # cut before the restart
+    on_host(M_ENV0, STARTED_M),                                      # started, then its files changed
+], ids=["not started", "started, files differ"])
+def test_interrupted_deploy_keeps_what_the_intent_replaces(observed: ServiceFacts) -> None:
+    """What a deploy replaces is what ran before it, even once the record already names the new
+    version (a rollback goes back to the version before the interrupted deploy)."""
+    plan = plan_of((M,), (observed,), host_rev=OLD)
+    for rec in (record_of(plan, Kind.INTENT), record_of(plan)):
+        assert (pending_of(rec).replaces_hash, pending_of(rec).replaces_revision) == (M_ENV0.content_hash(), OLD)
+    assert pending_of(record_of(plan)).started
     assert only(plan, Kind.RESTART).reason is Reason.INTERRUPTED
 
 
 def test_reverify_of_a_started_deploy_watches_from_its_intent() -> None:
     rec = STARTED_M
     plan = plan_of((M,), (on_host(M, rec),))
-    w = only(plan, Kind.WATCH).watch
+    w = watch_of(plan)
     assert (w.reverify, w.since, w.baseline_invocation, w.rollback) == (True, 1234, "", False)
     assert plan.changes == () and plan.summary() == "in sync; re-verify m"
 
@@ -488,7 +521,7 @@ def test_schema_1_record_is_reverified_without_restart() -> None:
     rec = ServiceRecord.from_json({"hash": H, "revision": REV})      # written before `pending` existed
     assert rec.schema == 1 and rec.pending is None and not rec.verified
     plan = plan_of((M,), (on_host(M, rec),))
-    assert [a.kind for a in plan.actions] == [Kind.WATCH] and only(plan, Kind.WATCH).watch.reverify
+    assert [a.kind for a in plan.actions] == [Kind.WATCH] and watch_of(plan).reverify
     assert plan.restarts == []
 
 
@@ -499,11 +532,11 @@ def test_substitution_converges_to_the_last_good_version() -> None:
     assert sp.result is Result.QUARANTINED and sp.quote == QBAD.quote
     write = only(plan, Kind.WRITE)
     assert write.content == render_env(LAST.env) and "substitute last good ccccccc" in write.detail
-    assert only(plan, Kind.INTENT).record.pending == Pending(
+    assert record_of(plan, Kind.INTENT).pending == Pending(
         hash=LAST.content_hash(), revision=GOOD, rollback=True, replaces_hash=BAD.content_hash(), replaces_revision=REV)
-    started = only(plan, Kind.RECORD).record
-    assert started.quarantine == QBAD and started.hash == LAST.content_hash() and started.pending.rollback
-    w = only(plan, Kind.WATCH).watch
+    started = record_of(plan)
+    assert started.quarantine == QBAD and started.hash == LAST.content_hash() and pending_of(started).rollback
+    w = watch_of(plan)
     assert (w.hash, w.revision, w.rollback) == (LAST.content_hash(), GOOD, True)
 
 
@@ -519,7 +552,7 @@ def test_quarantine_without_last_good_writes_nothing() -> None:
 def test_halted_rollout_is_recorded_into_the_existing_record() -> None:
     rec = ServiceRecord(hash=LAST.content_hash(), revision=GOOD)
     plan = plan_of((BAD,), (on_host(LAST, rec),), fleet_quarantine={"m": FLEET})
-    assert only(plan, Kind.RECORD).record == replace(rec, quarantine=FLEET)
+    assert record_of(plan) == replace(rec, quarantine=FLEET)
     sp = plan.services["m"]
     assert sp.result is Result.QUARANTINED and "rollout halted at gpu-9 (wave 2): CrashLoop" in sp.note
 
@@ -528,13 +561,11 @@ def test_fleet_quarantine_merges_into_the_recorded_one() -> None:
     """The host's own failure wins; the fleet adds where the rollout halted."""
     plan = plan_of((BAD,), (on_host(LAST, HELD_GOOD),), fleet_quarantine={"m": FLEET}, last_good={"m": LAST})
     assert plan.states == {"m": State.QUARANTINED}
-    q = only(plan, Kind.RECORD).record.quarantine
+    q = record_of(plan).quarantine
+    assert q is not None
     assert (q.reason, q.quote, q.halted_at, q.wave, q.cause) == ("CrashLoop", QBAD.quote, "gpu-9", 2, "CrashLoop")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: converge() builds its INTENT/started RECORD from the observed record, "
-                   "not from the one with the fleet quarantine merged in; the started RECORD is written after "
-                   "RecordQuarantine and drops the quarantine it just persisted")
 def test_a_recorded_fleet_quarantine_survives_the_substitution_that_follows() -> None:
     # The last good is in place but stopped (a reboot), and the rollout halted on another host.
     plan = plan_of((BAD,), (on_host(LAST, verified(LAST, GOOD), active="inactive"),),
@@ -555,26 +586,35 @@ def test_foreign_unit_is_reported_with_its_path() -> None:
 
 def test_adoption_records_the_original_before_replacing_it() -> None:
     plan = plan_of((replace(M, adopt=True),), (foreign_unit(),), host_rev=None)
-    intent = only(plan, Kind.INTENT)
-    assert intent.record.adopted == Adopted(files=(unit_path("m"),), was_enabled=True, was_active=True,
+    intent = record_of(plan, Kind.INTENT)
+    assert intent.adopted == Adopted(files=(unit_path("m"),), was_enabled=True, was_active=True,
                                             fragment=unit_path("m"))
     assert only(plan, Kind.ADOPT).path == unit_path("m")
-    assert only(plan, Kind.RECORD).record.adopted == intent.record.adopted
+    assert record_of(plan).adopted == intent.adopted
     kinds = [a.kind for a in plan.actions]
     assert kinds.index(Kind.INTENT) < kinds.index(Kind.ADOPT) < kinds.index(Kind.WRITE)
 
 
 def test_adopting_a_package_unit_keeps_where_it_came_from() -> None:
     plan = plan_of((replace(M, adopt=True),), (package_unit(),))
-    assert only(plan, Kind.INTENT).record.adopted == Adopted(files=(), was_enabled=False, was_active=False,
+    assert record_of(plan, Kind.INTENT).adopted == Adopted(files=(), was_enabled=False, was_active=False,
                                                              fragment=PACKAGE)
+
+
+def test_an_adopted_masked_unit_is_masked_again_when_it_leaves() -> None:
+    adopt = plan_of((replace(M, adopt=True),), (masked_unit(),))
+    assert adopt.states == {"m": State.ADOPT}
+    adopted = record_of(adopt)          # what the host keeps once the adoption ran
+    leave = plan_of((), (on_host(M, replace(adopted, pending=None)),))
+    assert [a.path for a in leave.actions if a.kind is Kind.RESTORE] == [unit_path("m")], \
+        [a.describe() for a in leave.actions]
 
 
 def test_orphan_removal_drops_its_record_and_shows_the_removed_files() -> None:
     plan = plan_of((), (on_host(M, verified(M, OLD)),))
     assert plan.dropped_records == ("m",) and plan.states == {"m": State.ORPHAN}
     assert {a.path for a in plan.actions if a.kind is Kind.REMOVE} == {unit_path("m"), env_path("m")}
-    assert all(a.diff and "+++ /dev/null" in a.diff for a in plan.actions if a.kind is Kind.REMOVE)
+    assert all("+++ /dev/null" in (a.diff or "") for a in plan.actions if a.kind is Kind.REMOVE)
     assert plan.services["m"].result is Result.CONVERGED
 
 
@@ -589,7 +629,7 @@ def test_blocked_service_says_why() -> None:
 
 def test_gpu_gated_start_counts_restarts_from_zero() -> None:
     plan = plan_of((M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),), checks=Checks(gpu_gate=True))
-    assert only(plan, Kind.WATCH).watch.baseline_restarts == 0
+    assert watch_of(plan).baseline_restarts == 0
     assert plan.restarts == ["m"] and plan.summary().endswith("stop m, wait-gpus m, start m")
 
 
@@ -617,3 +657,28 @@ def test_env_is_rendered_sorted_under_a_header() -> None:
 ])
 def test_secrets_masked_in_diffs(line: str, masked: str) -> None:
     assert mask_secrets(line + "\n") == masked + "\n"
+
+
+def test_an_orphan_is_kept_while_the_service_that_replaces_it_is_blocked() -> None:
+    """A rename (m -> n) whose new service pre-flight refuses must not leave neither running."""
+    blocked = Checks(blocked={"n": (Block("PreflightFailed", "no"),)})
+    plan = plan_of((N,), (on_host(M, verified(M, OLD)),), host_rev=OLD, checks=blocked)
+    assert plan.states == {"n": State.BLOCKED, "m": State.ORPHAN}
+    assert sorted((a.kind, a.service) for a in plan.actions) == [(Kind.HOLD, "m"), (Kind.HOLD, "n")]
+    assert "kept while n is blocked" in plan.services["m"].note and plan.dropped_records == ()
+    # once n is let through, m goes
+    plan = plan_of((N,), (on_host(M, verified(M, OLD)),), host_rev=OLD)
+    assert plan.dropped_records == ("m",) and ("n", Kind.START) in [(a.service, a.kind) for a in plan.actions]
+
+
+def test_an_adopted_units_drop_ins_are_kept_and_put_back() -> None:
+    mine = "/etc/systemd/system/m.service.d/10-numa.conf"
+    facts = replace(foreign_unit(), dropins={mine: "[Service]\nNice=5\n"})
+    adopt = plan_of((replace(M, adopt=True),), (facts,))
+    intent = record_of(adopt, Kind.INTENT)
+    assert intent.adopted is not None and intent.adopted.files == (unit_path("m"), mine)
+    assert [a.path for a in adopt.actions if a.kind is Kind.ADOPT] == [unit_path("m"), mine]
+    kinds = [a.kind for a in adopt.actions]
+    assert kinds.index(Kind.ADOPT) < kinds.index(Kind.REMOVE)      # copied before the drift removal
+    leave = plan_of((), (on_host(M, replace(record_of(adopt), pending=None)),))
+    assert [a.path for a in leave.actions if a.kind is Kind.RESTORE] == [unit_path("m"), mine]
