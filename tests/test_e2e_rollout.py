@@ -99,17 +99,26 @@ class Sampler(threading.Thread):
         return [*base[:-1], "-o", "ControlMaster=auto", "-o", f"ControlPath={self.dir}/%h",
                 "-o", "ControlPersist=120", base[-1]]
 
-    def up(self, h: fleetlib.Host) -> bool:
-        res = subprocess.run([*self.ssh(h), self.PROBE.format(unit=SERVICE, addr=h.address)],
-                             capture_output=True, text=True, timeout=20)
+    def up(self, h: fleetlib.Host) -> bool | None:
+        """Up or down; None when the probe itself failed (ssh did not answer in time on a busy
+        machine): that round says nothing about the host and is left out."""
+        try:
+            res = subprocess.run([*self.ssh(h), self.PROBE.format(unit=SERVICE, addr=h.address)],
+                                 capture_output=True, text=True, timeout=20)
+        except subprocess.TimeoutExpired:
+            return None
         out = res.stdout
+        if res.returncode == 255 or "ActiveState=" not in out:
+            return None
         return "ActiveState=active" in out and "SubState=running" in out and " 200 " in out
 
     def run(self) -> None:
         with ThreadPoolExecutor(len(self.hosts)) as pool:
             while not self.stop.is_set():
                 states = list(pool.map(self.up, self.hosts))
-                self.rounds.append((time.monotonic(), {h.name: s for h, s in zip(self.hosts, states, strict=False)}))
+                if None not in states:
+                    self.rounds.append((time.monotonic(), {h.name: bool(s) for h, s in
+                                                           zip(self.hosts, states, strict=True)}))
 
     def finish(self) -> None:
         self.stop.set()
