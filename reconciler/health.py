@@ -69,6 +69,8 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
     if active == "active" and sub in ("running", "exited", "reload"):
         return Verdict("running", detail=summary)
     if active in ("inactive", "deactivating"):
+        if never_active:   # e.g. a start timeout: systemd is stopping what never came up
+            return Verdict("crashed", "StartFailed", f"start failed: {summary}")
         return Verdict("exited", "Exited", f"process ended: {summary}")
     return Verdict("starting", detail=summary)
 

@@ -52,6 +52,8 @@ NOTIFY_TIMEOUT = {"LoadState": "loaded", "ActiveState": "failed", "SubState": "f
     ({**PRE_FAILS, "InvocationID": "old"}, {"baseline_invocation": "old"}, "starting", ""),
     ({"LoadState": "loaded", "ActiveState": "deactivating", "SubState": "stop-sigterm", "InvocationID": "old"},
      {"baseline_invocation": "old"}, "starting", ""),
+    # a start that timed out, caught while systemd stops what never came up
+    ({**NOTIFY_TIMEOUT, "ActiveState": "deactivating", "SubState": "stop-sigterm"}, {}, "crashed", "StartFailed"),
     # a bad unit is reported even before the start begins
     ({"LoadState": "bad-setting", "InvocationID": "old"}, {"baseline_invocation": "old"}, "not-loaded",
      "UnitNotLoaded"),
