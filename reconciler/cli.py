@@ -194,15 +194,29 @@ def init_repo_cmd(
     state_dir: Path | None = typer.Option(None, "--state-dir", envvar="RECONCILER_STATE_DIR",
                                              help="The daemon's state dir, for streaming results to the pusher."),
     stream: bool = typer.Option(False, "--stream", help="Always stream the deploy's outcome to the pusher."),
+    shared: str | None = typer.Option(None, "--shared", metavar="GROUP",
+                                      help="Share the repo with GROUP (the pushing users and the daemon): "
+                                           "group-writable, setgid, core.sharedRepository=group; as root also "
+                                           "marked safe.directory in the system git config."),
+    owner: str | None = typer.Option(None, "--owner", metavar="USER", help="With --shared, as root: chown to USER."),
 ) -> None:
     """Create a bare repo with the pre-receive (validate) and post-receive (deploy) hooks installed."""
     from .hooks import init_repo
     if path.exists() and any(path.iterdir()):
         Console(stderr=True).print(f"[bold red]error:[/] {path} exists and is not empty")
         raise typer.Exit(1)
-    init_repo(path, branch=branch, state_dir=str(state_dir.resolve()) if state_dir else None, stream=stream)
-    _console().print(f"bare deploy repo at {path} (branch {branch}); hooks installed.\n"
-                     f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
+    try:
+        notes = init_repo(path, branch=branch, state_dir=str(state_dir.resolve()) if state_dir else None,
+                          stream=stream, group=shared, owner=owner)
+    except (KeyError, PermissionError) as e:     # no such group/user, or not root for chown
+        Console(stderr=True).print(f"[bold red]error:[/] {path}: cannot share with {shared!r}"
+                                   f"{f' owned by {owner!r}' if owner else ''}: {e}")
+        raise typer.Exit(1) from None
+    out = _console()
+    out.print(f"bare deploy repo at {path} (branch {branch}); hooks installed.")
+    for n in notes:
+        out.print(f"  {n}")
+    out.print(f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
 
 
 def main() -> None:

@@ -12,6 +12,16 @@ next run (after a restart) converges, re-watching services applied but not yet s
 
 Each run's output goes to the journal (stdout) and to <state_dir>/runs/<sha>.log; <sha>.exit
 holds the exit code when it ends, for the post-receive hook to stream to the pusher.
+
+Who may read what is set here, never left to the process umask (the unit runs with UMask=0077):
+the run logs and exit files are group-readable (0640, runs/ 0750) so a pusher in the daemon's
+group can stream them; the trigger file is group-writable (0660) so the post-receive hook can
+touch it; the state store stays the daemon's alone (0600).
+
+One push asks twice (the branch ref changes, then the hook touches the trigger): asks for a
+revision that a run has already reconciled are dropped, so a push starts exactly one run. A
+deploy repo whose branch does not exist yet is a state, "waiting for the first push", not a
+failure: it is said once, and the next push starts the first run.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
 import signal
 import time
 from pathlib import Path
@@ -39,6 +50,19 @@ from .status import Store, default_state_dir, remember
 from .trust import RevisionRefused, check_descends, verify_signature
 
 BACKOFF_START = 2.0
+RUNS_DIR_MODE = 0o750       # group: pushers stream their deploy's log (post-receive hook)
+RUN_FILE_MODE = 0o640
+TRIGGER_MODE = 0o660        # group: the post-receive hook touches it
+# Asks that only say "the branch moved": dropped when a run already reconciled the branch head.
+PUSH_ASKS = frozenset({"push", "trigger"})
+
+
+def _open_run_file(path: Path, *, append: bool) -> TextIO:
+    """Open a run log or exit file with its mode set explicitly (not from the umask). The
+    caller closes it (a context manager or the run's ExitStack)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), RUN_FILE_MODE)
+    os.fchmod(fd, RUN_FILE_MODE)
+    return open(fd, "a") if append else open(fd, "w")
 
 
 class _Tee(io.TextIOBase):
@@ -71,6 +95,9 @@ class Daemon:
         self.state_dir = Path(cfg.state_dir) if cfg.state_dir else default_state_dir()
         self.runs_dir = self.state_dir / "runs"
         self.runs_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.runs_dir, RUNS_DIR_MODE)
+        self.ran: str | None = None          # the branch head the last run reconciled
+        self.waiting = False                 # the branch does not exist yet (no push so far)
         self.cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
         self.interval = interval or cfg.interval or 60.0
         self.wake = asyncio.Event()
@@ -94,7 +121,10 @@ class Daemon:
         trigger = self.trigger_file()
         if trigger:
             trigger.parent.mkdir(parents=True, exist_ok=True)
-            trigger.touch(exist_ok=True)
+            if not trigger.exists():
+                os.close(os.open(trigger, os.O_WRONLY | os.O_CREAT, TRIGGER_MODE))
+            with contextlib.suppress(PermissionError):   # someone else's file: leave its mode alone
+                os.chmod(trigger, TRIGGER_MODE)
             paths.append(trigger.parent)
             names.add(str(trigger))
         if not source.is_url(self.cfg.repo):
@@ -123,6 +153,22 @@ class Daemon:
     def _last_applied(self) -> str | None:
         return self.store.get_value("last_applied_revision")
 
+    def head(self) -> str | None:
+        """The deploy branch's head, or None when the branch does not exist (yet)."""
+        repo = source.open_repo(self.cfg.repo, self.cache_dir)
+        ref = repo.references.get(f"refs/heads/{self.cfg.branch}")
+        return str(ref.resolve().target) if ref is not None else None
+
+    def _already_done(self) -> bool:
+        """True when every pending ask only says "the branch moved" and the last run already
+        reconciled the branch head (a push's ref change and its hook's trigger, one run)."""
+        if not self.reasons or not set(self.reasons) <= PUSH_ASKS or self.ran is None:
+            return False
+        try:
+            return self.head() == self.ran
+        except (SourceError, OSError):
+            return False
+
     async def run_once(self) -> int:
         """One reconcile of the whole fleet at the branch head. Returns its exit code."""
         started = time.monotonic()
@@ -134,9 +180,19 @@ class Daemon:
         with contextlib.ExitStack() as closing:
             try:
                 repo = source.open_repo(self.cfg.repo, self.cache_dir)
+                if repo.references.get(f"refs/heads/{self.cfg.branch}") is None:
+                    if not self.waiting:
+                        print(f"reconciler: waiting for the first push to {self.cfg.branch} of {self.cfg.repo}",
+                              flush=True)
+                    self.waiting = True
+                    self.metrics.waiting.set(1)
+                    return 0
+                self.waiting = False
+                self.metrics.waiting.set(0)
                 snap = source.snapshot(repo, f"refs/heads/{self.cfg.branch}", self.cfg.path)
                 rev_name = snap.revision
-                log = closing.enter_context(open(self.runs_dir / f"{snap.revision}.log", "a"))
+                self.ran = snap.revision
+                log = closing.enter_context(_open_run_file(self.runs_dir / f"{snap.revision}.log", append=True))
                 console = Console(file=_tee(self.console.file, log), highlight=False, force_terminal=False,
                                   width=160)
                 console.print(f"reconcile {snap.short} ({why})")
@@ -170,7 +226,8 @@ class Daemon:
                 self._say(log, f"run failed: {type(e).__name__}: {e}")
                 self.metrics.run_failed("error", time.monotonic() - started)
         if rev_name != "unknown":
-            (self.runs_dir / f"{rev_name}.exit").write_text(f"{code}\n")
+            with _open_run_file(self.runs_dir / f"{rev_name}.exit", append=False) as f:
+                f.write(f"{code}\n")
         return code
 
     def _say(self, log: TextIO | None, line: str) -> None:
@@ -184,6 +241,9 @@ class Daemon:
             self.wake.clear()
             if self.stopping.is_set():
                 break
+            if self._already_done():
+                self.reasons.clear()
+                continue
             code = await self.run_once()
             if code in (1, 4):
                 # git down, a host unreachable, a refused revision: retry, backing off

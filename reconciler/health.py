@@ -89,7 +89,7 @@ _EXPLAIN = [
 _SYSTEMD_NOISE = re.compile(
     r"^(Started|Stopped|Stopping|Starting|Scheduled restart job|Consumed|Deactivated successfully)|"
     r"Main process exited|Failed with result|Start request repeated too quickly|\.service: Scheduled|"
-    r"^Failed to start |Control process exited")
+    r"^Failed to start |Control process exited|Failed to kill control group")
 
 
 def explain(lines: list[tuple[str, bool]]) -> str | None:

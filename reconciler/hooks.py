@@ -160,9 +160,18 @@ def _stream(runs: Path, rev: str, timeout: float) -> int:
 
 
 def init_repo(path: Path, *, branch: str = "main", hook_bin: str | None = None,
-              state_dir: str | None = None, stream: bool = False) -> pygit2.Repository:
-    """Create a bare deploy repo with the hooks installed and configured."""
-    repo = pygit2.init_repository(str(path), bare=True, initial_head=branch)
+              state_dir: str | None = None, stream: bool = False, group: str | None = None,
+              owner: str | None = None) -> list[str]:
+    """Create a bare deploy repo with the hooks installed and configured; returns notes.
+
+    group: share it with that group (the pushing users and the daemon): core.sharedRepository
+    = group, every directory setgid and group-writable, so objects pushed by one user are
+    readable and writable by the others. owner: chown it to that user (as root). As root, the
+    repo is also marked safe in the system git config (git and libgit2 refuse a repo owned by
+    another user otherwise: "dubious ownership"); not as root, the line to run is returned.
+    """
+    mode = pygit2.enums.RepositoryInitMode.SHARED_GROUP if group else pygit2.enums.RepositoryInitMode.SHARED_UMASK
+    repo = pygit2.init_repository(str(path), bare=True, initial_head=branch, mode=mode)
     hooks = Path(repo.path) / "hooks"
     hooks.mkdir(exist_ok=True)
     for name in ("pre-receive", "post-receive"):
@@ -173,11 +182,41 @@ def init_repo(path: Path, *, branch: str = "main", hook_bin: str | None = None,
     repo.config["reconciler.hook"] = exe
     repo.config["reconciler.branch"] = branch
     repo.config["receive.advertisePushOptions"] = True
+    # Rewinds are the pre-receive hook's to refuse (it explains why; allow_rewind can permit one),
+    # not git's: a shared init would otherwise turn on git's own blanket refusal.
+    repo.config["receive.denyNonFastForwards"] = False
     if state_dir:
         repo.config["reconciler.statedir"] = state_dir
     if stream:
         repo.config["reconciler.stream"] = "true"
-    return repo
+    return _share(Path(repo.path), group, owner) if group else []
+
+
+def _share(path: Path, group: str, owner: str | None) -> list[str]:
+    """Give a repo to `group` (and `owner`): group-writable, setgid directories, safe for git."""
+    import grp
+    import pwd
+    notes: list[str] = []
+    gid = grp.getgrnam(group).gr_gid
+    uid = pwd.getpwnam(owner).pw_uid if owner else -1
+    for d, _dirs, files in os.walk(path):
+        os.chown(d, uid, gid)
+        os.chmod(d, 0o2775)
+        for name in files:
+            f = Path(d) / name
+            os.chown(f, uid, gid)
+            os.chmod(f, 0o775 if f.parent.name == "hooks" else 0o664)
+    notes.append(f"shared with group {group}: core.sharedRepository = group, directories setgid and group-writable")
+    line = f"git config --system --add safe.directory {path.resolve().as_posix().rstrip('/')}"
+    if os.geteuid() == 0:
+        have = subprocess.run(["git", "config", "--system", "--get-all", "safe.directory"], capture_output=True,
+                              text=True).stdout.split()
+        if path.resolve().as_posix().rstrip("/") not in have:
+            subprocess.run(line.split(), check=True)
+        notes.append(f"marked safe for every user in the system git config ({line})")
+    else:
+        notes.append(f"as root, mark it safe for the pushing users and the daemon: {line}")
+    return notes
 
 
 def _hook_bin() -> str:
@@ -198,9 +237,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return hooks[args[0]]()
-    except (SourceError, ConfigError) as e:
-        print(f"reconciler: {e}", file=sys.stderr)
+    except Exception as e:   # any error is one line for the pusher, never a traceback
+        print(failure_line(args[0], e), file=sys.stderr)
         return 1
+
+
+# What to do about a path a hook cannot use, by where it lives.
+_FIXES = (
+    ("/etc/reconciler", "make it readable by the pushing users' group: chgrp reconciler {path} && "
+                        "chmod g+r {path} (the directory: chmod 0750, group reconciler)"),
+    ("runs", "the daemon writes its run logs group-readable (runs/ 0750, logs 0640) from this version on; "
+             "restart it (systemctl restart reconciler) and check that the pushing user is in its group"),
+    ("trigger", "the daemon creates it group-writable (0660) when it starts; restart it and check that the "
+                "pushing user is in its group"),
+)
+
+
+def failure_line(hook: str, e: BaseException) -> str:
+    """One line naming the path, the cause and the fix (pre-receive fails closed on it)."""
+    verdict = "the push was refused" if hook == "pre-receive" else "the push landed"
+    if isinstance(e, ConfigError | SourceError):
+        return f"reconciler: {hook}: {e} ({verdict})"
+    if isinstance(e, OSError):
+        path = e.filename or "?"
+        cause = e.strerror or type(e).__name__
+        fix = next((f.format(path=path) for key, f in _FIXES if key in str(path)),
+                   "check that the pushing user can read it (see systemd/README.md, the pushing users)")
+        return f"reconciler: {hook}: cannot use {path}: {cause}; {verdict}. Fix: {fix}"
+    return f"reconciler: {hook}: failed: {type(e).__name__}: {e} ({verdict})"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from .fleet import FleetResult
 from .plan import State
 
+# Health of a service that this run did not (re)start, from its state: in sync means verified
+# healthy here; quarantined runs its last good; held ones are stopped.
+_HEALTH_OF_STATE = {State.IN_SYNC: 1, State.QUARANTINED: 1, State.QUARANTINED_NO_GOOD: 0,
+                    State.ROLLBACK_FAILED: 0}
+
 
 class Metrics:
     """The daemon's series, in a registry of their own."""
@@ -27,6 +32,8 @@ class Metrics:
         self.revision = Gauge("reconciler_last_applied_revision_info", "The last applied revision (value 1)",
                               ["revision"], registry=r)
         self.last_run = Gauge("reconciler_last_run_timestamp_seconds", "When the last run ended", registry=r)
+        self.waiting = Gauge("reconciler_waiting_for_first_push", "1 while the deploy branch does not exist yet",
+                             registry=r)
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -43,6 +50,10 @@ class Metrics:
             for name, state in (h.plan.states.items() if h.plan else ()):
                 if state is State.DRIFTED:
                     self.drift.labels(h.host, name).inc()
+                if state in _HEALTH_OF_STATE:
+                    # Not restarted in this run: what the host's records say (a daemon that was
+                    # just restarted reports the fleet at once, not after the next deploy).
+                    self.healthy.labels(h.host, name).set(_HEALTH_OF_STATE[state])
             for e in h.events:
                 if e.outcome is not None:
                     self.healthy.labels(h.host, e.service).set(1 if e.outcome.healthy else 0)

@@ -71,6 +71,9 @@ class Store:
         d = state_dir or default_state_dir()
         d.mkdir(parents=True, exist_ok=True)
         self.path = d / "state.db"
+        if not self.path.exists():
+            # The store is the daemon's alone, whatever the umask (its runs/ logs are shared).
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
         self.db = sqlite3.connect(self.path, timeout=10)
         self.db.row_factory = sqlite3.Row
         self.db.executescript(SCHEMA)

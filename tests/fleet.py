@@ -38,7 +38,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("RECONCILER_FLEET_CACHE", "/var/cache/reconciler-testfleet"))
 RUN_DIR = Path(os.environ.get("RECONCILER_FLEET_RUN", "/run/reconciler-testfleet"))
-PACKAGES = "systemd,systemd-sysv,dbus,openssh-server,iproute2,procps,python3"
+# git and python3-venv: what a control host needs (the install test follows the runbook in one).
+PACKAGES = "systemd,systemd-sysv,dbus,openssh-server,iproute2,procps,python3,git,python3-venv"
 # Bump when the build steps below change, so cached root filesystems are rebuilt.
 BUILD_VERSION = "2"
 STANDIN = HERE / "standin.py"
@@ -140,8 +141,10 @@ def _pidfile(name: str) -> Path:
     return RUN_DIR / f"{name}.pid"
 
 
-def boot(name: str, address: str) -> Host:
-    """Start one container with sshd on address:22 (returns at once; see wait_ready)."""
+def boot(name: str, address: str, binds: list[str] | None = None) -> Host:
+    """Start one container with sshd on address:22 (returns at once; see wait_ready).
+
+    binds: more systemd-nspawn --bind / --bind-ro arguments (e.g. the install test's wheels)."""
     root = rootfs_path()
     if not (root / ".complete").exists():
         raise FleetError("test-host rootfs missing: run `python -m tests.fleet build` (or .ci/setup)")
@@ -155,6 +158,7 @@ def boot(name: str, address: str) -> Host:
         f"--bind-ro={conf}:/etc/ssh/sshd_config.d/test.conf",
         f"--bind-ro={STANDIN}:/usr/local/bin/sglang-standin",
         f"--bind-ro={MODELS}:/models",
+        *(binds or []),
     ]
     with open(RUN_DIR / f"{name}.log", "wb") as log:   # the container keeps its own copy of the fd
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -202,6 +206,30 @@ def wait_ready(hosts: list[Host], timeout: float = 60.0) -> None:
                     log = (RUN_DIR / f"{h.name}.log").read_text(errors="replace")[-2000:]
                     raise FleetError(f"test host {h.name} exited during boot:\n{log}") from None
             time.sleep(0.3)
+
+
+def wheelhouse() -> Path:
+    """Wheels of the project and everything it needs, for installing it inside a container
+    without network access (the install test); built once per pyproject.toml, cached."""
+    root = HERE.parent
+    key = hashlib.sha256((root / "pyproject.toml").read_bytes()).hexdigest()[:12]
+    out = CACHE / f"wheels-{key}"
+    if (out / ".complete").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    print(f"fleet: building wheels for the install test into {out}", file=sys.stderr)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    _run([*pip, "wheel", "--wheel-dir", str(tmp), str(root)])
+    # The build backend, for `pip install <source checkout>` with build isolation.
+    _run([*pip, "download", "--dest", str(tmp), "setuptools>=68", "wheel"])
+    for stale in tmp.glob("reconciler-*.whl"):
+        stale.unlink()        # the test installs from the checkout, as the runbook says
+    (tmp / ".complete").write_text(key)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
 
 
 def up(count: int, first: int = 2, prefix: str = "rt") -> list[Host]:
@@ -282,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--prefix", default="rt")
     sub.add_parser("down")
     sub.add_parser("hostkey")
+    sub.add_parser("wheels")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "build":
@@ -293,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             down()
         elif args.cmd == "hostkey":
             print(host_public_key())
+        elif args.cmd == "wheels":
+            print(wheelhouse())
     except FleetError as e:
         print(f"fleet: {e}", file=sys.stderr)
         return 1

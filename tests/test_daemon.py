@@ -74,3 +74,20 @@ def test_failed_runs_retry_with_back_off(tmp_path):
     gaps = [b - a for a, b in pairwise(times)]
     assert len(times) >= 3                       # retried without any new ask
     assert all(g2 > g1 for g1, g2 in pairwise(gaps))   # each wait longer than the last
+
+
+def test_a_hook_failure_is_one_line_with_path_cause_and_fix() -> None:
+    from reconciler.errors import SourceError
+    from reconciler.hooks import failure_line
+
+    e = PermissionError(13, "Permission denied", "/etc/reconciler/config.toml")
+    line = failure_line("pre-receive", e)
+    assert line.startswith("reconciler: pre-receive: cannot use /etc/reconciler/config.toml: Permission denied; "
+                           "the push was refused. Fix: make it readable by the pushing users' group")
+    assert "\n" not in line
+    runs = PermissionError(13, "Permission denied", "/var/lib/reconciler-controller/runs/abc.log")
+    assert "; the push landed. Fix:" in failure_line("post-receive", runs)
+    assert "run logs group-readable" in failure_line("post-receive", runs)
+    assert failure_line("pre-receive", SourceError("x: not a git repository")) == (
+        "reconciler: pre-receive: x: not a git repository (the push was refused)")
+    assert "ZeroDivisionError" in failure_line("pre-receive", ZeroDivisionError("boom"))

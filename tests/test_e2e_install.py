@@ -1,0 +1,212 @@
+"""End-to-end: the controller installed exactly as systemd/README.md says, on real systemd (issue 10).
+
+The runbook's shell blocks are read from the README itself (`<!-- runbook: WHERE -->` before
+each), so the two cannot drift apart, and run as written:
+
+  * control: on a control host container (Debian 12, real systemd and sshd), as root;
+  * gpu-host: on a test host of the fleet (the stand-in for a GPU host), as root;
+  * workstation: here, in a desired-state repo, pushing over SSH as the `git` user.
+
+Only what the test environment forces is added around them, never inside: the control host
+has no network, so pip reads the project's dependencies from a wheelhouse built outside
+(PIP_NO_INDEX / PIP_FIND_LINKS, bound read-only at /wheelhouse), the checkout is bound at
+/opt/reconciler/src, and the containers share this machine's network namespace, so the
+daemon's metrics listen on the control host's own loopback address instead of 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests import fleet as fleetlib
+from tests.conftest import ROOT, DesiredRepo, write_fleet
+
+pytestmark = pytest.mark.fleet
+
+RUNBOOK = ROOT / "systemd" / "README.md"
+CONTROL = os.environ.get("RECONCILER_TEST_CONTROL", "127.0.0.18")
+CONTROL_NAME = "ctl" + CONTROL.rsplit(".", 1)[1]
+METRICS = f"{CONTROL}:9187"
+
+
+def runbook(where: str) -> list[str]:
+    """The shell blocks of the runbook for one place, in order."""
+    blocks = re.findall(r"<!-- runbook: (\S+) -->\n```sh\n(.*?)```", RUNBOOK.read_text(), re.S)
+    found = [body for w, body in blocks if w == where]
+    assert found, f"no `runbook: {where}` block in {RUNBOOK}"
+    return found
+
+
+def ssh_as(address: str, known_hosts: Path, script: str, *, user: str = "root", check: bool = True,
+           timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    base = fleetlib.ssh_base(address, known_hosts)
+    base[-1] = f"{user}@{address}"
+    res = subprocess.run([*base, "bash -s"], input=script, capture_output=True, text=True, timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f"{user}@{address}: exit {res.returncode}\n--- script\n{script}\n--- stdout\n"
+                             f"{res.stdout[-4000:]}\n--- stderr\n{res.stderr[-4000:]}")
+    return res
+
+
+class Control:
+    """The control host container and the operator's key for pushing to it."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.src = tmp / "src"
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        for rel in files.decode().split("\0"):
+            if rel and (ROOT / rel).is_file():
+                (self.src / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / rel, self.src / rel)
+        self.host = fleetlib.boot(CONTROL_NAME, CONTROL, binds=[f"--bind={self.src}:/opt/reconciler/src",
+                                                                f"--bind-ro={fleetlib.wheelhouse()}:/wheelhouse"])
+        fleetlib.wait_ready([self.host])
+        self.known_hosts = fleetlib.write_known_hosts([self.host], tmp / "control_known_hosts")
+        self.key = tmp / "operator"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "operator@workstation",
+                        "-f", str(self.key)], check=True)
+
+    def root(self, script: str, **kw: object) -> subprocess.CompletedProcess[str]:
+        return ssh_as(CONTROL, self.known_hosts, script, **kw)  # type: ignore[arg-type]
+
+    def git_ssh(self) -> str:
+        return (f"ssh -i {self.key} -o IdentitiesOnly=yes -o BatchMode=yes -o UserKnownHostsFile={self.known_hosts} "
+                f"-o StrictHostKeyChecking=yes -F /dev/null")
+
+    def journal(self) -> str:
+        return self.root("journalctl -u reconciler -o cat --no-pager").stdout
+
+    def stop(self) -> None:
+        fleetlib.stop(CONTROL_NAME)
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Control]:
+    c = Control(tmp_path_factory.mktemp("install"))
+    yield c
+    c.stop()
+
+
+def metrics() -> str:
+    return urllib.request.urlopen(f"http://{METRICS}/metrics", timeout=3).read().decode()
+
+
+def wait_for(what: str, check, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(600)
+def test_the_runbook_installs_a_working_controller(fleet, control: Control, tmp_path: Path):
+    gpu = fleet.hosts[0]
+    # The environment around the runbook (see the module docstring), then the runbook itself.
+    control.root("mkdir -p /etc/systemd/system/reconciler.service.d && printf '[Service]\\n"
+                 f"Environment=RECONCILER_METRICS={METRICS}\\n' > /etc/systemd/system/reconciler.service.d/test.conf")
+    control.root(f"cat > ~/operator.pub <<'EOF'\n{Path(str(control.key) + '.pub').read_text()}EOF\n")
+    started = time.monotonic()
+    for block in runbook("control"):
+        control.root("set -ex\ncd ~\nexport PIP_NO_INDEX=1 PIP_FIND_LINKS=/wheelhouse\n" + block)
+    installed = time.monotonic() - started
+    print(f"runbook on the control host: {installed:.1f}s")
+
+    # The daemon runs, hardened, and waits for the first push (a state, not an error).
+    wait_for("the daemon to wait for the first push", lambda: "waiting for the first push" in control.journal())
+    j = control.journal()
+    assert j.count("waiting for the first push") == 1 and "run failed" not in j and "Traceback" not in j, j
+    assert "reconciler_waiting_for_first_push 1.0" in metrics()
+    modes = control.root("stat -c '%a %U:%G %n' /etc/reconciler /etc/reconciler/config.toml "
+                         "/etc/reconciler/id_ed25519 /srv/git/fleet.git /srv/git/fleet.git/reconciler.trigger "
+                         "/var/lib/reconciler-controller /var/lib/reconciler-controller/runs "
+                         "/var/lib/reconciler-controller/state.db").stdout.split("\n")
+    assert modes[:8] == [
+        "750 root:reconciler /etc/reconciler", "640 root:reconciler /etc/reconciler/config.toml",
+        "600 reconciler:reconciler /etc/reconciler/id_ed25519", "2775 reconciler:reconciler /srv/git/fleet.git",
+        "660 reconciler:reconciler /srv/git/fleet.git/reconciler.trigger",
+        "750 reconciler:reconciler /var/lib/reconciler-controller",
+        "750 reconciler:reconciler /var/lib/reconciler-controller/runs",
+        "600 reconciler:reconciler /var/lib/reconciler-controller/state.db"], modes
+
+    # The GPU host enrolls the controller's key (copied over, as scp would) and shows its fingerprint.
+    pub = control.root("cat /etc/reconciler/id_ed25519.pub").stdout
+    fleet.ssh(gpu, f"cat > ~/reconciler-controller.pub <<'EOF'\n{pub}EOF")
+    printed = ""
+    for block in runbook("gpu-host"):
+        printed += ssh_as(gpu.address, fleet.known_hosts, "set -e\ncd ~\n" + block).stdout
+    fingerprint = printed.split()[1]
+
+    # The workstation: a desired-state repo for the GPU host, without its key yet.
+    ws = DesiredRepo(tmp_path / "my-fleet")
+    write_fleet(ws, [gpu], {"model-a": {"port": 30000, "env": {"STANDIN_LOAD_SECONDS": "0.5"}}})
+    ws.write("known_hosts", "")
+    ws.commit("my fleet")
+    env = {**os.environ, "CONTROL": CONTROL, "GPU_HOST": gpu.address, "GIT_SSH_COMMAND": control.git_ssh(),
+           "GIT_AUTHOR_NAME": "Operator", "GIT_AUTHOR_EMAIL": "op@example.invalid",
+           "GIT_COMMITTER_NAME": "Operator", "GIT_COMMITTER_EMAIL": "op@example.invalid"}
+    pushed = subprocess.run(["bash", "-c", "set -ex\n" + "\n".join(runbook("workstation"))], cwd=ws.path, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert pushed.returncode == 0, pushed.stdout + pushed.stderr
+    assert fingerprint in pushed.stdout, (fingerprint, pushed.stdout)    # what the operator compares
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ws.path, capture_output=True, text=True).stdout.strip()
+    assert f"reconciler: {head[:7]} valid (1 hosts, 1 services)" in pushed.stderr, pushed.stderr
+
+    # Exactly one run for the push, and the change is live on the GPU host.
+    runs = "/var/lib/reconciler-controller/runs"
+    wait_for("the deploy", lambda: control.root(f"cat {runs}/{head}.exit", check=False).stdout.strip() == "0", 90)
+    assert fleet.show(gpu, "model-a", "ActiveState")["ActiveState"] == "active"
+    time.sleep(2)                                       # a second run would have started by now
+    assert control.journal().count(f"reconcile {head[:7]} (") == 1, control.journal()
+
+    # A push that waits streams the deploy into its own output, as the pushing user.
+    write_fleet(ws, [gpu], {"model-a": {"port": 30000, "env": {"STANDIN_LOAD_SECONDS": "0.5", "LOG_LEVEL": "debug"}}})
+    subprocess.run(["git", "checkout", "HEAD", "--", "known_hosts"], cwd=ws.path, check=True)  # as enrolled
+    subprocess.run(["git", "commit", "-qam", "debug logging"], cwd=ws.path, env=env, check=True)
+    res = subprocess.run(["git", "push", "-o", "reconcile.wait", "deploy", "main"], cwd=ws.path, env=env,
+                         capture_output=True, text=True, timeout=180)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0 and "model-a (deploy" in out and "finished with exit 0" in out, out
+    assert "Traceback" not in out and "PermissionError" not in out
+    assert "LOG_LEVEL=debug" in fleet.show(gpu, "model-a", "Environment")["Environment"]
+
+    # An invalid push is refused, naming the file and key; nothing lands.
+    text = (ws.path / f"hosts/{gpu.name}.toml").read_text().replace("[services.model-a]\n",
+                                                                    "[services.model-a]\nrestart_policy = 1\n")
+    (ws.path / f"hosts/{gpu.name}.toml").write_text(text)
+    subprocess.run(["git", "commit", "-qam", "a typo"], cwd=ws.path, env=env, check=True)
+    res = subprocess.run(["git", "push", "deploy", "main"], cwd=ws.path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode != 0 and f"hosts/{gpu.name}.toml: services.model-a.restart_policy" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+    # A hook that cannot read its config fails closed, in one line that says what to fix.
+    control.root("chmod 0600 /etc/reconciler/config.toml")
+    res = subprocess.run(["git", "push", "deploy", "main"], cwd=ws.path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    control.root("chmod 0640 /etc/reconciler/config.toml")
+    lines = [ln for ln in res.stderr.splitlines() if "reconciler:" in ln]
+    assert res.returncode != 0 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert ("pre-receive: cannot use /etc/reconciler/config.toml: Permission denied; the push was refused. "
+            "Fix: make it readable by the pushing users' group") in lines[0], lines
+
+    # The daemon survives a restart and reports the fleet in sync at once.
+    control.root("systemctl restart reconciler")
+    wait_for("the fleet in sync after a restart",
+             lambda: f'reconciler_service_healthy{{host="{gpu.name}",service="model-a"}} 1.0' in metrics(), 60)
+    assert control.root("systemctl is-active reconciler").stdout.strip() == "active"
+    print(f"install test: runbook {installed:.1f}s, whole test {time.monotonic() - started:.1f}s")
