@@ -657,40 +657,30 @@ class _Builder:
                 self.add(Kind.START, Reason.RESTORE, name, detail="the original was running")
 
 
-def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
-    """Compute the actions that converge one host to `desired` at `ctx.revision` (pure)."""
-    b = _Builder(desired, facts, ctx)
-    services: dict[str, ServicePlan] = {}
-    for name, svc in sorted(desired.services.items()):
-        f = facts.services.get(name)
-        sp = classify(name, svc, f, desired.name, ctx)
-        blocks = ctx.checks.blocked.get(name)
-        if blocks and sp.target is not None and sp.state is not State.IN_SYNC:
-            sp = _blocked(sp, blocks)
-        services[name] = sp
-        if sp.state in (State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED):
-            b.hold(sp, Reason.HOLD_STOPPED, f)
-            b.record_quarantine(sp, f)
-        elif sp.state is State.HALTED:
-            b.hold(sp, Reason.HOLD_HALTED, f)
-            b.record_quarantine(sp, f)
-        elif sp.state is State.FOREIGN:
-            b.hold(sp, Reason.FOREIGN, f)
-        elif sp.state is State.BLOCKED:
-            b.hold(sp, Reason.BLOCKED, f)
-        elif sp.state is State.QUARANTINED:
-            b.hold(sp, Reason.HOLD_LAST_GOOD, f)
-            b.record_quarantine(sp, f)
-            b.converge(sp, f)
-        elif sp.target is not None:
-            b.converge(sp, f)
+# The hold marker each state without a plain target gets (actionForState's first half).
+_HOLDS = {State.QUARANTINED_NO_GOOD: Reason.HOLD_STOPPED, State.ROLLBACK_FAILED: Reason.HOLD_STOPPED,
+          State.HALTED: Reason.HOLD_HALTED, State.FOREIGN: Reason.FOREIGN, State.BLOCKED: Reason.BLOCKED,
+          State.QUARANTINED: Reason.HOLD_LAST_GOOD}
+# States whose live quarantine this run must make durable on the host.
+_RECORDS_QUARANTINE = frozenset({State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED, State.HALTED, State.QUARANTINED})
 
-    dropped: list[str] = []
+
+def _service_plan(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str, ctx: Context) -> ServicePlan:
+    sp = classify(name, svc, f, host, ctx)
+    blocks = ctx.checks.blocked.get(name)
+    if blocks and sp.target is not None and sp.state is not State.IN_SYNC:
+        return _blocked(sp, blocks)
+    return sp
+
+
+def _orphans(b: _Builder, facts: HostFacts, services: dict[str, ServicePlan]) -> list[str]:
+    """Services in the inventory that left the desired state: removed (returned), or kept while
+    a service on the host is blocked (a rename whose new service is refused must not leave
+    neither running: the old one goes once the deploy that replaces it is let through)."""
     blocked = sorted(n for n, sp in services.items() if sp.state is State.BLOCKED)
-    for name in sorted(facts.inventory - set(desired.services) - ctx.deferred):
+    dropped: list[str] = []
+    for name in sorted(facts.inventory - set(b.host.services) - b.ctx.deferred):
         if blocked:
-            # A rename whose new service is refused must not leave neither running: the old one
-            # goes once the deploy that replaces it is let through.
             note = f"removed from the desired state; kept while {', '.join(blocked)} is blocked"
             services[name] = ServicePlan(name, State.ORPHAN, result=Result.IN_SYNC, note=note)
             b.add(Kind.HOLD, Reason.KEEP_ORPHAN, name, detail=note)
@@ -698,10 +688,27 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
         services[name] = ServicePlan(name, State.ORPHAN, result=Result.CONVERGED)
         dropped.append(name)
         b.orphan(name, facts.services[name])
+    return dropped
 
+
+def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
+    """Compute the actions that converge one host to `desired` at `ctx.revision` (pure)."""
+    b = _Builder(desired, facts, ctx)
+    services: dict[str, ServicePlan] = {}
+    for name, svc in sorted(desired.services.items()):
+        f = facts.services.get(name)
+        sp = services[name] = _service_plan(name, svc, f, desired.name, ctx)
+        if sp.state in _HOLDS:
+            b.hold(sp, _HOLDS[sp.state], f)
+        if sp.state in _RECORDS_QUARANTINE:
+            b.record_quarantine(sp, f)
+        if sp.target is not None and sp.state is not State.BLOCKED:
+            b.converge(sp, f)
+    dropped = _orphans(b, facts, services)
     if b.reload:
         b.add(Kind.DAEMON_RELOAD, Reason.RELOAD, detail="unit files changed on disk")
     host_rev = facts.record.applied_revision if facts.record else None
+    blocked = any(sp.state is State.BLOCKED for sp in services.values())
     # A revision is recorded as applied when something was applied, or when nothing at it was
     # refused: a blocked deploy writes nothing at all, not even the record.
     if any(a.kind.mutating for a in b.actions) or dropped or (host_rev != ctx.revision and not blocked):
