@@ -32,11 +32,13 @@ from dataclasses import dataclass, field, replace
 from .apply import GpuWait
 from .errors import CommandError
 from .facts import ENV_DROPIN, HostFacts
-from .gpu import GpuFacts, gpu_command, kill_strays, parse_gpu, stray_holders, wait_released
+from .gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, kill_strays, parse_gpu, wait_released
 from .plan import Block, Checks, HostPlan, foreign_dropins, own_files, render_env, starting, writing_units
 from .preflight import ModelFacts, RuleSet, check_host, gpu_claim, model_check_command, parse_command, parse_model_check
 from .spec import HostSpec, ModelSpec, ServiceSpec
 from .transport import Transport
+from .versions import cache as versions_cache
+from .versions import parse_probe, probe_command, probe_for
 
 # Rules about which GPUs a service claims: only meaningful on a host that has GPUs to claim
 # (a host without nvidia-smi, like the test fleet, reports "no GPUs" and skips them).
@@ -168,16 +170,20 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     """
     out = Preflight()
     targets = starting(plan)
-    units = {n: (u, render_env(plan.services[n].target.spec.env) if plan.services[n].target  # type: ignore[union-attr]
-                 and plan.services[n].target.spec.env else None)  # type: ignore[union-attr]
-             for n, u in writing_units(plan).items()}
+    units: dict[str, tuple[str, str | None]] = {}
+    for n, u in writing_units(plan).items():
+        target = plan.services[n].target
+        units[n] = (u, render_env(target.spec.env) if target is not None and target.spec.env else None)
     if not targets and not units:
         return out
-    specs = {n: effective_spec(tg.spec, facts) for n, tg in targets.items()}
+    specs = {n: model_from_command(effective_spec(tg.spec, facts)) for n, tg in targets.items()}
     paths = sorted({s.model.path for s in specs.values() if s.model})
+    probes = [p for n, s in sorted(specs.items()) if (p := probe_for(n, parse_command(s))) is not None] \
+        if rules is not None and any(r.versions for r in rules.rules) else []
+    cache = versions_cache()
     cmds: list[str] = []
     stdin = None
-    vtok = mtok = gtok = ""
+    vtok = mtok = gtok = ptok = ""
     if units:
         vcmd, stdin, vtok = verify_command(units)
         cmds.append(vcmd)
@@ -187,7 +193,18 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     if targets:
         gcmd, gtok = gpu_command()
         cmds.append(gcmd)
-    res = await t.run("; ".join(cmds), input=stdin, check=True, timeout=60, what="pre-flight")
+    if probes:
+        pcmd, ptok = probe_command(probes, cache.stamps(host.name))
+        cmds.append(pcmd)
+    res = await t.run("; ".join(cmds), input=stdin, check=True, timeout=120, what="pre-flight")
+    versions: dict[str, str | None] = {}
+    if probes:
+        versions = cache.resolve(host.name, probes, parse_probe(res.stdout, ptok))
+        cache.save()
+        for p in probes:
+            if versions.get(p.service) is None:
+                out.warnings.append(f"{p.service}: the installed {p.module} version could not be read with "
+                                    f"{p.executable}: rules bound to versions apply as for any version")
     if units:
         problems, available = parse_verify(res.stdout, vtok, units)
         if not available:
@@ -200,8 +217,84 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     out.models = parse_model_check(res.stdout, mtok, host.name) if paths else {}
     _judge_models(out, specs, fetched or {})
     if rules is not None and targets:
-        _judge_rules(out, host, specs, rules)
+        # A rollback target passed health here: a rule pack that changed since must not keep
+        # the fleet from going back to it (systemd's check and the model check still apply).
+        fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
+        _judge_rules(out, host, fresh, rules, versions)
+    if out.gpu is not None and out.gpu.has_nvidia_smi:
+        _judge_strays(out, out.gpu, specs, facts, host)
     return out
+
+
+def gpu_indexes(h: Holder) -> set[int]:
+    """The GPUs a holder is known to use: nvidia-smi's compute contexts, /dev/nvidiaN fds."""
+    idx = set(h.gpus)
+    for d in h.devices:
+        tail = d[len(DEVICE_PREFIX):]
+        if d.startswith(DEVICE_PREFIX) and tail.isdigit():
+            idx.add(int(tail))
+    return idx
+
+
+def strays_on(gpu: GpuFacts, claimed: set[int] | None, *, own_unit: str, own_pids: set[int],
+              managed: set[str]) -> list[Holder]:
+    """Compute processes on the GPUs a service claims that are neither its own (by PID or
+    cgroup) nor another managed service's. Only processes nvidia-smi lists with GPU memory
+    count: a daemon that merely holds /dev/nvidia* open (nvidia-persistenced, an exporter) is
+    no stray."""
+    out = []
+    for h in gpu.holders:
+        if h.pid in own_pids or h.unit == own_unit or (h.unit is not None and h.unit in managed):
+            continue
+        if h.used_mib is None:
+            continue
+        idx = gpu_indexes(h)
+        if claimed is None or idx & claimed:
+            out.append(h)
+    return out
+
+
+def _judge_strays(out: Preflight, gpu: GpuFacts, specs: Mapping[str, ServiceSpec], facts: HostFacts,
+                  host: HostSpec) -> None:
+    """Before anything stops: a stray on a service's claimed GPUs blocks its deploy (policy
+    "report"), or is noted for the kill after the stop (policy "kill")."""
+    managed = {f"{n}.service" for n in host.services} | {f"{n}.service" for n in facts.inventory}
+    for name, svc in sorted(specs.items()):
+        f = facts.services.get(name)
+        pid = int((f.props.get("ExecMainPID", "0") if f else "0") or 0)
+        strays = strays_on(gpu, _claimed_gpus(svc, gpu), own_unit=f"{name}.service", own_pids={pid} - {0},
+                           managed=managed - {f"{name}.service"})
+        if not strays:
+            continue
+        what = "; ".join(str(s) for s in strays)
+        if svc.gpu_policy == "kill":
+            out.warnings.append(f"{name}: stray GPU holder(s) on its GPUs, killed after the stop "
+                                f"(gpu_policy = \"kill\"): {what}")
+        else:
+            out.block(name, "GpuBusy", f"{name}: its GPUs are held by a process that is not a managed service: "
+                                       f"{what}. Nothing was stopped. Fix: stop it, or set gpu_policy = \"kill\"")
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def model_from_command(svc: ServiceSpec) -> ServiceSpec:
+    """A service without a [model] table, with the model its server's own arguments name
+    (`--model-path`, vLLM's positional or `--model`): an absolute path, or a hub id looked up
+    in the Hugging Face cache the unit points at. So every model rule and the completeness
+    check run on what the server will load, declared or not."""
+    if svc.model is not None:
+        return svc
+    cmd = parse_command(svc)
+    m = cmd.model
+    if not m:
+        return svc
+    if m.startswith("/"):
+        return replace(svc, model=ModelSpec(id=cmd.value("--served-model-name") or m, path=m))
+    if _HUB_ID.match(m):
+        hub = cmd.env.get("HF_HUB_CACHE") or cmd.env.get("HF_HOME", "/root/.cache/huggingface") + "/hub"
+        return replace(svc, model=ModelSpec(id=m, path=f"{hub}/models--{m.replace('/', '--')}/snapshots/*"))
+    return svc
 
 
 def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Mapping[str, str | None]) -> None:
@@ -209,6 +302,10 @@ def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Map
         m = svc.model
         facts = out.models.get(m.path) if m else None
         if m is None or facts is None:
+            continue
+        if "*" in m.path and not facts.exists:
+            out.warnings.append(f"{name}: {m.id} is not in the Hugging Face cache ({m.path}): the server "
+                                f"downloads it at start, so it is checked only once it is there")
             continue
         if fetched.get(m.path):
             out.block(name, "ModelFetchFailed", f"{name}: {fetched[m.path]}")
@@ -224,14 +321,16 @@ def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Map
                   f"Fix: finish the download (or set model.fetch) before deploying (source: {MODEL_RULE_SOURCE})")
 
 
-def _judge_rules(out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec], rules: RuleSet) -> None:
+def _judge_rules(out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec], rules: RuleSet,
+                 versions: Mapping[str, str | None]) -> None:
     configs = {p: m.config for p, m in out.models.items() if m.config is not None}
     gpu = out.gpu or GpuFacts(has_nvidia_smi=False)
     no_gpus = not gpu.has_nvidia_smi
     if no_gpus:
         out.warnings.append(f"{gpu.summary()}: GPU rules ({', '.join(sorted(GPU_RULES))}) skipped")
     judged = replace(host, services={**host.services, **specs})
-    for f in check_host(judged, rules=rules, model_configs=configs, gpu_count=gpu.observed_gpu_count):
+    for f in check_host(judged, rules=rules, model_configs=configs, gpu_count=gpu.observed_gpu_count,
+                        versions=versions):
         if f.service not in specs or (no_gpus and f.rule_id in GPU_RULES):
             continue
         if f.blocking:
@@ -294,9 +393,12 @@ def _claimed_gpus(svc: ServiceSpec | None, gpu: GpuFacts) -> set[int] | None:
 
 def gpu_waiter(t: Transport, plan: HostPlan, facts: HostFacts, gpu: GpuFacts, notes: list[str],
                *, timeout: float = 120.0) -> GpuWait:
-    """The executor's wait between stop and start on a GPU host: the old processes gone and the
-    claimed GPUs' memory free (bounded). A stray holder that is not the service's is reported,
-    and killed only when the service's gpu_policy says "kill". None when free, else why not."""
+    """The executor's wait before a start on a GPU host: the old processes gone and the claimed
+    GPUs' memory free (bounded). A stray on the claimed GPUs is reported, and killed only when
+    the service's gpu_policy says "kill" (never a process on other GPUs, never another managed
+    service). None when free, else why not."""
+    managed = set(plan.services) | facts.inventory
+
     async def wait(name: str) -> str | None:
         f = facts.services.get(name)
         pid = int((f.props.get("ExecMainPID", "0") if f else "0") or 0)
@@ -306,7 +408,8 @@ def gpu_waiter(t: Transport, plan: HostPlan, facts: HostFacts, gpu: GpuFacts, no
         policy = svc.gpu_policy if svc else "report"
         gpus = _claimed_gpus(svc, gpu)
         ok, after, waited = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
-        strays = stray_holders(after, pids, {f"{name}.service"})
+        strays = strays_on(after, gpus, own_unit=f"{name}.service", own_pids=pids,
+                           managed={f"{n}.service" for n in managed - {name}})
         for s in strays:
             notes.append(f"{name}: stray GPU holder pid {s.pid} ({s.comm}, {s.used_mib} MiB)")
         if not ok and strays and policy == "kill":

@@ -166,6 +166,13 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   out=$(%(query_apps)s 2>&1); rc=$?
   printf '%%s\n' "$out" | while IFS= read -r l; do printf '%%s A %%s\n' "$T" "$l"; done
   printf '%%s ARC %%s\n' "$T" "$rc"
+  # The cgroup of every compute process too: a server's GPU workers may hold no /dev/nvidia*
+  # fd we can see, and only their cgroup ties them to a service.
+  printf '%%s\n' "$out" | cut -d, -f1 | sort -u | while read -r p; do
+    case "$p" in ''|*[!0-9]*) continue ;; esac
+    cg=$(cat "/proc/$p/cgroup" 2>/dev/null | base64 | tr -d '\n')
+    printf '%%s C %%s %%s\n' "$T" "$p" "${cg:--}"
+  done
 else
   printf '%%s SMI 0\n' "$T"
 fi
@@ -237,6 +244,7 @@ def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
     gpus: list[Gpu] = []
     procs: dict[int, tuple[str, str | None, tuple[str, ...]]] = {}
     apps: dict[int, tuple[str, list[int], list[str]]] = {}
+    app_units: dict[int, str | None] = {}
     errors: list[str] = []
     gpu_lines: list[str] = []
     ended = False
@@ -258,6 +266,13 @@ def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
                 raise ObserveError(host, "malformed GPU holder line (bad base64)") from None
             devices = tuple(sorted(set(parts[3:])))
             procs[int(parts[0])] = (comm, unit_of_cgroup(cgroup), devices)
+        elif kind == "C":
+            pid_s, _, cg = payload.partition(" ")
+            if pid_s.isdigit():
+                try:
+                    app_units[int(pid_s)] = unit_of_cgroup(_b64(cg.strip() or "-"))
+                except ValueError:
+                    raise ObserveError(host, "malformed GPU cgroup line (bad base64)") from None
         elif kind == "SMI":
             has_smi = payload.strip() == "1"
         elif kind == "G":
@@ -298,7 +313,7 @@ def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
     by_uuid = {g.uuid: g.index for g in gpus if g.uuid}
     holders: list[Holder] = []
     for pid in sorted(set(procs) | set(apps)):
-        comm, unit, devices = procs.get(pid, ("", None, ()))
+        comm, unit, devices = procs.get(pid, ("", app_units.get(pid), ()))
         app = apps.get(pid)
         if app and not comm:
             comm = app[0].rsplit("/", 1)[-1]

@@ -22,13 +22,10 @@ brace (systemd's ${VAR}, %i, JSON) passes through untouched.
 
 from __future__ import annotations
 
-import difflib
-import json
 import re
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 import tomlkit
@@ -40,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import schema
 from .errors import ConfigError, Problem, SourceError
+from .problems import Hints, dotted, key_path, validation_problems
 from .spec import (
     DesiredState,
     FleetSettings,
@@ -58,7 +56,6 @@ SERVICES_DIR = "services"
 HEADER = "# Managed by reconciler from git; edits on this host are reverted.\n# Source: {source}\n"
 
 PLACEHOLDER = re.compile(r"\{(host|service|model|vars)\.([A-Za-z0-9_]+)\}")
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 _SERVICE_SECTION = re.compile(r"^[ \t]*\[Service\][ \t]*$", re.MULTILINE)
 _PARSE_POSITION = re.compile(r" at line \d+ col \d+$")
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -109,11 +106,6 @@ def load_desired(snap: SnapshotLike) -> DesiredState:
     return _Loader(snap).load()
 
 
-def dotted(*parts: object) -> str:
-    """A dotted key for messages; parts that are not bare TOML keys are quoted: services."a;b"."""
-    return ".".join(p if _BARE_KEY.match(p) else json.dumps(p) for p in (str(x) for x in parts))
-
-
 # ---- problems -------------------------------------------------------------------------------
 
 
@@ -159,47 +151,12 @@ def _uses_text(uses: list[_Use]) -> str:
     return " (in " + "; ".join(parts) + ")"
 
 
-def _validation_problems(file: str, model: type[BaseModel], error: ValidationError) -> list[Problem]:
-    """Turn pydantic's errors into Problems: loc tuples become dotted keys, and every message
-    says what is expected. Input values are never echoed here (env values may be secrets);
-    only the schema validators, which know whether a value is secret, show values."""
-    problems = []
-    for e in error.errors(include_url=False):
-        loc = tuple(str(x) for x in e["loc"])
-        is_name = bool(loc) and loc[-1] == "[key]"
-        path = loc[:-1] if is_name else loc
-        kind = e["type"]
-        if kind == "missing":
-            message = "required key missing"
-        elif kind == "extra_forbidden":
-            message = _unknown_key(model, path)
-        elif kind in ("model_type", "model_attributes_type", "dict_type"):
-            message = f"expected a table, got {schema.kind_of(e['input'])}"
-        elif kind == "expected":
-            message = ("invalid name: " if is_name else "") + e["msg"]
-        else:
-            message = e["msg"]
-        problems.append(Problem(file, dotted(*path), message))
-    return problems
-
-
-def _unknown_key(model: type[BaseModel], path: tuple[str, ...]) -> str:
-    parent = _model_at(model, path[:-1])
-    allowed = list(parent.model_fields) if parent else []
-    key = path[-1]
-    if parent is schema.HostSSH and key == "known_hosts":
-        return "unknown key: known_hosts is fleet-wide, set it under [ssh] in fleet.toml"
-    if parent is schema.ServiceDefinition and key == "use":
-        return "unknown key: a definition cannot `use` another one (only a host's service table can)"
-    close = difflib.get_close_matches(key, allowed, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"unknown key ({hint}allowed: {', '.join(allowed)})"
-
-
-def _error_path(loc: tuple[int | str, ...]) -> tuple[str, ...]:
-    """The key path of an error: ('services', 'a;b', '[key]') -> ('services', 'a;b')."""
-    path = tuple(str(x) for x in loc)
-    return path[:-1] if path and path[-1] == "[key]" else path
+# Keys that belong elsewhere: say where, rather than list the keys allowed here.
+_HINTS: Hints = {
+    (schema.HostSSH, "known_hosts"): "unknown key: known_hosts is fleet-wide, set it under [ssh] in fleet.toml",
+    (schema.ServiceDefinition, "use"):
+        "unknown key: a definition cannot `use` another one (only a host's service table can)",
+}
 
 
 def _without(data: dict[str, Any], paths: set[tuple[str, ...]]) -> dict[str, Any]:
@@ -220,38 +177,6 @@ def _without(data: dict[str, Any], paths: set[tuple[str, ...]]) -> dict[str, Any
 def _under(path: tuple[str, ...], bad: set[tuple[str, ...]]) -> bool:
     """Whether any problem path lies at or below `path`."""
     return any(b[: len(path)] == path for b in bad)
-
-
-def _model_at(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] | None:
-    """The model class that validates the table at `path` (walking fields and dict values)."""
-    tp: Any = model
-    for part in path:
-        tp = _strip(tp)
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            info = tp.model_fields.get(part)
-            if info is None:
-                return None
-            tp = info.annotation
-        elif get_origin(tp) is dict:
-            tp = get_args(tp)[1]
-        else:
-            return None
-    tp = _strip(tp)
-    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
-
-
-def _strip(tp: Any) -> Any:
-    """Annotated[X, ...] -> X; X | None -> X."""
-    while True:
-        if hasattr(tp, "__metadata__"):
-            tp = get_args(tp)[0]
-            continue
-        if get_origin(tp) in (Union, types.UnionType):
-            args = [a for a in get_args(tp) if a is not type(None)]
-            if len(args) == 1:
-                tp = args[0]
-                continue
-        return tp
 
 
 # ---- merging --------------------------------------------------------------------------------
@@ -458,9 +383,9 @@ class _Loader:
         try:
             return model.model_validate(parsed), set()
         except ValidationError as e:
-            for p in _validation_problems(file, model, e):
+            for p in validation_problems(file, model, e, data=parsed, hints=_HINTS):
                 self.problems.add(p.file, p.key, p.message)
-            bad = {_error_path(err["loc"]) for err in e.errors(include_url=False)}
+            bad = {key_path(err["loc"]) for err in e.errors(include_url=False)}
         try:
             return model.model_validate(_without(parsed, bad)), bad
         except ValidationError:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from . import faults
@@ -33,7 +33,7 @@ from .gate import Preflight, fetch_model, gpu_waiter, preflight_host
 from .health import Outcome, Phase, watch_service
 from .plan import Action, Context, HostPlan, Kind, ServicePlan, State, needs_last_good, plan_host
 from .preflight import RuleSet
-from .records import Quarantine, Result, ServiceRecord, Verdict, judge
+from .records import Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from .spec import DesiredState, HostSpec, ServiceSpec
 from .transport import SSHTransport, Transport
 
@@ -264,6 +264,7 @@ class _HostRun:
             self.result.events.append(ServiceEvent(name, Event.BLOCKED, plan.revision,
                                                    sp.target.hash if sp.target else "", note=why))
             self.result.worsen(Result.FAILED, "GpuBusy", f"{name}: {why}")
+            await self._record_gate_block(plan, name, why)
         watches = [a for a in plan.watches if a.service not in applied.skipped]
         if not watches:
             return True
@@ -298,6 +299,19 @@ class _HostRun:
         await write_record(self.t, name, judged.record, stop=judged.stop)
         faults.hit("after-verdict")
         return out.healthy
+
+    async def _record_gate_block(self, plan: HostPlan, name: str, why: str) -> None:
+        """The GPUs stayed busy, so the start did not happen: the record says so (pending, not
+        started), and the next run gates the start again."""
+        sp = plan.services[name]
+        intent = next((a.record for a in plan.actions if a.kind is Kind.INTENT and a.service == name), None)
+        rec = intent or self._record(name)
+        if sp.target is None:
+            return
+        pending = rec.pending or Pending(hash=sp.target.hash, revision=sp.target.revision,
+                                         rollback=sp.target.rollback, replaces_hash=rec.hash,
+                                         replaces_revision=rec.revision, at=int(time.time()))
+        await write_record(self.t, name, replace(rec, pending=replace(pending, started=False, blocked=why)))
 
     def _record(self, name: str) -> ServiceRecord:
         f = self.facts.services.get(name) if self.facts else None

@@ -151,6 +151,7 @@ class Pending:
     replaces_revision: str | None = None
     at: int = 0                      # host clock (epoch s) when the intent was written
     started: bool = False            # the start/restart was issued after the files were in place
+    blocked: str | None = None       # why the start did not happen (GPUs still busy): tried again next run
 
     @classmethod
     def from_json(cls, data: object) -> Pending | None:
@@ -158,12 +159,12 @@ class Pending:
             return None
         return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "", rollback=_bool(data, "rollback"),
                    replaces_hash=_str(data, "replaces_hash"), replaces_revision=_str(data, "replaces_revision"),
-                   at=_int(data, "at"), started=_bool(data, "started"))
+                   at=_int(data, "at"), started=_bool(data, "started"), blocked=_str(data, "blocked"))
 
     def to_json(self) -> dict[str, Any]:
         return {"hash": self.hash, "revision": self.revision, "rollback": self.rollback,
                 "replaces_hash": self.replaces_hash, "replaces_revision": self.replaces_revision,
-                "at": self.at, "started": self.started}
+                "at": self.at, "started": self.started, "blocked": self.blocked}
 
 
 @dataclass(frozen=True)

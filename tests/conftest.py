@@ -122,19 +122,12 @@ SPEC_FLAGS = ("--speculative-algo NEXTN --speculative-num-steps 3 --speculative-
 # rule the pack does not know yet: the crash loop is then caught on the host (defence in depth).
 WITHOUT_INCIDENT_RULE = {"rules/without-incident-rule.toml": 'disable = ["sglang-spec-hybrid-extra-buffer"]\n'}
 
-STANDIN_UNIT = """
-[Unit]
-Description=stand-in model server {service.name}
-
-[Service]
-Type=simple
-ExecStart=/usr/local/bin/sglang-standin --model-path {model.path} --host {host.address} --port {vars.port} {vars.args}
-Restart=always
-RestartSec=1
-
-[Install]
-WantedBy=multi-user.target
-"""
+# The stand-in runs as SGLang does: python3 -m sglang.launch_server (tests/hostpkg).
+STANDIN_UNIT = (
+    "\n[Unit]\nDescription=stand-in model server {service.name}\n\n[Service]\nType=simple\n"
+    "ExecStart=/usr/bin/python3 -m sglang.launch_server --model-path {model.path} --host {host.address} "
+    "--port {vars.port} {vars.args}\n"
+    "Restart=always\nRestartSec=1\n\n[Install]\nWantedBy=multi-user.target\n")
 
 
 def write_fleet(repo: DesiredRepo, hosts: list[fleetlib.Host], services: dict[str, dict] | None = None,

@@ -6,6 +6,9 @@ PID 1 systemd, journald and sshd listening on its own loopback address 127.0.0.N
 
 Besides the base system, every host gets (read-only bind mounts):
   /usr/local/bin/sglang-standin   the project's stand-in for an SGLang server (tests/standin.py)
+  /usr/local/lib/python3.11/dist-packages/sglang
+                                  a stand-in `sglang` package (tests/hostpkg): units run the
+                                  stand-in as `python3 -m sglang.launch_server`, as in production
   /models                         small fake model directories (tests/models)
 
 Used by the pytest fixtures (tests/conftest.py), the sandbox demo (.ci/sandbox) and the
@@ -43,6 +46,8 @@ PACKAGES = "systemd,systemd-sysv,dbus,openssh-server,iproute2,procps,python3,git
 # Bump when the build steps below change, so cached root filesystems are rebuilt.
 BUILD_VERSION = "2"
 STANDIN = HERE / "standin.py"
+HOSTPKG = HERE / "hostpkg"
+SITE = "/usr/local/lib/python3.11/dist-packages"
 MODELS = HERE / "models"
 
 
@@ -157,6 +162,9 @@ def boot(name: str, address: str, binds: list[str] | None = None) -> Host:
         "--register=no", "--keep-unit",
         f"--bind-ro={conf}:/etc/ssh/sshd_config.d/test.conf",
         f"--bind-ro={STANDIN}:/usr/local/bin/sglang-standin",
+        f"--bind-ro={HOSTPKG / 'sglang'}:{SITE}/sglang",
+        # A stand-in nvidia-smi, off PATH: a test makes a host a "GPU host" with `gpu_host()`.
+        f"--bind-ro={HOSTPKG / 'nvidia-smi'}:/usr/local/lib/fake-nvidia-smi",
         f"--bind-ro={MODELS}:/models",
         *(binds or []),
     ]
@@ -208,6 +216,28 @@ def wait_ready(hosts: list[Host], timeout: float = 60.0) -> None:
             time.sleep(0.3)
 
 
+# Makes a test host a GPU host: the stand-in nvidia-smi on PATH, with `count` fake GPUs.
+def gpu_host(count: int = 2) -> str:
+    return f"ln -sf /usr/local/lib/fake-nvidia-smi /usr/local/bin/nvidia-smi && echo {count} > /etc/fake-gpus"
+
+
+STRAY_SECONDS = 100731     # how the reset script tells a test's stray GPU holders apart
+
+
+def stray(gpus: str) -> str:
+    """Shell that starts a process holding the given fake GPUs ("0" or "0,1") outside any
+    service, as a crashed server's leftover would; prints its PID."""
+    return (f"FAKE_GPU_HOLD={gpus} setsid sleep {STRAY_SECONDS} </dev/null >/dev/null 2>&1 & echo $!")
+
+
+def standin_package(version: str) -> str:
+    """Shell that installs a stand-in `sglang` package reporting `version` under
+    /opt/sglang-<version> (put it first on PYTHONPATH to run that version); prints the dir."""
+    d = f"/opt/sglang-{version}"
+    return (f"mkdir -p {d} && cp -r {SITE}/sglang {d}/ && "
+            f"sed -i 's/^__version__ = .*/__version__ = \"{version}\"/' {d}/sglang/__init__.py && echo {d}")
+
+
 def wheelhouse() -> Path:
     """Wheels of the project and everything it needs, for installing it inside a container
     without network access (the install test); built once per pyproject.toml, cached."""
@@ -226,6 +256,7 @@ def wheelhouse() -> Path:
     _run([*pip, "download", "--dest", str(tmp), "setuptools>=68", "wheel"])
     for stale in tmp.glob("reconciler-*.whl"):
         stale.unlink()        # the test installs from the checkout, as the runbook says
+    shutil.rmtree(root / "build", ignore_errors=True)     # what building the project's wheel left
     (tmp / ".complete").write_text(key)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -285,6 +316,7 @@ def down(hosts: list[Host] | None = None) -> None:
 # reconciler's record on the host. The base rootfs has no regular unit files there.
 RESET_SCRIPT = r"""
 set -u
+STRAY_SECONDS=@STRAY@
 for f in /etc/systemd/system/*.service; do
   [ -f "$f" ] && [ ! -L "$f" ] || continue
   u=$(basename "$f")
@@ -292,12 +324,14 @@ for f in /etc/systemd/system/*.service; do
   systemctl kill "$u" >/dev/null 2>&1
   rm -f "$f"; rm -rf "$f.d"
 done
+pkill -f "sleep $STRAY_SECONDS" >/dev/null 2>&1
+rm -f /usr/local/bin/nvidia-smi /etc/fake-gpus
 rm -rf /var/lib/reconciler /etc/systemd/system/*.service.d /etc/systemd/system/.reconciler-* /tmp/model-* \
   /run/systemd/system/*.service.d /etc/systemd/system.control /run/systemd/system.control
 systemctl daemon-reload
 systemctl reset-failed
 true
-"""
+""".replace("@STRAY@", str(STRAY_SECONDS))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,12 @@ bind-mounted as the executable /usr/local/bin/sglang-standin and run by systemd 
 
       MTP with the hybrid GDN model needs --mamba-scheduler-strategy extra_buffer and SGLANG_ENABLE_SPEC_V2=1
 
+  as the incident's SGLang did. The stand-in behaves as one SGLang release (``server_version``:
+  the stand-in ``sglang`` package's ``__version__``, default 0.5.12): that check exists from
+  0.5.10 to 0.5.13, ``extra_buffer_lazy`` from 0.5.13 (refused with speculative decoding
+  before 0.5.17), ``--mamba-radix-cache-strategy`` from 0.5.14, and 0.5.20 no longer knows
+  ``--mamba-scheduler-strategy``, as reconciler/rules/sglang.toml records with its sources;
+
 * ``--tp-size`` larger than the number of GPUs in ``CUDA_VISIBLE_DEVICES`` (when that is set)
   exits 1; a ``--port`` already in use exits 1 with ``OSError: [Errno 98] Address already in use``;
 * like SGLang, the HTTP port only listens once the (simulated) model load is over; then it
@@ -82,7 +88,28 @@ def fail(line: str, code: int = 1) -> NoReturn:
     sys.exit(code)
 
 
-def build_parser() -> argparse.ArgumentParser:
+DEFAULT_VERSION = "0.5.12"
+
+
+def server_version() -> str:
+    """The SGLang release the stand-in behaves as: the stand-in `sglang` package's __version__
+    (tests/hostpkg, on the test hosts), else STANDIN_VERSION, else DEFAULT_VERSION."""
+    try:
+        import importlib
+        return str(getattr(importlib.import_module("sglang"), "__version__", DEFAULT_VERSION))
+    except ImportError:
+        return os.environ.get("STANDIN_VERSION", DEFAULT_VERSION)
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in v.split(".")[:3] if x.isdigit())
+
+
+def build_parser(version: str = DEFAULT_VERSION) -> argparse.ArgumentParser:
+    """SGLang's flags as `version` has them: --mamba-scheduler-strategy from 0.5.7 (with
+    extra_buffer_lazy from 0.5.13), renamed --mamba-radix-cache-strategy in 0.5.14 (the old
+    spelling gone in 0.5.20). See reconciler/rules/sglang.toml for the sources."""
+    v = version_tuple(version)
     p = argparse.ArgumentParser(
         prog="sglang-standin",
         description="Stand-in for `python -m sglang.launch_server` (tests only; no real model).",
@@ -105,11 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
     p.add_argument("--speculative-draft-model-path", default=None)
-    p.add_argument(
-        "--mamba-scheduler-strategy",
-        choices=["auto", "no_buffer", "extra_buffer"],
-        default="auto",
-    )
+    strategies = ["auto", "no_buffer", "extra_buffer"] + (["extra_buffer_lazy"] if v >= (0, 5, 13) else [])
+    names = (["--mamba-scheduler-strategy"] if v < (0, 5, 20) else []) + \
+        (["--mamba-radix-cache-strategy"] if v >= (0, 5, 14) else [])
+    if names:
+        p.add_argument(*names, dest="mamba_scheduler_strategy", choices=strategies, default="auto")
+    p.set_defaults(mamba_scheduler_strategy="auto")
     p.add_argument("--log-level", default="info")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
@@ -298,13 +326,14 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        return run(build_parser().parse_args(argv))
+        version = server_version()
+        return run(build_parser(version).parse_args(argv), version)
     except Stop as e:
         log(f"Received signal {e.args[0]}, shutting down (stand-in).")
         return 0
 
 
-def run(args) -> int:
+def run(args, version: str = DEFAULT_VERSION) -> int:
     load_seconds = env_float("STANDIN_LOAD_SECONDS", 0.0)
     crash_after = env_float("STANDIN_CRASH_AFTER", None)
     hang = env_bool("STANDIN_HANG")
@@ -314,7 +343,8 @@ def run(args) -> int:
         fail("ValueError: STANDIN_HEALTH_STATUS must be an integer HTTP status")
 
     log(f"[standin] server_args={vars(args)!r}")
-    log(f"[standin] pid={os.getpid()} (stand-in for sglang.launch_server, not a real server)")
+    log(f"[standin] pid={os.getpid()} (stand-in for sglang.launch_server {version}, not a real server)")
+    v = version_tuple(version)
 
     check_gpus(args.tp_size)
     cfg = load_config(args.model_path)
@@ -323,7 +353,10 @@ def run(args) -> int:
     log(f"Model config: architectures={archs} model_type={cfg.get('model_type')!r} "
         f"hybrid_linear_attention={hybrid}")
 
-    if args.speculative_algorithm and hybrid:
+    if args.speculative_algorithm and args.mamba_scheduler_strategy == "extra_buffer_lazy" and v < (0, 5, 17):
+        fail("AssertionError: extra_buffer_lazy is not yet supported with speculative decoding. "
+             "Use --mamba-scheduler-strategy extra_buffer instead.")
+    if args.speculative_algorithm and hybrid and (0, 5, 10) <= v < (0, 5, 14):
         spec_v2 = env_bool("SGLANG_ENABLE_SPEC_V2")
         if args.mamba_scheduler_strategy != "extra_buffer" or not spec_v2:
             log(f"Speculative decoding {args.speculative_algorithm} requested on a hybrid "

@@ -22,7 +22,8 @@ def test_dry_run_apply_then_noop(fleet, repo):
 
     dry = run_cli("--repo", str(repo.path), "--dry-run", check_codes=(2,))
     assert f"+++ {rev[:7]}:{UNIT}" in dry.stdout
-    assert "ExecStart=/usr/local/bin/sglang-standin --model-path /models/Qwen3-8B --host " + h.address in dry.stdout
+    assert ("ExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /models/Qwen3-8B --host "
+            + h.address) in dry.stdout
     assert 'Environment="LOG_LEVEL=info"' in dry.stdout
     assert "start model-a" in dry.stdout and rev[:7] in dry.stdout
     # dry-run changed nothing
@@ -82,7 +83,8 @@ def test_hand_edit_is_drift_and_is_reverted(fleet, repo):
 
     dry = run_cli("--repo", str(repo.path), "--dry-run", check_codes=(2,))
     assert "drift" in dry.stdout
-    assert "-ExecStart=/usr/local/bin/sglang-standin" in dry.stdout and "--speculative-algo NEXTN" in dry.stdout
+    assert "-ExecStart=/usr/bin/python3 -m sglang.launch_server" in dry.stdout
+    assert "--speculative-algo NEXTN" in dry.stdout
     assert "--speculative-algo NEXTN" in fleet.ssh(h, f"cat {UNIT}")   # dry-run left it alone
 
     run_cli("--repo", str(repo.path), check_codes=(0,))

@@ -25,6 +25,7 @@ INCIDENT_LINE = ("MTP with the hybrid GDN model needs --mamba-scheduler-strategy
                  "and SGLANG_ENABLE_SPEC_V2=1")
 QWEN35 = "Qwen3.5-122B-A10B"
 UNIT = "/etc/systemd/system/m.service"
+SERVER = "/usr/bin/python3 -m sglang.launch_server"      # the stand-in, run as SGLang is
 
 
 def svc(**kw) -> dict:
@@ -148,7 +149,7 @@ def test_a_foreign_unit_is_never_touched_and_adopt_takes_it_over_and_gives_it_ba
     repo.commit("adopt model-a")
     code, out = run_json("--repo", str(repo.path), check_codes=(0,))
     assert host_out(out, h.name)["states"]["model-a"] == "Adopt"
-    assert "sglang-standin" in fleet.ssh(h, "cat /etc/systemd/system/model-a.service")
+    assert "sglang.launch_server" in fleet.ssh(h, "cat /etc/systemd/system/model-a.service")
     assert sha(fleet, h, "/var/lib/reconciler/adopted/model-a/etc/systemd/system/model-a.service") == before
     assert record(fleet, h, "model-a")["adopted"]["was_active"] is True
 
@@ -175,7 +176,7 @@ def test_a_hand_made_drop_in_is_drift_and_is_removed(fleet, repo):
     run_cli("--repo", str(repo.path), check_codes=(0,))
     want = argv(fleet.show(h, "m", "ExecStart")["ExecStart"])
     # `systemctl edit m` and `systemctl edit --runtime m`, as an operator would at 3 a.m.
-    override = ("[Service]\nExecStart=\nExecStart=/usr/local/bin/sglang-standin --model-path /models/Qwen3-8B "
+    override = (f"[Service]\nExecStart=\nExecStart={SERVER} --model-path /models/Qwen3-8B "
                 f"--host {h.address} --port 30000 --log-level debug\n")
     fleet.ssh(h, "mkdir -p /etc/systemd/system/m.service.d /run/systemd/system/m.service.d && "
                  f"printf '%s' '{override}' > /etc/systemd/system/m.service.d/override.conf && "
@@ -187,7 +188,7 @@ def test_a_hand_made_drop_in_is_drift_and_is_removed(fleet, repo):
     dry = run_cli("--repo", str(repo.path), "--dry-run", check_codes=(2,))
     assert f"{h.name}:/etc/systemd/system/m.service.d/override.conf" in dry.stdout
     assert f"{h.name}:/run/systemd/system/m.service.d/50-x.conf" in dry.stdout
-    assert "-ExecStart=/usr/local/bin/sglang-standin --model-path /models/Qwen3-8B" in dry.stdout  # its content
+    assert f"-ExecStart={SERVER} --model-path /models/Qwen3-8B" in dry.stdout      # its content
     assert "drop-in not written by the reconciler" in dry.stdout
 
     code, out = run_json("--repo", str(repo.path), check_codes=(0,))
@@ -219,7 +220,7 @@ def test_pre_flight_judges_the_command_line_an_allowed_drop_in_makes(fleet, repo
     write_fleet(repo, [h], {"sglang": svc(model=QWEN35)}, extra={})
     repo.commit()
     run_cli("--repo", str(repo.path), check_codes=(0,))
-    dropin = ("[Service]\nExecStart=\nExecStart=/usr/local/bin/sglang-standin --model-path /models/" + QWEN35 +
+    dropin = (f"[Service]\nExecStart=\nExecStart={SERVER} --model-path /models/" + QWEN35 +
               f" --host {h.address} --port 30000 {SPEC_FLAGS}\n")
     fleet.ssh(h, f"mkdir -p /etc/systemd/system/sglang.service.d && printf '%s' '{dropin}' > "
                  "/etc/systemd/system/sglang.service.d/20-mtp.conf")

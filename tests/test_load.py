@@ -207,12 +207,17 @@ def test_example_desired_state_renders_two_hosts() -> None:
         assert host.ssh.known_hosts_file == "known_hosts"
         service = host.services["sglang-qwen"]
         assert (
-            "ExecStart=/usr/local/bin/sglang-standin --model-path /models/Qwen3-8B --served-model-name "
-            f"Qwen/Qwen3-8B --host {address} --port 30000 --tp-size 1\n"
+            "ExecStart=/opt/sglang/bin/python3 -m sglang.launch_server \\\n"
+            "    --model-path /models/Qwen3.5-122B-A10B --served-model-name Qwen/Qwen3.5-122B-A10B \\\n"
+            f"    --host {address} --port 30000 \\\n    --tp-size 4 "
         ) in service.unit_text
         assert "{" not in service.unit_text
         assert service.health.http == f"http://{address}:30000/health"
-        assert service.health.startup_timeout == 120.0 and service.definition == "sglang-qwen"
+        assert service.health.startup_timeout == 1800.0 and service.definition == "sglang-qwen"
+        assert service.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and service.model is not None
+        vllm = host.services["vllm-qwen3-8b"]
+        assert f"ExecStart=/opt/vllm/bin/vllm serve /models/Qwen3-8B --served-model-name Qwen/Qwen3-8B" \
+            in vllm.unit_text and vllm.health.http == f"http://{address}:8000/health"
     assert state.hosts["h2"].services["sglang-qwen"].env["SGLANG_LOG_LEVEL"] == "info"
     assert state.hosts["h3"].services["sglang-qwen"].env["SGLANG_LOG_LEVEL"] == "debug"
     h2, h3 = (state.hosts[h].services["sglang-qwen"] for h in ("h2", "h3"))

@@ -71,15 +71,17 @@ class Snap:
 # ---- parse_command ----------------------------------------------------------------------------
 
 
-def test_parse_the_shipped_unit_rendered():
-    text = (Path(__file__).resolve().parent.parent / "desired-state/units/sglang.service").read_text()
-    text = (text.replace("{model.path}", "/models/Qwen3-8B").replace("{model.id}", "Qwen/Qwen3-8B")
-            .replace("{host.address}", "127.0.0.2").replace("{vars.port}", "30000")
-            .replace("{vars.tp}", "1").replace("{service.name}", "sglang-qwen"))
-    cmd = pf.parse_command(ServiceSpec(name="sglang-qwen", unit_text=text))
-    assert cmd.server == "sglang"                      # the test fleet's stand-in counts as sglang
-    assert cmd.model == "/models/Qwen3-8B"
-    assert (cmd.host, cmd.port, cmd.value("--tp")) == ("127.0.0.2", 30000, "1")
+def test_parse_the_shipped_units_rendered():
+    root = Path(__file__).resolve().parent.parent / "desired-state/units"
+    values = {"{model.path}": "/models/M", "{model.id}": "Org/M", "{host.address}": "127.0.0.2",
+              "{vars.port}": "30000", "{vars.tp}": "4", "{service.name}": "s"}
+    for unit, server, tp_flag in (("sglang.service", "sglang", "--tp"), ("vllm.service", "vllm", "-tp")):
+        text = (root / unit).read_text()
+        for k, v in values.items():
+            text = text.replace(k, v)
+        cmd = pf.parse_command(ServiceSpec(name="s", unit_text=text))
+        assert cmd.server == server and cmd.model == "/models/M"
+        assert (cmd.host, cmd.port, cmd.value(tp_flag)) == ("127.0.0.2", 30000, "4")
 
 
 def test_parse_prefixes_continuations_forms_and_aliases():
@@ -148,7 +150,7 @@ def test_parse_shell_wrapper():
     ("/usr/bin/python3 -m vllm.entrypoints.openai.api_server --model /m --tensor_parallel_size 2",
      "vllm", "/m"),
     ("/opt/venv/bin/sglang serve --model-path /m --tp 2", "sglang", "/m"),
-    ("/usr/local/bin/sglang-standin --model-path /models/Qwen3-8B", "sglang", "/models/Qwen3-8B"),
+    ("/usr/local/bin/sglang-standin --model-path /models/Qwen3-8B", None, None),   # not a server we know
     ("/usr/bin/numactl --cpunodebind=0 /usr/bin/python3 -m sglang.launch_server --model-path /m",
      "sglang", "/m"),
     ("/bin/bash -lc 'exec vllm serve /m -tp 2'", "vllm", "/m"),
@@ -197,13 +199,13 @@ def test_hybrid_from_config_layer_types_top_level_or_text_config():
     assert "hybrid" not in pf.model_info(svc, config("Qwen3-8B"), RULES.models).traits
 
 
-def test_hybrid_from_config_other_layer_lists():
-    svc = sglang(model_id="acme/mystery")
-    jamba = {"architectures": ["X"], "layers_block_type": ["mamba", "attention", "mamba"]}
-    nemo = {"architectures": ["X"], "hybrid_override_pattern": "M-M-M*-M"}
-    arch = {"architectures": ["Qwen3NextForCausalLM"]}
-    for cfg in (jamba, nemo, arch):
-        assert "hybrid" in pf.model_info(svc, cfg, RULES.models).traits, cfg
+@pytest.mark.parametrize("cfg", [
+    {"architectures": ["X"], "layers_block_type": ["mamba", "attention", "mamba"]},     # Jamba
+    {"architectures": ["X"], "hybrid_override_pattern": "M-M-M*-M"},                    # Nemotron-H
+    {"architectures": ["Qwen3NextForCausalLM"]},                                        # the table
+])
+def test_hybrid_from_config_other_layer_lists(cfg: dict):
+    assert "hybrid" in pf.model_info(sglang(model_id="acme/mystery"), cfg, RULES.models).traits
 
 
 def test_config_decides_over_the_model_id():

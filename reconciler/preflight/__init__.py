@@ -1,0 +1,91 @@
+"""Pre-flight checks before a model server is (re)started: flag rules as data, model presence.
+
+Everything here is pure except the text of one shell command:
+
+* `parse_command(svc)` reads the server command line of a rendered unit (its last
+  ExecStart=, after systemd's prefixes and line continuations), splits it into flags and env,
+  and detects the server kind (sglang or vllm).
+* The rule pack is data: TOML files shipped in reconciler/rules/ plus the desired-state repo's
+  own rules/*.toml (`load_rules`), validated with pydantic; a bad user file is a ConfigError
+  naming file and key. `check_service` and `check_host` evaluate them, together with a few
+  built-in checks that need arithmetic or look across services (parallel sizes vs GPUs, heads
+  divisibility, quantization vs checkpoint, GPUs and ports shared on one host), each one
+  function registered with `@builtin(id, sources=...)`. Every result is a `Finding` with a
+  rule id, the fix and the source that justifies the rule.
+* Model presence: `model_check_command(paths)` reads config.json, the safetensors index and the
+  size of every weight file in one round trip; `parse_model_check` names what is missing.
+
+What a model is ("hybrid": it keeps recurrent linear-attention / SSM state) comes from the
+model's own config.json when the caller has read it from the host (dry-run, apply), and
+otherwise (validate: no host access) from the model id and the declared architecture, looked
+up in the `[[model]]` tables of the rule files (rules/models.toml, extendable from the repo).
+
+A rule file::
+
+    disable = ["port-conflict"]          # optional: rule ids (shipped or built-in) to turn off
+
+    [[rule]]
+    id = "sglang-spec-hybrid-extra-buffer"   # lowercase, digits, '-'; a repo rule with the id
+                                             # of a shipped rule replaces it
+    server = "sglang"                    # "sglang" | "vllm" | "any"
+    severity = "error"                   # "error" blocks the deploy; "warning" is reported
+    when = { flag_any = ["--speculative-algorithm"], model = ["hybrid"] }
+    unless = { flag_any = ["--disable-radix-cache"] }      # optional
+    require = { flags = { "--mamba-scheduler-strategy" = "extra_buffer" },
+                env = { SGLANG_ENABLE_SPEC_V2 = ["1", "true"] } }   # optional
+    message = "... needs ... (missing: {missing})"
+    fix = "..."
+    source = "https://..."
+    versions = ">=0.5.10,<0.5.14"        # optional: the server versions the rule is true for
+    unknown_version = "apply"            # optional: "apply" (default) or "skip" where the
+                                         # host's server version cannot be read
+
+    [[model]]                            # model knowledge: ids/architectures -> traits
+    ids = ["*/Qwen3.5-*"]                # globs, case-insensitive
+    architectures = ["Qwen3_5*"]
+    traits = ["hybrid"]
+
+A rule fires when the server's version on the host is in `versions` (gate.py reads it: the
+interpreter of ExecStart asked for the installed sglang/vllm version; `reconcile validate` has
+no host, so there every version is unknown), `when` holds, `unless` does not, and `require`
+(if any) is not met; without `require` it fires whenever `when` holds. Conditions (all given
+keys must hold): `flag_any`,
+`flag_none`, `flags` (flag given with one of the values; true = given, false = not given),
+`flags_not` (flag given with a value not listed), `env_any`, `env` (value listed), `env_not`
+(unset or not listed), `model` (traits, all of them), `architecture`, `model_type` and
+`model_id` (globs, any). A condition about the model is false when the model is unknown.
+Message placeholders: {flag:--name} (its value), {model}, {model.why}, {missing}. Env values
+never appear in messages (they may be secrets).
+
+The package, one concern a module (all private; this module's `__all__` is the interface):
+_command (the server command line), _models (model knowledge), _schema (the rule-file
+schema), _rules (loading the rule pack, evaluating declarative rules), _builtin (the built-in
+rules and their registry), _check (check_service, check_host, check_desired) and _hostcheck
+(model presence on the host).
+"""
+
+from ._builtin import BUILTIN_RULES
+from ._check import check_desired, check_host, check_service
+from ._command import Command, gpu_claim, parse_command, unit_entries
+from ._hostcheck import ModelFacts, model_check_command, parse_model_check
+from ._models import ModelInfo, model_info
+from ._rules import Finding, RuleSet, load_rules
+
+__all__ = [
+    "BUILTIN_RULES",
+    "Command",
+    "Finding",
+    "ModelFacts",
+    "ModelInfo",
+    "RuleSet",
+    "check_desired",
+    "check_host",
+    "check_service",
+    "gpu_claim",
+    "load_rules",
+    "model_check_command",
+    "model_info",
+    "parse_command",
+    "parse_model_check",
+    "unit_entries",
+]

@@ -1,0 +1,92 @@
+"""The entry points: every rule, declarative and built-in, against a service, a host, the repo (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import Problem
+from ..spec import DesiredState, HostSpec, ServiceSpec
+from ._builtin import BUILTIN_RULES, HostRule, ServiceRule
+from ._command import Command, parse_command
+from ._models import model_info
+from ._rules import Finding, RuleSet, evaluate_rule
+
+
+def check_service(svc: ServiceSpec, *, rules: RuleSet, model_config: Mapping[str, Any] | None,
+                  gpu_count: int | None, version: str | None = None) -> list[Finding]:
+    """Every rule against one service (pure).
+
+    model_config: the model's config.json from the host, or None (validate: then the model id
+    and declared architecture decide). gpu_count: the host's declared or observed GPU count,
+    or None when unknown (the GPU-count check is then skipped unless CUDA_VISIBLE_DEVICES is set).
+    version: the server's version on the host, or None when unknown (validate, or not readable).
+    """
+    return _check_command(svc, parse_command(svc), rules, model_config, gpu_count, version)
+
+
+def _check_command(svc: ServiceSpec, cmd: Command, rules: RuleSet, model_config: Mapping[str, Any] | None,
+                   gpu_count: int | None, version: str | None = None) -> list[Finding]:
+    if cmd.server is None:
+        return []
+    info = model_info(svc, model_config, rules.models)
+    findings: list[Finding] = []
+    for rule in rules.rules:
+        if rules.enabled(rule.id):
+            f = evaluate_rule(rule, svc, cmd, info, version)
+            if f is not None:
+                findings.append(f)
+    for builtin in BUILTIN_RULES.values():
+        if isinstance(builtin, ServiceRule) and rules.enabled(builtin.id):
+            failed = builtin.check(cmd, info, gpu_count)
+            if failed is not None:
+                findings.append(Finding(builtin.id, svc.name, "error", failed.message, failed.fix,
+                                        builtin.source(cmd.server)))
+    return findings
+
+
+def check_host(host: HostSpec, *, rules: RuleSet, model_configs: Mapping[str, Mapping[str, Any]],
+               gpu_count: int | None, versions: Mapping[str, str | None] | None = None) -> list[Finding]:
+    """Every rule against every service of a host, plus the checks across its services (pure).
+
+    model_configs maps a model path to its config.json as read from the host (missing paths:
+    decided from the repo's model id and declared architecture). versions: service -> its
+    server's version on the host (absent or None: unknown). A conflict between two services is
+    reported on both of them: either deploy would collide with the other.
+    """
+    findings: list[Finding] = []
+    commands: dict[str, Command] = {}
+    for name in sorted(host.services):
+        svc = host.services[name]
+        cmd = parse_command(svc)
+        config = model_configs.get(svc.model.path) if svc.model else None
+        findings.extend(_check_command(svc, cmd, rules, config, gpu_count, (versions or {}).get(name)))
+        if cmd.server is not None:
+            commands[name] = cmd
+    pair_rules = [r for r in BUILTIN_RULES.values() if isinstance(r, HostRule) and rules.enabled(r.id)]
+    names = sorted(commands)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            for rule in pair_rules:
+                for me, other in ((a, b), (b, a)):
+                    mine = commands[me]
+                    failed = rule.check(mine, other, commands[other])
+                    if failed is not None:
+                        findings.append(Finding(rule.id, me, "error", failed.message, failed.fix,
+                                                rule.source(mine.server)))
+    return findings
+
+
+def check_desired(state: DesiredState, rules: RuleSet) -> tuple[list[Problem], list[str]]:
+    """Run every rule on what the repo declares. Returns (blocking problems, warnings)."""
+    problems: list[Problem] = []
+    warnings: list[str] = []
+    for name, host in sorted(state.hosts.items()):
+        for f in check_host(host, rules=rules, model_configs={}, gpu_count=None):
+            where = f"services.{f.service}"
+            text = f"{f.rule_id}: {f.message.rstrip('.')}. Fix: {f.fix.rstrip('.')} (source: {f.source})"
+            if f.blocking:
+                problems.append(Problem(host.source or f"hosts/{name}.toml", where, text))
+            else:
+                warnings.append(f"{host.source}: {where}: warning: {text}")
+    return problems, warnings

@@ -1,0 +1,154 @@
+"""Model knowledge: what a service's model is (ModelInfo), from its config.json or the [[model]] tables.
+
+With the model's config.json (read from the host): its architectures, model_type and traits
+(a layer list with linear-attention / SSM layers means "hybrid"), plus the checkpoint's
+quantization method. Without it (validate: no host access): the [[model]] tables of the rule
+files, matched by model id and by the architecture the repo declares.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..spec import ServiceSpec
+from ._schema import ModelEntry
+
+# Layer kinds that carry recurrent state (Gated DeltaNet / linear attention, Mamba SSM) in the
+# layer lists of hybrid configs: Qwen3.5 / Qwen3-Next `layer_types`, Granite-4.0-H `layer_types`,
+# Jamba `layers_block_type`, Nemotron-H `hybrid_override_pattern` ("M" = Mamba layer).
+_RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "mamba", "mamba2"})
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the checks know about a service's model, and how they know it."""
+
+    id: str | None = None
+    architectures: tuple[str, ...] = ()
+    model_type: str | None = None
+    traits: frozenset[str] = frozenset()
+    why: dict[str, str] = field(default_factory=dict)      # trait -> evidence, for messages
+    known: bool = False              # False: no config.json and nothing in the table
+    config: Mapping[str, Any] | None = None
+
+    @property
+    def label(self) -> str:
+        """How messages name the model: its id, else its first architecture."""
+        return self.id or (self.architectures[0] if self.architectures else "the model")
+
+
+def _sections(config: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    out: list[tuple[str, Mapping[str, Any]]] = [("", config)]
+    text = config.get("text_config")
+    if isinstance(text, Mapping):
+        out.append(("text_config.", text))
+    return out
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part of a config (text_config for multimodal wrappers)."""
+    text = config.get("text_config")
+    return text if isinstance(text, Mapping) else config
+
+
+def _recurrent_layers(config: Mapping[str, Any]) -> str | None:
+    """Evidence that a config.json describes a model with recurrent (linear/SSM) layers."""
+    for prefix, section in _sections(config):
+        for key in ("layer_types", "layers_block_type"):
+            kinds = section.get(key)
+            if isinstance(kinds, list):
+                n = sum(1 for k in kinds if isinstance(k, str) and k.lower() in _RECURRENT_LAYER_KINDS)
+                if n:
+                    names = sorted({k for k in kinds if isinstance(k, str) and k.lower() in _RECURRENT_LAYER_KINDS})
+                    return f"config.json {prefix}{key} has {n} of {len(kinds)} {'/'.join(names)} layers"
+        pattern = section.get("hybrid_override_pattern")
+        if isinstance(pattern, str) and "M" in pattern:
+            return f"config.json {prefix}hybrid_override_pattern has {pattern.count('M')} Mamba layers"
+    return None
+
+
+def glob_any(value: str, patterns: Iterable[str]) -> str | None:
+    low = value.lower()
+    for p in patterns:
+        if fnmatch.fnmatchcase(low, p.lower()):
+            return p
+    return None
+
+
+def model_info(svc: ServiceSpec, config: Mapping[str, Any] | None, table: Iterable[ModelEntry]) -> ModelInfo:
+    """What is known about the model of a service (pure).
+
+    With the model's config.json (read from the host): its architectures and model_type, and
+    its traits from the layer lists (an unknown architecture with linear_attention layers is
+    still hybrid) and from the table. Without it: the table, by model id and by the
+    architecture declared in the repo (model.architecture).
+    """
+    entries = list(table)
+    model_id = svc.model.id if svc.model else None
+    traits: set[str] = set()
+    why: dict[str, str] = {}
+    if config is not None:
+        archs: list[str] = []
+        model_type = None
+        for _, section in _sections(config):
+            a = section.get("architectures")
+            if isinstance(a, list):
+                archs.extend(x for x in a if isinstance(x, str) and x not in archs)
+            if model_type is None and isinstance(section.get("model_type"), str):
+                model_type = section["model_type"]
+        evidence = _recurrent_layers(config)
+        if evidence:
+            traits.add("hybrid")
+            why["hybrid"] = evidence
+        for entry in entries:
+            hit = _entry_match(entry, None, archs, model_type)
+            if hit:
+                for t in entry.traits:
+                    if t not in traits:
+                        traits.add(t)
+                        why[t] = hit
+        return ModelInfo(id=model_id, architectures=tuple(archs), model_type=model_type,
+                         traits=frozenset(traits), why=why, known=True, config=config)
+    declared = svc.model.architecture if svc.model else None
+    archs_declared = [declared] if declared else []
+    known = False
+    for entry in entries:
+        hit = _entry_match(entry, model_id, archs_declared, None)
+        if hit:
+            known = True
+            for t in entry.traits:
+                if t not in traits:
+                    traits.add(t)
+                    why[t] = hit
+    return ModelInfo(id=model_id, architectures=tuple(archs_declared), traits=frozenset(traits),
+                     why=why, known=known)
+
+
+def _entry_match(entry: ModelEntry, model_id: str | None, archs: list[str], model_type: str | None) -> str | None:
+    if model_id:
+        p = glob_any(model_id, entry.ids)
+        if p:
+            return f"model id matches {p}"
+    for a in archs:
+        p = glob_any(a, entry.architectures)
+        if p:
+            return f"architecture {a}"
+    if model_type:
+        p = glob_any(model_type, entry.model_types)
+        if p:
+            return f"model_type {model_type}"
+    return None
+
+
+def checkpoint_quantization(config: Mapping[str, Any]) -> str | None:
+    """quant_method of a checkpoint's quantization_config (or compression_config), if any."""
+    for _, section in _sections(config):
+        for key in ("quantization_config", "compression_config"):
+            q = section.get(key)
+            method = q.get("quant_method") if isinstance(q, Mapping) else None
+            if isinstance(method, str) and method:
+                return method.lower().replace("compressed_tensors", "compressed-tensors")
+    return None
