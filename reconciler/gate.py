@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from .apply import GpuWait
 from .errors import CommandError
 from .facts import ENV_DROPIN, HostFacts
-from .gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, kill_strays, parse_gpu, wait_released
+from .gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, gpu_facts, kill_strays, parse_gpu, wait_released
 from .plan import Block, Checks, HostPlan, foreign_dropins, own_files, render_env, starting, writing_units
 from .preflight import ModelFacts, RuleSet, check_host, gpu_claim, model_check_command, parse_command, parse_model_check
 from .spec import HostSpec, ModelSpec, ServiceSpec
@@ -407,18 +407,26 @@ def gpu_waiter(t: Transport, plan: HostPlan, facts: HostFacts, gpu: GpuFacts, no
         svc = sp.target.spec if sp is not None and sp.target is not None else None
         policy = svc.gpu_policy if svc else "report"
         gpus = _claimed_gpus(svc, gpu)
+        own = {f"{n}.service" for n in managed - {name}}
+        if policy == "kill":
+            # Strays were seen before the stop (pre-flight): kill them now, not after a timeout.
+            await _kill(name, await gpu_facts(t), gpus, pids, own)
         ok, after, waited = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
-        strays = strays_on(after, gpus, own_unit=f"{name}.service", own_pids=pids,
-                           managed={f"{n}.service" for n in managed - {name}})
+        strays = strays_on(after, gpus, own_unit=f"{name}.service", own_pids=pids, managed=own)
         for s in strays:
             notes.append(f"{name}: stray GPU holder pid {s.pid} ({s.comm}, {s.used_mib} MiB)")
         if not ok and strays and policy == "kill":
-            outcomes = await kill_strays(t, strays, "kill")
-            notes.extend(f"{name}: stray pid {o.holder.pid}: {o.outcome}" for o in outcomes)
+            await _kill(name, after, gpus, pids, own)
             ok, after, more = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
             waited += more
         if ok:
-            notes.append(f"{name}: GPUs free {waited:.1f}s after the stop")
+            notes.append(f"{name}: GPUs free for the start (waited {waited:.1f}s)")
             return None
         return f"GPUs still busy {waited:.0f}s after stopping {name}: {after.summary()} (stray-process policy {policy})"
+
+    async def _kill(name: str, facts_now: GpuFacts, gpus: set[int] | None, pids: set[int], own: set[str]) -> None:
+        strays = strays_on(facts_now, gpus, own_unit=f"{name}.service", own_pids=pids, managed=own)
+        for o in await kill_strays(t, strays, "kill"):
+            notes.append(f"{name}: stray pid {o.holder.pid} ({o.holder.comm}) on its GPUs: {o.outcome}")
+
     return wait

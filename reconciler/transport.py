@@ -16,12 +16,13 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-import asyncssh
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import CommandError, ConnectError, HostKeyError
 from .spec import SSHSpec
+
+if TYPE_CHECKING:
+    import asyncssh
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def known_hosts_for(spec: SSHSpec) -> asyncssh.SSHKnownHosts:
 
     There is no trust on first use: with neither, every key is unknown and the host fails.
     """
+    import asyncssh
     if spec.host_key:
         pattern = spec.address if spec.port == 22 else f"[{spec.address}]:{spec.port}"
         return asyncssh.import_known_hosts(f"{pattern} {spec.host_key}\n")
@@ -89,6 +91,7 @@ class SSHTransport:
     async def connect(cls, host: str, spec: SSHSpec, *, identity: str | None = None,
                       connect_timeout: float = 10.0) -> SSHTransport:
         """Connect and verify the host key strictly; map failures to ConnectError/HostKeyError."""
+        import asyncssh  # here, not at the top: a run that never connects (or a local one) skips it
         keys = identity_files(identity)
         kwargs: dict = dict(
             port=spec.port, username=spec.user, known_hosts=known_hosts_for(spec),
@@ -115,6 +118,7 @@ class SSHTransport:
 
     async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
                   timeout: float | None = 60.0, what: str = "command") -> Completed:
+        import asyncssh
         try:
             r = await self._conn.run(cmd, input=input, check=False, timeout=timeout)
         except asyncssh.TimeoutError as e:

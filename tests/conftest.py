@@ -154,7 +154,8 @@ def write_fleet(repo: DesiredRepo, hosts: list[fleetlib.Host], services: dict[st
             body.append('unit_file = "units/standin.service"')
             body.append(f'vars = {{ port = "{s.get("port", 30000)}", args = "{s.get("args", "")}" }}')
             model = s.get("model", "Qwen3-8B")
-            body.append(f'model = {{ id = "Qwen/{model}", path = "/models/{model}" }}')
+            if model is not None:      # None: no [model] table (the unit names its model itself)
+                body.append(f'model = {{ id = "Qwen/{model}", path = "/models/{model}" }}')
             health = {"http": "http://{host.address}:{vars.port}/health", "startup_timeout": 10,
                       "stable_for": 1, "interval": 0.5, **s.get("health", {})}
             body.append("health = { " + ", ".join(

@@ -5,9 +5,12 @@ service keeps running."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
+from tests import fleet as fleetlib
 from tests.conftest import SPEC_FLAGS, run_cli, run_json, write_fleet
 
 pytestmark = pytest.mark.fleet
@@ -117,3 +120,124 @@ def test_failing_or_slow_fetch_blocks_the_deploy(fleet, repo):
         code, out = run_json("--repo", str(repo.path), check_codes=(4,))
         assert out["hosts"][0]["reason"] == "ModelFetchFailed" and expect in out["hosts"][0]["message"]
         assert not fleet.exists(h, UNIT)
+
+
+# ---- issue 11: what the server will load, which release it is, the GPU gate on every start ----
+
+QWEN35 = "Qwen3.5-122B-A10B"
+COMMAND_LINE_MODEL_UNIT = (
+    "[Service]\nType=simple\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /models/" + QWEN35 +
+    " --host {host.address} --port {vars.port} {vars.args}\nRestart=always\nRestartSec=1\n")
+
+
+@pytest.mark.timeout(60)
+def test_the_incident_unit_with_the_model_only_on_the_command_line_is_blocked(fleet, repo):
+    h = fleet.hosts[0]
+    write_fleet(repo, [h], {"sglang": svc(None)}, extra={})
+    repo.write("units/standin.service", COMMAND_LINE_MODEL_UNIT)
+    repo.commit("no [model] table: the unit names the model")
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    inv = fleet.show(h, "sglang", "InvocationID")["InvocationID"]
+
+    write_fleet(repo, [h], {"sglang": svc(None, args=SPEC_FLAGS)}, extra={})
+    repo.write("units/standin.service", COMMAND_LINE_MODEL_UNIT)
+    repo.commit("the incident's flags")
+    for dry in (True, False):
+        code, out = run_json("--repo", str(repo.path), *(["--dry-run"] if dry else []), check_codes=(4,))
+        r = out["hosts"][0]
+        assert r["reason"] == "PreflightFailed" and "sglang-spec-hybrid-extra-buffer" in r["message"], r
+        assert "Fix: add `--mamba-scheduler-strategy extra_buffer`" in r["message"]
+    assert fleet.show(h, "sglang", "InvocationID")["InvocationID"] == inv
+
+
+@pytest.mark.timeout(90)
+def test_a_rule_fires_on_one_server_version_and_not_on_another(fleet, repo):
+    """The incident rule holds for SGLang 0.5.10-0.5.13: the same flags are blocked where the
+    host's sglang is 0.5.12 and deploy (healthy) where it is 0.5.14."""
+    old, new = fleet.hosts[0], fleet.hosts[1]
+    newer = fleet.ssh(new, fleetlib.standin_package("0.5.14")).strip()
+    write_fleet(repo, [old, new], {"sglang": svc(QWEN35, args=SPEC_FLAGS)}, extra={})
+    text = (repo.path / f"hosts/{new.name}.toml").read_text()
+    repo.write(f"hosts/{new.name}.toml", text.replace('env = { ', f'env = {{ PYTHONPATH = "{newer}", '))
+    repo.commit("MTP on two hosts: sglang 0.5.12 on one, 0.5.14 on the other")
+    code, out = run_json("--repo", str(repo.path), check_codes=(4,))
+    by = {r["host"]: r for r in out["hosts"]}
+    assert by[old.name]["reason"] == "PreflightFailed" and "sglang-spec-hybrid-extra-buffer" in by[old.name]["message"]
+    assert by[new.name]["status"] == "converged", by[new.name]
+    assert fleet.show(new, "sglang", "ActiveState")["ActiveState"] == "active"
+    assert not fleet.exists(old, UNIT)
+    # The version was read from the host, and is cached with its stamp.
+    cache = json.loads((Path(os.environ["RECONCILER_STATE_DIR"]) / "server-versions.json").read_text())
+    assert {v["version"] for v in cache[new.name].values()} == {"0.5.14"}
+    assert {v["version"] for v in cache[old.name].values()} == {"0.5.12"}
+
+
+def gpu_svc(gpus: str, **kw) -> dict:
+    env = {"STANDIN_LOAD_SECONDS": "0.3", "CUDA_VISIBLE_DEVICES": gpus, "FAKE_GPU_HOLD": gpus, **kw.pop("env", {})}
+    return svc("Qwen3-8B", env=env, **kw)
+
+
+def gate_steps(out: dict) -> list[str]:
+    return [f"{a['kind']} {a['service']}" for a in out["hosts"][0]["actions"]
+            if a["kind"] in ("stop", "wait-gpus", "start", "restart")]
+
+
+@pytest.mark.timeout(90)
+def test_first_deploys_and_rollback_starts_are_gated(fleet, repo):
+    h = fleet.hosts[0]
+    fleet.ssh(h, fleetlib.gpu_host(2))
+    write_fleet(repo, [h], {"m": gpu_svc("0")})
+    c1 = repo.commit("first deploy on a GPU host")
+    code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2,))
+    assert gate_steps(out) == ["wait-gpus m", "start m"]
+    code, out = run_json("--repo", str(repo.path), check_codes=(0,))
+    assert any(n.startswith("m: GPUs free for the start") for n in out["hosts"][0]["notes"]), out["hosts"][0]["notes"]
+
+    write_fleet(repo, [h], {"m": gpu_svc("0", env={"STANDIN_CRASH_AFTER": "0.2"}, health={"stable_for": 2})})
+    repo.commit("crashes after start")
+    code, out = run_json("--repo", str(repo.path), check_codes=(3,))
+    r = out["hosts"][0]
+    assert [e["action"] for e in r["events"]] == ["deploy", "rollback"] and r["events"][1]["revision"] == c1
+    # the deploy's restart and the rollback's start both went through the gate
+    assert gate_steps(out).count("wait-gpus m") == 2, gate_steps(out)
+    assert sum(n.startswith("m: GPUs free") for n in r["notes"]) == 2, r["notes"]
+
+
+@pytest.mark.timeout(60)
+def test_a_stray_on_the_claimed_gpu_blocks_before_anything_stops(fleet, repo):
+    h = fleet.hosts[0]
+    fleet.ssh(h, fleetlib.gpu_host(2))
+    write_fleet(repo, [h], {"m": gpu_svc("0")})
+    repo.commit()
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    inv = fleet.show(h, "m", "InvocationID")["InvocationID"]
+    stray = fleet.ssh(h, fleetlib.stray("0")).strip()
+    write_fleet(repo, [h], {"m": gpu_svc("0", env={"LOG_LEVEL": "debug"})})
+    repo.commit("a change while a stray holds GPU 0")
+    code, out = run_json("--repo", str(repo.path), check_codes=(4,))
+    r = out["hosts"][0]
+    assert r["reason"] == "GpuBusy" and f"pid {stray} (sleep" in r["message"] and "Nothing was stopped" in r["message"]
+    assert fleet.show(h, "m", "InvocationID")["InvocationID"] == inv          # never stopped
+    assert fleet.ssh(h, f"kill -0 {stray} && echo alive").strip() == "alive"   # "report": left alone
+
+
+@pytest.mark.timeout(60)
+def test_kill_takes_the_stray_on_the_claimed_gpu_and_leaves_another_gpus_holder_alone(fleet, repo):
+    h = fleet.hosts[0]
+    fleet.ssh(h, fleetlib.gpu_host(2))
+    write_fleet(repo, [h], {"m": gpu_svc("0")})
+    text = (repo.path / f"hosts/{h.name}.toml").read_text()
+    repo.write(f"hosts/{h.name}.toml", text.replace("[services.m]\n", '[services.m]\ngpu_policy = "kill"\n'))
+    repo.commit()
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    on_mine, on_other = (fleet.ssh(h, fleetlib.stray(g)).strip() for g in ("0", "1"))
+    write_fleet(repo, [h], {"m": gpu_svc("0", env={"LOG_LEVEL": "debug"})})
+    text = (repo.path / f"hosts/{h.name}.toml").read_text()
+    repo.write(f"hosts/{h.name}.toml", text.replace("[services.m]\n", '[services.m]\ngpu_policy = "kill"\n'))
+    repo.commit("a change; strays on GPU 0 (claimed) and GPU 1 (not)")
+    code, out = run_json("--repo", str(repo.path), check_codes=(0,))
+    notes = out["hosts"][0]["notes"]
+    assert any(f"stray pid {on_mine} (sleep) on its GPUs: " in n for n in notes), notes
+    assert not any(f"pid {on_other}" in n for n in notes), notes
+    assert fleet.ssh(h, f"kill -0 {on_mine} 2>/dev/null && echo alive || echo gone").strip() == "gone"
+    assert fleet.ssh(h, f"kill -0 {on_other} && echo alive").strip() == "alive"

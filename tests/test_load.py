@@ -216,7 +216,7 @@ def test_example_desired_state_renders_two_hosts() -> None:
         assert service.health.startup_timeout == 1800.0 and service.definition == "sglang-qwen"
         assert service.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and service.model is not None
         vllm = host.services["vllm-qwen3-8b"]
-        assert f"ExecStart=/opt/vllm/bin/vllm serve /models/Qwen3-8B --served-model-name Qwen/Qwen3-8B" \
+        assert "ExecStart=/opt/vllm/bin/vllm serve /models/Qwen3-8B --served-model-name Qwen/Qwen3-8B" \
             in vllm.unit_text and vllm.health.http == f"http://{address}:8000/health"
     assert state.hosts["h2"].services["sglang-qwen"].env["SGLANG_LOG_LEVEL"] == "info"
     assert state.hosts["h3"].services["sglang-qwen"].env["SGLANG_LOG_LEVEL"] == "debug"
