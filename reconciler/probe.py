@@ -24,15 +24,18 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
 import httpcore
 import httpx
 from anyio.streams.tls import TLSAttribute, TLSStream
-from cryptography import x509
 
 from .transport import Transport
+
+if TYPE_CHECKING:
+    from cryptography import x509
 
 __all__ = ["check_ca_pem", "http_probe"]
 
@@ -69,6 +72,7 @@ def check_ca_pem(pem: str) -> str | None:
     """Why `pem` is not a usable PEM CA bundle for `http_probe`, or None when it is."""
     if "-----BEGIN CERTIFICATE-----" not in pem:
         return "no PEM certificate in it (expected -----BEGIN CERTIFICATE-----)"
+    from cryptography import x509  # only here: the probe itself needs no X.509 parsing
     try:
         _ssl_context(pem)   # exactly what the probe will load
         certs = x509.load_pem_x509_certificates(pem.encode())
@@ -84,6 +88,7 @@ def check_ca_pem(pem: str) -> str | None:
 
 
 def _is_ca(cert: x509.Certificate) -> bool:
+    from cryptography import x509
     try:
         return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     except x509.ExtensionNotFound:
