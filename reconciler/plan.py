@@ -443,7 +443,8 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
 
 def _blocked(sp: ServicePlan, blocks: tuple[Block, ...]) -> ServicePlan:
     reason = blocks[0].reason
-    note = " | ".join(b.message for b in blocks)
+    # Pre-flight messages name their service ("m: ..."); the result names it once already.
+    note = " | ".join(b.message.removeprefix(f"{sp.name}: ") for b in blocks)
     if sp.state is State.QUARANTINED:
         note = f"{sp.note}; the last good version cannot start: {note}"
     return ServicePlan(sp.name, State.BLOCKED, None, result=Result.FAILED, reason=reason, note=note, quote=sp.quote)
