@@ -29,7 +29,7 @@ import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from . import faults
+from . import confirm, faults
 from .errors import CommandError
 from .facts import HOST_RECORD, STATE_DIR, adopted_copy, record_path
 from .plan import ORDER, Action, HostPlan, Kind, Reason
@@ -130,6 +130,18 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
         return f"atomic_copy {q(adopted_copy(a.service, a.path))} {q(a.path)}"
     if a.kind is Kind.DAEMON_RELOAD:
         return "systemctl daemon-reload"
+    if a.kind is Kind.ARM:
+        assert a.switch is not None
+        script, unit, timer = confirm.paths(a.switch.service)
+        return " && ".join((_write(script, a.switch.script, "0700"), _write(unit, a.switch.unit),
+                            _write(timer, a.switch.timer)))
+    if a.kind is Kind.ARM_TIMER:
+        assert a.service is not None
+        name = confirm.unit_name(a.service)
+        return f"systemctl reset-failed {name}.service 2>/dev/null; systemctl enable --now --no-reload {name}.timer"
+    if a.kind is Kind.DISARM:
+        assert a.service is not None
+        return confirm.disarm_script(a.service)
     raise ValueError(a.kind)
 
 
@@ -251,17 +263,21 @@ async def apply_plan(t: Transport, plan: HostPlan, *, now: int, gpu_wait: GpuWai
         if why is not None:
             out.skipped[a.service] = why
     later = [a for a in plan.actions if ORDER[a.kind] > cut
-             and not (a.service in out.skipped and a.kind in (Kind.START, Kind.RECORD, Kind.ENABLE))]
+             and not (a.service in out.skipped and a.kind in (Kind.START, Kind.RECORD, Kind.ENABLE, Kind.ARM_TIMER))]
     await _run(t, plan, later, now, timeout, out)
     return out
 
 
-async def write_record(t: Transport, name: str, rec: ServiceRecord, *, stop: bool = False) -> None:
+async def write_record(t: Transport, name: str, rec: ServiceRecord, *, stop: bool = False,
+                       disarm: bool = True) -> None:
     """Write one service's record at once, by itself (a verdict); then stop the unit if asked.
 
     The record comes first: if the connection drops after it, the next run knows the verdict.
+    A verdict disarms the deploy's dead-man's switch (confirm.py) right after the record.
     """
     body = f"{_record(name, rec, 0)} || fatal 0 $?"
+    if disarm:
+        body += f"\n{confirm.disarm_script(name)}"
     if stop:
         body += f"\nsoft 1 u_stop {_unit(name)}"
     res = await t.run("sh -s", input=_PRELUDE + body + "\n", timeout=120, what=f"record verdict of {name}")

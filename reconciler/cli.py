@@ -23,6 +23,7 @@ from .preflight import check_desired, load_rules
 from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_history, print_result, print_status
 from .status import Store, remember
+from .trust import descends
 
 app = typer.Typer(add_completion=False, no_args_is_help=False,
                   help="GitOps for bare-metal GPU hosts: converge systemd model servers to a git revision.")
@@ -82,6 +83,12 @@ def main_cmd(
     label: list[str] | None = typer.Option(None, "--label", "-l", metavar="KEY=VALUE",
                                               help="Only hosts with this label (repeatable: all must match)."),
     retry: bool = typer.Option(False, "--retry", help="Re-apply quarantined (failed) service versions once more."),
+    allow_rewind: bool = typer.Option(False, "--allow-rewind",
+                                      help="Deploy a revision that does not descend from the one a host records "
+                                           "as applied (an older commit, another repo)."),
+    lock_wait: float = typer.Option(30.0, "--lock-wait", min=0, metavar="SECONDS",
+                                    help="How long to wait for another run's lock on a host before reporting it "
+                                         "Locked (exit 4)."),
     cache_dir: Path | None = CacheOpt,
     state_dir: Path | None = StateOpt,
 ) -> None:
@@ -105,7 +112,8 @@ def main_cmd(
         result = asyncio.run(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
                                              concurrency=concurrency, hosts=selected,
                                              render_at=render_at(snap), retry=retry, on_phase=view,
-                                             rules=rules))
+                                             rules=rules, lock_wait=lock_wait, descends=descends(snap.repo),
+                                             allow_rewind=allow_rewind))
     if not dry_run:
         store = Store(state_dir)
         remember(store, result)

@@ -12,6 +12,7 @@
     trigger_file = ""                    # touched by the post-receive hook (default: <repo>/reconciler.trigger)
     metrics = "127.0.0.1:9187"           # Prometheus endpoint ("" = off)
     allow_rewind = false                 # deploy a revision that does not descend from the last applied
+    lock_wait = 30                       # seconds to wait for another run's lock on a host (then: Locked)
     require_signed = false               # only deploy commits signed by a key in allowed_signers
     allowed_signers = "/etc/reconciler/allowed_signers"   # ssh-keygen -Y verify format
 
@@ -49,6 +50,7 @@ class ControllerConfig(BaseModel):
     metrics: str = "127.0.0.1:9187"
     allow_rewind: bool = False
     require_signed: bool = False
+    lock_wait: float = 30.0
     allowed_signers: str | None = None
 
 

@@ -19,7 +19,18 @@ group can stream them; the trigger file is group-writable (0660) so the post-rec
 touch it; the state store stays the daemon's alone (0600).
 
 One push asks twice (the branch ref changes, then the hook touches the trigger): asks for a
-revision that a run has already reconciled are dropped, so a push starts exactly one run. A
+revision that a run has already reconciled are dropped, so a push starts exactly one run. A push
+of a newer revision during a run supersedes it: its health waits end at once without a verdict
+(the older revision is neither last good nor quarantined) and the newer revision runs next.
+
+Any exception in a run is caught, logged with its traceback, counted (reconciler_runs_total
+{result="crash"}) and retried with back-off: the loop never dies quietly. Under systemd
+(Type=notify, WatchdogSec=) the daemon says READY=1 once it serves, and pings the watchdog from
+its event loop: a wedged loop stops the pings and systemd restarts it.
+
+The last applied revision it remembers (a cache: the hosts' own records are the truth, and every
+run checks them) is kept per repo and branch, so a new or re-initialised deploy repo is never
+refused because of another one's history. A
 deploy repo whose branch does not exist yet is a state, "waiting for the first push", not a
 failure: it is said once, and the next push starts the first run.
 """
@@ -32,12 +43,14 @@ import io
 import os
 import signal
 import time
+import traceback
 from pathlib import Path
 from typing import IO, TextIO, cast
 
 from rich.console import Console
 
-from . import load, source
+from . import faults, load, source
+from . import notify_systemd as sd
 from .config import ControllerConfig
 from .errors import ConfigError, ReconcilerError, SourceError
 from .fleet import reconcile_fleet
@@ -47,7 +60,7 @@ from .preflight import load_rules
 from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_result
 from .status import Store, default_state_dir, remember
-from .trust import RevisionRefused, check_descends, verify_signature
+from .trust import RevisionRefused, check_descends, descends, verify_signature
 
 BACKOFF_START = 2.0
 RUNS_DIR_MODE = 0o750       # group: pushers stream their deploy's log (post-receive hook)
@@ -98,6 +111,8 @@ class Daemon:
         os.chmod(self.runs_dir, RUNS_DIR_MODE)
         self.ran: str | None = None          # the branch head the last run reconciled
         self.waiting = False                 # the branch does not exist yet (no push so far)
+        self.running = False
+        self.supersede = asyncio.Event()     # set when a newer revision arrives during a run
         self.cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
         self.interval = interval or cfg.interval or 60.0
         self.wake = asyncio.Event()
@@ -110,9 +125,18 @@ class Daemon:
 
     # -- asking ---------------------------------------------------------------------------
     def ask(self, why: str) -> None:
-        """Ask for a reconcile; asks during a run coalesce into one more run."""
+        """Ask for a reconcile; asks during a run coalesce into one more run. A push of a newer
+        revision during a run supersedes it (its health waits end now)."""
         self.reasons.append(why)
         self.wake.set()
+        if why in PUSH_ASKS and self.running and self.ran is not None:
+            try:
+                newer = self.head() not in (None, self.ran)
+            except (SourceError, OSError):
+                newer = False
+            if newer and not self.supersede.is_set():
+                print(f"reconciler: a newer revision arrived; superseding the run of {self.ran[:7]}", flush=True)
+                self.supersede.set()
 
     def _watch_paths(self) -> tuple[list[Path], set[str]]:
         """What to watch: the branch ref of a local repo (and packed-refs), and the trigger file."""
@@ -150,8 +174,12 @@ class Daemon:
             self.ask("push" if any("refs" in p for _, p in changes) else "trigger")
 
     # -- running --------------------------------------------------------------------------
+    def _applied_key(self) -> str:
+        repo = self.cfg.repo if source.is_url(self.cfg.repo) else str(Path(self.cfg.repo).resolve())
+        return f"last_applied_revision:{repo}:{self.cfg.branch}"
+
     def _last_applied(self) -> str | None:
-        return self.store.get_value("last_applied_revision")
+        return self.store.get_value(self._applied_key())
 
     def head(self) -> str | None:
         """The deploy branch's head, or None when the branch does not exist (yet)."""
@@ -206,10 +234,12 @@ class Daemon:
                 rules = load_rules(snap)
                 view = PhaseView(console)
                 result = await reconcile_fleet(state, ssh_connector(self.cfg.identity), render_at=render_at(snap),
-                                               on_phase=view, rules=rules)
+                                               on_phase=view, rules=rules, lock_wait=self.cfg.lock_wait,
+                                               descends=descends(repo), allow_rewind=self.cfg.allow_rewind,
+                                               supersede=self.supersede)
                 print_result(console, result)
                 remember(self.store, result)
-                self.store.set_value("last_applied_revision", snap.revision)
+                self.store.set_value(self._applied_key(), snap.revision)
                 code = result.exit_code()
                 self.metrics.observe_run(result, time.monotonic() - started)
             except RevisionRefused as e:
@@ -244,7 +274,19 @@ class Daemon:
             if self._already_done():
                 self.reasons.clear()
                 continue
-            code = await self.run_once()
+            self.supersede.clear()
+            self.running = True
+            started = time.monotonic()
+            try:
+                code = await self.run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:            # a bug: say it, count it, retry; never end the loop
+                print("reconciler: run crashed:\n" + traceback.format_exc(), flush=True)
+                self.metrics.run_failed("crash", time.monotonic() - started)
+                code = 1
+            finally:
+                self.running = False
             if code in (1, 4):
                 # git down, a host unreachable, a refused revision: retry, backing off
                 delay = min(self.backoff, self.interval)
@@ -270,10 +312,23 @@ class Daemon:
         self.ask("start")
         runner = asyncio.create_task(self._runner())
         watcher = asyncio.create_task(self._watch())
+        pinger = asyncio.create_task(self._watchdog())
+        sd.notify("READY=1\nSTATUS=watching " + self.cfg.repo)
         await self.stopping.wait()
         print("reconciler: stopping", flush=True)
+        sd.notify("STOPPING=1")
         sched.shutdown(wait=False)
-        for task in (runner, watcher):
+        for task in (runner, watcher, pinger):
             task.cancel()
-        await asyncio.gather(runner, watcher, return_exceptions=True)
+        await asyncio.gather(runner, watcher, pinger, return_exceptions=True)
         self.store.close()
+
+    async def _watchdog(self) -> None:
+        """Ping systemd's watchdog from the event loop itself: if the loop wedges, pings stop."""
+        every = sd.watchdog_interval()
+        if every is None:
+            return
+        while True:
+            faults.block_loop_if_asked()
+            sd.notify("WATCHDOG=1")
+            await asyncio.sleep(every)

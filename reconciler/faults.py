@@ -10,6 +10,9 @@ crash or a power loss would) when it reaches one of these points of a host's run
     after-verdict      a verdict was recorded on the host, nothing done after it
     in-rollback-watch  the rollback's health watch has begun
 
+And for the daemon's watchdog test, `block-loop`: once the file /run/reconciler-block-loop
+exists, the daemon's event loop blocks (as a wedged loop would) and systemd must restart it.
+
 Unset in normal use: `hit()` is then one environment lookup.
 """
 
@@ -24,6 +27,16 @@ POINTS = ("mid-apply", "before-apply", "after-apply", "in-watch", "after-verdict
 def armed(point: str) -> bool:
     """True when the environment asks for a fault at `point`."""
     return point in os.environ.get("RECONCILER_FAULT", "").split(",")
+
+
+BLOCK_FILE = "/run/reconciler-block-loop"
+
+
+def block_loop_if_asked() -> None:
+    """With RECONCILER_FAULT=block-loop and BLOCK_FILE present: block the calling event loop."""
+    import time
+    if armed("block-loop") and os.path.exists(BLOCK_FILE):
+        time.sleep(10**6)
 
 
 def hit(point: str) -> None:

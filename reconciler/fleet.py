@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from . import lock
 from .errors import HostError, ReconcilerError, SourceError
 from .notify import Notifier
 from .plan import starting
@@ -32,6 +33,10 @@ from .rollout import Halt, RolloutResult, Wave, group_members, natural_key, plan
 from .schema import LABEL
 from .spec import DesiredState, HostSpec
 from .transport import Transport
+from .trust import rewind_problem
+
+# Whether a revision descends from another: True, False, or None (the other is not in the repo).
+Descends = Callable[[str, str], "bool | None"]
 
 
 @dataclass
@@ -83,15 +88,20 @@ class _FleetRun:
 
     def __init__(self, state: DesiredState, connect: Connector, *, dry_run: bool, concurrency: int,
                  selected: list[str] | None, render_at: RenderAt | None, retry: bool,
-                 on_phase: HostPhase | None, notifier: Notifier | None, rules: RuleSet | None = None):
+                 on_phase: HostPhase | None, notifier: Notifier | None, rules: RuleSet | None = None,
+                 lock_wait: float = lock.WAIT, descends: Descends | None = None, allow_rewind: bool = False,
+                 supersede: asyncio.Event | None = None):
         self.state, self.connect, self.dry_run, self.rules = state, connect, dry_run, rules
         self.render_at, self.retry, self.on_phase, self.notifier = render_at, retry, on_phase, notifier
         self.sem = asyncio.Semaphore(concurrency)
         self.hosts = [h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
                       if selected is None or n in selected]
         self.transports: dict[str, Transport] = {}
+        self.locks: dict[str, lock.HostLock] = {}
+        self.lock_wait = lock_wait
+        self.descends, self.allow_rewind, self.supersede = descends, allow_rewind, supersede
         self.results: dict[str, HostResult] = {}
-        self.locks = {h.name: asyncio.Lock() for h in self.hosts}
+        self.passes = {h.name: asyncio.Lock() for h in self.hosts}
         self.fleet_q: dict[str, dict[str, Quarantine]] = {}   # host -> service -> fleet-wide quarantine
         self.passed: set[str] = set()                      # hosts whose result is a pass's, not the survey's
 
@@ -113,6 +123,7 @@ class _FleetRun:
                       for h in self.hosts if h.name in self.transports),
                     *(self._rollout(ro) for ro in rollouts))
         finally:
+            await asyncio.gather(*(held.release() for held in self.locks.values()))
             await asyncio.gather(*(self._close(t) for t in self.transports.values()))
         res = FleetResult(self.state.revision, self.dry_run, [self.results[h.name] for h in self.hosts],
                           rollouts)
@@ -140,11 +151,28 @@ class _FleetRun:
                 self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=reason,
                                                   message=message, seconds=time.monotonic() - t0)
                 return
+            if not self.dry_run:
+                # One reconcile of a host at a time: held from the first observation to the last verdict.
+                try:
+                    self.locks[h.name] = await lock.acquire(t, wait=self.lock_wait)
+                except HostError as e:
+                    self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
+                                                      message=e.message, seconds=time.monotonic() - t0)
+                    await self._close(t)
+                    return
             self.transports[h.name] = t
             r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
                                      retry=self.retry, transport=t, rules=self.rules)
             self.results[h.name] = r
-            if r.status is Result.FAILED and r.plan is None:
+            applied = r.facts.record.applied_revision if r.facts and r.facts.record else None
+            if applied and self.descends is not None and not self.allow_rewind:
+                problem = rewind_problem(self.state.revision, applied, self.descends(self.state.revision, applied),
+                                         f"host {h.name}")
+                if problem:
+                    # The host is the truth about what runs there: a rewind changes nothing on it.
+                    self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason="NotDescendant",
+                                                      message=problem, seconds=r.seconds, facts=r.facts)
+            if self.results[h.name].plan is None and self.results[h.name].status is Result.FAILED:
                 # It could not even be observed: report it, and leave it out of every pass.
                 self.transports.pop(h.name, None)
                 await self._close(t)
@@ -173,6 +201,8 @@ class _FleetRun:
                 if fq is not None:
                     self.fleet_q.setdefault(h, {})[svc] = fq
         for name, qs in self.fleet_q.items():
+            if name not in self.transports:
+                continue        # refused or unreachable: nothing is planned there
             host, old = self.state.hosts[name], self.results[name]
             r = await reconcile_host(host, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
                                      retry=self.retry, quarantine=qs, transport=self.transports[name],
@@ -191,7 +221,7 @@ class _FleetRun:
     async def _pass(self, h: HostSpec, *, hold: frozenset[str], fresh: bool,
                     quarantine: Mapping[str, Quarantine] | None = None) -> HostResult:
         """One converge pass on one host, never two at once on it; folded into its result."""
-        async with self.locks[h.name]:
+        async with self.passes[h.name]:
             async with self.sem:
                 t = self.transports[h.name]
                 before = self.results[h.name]
@@ -199,7 +229,7 @@ class _FleetRun:
                 r = await reconcile_host(h, self.state.revision, self.connect, dry_run=False,
                                          render_at=self.render_at, retry=self.retry, on_phase=self.on_phase,
                                          hold=hold, quarantine=qs, transport=t, facts=None if fresh else before.facts,
-                                         rules=self.rules)
+                                         rules=self.rules, supersede=self.supersede)
             if h.name not in self.passed:
                 # The survey's result was a plan, not an outcome: the first pass replaces it.
                 self.passed.add(h.name)
@@ -233,6 +263,10 @@ class _FleetRun:
         self._send("rollout.start", ro, hosts=list(p.pending), waves=[w.to_json() for w in p.waves])
         by_name = {h.name: h for h in self.hosts}
         for wave in p.waves:
+            if self.supersede is not None and self.supersede.is_set():
+                ro.status = "superseded"      # a newer revision rolls out instead
+                ro.seconds = time.monotonic() - t0
+                return
             others = {h: frozenset(by_name[h].services) - {svc} for h in wave.hosts}
             results = await asyncio.gather(*(self._pass(by_name[h], hold=others[h], fresh=True) for h in wave.hosts))
             failed: list[tuple[str, str, str, str | None]] = []     # host, reason, message, quote
@@ -302,18 +336,25 @@ async def reconcile_fleet(state: DesiredState, connect: Connector, *, dry_run: b
                           concurrency: int | None = None, hosts: list[str] | None = None,
                           render_at: RenderAt | None = None, retry: bool = False,
                           on_phase: HostPhase | None = None, notifier: Notifier | None = None,
-                          rules: RuleSet | None = None) -> FleetResult:
+                          rules: RuleSet | None = None, lock_wait: float = lock.WAIT,
+                          descends: Descends | None = None, allow_rewind: bool = False,
+                          supersede: asyncio.Event | None = None) -> FleetResult:
     """Reconcile every selected host (at most `concurrency` at once), rolling shared services
     out in waves; with dry_run, only survey and plan them (the waves included).
 
     hosts: the selected host names (None: all). notifier: where rollout events go (default:
     fleet.toml [notify], never on a dry run). rules: the pre-flight rule pack (None: no pre-flight).
+    lock_wait: how long to wait for another run's lock on a host before reporting it Locked.
+    descends: tells whether the revision descends from the one a host records as applied; a
+    host where it does not is refused (NotDescendant, exit 4) unless allow_rewind. supersede:
+    set when a newer revision arrives (the daemon): health waits end, no new wave starts.
     """
     if notifier is None and not dry_run and state.settings.notify is not None:
         notifier = Notifier(state.settings.notify)
     run = _FleetRun(state, connect, dry_run=dry_run, concurrency=concurrency or state.settings.concurrency,
                     selected=hosts, render_at=render_at, retry=retry, on_phase=on_phase, notifier=notifier,
-                    rules=rules)
+                    rules=rules, lock_wait=lock_wait, descends=descends, allow_rewind=allow_rewind,
+                    supersede=supersede)
     return await run.run()
 
 

@@ -9,6 +9,7 @@ from the host itself through the SSH connection, so the server need not be expos
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shlex
@@ -163,12 +164,14 @@ Phase = Callable[[str, str, float, float], None]   # (service, phase, elapsed, t
 async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline_restarts: int,
                         since_epoch: float, on_phase: Phase | None = None,
                         systemd_poll: float = SYSTEMD_POLL, baseline_invocation: str = "",
-                        baseline_active_enter: str = "", start_error: str | None = None) -> Outcome:
+                        baseline_active_enter: str = "", start_error: str | None = None,
+                        cancel: asyncio.Event | None = None) -> Outcome:
     """Watch a service after a (re)start until healthy and stable, or failed.
 
     Healthy = systemd running, the HTTP check (if any) answered as expected, and nothing crashed
     during `stable_for` after that. Any crash sign fails at once. `start_error`: systemctl
-    refused the start itself (its message): that is a StartFailed verdict at once.
+    refused the start itself (its message): that is a StartFailed verdict at once. `cancel`: set
+    when a newer revision arrives; the watch then ends at once with the verdict Superseded.
     """
     unit = f"{name}.service"
     t0 = time.monotonic()
@@ -194,6 +197,10 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
             out.quote = start_error.splitlines()[-1]
         return out
     while True:
+        if cancel is not None and cancel.is_set():
+            report("superseded")
+            return Outcome(name, False, "Superseded", "a newer revision arrived during the health wait",
+                           seconds=time.monotonic() - t0)
         now = time.monotonic()
         res = await t.run(f"systemctl show -p {WATCH_PROPS} {shlex.quote(unit)}", timeout=20, what="health")
         props = parse_show(res.stdout).get(unit, {})
@@ -228,4 +235,8 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
             what = f"{health.http} never answered {health.expect_status}" if health.http else "never ran"
             return await fail("StartTimeout",
                               f"not healthy within startup_timeout={health.startup_timeout:.0f}s: {what}")
-        await asyncio.sleep(systemd_poll)
+        if cancel is None:
+            await asyncio.sleep(systemd_poll)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(cancel.wait(), systemd_poll)

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from .confirm import Previous, Switch, arm, unit_name
 from .facts import HostFacts, ServiceFacts, adopted_copy, env_path, unit_path
 from .records import Adopted, Pending, Quarantine, Result, ServiceRecord
 from .spec import HostSpec, ServiceSpec
@@ -51,14 +52,17 @@ class Kind(StrEnum):
     FETCH = "fetch-model"        # controller: download a missing model before anything stops
     HOLD = "hold"                # no-op marker: a service deliberately left as it is (and why)
     INTENT = "intent"            # record on the host what is about to be deployed (pending)
+    DISARM = "disarm"            # take down a dead-man's switch (a service that leaves, or is held)
     STOP = "stop"
     DISABLE = "disable"
     ADOPT = "adopt"              # keep a foreign unit's original files under adopted/
     WRITE = "write"
     REMOVE = "remove"
     RESTORE = "restore"          # put an adopted unit's original files back
+    ARM = "arm"                  # write the deploy's dead-man's switch (confirm.py)
     DAEMON_RELOAD = "daemon-reload"
     WAIT_GPUS = "wait-gpus"      # controller: wait until the GPUs are free before starting
+    ARM_TIMER = "arm-timer"      # start the switch's timer, right before the start
     ENABLE = "enable"
     START = "start"
     RESTART = "restart"
@@ -68,7 +72,8 @@ class Kind(StrEnum):
     @property
     def mutating(self) -> bool:
         """Changes a service on the host (bookkeeping, markers and watches do not)."""
-        return self not in (Kind.HOLD, Kind.INTENT, Kind.RECORD, Kind.WATCH)
+        return self not in (Kind.HOLD, Kind.INTENT, Kind.RECORD, Kind.WATCH, Kind.ARM, Kind.ARM_TIMER,
+                            Kind.DISARM)
 
 
 ORDER = {k: i for i, k in enumerate(Kind)}
@@ -124,6 +129,7 @@ class Reason(StrEnum):
     HEALTH = "HealthCheck"
     RECORD = "Record"
     QUARANTINE = "RecordQuarantine"
+    CONFIRM = "DeadMansSwitch"
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,7 @@ class Action:
     detail: str = ""
     record: ServiceRecord | None = field(default=None, repr=False)   # INTENT / RECORD: what to write
     watch: Watch | None = None
+    switch: Switch | None = field(default=None, repr=False)          # ARM: the dead-man's switch
 
     def describe(self) -> str:
         target = self.path or self.service or ""
@@ -216,6 +223,7 @@ class Context:
     deferred: frozenset[str] = frozenset()    # converged by another pass (a rollout wave)
     retry: bool = False                       # --retry: ignore quarantines once
     checks: Checks = field(default_factory=Checks)
+    confirm_margin: float | None = 60.0       # dead-man's switch window = start-up + stable_for + this (None: off)
 
 
 @dataclass(frozen=True)
@@ -240,7 +248,8 @@ class HostPlan:
     @property
     def visible(self) -> tuple[Action, ...]:
         """What a person should see in a plan: everything but the bookkeeping writes."""
-        return tuple(a for a in self.actions if a.kind not in (Kind.INTENT, Kind.RECORD))
+        return tuple(a for a in self.actions if a.kind not in (Kind.INTENT, Kind.RECORD, Kind.ARM_TIMER,
+                                                               Kind.DISARM))
 
     @property
     def restarts(self) -> list[str]:
@@ -468,6 +477,9 @@ class _Builder:
     def hold(self, sp: ServicePlan, reason: Reason, f: ServiceFacts | None) -> None:
         """Leave a service as it is (stopped when it must not run), and say why."""
         self.add(Kind.HOLD, reason, sp.name, detail=sp.note)
+        rec = f.record if f is not None else None
+        if reason is Reason.HOLD_STOPPED and rec is not None and rec.pending is not None:
+            self.add(Kind.DISARM, reason, sp.name, detail="its deploy's dead-man's switch")
         if reason is Reason.HOLD_STOPPED and f is not None and (f.running or f.active_state == "failed"):
             self.add(Kind.STOP, reason, sp.name, detail="quarantined with nothing to roll back to: stop it")
 
@@ -576,6 +588,7 @@ class _Builder:
             if s.running:
                 self.add(Kind.STOP, Reason.GPU_GATE, sp.name, detail="stop first, start when its GPUs are free")
             self.add(Kind.WAIT_GPUS, Reason.GPU_GATE, sp.name, detail="wait until the GPUs it claims are released")
+        self._arm(sp, f, s, rec)
         self.add(Kind.RESTART if s.running and not gated else Kind.START, reason, sp.name, detail=detail)
         self._enable(target.spec, f)
         started = replace(rec, hash=target.hash, revision=target.revision, pending=replace(rec.pending, started=True))
@@ -583,6 +596,27 @@ class _Builder:
         self.add(Kind.WATCH, Reason.SUBSTITUTE if target.rollback else Reason.HEALTH, sp.name,
                  watch=self._watch(target, f, fresh=not s.running or gated),
                  detail=why_sub or f"until healthy (start-up timeout {target.spec.health.startup_timeout:.0f}s)")
+
+    def _arm(self, sp: ServicePlan, f: ServiceFacts | None, s: _Sync, rec: ServiceRecord) -> None:
+        """Arm the deploy's dead-man's switch (not for a rollback: the last good is what it would
+        restore). It restores what runs now when that is the verified version, else it stops."""
+        target = sp.target
+        assert target is not None
+        if target.rollback or self.ctx.confirm_margin is None:
+            return
+        h = target.spec.health
+        window = int(h.startup_timeout + h.stable_for + self.ctx.confirm_margin)
+        previous = None
+        if (f is not None and f.unit_text is not None and rec.hash and rec.hash == rec.last_good_hash
+                and rec.last_good_revision and sp.state is not State.DRIFTED and not s.dropins):
+            previous = Previous(rec.last_good_revision, f.unit_text, f.env_text)
+        sw = arm(sp.name, revision=target.revision, new_hash=target.hash, window=window, record=rec,
+                 previous=previous)
+        what = f"roll back to {sw.restores[:7]}" if sw.restores else "stop it"
+        self.add(Kind.ARM, Reason.CONFIRM, sp.name, switch=sw,
+                 detail=f"dead-man's switch: {what} unless the controller confirms within {window}s")
+        self.add(Kind.ARM_TIMER, Reason.CONFIRM, sp.name, detail=f"{unit_name(sp.name)}.timer")
+        self.reload = True
 
     def _start_reason(self, sp: ServicePlan, s: _Sync, running: bool, why_sub: str) -> tuple[Reason, str]:
         if why_sub:
@@ -635,6 +669,8 @@ class _Builder:
         was there before it was adopted."""
         rec = f.record or ServiceRecord()
         why = "removed from the desired state"
+        if rec.pending is not None:
+            self.add(Kind.DISARM, Reason.REMOVED, name, detail="its deploy's dead-man's switch")
         if f.running or f.active_state == "failed":
             self.add(Kind.STOP, Reason.REMOVED, name, detail=why)
         if f.enabled:

@@ -20,12 +20,13 @@ One host failing never stops the others: every host ends with a HostResult.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from . import faults
+from . import faults, lock
 from .apply import Applied, apply_plan, write_record
 from .errors import CommandError, HostError, ReconcilerError
 from .facts import HostFacts, observe_command, parse_observation
@@ -33,7 +34,7 @@ from .gate import Preflight, fetch_model, gpu_waiter, preflight_host
 from .health import Outcome, Phase, watch_service
 from .plan import Action, Context, HostPlan, Kind, ServicePlan, State, needs_last_good, plan_host
 from .preflight import RuleSet
-from .records import Pending, Quarantine, Result, ServiceRecord, Verdict, judge
+from .records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from .spec import DesiredState, HostSpec, ServiceSpec
 from .transport import SSHTransport, Transport
 
@@ -135,11 +136,23 @@ _STATE_EVENT = {State.QUARANTINED: Event.QUARANTINED, State.HALTED: Event.QUARAN
                 State.BLOCKED: Event.BLOCKED, State.FOREIGN: Event.FOREIGN}
 
 
+def confirm_margin() -> float | None:
+    """Seconds the dead-man's switch adds to a deploy's start-up timeout and stable_for before it
+    fires: $RECONCILER_CONFIRM_MARGIN (default 60; "off" disarms the switch altogether)."""
+    raw = os.environ.get("RECONCILER_CONFIRM_MARGIN", "").strip().lower()
+    if raw == "off":
+        return None
+    try:
+        return max(0.0, float(raw)) if raw else 60.0
+    except ValueError:
+        return 60.0
+
+
 def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
                    changes: bool) -> tuple[Result, str | None, str | None]:
     """PURE: what one service's run comes to (result, reason, message), from its state and the
     verdicts of this run. The one place that turns verdicts into a host's result."""
-    judged = [e for e in events if e.outcome is not None]
+    judged = [e for e in events if e.outcome is not None and e.outcome.reason != SUPERSEDED]
     failed = next((e for e in judged if e.action != Event.ROLLBACK and e.outcome and not e.outcome.healthy), None)
     rollback = next((e for e in judged if e.action == Event.ROLLBACK), None)
     if failed is not None:
@@ -198,24 +211,24 @@ class _HostRun:
     def __init__(self, host: HostSpec, revision: str, t: Transport, result: HostResult, *,
                  render_at: RenderAt | None, retry: bool, deferred: frozenset[str],
                  fleet_quarantine: Mapping[str, Quarantine], rules: RuleSet | None,
-                 on_phase: HostPhase | None):
+                 on_phase: HostPhase | None, supersede: asyncio.Event | None = None):
         self.host, self.revision, self.t, self.result = host, revision, t, result
         self.render_at, self.retry, self.deferred = render_at, retry, deferred
         self.fleet_q = {n: q for n, q in fleet_quarantine.items() if n in host.services and n not in deferred}
-        self.rules, self.on_phase = rules, on_phase
+        self.rules, self.on_phase, self.supersede = rules, on_phase, supersede
         self.preflight: Preflight | None = None
         self.facts: HostFacts | None = None
 
     def _context(self, facts: HostFacts, pf: Preflight | None = None) -> Context:
-        ctx = Context(self.revision, fleet_quarantine=self.fleet_q, deferred=self.deferred, retry=self.retry)
+        ctx = Context(self.revision, fleet_quarantine=self.fleet_q, deferred=self.deferred, retry=self.retry,
+                      confirm_margin=confirm_margin())
         wanted = needs_last_good(self.host, facts, ctx)
         last_good: dict[str, ServiceSpec | None] = {}
         for name, rev in wanted.items():
             state = self.render_at(rev) if self.render_at is not None else None
             h = state.hosts.get(self.host.name) if state is not None else None
             last_good[name] = h.services.get(name) if h is not None else None
-        return Context(self.revision, last_good=last_good, fleet_quarantine=self.fleet_q, deferred=self.deferred,
-                       retry=self.retry, checks=pf.checks() if pf is not None else Context(self.revision).checks)
+        return replace(ctx, last_good=last_good, checks=pf.checks() if pf is not None else ctx.checks)
 
     async def plan(self, facts: HostFacts, *, fetched: Mapping[str, str | None] | None = None) -> HostPlan:
         """Plan, then run the host-side pre-flight for what that plan starts, and plan again with
@@ -287,7 +300,7 @@ class _HostRun:
                                   since_epoch=since, on_phase=self._progress(),
                                   baseline_invocation=w.baseline_invocation,
                                   baseline_active_enter=w.baseline_active_enter,
-                                  start_error=failure.message if failure else None)
+                                  start_error=failure.message if failure else None, cancel=self.supersede)
         kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
         self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
         rec = next((r for x in plan.actions if x.kind is Kind.RECORD and x.service == name
@@ -298,6 +311,10 @@ class _HostRun:
                        fleet=self.fleet_q.get(name))
         await write_record(self.t, name, judged.record, stop=judged.stop)
         faults.hit("after-verdict")
+        if out.reason == SUPERSEDED:
+            self.result.notes.append(f"{name}: {w.revision[:7]} superseded by a newer revision during its health "
+                                     f"wait (no verdict: neither last good nor quarantined)")
+            return True         # nothing to follow up here: the newer revision's run takes over
         return out.healthy
 
     async def _record_gate_block(self, plan: HostPlan, name: str, why: str) -> None:
@@ -322,25 +339,30 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
                          render_at: RenderAt | None = None, retry: bool = False,
                          on_phase: HostPhase | None = None, hold: frozenset[str] = frozenset(),
                          quarantine: Mapping[str, Quarantine] | None = None, transport: Transport | None = None,
-                         facts: HostFacts | None = None, rules: RuleSet | None = None) -> HostResult:
+                         facts: HostFacts | None = None, rules: RuleSet | None = None,
+                         supersede: asyncio.Event | None = None) -> HostResult:
     """Converge one host (or, with dry_run, only plan it). Never raises for host failures.
 
     For the fleet's passes: `hold` names services another pass converges (a rollout wave);
     `quarantine` adds fleet-wide quarantines (service -> a halted rollout) that act like recorded
     ones and are written into the host's records; `transport` reuses an open connection (the
     caller closes it); `facts` skips the first observation. `rules`: the pre-flight rule pack.
+    `supersede`: set when a newer revision arrives; health waits then end without a verdict.
     """
     started = time.monotonic()
     result = HostResult(host.name, host.ssh.address)
     t: Transport | None = transport
+    held: lock.HostLock | None = None
     try:
         if t is None:
             t = await connect(host)
+            if not dry_run:
+                held = await lock.acquire(t)
         if facts is None:
             facts = await observe(t, host)
         result.facts = facts
         run = _HostRun(host, revision, t, result, render_at=render_at, retry=retry, deferred=hold,
-                       fleet_quarantine=quarantine or {}, rules=rules, on_phase=on_phase)
+                       fleet_quarantine=quarantine or {}, rules=rules, on_phase=on_phase, supersede=supersede)
         plan = await run.plan(facts)
         result.plan = plan
         if not dry_run:
@@ -366,6 +388,8 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
     except ReconcilerError as e:
         result.status, result.reason, result.message = Result.FAILED, "Failed", str(e)
     finally:
+        if held is not None:
+            await held.release()
         if t is not None and transport is None:
             await t.close()
         result.seconds = time.monotonic() - started

@@ -267,6 +267,9 @@ class HostRecord:
                            "applied_at": self.applied_at}, sort_keys=True) + "\n"
 
 
+SUPERSEDED = "Superseded"
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The health verdict on one watched service (what the planner needs of health.Outcome)."""
@@ -294,8 +297,12 @@ def judge(rec: ServiceRecord, *, hash: str, revision: str, rollback: bool, verdi
     healthy rollback    -> last good = it; the quarantine of the desired version stays
     failed deploy       -> quarantine it (reason, journal line); stop the unit; pending cleared
     failed rollback     -> the quarantine is marked rollback_failed; stop the unit (no flapping)
+    superseded          -> a newer revision arrived during the wait: no verdict at all (not last
+                           good, not quarantined); the unit keeps running for the next deploy
     """
     base = replace(rec, pending=None, hash=hash, revision=revision)
+    if verdict.reason == SUPERSEDED:
+        return Judged(base, stop=False)
     if verdict.healthy:
         q = rec.quarantine if rollback else None
         return Judged(replace(base, last_good_hash=hash, last_good_revision=revision, quarantine=q), stop=False)

@@ -1,7 +1,8 @@
 """The one narrow interface through which the reconciler touches a host.
 
 `Transport.run(cmd, input=..., timeout=...) -> Completed` (asyncssh's own shape) plus
-`open_connection(host, port)` for HTTP health probes through the same connection. Every other
+`open_connection(host, port)` for HTTP health probes through the same connection, and
+`spawn(cmd)` for a process that lives as long as the run (the host lock's holder). Every other
 module talks to this interface, never to asyncssh directly.
 
 Two implementations: `SSHTransport` (asyncssh; one connection per host, reused for the whole
@@ -52,8 +53,30 @@ class Transport(Protocol):
         """A byte stream to host:port as seen from the host itself."""
         ...
 
+    async def spawn(self, cmd: str) -> Spawned:
+        """Start a long-lived command on the host; it ends when closed or when the connection drops."""
+        ...
+
     async def close(self) -> None:
         ...
+
+
+class Spawned(Protocol):
+    """A command running on the host: lines out, lines in, and an end."""
+
+    async def readline(self) -> str:
+        """The next line of its output ('' at its end)."""
+        ...
+
+    def write(self, data: str) -> None:
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+KEEPALIVE = 5.0
+KEEPALIVE_COUNT = 3
 
 
 def _checked(host: str, res: Completed, check: bool, what: str) -> Completed:
@@ -97,6 +120,9 @@ class SSHTransport:
             port=spec.port, username=spec.user, known_hosts=known_hosts_for(spec),
             agent_forwarding=False, config=[], connect_timeout=connect_timeout,
             x11_forwarding=False,
+            # A peer that vanished without a RST (a partition, a frozen host) is found within
+            # KEEPALIVE * KEEPALIVE_COUNT seconds: every command on the connection then fails.
+            keepalive_interval=KEEPALIVE, keepalive_count_max=KEEPALIVE_COUNT,
         )
         if keys is not None:
             kwargs["client_keys"] = keys
@@ -132,10 +158,58 @@ class SSHTransport:
         reader, writer = await self._conn.open_connection(host, port)
         return reader, writer  # type: ignore[return-value]
 
+    async def spawn(self, cmd: str) -> Spawned:
+        import asyncssh
+        try:
+            proc = await self._conn.create_process(cmd)
+        except (OSError, asyncssh.Error) as e:
+            raise ConnectError(self.host, f"connection lost starting {cmd.split()[0]}: {e}") from None
+        return _SSHSpawned(proc)
+
     async def close(self) -> None:
         self._conn.close()
         with contextlib.suppress(TimeoutError, OSError):
             await asyncio.wait_for(self._conn.wait_closed(), 5)
+
+
+class _SSHSpawned:
+    def __init__(self, proc: asyncssh.SSHClientProcess[str]):
+        self.proc = proc
+
+    async def readline(self) -> str:
+        try:
+            return await self.proc.stdout.readline()
+        except (OSError, ConnectionError):
+            return ""
+
+    def write(self, data: str) -> None:
+        self.proc.stdin.write(data)
+
+    async def close(self) -> None:
+        with contextlib.suppress(OSError, ConnectionError):
+            self.proc.stdin.write_eof()
+        self.proc.close()
+
+
+class _LocalSpawned:
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+
+    async def readline(self) -> str:
+        assert self.proc.stdout is not None
+        return (await self.proc.stdout.readline()).decode(errors="replace")
+
+    def write(self, data: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data.encode())
+
+    async def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.terminate()
+            await self.proc.wait()
 
 
 def _text(data: str | bytes | None) -> str:
@@ -166,6 +240,12 @@ class LocalTransport:
 
     async def open_connection(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection(host, port)
+
+    async def spawn(self, cmd: str) -> Spawned:
+        proc = await asyncio.create_subprocess_exec("bash", "-c", cmd, stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+        return _LocalSpawned(proc)
 
     async def close(self) -> None:
         return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pygit2
@@ -26,21 +27,45 @@ class RevisionRefused(ReconcilerError):
         super().__init__(message)
 
 
+# How to deploy an older revision on purpose, in words for a refusal.
+ALLOW = "pass --allow-rewind (reconcile) or set allow_rewind = true in /etc/reconciler/config.toml (reconcile watch)"
+
+
+def descends(repo: pygit2.Repository) -> Callable[[str, str], bool | None]:
+    """A function telling whether `target` descends from (or is) `applied`: True, False, or None
+    when `applied` is not in this repository (another repo, or history rewritten)."""
+    def check(target: str, applied: str) -> bool | None:
+        if target == applied:
+            return True
+        try:
+            known = repo.get(applied) is not None
+        except ValueError:
+            known = False
+        if not known:
+            return None
+        return bool(repo.descendant_of(target, applied))
+    return check
+
+
+def rewind_problem(target: str, applied: str, verdict: bool | None, where: str) -> str | None:
+    """Why deploying `target` over `applied` (recorded as applied on `where`) is a rewind, or None."""
+    if verdict is True:
+        return None
+    if verdict is None:
+        return (f"{where} records revision {applied[:7]} as applied, which is not in this repository "
+                f"(another repo, or its history was rewritten); refusing {target[:7]}: {ALLOW}")
+    return (f"{target[:7]} does not descend from {applied[:7]}, the revision {where} records as applied "
+            f"(a force-push back, or --rev of an older commit); refusing: {ALLOW}")
+
+
 def check_descends(repo: pygit2.Repository, last_applied: str | None, target: str) -> None:
-    """Raise RevisionRefused when target does not descend from last_applied."""
-    if not last_applied or last_applied == target:
+    """Raise RevisionRefused when target does not descend from last_applied (the controller's
+    cache of the last revision it applied from this repo and branch)."""
+    if not last_applied:
         return
-    try:
-        last = repo.get(last_applied)
-    except ValueError:
-        last = None
-    if last is None:
-        # The last applied commit is gone from the repo (history rewritten): refuse as well.
-        raise RevisionRefused("NotDescendant", f"last applied revision {last_applied[:7]} is not in the repo "
-                              f"(history rewritten?); refusing {target[:7]} without --allow-rewind")
-    if not repo.descendant_of(target, last_applied):
-        raise RevisionRefused("NotDescendant", f"{target[:7]} does not descend from the last applied revision "
-                              f"{last_applied[:7]} (a force-push back?); refusing without --allow-rewind")
+    problem = rewind_problem(target, last_applied, descends(repo)(target, last_applied), "this controller")
+    if problem:
+        raise RevisionRefused("NotDescendant", problem)
 
 
 def verify_signature(repo: pygit2.Repository, rev: str, allowed_signers: str | Path) -> str:

@@ -47,6 +47,11 @@ class Fleet:
     def exists(self, host: fleetlib.Host, path: str) -> bool:
         return self.ssh(host, f"test -e {path} && echo yes || echo no").strip() == "yes"
 
+    def no_records(self, host: fleetlib.Host) -> bool:
+        """True when the reconciler recorded nothing on the host (its lock file may exist)."""
+        return self.ssh(host, "ls /var/lib/reconciler/services /var/lib/reconciler/host.json 2>/dev/null | "
+                              "head -1", check=False).strip() == ""
+
     def reset(self, hosts: list[fleetlib.Host] | None = None) -> None:
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda h: self.ssh(h, fleetlib.RESET_SCRIPT), hosts or self.hosts))

@@ -317,6 +317,10 @@ def down(hosts: list[Host] | None = None) -> None:
 RESET_SCRIPT = r"""
 set -u
 STRAY_SECONDS=@STRAY@
+for t in /etc/systemd/system/reconciler-confirm-*.timer; do
+  [ -f "$t" ] || continue
+  systemctl disable --now "$(basename "$t")" >/dev/null 2>&1; rm -f "$t"
+done
 for f in /etc/systemd/system/*.service; do
   [ -f "$f" ] && [ ! -L "$f" ] || continue
   u=$(basename "$f")

@@ -27,7 +27,7 @@ def test_dry_run_apply_then_noop(fleet, repo):
     assert 'Environment="LOG_LEVEL=info"' in dry.stdout
     assert "start model-a" in dry.stdout and rev[:7] in dry.stdout
     # dry-run changed nothing
-    assert not fleet.exists(h, UNIT) and not fleet.exists(h, "/var/lib/reconciler")
+    assert not fleet.exists(h, UNIT) and fleet.no_records(h)
 
     run_cli("--repo", str(repo.path), check_codes=(0,))
     p = fleet.show(h, "model-a", "ActiveState", "SubState", "Environment", "InvocationID", "UnitFileState")
@@ -148,7 +148,7 @@ def test_bad_input_exits_1_names_file_and_key_and_touches_nothing(fleet, repo, c
         for word in expect:
             assert word.format(h=h.name) in res.stderr, res.stderr
         assert "abc" not in res.stderr and "rm -rf" not in res.stderr   # env values never echoed
-    assert not fleet.exists(h, "/var/lib/reconciler") and not fleet.exists(h, UNIT)
+    assert fleet.no_records(h) and not fleet.exists(h, UNIT)
 
 
 def test_wrong_host_key_fails_that_host_only(fleet, repo):

@@ -58,7 +58,7 @@ def test_hybrid_config_under_an_unknown_model_id_is_caught_on_the_host(fleet, re
     msg = out["hosts"][0]["message"]
     assert "sglang-spec-hybrid-extra-buffer" in msg and "Fix:" in msg
     run_cli("--repo", str(repo.path), check_codes=(4,))
-    assert not fleet.exists(h, UNIT) and not fleet.exists(h, "/var/lib/reconciler")
+    assert not fleet.exists(h, UNIT) and fleet.no_records(h)
 
 
 @pytest.mark.timeout(60)
@@ -72,7 +72,7 @@ def test_incomplete_model_names_the_missing_files_and_writes_nothing(fleet, repo
     assert "model-00003-of-00003.safetensors missing" in msg
     assert "model-00002-of-00003.safetensors is empty (0 bytes)" in msg
     run_cli("--repo", str(repo.path), check_codes=(4,))
-    assert not fleet.exists(h, UNIT) and not fleet.exists(h, "/var/lib/reconciler")
+    assert not fleet.exists(h, UNIT) and fleet.no_records(h)
     hist = json.loads(run_cli("history", h.name, "--json", check_codes=(0,)).stdout)
     assert hist[0]["action"] == "blocked" and "missing" in hist[0]["message"]
 

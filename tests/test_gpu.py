@@ -291,5 +291,5 @@ def test_bench_script_dry_run_without_third_party_packages():
             "runpy.run_path('bench/gpu_gate_device.py', run_name='__main__')\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    assert "transport=LocalShell" in res.stdout
+    assert "transport=Local" in res.stdout      # reconciler.transport no longer needs asyncssh to load
     assert "before   no GPUs (nvidia-smi not found)" in res.stdout

@@ -128,7 +128,9 @@ class Case:
     def plan(self) -> HostPlan:
         facts = HostFacts(services={f.name: f for f in self.observed},
                           record=HostRecord(self.host_rev) if self.host_rev else None)
-        return plan_host(host(*self.desired), facts, Context(REV, **self.ctx))  # type: ignore[arg-type]
+        # The dead-man's switch is its own concern (tests at the end of this file): off in the table.
+        ctx = {"confirm_margin": None, **self.ctx}
+        return plan_host(host(*self.desired), facts, Context(REV, **ctx))  # type: ignore[arg-type]
 
 
 NEW = ("intent m", "write m NewService", "write m NewService", "daemon-reload", "enable m", "start m NewService",
@@ -682,3 +684,46 @@ def test_an_adopted_units_drop_ins_are_kept_and_put_back() -> None:
     assert kinds.index(Kind.ADOPT) < kinds.index(Kind.REMOVE)      # copied before the drift removal
     leave = plan_of((), (on_host(M, replace(record_of(adopt), pending=None)),))
     assert [a.path for a in leave.actions if a.kind is Kind.RESTORE] == [unit_path("m"), mine]
+
+
+# ---- the dead-man's switch ----------------------------------------------------------------------
+
+
+def test_a_deploy_arms_a_switch_that_restores_the_verified_version() -> None:
+    plan = plan_of((M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),), confirm_margin=60.0)
+    kinds = [a.kind for a in plan.actions]
+    assert kinds.index(Kind.INTENT) < kinds.index(Kind.ARM) < kinds.index(Kind.DAEMON_RELOAD) \
+        < kinds.index(Kind.ARM_TIMER) < kinds.index(Kind.RESTART)
+    sw = only(plan, Kind.ARM).switch
+    assert sw is not None and sw.restores == OLD
+    h = M.health
+    assert sw.window == int(h.startup_timeout + h.stable_for + 60)
+    assert f"OnActiveSec={sw.window}s" in sw.timer and "WantedBy=timers.target" in sw.timer
+    assert "flock -w 600 /var/lib/reconciler/.lock" in sw.unit
+    # the script puts the verified files back, restarts, and records the new version quarantined
+    assert "systemctl restart m.service" in sw.script and '"NotConfirmed"' not in sw.script  # (base64 inside)
+    import base64
+    import json
+    records = [json.loads(base64.b64decode(x)) for x in sw.script.split() if x.startswith("eyJ")]
+    assert records and records[-1]["quarantine"]["reason"] == "NotConfirmed"
+    assert records[-1]["hash"] == M_ENV0.content_hash() and records[-1]["pending"] is None
+
+
+def test_without_a_verified_version_the_switch_stops_the_service() -> None:
+    plan = plan_of((M,), (), confirm_margin=60.0)
+    sw = only(plan, Kind.ARM).switch
+    assert sw is not None and sw.restores is None and "systemctl stop m.service" in sw.script
+
+
+def test_no_switch_for_a_rollback_and_none_when_turned_off() -> None:
+    plan = plan_of((BAD,), (on_host(BAD, FAILED_BAD),), last_good={"m": LAST}, confirm_margin=60.0)
+    assert plan.states == {"m": State.QUARANTINED} and not [a for a in plan.actions if a.kind is Kind.ARM]
+    plan = plan_of((M,), (), confirm_margin=None)
+    assert not [a for a in plan.actions if a.kind in (Kind.ARM, Kind.ARM_TIMER)]
+
+
+def test_an_orphan_with_a_deploy_in_flight_disarms_its_switch() -> None:
+    rec = replace(verified(M, OLD), pending=Pending(M.content_hash(), REV, started=True))
+    plan = plan_of((), (on_host(M, rec),), confirm_margin=60.0)
+    kinds = [a.kind for a in plan.actions]
+    assert Kind.DISARM in kinds and kinds.index(Kind.DISARM) < kinds.index(Kind.STOP)

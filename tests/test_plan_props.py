@@ -111,7 +111,7 @@ def simulate(facts: HostFacts, plan: HostPlan, healthy: bool) -> HostFacts:
     for a in plan.actions:
         n += 1
         name = a.service
-        if a.kind in (Kind.FETCH, Kind.HOLD, Kind.WAIT_GPUS):
+        if a.kind in (Kind.FETCH, Kind.HOLD, Kind.WAIT_GPUS, Kind.ARM, Kind.ARM_TIMER, Kind.DISARM):
             continue
         if name is None:
             if a.kind is Kind.DAEMON_RELOAD:

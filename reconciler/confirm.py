@@ -1,0 +1,123 @@
+"""PURE: the on-host dead-man's switch of a deploy (what deploy-rs calls magic rollback).
+
+Before a service is (re)started with a new version, the plan arms a timer on the host: unless
+the controller confirms the version within the window (start-up timeout + stable_for + margin),
+the timer runs a script that puts the previous, verified version back (unit and env), restarts
+it, and records the new version as quarantined (reason NotConfirmed); with no verified previous
+version it stops the service instead. The controller's verdict, whatever it is, disarms it. A
+controller killed or cut off mid-deploy thus leaves the host on its last good version by itself,
+and the records say so.
+
+The switch is three files: /var/lib/reconciler/confirm/<service>.sh (0700: it holds the previous
+env, which may be secret) and the units reconciler-confirm-<service>.{service,timer} in
+/etc/systemd/system, enabled, so a host that reboots inside the window still fires it (the
+window then counts from boot). The script takes the host lock first (it never interleaves with a
+reconcile run) and does nothing when it was disarmed meanwhile.
+"""
+
+from __future__ import annotations
+
+import base64
+import shlex
+from dataclasses import dataclass
+
+from .facts import STATE_DIR, UNIT_DIR, env_path, record_path, unit_path
+from .records import Quarantine, ServiceRecord
+
+CONFIRM_DIR = f"{STATE_DIR}/confirm"
+LOCK = f"{STATE_DIR}/.lock"
+
+
+def unit_name(service: str) -> str:
+    return f"reconciler-confirm-{service}"
+
+
+def script_path(service: str) -> str:
+    return f"{CONFIRM_DIR}/{service}.sh"
+
+
+def paths(service: str) -> tuple[str, str, str]:
+    """The switch's files: the script, the service unit, the timer unit."""
+    name = unit_name(service)
+    return script_path(service), f"{UNIT_DIR}/{name}.service", f"{UNIT_DIR}/{name}.timer"
+
+
+@dataclass(frozen=True)
+class Previous:
+    """The verified version the switch restores: its files as they are on the host now."""
+
+    revision: str
+    unit_text: str
+    env_text: str | None
+
+
+@dataclass(frozen=True)
+class Switch:
+    """The texts of one armed switch."""
+
+    service: str
+    window: int
+    script: str
+    unit: str
+    timer: str
+    restores: str | None         # the revision it puts back (None: it stops the service)
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def disarm_script(service: str) -> str:
+    """Shell that disarms a switch (the timer, a run it may have started, its files)."""
+    s, unit, timer = paths(service)
+    name = unit_name(service)
+    return (f"systemctl disable --now --no-reload {name}.timer >/dev/null 2>&1; "
+            f"systemctl stop {name}.service >/dev/null 2>&1; rm -f {s} {unit} {timer}; true")
+
+
+def arm(service: str, *, revision: str, new_hash: str, window: int, record: ServiceRecord,
+        previous: Previous | None) -> Switch:
+    """The switch for deploying `revision` (content `new_hash`) of `service`.
+
+    record: the service's record as the deploy writes it (the base of what the switch records).
+    previous: the verified version to restore, or None (the switch then stops the service)."""
+    q = Quarantine(hash=new_hash, revision=revision, reason="NotConfirmed",
+                   quote=f"the controller did not confirm {revision[:7]} within {window}s (it died or lost "
+                         f"the host); --retry or a new commit tries again")
+    lines = ["#!/bin/sh",
+             f"# reconciler's dead-man's switch for {service}: the controller did not confirm {revision[:7]}.",
+             "set -u",
+             "put() {  # path base64",
+             '  d=$(dirname "$1"); mkdir -p "$d"; t=$(mktemp "$d/.reconciler-tmp.XXXXXX")',
+             '  printf "%s" "$2" | base64 -d > "$t" && chmod 0644 "$t" && sync "$t" && mv -f "$t" "$1"',
+             "}"]
+    u = shlex.quote(f"{service}.service")
+    if previous is not None:
+        fired = ServiceRecord(hash=record.last_good_hash, revision=previous.revision,
+                              last_good_hash=record.last_good_hash, last_good_revision=record.last_good_revision,
+                              quarantine=q, adopted=record.adopted)
+        lines.append(f"put {shlex.quote(unit_path(service))} {_b64(previous.unit_text)}")
+        if previous.env_text is not None:
+            lines.append(f"put {shlex.quote(env_path(service))} {_b64(previous.env_text)}")
+        else:
+            lines.append(f"rm -f {shlex.quote(env_path(service))}")
+        lines.append(f"put {shlex.quote(record_path(service))} {_b64(fired.dumps())}")
+        lines += ["systemctl daemon-reload", f"systemctl reset-failed {u} 2>/dev/null", f"systemctl restart {u}"]
+    else:
+        fired = ServiceRecord(hash=new_hash, revision=revision, last_good_hash=record.last_good_hash,
+                              last_good_revision=record.last_good_revision, quarantine=q, adopted=record.adopted)
+        lines.append(f"put {shlex.quote(record_path(service))} {_b64(fired.dumps())}")
+        lines.append(f"systemctl stop {u}")
+    lines.append(disarm_script(service))
+    script = "\n".join(lines) + "\n"
+    spath = script_path(service)
+    name = unit_name(service)
+    what = f"roll {service} back to {previous.revision[:7]}" if previous else f"stop {service}"
+    unit = (f"[Unit]\nDescription=reconciler: {what} ({revision[:7]} was not confirmed)\n\n"
+            f"[Service]\nType=oneshot\n"
+            # the host lock first (never during a reconcile run); a disarmed switch does nothing
+            f"ExecStart=/usr/bin/flock -w 600 {LOCK} /bin/sh -c '[ ! -f {spath} ] || exec /bin/sh {spath}'\n")
+    timer = (f"[Unit]\nDescription=reconciler: dead-man's switch of {service} at {revision[:7]}\n\n"
+             f"[Timer]\nOnActiveSec={window}s\nAccuracySec=1s\nUnit={name}.service\n\n"
+             f"[Install]\nWantedBy=timers.target\n")
+    return Switch(service, window, script, unit, timer, previous.revision if previous else None)

@@ -1,0 +1,93 @@
+"""One reconcile of a host at a time, across processes and controllers: a lock on the host.
+
+The lock is `flock` on /var/lib/reconciler/.lock, held by a process the run starts on the host
+over its own SSH connection and keeps for the whole host run, from observe to verdict. It
+ends, and the lock with it, when the run closes it, when the connection drops (the process
+reads EOF), or when the controller goes silent: the run writes a heartbeat line every few
+seconds, and the holder gives up after IDLE seconds without one (a controller that was
+partitioned away, whose connection the host has not noticed yet, never blocks later runs
+for long). While it holds the lock it keeps who it is in /var/lib/reconciler/.lock.owner, so
+a run that waits in vain can say who holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import socket
+import time
+
+from .errors import HostError
+from .facts import STATE_DIR
+from .transport import Spawned, Transport
+
+LOCK = f"{STATE_DIR}/.lock"
+OWNER = f"{STATE_DIR}/.lock.owner"
+IDLE = 30            # seconds without a heartbeat before the holder lets go
+HEARTBEAT = 5.0      # seconds between heartbeats
+WAIT = 30.0          # default: how long a run waits for another run's lock
+
+
+class LockedError(HostError):
+    """Another run holds the host's lock (reason Locked, exit 4; nothing was changed there)."""
+
+    reason = "Locked"
+
+
+def holder_command(wait: float, owner: str) -> str:
+    """The shell that takes the lock (waiting at most `wait` s), says LOCKED, and keeps it
+    while heartbeats arrive; it prints BUSY and the owner's line when the wait runs out."""
+    keep = (f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; echo LOCKED; "
+            f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done; rm -f {OWNER}")
+    return (f"mkdir -p {STATE_DIR} && if flock -w {int(wait)} {LOCK} sh -c {shlex.quote(keep)}; then :; "
+            f"else echo BUSY; cat {OWNER} 2>/dev/null; fi")
+
+
+def owner_line() -> str:
+    """Who this run is, for the host's owner file (no secrets: host name, PID, start time)."""
+    return f"reconcile on {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+
+
+class HostLock:
+    """The held lock of one host; release() lets go (closing the connection does too)."""
+
+    def __init__(self, proc: Spawned):
+        self.proc = proc
+        self.beat = asyncio.create_task(self._heartbeat())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT)
+            try:
+                self.proc.write(".\n")
+            except (OSError, ConnectionError, RuntimeError):
+                return
+
+    async def release(self) -> None:
+        self.beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.beat
+        with contextlib.suppress(OSError, ConnectionError):
+            await self.proc.close()
+
+
+async def acquire(t: Transport, *, wait: float = WAIT) -> HostLock:
+    """Take the host's lock, waiting at most `wait` seconds; raise LockedError when another
+    run keeps it that long."""
+    proc = await t.spawn(holder_command(wait, owner_line()))
+    try:
+        first = await asyncio.wait_for(proc.readline(), wait + 15)
+    except TimeoutError:
+        first = ""
+    if first.strip() == "LOCKED":
+        return HostLock(proc)
+    who = ""
+    if first.strip() == "BUSY":
+        with contextlib.suppress(TimeoutError):
+            who = (await asyncio.wait_for(proc.readline(), 5)).strip()
+    await proc.close()
+    holder = f" (held by {who})" if who else ""
+    raise LockedError(t.host, f"another reconcile holds {LOCK} on this host{holder}; waited {wait:.0f}s, "
+                              f"changed nothing here")
