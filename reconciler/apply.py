@@ -49,11 +49,15 @@ trap cleanup EXIT
 # writes are atomic, so no file is ever half-written, and the next run re-plans from the host.
 trap 'exit 129' HUP INT TERM PIPE
 fatal() { printf '@@fatal %s %s\n' "$1" "$2"; exit 1; }
+pause() { [ -z "${1:-}" ] || sleep "$1"; }   # fault injection only (faults.py); no-op otherwise
 atomic_write() {  # path mode base64-content
   d=$(dirname "$1"); mkdir -p "$d" || return 1
   t=$(mktemp "$d/.reconciler-tmp.XXXXXX") || return 1
   TMPS="$TMPS $t"
-  printf '%s' "$3" | base64 -d > "$t" && chmod "$2" "$t" && sync "$t" && mv -f "$t" "$1" && sync "$d"
+  printf '%s' "$3" | base64 -d > "$t" && chmod "$2" "$t" && sync "$t" || return 1
+  pause "${RC_PAUSE_AFTER_TEMP:-}"
+  mv -f "$t" "$1" && sync "$d" || return 1
+  pause "${RC_PAUSE_AFTER_RENAME:-}"
 }
 atomic_copy() {  # source destination
   d=$(dirname "$2"); mkdir -p "$d" || return 1
@@ -129,7 +133,7 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
         assert a.path is not None and a.service is not None
         return f"atomic_copy {q(adopted_copy(a.service, a.path))} {q(a.path)}"
     if a.kind is Kind.DAEMON_RELOAD:
-        return "systemctl daemon-reload"
+        return 'pause "${RC_PAUSE_BEFORE_RELOAD:-}"; systemctl daemon-reload'
     if a.kind is Kind.ARM:
         assert a.switch is not None
         script, unit, timer = confirm.paths(a.switch.service)
@@ -152,7 +156,7 @@ CONTROLLER = frozenset({Kind.FETCH, Kind.HOLD, Kind.WAIT_GPUS, Kind.WATCH})
 def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
     """The given actions of a plan as one script; step N marks plan.actions[N]."""
     index = {id(a): i for i, a in enumerate(plan.actions)}
-    parts = [_PRELUDE]
+    parts = [_PRELUDE, *faults.host_pauses()]
     for a in actions:
         if a.kind in CONTROLLER:
             continue

@@ -10,6 +10,10 @@ crash or a power loss would) when it reaches one of these points of a host's run
     after-verdict      a verdict was recorded on the host, nothing done after it
     in-rollback-watch  the rollback's health watch has begun
 
+On the host side, `pause-after-temp`, `pause-after-rename` and `pause-before-reload` make the
+apply script sleep RECONCILER_FAULT_PAUSE seconds (default 5) at that point of its file writes,
+so a test can cut or blackhole the connection, or kill the controller, right there.
+
 And for the daemon's watchdog test, `block-loop`: once the file /run/reconciler-block-loop
 exists, the daemon's event loop blocks (as a wedged loop would) and systemd must restart it.
 
@@ -30,6 +34,15 @@ def armed(point: str) -> bool:
 
 
 BLOCK_FILE = "/run/reconciler-block-loop"
+_PAUSES = {"pause-after-temp": "RC_PAUSE_AFTER_TEMP", "pause-after-rename": "RC_PAUSE_AFTER_RENAME",
+           "pause-before-reload": "RC_PAUSE_BEFORE_RELOAD"}
+
+
+def host_pauses() -> list[str]:
+    """Shell lines that arm the apply script's pauses the environment asks for (none normally)."""
+    seconds = os.environ.get("RECONCILER_FAULT_PAUSE", "5")
+    seconds = seconds if seconds.replace(".", "", 1).isdigit() else "5"
+    return [f"{var}={seconds}" for point, var in _PAUSES.items() if armed(point)]
 
 
 def block_loop_if_asked() -> None:
