@@ -67,10 +67,13 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
-def disarm_script(service: str) -> str:
-    """Shell that disarms a switch (the timer, a run it may have started, its files)."""
+def disarm_script(service: str, *, inside: bool = False) -> str:
+    """Shell that disarms a switch (the timer, a run it may have started, its files). `inside`:
+    the switch's own script cleaning up after it fired (it must not stop its own unit)."""
     s, unit, timer = paths(service)
     name = unit_name(service)
+    if inside:
+        return f"rm -f {s} {unit} {timer}; systemctl disable --no-reload {name}.timer >/dev/null 2>&1; true"
     return (f"systemctl disable --now --no-reload {name}.timer >/dev/null 2>&1; "
             f"systemctl stop {name}.service >/dev/null 2>&1; rm -f {s} {unit} {timer}; true")
 
@@ -108,7 +111,7 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
                               last_good_revision=record.last_good_revision, quarantine=q, adopted=record.adopted)
         lines.append(f"put {shlex.quote(record_path(service))} {_b64(fired.dumps())}")
         lines.append(f"systemctl stop {u}")
-    lines.append(disarm_script(service))
+    lines.append(disarm_script(service, inside=True))
     script = "\n".join(lines) + "\n"
     spath = script_path(service)
     name = unit_name(service)

@@ -91,3 +91,32 @@ def test_a_hook_failure_is_one_line_with_path_cause_and_fix() -> None:
     assert failure_line("pre-receive", SourceError("x: not a git repository")) == (
         "reconciler: pre-receive: x: not a git repository (the push was refused)")
     assert "ZeroDivisionError" in failure_line("pre-receive", ZeroDivisionError("boom"))
+
+
+def test_an_exception_in_a_run_is_logged_counted_and_retried(tmp_path, capsys):
+    """A bug in a run must not end the loop while the process and its metrics stay up."""
+    d = make(tmp_path)
+    d.backoff = 0.05
+    calls = 0
+
+    async def crashing_then_fine() -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise KeyError("a bug")
+        return 0
+
+    async def scenario() -> None:
+        d.run_once = crashing_then_fine  # type: ignore[method-assign]
+        task = asyncio.create_task(d._runner())
+        d.ask("start")
+        await asyncio.sleep(0.5)       # the crash, then the retry after the back-off
+        d.stopping.set()
+        d.wake.set()
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(scenario())
+    out = capsys.readouterr().out
+    assert calls == 2 and "run crashed" in out and "KeyError: 'a bug'" in out and "Traceback" in out
+    crashes = d.metrics.registry.get_sample_value("reconciler_runs_total", {"result": "crash"})
+    assert crashes == 1.0

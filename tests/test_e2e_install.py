@@ -209,4 +209,17 @@ def test_the_runbook_installs_a_working_controller(fleet, control: Control, tmp_
     wait_for("the fleet in sync after a restart",
              lambda: f'reconciler_service_healthy{{host="{gpu.name}",service="model-a"}} 1.0' in metrics(), 60)
     assert control.root("systemctl is-active reconciler").stdout.strip() == "active"
+
+    # A wedged event loop stops the watchdog pings, and systemd restarts the daemon
+    # (RECONCILER_FAULT=block-loop blocks the loop once /run/reconciler-block-loop exists).
+    control.root("printf '[Service]\\nWatchdogSec=3\\nEnvironment=RECONCILER_FAULT=block-loop\\n' > "
+                 "/etc/systemd/system/reconciler.service.d/watchdog.conf && systemctl daemon-reload && "
+                 "systemctl restart reconciler")
+    restarts = int(control.root("systemctl show -p NRestarts --value reconciler").stdout)
+    control.root("touch /run/reconciler-block-loop")
+    wait_for("the watchdog to restart the wedged daemon",
+             lambda: int(control.root("systemctl show -p NRestarts --value reconciler").stdout) > restarts, 30)
+    control.root("rm -f /run/reconciler-block-loop")
+    assert "Watchdog timeout" in control.root("journalctl -u reconciler -o cat --no-pager").stdout
+    wait_for("the restarted daemon", lambda: "reconciler_runs_total" in metrics(), 30)
     print(f"install test: runbook {installed:.1f}s, whole test {time.monotonic() - started:.1f}s")
