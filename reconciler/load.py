@@ -46,6 +46,7 @@ from .spec import (
     ModelSpec,
     NotifySpec,
     RolloutPolicy,
+    SecretSpec,
     ServiceSpec,
     SSHSpec,
 )
@@ -205,6 +206,7 @@ class _Merged:
     gpu_policy: str = "report"
     adopt: bool = False
     allow_dropins: tuple[str, ...] = ()
+    secrets: dict[str, tuple[schema.SecretRef, _At]] = field(default_factory=dict)
 
     def add_rollout(self, table: schema.RolloutTable | None, file: str, prefix: tuple[str, ...]) -> None:
         if table is None:
@@ -244,6 +246,8 @@ class _Merged:
             self.adopt = table.adopt
         if table.allow_dropins is not None:
             self.allow_dropins = tuple(table.allow_dropins)
+        for k, ref in table.secrets.items():
+            self.secrets[k] = (ref, _At(file, dotted(*prefix, "secrets", k)))
         self.add_rollout(table.rollout, file, prefix)
 
 
@@ -466,6 +470,33 @@ class _Loader:
         return definitions
 
     # -- units --
+
+    def _secrets(self, merged: _Merged, env: dict[str, str]) -> tuple[SecretSpec, ...]:
+        """The service's secrets, checked: exactly one source each, an age file that exists and
+        is an age file, no name that env sets too. Problems name file and key, never a value."""
+        out: list[SecretSpec] = []
+        for name, (ref, at) in sorted(merged.secrets.items()):
+            if (ref.file is None) == (ref.age is None):
+                self.problems.add(at.file, at.key, "set exactly one of file (a path on the host) and age "
+                                                   "(an encrypted file in this repo)")
+                continue
+            if name in env:
+                self.problems.add(at.file, at.key, f"{name} is also set in env: a secret belongs in one place")
+                continue
+            if ref.file is not None:
+                out.append(SecretSpec(name, "file", ref.file, ref.env))
+                continue
+            assert ref.age is not None
+            data = self.snap.read(ref.age)
+            if data is None:
+                self.problems.add(at.file, f"{at.key}.age", f"file {ref.age!r} not found in the repository")
+                continue
+            if not data.startswith((b"age-encryption.org/v1\n", b"-----BEGIN AGE ENCRYPTED FILE-----")):
+                self.problems.add(at.file, f"{at.key}.age", f"{ref.age!r} is not an age-encrypted file "
+                                  f"(make it with `reconcile secrets encrypt {name}`)")
+                continue
+            out.append(SecretSpec(name, "age", ref.age, ref.env, ciphertext=data))
+        return tuple(out)
 
     def _ca_file(self, path: str, at: _At) -> str | None:
         """The PEM text of a health CA bundle, or None with a problem naming file and key."""
@@ -702,6 +733,7 @@ class _Loader:
             gpu_policy=merged.gpu_policy,
             adopt=merged.adopt,
             allow_dropins=merged.allow_dropins,
+            secrets=self._secrets(merged, env),
         )
 
     def _render_value(self, value: str, at: _At, ctx: _Context, host_file: str, use: _Use) -> str:

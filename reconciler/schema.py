@@ -372,6 +372,23 @@ class ModelTable(Table):
     size_gb: PositiveSeconds | None = None     # the checkpoint's size, for the free-space check
 
 
+AbsPath = Annotated[str, _no_space("an absolute path without whitespace, like '/etc/credstore/hf_token'",
+                                   absolute=True)]
+
+
+class SecretRef(Table):
+    """One entry of a service's `secrets` table: where the value comes from and how it reaches
+    the server. Exactly one of `file` (a file already on the host, provisioned by other means:
+    nothing secret passes through git or the controller) and `age` (a file in this repo,
+    encrypted to the controller's age key). `env = true`: the server gets it as an environment
+    variable (through a root-only EnvironmentFile=); default: as a systemd credential,
+    $CREDENTIALS_DIRECTORY/<NAME> (LoadCredential=)."""
+
+    file: AbsPath | None = None
+    age: RepoPath | None = None
+    env: Boolean = False
+
+
 class ServiceDefinition(Table):
     """services/<def>.toml: a service table shared by several hosts (top-level keys)."""
 
@@ -391,6 +408,8 @@ class ServiceDefinition(Table):
     # Drop-ins for this service that someone else manages and that may stay (names or paths);
     # every other drop-in the reconciler did not write is drift and is removed on apply.
     allow_dropins: list[DropIn] | None = None
+    # Secrets by name (the name the server sees), by reference or encrypted in the repo.
+    secrets: dict[EnvKey, SecretRef] = Field(default_factory=dict)
 
 
 class ServiceTable(ServiceDefinition):

@@ -76,6 +76,28 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class SecretSpec:
+    """One secret of a service. Never its value: for an age secret, the encrypted bytes from the
+    repo and, once the controller decrypted it (secrets.py), a keyed digest of the value; for a
+    file reference, the path on the host.
+
+    env: delivered as an environment variable (root-only EnvironmentFile=) instead of a systemd
+    credential. problem: why it cannot be delivered (it blocks its service, nothing written)."""
+
+    name: str
+    source: str                      # "age" | "file"
+    path: str                        # repo path (age) or host path (file)
+    env: bool = False
+    ciphertext: bytes = field(default=b"", repr=False, compare=False)
+    digest: str = ""                 # HMAC of the value (age, once decrypted)
+    problem: str | None = None
+
+    def describe(self) -> str:
+        how = "environment" if self.env else "credential"
+        return f"{self.name} ({self.source} {self.path}, as {how})"
+
+
+@dataclass(frozen=True)
 class ServiceSpec:
     """One systemd service on one host, fully rendered.
 
@@ -100,6 +122,7 @@ class ServiceSpec:
     # Drop-ins someone else manages that may stay (file names like "10-numa.conf", or absolute
     # paths). Every other drop-in for the service is drift and is removed on apply.
     allow_dropins: tuple[str, ...] = ()
+    secrets: tuple[SecretSpec, ...] = ()
 
     def allows_dropin(self, path: str) -> bool:
         """True when a drop-in at `path` (not the reconciler's own) may stay."""
@@ -111,6 +134,9 @@ class ServiceSpec:
         h.update(self.unit_text.encode())
         for k in sorted(self.env):
             h.update(b"\0" + k.encode() + b"=" + self.env[k].encode())
+        for s in sorted(self.secrets, key=lambda s: s.name):
+            # the reference and, for an age secret, the keyed digest of its value (never the value)
+            h.update(f"\0secret {s.name} {s.source} {s.path} {s.env} {s.digest}".encode())
         return h.hexdigest()[:16]
 
 

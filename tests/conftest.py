@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,8 +35,14 @@ class Fleet:
         self.known_hosts = known_hosts
 
     def ssh(self, host: fleetlib.Host, cmd: str, check: bool = True) -> str:
-        res = subprocess.run([*fleetlib.ssh_base(host.address, self.known_hosts), cmd],
-                             capture_output=True, text=True, timeout=30)
+        for attempt in range(3):
+            res = subprocess.run([*fleetlib.ssh_base(host.address, self.known_hosts), cmd],
+                                 capture_output=True, text=True, timeout=30)
+            if res.returncode != 255:
+                break
+            # ssh itself failed (a handshake slower than ConnectTimeout on a loaded machine):
+            # the test's look at the host is retried, never the reconciler's own connections.
+            time.sleep(0.5 * (attempt + 1))
         if check and res.returncode != 0:
             raise AssertionError(f"{host.name}: {cmd!r} failed ({res.returncode}): {res.stderr}")
         return res.stdout
