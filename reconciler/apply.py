@@ -29,11 +29,12 @@ import shlex
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from . import confirm, faults
+from . import confirm, faults, secrets
 from .errors import CommandError
-from .facts import HOST_RECORD, STATE_DIR, adopted_copy, record_path
+from .facts import CREDSTORE, HOST_RECORD, STATE_DIR, adopted_copy, cred_env_path, cred_path, record_path
 from .plan import ORDER, Action, HostPlan, Kind, Reason
 from .records import HostRecord, ServiceRecord
+from .spec import SecretSpec
 from .transport import Transport
 
 REMOVED_DIR = f"{STATE_DIR}/removed"
@@ -70,6 +71,11 @@ soft() {  # step-index command...: never stops the script; reports ok or the fai
   if err=$("$@" 2>&1); then printf '@@ok %s\n' "$i"
   else printf '@@fail %s %s %s\n' "$i" "$?" "$(printf '%s' "$err" | tail -n 5 | base64 -w0)"; fi
 }
+env_line() {  # NAME file: NAME="value" for an EnvironmentFile= (systemd's double-quote escapes)
+  [ -f "$2" ] || { echo "$2 does not exist" >&2; return 1; }
+  v=$(cat "$2") || return 1
+  printf '%s="' "$1"; printf '%s' "$v" | sed 's/[\\"`$]/\\&/g'; printf '"\n'
+}
 u_stop() { systemctl stop "$1" && { systemctl reset-failed "$1" 2>/dev/null; true; }; }
 u_start() { systemctl reset-failed "$1" 2>/dev/null; systemctl start --no-block "$1"; }
 """
@@ -91,6 +97,45 @@ def _record(name: str, rec: ServiceRecord, now: int) -> str:
     if rec.pending is not None and not rec.pending.at:
         rec = replace(rec, pending=replace(rec.pending, at=now))
     return _write(record_path(name), rec.dumps())
+
+
+def _secrets(service: str, wanted: Sequence[SecretSpec], *, remove: bool = False) -> str:
+    """Deliver a service's secrets: each age secret's value to a root-only file (0600 in a 0700
+    directory, written atomically: the value goes to the host on the script's stdin, never on a
+    command line), the environment file composed on the host from those files and the referenced
+    ones, and nothing else left in its credstore. What was there is kept aside first for the
+    deploy's dead-man's switch (confirm.restore_secrets_script); the verdict deletes it."""
+    q = shlex.quote
+    svc_dir, env, kept = q(f"{CREDSTORE}/{service}"), q(cred_env_path(service)), q(confirm.KEPT)
+    lines = [f"(umask 077; mkdir -p {kept}) && chmod 0700 {q(CREDSTORE)} {kept}",
+             f"rm -rf {kept}/{q(service)} {kept}/{q(service + '.env')}"]
+    if remove:
+        return " && ".join([*lines, f"rm -rf {svc_dir} {env}"])
+    lines += [f"{{ [ ! -e {svc_dir} ] || cp -a {svc_dir} {kept}/{q(service)}; }}",
+              f"{{ [ ! -e {env} ] || cp -p {env} {kept}/{q(service + '.env')}; }}",
+              f"(umask 077; mkdir -p {svc_dir}) && chmod 0700 {svc_dir}"]
+    keep = []
+    for s in sorted(wanted, key=lambda s: s.name):
+        if s.source != "age":
+            continue
+        value = secrets.value(s.digest)
+        if value is None:
+            return f"echo {q(f'secret {s.name} was not decrypted by this controller')} >&2; false"
+        keep.append(s.name)
+        lines.append(f"atomic_write {q(cred_path(service, s.name))} 0600 {base64.b64encode(value).decode()}")
+    names = " ".join(q(n) for n in keep)
+    lines.append(f"for f in {svc_dir}/* {svc_dir}/.[!.]*; do [ -e \"$f\" ] || continue; "
+                 f"case \" {names} \" in *\" ${{f##*/}} \"*) ;; *) rm -rf \"$f\";; esac; done")
+    env_secrets = [s for s in sorted(wanted, key=lambda s: s.name) if s.env]
+    if env_secrets:
+        compose = [f"t=$(mktemp {q(CREDSTORE)}/.reconciler-tmp.XXXXXX)", 'TMPS="$TMPS $t"', 'chmod 0600 "$t"',
+                   *(f'env_line {q(s.name)} {q(s.path if s.source == "file" else cred_path(service, s.name))} '
+                     f'>> "$t"' for s in env_secrets),
+                   'sync "$t"', f'mv -f "$t" {env}', f"sync {q(CREDSTORE)}"]
+        lines.append("{ " + " && ".join(compose) + "; }")
+    else:
+        lines.append(f"rm -f {env}")
+    return " && ".join(lines)
 
 
 def _soft(a: Action) -> str | None:
@@ -132,6 +177,9 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
     if a.kind is Kind.RESTORE:
         assert a.path is not None and a.service is not None
         return f"atomic_copy {q(adopted_copy(a.service, a.path))} {q(a.path)}"
+    if a.kind is Kind.SECRETS:
+        assert a.service is not None
+        return _secrets(a.service, a.secrets, remove=a.reason is Reason.REMOVED)
     if a.kind is Kind.DAEMON_RELOAD:
         return 'pause "${RC_PAUSE_BEFORE_RELOAD:-}"; systemctl daemon-reload'
     if a.kind is Kind.ARM:

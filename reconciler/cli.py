@@ -2,26 +2,38 @@
 
 Exit codes: 0 converged / in sync; 1 bad input or internal error (nothing applied);
 2 --dry-run found changes; 3 a host was rolled back (reserved); 4 at least one host failed.
+
+Everything it prints, to the terminal, as --json or in an error (a traceback included), goes
+through redact: the values of the secrets it decrypted and token-like patterns are masked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import os
+import re
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn, TextIO, cast
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from . import load, source
+from . import load, redact, secrets, source
 from .errors import ConfigError, SourceError
 from .fleet import reconcile_fleet, select_hosts
 from .load import render_at
-from .preflight import check_desired, load_rules
+from .preflight import check_desired, env_secret_warnings, load_rules, secret_file, secret_problems
 from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_history, print_result, print_status
+from .schema import ENV_KEY
+from .source import Snapshot
+from .spec import DesiredState
 from .status import Store, remember
 from .trust import descends
 
@@ -37,21 +49,44 @@ JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
 CacheOpt = typer.Option(None, "--cache-dir", envvar="RECONCILER_CACHE_DIR", help="Where URL repos are mirrored.")
 StateOpt = typer.Option(None, "--state-dir", envvar="RECONCILER_STATE_DIR",
                         help="Where the state store lives (default ~/.local/state/reconciler).")
+AgeIdentityOpt = typer.Option(None, "--age-identity", envvar="RECONCILER_AGE_IDENTITY", metavar="KEYFILE",
+                              help="The controller's age identity, to decrypt the repo's age secrets "
+                                   "(needed only when the desired state has some).")
 
 
 def _console(stderr: bool = False) -> Console:
     """Rich on a terminal; plain text at least 160 columns wide in logs, pipes and CI (no
-    mid-line wrapping of diffs and journal lines)."""
-    c = Console(highlight=False, stderr=stderr)
+    mid-line wrapping of diffs and journal lines). Everything printed is redacted."""
+    # A TextIO as rich types it: Console only writes, flushes and asks isatty/fileno.
+    out = cast(TextIO, redact.RedactingWriter(sys.stderr if stderr else sys.stdout))
+    c = Console(highlight=False, file=out)
     if not c.is_terminal and "COLUMNS" not in os.environ:
-        c = Console(highlight=False, stderr=stderr, width=160)
+        c = Console(highlight=False, file=out, width=160)
     return c
 
 
-def _load(repo: str, rev: str | None, path: str, cache_dir: Path | None):
+def _print_json(data: object) -> None:
+    """--json output, redacted (every string before serializing, then the text once more)."""
+    print(redact.redact(json.dumps(redact.redact_data(data), indent=2)))
+
+
+def _load(repo: str, rev: str | None, path: str, cache_dir: Path | None) -> tuple[Snapshot, DesiredState]:
     r = source.open_repo(repo, cache_dir)
     snap = source.snapshot(r, rev, path)
     return snap, load.load_desired(snap)
+
+
+def _has_age(state: DesiredState) -> bool:
+    return any(s.source == "age" for h in state.hosts.values() for svc in h.services.values() for s in svc.secrets)
+
+
+def _decrypting(state: DesiredState, snap: Snapshot, identity: str | None
+                ) -> tuple[DesiredState, Callable[[str], DesiredState | None]]:
+    """The state with its age secrets decrypted, and render_at doing the same for the revisions a
+    rollback renders. A secret that cannot be decrypted (no identity, another key, a damaged
+    file) is no error here: its SecretSpec says why, and that service is blocked."""
+    dec = secrets.Decryptor(secrets.identity_path(identity))
+    return (dec.state(state) if _has_age(state) else state), dec.render_at(render_at(snap))
 
 
 def _fail_input(err: Exception, as_json: bool, where: str) -> None:
@@ -59,11 +94,22 @@ def _fail_input(err: Exception, as_json: bool, where: str) -> None:
         payload: dict = {"error": type(err).__name__, "message": str(err)}
         if isinstance(err, ConfigError):
             payload["problems"] = [p.__dict__ for p in err.problems]
-        print(json.dumps(payload, indent=2))
+        _print_json(payload)
     elif isinstance(err, ConfigError):
         print_config_error(_console(stderr=True), err, where)
     else:
-        _console(stderr=True).print(f"[bold red]error:[/] {err}")
+        _console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}")
+    raise typer.Exit(1)
+
+
+def _say(text: str) -> None:
+    """A plain line on stderr (no markup: `[services.m.secrets]` is text), redacted."""
+    _console(stderr=True).print(text, markup=False, soft_wrap=True)
+
+
+def _fail(message: str) -> NoReturn:
+    """One error line on stderr, exit 1."""
+    _console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -89,6 +135,7 @@ def main_cmd(
     lock_wait: float = typer.Option(30.0, "--lock-wait", min=0, metavar="SECONDS",
                                     help="How long to wait for another run's lock on a host before reporting it "
                                          "Locked (exit 4)."),
+    age_identity: str | None = AgeIdentityOpt,
     cache_dir: Path | None = CacheOpt,
     state_dir: Path | None = StateOpt,
 ) -> None:
@@ -107,11 +154,14 @@ def main_cmd(
     except SourceError as e:
         _fail_input(e, as_json, where)
         return
+    state, render = _decrypting(state, snap, age_identity)
     console = _console()
+    for w in env_secret_warnings(state, snap.read):
+        _console(stderr=True).print(f"[yellow]{escape(w)}[/]", soft_wrap=True)
     with PhaseView(_console(stderr=True)) as view:
         result = asyncio.run(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
                                              concurrency=concurrency, hosts=selected,
-                                             render_at=render_at(snap), retry=retry, on_phase=view,
+                                             render_at=render, retry=retry, on_phase=view,
                                              rules=rules, lock_wait=lock_wait, descends=descends(snap.repo),
                                              allow_rewind=allow_rewind))
     if not dry_run:
@@ -119,7 +169,7 @@ def main_cmd(
         remember(store, result)
         store.close()
     if as_json:
-        print(json.dumps(result.to_json(), indent=2))
+        _print_json(result.to_json())
     else:
         print_result(console, result)
     raise typer.Exit(result.exit_code())
@@ -127,23 +177,36 @@ def main_cmd(
 
 @app.command()
 def validate(repo: str = RepoOpt, rev: str | None = RevOpt, path: str = PathOpt,
-             as_json: bool = JsonOpt, cache_dir: Path | None = CacheOpt) -> None:
+             as_json: bool = JsonOpt, cache_dir: Path | None = CacheOpt,
+             age_identity: str | None = typer.Option(
+                 None, "--age-identity", envvar="RECONCILER_AGE_IDENTITY", metavar="KEYFILE",
+                 help="Also check that every age secret decrypts with this identity (the controller's).")) -> None:
     """Check the desired state at a revision without contacting any host (exit 0 or 1)."""
+    decrypted = 0
     try:
         snap, state = _load(repo, rev, path, cache_dir)
-        problems, warnings = check_desired(state, load_rules(snap))
+        problems, warnings = check_desired(state, load_rules(snap), snap.read)
+        identity = secrets.identity_path(age_identity)
+        if identity and _has_age(state):
+            state = secrets.Decryptor(identity).state(state)
+            bad = secret_problems(state, snap.read)
+            problems.extend(bad)
+            decrypted = len({s.path for h in state.hosts.values() for svc in h.services.values()
+                             for s in svc.secrets if s.source == "age" and s.problem is None})
         if problems:
             raise ConfigError(problems)
     except (ConfigError, SourceError) as e:
         _fail_input(e, as_json, f"{repo}@{rev or 'HEAD'}")
         return
     for w in warnings:
-        Console(stderr=True, highlight=False).print(w)
+        _console(stderr=True).print(escape(w), soft_wrap=True)
     n_svc = sum(len(h.services) for h in state.hosts.values())
     if as_json:
-        print(json.dumps({"revision": snap.revision, "valid": True, "hosts": len(state.hosts), "services": n_svc}))
+        _print_json({"revision": snap.revision, "valid": True, "hosts": len(state.hosts), "services": n_svc,
+                     "warnings": warnings})
     else:
-        _console().print(f"{snap.short}: valid ({len(state.hosts)} hosts, {n_svc} services)")
+        checked = f"; {decrypted} age secret file{'s' * (decrypted != 1)} decrypt" if decrypted else ""
+        _console().print(f"{snap.short}: valid ({len(state.hosts)} hosts, {n_svc} services{checked})")
 
 
 @app.command()
@@ -152,7 +215,7 @@ def status(as_json: bool = JsonOpt, state_dir: Path | None = StateOpt) -> None:
     store = Store(state_dir)
     rows = store.status()
     if as_json:
-        print(json.dumps(rows, indent=2))
+        _print_json(rows)
     else:
         print_status(_console(), rows)
 
@@ -164,7 +227,7 @@ def history(host: str = typer.Argument(..., help="Host name."), as_json: bool = 
     """Every attempt on one host, newest first: revision, result, reason, journal line, duration."""
     rows = Store(state_dir).history(host, limit)
     if as_json:
-        print(json.dumps(rows, indent=2))
+        _print_json(rows)
     else:
         print_history(_console(), host, rows)
 
@@ -177,6 +240,8 @@ def watch(
     branch: str | None = typer.Option(None, "--branch", help="Override config: the deploy branch."),
     interval: float | None = typer.Option(None, "--interval", help="Seconds between periodic runs."),
     identity: str | None = typer.Option(None, "--identity", "-i"),
+    age_identity: str | None = typer.Option(None, "--age-identity", metavar="KEYFILE",
+                                            help="Override config: the age identity that decrypts the repo's secrets."),
     state_dir: Path | None = typer.Option(None, "--state-dir"),
     metrics: str | None = typer.Option(None, "--metrics", help="host:port of the Prometheus endpoint, '' = off."),
 ) -> None:
@@ -188,7 +253,7 @@ def watch(
     except ConfigError as e:
         _fail_input(e, False, str(config or "config"))
         return
-    overrides = {k: v for k, v in dict(repo=repo, branch=branch, identity=identity,
+    overrides = {k: v for k, v in dict(repo=repo, branch=branch, identity=identity, age_identity=age_identity,
                                        state_dir=str(state_dir) if state_dir else None, metrics=metrics).items()
                  if v is not None}
     cfg = cfg.model_copy(update=overrides)
@@ -227,9 +292,156 @@ def init_repo_cmd(
     out.print(f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
 
 
+secrets_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                          help="Secrets encrypted in git with age: make the controller's key, encrypt a value.")
+app.add_typer(secrets_app, name="secrets")
+
+DEFAULT_AGE_IDENTITY = Path("/etc/reconciler/age.key")
+RECIPIENTS = "secrets/recipients.txt"
+
+
+@secrets_app.command("keygen")
+def secrets_keygen(
+    out: Path = typer.Option(DEFAULT_AGE_IDENTITY, "--out", "-o",
+                             help="Where to write the new identity (mode 0600; never overwritten)."),
+) -> None:
+    """Make the controller's age identity (run on the controller); print its public key.
+
+    The public key (age1...) goes on stdout alone, what to do next on stderr."""
+    try:
+        public = secrets.keygen(out)
+    except FileExistsError:
+        _fail(f"{out} exists: not overwriting an identity (every secret encrypted to it would become "
+              f"unreadable). Remove it first, or choose another --out")
+    except OSError as e:
+        _fail(f"cannot write {out}: {e.strerror}")
+    print(public)
+    _say(f"wrote the controller's age identity to {out} (mode 0600). Keep it out of git and back it up: "
+         f"without it the secrets encrypted to it cannot be decrypted.")
+    _say("next:")
+    _say(f'  1. controller: set age_identity = "{out.resolve()}" in /etc/reconciler/config.toml '
+         f"(reconcile watch), or pass --age-identity / $RECONCILER_AGE_IDENTITY to reconcile")
+    if os.geteuid() == 0 and _user_exists("reconciler"):
+        _say(f"     the daemon runs as user reconciler: chown reconciler:reconciler {out}")
+    _say(f"  2. desired-state repo: add the public key to {RECIPIENTS} and commit it:")
+    _say(f"       mkdir -p secrets && echo {public} >> {RECIPIENTS} && git add {RECIPIENTS} && "
+         f"git commit -m 'secrets: the controller key'")
+    _say('  3. encrypt a secret: printf %s "$HF_TOKEN" | reconcile secrets encrypt HF_TOKEN')
+
+
+def _user_exists(name: str) -> bool:
+    import pwd
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _recipients(path: Path) -> list[str]:
+    """The age public keys in a recipients file: one a line, # comments and blank lines allowed."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        _fail(f"no recipients: {path} does not exist. On the controller, `reconcile secrets keygen` prints its "
+              f"public key (age1...): put it in {RECIPIENTS} and commit it, or pass --recipient age1...")
+    except OSError as e:
+        _fail(f"cannot read {path}: {e.strerror}")
+    keys = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if not _is_recipient(line):
+            _fail(f"{path}: line {n}: expected an age public key (age1...), one a line")
+        keys.append(line)
+    if not keys:
+        _fail(f"no recipients: {path} holds no age public key (age1...)")
+    return keys
+
+
+def _is_recipient(key: str) -> bool:
+    from pyrage import x25519
+    try:
+        x25519.Recipient.from_str(key)
+    except Exception:             # pyrage.RecipientError
+        return False
+    return True
+
+
+def _read_value(name: str) -> bytes:
+    """The secret from stdin (one trailing newline removed), or asked for without echo on a terminal."""
+    if sys.stdin.isatty():
+        text = getpass.getpass(f"{name} (not echoed): ")
+        return text.encode()
+    data = sys.stdin.buffer.read()
+    if data.endswith(b"\n"):
+        data = data[:-2] if data.endswith(b"\r\n") else data[:-1]
+    return data
+
+
+@secrets_app.command("encrypt")
+def secrets_encrypt(
+    name: str = typer.Argument(..., help="The secret's name: the variable or credential name the server sees, "
+                                         "e.g. HF_TOKEN."),
+    repo: Path = typer.Option(Path("."), "--repo", help="The desired-state repo (its working tree)."),
+    out: Path | None = typer.Option(None, "--out", "-o",
+                                    help="Where to write it (default: <repo>/secrets/<name>.age, e.g. hf-token.age)."),
+    recipient: list[str] | None = typer.Option(None, "--recipient", "-r", metavar="AGE1...",
+                                               help="Encrypt to this age public key (repeatable; default: the keys "
+                                                    f"in <repo>/{RECIPIENTS})."),
+) -> None:
+    """Encrypt a secret read from stdin to the controller's key, as a file to commit.
+
+    printf %s "$HF_TOKEN" | reconcile secrets encrypt HF_TOKEN"""
+    if not re.match(ENV_KEY, name):
+        _fail(f"{name!r} is not a valid name: letters, digits and '_', not starting with a digit (the server "
+              f"sees it as an environment variable or a credential of that name)")
+    if recipient:
+        keys = [r.strip() for r in recipient]
+        for k in keys:
+            if not _is_recipient(k):
+                _fail(f"--recipient {k!r}: not an age public key (age1...)")
+    else:
+        keys = _recipients(repo / RECIPIENTS)
+    value = _read_value(name)
+    if not value.strip():
+        _fail(f"{name}: the value is empty (nothing on stdin, or only whitespace); pipe it in: "
+              f"printf %s \"$VALUE\" | reconcile secrets encrypt {name}")
+    redact.register(value)
+    armored = secrets.encrypt(value, keys)
+    target = out if out is not None else repo / secret_file(name)
+    replaced = target.exists()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_bytes(armored)
+        tmp.replace(target)
+    except OSError as e:
+        _fail(f"cannot write {target}: {e.strerror}")
+    try:
+        rel = target.resolve().relative_to(repo.resolve()).as_posix()
+    except ValueError:
+        rel = str(target)
+    keys_text = f"{len(keys)} key{'s' * (len(keys) != 1)}"
+    if replaced:
+        _say(f"replaced {target}: {name}, encrypted to {keys_text}. Commit and push it: the services that use "
+             f"{name} restart with the new value.")
+    else:
+        _say(f"wrote {target}: {name}, encrypted to {keys_text}. Add this line to the service's secrets table "
+             f"([services.<service>.secrets] in hosts/<host>.toml, or [secrets] in services/<definition>.toml; "
+             f"add env = true for a server that reads it from its environment), then commit both:")
+    print(f'{name} = {{ age = "{rel}" }}')
+    _say(f"  git add {rel} && git commit")
+
+
 def main() -> None:
-    """Entry point of the `reconcile` console script."""
+    """Entry point of the `reconcile` console script. An unexpected error prints its traceback,
+    redacted (typer's own handler would print local variables' text unmasked)."""
     try:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception:
+        sys.stderr.write(redact.redact(traceback.format_exc()))
+        sys.exit(1)

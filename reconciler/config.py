@@ -15,10 +15,12 @@
     lock_wait = 30                       # seconds to wait for another run's lock on a host (then: Locked)
     require_signed = false               # only deploy commits signed by a key in allowed_signers
     allowed_signers = "/etc/reconciler/allowed_signers"   # ssh-keygen -Y verify format
+    age_identity = "/etc/reconciler/age.key"  # decrypts the repo's age secrets (reconcile secrets keygen)
 
 Every key can be overridden by an environment variable RECONCILER_<KEY> (e.g.
 RECONCILER_REPO, RECONCILER_INTERVAL). Signing policy lives here, on the control host, and not
-in the desired-state repo, so a push cannot switch it off.
+in the desired-state repo, so a push cannot switch it off. So does the age identity that
+decrypts the repo's secrets: the repo holds only what is encrypted to its public key.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class ControllerConfig(BaseModel):
     require_signed: bool = False
     lock_wait: float = 30.0
     allowed_signers: str | None = None
+    age_identity: str | None = None
 
 
 def config_path() -> Path:

@@ -21,7 +21,7 @@ import base64
 import shlex
 from dataclasses import dataclass
 
-from .facts import STATE_DIR, UNIT_DIR, env_path, record_path, unit_path
+from .facts import CREDSTORE, STATE_DIR, UNIT_DIR, env_path, record_path, secrets_path, unit_path
 from .records import Quarantine, ServiceRecord
 
 CONFIRM_DIR = f"{STATE_DIR}/confirm"
@@ -49,6 +49,8 @@ class Previous:
     revision: str
     unit_text: str
     env_text: str | None
+    secrets_text: str | None = None   # its secrets drop-in (paths only)
+    secrets_replaced: bool = False    # the deploy delivers other secret values: put the kept ones back
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,18 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
+KEPT = f"{CREDSTORE}/.previous"
+
+
+def restore_secrets_script(service: str) -> str:
+    """Shell that puts back the secrets a deploy replaced (the executor kept them under
+    credstore/.previous/ before it delivered the new ones)."""
+    cur, env = shlex.quote(f"{CREDSTORE}/{service}"), shlex.quote(f"{CREDSTORE}/{service}.env")
+    old, old_env = shlex.quote(f"{KEPT}/{service}"), shlex.quote(f"{KEPT}/{service}.env")
+    return (f"rm -rf {cur} {env}; {{ [ ! -e {old} ] || mv {old} {cur}; }}; "
+            f"{{ [ ! -e {old_env} ] || mv {old_env} {env}; }}")
+
+
 def disarm_script(service: str, *, inside: bool = False) -> str:
     """Shell that disarms a switch (the timer, a run it may have started, its files). `inside`:
     the switch's own script cleaning up after it fired (it must not stop its own unit)."""
@@ -74,8 +88,9 @@ def disarm_script(service: str, *, inside: bool = False) -> str:
     name = unit_name(service)
     if inside:
         return f"rm -f {s} {unit} {timer}; systemctl disable --no-reload {name}.timer >/dev/null 2>&1; true"
+    kept = f"{shlex.quote(f'{KEPT}/{service}')} {shlex.quote(f'{KEPT}/{service}.env')}"
     return (f"systemctl disable --now --no-reload {name}.timer >/dev/null 2>&1; "
-            f"systemctl stop {name}.service >/dev/null 2>&1; rm -f {s} {unit} {timer}; true")
+            f"systemctl stop {name}.service >/dev/null 2>&1; rm -f {s} {unit} {timer}; rm -rf {kept}; true")
 
 
 def arm(service: str, *, revision: str, new_hash: str, window: int, record: ServiceRecord,
@@ -98,17 +113,24 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
     if previous is not None:
         fired = ServiceRecord(hash=record.last_good_hash, revision=previous.revision,
                               last_good_hash=record.last_good_hash, last_good_revision=record.last_good_revision,
-                              quarantine=q, adopted=record.adopted)
+                              quarantine=q, adopted=record.adopted, secrets=record.secrets)
         lines.append(f"put {shlex.quote(unit_path(service))} {_b64(previous.unit_text)}")
         if previous.env_text is not None:
             lines.append(f"put {shlex.quote(env_path(service))} {_b64(previous.env_text)}")
         else:
             lines.append(f"rm -f {shlex.quote(env_path(service))}")
+        if previous.secrets_text is not None:
+            lines.append(f"put {shlex.quote(secrets_path(service))} {_b64(previous.secrets_text)}")
+        else:
+            lines.append(f"rm -f {shlex.quote(secrets_path(service))}")
+        if previous.secrets_replaced:
+            lines.append(restore_secrets_script(service))
         lines.append(f"put {shlex.quote(record_path(service))} {_b64(fired.dumps())}")
         lines += ["systemctl daemon-reload", f"systemctl reset-failed {u} 2>/dev/null", f"systemctl restart {u}"]
     else:
         fired = ServiceRecord(hash=new_hash, revision=revision, last_good_hash=record.last_good_hash,
-                              last_good_revision=record.last_good_revision, quarantine=q, adopted=record.adopted)
+                              last_good_revision=record.last_good_revision, quarantine=q, adopted=record.adopted,
+                              secrets=record.secrets)
         lines.append(f"put {shlex.quote(record_path(service))} {_b64(fired.dumps())}")
         lines.append(f"systemctl stop {u}")
     lines.append(disarm_script(service, inside=True))

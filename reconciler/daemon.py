@@ -11,7 +11,9 @@ written atomically and the record last, so a killed run leaves every host runnab
 next run (after a restart) converges, re-watching services applied but not yet seen healthy.
 
 Each run's output goes to the journal (stdout) and to <state_dir>/runs/<sha>.log; <sha>.exit
-holds the exit code when it ends, for the post-receive hook to stream to the pusher.
+holds the exit code when it ends, for the post-receive hook to stream to the pusher. All of it
+passes through redact first (the values of the secrets decrypted with `age_identity`, and
+token-like patterns, are masked), and so does the pusher's stream, which reads those logs.
 
 Who may read what is set here, never left to the process umask (the unit runs with UMask=0077):
 the run logs and exit files are group-readable (0640, runs/ 0750) so a pusher in the daemon's
@@ -49,14 +51,14 @@ from typing import IO, TextIO, cast
 
 from rich.console import Console
 
-from . import faults, load, source
+from . import faults, load, redact, secrets, source
 from . import notify_systemd as sd
 from .config import ControllerConfig
 from .errors import ConfigError, ReconcilerError, SourceError
 from .fleet import reconcile_fleet
 from .load import render_at
 from .metrics import Metrics
-from .preflight import load_rules
+from .preflight import env_secret_warnings, load_rules
 from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_result
 from .status import Store, default_state_dir, remember
@@ -79,14 +81,15 @@ def _open_run_file(path: Path, *, append: bool) -> TextIO:
 
 
 class _Tee(io.TextIOBase):
-    """Write run output to stdout (the journal) and the run's log file at once."""
+    """Write run output to stdout (the journal) and the run's log file at once, redacted."""
 
     def __init__(self, *files: IO[str]):
         self.files = files
 
     def write(self, s: str) -> int:
+        text = redact.redact(s)
         for f in self.files:
-            f.write(s)
+            f.write(text)
             f.flush()
         return len(s)
 
@@ -232,8 +235,15 @@ class Daemon:
                     console.print(f"{snap.short}: signed by {who}")
                 state = load.load_desired(snap)
                 rules = load_rules(snap)
+                # Age secrets decrypted with the controller's identity, at this revision and at any
+                # a rollback renders; one that cannot be decrypted blocks its service (the core).
+                dec = secrets.Decryptor(self.cfg.age_identity)
+                state = dec.state(state)
+                for w in env_secret_warnings(state, snap.read):
+                    console.print(w, soft_wrap=True, markup=False)
                 view = PhaseView(console)
-                result = await reconcile_fleet(state, ssh_connector(self.cfg.identity), render_at=render_at(snap),
+                result = await reconcile_fleet(state, ssh_connector(self.cfg.identity),
+                                               render_at=dec.render_at(render_at(snap)),
                                                on_phase=view, rules=rules, lock_wait=self.cfg.lock_wait,
                                                descends=descends(repo), allow_rewind=self.cfg.allow_rewind,
                                                supersede=self.supersede)
@@ -261,6 +271,7 @@ class Daemon:
         return code
 
     def _say(self, log: TextIO | None, line: str) -> None:
+        line = redact.redact(line)
         print(line, flush=True)
         if log is not None:
             log.write(line + "\n")
@@ -282,7 +293,7 @@ class Daemon:
             except asyncio.CancelledError:
                 raise
             except Exception:            # a bug: say it, count it, retry; never end the loop
-                print("reconciler: run crashed:\n" + traceback.format_exc(), flush=True)
+                print(redact.redact("reconciler: run crashed:\n" + traceback.format_exc()), flush=True)
                 self.metrics.run_failed("crash", time.monotonic() - started)
                 code = 1
             finally:

@@ -4,7 +4,11 @@ Like pyinfra's facts: `observe_command(names)` builds the command, `parse_observ
 turns its output into `HostFacts`. One SSH round trip reads, for every desired or inventoried
 service: the unit file, every drop-in systemd would apply to it (ours and anyone else's, in
 /etc, /run and the `system.control` directories), `systemctl show` properties and the
-reconciler's own record on the host (/var/lib/reconciler, typed in records.py).
+reconciler's own record on the host (/var/lib/reconciler, typed in records.py), and, for the
+files that hold secrets (a referenced file, or the reconciler's own credstore), whether each is
+there and a keyed hash of its content: never the content. The key is the host's own
+(/var/lib/reconciler/secret.key, 0600, made on first use), so the hash of a low-entropy secret
+cannot be reversed by whoever reads a record, and it is the same whichever controller asks.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from .records import HostRecord, ServiceRecord
 UNIT_DIR = "/etc/systemd/system"
 STATE_DIR = "/var/lib/reconciler"
 ENV_DROPIN = "50-reconciler-env.conf"
+SECRETS_DROPIN = "60-reconciler-secrets.conf"
+CREDSTORE = f"{STATE_DIR}/credstore"
 SHOW_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,"
               "ExecMainPID,InvocationID,NeedDaemonReload,FragmentPath,DropInPaths,UnitFileState,"
               "ActiveEnterTimestampMonotonic")
@@ -37,6 +43,21 @@ def unit_path(service: str) -> str:
 
 def env_path(service: str) -> str:
     return f"{UNIT_DIR}/{service}.service.d/{ENV_DROPIN}"
+
+
+def secrets_path(service: str) -> str:
+    """The drop-in that hands a service its secrets (paths only, never a value)."""
+    return f"{UNIT_DIR}/{service}.service.d/{SECRETS_DROPIN}"
+
+
+def cred_path(service: str, name: str) -> str:
+    """Where the reconciler keeps a secret it delivers (root-only file in a root-only directory)."""
+    return f"{CREDSTORE}/{service}/{name}"
+
+
+def cred_env_path(service: str) -> str:
+    """The root-only EnvironmentFile= of a service's secrets delivered as environment variables."""
+    return f"{CREDSTORE}/{service}.env"
 
 
 def record_path(service: str) -> str:
@@ -109,6 +130,8 @@ class HostFacts:
 
     services: dict[str, ServiceFacts]
     record: HostRecord | None = None      # /var/lib/reconciler/host.json
+    # Files that hold secrets: path -> keyed hash of the content, None when absent (never a value)
+    secret_files: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def inventory(self) -> set[str]:
@@ -118,11 +141,23 @@ class HostFacts:
 _SCRIPT = r"""
 T=%(token)s
 D=%(state)s
+names=" "
+while [ $# -gt 0 ]; do [ "$1" = -- ] && { shift; break; }; names="$names$1 "; shift; done
+if [ $# -gt 0 ]; then
+  # files that hold secrets ("$@"): a keyed hash of each, never the content
+  K="$D/secret.key"
+  if [ ! -s "$K" ]; then
+    mkdir -p "$D" && chmod 0700 "$D" && (umask 077; head -c 32 /dev/urandom | base64 > "$K.tmp" && mv -f "$K.tmp" "$K")
+  fi
+  for f in "$@"; do
+    h=-; [ -f "$f" ] && h=$(cat "$K" "$f" | sha256sum | cut -c1-32)
+    printf '%%s K %%s %%s\n' "$T" "$(printf '%%s' "$f" | base64 -w0)" "$h"
+  done
+fi
 b64() {
   if [ -f "$3" ]; then printf '%%s %%s %%s ' "$T" "$1" "$2"; base64 -w0 < "$3"; echo
   else printf '%%s %%s %%s -\n' "$T" "$1" "$2"; fi
 }
-names=" $* "
 for f in "$D"/services/*.json; do
   [ -e "$f" ] || continue
   n=${f##*/}; n=${n%%.json}
@@ -150,8 +185,10 @@ printf '%%s END\n' "$T"
 """
 
 
-def observe_command(desired: list[str], token: str | None = None) -> tuple[str, str]:
-    """The shell command that reads everything about these services (and the inventory).
+def observe_command(desired: list[str], token: str | None = None,
+                    secret_files: list[str] | None = None) -> tuple[str, str]:
+    """The shell command that reads everything about these services (and the inventory), and
+    the keyed hash of each file in `secret_files`.
 
     Returns (command, token); the token frames the output so no file content can forge it.
     """
@@ -159,6 +196,8 @@ def observe_command(desired: list[str], token: str | None = None) -> tuple[str, 
     script = _SCRIPT % {"token": token, "state": STATE_DIR, "unit_dir": UNIT_DIR,
                         "dropin": ENV_DROPIN, "props": SHOW_PROPS, "dropin_dirs": " ".join(DROPIN_DIRS)}
     args = " ".join(shlex.quote(n) for n in sorted(desired))
+    if secret_files:
+        args += " -- " + " ".join(shlex.quote(p) for p in sorted(set(secret_files)))
     return f"sh -c {shlex.quote(script)} reconciler-observe {args}", token
 
 
@@ -198,6 +237,7 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
     dropins: dict[str, dict[str, str]] = {}
     host_record: HostRecord | None = None
     show: dict[str, dict[str, str]] = {}
+    secret_files: dict[str, str | None] = {}
     ended = False
     for line in stdout.splitlines():
         parts = line.split(" ")
@@ -207,6 +247,11 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
             ended = True
             continue
         kind = parts[1]
+        if kind == "K" and len(parts) == 4:
+            path = _decode(parts[2])
+            if path:
+                secret_files[path] = None if parts[3] == "-" else parts[3]
+            continue
         if len(parts) != (5 if kind == "D" else 4):
             raise ObserveError(host, f"malformed observation line: {line[:80]!r}")
         try:
@@ -236,4 +281,4 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
             props=show.get(f"{name}.service", {}),
             dropins=dropins.get(name, {}),
         )
-    return HostFacts(services=services, record=host_record)
+    return HostFacts(services=services, record=host_record, secret_files=secret_files)

@@ -11,6 +11,10 @@ pre-receive: for a push to the deploy branch, refuse (exit 1, reasons shown to t
   require_signed is on, and any revision `reconcile validate` rejects (file, key, reason).
 post-receive: touch the daemon's trigger file; with the push option `reconcile.wait` (or git
   config reconciler.stream=true) stream the daemon's run for the pushed revision, Heroku-style.
+
+What the hooks print passes through redact. The streamed run log is redacted by the daemon as
+it writes it; the stream masks token-like patterns once more, a whole line at a time (the hook
+never decrypts anything, so it knows no secret values).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import pygit2
 
-from . import load, source
+from . import load, redact, source
 from .config import load_config
 from .errors import ConfigError, SourceError
 from .preflight import check_desired, load_rules
@@ -63,6 +67,10 @@ def _updates() -> list[tuple[str, str, str]]:
     return out
 
 
+def _err(line: str) -> None:
+    print(redact.redact(line), file=sys.stderr)
+
+
 def pre_receive() -> int:
     """Validate every push to the deploy branch; print reasons to the pusher; 0 accept, 1 reject."""
     repo = source.open_repo(os.environ.get("GIT_DIR", "."))
@@ -88,28 +96,28 @@ def pre_receive() -> int:
         if cfg.require_signed:
             try:
                 who = verify_signature(repo, new, cfg.allowed_signers or "/etc/reconciler/allowed_signers")
-                print(f"reconciler: {new[:7]} signed by {who}", file=sys.stderr)
+                _err(f"reconciler: {new[:7]} signed by {who}")
             except RevisionRefused as e:
-                print(f"reconciler: rejected {new[:7]}: {e.reason}: {e}", file=sys.stderr)
+                _err(f"reconciler: rejected {new[:7]}: {e.reason}: {e}")
                 rejected = True
                 continue
         try:
             snap = source.snapshot(repo, new, subdir)
             state = load.load_desired(snap)
-            problems, warnings = check_desired(state, load_rules(snap))
+            problems, warnings = check_desired(state, load_rules(snap), snap.read)
             for w in warnings:
-                print(f"reconciler: {w}", file=sys.stderr)
+                _err(f"reconciler: {w}")
             if problems:
                 raise ConfigError(problems)
         except ConfigError as e:
             print(f"reconciler: rejected {new[:7]}: invalid desired state ({len(e.problems)} problem"
                   f"{'s' * (len(e.problems) != 1)}):", file=sys.stderr)
             for p in e.problems:
-                print(f"  {p}", file=sys.stderr)
+                _err(f"  {p}")
             rejected = True
             continue
         except SourceError as e:
-            print(f"reconciler: rejected {new[:7]}: {e}", file=sys.stderr)
+            _err(f"reconciler: rejected {new[:7]}: {e}")
             rejected = True
             continue
         n = sum(len(h.services) for h in state.hosts.values())
@@ -137,20 +145,27 @@ def post_receive() -> int:
 
 
 def _stream(runs: Path, rev: str, timeout: float) -> int:
-    """Print the daemon's log for rev as it grows, until its exit file appears."""
+    """Print the daemon's log for rev as it grows, until its exit file appears: whole lines,
+    redacted (a pattern cut between two reads would not be recognised)."""
     log, done = runs / f"{rev}.log", runs / f"{rev}.exit"
     deadline = time.monotonic() + timeout
     pos = 0
+    partial = ""
     while time.monotonic() < deadline:
         if log.exists():
             with open(log) as f:
                 f.seek(pos)
                 chunk = f.read()
                 pos = f.tell()
-            if chunk:
-                sys.stdout.write(chunk)
+            lines = (partial + chunk).split("\n")
+            partial = lines.pop()
+            if lines:
+                sys.stdout.write(redact.redact("\n".join(lines) + "\n"))
                 sys.stdout.flush()
         if done.exists() and (not log.exists() or log.stat().st_size <= pos):
+            if partial:
+                sys.stdout.write(redact.redact(partial) + "\n")
+                sys.stdout.flush()
             code = done.read_text().strip()
             print(f"reconciler: {rev[:7]} finished with exit {code}", flush=True)
             return 0
@@ -238,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return hooks[args[0]]()
     except Exception as e:   # any error is one line for the pusher, never a traceback
-        print(failure_line(args[0], e), file=sys.stderr)
+        _err(failure_line(args[0], e))
         return 1
 
 

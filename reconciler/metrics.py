@@ -1,5 +1,6 @@
 """Prometheus metrics of the daemon (prometheus-client): runs and durations, per-host health,
-rollbacks, the last applied revision, drift found. Served on 127.0.0.1 by default."""
+rollbacks, the last applied revision, drift found. Served on 127.0.0.1 by default. Label values
+pass through redact (they are names and revisions, but nothing printed bypasses it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from .fleet import FleetResult
 from .plan import State
+from .redact import redact
 
 # Health of a service that this run did not (re)start, from its state: in sync means verified
 # healthy here; quarantined runs its last good; held ones are stopped.
@@ -44,21 +46,21 @@ class Metrics:
         self.duration.observe(seconds)
         self.last_run.set_to_current_time()
         self.revision.clear()
-        self.revision.labels(res.revision).set(1)
+        self.revision.labels(redact(res.revision)).set(1)
         for h in res.hosts:
-            self.host_up.labels(h.host).set(0 if h.reason in ("Unreachable", "HostKeyUnverified") else 1)
+            self.host_up.labels(redact(h.host)).set(0 if h.reason in ("Unreachable", "HostKeyUnverified") else 1)
             for name, state in (h.plan.states.items() if h.plan else ()):
                 if state is State.DRIFTED:
-                    self.drift.labels(h.host, name).inc()
+                    self.drift.labels(redact(h.host), redact(name)).inc()
                 if state in _HEALTH_OF_STATE:
                     # Not restarted in this run: what the host's records say (a daemon that was
                     # just restarted reports the fleet at once, not after the next deploy).
-                    self.healthy.labels(h.host, name).set(_HEALTH_OF_STATE[state])
+                    self.healthy.labels(redact(h.host), redact(name)).set(_HEALTH_OF_STATE[state])
             for e in h.events:
                 if e.outcome is not None:
-                    self.healthy.labels(h.host, e.service).set(1 if e.outcome.healthy else 0)
+                    self.healthy.labels(redact(h.host), redact(e.service)).set(1 if e.outcome.healthy else 0)
                 if e.action == "rollback" and e.outcome is not None and e.outcome.healthy:
-                    self.rollbacks.labels(h.host, e.service).inc()
+                    self.rollbacks.labels(redact(h.host), redact(e.service)).inc()
 
     def run_failed(self, result: str, seconds: float) -> None:
         self.runs.labels(result).inc()

@@ -14,6 +14,8 @@ then leaves whatever is still pending behind (the thread is a daemon, so the pro
 Every failure is logged as a warning and listed in the run's result.
 
 The webhook URL may carry a token (Slack's does): warnings name only its scheme, host and port.
+Every event is redacted when it is queued (the values of the secrets the controller decrypted,
+and token-like patterns, masked in every field), and so is every warning.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import urllib.request
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+from .redact import redact, redact_data
 from .spec import NotifySpec
 
 log = logging.getLogger("reconciler.notify")
@@ -93,7 +96,7 @@ class Notifier:
 
     def send(self, event: str, **fields: object) -> None:
         """Queue an event; returns at once."""
-        payload = {"event": event, "at": round(time.time(), 3), **fields}
+        payload = redact_data({"event": event, "at": round(time.time(), 3), **fields})
         if self._thread is None:
             self._thread = threading.Thread(target=self._worker, name="reconciler-notify", daemon=True)
             self._thread.start()
@@ -110,9 +113,10 @@ class Notifier:
                        f"{self._queue.qsize()} event(s) dropped")
 
     def body(self, payload: dict) -> bytes:
-        """The request body in the configured format."""
+        """The request body in the configured format, redacted."""
+        payload = redact_data(payload)
         if self.spec.format == "slack":
-            return json.dumps({"text": slack_text(payload)}).encode()
+            return json.dumps({"text": redact(slack_text(payload))}).encode()
         return json.dumps(payload).encode()
 
     def _worker(self) -> None:
@@ -131,5 +135,6 @@ class Notifier:
                            f"{type(e).__name__}: {getattr(e, 'reason', None) or e}")
 
     def _warn(self, msg: str) -> None:
+        msg = redact(msg)
         self.failures.append(msg)
         log.warning("%s", msg)

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from .confirm import Previous, Switch, arm, unit_name
-from .facts import HostFacts, ServiceFacts, adopted_copy, env_path, unit_path
+from .facts import HostFacts, ServiceFacts, adopted_copy, cred_env_path, cred_path, env_path, secrets_path, unit_path
 from .records import Adopted, Pending, Quarantine, Result, ServiceRecord
-from .spec import HostSpec, ServiceSpec
+from .spec import HostSpec, SecretSpec, ServiceSpec
 
 ENV_HEADER = "# Managed by reconciler from git; edits on this host are reverted.\n"
 _SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|PRIVATE|CREDENTIAL", re.I)
@@ -58,6 +58,7 @@ class Kind(StrEnum):
     ADOPT = "adopt"              # keep a foreign unit's original files under adopted/
     WRITE = "write"
     REMOVE = "remove"
+    SECRETS = "secrets"          # deliver a service's secrets to its root-only credstore (values never in the plan)
     RESTORE = "restore"          # put an adopted unit's original files back
     ARM = "arm"                  # write the deploy's dead-man's switch (confirm.py)
     DAEMON_RELOAD = "daemon-reload"
@@ -105,6 +106,7 @@ class Reason(StrEnum):
     NEW_SERVICE = "NewService"
     UNIT_CHANGED = "UnitChanged"
     ENV_CHANGED = "EnvChanged"
+    SECRET_CHANGED = "SecretChanged"
     DRIFT = "Drift"
     FOREIGN_DROPIN = "ForeignDropIn"
     NOT_RUNNING = "NotRunning"
@@ -173,6 +175,7 @@ class Action:
     record: ServiceRecord | None = field(default=None, repr=False)   # INTENT / RECORD: what to write
     watch: Watch | None = None
     switch: Switch | None = field(default=None, repr=False)          # ARM: the dead-man's switch
+    secrets: tuple[SecretSpec, ...] = field(default=(), repr=False)   # SECRETS: what to deliver (no values)
 
     def describe(self) -> str:
         target = self.path or self.service or ""
@@ -269,7 +272,7 @@ class HostPlan:
             n = sum(a.kind is kind for a in self.actions)
             if n:
                 parts.append(f"{word} {n} file{'s' * (n != 1)}")
-        for kind in (Kind.FETCH, Kind.ADOPT, Kind.RESTORE, Kind.DAEMON_RELOAD, Kind.STOP, Kind.DISABLE,
+        for kind in (Kind.FETCH, Kind.ADOPT, Kind.SECRETS, Kind.RESTORE, Kind.DAEMON_RELOAD, Kind.STOP, Kind.DISABLE,
                      Kind.WAIT_GPUS, Kind.ENABLE, Kind.START, Kind.RESTART):
             names = sorted({a.service for a in self.actions if a.kind is kind and a.service})
             if kind is Kind.DAEMON_RELOAD and any(a.kind is kind for a in self.actions):
@@ -304,15 +307,100 @@ def parse_env(text: str | None) -> dict[str, str]:
     return out
 
 
+def render_secrets(svc: ServiceSpec) -> str | None:
+    """The secrets drop-in: where systemd finds each secret, never a value. A credential is
+    loaded by systemd at start into $CREDENTIALS_DIRECTORY/NAME (only the service's user can read
+    it); the secrets wanted as environment variables come from one root-only EnvironmentFile=.
+    Never Environment=: every local user can read that through `systemctl show`."""
+    if not svc.secrets:
+        return None
+    lines = [ENV_HEADER, "# Secrets, by path only: the values are in root-only files.\n", "[Service]\n"]
+    for s in sorted(svc.secrets, key=lambda s: s.name):
+        if not s.env:
+            src = s.path if s.source == "file" else cred_path(svc.name, s.name)
+            lines.append(f"LoadCredential={s.name}:{src}\n")
+    if any(s.env for s in svc.secrets):
+        lines.append(f"EnvironmentFile={cred_env_path(svc.name)}\n")
+    return "".join(lines)
+
+
 def desired_files(svc: ServiceSpec) -> dict[str, str | None]:
     """Path -> content for one service; None means the file must not exist."""
     return {unit_path(svc.name): svc.unit_text,
-            env_path(svc.name): render_env(svc.env) if svc.env else None}
+            env_path(svc.name): render_env(svc.env) if svc.env else None,
+            secrets_path(svc.name): render_secrets(svc)}
 
 
 def own_files(name: str) -> frozenset[str]:
     """The files the reconciler writes for a service (everything else is someone else's)."""
-    return frozenset({unit_path(name), env_path(name)})
+    return frozenset({unit_path(name), env_path(name), secrets_path(name)})
+
+
+def secret_files(host: HostSpec) -> list[str]:
+    """The files whose keyed hash the observation reads: each referenced file, and the
+    reconciler's own copies of the age secrets and of the environment file."""
+    out: set[str] = set()
+    for svc in host.services.values():
+        for s in svc.secrets:
+            out.add(s.path if s.source == "file" else cred_path(svc.name, s.name))
+        if any(s.env for s in svc.secrets):
+            out.add(cred_env_path(svc.name))
+    return sorted(out)
+
+
+UNOBSERVED = "?"
+
+
+def secret_versions(svc: ServiceSpec, observed: Mapping[str, str | None]) -> dict[str, str | None]:
+    """NAME -> the version of the value to deliver, never the value: the controller's keyed
+    digest of an age secret, the host's keyed hash of a referenced file (None: the file is not
+    on the host, or the secret cannot be decrypted; UNOBSERVED: not read in this run)."""
+    out: dict[str, str | None] = {}
+    for s in svc.secrets:
+        if s.source == "age":
+            out[s.name] = f"age:{s.digest}" if s.digest else None
+        else:
+            h = observed.get(s.path, UNOBSERVED)
+            out[s.name] = f"file:{h}" if h else None
+    return out
+
+
+def secret_blocks(svc: ServiceSpec, observed: Mapping[str, str | None]) -> tuple[Block, ...]:
+    """Secrets that cannot be delivered: the service is blocked and nothing is written."""
+    out: list[Block] = []
+    for s in sorted(svc.secrets, key=lambda s: s.name):
+        if s.problem:
+            out.append(Block("SecretUndecryptable", f"secret {s.name}: {s.problem}"))
+        elif s.source == "file" and s.path in observed and observed[s.path] is None:
+            out.append(Block("SecretMissing", f"secret {s.name}: {s.path} does not exist on the host (a referenced "
+                                              f"secret is provisioned there by other means); nothing written"))
+    return tuple(out)
+
+
+def secret_changes(svc: ServiceSpec, rec: ServiceRecord,
+                   observed: Mapping[str, str | None]) -> tuple[tuple[str, str], ...]:
+    """(NAME, what) for each secret whose delivered value is not the one wanted: added, changed,
+    removed, or the reconciler's own copy missing on the host. Never a value."""
+    want = secret_versions(svc, observed)
+    out: list[tuple[str, str]] = []
+    for name, v in sorted(want.items()):
+        have = rec.secrets.get(name)
+        if have is None:
+            out.append((name, "added"))
+        elif v != have and not (v is not None and v.endswith(UNOBSERVED)):
+            out.append((name, "changed"))
+    out += [(name, "removed") for name in sorted(set(rec.secrets) - set(want))]
+    seen = {n for n, _ in out}
+    for s in sorted(svc.secrets, key=lambda s: s.name):
+        own = cred_path(svc.name, s.name) if s.source == "age" else cred_env_path(svc.name) if s.env else None
+        if s.name not in seen and own is not None and own in observed and observed[own] is None:
+            out.append((s.name, "missing on the host"))
+    return tuple(out)
+
+
+def describe_secret_changes(changes: tuple[tuple[str, str], ...]) -> str:
+    """'secret API_KEY changed, HF_TOKEN added': names only."""
+    return "secret " + ", ".join(f"{n} {what}" for n, what in changes)
 
 
 def mask_secrets(text: str) -> str:
@@ -362,6 +450,7 @@ class _Sync:
 
     files: tuple[tuple[str, str | None, str | None], ...]   # (path, have, want) that differ
     dropins: tuple[tuple[str, str], ...]                     # foreign drop-ins to remove
+    secrets: tuple[tuple[str, str], ...]                     # (NAME, what) to deliver again
     applied: bool          # the record says this version's files were applied
     running: bool
     pending: Pending | None  # an unfinished deploy of exactly this version
@@ -369,18 +458,32 @@ class _Sync:
 
     @property
     def files_differ(self) -> bool:
-        return bool(self.files or self.dropins)
+        return bool(self.files or self.dropins or self.secrets)
+
+    @property
+    def drifted(self) -> bool:
+        """What differs is a change on the host (not only a secret rotated or added in git)."""
+        return bool(self.files or self.dropins) or any(w == "missing on the host" for _, w in self.secrets)
 
 
-def _sync(target: Target, f: ServiceFacts | None) -> _Sync:
+def _have(f: ServiceFacts | None, path: str) -> str | None:
+    if f is None:
+        return None
+    if path.endswith(".service"):
+        return f.unit_text
+    return f.env_text if path == env_path(f.name) else f.dropins.get(path)
+
+
+def _sync(target: Target, f: ServiceFacts | None, observed: Mapping[str, str | None]) -> _Sync:
     rec = (f.record if f else None) or ServiceRecord()
     files = []
     for path, want in desired_files(target.spec).items():
-        have = None if f is None else (f.unit_text if path.endswith(".service") else f.env_text)
+        have = _have(f, path)
         if have != want:
             files.append((path, have, want))
     pending = rec.pending if rec.pending is not None and rec.pending.hash == target.hash else None
     return _Sync(files=tuple(files), dropins=tuple(foreign_dropins(target.spec, f).items()),
+                 secrets=secret_changes(target.spec, rec, observed),
                  applied=rec.hash == target.hash, running=f is not None and f.running, pending=pending,
                  verified=rec.last_good_hash == target.hash)
 
@@ -396,7 +499,7 @@ def _sync_state(s: _Sync, f: ServiceFacts | None) -> State:
     if s.pending is not None:
         return State.PENDING
     if s.files_differ:
-        return State.DRIFTED if s.applied else State.CHANGED
+        return State.DRIFTED if s.applied and s.drifted else State.CHANGED
     if not s.applied:
         return State.CHANGED          # files match but the running process may predate them
     if not s.running:
@@ -407,7 +510,7 @@ def _sync_state(s: _Sync, f: ServiceFacts | None) -> State:
 
 
 def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
-             ctx: Context) -> ServicePlan:
+             ctx: Context, observed: Mapping[str, str | None] | None = None) -> ServicePlan:
     """Sort one desired service into its State (Flux's DetermineReleaseState); pick its target."""
     if name in ctx.deferred:
         return ServicePlan(name, State.DEFERRED)
@@ -446,7 +549,7 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
         return ServicePlan(name, State.ADOPT, desired, result=Result.CONVERGED,
                            note=f"adopting {foreign} (the original is kept and put back when the service "
                                 f"leaves the desired state)")
-    state = _sync_state(_sync(desired, f), f)
+    state = _sync_state(_sync(desired, f, observed or {}), f)
     return ServicePlan(name, state, desired, result=Result.IN_SYNC if state is State.IN_SYNC else Result.CONVERGED)
 
 
@@ -506,7 +609,7 @@ class _Builder:
     def converge(self, sp: ServicePlan, f: ServiceFacts | None) -> None:
         """Bring one service to its target version: write, restart, watch (any state with a target)."""
         assert sp.target is not None
-        s = _sync(sp.target, f)
+        s = _sync(sp.target, f, self.facts.secret_files)
         why_sub = f"substitute last good {sp.target.revision[:7]}: {sp.note}" if sp.target.rollback else ""
         if self._nothing_to_apply(sp, f, s, why_sub):
             return
@@ -566,8 +669,8 @@ class _Builder:
         for path, have, want in s.files:
             diff = unified_diff(path, have, want, self.host.name, short)
             if want is None:
-                self.add(Kind.REMOVE, Reason.ENV_CHANGED, sp.name, path=path, diff=diff,
-                         detail=why_sub or "env no longer set")
+                gone = "no secrets any more" if path == secrets_path(sp.name) else "env no longer set"
+                self.add(Kind.REMOVE, Reason.ENV_CHANGED, sp.name, path=path, diff=diff, detail=why_sub or gone)
             else:
                 reason, detail = self._write_reason(sp.state, path, have, target.spec)
                 self.add(Kind.WRITE, reason, sp.name, path=path, content=want, diff=diff, detail=why_sub or detail)
@@ -576,7 +679,10 @@ class _Builder:
                      diff=unified_diff(path, content, None, self.host.name, short),
                      detail="drop-in not written by the reconciler (a copy is kept under "
                             "/var/lib/reconciler/removed/); list it in allow_dropins to keep it")
-        self.reload |= s.files_differ or (f is not None and f.props.get("NeedDaemonReload") == "yes")
+        if s.secrets:
+            self.add(Kind.SECRETS, Reason.SECRET_CHANGED, sp.name, secrets=target.spec.secrets,
+                     detail=why_sub or describe_secret_changes(s.secrets))
+        self.reload |= bool(s.files or s.dropins) or (f is not None and f.props.get("NeedDaemonReload") == "yes")
 
     def _start(self, sp: ServicePlan, f: ServiceFacts | None, s: _Sync, rec: ServiceRecord, why_sub: str) -> None:
         """(Re)start it (through the GPU gate on a GPU host), record it started, watch it."""
@@ -591,7 +697,9 @@ class _Builder:
         self._arm(sp, f, s, rec)
         self.add(Kind.RESTART if s.running and not gated else Kind.START, reason, sp.name, detail=detail)
         self._enable(target.spec, f)
-        started = replace(rec, hash=target.hash, revision=target.revision, pending=replace(rec.pending, started=True))
+        versions = {n: v for n, v in secret_versions(target.spec, self.facts.secret_files).items() if v}
+        started = replace(rec, hash=target.hash, revision=target.revision, secrets=versions,
+                          pending=replace(rec.pending, started=True))
         self.add(Kind.RECORD, Reason.RECORD, sp.name, record=started, detail=f"started {target.revision[:7]}")
         self.add(Kind.WATCH, Reason.SUBSTITUTE if target.rollback else Reason.HEALTH, sp.name,
                  watch=self._watch(target, f, fresh=not s.running or gated),
@@ -609,7 +717,8 @@ class _Builder:
         previous = None
         if (f is not None and f.unit_text is not None and rec.hash and rec.hash == rec.last_good_hash
                 and rec.last_good_revision and sp.state is not State.DRIFTED and not s.dropins):
-            previous = Previous(rec.last_good_revision, f.unit_text, f.env_text)
+            previous = Previous(rec.last_good_revision, f.unit_text, f.env_text,
+                                secrets_text=f.dropins.get(secrets_path(sp.name)), secrets_replaced=bool(s.secrets))
         sw = arm(sp.name, revision=target.revision, new_hash=target.hash, window=window, record=rec,
                  previous=previous)
         what = f"roll back to {sw.restores[:7]}" if sw.restores else "stop it"
@@ -629,8 +738,10 @@ class _Builder:
             return Reason.INTERRUPTED, f"the deploy of {s.pending.revision[:7]} was cut short: start it again"
         if not running:
             return Reason.NOT_RUNNING, "not running"
-        if s.files_differ:
+        if s.files or s.dropins:
             return Reason.UNIT_CHANGED, "unit or env changed"
+        if s.secrets:
+            return Reason.SECRET_CHANGED, describe_secret_changes(s.secrets)
         return Reason.STALE_PROCESS, "running process predates the applied files"
 
     def _write_reason(self, state: State, path: str, old: str | None, svc: ServiceSpec) -> tuple[Reason, str]:
@@ -638,6 +749,8 @@ class _Builder:
             return Reason.NEW_SERVICE, "new file"
         if state is State.DRIFTED:
             return Reason.DRIFT, "drift: edited on the host, reverting to the revision"
+        if path == secrets_path(svc.name):
+            return Reason.SECRET_CHANGED, "which secrets it gets, or how"
         if path.endswith(".conf"):
             before, after = parse_env(old), parse_env(render_env(svc.env))
             keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
@@ -675,11 +788,14 @@ class _Builder:
             self.add(Kind.STOP, Reason.REMOVED, name, detail=why)
         if f.enabled:
             self.add(Kind.DISABLE, Reason.REMOVED, name, detail=why)
-        for path, have in ((unit_path(name), f.unit_text), (env_path(name), f.env_text)):
+        for path, have in ((unit_path(name), f.unit_text), (env_path(name), f.env_text),
+                           (secrets_path(name), f.dropins.get(secrets_path(name)))):
             if have is not None:
                 self.add(Kind.REMOVE, Reason.REMOVED, name, path=path, detail=why,
                          diff=unified_diff(path, have, None, self.host.name, self.short))
                 self.reload = True
+        if rec.secrets:
+            self.add(Kind.SECRETS, Reason.REMOVED, name, detail=f"{why}: delete its delivered secrets")
         if rec.adopted is not None:
             for path in rec.adopted.files:
                 self.add(Kind.RESTORE, Reason.RESTORE, name, path=path,
@@ -702,9 +818,12 @@ _HOLDS = {State.QUARANTINED_NO_GOOD: Reason.HOLD_STOPPED, State.ROLLBACK_FAILED:
 _RECORDS_QUARANTINE = frozenset({State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED, State.HALTED, State.QUARANTINED})
 
 
-def _service_plan(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str, ctx: Context) -> ServicePlan:
-    sp = classify(name, svc, f, host, ctx)
-    blocks = ctx.checks.blocked.get(name)
+def _service_plan(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str, ctx: Context,
+                  observed: Mapping[str, str | None]) -> ServicePlan:
+    sp = classify(name, svc, f, host, ctx, observed)
+    blocks = tuple(ctx.checks.blocked.get(name, ()))
+    if sp.target is not None:
+        blocks += secret_blocks(sp.target.spec, observed)
     if blocks and sp.target is not None and sp.state is not State.IN_SYNC:
         return _blocked(sp, blocks)
     return sp
@@ -734,7 +853,7 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
     services: dict[str, ServicePlan] = {}
     for name, svc in sorted(desired.services.items()):
         f = facts.services.get(name)
-        sp = services[name] = _service_plan(name, svc, f, desired.name, ctx)
+        sp = services[name] = _service_plan(name, svc, f, desired.name, ctx, facts.secret_files)
         if sp.state in _HOLDS:
             b.hold(sp, _HOLDS[sp.state], f)
         if sp.state in _RECORDS_QUARANTINE:

@@ -32,7 +32,7 @@ from .errors import CommandError, HostError, ReconcilerError
 from .facts import HostFacts, observe_command, parse_observation
 from .gate import Preflight, fetch_model, gpu_waiter, preflight_host
 from .health import Outcome, Phase, watch_service
-from .plan import Action, Context, HostPlan, Kind, ServicePlan, State, needs_last_good, plan_host
+from .plan import Action, Context, HostPlan, Kind, ServicePlan, State, needs_last_good, plan_host, secret_files
 from .preflight import RuleSet
 from .records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from .spec import DesiredState, HostSpec, ServiceSpec
@@ -124,7 +124,7 @@ def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0) ->
 
 async def observe(t: Transport, host: HostSpec) -> HostFacts:
     """Read everything the planner needs from the host, in one round trip."""
-    cmd, token = observe_command(list(host.services))
+    cmd, token = observe_command(list(host.services), secret_files=secret_files(host))
     res = await t.run(cmd, check=True, timeout=30, what="observe")
     return parse_observation(res.stdout, token, host.name)
 

@@ -16,6 +16,8 @@ Per service, `/var/lib/reconciler/services/<name>.json` holds a `ServiceRecord`:
     adopted {files, was_enabled, was_active, fragment}
                                      a hand-made unit taken over with `adopt = true`; its original
                                      files are kept under /var/lib/reconciler/adopted/<name>/
+    secrets {NAME: version}          what each secret held when it was delivered, never the value:
+                                     a keyed hash (HMAC) of it (plan.secret_versions)
 
 A record's presence is what puts a service in the host's inventory: only those are ever stopped
 or removed. Records are read leniently (older schema, unknown keys, missing keys) and written
@@ -74,6 +76,12 @@ def _str(data: Mapping[str, Any], key: str) -> str | None:
 def _int(data: Mapping[str, Any], key: str) -> int:
     v = data.get(key)
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0
+
+
+def _str_map(v: object) -> dict[str, str]:
+    if not isinstance(v, Mapping):
+        return {}
+    return {k: x for k, x in v.items() if isinstance(k, str) and isinstance(x, str)}
 
 
 def _bool(data: Mapping[str, Any], key: str) -> bool:
@@ -202,6 +210,7 @@ class ServiceRecord:
     quarantine: Quarantine | None = None
     pending: Pending | None = None
     adopted: Adopted | None = None
+    secrets: Mapping[str, str] = field(default_factory=dict)   # NAME -> keyed hash of the delivered value
     corrupt: bool = False            # unreadable on the host: kept in the inventory, trusted for nothing
     schema: int = SCHEMA
 
@@ -216,6 +225,7 @@ class ServiceRecord:
                    quarantine=Quarantine.from_json(data.get("quarantine")),
                    pending=Pending.from_json(data.get("pending")),
                    adopted=Adopted.from_json(data.get("adopted")),
+                   secrets=_str_map(data.get("secrets")),
                    corrupt=_bool(data, "corrupt"),
                    schema=_int(data, "schema") or 1)
 
@@ -232,7 +242,8 @@ class ServiceRecord:
                 "last_good_hash": self.last_good_hash, "last_good_revision": self.last_good_revision,
                 "quarantine": self.quarantine.to_json() if self.quarantine else None,
                 "pending": self.pending.to_json() if self.pending else None,
-                "adopted": self.adopted.to_json() if self.adopted else None}
+                "adopted": self.adopted.to_json() if self.adopted else None,
+                "secrets": dict(sorted(self.secrets.items()))}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True) + "\n"

@@ -1,6 +1,11 @@
 """Human output: per-host diffs and actions, one-line summaries, the result table.
 
 Printing only; all content comes from the plan and the results. Plain text when not a TTY.
+
+Every text that comes from a run (diffs, messages, notes, journal quotes, store rows) is
+redacted here, before rich lays it out: a table cell cut to its width or a wrapped line would
+otherwise hide a secret from the redacting writer under the console (cli.py, daemon.py), which
+masks whatever is left.
 """
 
 from __future__ import annotations
@@ -17,6 +22,13 @@ if TYPE_CHECKING:
 from .errors import ConfigError
 from .fleet import FleetResult
 from .reconcile import HostResult
+from .redact import redact
+
+
+def _t(text: object) -> str:
+    """Text from a run, redacted and escaped for rich markup."""
+    return escape(redact(str(text)))
+
 
 _STYLE = {"in-sync": "green", "converged": "green", "would-change": "yellow", "failed": "bold red",
           "rolled-back": "bold yellow", "quarantined": "yellow"}
@@ -26,7 +38,7 @@ def print_diff(console: Console, diff: str) -> None:
     for line in diff.rstrip("\n").splitlines():
         style = ("bold" if line.startswith(("---", "+++")) else "green" if line.startswith("+")
                  else "red" if line.startswith("-") else "cyan" if line.startswith("@@") else "")
-        console.print(f"    [{style}]{escape(line)}[/]" if style else f"    {escape(line)}", highlight=False)
+        console.print(f"    [{style}]{_t(line)}[/]" if style else f"    {_t(line)}", highlight=False)
 
 
 def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
@@ -34,13 +46,13 @@ def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
     if r.plan is None or not r.plan.visible:
         return
     verb = ("would change" if dry_run else "changes") if r.plan.changes else "holds"
-    console.print(f"[bold]── {escape(r.host)} ({escape(r.address)}) {verb} at {r.plan.revision[:7]}[/]",
+    console.print(f"[bold]── {_t(r.host)} ({_t(r.address)}) {verb} at {r.plan.revision[:7]}[/]",
                   highlight=False)
     for a in r.plan.actions:
         if a.diff:
             print_diff(console, a.diff)
     for a in r.plan.visible:
-        console.print(f"  • {escape(a.describe())}", highlight=False)
+        console.print(f"  • {_t(a.describe())}", highlight=False)
     console.print()
 
 
@@ -62,12 +74,12 @@ def print_result(console: Console, res: FleetResult) -> None:
     for r in res.hosts:
         detail = (f"{r.reason}: {r.message}" if r.reason
                   else r.plan.summary() if r.plan else "")
-        table.add_row(r.host, r.address, f"[{_STYLE.get(r.status, '')}]{r.status}[/]", escape(detail),
+        table.add_row(_t(r.host), _t(r.address), f"[{_STYLE.get(r.status, '')}]{r.status}[/]", _t(detail),
                       f"{r.seconds:.2f}s")
     console.print(table)
     for r in res.hosts:
         if r.reason:
-            console.print(f"{escape(r.host)}: {escape(r.reason)}: {escape(r.message or '')}", highlight=False,
+            console.print(f"{_t(r.host)}: {_t(r.reason)}: {_t(r.message or '')}", highlight=False,
                           soft_wrap=True)
     counts: dict[str, int] = {}
     for r in res.hosts:
@@ -78,11 +90,11 @@ def print_result(console: Console, res: FleetResult) -> None:
 
 
 def print_config_error(console: Console, err: ConfigError, where: str) -> None:
-    console.print(f"[bold red]error:[/] invalid desired state at {escape(where)} "
+    console.print(f"[bold red]error:[/] invalid desired state at {_t(where)} "
                   f"({len(err.problems)} problem{'s' * (len(err.problems) != 1)}); nothing was applied",
                   highlight=False)
     for p in err.problems:
-        console.print(f"  {escape(str(p))}", highlight=False, soft_wrap=True)
+        console.print(f"  {_t(p)}", highlight=False, soft_wrap=True)
 
 
 class PhaseView:
@@ -115,32 +127,32 @@ class PhaseView:
         key = (host, service)
         clock = f"{elapsed:5.1f}s / {timeout:.0f}s"
         if self.progress is not None:
-            desc = f"{host} {service}: {phase}"
+            desc = f"{_t(host)} {_t(service)}: {_t(phase)}"
             if key not in self.tasks:
                 self.tasks[key] = self.progress.add_task(desc, total=timeout, clock=clock)
             self.progress.update(self.tasks[key], description=desc, completed=min(elapsed, timeout), clock=clock)
         elif self.last.get(key) != phase:
             self.last[key] = phase
-            self.console.print(f"[{elapsed:6.1f}s] {host} {service}: {phase}", highlight=False)
+            self.console.print(f"[{elapsed:6.1f}s] {_t(host)} {_t(service)}: {_t(phase)}", highlight=False)
 
 
 def print_events(console: Console, res: FleetResult) -> None:
     """Health outcomes, rollbacks and quarantines, with the journal line that explains each failure."""
     for r in res.hosts:
         for n in r.notes:
-            console.print(f"[dim]{escape(r.host)}: {escape(n)}[/]", highlight=False, soft_wrap=True)
+            console.print(f"[dim]{_t(r.host)}: {_t(n)}[/]", highlight=False, soft_wrap=True)
         for e in r.events:
             if e.outcome is None:
-                console.print(f"{r.host} {e.service}: {e.note}", highlight=False)
+                console.print(f"{_t(r.host)} {_t(e.service)}: {_t(e.note)}", highlight=False)
                 continue
             o = e.outcome
             head = f"{r.host} {e.service} ({e.action} {e.revision[:7]}): {o.reason}"
             if o.healthy:
-                console.print(f"[green]{escape(head)}[/] {escape(o.message)}", highlight=False)
+                console.print(f"[green]{_t(head)}[/] {_t(o.message)}", highlight=False)
             else:
-                console.print(f"[bold red]{escape(head)}[/] {escape(o.message)}", highlight=False)
+                console.print(f"[bold red]{_t(head)}[/] {_t(o.message)}", highlight=False)
                 if o.quote:
-                    console.print(f"    journal: {escape(o.quote)}", highlight=False)
+                    console.print(f"    journal: {_t(o.quote)}", highlight=False)
 
 
 def print_status(console: Console, rows: list[dict]) -> None:
@@ -149,20 +161,20 @@ def print_status(console: Console, rows: list[dict]) -> None:
         table.add_column(col)
     for r in rows:
         event = r["last_event"] + (f" — {r['quote']}" if r.get("quote") else "")
-        table.add_row(r["host"], r["service"], (r["desired_rev"] or "")[:7], (r["running_rev"] or "-")[:7],
-                      r["health"] or "-", escape(event))
+        table.add_row(_t(r["host"]), _t(r["service"]), (r["desired_rev"] or "")[:7], (r["running_rev"] or "-")[:7],
+                      _t(r["health"] or "-"), _t(event))
     console.print(table)
 
 
 def print_history(console: Console, host: str, rows: list[dict]) -> None:
     import datetime as _dt
-    table = Table(title=f"history of {host}", title_justify="left")
+    table = Table(title=f"history of {_t(host)}", title_justify="left")
     for col in ("when", "service", "action", "revision", "result", "detail", "time"):
         table.add_column(col)
     for r in rows:
         when = _dt.datetime.fromtimestamp(r["at"]).strftime("%Y-%m-%d %H:%M:%S")
         detail = r["quote"] or r["message"] or ""
-        table.add_row(when, r["service"], r["action"], r["revision"][:7], r["result"], escape(detail),
+        table.add_row(when, _t(r["service"]), _t(r["action"]), r["revision"][:7], _t(r["result"]), _t(detail),
                       f"{r['seconds']:.1f}s")
     console.print(table)
 
@@ -175,30 +187,30 @@ def print_rollouts(console: Console, res: FleetResult) -> None:
         head = (f"rollout of {p.group.service} (services/{p.group.definition}.toml) at {res.revision[:7]}: "
                 f"{len(p.pending)} of {len(p.members)} hosts restart, {p.policy.describe()} "
                 f"(at most {p.bound} at once)")
-        console.print(f"[bold]{escape(head)}[/]", highlight=False)
+        console.print(f"[bold]{_t(head)}[/]", highlight=False)
         for w in p.waves:
             mark = ""
             if not res.dry_run:
                 mark = ("  halted here" if ro.halted_wave == w.number else
                         "  not started" if ro.halted_wave is not None and w.number > ro.halted_wave else
                         "  done" if w.number <= ro.waves_done else "")
-            console.print(f"  wave {w.number}{' (canary)' if w.canary else ''}: {escape(', '.join(w.hosts))}{mark}",
+            console.print(f"  wave {w.number}{' (canary)' if w.canary else ''}: {_t(', '.join(w.hosts))}{mark}",
                           highlight=False)
         if ro.status == "halted":
-            console.print(f"  [bold red]halted at {escape(ro.halted_at or '?')} (wave {ro.halted_wave}"
+            console.print(f"  [bold red]halted at {_t(ro.halted_at or '?')} (wave {ro.halted_wave}"
                           f"{', canary' if p.waves[(ro.halted_wave or 1) - 1].canary else ''}): "
-                          f"{escape(ro.reason or '')}[/]", highlight=False)
+                          f"{_t(ro.reason or '')}[/]", highlight=False)
             if ro.quote:
-                console.print(f"    journal: {escape(ro.quote)}", highlight=False)
+                console.print(f"    journal: {_t(ro.quote)}", highlight=False)
             if ro.untouched:
-                console.print(f"  not restarted, quarantined at {res.revision[:7]}: {escape(', '.join(ro.untouched))}",
+                console.print(f"  not restarted, quarantined at {res.revision[:7]}: {_t(', '.join(ro.untouched))}",
                               highlight=False)
         elif ro.status == "done":
             console.print(f"  [green]done: {len(p.pending)} hosts in {len(p.waves)} waves, {ro.seconds:.1f}s[/]",
                           highlight=False)
         if ro.skipped:
-            console.print(f"  skipped (could not be observed): {escape(', '.join(ro.skipped))}", highlight=False)
+            console.print(f"  skipped (could not be observed): {_t(', '.join(ro.skipped))}", highlight=False)
     if res.rollouts:
         console.print()
     for warning in res.warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+        console.print(f"[yellow]warning:[/] {_t(warning)}", highlight=False)

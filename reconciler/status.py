@@ -4,6 +4,9 @@ latest status of each, for `reconcile status` and `reconcile history`.
 The host's own record (/var/lib/reconciler) stays the source of truth for last-good and
 quarantine, so another controller or a fresh checkout knows them; this store is the
 controller's memory of what it did and saw.
+
+Every text it stores (messages, journal quotes and tails, events) is redacted on the way in:
+no secret value the controller knows, and no token-like pattern, is ever written to it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .records import Result
+from .redact import redact, redact_data
 
 if TYPE_CHECKING:
     from .fleet import FleetResult
@@ -85,8 +89,8 @@ class Store:
             self.db.execute(
                 "INSERT INTO attempts(at, host, service, revision, content_hash, action, result, message, quote,"
                 " journal, seconds) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (time.time(), host, service, revision, content_hash, action, result, message, quote,
-                 json.dumps(journal or []), seconds))
+                (time.time(), host, service, revision, content_hash, action, result, redact(message),
+                 _opt(quote), json.dumps(redact_data(journal or [])), seconds))
 
     def set_status(self, host: str, service: str, *, desired_rev: str | None, running_rev: str | None,
                    health: str | None, last_event: str, quote: str | None = None) -> None:
@@ -98,7 +102,7 @@ class Store:
                 " running_rev=excluded.running_rev, health=COALESCE(excluded.health, services.health),"
                 " last_event=excluded.last_event,"
                 " quote=excluded.quote, updated_at=excluded.updated_at",
-                (host, service, desired_rev, running_rev, health, last_event, quote, time.time()))
+                (host, service, desired_rev, running_rev, health, redact(last_event), _opt(quote), time.time()))
 
     def status(self) -> list[dict]:
         rows = self.db.execute("SELECT * FROM services ORDER BY host, service").fetchall()
@@ -116,16 +120,21 @@ class Store:
 
     def get_value(self, key: str) -> str | None:
         """A controller-level value (e.g. last_applied_revision)."""
-        row = self.db.execute("SELECT value FROM controller WHERE key = ?", (key,)).fetchone()
+        # Keys may hold the repo's URL (with a password): stored redacted, looked up the same way.
+        row = self.db.execute("SELECT value FROM controller WHERE key = ?", (redact(key),)).fetchone()
         return row["value"] if row else None
 
     def set_value(self, key: str, value: str) -> None:
         with self.db:
             self.db.execute("INSERT INTO controller(key, value) VALUES (?, ?) "
-                            "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (key, value))
+                            "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (redact(key), value))
 
     def close(self) -> None:
         self.db.close()
+
+
+def _opt(text: str | None) -> str | None:
+    return redact(text) if text is not None else None
 
 
 # A service's health in the store, by what last happened to it in a run.

@@ -45,6 +45,12 @@ Environment knobs for tests:
                            to stderr and exit 1. Unset: run until stopped.
 ``STANDIN_HANG=1``         never become healthy: stay "loading" forever (port never listens).
 ``STANDIN_HEALTH_STATUS``  int, default 200: the HTTP status /health answers (503: unhealthy).
+``STANDIN_SECRETS``        comma-separated names of secrets the server needs: each is read from
+                           ``$CREDENTIALS_DIRECTORY/NAME`` (a systemd credential) or else the
+                           environment; one missing exits 1 naming it. The log says where each
+                           came from and its length, never the value.
+``STANDIN_REJECT_SECRET``  a name: exit 1 with an error that quotes that secret's value (a badly
+                           behaved server echoing a token it rejects), for redaction tests.
 
 Python 3.11 standard library only: the test hosts have nothing else.
 """
@@ -153,6 +159,29 @@ def env_float(name: str, default: float | None) -> float | None:
         return float(raw)
     except ValueError:
         fail(f"ValueError: environment variable {name}={raw!r} is not a number")
+
+
+def read_secret(name: str) -> tuple[str | None, str]:
+    """A secret's value and where it came from: the credential, else the environment."""
+    d = os.environ.get("CREDENTIALS_DIRECTORY")
+    if d and os.path.isfile(os.path.join(d, name)):
+        with open(os.path.join(d, name), encoding="utf-8", errors="replace") as f:
+            return f.read(), "credential"
+    if name in os.environ:
+        return os.environ[name], "environment"
+    return None, ""
+
+
+def check_secrets() -> None:
+    for name in filter(None, (n.strip() for n in os.environ.get("STANDIN_SECRETS", "").split(","))):
+        value, where = read_secret(name)
+        if value is None:
+            fail(f"ValueError: secret {name} was not delivered (no credential, not in the environment)")
+        log(f"[standin] secret {name}: {len(value)} bytes from the {where}")
+    reject = os.environ.get("STANDIN_REJECT_SECRET", "").strip()
+    if reject:
+        value, _ = read_secret(reject)
+        fail(f"PermissionError: upstream rejected the token {value!s} for {reject}")
 
 
 def env_bool(name: str) -> bool:
@@ -347,6 +376,7 @@ def run(args, version: str = DEFAULT_VERSION) -> int:
     v = version_tuple(version)
 
     check_gpus(args.tp_size)
+    check_secrets()
     cfg = load_config(args.model_path)
     archs = cfg.get("architectures") or (cfg.get("text_config") or {}).get("architectures")
     hybrid = is_hybrid(cfg)

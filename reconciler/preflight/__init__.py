@@ -60,8 +60,8 @@ never appear in messages (they may be secrets).
 The package, one concern a module (all private; this module's `__all__` is the interface):
 _command (the server command line), _models (model knowledge), _schema (the rule-file
 schema), _rules (loading the rule pack, evaluating declarative rules), _builtin (the built-in
-rules and their registry), _check (check_service, check_host, check_desired) and _hostcheck
-(model presence on the host).
+rules and their registry), _check (check_service, check_host, check_desired), _hostcheck
+(model presence on the host) and _secrets (secret-looking env values, undecryptable secrets).
 """
 
 from ._builtin import BUILTIN_RULES
@@ -70,6 +70,7 @@ from ._command import Command, gpu_claim, parse_command, unit_entries
 from ._hostcheck import ModelFacts, model_check_command, parse_model_check
 from ._models import ModelInfo, model_info
 from ._rules import Finding, RuleSet, load_rules
+from ._secrets import env_secret_warnings, secret_file, secret_problems
 
 __all__ = [
     "BUILTIN_RULES",
@@ -81,11 +82,14 @@ __all__ = [
     "check_desired",
     "check_host",
     "check_service",
+    "env_secret_warnings",
     "gpu_claim",
     "load_rules",
     "model_check_command",
     "model_info",
     "parse_command",
     "parse_model_check",
+    "secret_file",
+    "secret_problems",
     "unit_entries",
 ]

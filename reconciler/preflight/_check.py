@@ -11,6 +11,7 @@ from ._builtin import BUILTIN_RULES, HostRule, ServiceRule
 from ._command import Command, parse_command
 from ._models import model_info
 from ._rules import Finding, RuleSet, evaluate_rule
+from ._secrets import Read, env_secret_warnings
 
 
 def check_service(svc: ServiceSpec, *, rules: RuleSet, model_config: Mapping[str, Any] | None,
@@ -77,8 +78,11 @@ def check_host(host: HostSpec, *, rules: RuleSet, model_configs: Mapping[str, Ma
     return findings
 
 
-def check_desired(state: DesiredState, rules: RuleSet) -> tuple[list[Problem], list[str]]:
-    """Run every rule on what the repo declares. Returns (blocking problems, warnings)."""
+def check_desired(state: DesiredState, rules: RuleSet, read: Read | None = None) -> tuple[list[Problem], list[str]]:
+    """Run every rule on what the repo declares. Returns (blocking problems, warnings).
+
+    read: the revision's files (Snapshot.read), so that a warning about a secret-looking env
+    value names the file that sets it (the host file or the shared definition)."""
     problems: list[Problem] = []
     warnings: list[str] = []
     for name, host in sorted(state.hosts.items()):
@@ -89,4 +93,5 @@ def check_desired(state: DesiredState, rules: RuleSet) -> tuple[list[Problem], l
                 problems.append(Problem(host.source or f"hosts/{name}.toml", where, text))
             else:
                 warnings.append(f"{host.source}: {where}: warning: {text}")
+    warnings.extend(env_secret_warnings(state, read))
     return problems, warnings

@@ -1,0 +1,106 @@
+"""Secrets in the desired state, judged without a host (pure, given a way to read repo files).
+
+* `env_secret_warnings`: a literal in `env` that looks like a secret (a Hugging Face token, an
+  sk- API key, a GitHub token, a URL with a password: `redact.looks_secret`) is a warning that
+  names the file and key where it is set and points to the service's `secrets` table. Env is
+  written as `Environment=` lines, which every local user on the host can read (`systemctl
+  show`). The warning never holds the value.
+* `secret_problems`: the age secrets of an already decrypted state (secrets.Decryptor) that the
+  controller could not decrypt, as Problems naming file and key (`reconcile validate
+  --age-identity`).
+* `secret_file`: where `reconcile secrets encrypt NAME` puts a secret by default.
+
+Which file a key comes from: a service's env and secrets merge key by key from its shared
+definition (services/<use>.toml) and the host file, the host winning. With `read` (the revision's
+files, e.g. Snapshot.read) the host file is looked up; without it, a key of a service that uses
+a definition is named in the host file.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import Problem
+from ..problems import dotted
+from ..redact import looks_secret
+from ..spec import DesiredState, HostSpec, ServiceSpec
+
+Read = Callable[[str], bytes | None]
+
+
+def secret_file(name: str) -> str:
+    """The repo path of an encrypted secret by default: HF_TOKEN -> secrets/hf-token.age."""
+    return f"secrets/{name.lower().replace('_', '-')}.age"
+
+
+class _Origins:
+    """Where a service's env or secrets key is set: the host file or the shared definition."""
+
+    def __init__(self, read: Read | None):
+        self.read = read
+        self.parsed: dict[str, Mapping[str, Any]] = {}
+
+    def _table(self, path: str) -> Mapping[str, Any]:
+        if path not in self.parsed:
+            data = self.read(path) if self.read is not None else None
+            try:
+                self.parsed[path] = tomllib.loads(data.decode()) if data is not None else {}
+            except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+                self.parsed[path] = {}
+        return self.parsed[path]
+
+    def of(self, host: HostSpec, svc: ServiceSpec, section: str, key: str) -> tuple[str, str, bool]:
+        """(file, dotted key, whether the file is the shared definition)."""
+        host_file = host.source or f"hosts/{host.name}.toml"
+        in_host = (host_file, dotted("services", svc.name, section, key), False)
+        if svc.definition is None or self.read is None:
+            return in_host
+        table: Any = self._table(host_file)
+        for part in ("services", svc.name, section):
+            table = table.get(part) if isinstance(table, Mapping) else None
+        if isinstance(table, Mapping) and key in table:
+            return in_host
+        return f"services/{svc.definition}.toml", dotted(section, key), True
+
+
+def env_secret_warnings(state: DesiredState, read: Read | None = None) -> list[str]:
+    """One warning per env key whose value looks like a secret: file, key, what it looks like,
+    and the `secrets` entry to use instead. A shared definition's key is named once, with the
+    hosts that use it. Never the value."""
+    origins = _Origins(read)
+    found: dict[tuple[str, str], tuple[str, str, str, bool, list[str]]] = {}
+    for host_name, host in sorted(state.hosts.items()):
+        for svc_name, svc in sorted(host.services.items()):
+            for key, value in sorted(svc.env.items()):
+                kind = looks_secret(value)
+                if kind is None:
+                    continue
+                file, where, shared = origins.of(host, svc, "env", key)
+                entry = found.setdefault((file, where), (key, svc_name, kind, shared, []))
+                entry[4].append(host_name)
+    warnings = []
+    for (file, where), (key, svc_name, kind, shared, hosts) in found.items():
+        table = "[secrets]" if shared else f"[{dotted('services', svc_name, 'secrets')}]"
+        used = f" (in service {svc_name} on hosts {', '.join(hosts)})" if shared else ""
+        warnings.append(
+            f"{file}: {where}: warning: the value looks like {kind}, and env is readable by every local "
+            f"user on the host (systemctl show). Move it to secrets: `reconcile secrets encrypt {key}`, "
+            f'remove it from env and add {table} {key} = {{ age = "{secret_file(key)}", env = true }}{used}')
+    return warnings
+
+
+def secret_problems(state: DesiredState, read: Read | None = None) -> list[Problem]:
+    """The secrets of a decrypted state that cannot be delivered (SecretSpec.problem), each
+    named by the file and key that declare it (a shared definition's once)."""
+    origins = _Origins(read)
+    problems: dict[tuple[str, str], Problem] = {}
+    for _host_name, host in sorted(state.hosts.items()):
+        for _svc_name, svc in sorted(host.services.items()):
+            for s in svc.secrets:
+                if s.problem is None:
+                    continue
+                file, where, _shared = origins.of(host, svc, "secrets", s.name)
+                problems.setdefault((file, where), Problem(file, where, s.problem))
+    return list(problems.values())
