@@ -18,7 +18,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn, TextIO, cast
+from typing import Any, NoReturn, TextIO, cast
 
 import typer
 from rich.console import Console
@@ -28,7 +28,7 @@ from . import load, redact, secrets, source
 from .errors import ConfigError, SourceError
 from .fleet import reconcile_fleet, select_hosts
 from .load import render_at
-from .preflight import check_desired, env_secret_warnings, load_rules, secret_file, secret_problems
+from .preflight import check_desired, load_rules, secret_file, secret_problems, secret_warnings
 from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_history, print_result, print_status
 from .schema import ENV_KEY
@@ -37,17 +37,45 @@ from .spec import DesiredState
 from .status import Store, remember
 from .trust import descends
 
+
+def _quiet_flag_types() -> None:
+    """typer (0.2x) shows a type after every option and argument in --help, `<bool>` after each
+    flag (--dry-run, --json, --help) included. A flag takes no value: show none; a value without a
+    metavar shows click's classic TEXT / INTEGER / PATH rather than `<str>`."""
+    try:
+        from typer import core
+    except ImportError:
+        return
+    names = {"<str>": "TEXT", "<int>": "INTEGER", "<float>": "NUMBER", "<path>": "PATH", "<list[str]>": "TEXT"}
+    for cls in (getattr(core, "TyperOption", None), getattr(core, "TyperArgument", None)):
+        shown = getattr(cls, "display_type_rich", None)
+        if cls is None or shown is None or getattr(shown, "_quiet", False):
+            continue
+
+        def display(self: object, ctx: object, _shown: Any = shown) -> str | None:
+            if getattr(self, "metavar", None) is None and getattr(self, "is_flag", False):
+                return None
+            label = _shown(self, ctx)
+            return names.get(label, label) if isinstance(label, str) else label
+
+        display._quiet = True  # type: ignore[attr-defined]
+        cls.display_type_rich = display
+
+
+_quiet_flag_types()
+
 app = typer.Typer(add_completion=False, no_args_is_help=False,
                   help="GitOps for bare-metal GPU hosts: converge systemd model servers to a git revision.")
 
-RepoOpt = typer.Option(".", "--repo", envvar="RECONCILER_REPO",
+RepoOpt = typer.Option(".", "--repo", envvar="RECONCILER_REPO", metavar="PATH|URL",
                        help="Desired-state repo: a local path (clone or bare) or a URL.")
-RevOpt = typer.Option(None, "--rev", help="Revision to deploy (default: HEAD of the branch).")
-PathOpt = typer.Option("", "--path", envvar="RECONCILER_PATH",
+RevOpt = typer.Option(None, "--rev", metavar="REV", help="Revision to deploy (default: HEAD of the branch).")
+PathOpt = typer.Option("", "--path", envvar="RECONCILER_PATH", metavar="DIR",
                        help="Sub-directory of the repo that holds fleet.toml and hosts/.")
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
-CacheOpt = typer.Option(None, "--cache-dir", envvar="RECONCILER_CACHE_DIR", help="Where URL repos are mirrored.")
-StateOpt = typer.Option(None, "--state-dir", envvar="RECONCILER_STATE_DIR",
+CacheOpt = typer.Option(None, "--cache-dir", envvar="RECONCILER_CACHE_DIR", metavar="DIR",
+                        help="Where URL repos are mirrored.")
+StateOpt = typer.Option(None, "--state-dir", envvar="RECONCILER_STATE_DIR", metavar="DIR",
                         help="Where the state store lives (default ~/.local/state/reconciler).")
 AgeIdentityOpt = typer.Option(None, "--age-identity", envvar="RECONCILER_AGE_IDENTITY", metavar="KEYFILE",
                               help="The controller's age identity, to decrypt the repo's age secrets "
@@ -98,7 +126,8 @@ def _fail_input(err: Exception, as_json: bool, where: str) -> None:
     elif isinstance(err, ConfigError):
         print_config_error(_console(stderr=True), err, where)
     else:
-        _console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}")
+        # one line, never wrapped at the console's width (a log, CI, a hook reads it whole)
+        _console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)
     raise typer.Exit(1)
 
 
@@ -121,11 +150,11 @@ def main_cmd(
     path: str = PathOpt,
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show diffs and actions; change nothing."),
     as_json: bool = JsonOpt,
-    identity: str | None = typer.Option(None, "--identity", "-i", envvar="RECONCILER_IDENTITY",
+    identity: str | None = typer.Option(None, "--identity", "-i", envvar="RECONCILER_IDENTITY", metavar="KEYFILE",
                                            help="SSH private key (default: ~/.ssh defaults)."),
-    concurrency: int | None = typer.Option(None, "--concurrency", min=1,
+    concurrency: int | None = typer.Option(None, "--concurrency", min=1, metavar="N",
                                            help="Hosts at once (default: fleet.toml, 20)."),
-    host: list[str] | None = typer.Option(None, "--host", "-H", help="Only these hosts (repeatable)."),
+    host: list[str] | None = typer.Option(None, "--host", "-H", metavar="NAME", help="Only these hosts (repeatable)."),
     label: list[str] | None = typer.Option(None, "--label", "-l", metavar="KEY=VALUE",
                                               help="Only hosts with this label (repeatable: all must match)."),
     retry: bool = typer.Option(False, "--retry", help="Re-apply quarantined (failed) service versions once more."),
@@ -156,9 +185,9 @@ def main_cmd(
         return
     state, render = _decrypting(state, snap, age_identity)
     console = _console()
-    for w in env_secret_warnings(state, snap.read):
+    for w in secret_warnings(state, snap.read):
         _console(stderr=True).print(f"[yellow]{escape(w)}[/]", soft_wrap=True)
-    with PhaseView(_console(stderr=True)) as view:
+    with PhaseView(_console(stderr=True), plans=None if as_json or dry_run else console) as view:
         result = asyncio.run(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
                                              concurrency=concurrency, hosts=selected,
                                              render_at=render, retry=retry, on_phase=view,
@@ -171,7 +200,7 @@ def main_cmd(
     if as_json:
         _print_json(result.to_json())
     else:
-        print_result(console, result)
+        print_result(console, result, shown=view.shown)
     raise typer.Exit(result.exit_code())
 
 

@@ -58,7 +58,7 @@ from .errors import ConfigError, ReconcilerError, SourceError
 from .fleet import reconcile_fleet
 from .load import render_at
 from .metrics import Metrics
-from .preflight import env_secret_warnings, load_rules
+from .preflight import load_rules, secret_warnings
 from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_result
 from .status import Store, default_state_dir, remember
@@ -239,15 +239,15 @@ class Daemon:
                 # a rollback renders; one that cannot be decrypted blocks its service (the core).
                 dec = secrets.Decryptor(self.cfg.age_identity)
                 state = dec.state(state)
-                for w in env_secret_warnings(state, snap.read):
+                for w in secret_warnings(state, snap.read):
                     console.print(w, soft_wrap=True, markup=False)
-                view = PhaseView(console)
+                view = PhaseView(console, plans=console)    # each host's diff before its health progress
                 result = await reconcile_fleet(state, ssh_connector(self.cfg.identity),
                                                render_at=dec.render_at(render_at(snap)),
                                                on_phase=view, rules=rules, lock_wait=self.cfg.lock_wait,
                                                descends=descends(repo), allow_rewind=self.cfg.allow_rewind,
                                                supersede=self.supersede)
-                print_result(console, result)
+                print_result(console, result, shown=view.shown)
                 remember(self.store, result)
                 self.store.set_value(self._applied_key(), snap.revision)
                 code = result.exit_code()

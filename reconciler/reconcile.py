@@ -366,6 +366,10 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
         plan = await run.plan(facts)
         result.plan = plan
         if not dry_run:
+            # An observer that prints plans (report.PhaseView) shows this one before it is applied.
+            planned = getattr(on_phase, "planned", None)
+            if planned is not None and plan.changes:
+                planned(result)
             for rnd in range(MAX_ROUNDS):
                 if rnd:
                     facts = await observe(t, host)

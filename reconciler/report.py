@@ -56,10 +56,12 @@ def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
     console.print()
 
 
-def print_result(console: Console, res: FleetResult) -> None:
-    """Everything a person needs after a run: per-host detail, then the table and a total."""
+def print_result(console: Console, res: FleetResult, shown: set[str] | frozenset[str] = frozenset()) -> None:
+    """Everything a person needs after a run: per-host detail (but for the hosts in `shown`,
+    whose plan was printed as it was applied), then the table and a total."""
     for r in res.hosts:
-        print_host(console, r, res.dry_run)
+        if r.host not in shown:
+            print_host(console, r, res.dry_run)
     print_events(console, res)
     print_rollouts(console, res)
     table = Table(title=f"revision {res.revision[:7]}{' (dry run: nothing changed)' if res.dry_run else ''}",
@@ -100,11 +102,15 @@ def print_config_error(console: Console, err: ConfigError, where: str) -> None:
 class PhaseView:
     """Per host and service: the phase and elapsed/timeout while health waits run.
 
-    A rich progress display on a terminal; plain lines on phase changes otherwise.
+    A rich progress display on a terminal; plain lines on phase changes otherwise. With `plans`
+    (the console the report goes to), each host's diff and actions are printed the moment it is
+    about to apply them (`planned`), so they come before its health progress, not after.
     """
 
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, plans: Console | None = None):
         self.console = console
+        self.plans = plans
+        self.shown: set[str] = set()
         self.live = console.is_terminal
         self.last: dict[tuple[str, str], str] = {}
         self.progress = None
@@ -122,6 +128,15 @@ class PhaseView:
     def __exit__(self, *exc) -> None:
         if self.progress:
             self.progress.stop()
+
+    def planned(self, r: HostResult) -> None:
+        """A host's plan, just before it is applied: its diffs and actions, printed once."""
+        if self.plans is None or r.plan is None or not r.plan.changes or r.host in self.shown:
+            return
+        self.shown.add(r.host)
+        # On a terminal the progress display owns the screen: print through it (above the bars).
+        out = self.progress.console if self.progress is not None else self.plans
+        print_host(out, r, dry_run=False)
 
     def __call__(self, host: str, service: str, phase: str, elapsed: float, timeout: float) -> None:
         key = (host, service)

@@ -151,6 +151,12 @@ class SSHTransport:
             raise CommandError(self.host, what, None, f"timed out after {timeout}s: {_text(e.stderr)}") from None
         except (OSError, asyncssh.Error) as e:
             raise ConnectError(self.host, f"connection lost during {what}: {e}") from None
+        if r.exit_status is None and r.exit_signal is None:
+            # The channel closed with neither an exit status nor a signal: the connection went
+            # (asyncssh returns rather than raises). Unreachable, like a loss anywhere else.
+            raise ConnectError(self.host, f"connection lost during {what}")
+        if r.exit_status is None and r.exit_signal is not None:
+            raise CommandError(self.host, what, None, f"killed by signal {r.exit_signal[0]} on the host")
         res = Completed(r.exit_status, _text(r.stdout), _text(r.stderr))
         return _checked(self.host, res, check, what)
 

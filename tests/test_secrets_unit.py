@@ -21,7 +21,7 @@ from reconciler.fleet import FleetResult
 from reconciler.load import MemorySnapshot, load_desired
 from reconciler.metrics import Metrics
 from reconciler.notify import Notifier
-from reconciler.preflight import env_secret_warnings, secret_file, secret_problems
+from reconciler.preflight import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems
 from reconciler.reconcile import HostResult
 from reconciler.records import Result
 from reconciler.report import print_diff, print_result
@@ -445,3 +445,20 @@ def test_no_identity_is_needed_without_age_secrets(tmp_path: Path, monkeypatch) 
     state = state_with(SecretSpec("HF_TOKEN", "file", "/etc/credstore/hf"))
     decrypted, _render = cli._decrypting(state, MemorySnapshot({}), None)    # type: ignore[arg-type]
     assert decrypted is state
+
+
+def test_a_secret_expanded_on_the_command_line_is_a_warning() -> None:
+    files = {
+        "units/leaky.service": "[Service]\nExecStart=/usr/bin/server --api-key ${API_KEY} --hf $HF_TOKEN\n",
+        "units/safe.service": "[Service]\nExecStart=/usr/bin/server --api-key-file %d/API_KEY\n",
+        "hosts/a.toml": ('address = "127.0.0.5"\n'
+                         '[services.leaky]\nunit_file = "units/leaky.service"\n'
+                         '[services.leaky.secrets]\nAPI_KEY = { file = "/etc/credstore/k", env = true }\n'
+                         'HF_TOKEN = { file = "/etc/credstore/h", env = true }\n'
+                         '[services.safe]\nunit_file = "units/safe.service"\n'
+                         '[services.safe.secrets]\nAPI_KEY = { file = "/etc/credstore/k" }\n'),
+    }
+    warnings = argv_secret_warnings(load_desired(MemorySnapshot(files)))
+    assert len(warnings) == 2, warnings
+    assert all("services.leaky.unit: warning: the unit puts secret" in w for w in warnings)
+    assert {w.split("puts secret ")[1].split()[0] for w in warnings} == {"API_KEY", "HF_TOKEN"}

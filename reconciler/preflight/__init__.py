@@ -70,7 +70,7 @@ from ._command import Command, gpu_claim, parse_command, unit_entries
 from ._hostcheck import ModelFacts, model_check_command, parse_model_check
 from ._models import ModelInfo, model_info
 from ._rules import Finding, RuleSet, load_rules
-from ._secrets import env_secret_warnings, secret_file, secret_problems
+from ._secrets import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems, secret_warnings
 
 __all__ = [
     "BUILTIN_RULES",
@@ -79,6 +79,7 @@ __all__ = [
     "ModelFacts",
     "ModelInfo",
     "RuleSet",
+    "argv_secret_warnings",
     "check_desired",
     "check_host",
     "check_service",
@@ -91,5 +92,6 @@ __all__ = [
     "parse_model_check",
     "secret_file",
     "secret_problems",
+    "secret_warnings",
     "unit_entries",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +12,7 @@ from ._builtin import BUILTIN_RULES, HostRule, ServiceRule
 from ._command import Command, parse_command
 from ._models import model_info
 from ._rules import Finding, RuleSet, evaluate_rule
-from ._secrets import Read, env_secret_warnings
+from ._secrets import Read, secret_warnings
 
 
 def check_service(svc: ServiceSpec, *, rules: RuleSet, model_config: Mapping[str, Any] | None,
@@ -93,5 +94,28 @@ def check_desired(state: DesiredState, rules: RuleSet, read: Read | None = None)
                 problems.append(Problem(host.source or f"hosts/{name}.toml", where, text))
             else:
                 warnings.append(f"{host.source}: {where}: warning: {text}")
-    warnings.extend(env_secret_warnings(state, read))
+    warnings.extend(secret_warnings(state, read))
+    warnings.extend(rollout_warnings(state, read))
     return problems, warnings
+
+
+def rollout_warnings(state: DesiredState, read: Read | None = None) -> list[str]:
+    """A fleet-wide [rollout] policy only shapes services that use a shared definition: a service
+    of the same name defined inline on several hosts is deployed on all of them at once. Say so,
+    once per such service, instead of leaving the operator to expect waves."""
+    data = read("fleet.toml") if read is not None else None
+    try:
+        fleet = tomllib.loads(data.decode()) if data is not None else {}
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+        fleet = {}
+    if "rollout" not in fleet:
+        return []
+    inline: dict[str, list[str]] = {}
+    for name, host in sorted(state.hosts.items()):
+        for svc in host.services.values():
+            if svc.definition is None:
+                inline.setdefault(svc.name, []).append(name)
+    return [f"fleet.toml: rollout: warning: service {svc} is defined inline on hosts {', '.join(hosts)}, so it "
+            f"deploys on all of them at once: only a service that uses a shared definition (services/{svc}.toml "
+            f"and `use = \"{svc}\"` in each host's [services.{svc}]) rolls out in waves"
+            for svc, hosts in sorted(inline.items()) if len(hosts) > 1]

@@ -5,6 +5,8 @@
   names the file and key where it is set and points to the service's `secrets` table. Env is
   written as `Environment=` lines, which every local user on the host can read (`systemctl
   show`). The warning never holds the value.
+* `argv_secret_warnings`: a secret the unit puts on the server's command line (`$NAME` or
+  `${NAME}` in an Exec line, or `$(cat ...NAME)`), where every local user reads it with `ps`.
 * `secret_problems`: the age secrets of an already decrypted state (secrets.Decryptor) that the
   controller could not decrypt, as Problems naming file and key (`reconcile validate
   --age-identity`).
@@ -18,6 +20,7 @@ a definition is named in the host file.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -89,6 +92,36 @@ def env_secret_warnings(state: DesiredState, read: Read | None = None) -> list[s
             f"user on the host (systemctl show). Move it to secrets: `reconcile secrets encrypt {key}`, "
             f'remove it from env and add {table} {key} = {{ age = "{secret_file(key)}", env = true }}{used}')
     return warnings
+
+
+_EXEC = re.compile(r"^\s*Exec[A-Za-z]*\s*=(.*)$", re.M)
+
+
+def argv_secret_warnings(state: DesiredState) -> list[str]:
+    """One warning per service whose unit expands one of its secrets into a command line: systemd
+    substitutes $NAME / ${NAME} from the environment into the arguments, and /proc/PID/cmdline is
+    readable by every local user. The server should read the environment variable or the
+    credential file itself (e.g. vLLM's VLLM_API_KEY, huggingface_hub's HF_TOKEN, or a
+    --...-file %d/NAME option)."""
+    out: dict[tuple[str, str, str], list[str]] = {}
+    for host_name, host in sorted(state.hosts.items()):
+        for svc_name, svc in sorted(host.services.items()):
+            execs = " ".join(m.group(1) for m in _EXEC.finditer(svc.unit_text))
+            for sec in sorted(svc.secrets, key=lambda x: x.name):
+                n = re.escape(sec.name)
+                if re.search(rf"\$\{{{n}\}}|\${n}\b|\$\(cat [^)]*\b{n}\)", execs):
+                    where = svc.source or host.source or f"hosts/{host_name}.toml"
+                    out.setdefault((where, svc_name, sec.name), []).append(host_name)
+    return [f"{where}: {dotted('services', svc, 'unit')}: warning: the unit puts secret {name} on the "
+            f"server's command line (hosts {', '.join(hosts)}), where every local user reads it (ps, "
+            f"/proc/PID/cmdline). Have the server read it from its environment or from "
+            f"$CREDENTIALS_DIRECTORY/{name} itself"
+            for (where, svc, name), hosts in sorted(out.items())]
+
+
+def secret_warnings(state: DesiredState, read: Read | None = None) -> list[str]:
+    """Every warning about how the desired state handles secrets (never a value)."""
+    return env_secret_warnings(state, read) + argv_secret_warnings(state)
 
 
 def secret_problems(state: DesiredState, read: Read | None = None) -> list[Problem]:
