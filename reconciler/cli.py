@@ -9,33 +9,28 @@ through redact: the values of the secrets it decrypted and token-like patterns a
 
 from __future__ import annotations
 
-import asyncio
-import getpass
-import json
 import os
-import re
 import sys
-import traceback
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TextIO, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO, cast
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
-from . import load, redact, secrets, source
+from . import coercion, redact
 from .errors import ConfigError, SourceError
-from .fleet import reconcile_fleet, select_hosts
-from .load import render_at
-from .preflight import check_desired, load_rules, secret_file, secret_problems, secret_warnings
-from .reconcile import ssh_connector
-from .report import PhaseView, print_config_error, print_history, print_result, print_status
-from .schema import ENV_KEY
-from .source import Snapshot
-from .spec import DesiredState
-from .status import Store, remember
-from .trust import descends
+
+# Everything else is imported where it is used: parsing the arguments (and --help) loads typer
+# alone, and a run loads only what it needs (the SSH stack when it connects, the rule pack when
+# pre-flight runs). tests/test_cold_start.py keeps it so.
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from rich.console import Console
+
+    from .preflight import RuleSet
+    from .pull import PullOptions
+    from .source import Snapshot
+    from .spec import DesiredState
 
 
 def _quiet_flag_types() -> None:
@@ -63,6 +58,7 @@ def _quiet_flag_types() -> None:
 
 
 _quiet_flag_types()
+coercion.install()      # typer's coercion of str/bool/int/Path options without pydantic (0.1 s a run)
 
 app = typer.Typer(add_completion=False, no_args_is_help=False,
                   help="GitOps for bare-metal GPU hosts: converge systemd model servers to a git revision.")
@@ -82,9 +78,16 @@ AgeIdentityOpt = typer.Option(None, "--age-identity", envvar="RECONCILER_AGE_IDE
                                    "(needed only when the desired state has some).")
 
 
+def escape(text: str) -> str:
+    """rich's markup escape (rich is imported when something is printed, not before)."""
+    from rich.markup import escape as rich_escape
+    return rich_escape(text)
+
+
 def _console(stderr: bool = False) -> Console:
     """Rich on a terminal; plain text at least 160 columns wide in logs, pipes and CI (no
     mid-line wrapping of diffs and journal lines). Everything printed is redacted."""
+    from rich.console import Console
     # A TextIO as rich types it: Console only writes, flushes and asks isatty/fileno.
     out = cast(TextIO, redact.RedactingWriter(sys.stderr if stderr else sys.stdout))
     c = Console(highlight=False, file=out)
@@ -95,13 +98,15 @@ def _console(stderr: bool = False) -> Console:
 
 def _print_json(data: object) -> None:
     """--json output, redacted (every string before serializing, then the text once more)."""
+    import json
     print(redact.redact(json.dumps(redact.redact_data(data), indent=2)))
 
 
 def _load(repo: str, rev: str | None, path: str, cache_dir: Path | None) -> tuple[Snapshot, DesiredState]:
+    from . import loadcache, source
     r = source.open_repo(repo, cache_dir)
     snap = source.snapshot(r, rev, path)
-    return snap, load.load_desired(snap)
+    return snap, loadcache.load(snap, cache_dir)    # a revision loaded before skips TOML and the schema
 
 
 def _has_age(state: DesiredState) -> bool:
@@ -113,6 +118,8 @@ def _decrypting(state: DesiredState, snap: Snapshot, identity: str | None
     """The state with its age secrets decrypted, and render_at doing the same for the revisions a
     rollback renders. A secret that cannot be decrypted (no identity, another key, a damaged
     file) is no error here: its SecretSpec says why, and that service is blocked."""
+    from . import secrets
+    from .loadcache import render_at
     dec = secrets.Decryptor(secrets.identity_path(identity))
     return (dec.state(state) if _has_age(state) else state), dec.render_at(render_at(snap))
 
@@ -124,6 +131,7 @@ def _fail_input(err: Exception, as_json: bool, where: str) -> None:
             payload["problems"] = [p.__dict__ for p in err.problems]
         _print_json(payload)
     elif isinstance(err, ConfigError):
+        from .report import print_config_error
         print_config_error(_console(stderr=True), err, where)
     else:
         # one line, never wrapped at the console's width (a log, CI, a hook reads it whole)
@@ -167,17 +175,33 @@ def main_cmd(
     age_identity: str | None = AgeIdentityOpt,
     cache_dir: Path | None = CacheOpt,
     state_dir: Path | None = StateOpt,
+    notes: bool = typer.Option(False, "--notes",
+                               help="Record the outcome as git notes (refs/notes/reconciler) on the deployed "
+                                    "commit in --repo, a local repo, as the daemon does on its deploy repo (not on a "
+                                    "dry run)."),
 ) -> None:
     """Converge every host to the desired state at a revision (or preview it with --dry-run)."""
     if ctx.invoked_subcommand is not None:
         return
+    import asyncio
+
+    from . import source
+    from .fleet import reconcile_fleet, select_hosts
+    from .preflight import secret_warnings
+    from .reconcile import ssh_connector
+    from .report import PhaseView, print_result
+    from .status import Store, remember
+    from .trust import descends
+    if notes and source.is_url(repo):
+        _fail(f"--notes writes to a local repo; {redact.redact(repo)} is a URL (its local mirror is a cache that "
+              f"nobody reads). Run it on a clone and push refs/notes/reconciler")
     where = f"{repo}@{rev or 'HEAD'}"
     try:
         snap, state = _load(repo, rev, path, cache_dir)
-        rules = load_rules(snap)
     except (ConfigError, SourceError) as e:
         _fail_input(e, as_json, where)
         return
+    rules = _rules(snap)      # parsed when pre-flight first runs (a change to start); never for a no-change run
     try:
         selected = select_hosts(state, host, label)
     except SourceError as e:
@@ -197,6 +221,12 @@ def main_cmd(
         store = Store(state_dir)
         remember(store, result)
         store.close()
+        if notes:
+            from .gitnotes import NotesError, record_run
+            try:
+                record_run(snap.repo, result)
+            except NotesError as e:
+                _say(f"warning: deploy notes not written: {e}")
     if as_json:
         _print_json(result.to_json())
     else:
@@ -211,10 +241,12 @@ def validate(repo: str = RepoOpt, rev: str | None = RevOpt, path: str = PathOpt,
                  None, "--age-identity", envvar="RECONCILER_AGE_IDENTITY", metavar="KEYFILE",
                  help="Also check that every age secret decrypts with this identity (the controller's).")) -> None:
     """Check the desired state at a revision without contacting any host (exit 0 or 1)."""
+    from . import loadcache, secrets
+    from .preflight import check_desired, secret_problems
     decrypted = 0
     try:
         snap, state = _load(repo, rev, path, cache_dir)
-        problems, warnings = check_desired(state, load_rules(snap), snap.read)
+        problems, warnings = check_desired(state, loadcache.rules(snap), snap.read)
         identity = secrets.identity_path(age_identity)
         if identity and _has_age(state):
             state = secrets.Decryptor(identity).state(state)
@@ -239,14 +271,72 @@ def validate(repo: str = RepoOpt, rev: str | None = RevOpt, path: str = PathOpt,
 
 
 @app.command()
-def status(as_json: bool = JsonOpt, state_dir: Path | None = StateOpt) -> None:
-    """The fleet at a glance: host, service, desired and running revision, health, last event."""
-    store = Store(state_dir)
-    rows = store.status()
+def status(
+    as_json: bool = JsonOpt,
+    state_dir: Path | None = StateOpt,
+    live: bool = typer.Option(False, "--live", help="Read the records on the hosts over SSH (read-only, no lock) "
+                                                    "instead of the local state store: what runs where, from "
+                                                    "any machine. Adds systemd's ActiveState."),
+    repo: str = RepoOpt,
+    rev: str | None = typer.Option(None, "--rev", metavar="REV",
+                                   help="With --live: the revision whose hosts to read (default: HEAD)."),
+    path: str = PathOpt,
+    host: list[str] | None = typer.Option(None, "--host", "-H", metavar="NAME",
+                                          help="With --live: only these hosts (repeatable)."),
+    label: list[str] | None = typer.Option(None, "--label", "-l", metavar="KEY=VALUE",
+                                           help="With --live: only hosts with this label (repeatable: all must "
+                                                "match)."),
+    identity: str | None = typer.Option(None, "--identity", "-i", envvar="RECONCILER_IDENTITY", metavar="KEYFILE",
+                                        help="With --live: SSH private key (default: ~/.ssh defaults)."),
+    concurrency: int | None = typer.Option(None, "--concurrency", min=1, metavar="N",
+                                           help="With --live: hosts at once (default: fleet.toml, 20)."),
+    age_identity: str | None = AgeIdentityOpt,
+    cache_dir: Path | None = CacheOpt,
+) -> None:
+    """The fleet at a glance: host, service, desired and running revision, health, last event;
+    from the local state store, or with --live from the hosts' own records."""
+    from .report import print_status
+    from .status import Store
+    if not live:
+        if rev or host or label:
+            _fail("--rev, --host and --label choose what `status --live` reads from the hosts; without --live, "
+                  "status shows the local state store")
+        store = Store(state_dir)
+        rows = store.status()
+        if as_json:
+            _print_json(rows)
+        else:
+            print_status(_console(), rows)
+        return
+    import asyncio
+
+    from .fleet import select_hosts
+    from .live import live_status
+    from .reconcile import ssh_connector
+    where = f"{repo}@{rev or 'HEAD'}"
+    try:
+        snap, state = _load(repo, rev, path, cache_dir)
+        selected = select_hosts(state, host, label)
+    except (ConfigError, SourceError) as e:
+        _fail_input(e, as_json, where)
+        return
+    state, _render = _decrypting(state, snap, age_identity)
+    rows = asyncio.run(live_status(state, ssh_connector(identity), hosts=selected, concurrency=concurrency))
     if as_json:
         _print_json(rows)
     else:
-        print_status(_console(), rows)
+        print_status(_console(), rows, live=snap.short)
+
+
+def _rules(snap: Snapshot) -> Callable[[], RuleSet]:
+    """The pre-flight rule pack of a revision, loaded (once) on first use."""
+    from functools import cache
+
+    @cache
+    def rules() -> RuleSet:
+        from . import loadcache
+        return loadcache.rules(snap)
+    return rules
 
 
 @app.command()
@@ -254,6 +344,8 @@ def history(host: str = typer.Argument(..., help="Host name."), as_json: bool = 
             state_dir: Path | None = StateOpt,
             limit: int = typer.Option(50, "--limit", min=1)) -> None:
     """Every attempt on one host, newest first: revision, result, reason, journal line, duration."""
+    from .report import print_history
+    from .status import Store
     rows = Store(state_dir).history(host, limit)
     if as_json:
         _print_json(rows)
@@ -273,8 +365,12 @@ def watch(
                                             help="Override config: the age identity that decrypts the repo's secrets."),
     state_dir: Path | None = typer.Option(None, "--state-dir"),
     metrics: str | None = typer.Option(None, "--metrics", help="host:port of the Prometheus endpoint, '' = off."),
+    web: str | None = typer.Option(None, "--web", help="host:port of the read-only fleet page, '' = off "
+                                                       "(default 127.0.0.1:9188)."),
 ) -> None:
     """Run as a daemon: reconcile on every push (within a second), every interval, and on trigger."""
+    import asyncio
+
     from .config import load_config
     from .daemon import Daemon
     try:
@@ -283,7 +379,8 @@ def watch(
         _fail_input(e, False, str(config or "config"))
         return
     overrides = {k: v for k, v in dict(repo=repo, branch=branch, identity=identity, age_identity=age_identity,
-                                       state_dir=str(state_dir) if state_dir else None, metrics=metrics).items()
+                                       state_dir=str(state_dir) if state_dir else None, metrics=metrics,
+                                       web=web).items()
                  if v is not None}
     cfg = cfg.model_copy(update=overrides)
     asyncio.run(Daemon(cfg, interval=interval).serve())
@@ -303,6 +400,8 @@ def init_repo_cmd(
     owner: str | None = typer.Option(None, "--owner", metavar="USER", help="With --shared, as root: chown to USER."),
 ) -> None:
     """Create a bare repo with the pre-receive (validate) and post-receive (deploy) hooks installed."""
+    from rich.console import Console
+
     from .hooks import init_repo
     if path.exists() and any(path.iterdir()):
         Console(stderr=True).print(f"[bold red]error:[/] {path} exists and is not empty")
@@ -321,6 +420,167 @@ def init_repo_cmd(
     out.print(f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
 
 
+@app.command()
+def pull(
+    repo: str = RepoOpt,
+    rev: str | None = RevOpt,
+    path: str = PathOpt,
+    host: str | None = typer.Option(None, "--host", "-H", metavar="NAME",
+                                    help="This host's name in hosts/ (default: its hostname)."),
+    workdir: Path | None = typer.Option(None, "--dir", envvar="RECONCILER_PULL_DIR", metavar="DIR",
+                                        help="Where a URL repo is mirrored (default /var/lib/reconciler/pull)."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n",
+                                 help="Show what this host would deploy, and the diff; change and report nothing."),
+    as_json: bool = JsonOpt,
+    retry: bool = typer.Option(False, "--retry", help="Re-apply quarantined (failed) service versions once more."),
+    allow_rewind: bool = typer.Option(False, "--allow-rewind",
+                                      help="Deploy a revision that does not descend from the one this host records "
+                                           "as applied."),
+    lock_wait: float = typer.Option(30.0, "--lock-wait", min=0, metavar="SECONDS",
+                                    help="How long to wait for another run's lock on this host."),
+    publish: bool = typer.Option(True, "--publish/--no-publish",
+                                 help="Leave this host's verdicts in the repo as git notes for the later waves "
+                                      "(refs/notes/reconciler-pull/<host>; only hosts of a wave that is not the "
+                                      "last write them)."),
+    age_identity: str | None = typer.Option(None, "--age-identity", envvar="RECONCILER_AGE_IDENTITY",
+                                            metavar="KEYFILE",
+                                            help="An age identity on this host that decrypts the repo's age "
+                                                 "secrets (without one, a service that has some is blocked)."),
+    state_dir: Path | None = StateOpt,
+    install: bool = typer.Option(False, "--install",
+                                 help="Install and start reconciler-pull.service and .timer (and .path for a "
+                                      "repo on this host), which run this command with these options."),
+    uninstall: bool = typer.Option(False, "--uninstall", help="Stop and remove those units."),
+    interval: str = typer.Option("60s", "--interval", metavar="DURATION",
+                                 help="With --install: how often the timer runs it (30s, 5m, 1h)."),
+    splay: str | None = typer.Option(None, "--splay", metavar="DURATION",
+                                     help="With --install: a random extra delay before each run, up to this "
+                                          "(default: a tenth of the interval; spreads a large fleet's fetches)."),
+) -> None:
+    """Reconcile this host against itself from its clone of the desired-state repo (pull mode: no
+    controller; rollout waves from fleet.toml [pull]). Run it on the host, as root."""
+    from . import pull as pull_mode
+    if install and uninstall:
+        _fail("--install and --uninstall: choose one")
+    if uninstall:
+        try:
+            for line in pull_mode.uninstall():
+                _say(line)
+        except OSError as e:
+            _fail(str(e))
+        return
+    opts = pull_mode.PullOptions(repo=repo, rev=rev, path=path, host=host, workdir=workdir or pull_mode.DEFAULT_DIR,
+                                 age_identity=age_identity, retry=retry, allow_rewind=allow_rewind,
+                                 lock_wait=lock_wait, dry_run=dry_run, publish=publish)
+    if install:
+        _pull_install(opts, interval, splay, state_dir)
+        return
+    _pull_run(opts, as_json, state_dir)
+
+
+def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
+    """Run `reconcile pull` until a local repo's branch stops moving under it (at most 3 runs);
+    print each run, record it in the state store, exit with the last run's code."""
+    import asyncio
+
+    from .pull import PullOutcome, pull_once
+    from .report import PhaseView, print_result
+    console = _console()
+
+    def chosen(outcome: PullOutcome) -> None:
+        if as_json:
+            return
+        c = outcome.choice
+        wave = f" (wave {outcome.wave})" if outcome.wave else ""
+        _say(f"pull {outcome.host}{wave}: head {outcome.head[:7]}, reconciling "
+             f"{c.revision[:7] if c.revision else 'nothing'}: {c.why}")
+        for skip in c.skipped[:3]:
+            _say(f"  not {skip.revision[:7]}: {skip.why}")
+        if len(c.skipped) > 3:
+            _say(f"  ... and {len(c.skipped) - 3} older commits")
+
+    outcome = None
+    for _ in range(3):
+        try:
+            with PhaseView(_console(stderr=True), plans=None if as_json or opts.dry_run else console) as view:
+                outcome = asyncio.run(pull_once(opts, on_phase=view, on_choice=chosen))
+        except (ConfigError, SourceError) as e:
+            _fail_input(e, as_json, f"{opts.repo}@{opts.rev or 'HEAD'}")
+            return
+        if outcome.result is not None and not opts.dry_run:
+            from .status import Store, remember
+            store = Store(state_dir)
+            remember(store, outcome.result)
+            store.close()
+        if as_json:
+            _print_json(outcome.to_json())
+        else:
+            if outcome.result is not None:
+                print_result(console, outcome.result, shown=view.shown)
+            for line in outcome.reported:
+                _say(f"reported {line}")
+            for w in outcome.warnings:
+                _say(f"warning: {w}")
+        if not outcome.moved:
+            break
+        _say("the branch moved during the run: running again")
+    raise typer.Exit(outcome.exit_code() if outcome is not None else 1)
+
+
+def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir: Path | None) -> None:
+    """`reconcile pull --install`: check that the repo and this host resolve, then write and enable
+    the units that run the same command, and say what was installed."""
+    from . import source
+    from .load import load_desired
+    from .pull import DEFAULT_DIR, install, render_units, this_host
+    from .pull._git import branch_dir, open_clone
+    from .schema import parse_duration
+    every = parse_duration(interval)
+    if every is None or every <= 0:
+        _fail(f"--interval {interval!r}: expected a duration > 0 like 60s, 5m or 1h")
+    spread = parse_duration(splay) if splay is not None else every / 10
+    if spread is None:
+        _fail(f"--splay {splay!r}: expected a duration like 5s or 2m")
+    repo = opts.repo if source.is_url(opts.repo) else str(Path(opts.repo).resolve())
+    from .redact import looks_secret
+    if source.is_url(repo) and looks_secret(repo):
+        # the URL would be in the unit file and in `systemctl show`, which every local user reads
+        _fail("--repo: the URL carries a password or token; it would be readable by every local user in the "
+              "unit file. Give the host a read-only deploy key or a git credential helper instead")
+    try:
+        clone = open_clone(repo, opts.workdir)
+        state = load_desired(source.snapshot(clone, opts.rev, opts.path))
+        name = this_host(state, opts.host)
+    except (ConfigError, SourceError) as e:
+        _fail_input(e, False, f"{repo}@{opts.rev or 'HEAD'}")
+        return
+    argv = [sys.executable, "-m", "reconciler", "pull", "--repo", repo, "--host", name]
+    # the unit runs in /: paths as absolute ones
+    for flag, value in (("--rev", opts.rev), ("--path", opts.path),
+                        ("--age-identity", str(Path(opts.age_identity).resolve()) if opts.age_identity else None),
+                        ("--state-dir", str(state_dir.resolve()) if state_dir else None)):
+        if value:
+            argv += [flag, value]
+    if opts.workdir != DEFAULT_DIR:
+        argv += ["--dir", str(opts.workdir.resolve())]
+    if opts.lock_wait != 30.0:
+        argv += ["--lock-wait", f"{opts.lock_wait:g}"]
+    if not opts.publish:
+        argv.append("--no-publish")
+    watch = None if source.is_url(repo) else branch_dir(clone, opts.rev)
+    units = render_units(argv, interval=every, splay=spread, watch=watch)
+    try:
+        lines = install(units)
+    except OSError as e:
+        _fail(str(e))
+    _say(f"pull mode for {name} from {repo}:")
+    _say(f"  runs: {' '.join(argv)}")
+    _say(f"  every {interval} (plus up to {spread:g}s at random) and soon after boot"
+         + (f"; at once when {watch} changes" if watch else ""))
+    for line in lines:
+        _say(f"  {line}")
+
+
 secrets_app = typer.Typer(add_completion=False, no_args_is_help=True,
                           help="Secrets encrypted in git with age: make the controller's key, encrypt a value.")
 app.add_typer(secrets_app, name="secrets")
@@ -337,6 +597,7 @@ def secrets_keygen(
     """Make the controller's age identity (run on the controller); print its public key.
 
     The public key (age1...) goes on stdout alone, what to do next on stderr."""
+    from . import secrets
     try:
         public = secrets.keygen(out)
     except FileExistsError:
@@ -401,6 +662,7 @@ def _is_recipient(key: str) -> bool:
 def _read_value(name: str) -> bytes:
     """The secret from stdin (one trailing newline removed), or asked for without echo on a terminal."""
     if sys.stdin.isatty():
+        import getpass
         text = getpass.getpass(f"{name} (not echoed): ")
         return text.encode()
     data = sys.stdin.buffer.read()
@@ -423,6 +685,11 @@ def secrets_encrypt(
     """Encrypt a secret read from stdin to the controller's key, as a file to commit.
 
     printf %s "$HF_TOKEN" | reconcile secrets encrypt HF_TOKEN"""
+    import re
+
+    from . import secrets
+    from .preflight import secret_file
+    from .schema import ENV_KEY
     if not re.match(ENV_KEY, name):
         _fail(f"{name!r} is not a valid name: letters, digits and '_', not starting with a digit (the server "
               f"sees it as an environment variable or a credential of that name)")
@@ -472,5 +739,6 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception:
+        import traceback
         sys.stderr.write(redact.redact(traceback.format_exc()))
         sys.exit(1)

@@ -53,6 +53,7 @@ from rich.console import Console
 
 from . import faults, load, redact, secrets, source
 from . import notify_systemd as sd
+from .commitstatus import CommitStatus
 from .config import ControllerConfig
 from .errors import ConfigError, ReconcilerError, SourceError
 from .fleet import reconcile_fleet
@@ -63,6 +64,7 @@ from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_result
 from .status import Store, default_state_dir, remember
 from .trust import RevisionRefused, check_descends, descends, verify_signature
+from .web.hub import Hub
 
 BACKOFF_START = 2.0
 RUNS_DIR_MODE = 0o750       # group: pushers stream their deploy's log (post-receive hook)
@@ -125,6 +127,9 @@ class Daemon:
         self.metrics = Metrics()
         self.console = Console(highlight=False, force_terminal=False, width=160)
         self.store = Store(self.state_dir)
+        # The fleet page's live feed (web/hub.py: plain data; the web server is imported in serve()).
+        self.hub: Hub | None = Hub() if cfg.web else None
+        self.commit_status = CommitStatus(cfg)   # deploy status on the commit: git notes, forge status
 
     # -- asking ---------------------------------------------------------------------------
     def ask(self, why: str) -> None:
@@ -242,13 +247,22 @@ class Daemon:
                 for w in secret_warnings(state, snap.read):
                     console.print(w, soft_wrap=True, markup=False)
                 view = PhaseView(console, plans=console)    # each host's diff before its health progress
+                self.commit_status.started(snap.revision, len(state.hosts))
+                if self.hub is not None:     # the fleet page
+                    self.hub.run_started(snap.revision, why, state.hosts, repo.path)
                 result = await reconcile_fleet(state, ssh_connector(self.cfg.identity),
                                                render_at=dec.render_at(render_at(snap)),
-                                               on_phase=view, rules=rules, lock_wait=self.cfg.lock_wait,
+                                               on_phase=self.hub.tee(view) if self.hub else view,
+                                               on_rollout=self.hub.rollout if self.hub else None,
+                                               rules=rules, lock_wait=self.cfg.lock_wait,
                                                descends=descends(repo), allow_rewind=self.cfg.allow_rewind,
                                                supersede=self.supersede)
                 print_result(console, result, shown=view.shown)
                 remember(self.store, result)
+                if self.hub is not None:     # the fleet page: the store has the results now
+                    self.hub.run_finished(result)
+                for w in self.commit_status.finished(repo, result):
+                    console.print(f"warning: {w}", soft_wrap=True, markup=False)
                 self.store.set_value(self._applied_key(), snap.revision)
                 code = result.exit_code()
                 self.metrics.observe_run(result, time.monotonic() - started)
@@ -264,6 +278,7 @@ class Daemon:
             except (SourceError, ReconcilerError, OSError) as e:
                 code = 1
                 self._say(log, f"run failed: {type(e).__name__}: {e}")
+                self.commit_status.failed(rev_name, f"{type(e).__name__}: {e}")
                 self.metrics.run_failed("error", time.monotonic() - started)
         if rev_name != "unknown":
             with _open_run_file(self.runs_dir / f"{rev_name}.exit", append=False) as f:
@@ -298,6 +313,8 @@ class Daemon:
                 code = 1
             finally:
                 self.running = False
+            if self.hub is not None:         # the fleet page: the run is over, however it ended
+                self.hub.run_ended(code)
             if code in (1, 4):
                 # git down, a host unreachable, a refused revision: retry, backing off
                 delay = min(self.backoff, self.interval)
@@ -324,6 +341,11 @@ class Daemon:
         runner = asyncio.create_task(self._runner())
         watcher = asyncio.create_task(self._watch())
         pinger = asyncio.create_task(self._watchdog())
+        page = None
+        if self.hub is not None:
+            from .web.app import serve_page  # starlette, uvicorn, Jinja2: only when the page is on
+            page = await serve_page(self.cfg.web, self.hub, self.state_dir, repo=self.cfg.repo,
+                                    branch=self.cfg.branch)
         sd.notify("READY=1\nSTATUS=watching " + self.cfg.repo)
         await self.stopping.wait()
         print("reconciler: stopping", flush=True)
@@ -332,6 +354,8 @@ class Daemon:
         for task in (runner, watcher, pinger):
             task.cancel()
         await asyncio.gather(runner, watcher, pinger, return_exceptions=True)
+        if page is not None and self.hub is not None:
+            await page.stop(self.hub)
         self.store.close()
 
     async def _watchdog(self) -> None:

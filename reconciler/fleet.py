@@ -21,22 +21,26 @@ import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from . import lock
 from .errors import HostError, ReconcilerError, SourceError
-from .notify import Notifier
 from .plan import starting
-from .preflight import RuleSet
-from .reconcile import Connector, Event, HostPhase, HostResult, RenderAt, merge_plans, reconcile_host
+from .reconcile import Connector, Event, HostPhase, HostResult, RenderAt, Rules, merge_plans, reconcile_host
 from .records import Quarantine, Result, halt_where
 from .rollout import Halt, RolloutResult, Wave, group_members, natural_key, plan_rollouts, quarantine_cover
-from .schema import LABEL
 from .spec import DesiredState, HostSpec
 from .transport import Transport
 from .trust import rewind_problem
 
+if TYPE_CHECKING:     # imported where used: webhooks only with [notify], the schema only for --label
+    from .notify import Notifier
+
 # Whether a revision descends from another: True, False, or None (the other is not in the repo).
 Descends = Callable[[str, str], "bool | None"]
+# Told of each rollout's progress (the daemon's fleet page): "start", "wave" (its hosts restart
+# now: waves_done + 1), "done", "halted", "superseded", with the rollout as it stands.
+RolloutWatch = Callable[[str, RolloutResult], None]
 
 
 @dataclass
@@ -88,10 +92,11 @@ class _FleetRun:
 
     def __init__(self, state: DesiredState, connect: Connector, *, dry_run: bool, concurrency: int,
                  selected: list[str] | None, render_at: RenderAt | None, retry: bool,
-                 on_phase: HostPhase | None, notifier: Notifier | None, rules: RuleSet | None = None,
+                 on_phase: HostPhase | None, notifier: Notifier | None, rules: Rules = None,
                  lock_wait: float = lock.WAIT, descends: Descends | None = None, allow_rewind: bool = False,
-                 supersede: asyncio.Event | None = None):
+                 supersede: asyncio.Event | None = None, on_rollout: RolloutWatch | None = None):
         self.state, self.connect, self.dry_run, self.rules = state, connect, dry_run, rules
+        self.on_rollout = on_rollout
         self.render_at, self.retry, self.on_phase, self.notifier = render_at, retry, on_phase, notifier
         self.sem = asyncio.Semaphore(concurrency)
         self.hosts = [h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
@@ -261,12 +266,15 @@ class _FleetRun:
         svc = p.group.service
         ro.status = "running"
         self._send("rollout.start", ro, hosts=list(p.pending), waves=[w.to_json() for w in p.waves])
+        self._tell("start", ro)
         by_name = {h.name: h for h in self.hosts}
         for wave in p.waves:
             if self.supersede is not None and self.supersede.is_set():
                 ro.status = "superseded"      # a newer revision rolls out instead
                 ro.seconds = time.monotonic() - t0
+                self._tell("superseded", ro)
                 return
+            self._tell("wave", ro)
             others = {h: frozenset(by_name[h].services) - {svc} for h in wave.hosts}
             results = await asyncio.gather(*(self._pass(by_name[h], hold=others[h], fresh=True) for h in wave.hosts))
             failed: list[tuple[str, str, str, str | None]] = []     # host, reason, message, quote
@@ -283,10 +291,12 @@ class _FleetRun:
             if failed:
                 await self._halt(ro, wave, failed)
                 ro.seconds = time.monotonic() - t0
+                self._tell("halted", ro)
                 return
         ro.status = "done"
         ro.seconds = time.monotonic() - t0
         self._send("rollout.finish", ro, hosts=list(p.pending), seconds=round(ro.seconds, 2))
+        self._tell("done", ro)
 
     async def _halt(self, ro: RolloutResult, wave: Wave, failed: list[tuple[str, str, str, str | None]]) -> None:
         """Stop the group: quarantine this revision's content of the service on the failed hosts
@@ -323,6 +333,10 @@ class _FleetRun:
                    message=message, journal_line=quote, untouched=list(ro.untouched),
                    failed=[h for h, *_ in failed])
 
+    def _tell(self, event: str, ro: RolloutResult) -> None:
+        if self.on_rollout is not None:
+            self.on_rollout(event, ro)
+
     def _send(self, event: str, ro: RolloutResult, **fields: object) -> None:
         if self.notifier is not None:
             p = ro.plan
@@ -336,9 +350,10 @@ async def reconcile_fleet(state: DesiredState, connect: Connector, *, dry_run: b
                           concurrency: int | None = None, hosts: list[str] | None = None,
                           render_at: RenderAt | None = None, retry: bool = False,
                           on_phase: HostPhase | None = None, notifier: Notifier | None = None,
-                          rules: RuleSet | None = None, lock_wait: float = lock.WAIT,
+                          rules: Rules = None, lock_wait: float = lock.WAIT,
                           descends: Descends | None = None, allow_rewind: bool = False,
-                          supersede: asyncio.Event | None = None) -> FleetResult:
+                          supersede: asyncio.Event | None = None,
+                          on_rollout: RolloutWatch | None = None) -> FleetResult:
     """Reconcile every selected host (at most `concurrency` at once), rolling shared services
     out in waves; with dry_run, only survey and plan them (the waves included).
 
@@ -348,13 +363,15 @@ async def reconcile_fleet(state: DesiredState, connect: Connector, *, dry_run: b
     descends: tells whether the revision descends from the one a host records as applied; a
     host where it does not is refused (NotDescendant, exit 4) unless allow_rewind. supersede:
     set when a newer revision arrives (the daemon): health waits end, no new wave starts.
+    on_rollout: told of each rollout's start, waves and end (the daemon's fleet page).
     """
     if notifier is None and not dry_run and state.settings.notify is not None:
+        from .notify import Notifier
         notifier = Notifier(state.settings.notify)
     run = _FleetRun(state, connect, dry_run=dry_run, concurrency=concurrency or state.settings.concurrency,
                     selected=hosts, render_at=render_at, retry=retry, on_phase=on_phase, notifier=notifier,
                     rules=rules, lock_wait=lock_wait, descends=descends, allow_rewind=allow_rewind,
-                    supersede=supersede)
+                    supersede=supersede, on_rollout=on_rollout)
     return await run.run()
 
 
@@ -367,6 +384,7 @@ def select_hosts(state: DesiredState, names: list[str] | None, labels: list[str]
     """
     if not names and not labels:
         return None
+    from .schema import LABEL
     unknown = sorted(set(names or []) - set(state.hosts))
     if unknown:
         raise SourceError(f"unknown host(s) {', '.join(unknown)} at {state.short} "

@@ -4,12 +4,15 @@ Pure judges (`judge_systemd`, `explain`) plus one watcher (`watch_service`) that
 through the Transport. A crash loop fails fast (NRestarts above the baseline, SubState
 auto-restart, ActiveState failed), long before the start-up timeout; the HTTP check is probed
 from the host itself through the SSH connection, so the server need not be exposed.
+
+The watches of one host share one `SystemdWatch`: every SYSTEMD_POLL seconds, one `systemctl
+show` of all the units being watched there (one round trip per host per tick, however many
+services restarted); the journal is read only for a verdict of failure.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import shlex
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .facts import parse_show
 from .spec import HealthSpec
-from .transport import Transport
+from .transport import Completed, Transport
 
 WATCH_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID,"
                "ActiveEnterTimestampMonotonic")
@@ -161,19 +164,91 @@ async def http_probe(t: Transport, url: str, timeout: float = 5.0, ca_pem: str |
 Phase = Callable[[str, str, float, float], None]   # (service, phase, elapsed, timeout)
 
 
+class SystemdWatch:
+    """The systemd side of every health watch on one host: one round trip per tick for all.
+
+    Each watch asks for its unit's next reading (`read`); a tick starts at once when none ran in
+    the last `poll` seconds (so a watch's first reading is immediate), else `poll` seconds after
+    the last one, and answers everyone who asked since with one `systemctl show` of all their
+    units. A watch that is busy in between (an HTTP probe) gets the next tick's reading, so
+    readings stay `poll` apart as with a poll of its own. A failed round trip fails every reading
+    of that tick, as it would have failed each watch's own.
+    """
+
+    def __init__(self, t: Transport, poll: float = SYSTEMD_POLL):
+        self.t, self.poll = t, poll
+        self._asked: dict[str, list[asyncio.Future[dict[str, str]]]] = {}
+        self._ticker: asyncio.Task[None] | None = None
+        self._last = float("-inf")
+
+    async def read(self, unit: str) -> dict[str, str]:
+        """The unit's properties (WATCH_PROPS) at the next tick; {} when systemd names no such unit."""
+        fut: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
+        self._asked.setdefault(unit, []).append(fut)
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.create_task(self._tick())
+        return await fut
+
+    async def _tick(self) -> None:
+        asked: dict[str, list[asyncio.Future[dict[str, str]]]] = {}
+        try:
+            while self._asked:
+                await asyncio.sleep(max(0.0, self._last + self.poll - time.monotonic()))
+                asked, self._asked = self._asked, {}
+                units = sorted(u for u, futs in asked.items() if any(not f.done() for f in futs))
+                if not units:
+                    continue
+                self._last = time.monotonic()
+                try:
+                    res = await self._show(units)
+                except Exception as e:
+                    _answer(asked, error=e)
+                    continue
+                shown = parse_show(res.stdout)
+                for unit, futs in asked.items():
+                    _answer({unit: futs}, shown.get(unit, {}))
+        finally:          # cancelled with the run: nobody is left waiting
+            _answer(asked)
+            _answer(self._asked)
+            self._asked = {}
+
+    async def _show(self, units: list[str]) -> Completed:
+        """One `systemctl show` of all the units (blocks keyed by Id, facts.parse_show)."""
+        names = " ".join(shlex.quote(u) for u in units)
+        return await self.t.run(f"systemctl show -p {WATCH_PROPS} {names}", timeout=20, what="health")
+
+
+def _answer(asked: dict[str, list[asyncio.Future[dict[str, str]]]], props: dict[str, str] | None = None,
+            error: Exception | None = None) -> None:
+    """Resolve the futures still waiting: with the reading, the error, or (neither) cancelled."""
+    for futs in asked.values():
+        for f in futs:
+            if f.done():
+                continue
+            if error is not None:
+                f.set_exception(error)
+            elif props is not None:
+                f.set_result(props)
+            else:
+                f.cancel()
+
+
 async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline_restarts: int,
                         since_epoch: float, on_phase: Phase | None = None,
                         systemd_poll: float = SYSTEMD_POLL, baseline_invocation: str = "",
                         baseline_active_enter: str = "", start_error: str | None = None,
-                        cancel: asyncio.Event | None = None) -> Outcome:
+                        cancel: asyncio.Event | None = None, systemd: SystemdWatch | None = None) -> Outcome:
     """Watch a service after a (re)start until healthy and stable, or failed.
 
     Healthy = systemd running, the HTTP check (if any) answered as expected, and nothing crashed
     during `stable_for` after that. Any crash sign fails at once. `start_error`: systemctl
     refused the start itself (its message): that is a StartFailed verdict at once. `cancel`: set
     when a newer revision arrives; the watch then ends at once with the verdict Superseded.
+    `systemd`: the host's shared SystemdWatch (one round trip per tick for all its watches);
+    None: one of its own, polling every `systemd_poll` seconds.
     """
     unit = f"{name}.service"
+    systemd = systemd if systemd is not None else SystemdWatch(t, systemd_poll)
     t0 = time.monotonic()
     first_ok: float | None = None
     next_http = 0.0
@@ -197,13 +272,12 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
             out.quote = start_error.splitlines()[-1]
         return out
     while True:
-        if cancel is not None and cancel.is_set():
+        props = await _next_reading(systemd, unit, cancel)
+        if props is None:
             report("superseded")
             return Outcome(name, False, "Superseded", "a newer revision arrived during the health wait",
                            seconds=time.monotonic() - t0)
         now = time.monotonic()
-        res = await t.run(f"systemctl show -p {WATCH_PROPS} {shlex.quote(unit)}", timeout=20, what="health")
-        props = parse_show(res.stdout).get(unit, {})
         v = judge_systemd(props, baseline_restarts, baseline_invocation=baseline_invocation,
                           baseline_active_enter=baseline_active_enter)
         if v.state in ("crashed", "not-loaded", "exited"):
@@ -235,8 +309,25 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
             what = f"{health.http} never answered {health.expect_status}" if health.http else "never ran"
             return await fail("StartTimeout",
                               f"not healthy within startup_timeout={health.startup_timeout:.0f}s: {what}")
-        if cancel is None:
-            await asyncio.sleep(systemd_poll)
-        else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(cancel.wait(), systemd_poll)
+
+
+async def _next_reading(systemd: SystemdWatch, unit: str, cancel: asyncio.Event | None) -> dict[str, str] | None:
+    """The unit's next systemd reading (the shared tick paces the watch), or None as soon as
+    `cancel` is set (a newer revision arrived)."""
+    if cancel is None:
+        return await systemd.read(unit)
+    if cancel.is_set():
+        return None
+    reading = asyncio.ensure_future(systemd.read(unit))
+    stop = asyncio.ensure_future(cancel.wait())
+    try:
+        await asyncio.wait({reading, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not reading.done():
+            reading.cancel()
+    if cancel.is_set():
+        if reading.done() and not reading.cancelled():
+            reading.exception()        # retrieved: a failed reading no longer matters
+        return None
+    return reading.result()

@@ -24,14 +24,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pygit2
-
-from . import load, redact, source
-from .config import load_config
+from . import redact
 from .errors import ConfigError, SourceError
-from .preflight import check_desired, load_rules
-from .trust import RevisionRefused, verify_signature
+
+if TYPE_CHECKING:
+    import pygit2
+
+# Imports are where they are used: post-receive (every push) loads pygit2 and nothing of the
+# loader, the schema or the rule pack, which only pre-receive needs (tests/test_cold_start.py).
 
 ZERO = "0" * 40
 
@@ -73,6 +75,10 @@ def _err(line: str) -> None:
 
 def pre_receive() -> int:
     """Validate every push to the deploy branch; print reasons to the pusher; 0 accept, 1 reject."""
+    from . import load, source
+    from .config import load_config
+    from .preflight import check_desired, load_rules
+    from .trust import RevisionRefused, verify_signature
     repo = source.open_repo(os.environ.get("GIT_DIR", "."))
     branch = _git_config(repo, "reconciler.branch", "main")
     subdir = _git_config(repo, "reconciler.path", "")
@@ -127,6 +133,7 @@ def pre_receive() -> int:
 
 def post_receive() -> int:
     """Ask the daemon to reconcile now; optionally stream its run for the pushed revision."""
+    from . import source
     repo = source.open_repo(os.environ.get("GIT_DIR", "."))
     branch = _git_config(repo, "reconciler.branch", "main")
     trigger = Path(_git_config(repo, "reconciler.trigger", str(Path(repo.path) / "reconciler.trigger")))
@@ -185,6 +192,7 @@ def init_repo(path: Path, *, branch: str = "main", hook_bin: str | None = None,
     repo is also marked safe in the system git config (git and libgit2 refuse a repo owned by
     another user otherwise: "dubious ownership"); not as root, the line to run is returned.
     """
+    import pygit2
     mode = pygit2.enums.RepositoryInitMode.SHARED_GROUP if group else pygit2.enums.RepositoryInitMode.SHARED_UMASK
     repo = pygit2.init_repository(str(path), bare=True, initial_head=branch, mode=mode)
     hooks = Path(repo.path) / "hooks"

@@ -2,7 +2,8 @@
 
 The repository layout (desired-state/README.md documents it for users)::
 
-    fleet.toml               optional: [ssh], [health] and [rollout] defaults, [notify], concurrency
+    fleet.toml               optional: [ssh], [health] and [rollout] defaults, [notify], concurrency,
+                             [pull] waves
     known_hosts              named by fleet.toml ssh.known_hosts
     hosts/<host>.toml        one per host: address, labels, [ssh], [services.<name>]
     services/<def>.toml      shared service definitions, merged under `use = "<def>"`
@@ -45,6 +46,7 @@ from .spec import (
     HostSpec,
     ModelSpec,
     NotifySpec,
+    PullWave,
     RolloutPolicy,
     SecretSpec,
     ServiceSpec,
@@ -326,6 +328,7 @@ class _Loader:
         definitions = self._load_definitions()
         hosts = self._load_hosts(fleet, known_hosts, definitions)
         self._check_rollout_groups()
+        pull_waves = self._pull_waves(fleet.pull, hosts)
         if self.problems:
             raise ConfigError(self.problems.result())
         notify = None
@@ -335,8 +338,35 @@ class _Loader:
         return DesiredState(
             revision=self.snap.revision,
             hosts=hosts,
-            settings=FleetSettings(concurrency=fleet.concurrency, notify=notify),
+            settings=FleetSettings(concurrency=fleet.concurrency, notify=notify, pull_waves=pull_waves),
         )
+
+    def _pull_waves(self, table: schema.PullTable, hosts: Mapping[str, HostSpec]) -> tuple[PullWave, ...]:
+        """fleet.toml [pull] waves, checked as a schedule: names unique, no wave sooner than the
+        one before it, a wave without labels (every remaining host) only last, and every wave's
+        labels carried by some host (a typo would quietly move the canaries to the last wave)."""
+        waves: list[PullWave] = []
+        for i, w in enumerate(table.waves):
+            key = f"pull.waves[#{i + 1}]"
+            wave = PullWave(name=w.name or f"wave-{i + 1}", labels=dict(w.labels), after=w.after)
+            earlier = next((j for j, x in enumerate(waves) if x.name == wave.name), None)
+            if earlier is not None:
+                self.problems.add(FLEET_FILE, f"{key}.name", f"wave {wave.name!r} is named twice (also "
+                                                           f"pull.waves[#{earlier + 1}]); names must be unique")
+            if waves and wave.after < waves[-1].after:
+                self.problems.add(FLEET_FILE, f"{key}.after",
+                                  f"{wave.after:g}s is sooner than the wave before it ({waves[-1].after:g}s): a "
+                                  f"later wave deploys a commit only when it is at least as old")
+            if waves and not waves[-1].labels:
+                self.problems.add(FLEET_FILE, key, f"comes after pull.waves[#{i}], which has no labels and so "
+                                                   f"takes every remaining host: this wave would never get one")
+            if wave.labels and hosts and not any(wave.matches(h.labels) for h in hosts.values()):
+                have = sorted({f"{k}={v}" for h in hosts.values() for k, v in h.labels.items()})
+                want = ", ".join(f"{k}={v}" for k, v in wave.labels.items())
+                self.problems.add(FLEET_FILE, f"{key}.labels", f"no host carries {want} (labels in use: "
+                                                               f"{', '.join(have) or 'none'})")
+            waves.append(wave)
+        return tuple(waves)
 
     def _check_rollout_groups(self) -> None:
         """The hosts that share a definition roll out as one group, so under one policy: a host

@@ -25,23 +25,29 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING, TypeAlias
 
 from . import faults, lock
 from .apply import Applied, apply_plan, write_record
 from .errors import CommandError, HostError, ReconcilerError
 from .facts import HostFacts, observe_command, parse_observation
-from .gate import Preflight, fetch_model, gpu_waiter, preflight_host
-from .health import Outcome, Phase, watch_service
+from .health import Outcome, Phase, SystemdWatch, watch_service
 from .plan import Action, Context, HostPlan, Kind, ServicePlan, State, needs_last_good, plan_host, secret_files
-from .preflight import RuleSet
 from .records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from .spec import DesiredState, HostSpec, ServiceSpec
 from .transport import SSHTransport, Transport
+
+if TYPE_CHECKING:     # gate.py (pre-flight, the rule pack, the GPU gate) loads when a plan starts something
+    from .gate import Preflight
+    from .preflight import RuleSet
 
 Connector = Callable[[HostSpec], Awaitable[Transport]]
 # Renders the desired state at another revision (for rollback); None when it cannot.
 RenderAt = Callable[[str], DesiredState | None]
 HostPhase = Callable[[str, str, str, float, float], None]   # host, service, phase, elapsed, timeout
+# The pre-flight rule pack, or a function that loads it on first use (a run that starts nothing
+# never parses it).
+Rules: TypeAlias = "RuleSet | Callable[[], RuleSet] | None"
 
 MAX_ROUNDS = 4
 
@@ -210,7 +216,7 @@ class _HostRun:
 
     def __init__(self, host: HostSpec, revision: str, t: Transport, result: HostResult, *,
                  render_at: RenderAt | None, retry: bool, deferred: frozenset[str],
-                 fleet_quarantine: Mapping[str, Quarantine], rules: RuleSet | None,
+                 fleet_quarantine: Mapping[str, Quarantine], rules: Rules,
                  on_phase: HostPhase | None, supersede: asyncio.Event | None = None):
         self.host, self.revision, self.t, self.result = host, revision, t, result
         self.render_at, self.retry, self.deferred = render_at, retry, deferred
@@ -218,6 +224,7 @@ class _HostRun:
         self.rules, self.on_phase, self.supersede = rules, on_phase, supersede
         self.preflight: Preflight | None = None
         self.facts: HostFacts | None = None
+        self.systemd = SystemdWatch(t)      # every health watch on this host: one round trip per tick
 
     def _context(self, facts: HostFacts, pf: Preflight | None = None) -> Context:
         ctx = Context(self.revision, fleet_quarantine=self.fleet_q, deferred=self.deferred, retry=self.retry,
@@ -236,7 +243,9 @@ class _HostRun:
         plan = plan_host(self.host, facts, self._context(facts))
         if not any(a.kind in (Kind.START, Kind.RESTART, Kind.WRITE) for a in plan.actions):
             return plan
-        pf = await preflight_host(self.t, self.host, plan, facts, self.rules, fetched=fetched)
+        from .gate import preflight_host
+        rules = self.rules() if callable(self.rules) else self.rules
+        pf = await preflight_host(self.t, self.host, plan, facts, rules, fetched=fetched)
         self.preflight = pf
         self.result.notes.extend(w for w in pf.warnings if w not in self.result.notes)
         return plan_host(self.host, facts, self._context(facts, pf))
@@ -259,6 +268,7 @@ class _HostRun:
             if m.path in fetched:
                 continue
             models = self.preflight.models if self.preflight else {}
+            from .gate import fetch_model
             fetched[m.path] = await fetch_model(self.t, sp.name, m, models.get(m.path), self._progress())
             self.result.notes.append(fetched[m.path] or f"fetched {m.id} into {m.path}")
         return await self.plan(facts, fetched=fetched)
@@ -267,6 +277,7 @@ class _HostRun:
         """Apply one plan and judge what it started. True when every verdict was healthy."""
         self.facts = facts
         gpu = self.preflight.gpu if self.preflight is not None else None
+        from .gate import gpu_waiter
         waiter = gpu_waiter(self.t, plan, facts, gpu, self.result.notes) if gpu is not None and gpu.has_nvidia_smi \
             else None
         faults.hit("before-apply")
@@ -300,7 +311,8 @@ class _HostRun:
                                   since_epoch=since, on_phase=self._progress(),
                                   baseline_invocation=w.baseline_invocation,
                                   baseline_active_enter=w.baseline_active_enter,
-                                  start_error=failure.message if failure else None, cancel=self.supersede)
+                                  start_error=failure.message if failure else None, cancel=self.supersede,
+                                  systemd=self.systemd)
         kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
         self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
         rec = next((r for x in plan.actions if x.kind is Kind.RECORD and x.service == name
@@ -339,14 +351,15 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
                          render_at: RenderAt | None = None, retry: bool = False,
                          on_phase: HostPhase | None = None, hold: frozenset[str] = frozenset(),
                          quarantine: Mapping[str, Quarantine] | None = None, transport: Transport | None = None,
-                         facts: HostFacts | None = None, rules: RuleSet | None = None,
+                         facts: HostFacts | None = None, rules: Rules = None,
                          supersede: asyncio.Event | None = None) -> HostResult:
     """Converge one host (or, with dry_run, only plan it). Never raises for host failures.
 
     For the fleet's passes: `hold` names services another pass converges (a rollout wave);
     `quarantine` adds fleet-wide quarantines (service -> a halted rollout) that act like recorded
     ones and are written into the host's records; `transport` reuses an open connection (the
-    caller closes it); `facts` skips the first observation. `rules`: the pre-flight rule pack.
+    caller closes it); `facts` skips the first observation. `rules`: the pre-flight rule pack (or
+    a function that loads it, called when pre-flight first runs).
     `supersede`: set when a newer revision arrives; health waits then end without a verdict.
     """
     started = time.monotonic()

@@ -170,14 +170,20 @@ def print_events(console: Console, res: FleetResult) -> None:
                     console.print(f"    journal: {_t(o.quote)}", highlight=False)
 
 
-def print_status(console: Console, rows: list[dict]) -> None:
-    table = Table(title="fleet status (from the local state store)", title_justify="left")
-    for col in ("host", "service", "desired", "running", "health", "last event"):
+def print_status(console: Console, rows: list[dict], live: str | None = None) -> None:
+    """The status table: from the local store, or (live = the revision's short SHA) from the
+    hosts' records, with systemd's ActiveState/SubState as one more column."""
+    title = (f"fleet status at {live} (live, from the hosts' records)" if live
+             else "fleet status (from the local state store)")
+    table = Table(title=title, title_justify="left")
+    cols = ("host", "service", "desired", "running", "health", *(("systemd",) if live else ()), "last event")
+    for col in cols:
         table.add_column(col)
     for r in rows:
         event = r["last_event"] + (f" — {r['quote']}" if r.get("quote") else "")
+        systemd = "/".join(x for x in (r.get("active_state"), r.get("sub_state")) if x) or "-"
         table.add_row(_t(r["host"]), _t(r["service"]), (r["desired_rev"] or "")[:7], (r["running_rev"] or "-")[:7],
-                      _t(r["health"] or "-"), _t(event))
+                      _t(r["health"] or "-"), *((_t(systemd),) if live else ()), _t(event))
     console.print(table)
 
 

@@ -127,6 +127,38 @@ def _max_unavailable(value: Any) -> int | str:
 
 
 _PERCENT = re.compile(r"^([0-9]{1,3})%$")
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(d|h|m|s)")
+_DURATION_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration(text: str) -> float | None:
+    """Seconds in a duration such as "90s", "30m", "2h", "1d" or "1h30m" (a bare number is
+    seconds); None when it is not one. Shared by fleet.toml [pull] and `reconcile pull --interval`."""
+    text = text.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        pass
+    else:
+        return value if math.isfinite(value) and value >= 0 else None
+    if not text or _DURATION_PART.sub("", text):
+        return None
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(text))
+
+
+def _duration(value: Any) -> float:
+    expected = 'a duration like "30m", "2h", "90s" or "1h30m", or a number of seconds >= 0'
+    if isinstance(value, bool):
+        raise _fail(expected, value)
+    if isinstance(value, int | float):
+        if not math.isfinite(value) or value < 0:
+            raise _fail(expected, value)
+        return float(value)
+    seconds = parse_duration(value) if isinstance(value, str) else None
+    if seconds is None:
+        raise _fail(expected, value)
+    return seconds
+
 
 Port = Annotated[int, _int_in(1, 65535, "an integer 1-65535")]
 Canary = Annotated[int, _int_in(0, None, "an integer >= 0")]
@@ -135,6 +167,7 @@ Concurrency = Annotated[int, _int_in(1, None, "an integer >= 1")]
 HttpStatus = Annotated[int, _int_in(100, 599, "an HTTP status code 100-599")]
 PositiveSeconds = Annotated[float, _seconds(allow_zero=False)]
 NonNegativeSeconds = Annotated[float, _seconds(allow_zero=True)]
+Duration = Annotated[float, _checked(_duration)]
 
 
 # ---- strings --------------------------------------------------------------------------------
@@ -359,6 +392,21 @@ class NotifyTable(Table):
     timeout: PositiveSeconds | None = None
 
 
+class PullWaveTable(Table):
+    """One wave of pull mode ([pull] waves in fleet.toml): the hosts whose labels all match (no
+    labels: every host no earlier wave took), and how old a commit must be before they deploy it."""
+
+    name: LabelText | None = None
+    labels: dict[LabelText, LabelText] = Field(default_factory=dict)
+    after: Duration = 0.0
+
+
+class PullTable(Table):
+    """[pull] in fleet.toml: the wave schedule of hosts that reconcile themselves (`reconcile pull`)."""
+
+    waves: list[PullWaveTable] = Field(default_factory=list)
+
+
 class ModelTable(Table):
     """model = { id, path, architecture }; id and path are required once merged."""
 
@@ -451,3 +499,4 @@ class FleetFile(Table):
     concurrency: Concurrency = 20
     rollout: RolloutTable = Field(default_factory=RolloutTable)
     notify: NotifyTable | None = None
+    pull: PullTable = Field(default_factory=PullTable)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -45,6 +46,13 @@ class Snapshot:
     def short(self) -> str:
         return self.revision[:7]
 
+    @property
+    def tree_id(self) -> str | None:
+        """The id of the tree this snapshot reads (the commit's, or the sub-directory's): a name
+        for its content (loadcache.py keys loaded states by it)."""
+        obj = self._entry("")
+        return str(obj.id) if obj is not None else None
+
     def _entry(self, path: str):
         full = str(PurePosixPath(self.subdir, path)) if self.subdir else path
         full = full.strip("/")
@@ -72,8 +80,9 @@ def is_url(repo: str) -> bool:
     return bool(_URL.match(repo)) and not Path(repo).exists()
 
 
-def open_repo(repo: str, cache_dir: Path | None = None) -> pygit2.Repository:
-    """Open a local repository, or mirror a URL into the cache and fetch it."""
+def open_repo(repo: str, cache_dir: Path | None = None, *, also_fetch: Sequence[str] = ()) -> pygit2.Repository:
+    """Open a local repository, or mirror a URL into the cache and fetch it (its branches, and
+    the refspecs in `also_fetch` in the same round trip: pull mode's notes)."""
     if not is_url(repo):
         path = pygit2.discover_repository(str(Path(repo).resolve()))
         if path is None:
@@ -93,7 +102,7 @@ def open_repo(repo: str, cache_dir: Path | None = None) -> pygit2.Repository:
         else:
             r = pygit2.Repository(str(dest))
         remote = r.remotes["origin"]
-        remote.fetch(["+refs/heads/*:refs/heads/*"], prune=pygit2.enums.FetchPrune.PRUNE)
+        remote.fetch(["+refs/heads/*:refs/heads/*", *also_fetch], prune=pygit2.enums.FetchPrune.PRUNE)
         # Follow the remote's default branch if it has one we know.
         return r
     except (pygit2.GitError, KeyError, ValueError) as e:

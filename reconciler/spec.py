@@ -164,11 +164,26 @@ class HostSpec:
 
 
 @dataclass(frozen=True)
+class PullWave:
+    """One wave of pull mode (fleet.toml [pull] waves; README "Pull mode"): the hosts whose
+    labels carry every one of `labels` ({}: every host no earlier wave took) deploy a commit
+    once it is `after` seconds old (its committer time) and no earlier wave has failed it."""
+
+    name: str
+    labels: dict[str, str] = field(default_factory=dict)
+    after: float = 0.0
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.labels.items())
+
+
+@dataclass(frozen=True)
 class FleetSettings:
     """Fleet-wide settings from fleet.toml that are not per-host defaults."""
 
     concurrency: int = 20
     notify: NotifySpec | None = None
+    pull_waves: tuple[PullWave, ...] = ()     # [pull] waves, in order; () : no waves in pull mode
 
 
 @dataclass(frozen=True)

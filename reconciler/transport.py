@@ -7,7 +7,8 @@ module talks to this interface, never to asyncssh directly.
 
 Two implementations: `SSHTransport` (asyncssh; one connection per host, reused for the whole
 run; host keys verified strictly; agent forwarding off) and `LocalTransport` (a local shell,
-for a machine without sshd, such as the GPU check host).
+for a machine without sshd, such as the GPU check host, and for `reconcile pull`: a host that
+reconciles itself).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -218,6 +220,16 @@ class _LocalSpawned:
             await self.proc.wait()
 
 
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """Kill a local command and whatever it started (it leads its own process group)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(proc.wait(), 5)
+
+
 def _text(data: str | bytes | None) -> str:
     if data is None:
         return ""
@@ -225,22 +237,30 @@ def _text(data: str | bytes | None) -> str:
 
 
 class LocalTransport:
-    """Runs commands on this machine through bash (for hosts without sshd)."""
+    """Runs commands on this machine through bash: for a machine without sshd (the GPU check
+    host) and for a host that reconciles itself (`reconcile pull`); bash, the shell that runs
+    them over SSH for root. A command that times out or is cancelled is killed with everything
+    it started (its own process group)."""
 
     def __init__(self, host: str = "local"):
         self.host = host
 
     async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
                   timeout: float | None = 60.0, what: str = "command") -> Completed:
-        proc = await asyncio.create_subprocess_exec(
-            "bash", "-c", cmd, stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                "bash", "-c", cmd, stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True)
+        except OSError as e:
+            raise ConnectError(self.host, f"cannot run {what} in a local shell: {e}") from None
         try:
             out, err = await asyncio.wait_for(proc.communicate(input.encode() if input is not None else None), timeout)
         except TimeoutError:
-            proc.kill()
-            await proc.wait()
+            await _kill_group(proc)
             raise CommandError(self.host, what, None, f"timed out after {timeout}s") from None
+        except BaseException:
+            await _kill_group(proc)
+            raise
         res = Completed(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
         return _checked(self.host, res, check, what)
 

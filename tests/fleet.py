@@ -265,10 +265,10 @@ def wheelhouse() -> Path:
 
 def up(count: int, first: int = 2, prefix: str = "rt") -> list[Host]:
     """Boot `count` hosts on 127.0.0.<first>... and wait until all answer."""
-    if count > 12:
-        # Many containers need more inotify instances than the default (TESTHOSTS.md).
-        subprocess.run(["sysctl", "-q", "-w", "fs.inotify.max_user_instances=8192",
-                        "fs.inotify.max_user_watches=1048576"], check=False)
+    # Many containers (this fleet, and others' booted beside it) need more inotify instances
+    # than the default (TESTHOSTS.md): raise the limits whatever the count.
+    subprocess.run(["sysctl", "-q", "-w", "fs.inotify.max_user_instances=8192",
+                    "fs.inotify.max_user_watches=1048576"], check=False)
     hosts = [boot(f"{prefix}{i}", f"127.0.0.{i}") for i in range(first, first + count)]
     wait_ready(hosts)
     return hosts
@@ -317,7 +317,8 @@ def down(hosts: list[Host] | None = None) -> None:
 RESET_SCRIPT = r"""
 set -u
 STRAY_SECONDS=@STRAY@
-for t in /etc/systemd/system/reconciler-confirm-*.timer; do
+for t in /etc/systemd/system/reconciler-confirm-*.timer /etc/systemd/system/reconciler-pull.timer \
+         /etc/systemd/system/reconciler-pull.path; do
   [ -f "$t" ] || continue
   systemctl disable --now "$(basename "$t")" >/dev/null 2>&1; rm -f "$t"
 done

@@ -173,6 +173,16 @@ def test_the_runbook_installs_a_working_controller(fleet, control: Control, tmp_
     time.sleep(2)                                       # a second run would have started by now
     assert control.journal().count(f"reconcile {head[:7]} (") == 1, control.journal()
 
+    # The outcome is a git note on the commit, written by the hardened daemon (UMask=0077) into the
+    # shared repo with group access (the pushing user fetches it; the next push below writes there).
+    subprocess.run(["git", "fetch", "-q", "deploy", "refs/notes/reconciler:refs/notes/reconciler"], cwd=ws.path,
+                   env=env, check=True, timeout=60)
+    shown = subprocess.run(["git", "log", "--notes=reconciler", "-1", "--format=%N"], cwd=ws.path,
+                           capture_output=True, text=True, check=True).stdout
+    assert shown.startswith(f"{gpu.name}: converged {head[:7]} "), shown
+    closed = control.root("find /srv/git/fleet.git/objects /srv/git/fleet.git/refs -type d ! -perm -2070").stdout
+    assert closed.strip() == "", closed
+
     # A push that waits streams the deploy into its own output, as the pushing user.
     write_fleet(ws, [gpu], {"model-a": {"port": 30000, "env": {"STANDIN_LOAD_SECONDS": "0.5", "LOG_LEVEL": "debug"}}})
     subprocess.run(["git", "checkout", "HEAD", "--", "known_hosts"], cwd=ws.path, check=True)  # as enrolled

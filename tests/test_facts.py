@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 
 import pytest
 
-from reconciler.apply import apply_plan, build_script, parse_results
+from reconciler.apply import apply_plan, build_script, parse_results, write_record
 from reconciler.errors import CommandError, ObserveError
-from reconciler.facts import observe_command, parse_observation, parse_show
+from reconciler.facts import HostFacts, observe_command, parse_observation, parse_show
 from reconciler.plan import Context, Kind, plan_host
+from reconciler.records import ServiceRecord
 from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.transport import Completed
 
@@ -100,6 +102,38 @@ def test_script_records_intent_then_writes_atomically_then_reloads_once_then_rec
     assert '.reconciler-tmp.XXXXXX' in script
     # the clean-up removes only this script's own temp files
     assert 'rm -f $TMPS' in script and "rm -f /etc/systemd/system/.reconciler-tmp.*" not in script
+
+
+INSTALLED = "[Service]\nExecStart=/bin/{}\n\n[Install]\nWantedBy=multi-user.target\n"
+# systemctl verbs that reload the daemon by themselves unless given --no-reload
+RELOADING = re.compile(r"systemctl (?:[-\w]+ )*?(?:enable|disable|reenable|preset|mask|unmask|link)\b[^\n;&|]*")
+
+
+def test_one_daemon_reload_per_apply_even_when_it_enables():
+    """`systemctl enable` (and disable, mask, ...) run a daemon-reload of their own unless given
+    --no-reload: after the plan's daemon-reload that would be a second full reload of the host's
+    systemd per apply (issue 15). A plan that writes, arms, enables and starts two services has
+    exactly one."""
+    h = HostSpec("h1", SSHSpec("127.0.0.2"), {
+        "m": ServiceSpec("m", INSTALLED.format("m"), {"A": "1"}),
+        "n": ServiceSpec("n", INSTALLED.format("n"), {})})
+    p = plan_host(h, HostFacts(services={}), Context("f" * 40, confirm_margin=60.0))
+    assert {Kind.WRITE, Kind.ARM, Kind.DAEMON_RELOAD, Kind.ARM_TIMER, Kind.ENABLE, Kind.START} <= \
+        {a.kind for a in p.actions}
+    script = build_script(p, p.actions, 0)
+    assert script.count("daemon-reload") == 1
+    verbs = RELOADING.findall(script)
+    assert len(verbs) >= 4 and all("--no-reload" in v for v in verbs), verbs    # 2 enables, 2 switch timers
+    reload = script.index("systemctl daemon-reload")
+    assert reload < min(script.index(v) for v in verbs) and reload < script.index("u_start m.service")
+    assert max(script.index(f"atomic_write /etc/systemd/system/{n}.service ") for n in "mn") < reload
+
+    # The verdict that follows (record, disarm the switch, stop on a failure) reloads nothing.
+    t = FakeTransport(Completed(0, "", ""))
+    asyncio.run(write_record(t, "m", ServiceRecord(hash="h", revision="f" * 40), stop=True))
+    (_, verdict), = t.calls
+    assert verdict is not None and "daemon-reload" not in verdict
+    assert all("--no-reload" in v for v in RELOADING.findall(verdict)) and RELOADING.findall(verdict)
 
 
 def test_a_failing_start_is_reported_and_the_script_goes_on():

@@ -1,12 +1,20 @@
-"""Pure health judges: systemd states (../shared/SYSTEMD.md) and the journal line picker."""
+"""Pure health judges: systemd states (../shared/SYSTEMD.md) and the journal line picker; the
+watches of one host sharing one `systemctl show` per tick (over a scripted fake transport; the
+real thing is in tests/test_e2e_health.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import shlex
+import time
 
 import pytest
 
-from reconciler.health import explain, judge_systemd, parse_journal
+from reconciler.errors import ConnectError
+from reconciler.health import SystemdWatch, explain, judge_systemd, parse_journal, watch_service
+from reconciler.spec import HealthSpec
+from reconciler.transport import Completed
 
 
 @pytest.mark.parametrize("props,baseline,state,reason", [
@@ -101,3 +109,103 @@ def test_parse_journal_marks_systemd_lines_and_decodes_bytes():
     got = parse_journal(out)
     assert got[0] == ("hello", True) and got[1] == ("Started m.service.", False)
     assert got[2][0].startswith("café")
+
+
+# ---- one round trip per host per tick ----------------------------------------------------------
+
+POLL = 0.05
+RUNNING = {"LoadState": "loaded", "ActiveState": "active", "SubState": "running", "NRestarts": "0",
+           "InvocationID": "new", "ActiveEnterTimestampMonotonic": "5"}
+CRASHING = {**RUNNING, "ActiveState": "activating", "SubState": "auto-restart", "NRestarts": "1",
+            "Result": "exit-code"}
+
+
+class ScriptedHost:
+    """A fake transport: `systemctl show` answers each unit from a script of readings (the n-th
+    call that names it gets reading n, the last one repeats); journalctl answers one line."""
+
+    host = "h1"
+
+    def __init__(self, script: dict[str, list[dict[str, str]]], fail: bool = False):
+        self.script, self.fail = script, fail
+        self.shows: list[tuple[float, list[str]]] = []
+        self.seen: dict[str, int] = {}
+
+    async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
+        await asyncio.sleep(0.005)                  # a round trip
+        if cmd.startswith("journalctl"):
+            return Completed(0, json.dumps({"MESSAGE": "boom: needs --flag x", "_PID": "9"}) + "\n", "")
+        assert cmd.startswith("systemctl show -p ")
+        if self.fail:
+            raise ConnectError(self.host, "connection lost")
+        units = shlex.split(cmd)[4:]                  # systemctl show -p PROPS UNIT...
+        self.shows.append((time.monotonic(), units))
+        blocks = []
+        for u in units:
+            n = self.seen.get(u, 0)
+            self.seen[u] = n + 1
+            readings = self.script[u.removesuffix(".service")]
+            props = readings[min(n, len(readings) - 1)]
+            blocks.append("\n".join([f"Id={u}", *(f"{k}={v}" for k, v in props.items())]))
+        return Completed(0, "\n\n".join(blocks) + "\n", "")
+
+
+def watch_all(t, names, health, *, shared=True):
+    async def main():
+        systemd = SystemdWatch(t, POLL) if shared else None
+        return await asyncio.gather(*(watch_service(t, n, health, baseline_restarts=0, since_epoch=0,
+                                                    baseline_invocation="old", systemd_poll=POLL,
+                                                    systemd=systemd) for n in names))
+    return asyncio.run(main())
+
+
+def test_the_watches_of_one_host_share_one_systemctl_show_per_tick():
+    names = ["a", "b", "c", "d"]
+    t = ScriptedHost({"a": [RUNNING], "b": [RUNNING], "c": [RUNNING], "d": [RUNNING]})
+    out = watch_all(t, names, HealthSpec(stable_for=0.3, startup_timeout=5))
+    assert [o.reason for o in out] == ["Healthy"] * 4
+    # every round trip reads all four units: about stable_for / POLL of them, not four times that
+    assert all(units == [f"{n}.service" for n in names] for _, units in t.shows)
+    assert 5 <= len(t.shows) <= 10, len(t.shows)
+    gaps = [b - a for (a, _), (b, _) in zip(t.shows, t.shows[1:], strict=False)]
+    assert min(gaps) >= POLL * 0.9            # paced as a watch of its own would be
+
+    alone = ScriptedHost({"a": [RUNNING], "b": [RUNNING], "c": [RUNNING], "d": [RUNNING]})
+    watch_all(alone, names, HealthSpec(stable_for=0.3, startup_timeout=5), shared=False)
+    assert len(alone.shows) >= 4 * 5 and all(len(units) == 1 for _, units in alone.shows)
+
+
+def test_a_crash_is_caught_at_the_first_tick_that_shows_it_and_the_others_go_on():
+    # b runs, then crash-loops from its third reading on; a and c stay healthy
+    t = ScriptedHost({"a": [RUNNING], "b": [RUNNING, RUNNING, CRASHING], "c": [RUNNING]})
+    out = watch_all(t, ["a", "b", "c"], HealthSpec(stable_for=0.4, startup_timeout=5))
+    by = {o.service: o for o in out}
+    assert by["b"].reason == "Unstable" and by["b"].quote == "boom: needs --flag x"
+    assert by["a"].healthy and by["c"].healthy
+    assert t.seen["b.service"] == 3              # no reading after the crash showed
+    crash_at = t.shows[2][0]
+    assert by["b"].seconds <= crash_at - t.shows[0][0] + POLL + 0.1
+    assert all(units == ["a.service", "c.service"] for _, units in t.shows[3:])   # b is no longer read
+
+
+def test_a_failed_round_trip_fails_every_watch_of_that_tick():
+    t = ScriptedHost({"a": [RUNNING], "b": [RUNNING]}, fail=True)
+    with pytest.raises(ConnectError):
+        watch_all(t, ["a", "b"], HealthSpec(stable_for=1, startup_timeout=5))
+
+
+def test_a_newer_revision_ends_every_shared_watch_at_once():
+    async def main():
+        t = ScriptedHost({"a": [{**RUNNING, "InvocationID": "old"}], "b": [{**RUNNING, "InvocationID": "old"}]})
+        cancel = asyncio.Event()
+        systemd = SystemdWatch(t, 10.0)          # a long tick: the watches wait on it
+        watches = asyncio.gather(*(watch_service(t, n, HealthSpec(startup_timeout=60), baseline_restarts=0,
+                                                 since_epoch=0, baseline_invocation="old", cancel=cancel,
+                                                 systemd=systemd) for n in "ab"))
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        cancel.set()
+        out = await watches
+        return out, time.monotonic() - t0, len(t.shows)
+    out, took, shows = asyncio.run(main())
+    assert [o.reason for o in out] == ["Superseded", "Superseded"] and took < 0.5 and shows == 1

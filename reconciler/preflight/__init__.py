@@ -64,13 +64,41 @@ rules and their registry), _check (check_service, check_host, check_desired), _h
 (model presence on the host) and _secrets (secret-looking env values, undecryptable secrets).
 """
 
-from ._builtin import BUILTIN_RULES
-from ._check import check_desired, check_host, check_service
-from ._command import Command, gpu_claim, parse_command, unit_entries
-from ._hostcheck import ModelFacts, model_check_command, parse_model_check
-from ._models import ModelInfo, model_info
-from ._rules import Finding, RuleSet, load_rules
-from ._secrets import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems, secret_warnings
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._builtin import BUILTIN_RULES
+    from ._check import check_desired, check_host, check_service
+    from ._command import Command, gpu_claim, parse_command, unit_entries
+    from ._hostcheck import ModelFacts, model_check_command, parse_model_check
+    from ._models import ModelInfo, model_info
+    from ._rules import Finding, RuleSet, load_rules
+    from ._secrets import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems, secret_warnings
+
+# Each name is imported from its module on first use (PEP 562): a run that checks no secrets
+# and starts nothing never loads the rule schema (pydantic) or the built-in rules.
+_HOME = {
+    "BUILTIN_RULES": "_builtin",
+    "check_desired": "_check", "check_host": "_check", "check_service": "_check",
+    "Command": "_command", "gpu_claim": "_command", "parse_command": "_command", "unit_entries": "_command",
+    "ModelFacts": "_hostcheck", "model_check_command": "_hostcheck", "parse_model_check": "_hostcheck",
+    "ModelInfo": "_models", "model_info": "_models",
+    "Finding": "_rules", "RuleSet": "_rules", "load_rules": "_rules",
+    "argv_secret_warnings": "_secrets", "env_secret_warnings": "_secrets", "secret_file": "_secrets",
+    "secret_problems": "_secrets", "secret_warnings": "_secrets",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "BUILTIN_RULES",

@@ -26,11 +26,16 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import Problem
-from ..problems import dotted
 from ..redact import looks_secret
 from ..spec import DesiredState, HostSpec, ServiceSpec
 
 Read = Callable[[str], bytes | None]
+
+
+def dotted(*parts: object) -> str:
+    """problems.dotted, imported when a message needs it (problems.py loads pydantic)."""
+    from ..problems import dotted as key
+    return key(*parts)
 
 
 def secret_file(name: str) -> str:

@@ -1,0 +1,229 @@
+"""Benchmark: `reconcile` next to the floor, as whole processes, on 1, 10 and 30 real hosts.
+
+The table of issue 15, for the project's own runs. Three scenarios:
+
+  no-change    the hosts run the desired state; nothing to do
+  converge     fresh hosts (no unit, no records) converge to one service each
+  env-change   a commit changes one env value on every host: each writes its drop-in and restarts
+
+Each cell is the median of --rounds runs of a whole process, Python start-up and imports
+included, as a user runs it:
+
+  floor        python -m bench.floor SPEC      bare asyncssh (bench/floor.py): one connection per
+                                               host, one batched read, the minimal fix
+  reconcile    python -m reconciler --repo R --concurrency N    the real CLI
+
+Both take every host at once; health is systemd's alone with stable_for = 0 (the figure is the
+reconcile itself, not a model's load time); peak memory is each process's own maximum RSS
+(os.wait4), CPU its user + system time. Untimed steps between runs put the hosts where the
+next run expects them (fresh for converge; the reconciler's last value back after the floor's
+env change). Bytecode is cached as for an installed tool (PYTHONPYCACHEPREFIX in a temp dir)
+and each command runs once untimed first. A new commit is loaded afresh by `reconcile` (each
+env-change round); a commit it loaded before comes from its load cache (reconciler/loadcache.py).
+
+    sudo .venv/bin/python -m bench.compare                      # 1/10/30 hosts, 5 rounds each
+    sudo .venv/bin/python -m bench.compare --sizes 1 10 --rounds 2 --scenarios no-change env-change
+
+Needs root (systemd-nspawn). Boots its own hosts on 127.0.0.40 and up (RECONCILER_BENCH_FIRST;
+30 hosts take 127.0.0.40-69) and stops them at the end. The machine's other load shows in the
+figures: take them on a quiet machine. Prints tables; asserts only that every run converged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from reconciler import load, source
+from reconciler.plan import render_env
+from tests import fleet as fleetlib
+from tests.conftest import DesiredRepo, write_fleet
+
+FIRST = int(os.environ.get("RECONCILER_BENCH_FIRST", "40"))
+ROOT = Path(__file__).resolve().parent.parent
+SERVICE = "bench"
+SCENARIOS = ("no-change", "converge", "env-change")
+TITLES = {"no-change": "no change", "converge": "converge from nothing", "env-change": "one env change everywhere"}
+# Fresh hosts: fleetlib's reset, then wait until the stand-in has let go of its port.
+RESET = fleetlib.RESET_SCRIPT + ("for i in $(seq 100); do pgrep -f sglang.launch_server >/dev/null || break; "
+                                 "sleep 0.05; done\n")
+
+
+@dataclass
+class Run:
+    """One whole process: wall seconds, CPU seconds (user + system), peak RSS in MB."""
+
+    seconds: float
+    cpu: float
+    rss_mb: float
+
+
+@dataclass
+class Cell:
+    floor: list[Run] = field(default_factory=list)
+    ours: list[Run] = field(default_factory=list)
+
+
+def spawn(cmd: list[str], env: dict[str, str], expect: str) -> Run:
+    """Run a command to its end; its own peak RSS and CPU come from wait4. `expect` must be in
+    its last line of output (what it says it did), else the benchmark stops with its output."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
+        _, status, ru = os.wait4(p.pid, 0)
+        seconds = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        text, errors = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    if p.returncode != 0 or expect not in last:
+        raise SystemExit(f"{' '.join(cmd)}: exit {p.returncode}, wanted {expect!r} in {last!r}\n{text[-3000:]}\n"
+                         f"{errors[-3000:]}")
+    return Run(seconds, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024)
+
+
+class Bench:
+    def __init__(self, hosts: list[fleetlib.Host], tmp: Path):
+        self.hosts, self.tmp = hosts, tmp
+        self.key = str(fleetlib.client_key_path())
+        self.kh = fleetlib.write_known_hosts(hosts, tmp / "known_hosts")
+        env = {**os.environ, "RECONCILER_IDENTITY": self.key, "RECONCILER_STATE_DIR": str(tmp / "state"),
+               "RECONCILER_CACHE_DIR": str(tmp / "cache"), "PYTHONPYCACHEPREFIX": str(tmp / "pycache"),
+               "NO_COLOR": "1", "COLUMNS": "200"}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        self.env = env
+        self.value = 0
+
+    def desired(self, repo: DesiredRepo, hosts: list[fleetlib.Host], value: int) -> None:
+        """Commit one stand-in service per host with env BENCH_VALUE=value; systemd-only health."""
+        write_fleet(repo, hosts, {SERVICE: {"port": 30000, "env": {"BENCH_VALUE": str(value)},
+                                            "health": {"http": None, "stable_for": 0, "startup_timeout": 30}}},
+                    extra={})
+        repo.commit(f"BENCH_VALUE={value}")
+
+    def ours(self, repo: DesiredRepo, n: int, expect: str) -> Run:
+        return spawn([sys.executable, "-m", "reconciler", "--repo", str(repo.path), "--concurrency", str(n)],
+                     self.env, f"{n} {expect}")
+
+    def floor(self, repo: DesiredRepo, hosts: list[fleetlib.Host], value: int, expect: str) -> Run:
+        """The floor converging `hosts` to the repo's unit with env BENCH_VALUE=value."""
+        state = load.load_desired(source.snapshot(repo.repo))
+        spec = {"key": self.key, "known_hosts": str(self.kh), "service": SERVICE,
+                "hosts": [{"address": h.address, "unit": state.hosts[h.name].services[SERVICE].unit_text,
+                           "env": render_env({**state.hosts[h.name].services[SERVICE].env,
+                                              "BENCH_VALUE": str(value)})} for h in hosts]}
+        path = self.tmp / "floor.json"
+        path.write_text(json.dumps(spec))
+        return spawn([sys.executable, "-m", "bench.floor", str(path)], self.env, f"{len(hosts)} {expect}")
+
+    def reset(self, hosts: list[fleetlib.Host]) -> None:
+        def one(h: fleetlib.Host) -> None:
+            subprocess.run([*fleetlib.ssh_base(h.address, self.kh), RESET], check=True, capture_output=True,
+                           timeout=60)
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(one, hosts))
+
+    def warm_up(self) -> None:
+        """Compile and cache both programs' bytecode (an installed tool has its .pyc files)."""
+        empty = self.tmp / "empty.json"
+        empty.write_text(json.dumps({"key": self.key, "known_hosts": str(self.kh), "service": SERVICE,
+                                     "hosts": []}))
+        spawn([sys.executable, "-m", "bench.floor", str(empty)], self.env, "")
+        spawn([sys.executable, "-m", "reconciler", "--help"], self.env, "")
+
+    def size(self, n: int, rounds: int, scenarios: list[str]) -> dict[str, Cell]:
+        hosts = self.hosts[:n]
+        repo = DesiredRepo(self.tmp / f"repo{n}")
+        cells = {s: Cell() for s in scenarios}
+        self.value += 1
+        self.desired(repo, hosts, self.value)
+        self.reset(hosts)
+        for _ in range(rounds if "converge" in cells else 0):
+            self.reset(hosts)
+            cells["converge"].floor.append(self.floor(repo, hosts, self.value, "converged"))
+            self.reset(hosts)
+            cells["converge"].ours.append(self.ours(repo, n, "converged"))
+        if "converge" not in cells:
+            self.ours(repo, n, "converged")
+        for _ in range(rounds if "no-change" in cells else 0):
+            cells["no-change"].floor.append(self.floor(repo, hosts, self.value, "in-sync"))
+            cells["no-change"].ours.append(self.ours(repo, n, "in-sync"))
+        for _ in range(rounds if "env-change" in cells else 0):
+            self.value += 1
+            self.desired(repo, hosts, self.value)
+            cells["env-change"].ours.append(self.ours(repo, n, "converged"))
+            cells["env-change"].floor.append(self.floor(repo, hosts, -self.value, "converged"))
+            self.floor(repo, hosts, self.value, "converged")       # untimed: back to the reconciler's value
+        return cells
+
+
+def med(runs: list[Run], attr: str) -> float:
+    return statistics.median(getattr(r, attr) for r in runs)
+
+
+def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool) -> str:
+    sizes = sorted(results)
+    scenarios = [s for s in SCENARIOS if s in results[sizes[0]]]
+    out = []
+    if draft:
+        out.append("DRAFT: taken on a busy 2-core machine (other test suites running); not the figures to quote.\n")
+    out.append(f"median of {rounds} round{'s' * (rounds != 1)}; whole processes, Python start-up included; "
+               f"all hosts at once; systemd-only health, stable_for = 0\n")
+    out.append(f"{'scenario':<28}{'hosts':>6}{'floor s':>10}{'reconcile s':>13}{'ratio':>8}"
+               f"{'CPU s floor/ours':>19}{'peak RSS MB floor/ours':>25}")
+    for s in scenarios:
+        for n in sizes:
+            c = results[n][s]
+            f, o = med(c.floor, "seconds"), med(c.ours, "seconds")
+            out.append(f"{TITLES[s]:<28}{n:>6}{f:>10.2f}{o:>13.2f}{o / f:>7.2f}x"
+                       f"{med(c.floor, 'cpu'):>10.2f} / {med(c.ours, 'cpu'):<6.2f}"
+                       f"{max(r.rss_mb for r in c.floor):>14.0f} / {max(r.rss_mb for r in c.ours):<6.0f}")
+    out.append("")
+    label = " / ".join(str(n) for n in sizes)
+    out.append("| scenario | floor | reconcile | goal |\n|---|---|---|---|")
+    for s in scenarios:
+        floors = " / ".join(f"{med(results[n][s].floor, 'seconds'):.2f}" for n in sizes)
+        ratios = " / ".join(f"{med(results[n][s].ours, 'seconds') / med(results[n][s].floor, 'seconds'):.2f}"
+                            for n in sizes)
+        out.append(f"| {TITLES[s]}, {label} hosts | {floors} s | {ratios}x | <= 1.3x |")
+    big = sizes[-1]
+    peak_f = max(r.rss_mb for c in results[big].values() for r in c.floor)
+    peak_o = max(r.rss_mb for c in results[big].values() for r in c.ours)
+    out.append(f"\n(Peak memory at {big} host{'s' * (big != 1)}: floor {peak_f:.0f} MB, reconcile {peak_o:.0f} MB.)")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 10, 30])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    ap.add_argument("--draft", action="store_true", help="Mark the output as a draft (a busy machine).")
+    args = ap.parse_args()
+    fleetlib.build()
+    hosts = fleetlib.up(max(args.sizes), first=FIRST, prefix="cmp")
+    results: dict[int, dict[str, Cell]] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            bench = Bench(hosts, Path(tmp))
+            bench.warm_up()
+            for n in sorted(args.sizes):
+                results[n] = bench.size(n, args.rounds, args.scenarios)
+                print(f"{n} host{'s' * (n != 1)}: done", file=sys.stderr, flush=True)
+    finally:
+        fleetlib.down(hosts)
+    print(report(results, args.rounds, args.draft))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Loaded desired states, kept by content: a run at a revision already loaded skips the loader.
+
+Loading a revision (load.py: tomlkit, the pydantic schema, merging, rendering) costs about 0.1 s
+of a cold `reconcile` run, most of it importing pydantic and building the schema. What it
+returns is a pure function of the files below `--path` at that revision and of the loader's
+code, and it is plain frozen dataclasses (spec.py). The repo's own pre-flight rules
+(rules/*.toml) are input too: they are checked with the load, so a bad one fails the run before
+any host (exit 1), and a revision read back from the cache had valid ones; the rule pack itself
+is parsed only when pre-flight runs (`rules`). So a successful load is pickled under the
+cache dir (`$RECONCILER_CACHE_DIR` or ~/.cache/reconciler, `desired/`), keyed by the git tree id
+of that directory (content-addressed: a commit that changes nothing there hits too; its own
+revision is put in) and a fingerprint of the package's modules (another version of the
+reconciler loads afresh). A load that fails is never kept: it fails again, with its problems.
+
+The entries are the user's own, like Python's bytecode cache: a 0700 directory, 0600 files,
+checked to be owned by this user and writable by nobody else before one is read. An entry that
+is missing, unreadable, foreign or stale means: load from git again. The newest KEEP entries
+stay. They hold what the revision holds (env values included; secrets only as the encrypted
+bytes from the repo, never decrypted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import ConfigError, SourceError
+
+if TYPE_CHECKING:
+    from .preflight import RuleSet
+    from .source import Snapshot
+    from .spec import DesiredState
+
+KEEP = 64
+_rulesets: dict[str, RuleSet] = {}      # parsed while loading a revision in this process, by key
+_PACKAGE = Path(__file__).resolve().parent
+_fingerprint: str | None = None
+
+
+def fingerprint() -> str:
+    """The reconciler's own code, as far as a load depends on it: path, size and mtime of every
+    module of the package and its sub-packages (a reinstall or an edit changes it)."""
+    global _fingerprint
+    if _fingerprint is None:
+        h = hashlib.sha256()
+        for d, dirs, files in sorted(os.walk(_PACKAGE)):
+            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            for name in sorted(f for f in files if f.endswith(".py")):
+                st = os.stat(os.path.join(d, name))
+                h.update(f"{os.path.relpath(d, _PACKAGE)}/{name} {st.st_size} {st.st_mtime_ns}\n".encode())
+        _fingerprint = h.hexdigest()[:16]
+    return _fingerprint
+
+
+def cache_dir(base: Path | None = None) -> Path:
+    from .source import default_cache_dir
+    return (base or default_cache_dir()) / "desired"
+
+
+def _key(snap: Snapshot) -> str | None:
+    """The id of the tree the loader reads (the commit's, or --path's), with the code's."""
+    tree = snap.tree_id
+    return f"{tree}-{fingerprint()}" if tree is not None else None
+
+
+def _trusted(st: os.stat_result) -> bool:
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _read(path: Path) -> DesiredState | None:
+    import pickle
+
+    from .spec import DesiredState
+    try:
+        if not _trusted(path.parent.stat()):
+            return None
+        with open(path, "rb") as f:
+            if not _trusted(os.fstat(f.fileno())):
+                return None
+            state = pickle.load(f)
+    except Exception:          # missing, truncated, written by another version: load afresh
+        return None
+    return state if isinstance(state, DesiredState) else None
+
+
+def _write(directory: Path, path: Path, state: DesiredState) -> None:
+    import pickle
+    import tempfile
+    tmp: str | None = None
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not _trusted(directory.stat()):
+            return
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")      # 0600
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+        tmp = None
+        entries = sorted(directory.glob("*.pickle"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in entries[KEEP:]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass               # no cache this time; the run goes on
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def load(snap: Snapshot, base: Path | None = None) -> DesiredState:
+    """load.load_desired(snap), from the cache when this content was loaded before by this code.
+
+    Raises ConfigError as load_desired does (a failed load is never cached)."""
+    key = _key(snap)
+    directory = cache_dir(base)
+    path = directory / f"{key}.pickle"
+    if key is not None:
+        state = _read(path)
+        if state is not None:
+            return replace(state, revision=snap.revision)
+    from .load import load_desired
+    from .preflight import load_rules
+    state = load_desired(snap)
+    rules = load_rules(snap)        # the repo's own rule files, checked before any host is touched
+    if key is not None:
+        _rulesets[key] = rules
+        _write(directory, path, state)
+    return state
+
+
+def rules(snap: Snapshot) -> RuleSet:
+    """The revision's pre-flight rule pack (shipped + the repo's rules/*.toml): the one parsed with
+    its load in this process, else parsed now (ConfigError for a bad repo rule file)."""
+    key = _key(snap)
+    if key is not None and key in _rulesets:
+        return _rulesets[key]
+    from .preflight import load_rules
+    return load_rules(snap)
+
+
+def render_at(snap: Snapshot, base: Path | None = None) -> Callable[[str], DesiredState | None]:
+    """load.render_at through the cache: the desired state at another revision of the same repo
+    (a rollback renders the last good one), per revision; None where it is missing or invalid."""
+    from .source import snapshot
+
+    done: dict[str, DesiredState | None] = {}
+
+    def at(rev: str) -> DesiredState | None:
+        if rev not in done:
+            try:
+                done[rev] = load(snapshot(snap.repo, rev, snap.subdir), base)
+            except (ConfigError, SourceError):
+                done[rev] = None
+        return done[rev]
+    return at

@@ -1,0 +1,286 @@
+"""One `reconcile pull` run on a host, against itself.
+
+    fetch      the host's clone of the repo (a local path as is; a URL mirrored and fetched)
+    load       the desired state at the branch head; find this host in it (--host, else its hostname)
+    choose     with [pull] waves: the revision this host's wave may deploy now (schedule.choose),
+               from the branch's history, the host's applied revision and the earlier waves'
+               reports; without waves: the head
+    report     pending, when it moves to a new revision and a later wave reads its reports
+    reconcile  reconcile_fleet over a LocalTransport, this host only: the same survey, host lock,
+               revision safety, planner, pre-flight, health watch, rollback, quarantine and
+               records as a controller's run of `reconcile --host NAME`
+    report     its verdict on that revision (ok / bad / inconclusive) for the later waves
+    record     /var/lib/reconciler/pull.json: what this run chose and why
+
+Age secrets decrypt only with an identity on the host (--age-identity): without one, a service
+with an age secret is blocked (SecretUndecryptable), as on a controller without its key.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pygit2
+
+from .. import lock, secrets, source
+from ..errors import ConfigError, SourceError
+from ..facts import STATE_DIR
+from ..fleet import FleetResult, reconcile_fleet
+from ..load import load_desired, render_at
+from ..preflight import load_rules
+from ..reconcile import Connector, HostPhase, HostResult
+from ..records import SUPERSEDED, HostRecord
+from ..redact import redact, redact_data
+from ..spec import DesiredState, HostSpec
+from ..transport import LocalTransport, Transport
+from ..trust import descends
+from . import _git
+from .schedule import (
+    PENDING_MARGIN,
+    Choice,
+    Report,
+    Skip,
+    Standing,
+    choose,
+    earlier_hosts,
+    publishes,
+    standing_of,
+    wave_of,
+)
+
+DEFAULT_DIR = Path(f"{STATE_DIR}/pull")
+RECORD = f"{STATE_DIR}/pull.json"
+MAX_TRIES = 5            # older candidates tried when a chosen revision cannot be loaded
+
+
+@dataclass(frozen=True)
+class PullOptions:
+    """What `reconcile pull` was asked to do (the CLI's options)."""
+
+    repo: str
+    rev: str | None = None
+    path: str = ""
+    host: str | None = None
+    workdir: Path = DEFAULT_DIR
+    age_identity: str | None = None
+    retry: bool = False
+    allow_rewind: bool = False
+    lock_wait: float = lock.WAIT
+    dry_run: bool = False
+    publish: bool = True
+
+
+@dataclass
+class PullOutcome:
+    """One pull run: what it chose, what the reconcile did, what it reported."""
+
+    host: str
+    head: str
+    wave: str | None
+    choice: Choice
+    result: FleetResult | None = None
+    reported: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    moved: bool = False            # a local repo's branch moved during the run: run again
+
+    def exit_code(self) -> int:
+        return self.result.exit_code() if self.result is not None else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return redact_data({
+            "host": self.host, "head": self.head, "wave": self.wave, "target": self.choice.revision,
+            "why": self.choice.why, "skipped": [{"revision": s.revision, "why": s.why} for s in self.choice.skipped],
+            "reported": self.reported, "warnings": self.warnings, "exit_code": self.exit_code(),
+            "result": self.result.to_json() if self.result is not None else None})
+
+
+def local_connector() -> Connector:
+    """A Connector for the host the run is on: commands in a local shell, health probes to its
+    own addresses, the host lock held by a local process."""
+    async def connect(host: HostSpec) -> Transport:
+        return LocalTransport(host.name)
+    return connect
+
+
+def this_host(state: DesiredState, name: str | None) -> str:
+    """The host file this run is for: --host, else the hostname (or its first label)."""
+    if name:
+        if name not in state.hosts:
+            raise SourceError(f"--host {name}: no hosts/{name}.toml at {state.short} "
+                              f"(hosts: {', '.join(sorted(state.hosts)) or 'none'})")
+        return name
+    hostname = socket.gethostname()
+    for candidate in (hostname, hostname.split(".", 1)[0]):
+        if candidate in state.hosts:
+            return candidate
+    raise SourceError(f"this host's name {hostname!r} has no hosts/<name>.toml at {state.short}; pass --host NAME "
+                      f"(hosts: {', '.join(sorted(state.hosts)) or 'none'})")
+
+
+def _has_age(state: DesiredState) -> bool:
+    return any(s.source == "age" for h in state.hosts.values() for svc in h.services.values() for s in svc.secrets)
+
+
+def _deadline(host: HostSpec, lock_wait: float) -> float:
+    """How long a deploy of this host may take before its pending report goes stale: the longest
+    fetch, start-up and stable window of its services, the lock wait, and a margin."""
+    longest = max((s.health.startup_timeout + s.health.stable_for
+                   + (s.model.fetch_timeout if s.model is not None and s.model.fetch else 0.0)
+                   for s in host.services.values()), default=0.0)
+    return longest + lock_wait + PENDING_MARGIN
+
+
+async def _applied(t: Transport) -> str | None:
+    res = await t.run(f"cat {STATE_DIR}/host.json 2>/dev/null || true", timeout=30, what="read host record")
+    return HostRecord.parse(res.stdout).applied_revision if res.stdout.strip() else None
+
+
+def _choose(repo: pygit2.Repository, head: source.Snapshot, state: DesiredState, name: str, applied: str | None,
+            opts: PullOptions) -> tuple[Choice, int | None, dict[str, tuple[source.Snapshot, DesiredState]]]:
+    """The revision to reconcile, the host's wave, and the snapshots loaded on the way."""
+    loaded = {head.revision: (head, state)}
+    waves = state.settings.pull_waves
+    wave = wave_of(state.hosts[name].labels, waves)
+    if wave is None:
+        return Choice(head.revision, f"{head.short} is the branch head (no [pull] waves in fleet.toml)"), None, loaded
+    chain = _git.history(head.commit)
+    earlier = earlier_hosts({h: s.labels for h, s in state.hosts.items()}, waves, wave)
+    reports = _git.read_reports(repo, earlier, {c.revision for c in chain})
+    unusable: dict[str, str] = {}
+    for attempt in range(MAX_TRIES + 1):
+        if attempt < MAX_TRIES:
+            choice = choose(chain, applied, wave=wave, waves=waves, now=int(time.time()), reports=reports,
+                            unusable=unusable)
+        else:       # enough broken commits: stay where the host is
+            choice = Choice(applied, f"staying at {str(applied)[:7]}: the newer commits tried cannot be loaded",
+                            tuple(Skip(r, why) for r, why in unusable.items())) if applied else \
+                Choice(None, "no commit tried could be loaded", tuple(Skip(r, why) for r, why in unusable.items()))
+        rev = choice.revision
+        if rev is None or rev in loaded:
+            return choice, wave, loaded
+        try:
+            snap = source.snapshot(repo, rev, opts.path)
+            at = load_desired(snap)
+        except (ConfigError, SourceError) as e:
+            if rev == applied:
+                raise
+            unusable[rev] = f"cannot be loaded ({str(e).splitlines()[0]})"
+            continue
+        if name not in at.hosts:
+            if rev == applied:
+                return Choice(None, f"{name} has no host file at its applied revision {rev[:7]}", choice.skipped), \
+                    wave, loaded
+            unusable[rev] = f"{name} has no host file at {rev[:7]}"
+            continue
+        loaded[rev] = (snap, at)
+        return choice, wave, loaded
+    raise AssertionError("unreachable")     # the last attempt always returns or raises
+
+
+async def pull_once(opts: PullOptions, *, on_phase: HostPhase | None = None, connect: Connector | None = None,
+                    on_choice: Callable[[PullOutcome], None] | None = None) -> PullOutcome:
+    """One pull run (see the module docstring). Raises ConfigError or SourceError for bad input
+    (nothing applied); a host failure is in the outcome's result, as for any run. on_choice is
+    told what the run chose before it reconciles (a deploy may then take minutes)."""
+    local = not source.is_url(opts.repo)
+    repo = _git.open_clone(opts.repo, opts.workdir)
+    head = source.snapshot(repo, opts.rev, opts.path)
+    state = load_desired(head)
+    name = this_host(state, opts.host)
+    connect = connect or local_connector()
+    probe = await connect(state.hosts[name])
+    try:
+        applied = await _applied(probe)
+    finally:
+        await probe.close()
+    choice, wave, loaded = _choose(repo, head, state, name, applied, opts)
+    waves = state.settings.pull_waves
+    out = PullOutcome(name, head.revision, waves[wave].name if wave is not None else None, choice)
+    if on_choice is not None:
+        on_choice(out)
+    if choice.revision is not None:
+        report = publishes(wave, waves) and opts.publish and not opts.dry_run
+        await _reconcile(out, repo, loaded[choice.revision], applied, report, opts, on_phase, connect, local)
+    if not opts.dry_run:
+        await _record(connect, state.hosts[name], out)
+        if local:
+            try:
+                out.moved = source.snapshot(repo, opts.rev, opts.path).revision != head.revision
+            except SourceError:
+                out.moved = False
+    return out
+
+
+async def _reconcile(out: PullOutcome, repo: pygit2.Repository, loaded: tuple[source.Snapshot, DesiredState],
+                     applied: str | None, report: bool, opts: PullOptions, on_phase: HostPhase | None,
+                     connect: Connector, local: bool) -> None:
+    """Reconcile this host at the chosen revision, reporting pending before and the verdict after
+    (when a later wave reads them)."""
+    snap, target = loaded
+    name, rev = out.host, snap.revision
+    host = target.hosts[name]
+    if report and rev != applied:
+        now = int(time.time())
+        pending = Report(name, rev, Standing.PENDING, wave=out.wave or "", at=now,
+                         until=now + int(_deadline(host, opts.lock_wait)))
+        _say(out, repo, pending, push=not local)
+    dec = secrets.Decryptor(secrets.identity_path(opts.age_identity))
+    target = dec.state(target) if _has_age(target) else target
+    out.result = await reconcile_fleet(target, connect, dry_run=opts.dry_run, hosts=[name],
+                                       render_at=dec.render_at(render_at(snap)), retry=opts.retry,
+                                       on_phase=on_phase, rules=load_rules(snap), lock_wait=opts.lock_wait,
+                                       descends=descends(repo), allow_rewind=opts.allow_rewind)
+    r = out.result.hosts[0]
+    failed = next((e.outcome for e in r.events if e.outcome is not None and not e.outcome.healthy
+                   and e.outcome.reason != SUPERSEDED), None)
+    if report:
+        standing = standing_of(r.status, failed_health=failed is not None)
+        reason = "" if standing is Standing.OK else failed.reason if failed is not None else _held_reason(r)
+        _say(out, repo, Report(name, rev, standing, wave=out.wave or "", reason=reason, at=int(time.time()),
+                               services={n: str(s) for n, s in (r.plan.states.items() if r.plan else ())}),
+             push=not local)
+
+
+def _held_reason(r: HostResult) -> str:
+    """Why a host that changed nothing this run is still bad: the reason its records keep for a
+    quarantined version (CrashLoop, not the generic Quarantined), else the run's own reason."""
+    if r.facts is not None:
+        for _, f in sorted(r.facts.services.items()):
+            q = f.record.quarantine if f.record is not None else None
+            if q is not None:
+                return (q.cause or q.reason) if q.reason == "RolloutHalted" else q.reason
+    return r.reason or ""
+
+
+def _say(out: PullOutcome, repo: pygit2.Repository, report: Report, *, push: bool) -> None:
+    try:
+        said = _git.publish(repo, report, push=push)
+    except _git.PublishError as e:
+        out.warnings.append(f"report not published: {e}")
+    else:
+        if said is not None:
+            out.reported.append(said)
+
+
+async def _record(connect: Connector, host: HostSpec, out: PullOutcome) -> None:
+    """/var/lib/reconciler/pull.json: the last pull run's choice, for a person on the host and
+    for whoever reads the host's records."""
+    data = {"host": out.host, "wave": out.wave, "head": out.head, "target": out.choice.revision,
+            "why": out.choice.why, "skipped": [{"revision": s.revision, "why": s.why} for s in out.choice.skipped[:5]],
+            "exit_code": out.exit_code(), "at": int(time.time()),
+            "status": str(out.result.hosts[0].status) if out.result is not None and out.result.hosts else None}
+    text = redact(json.dumps(redact_data(data), sort_keys=True)) + "\n"
+    t = await connect(host)
+    try:
+        await t.run(f"mkdir -p {STATE_DIR} && cat > {RECORD}.tmp && mv -f {RECORD}.tmp {RECORD}", input=text,
+                    timeout=30, what="write pull record")
+    except Exception as e:           # the run is done; a record it could not write is a warning
+        out.warnings.append(f"could not write {RECORD}: {e}")
+    finally:
+        await t.close()

@@ -1,0 +1,11 @@
+"""The fleet page: a read-only web view of the fleet, served by `reconcile watch`.
+
+    hub.py     what the running fleet run is doing, fed by the daemon (no web imports: cheap)
+    view.py    PURE: store rows + the hub's snapshot -> the page's model (grid, rollout, commits)
+    app.py     the ASGI app (starlette) and its server (uvicorn, in the daemon's event loop);
+               imported only when the page is on, so other `reconcile` runs never load them
+    templates/ server-rendered HTML (Jinja2, autoescaped);  static/ the CSS and a little JS
+
+Read-only: GET routes only, no form changes anything. Loopback by default (`web` in the
+controller config, `reconcile watch --web`). Everything it shows passes through redact first.
+"""

@@ -1,0 +1,182 @@
+"""Cold start (issue 15): a `reconcile` or hook process imports only what it uses.
+
+Every run and every git push pays for what is imported before the first line of work: the SSH
+stack (asyncssh and its crypto) only when connecting, the daemon's web and metrics stack only in
+`reconcile watch`, pydantic and the loader only for a revision not loaded before (loadcache.py),
+typer's arguments without pydantic (coercion.py). Measured in a fresh interpreter each time;
+figures live in bench/compare.py, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer import _coercion
+from typer._click.exceptions import BadParameter
+from typer.models import ArgumentInfo, OptionInfo
+
+from reconciler import coercion, loadcache, source
+from reconciler.errors import ConfigError
+
+from .conftest import DesiredRepo
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# What a run, the hooks or --help must not pay for at import.
+HEAVY = ("asyncssh", "cryptography", "starlette", "uvicorn", "prometheus_client", "httpx", "apscheduler",
+         "watchfiles", "pydantic", "pygit2", "tomlkit", "rich", "sqlite3", "pyrage")
+OURS = ("reconciler.load", "reconciler.schema", "reconciler.fleet", "reconciler.reconcile", "reconciler.gate",
+        "reconciler.preflight._rules", "reconciler.daemon", "reconciler.transport", "reconciler.probe")
+
+
+def loaded(code: str, env: dict[str, str] | None = None) -> set[str]:
+    """The modules (and their packages) in sys.modules after `code` ran in a fresh interpreter."""
+    probe = (f"{code}\nimport json, sys\n"
+             "print('@@' + json.dumps(sorted(sys.modules)), file=sys.stderr)")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, **(env or {})})
+    line = next(x for x in res.stderr.splitlines() if x.startswith("@@"))
+    return set(json.loads(line[2:]))
+
+
+def heavy(mods: set[str], names: tuple[str, ...] = HEAVY) -> list[str]:
+    return sorted(n for n in names if n in mods)
+
+
+def test_importing_the_cli_loads_no_ssh_web_schema_or_ui():
+    mods = loaded("import reconciler.cli")
+    assert heavy(mods) == []
+    assert heavy(mods, OURS) == []
+
+
+def test_the_hooks_entry_point_is_lighter_still():
+    mods = loaded("import reconciler.hooks")
+    assert heavy(mods) == []
+    assert "typer" not in mods
+    assert heavy(mods, OURS) == []
+
+
+def test_help_and_argument_parsing_need_no_pydantic():
+    # --help lays out with rich; it needs nothing of the loader, the schema or the SSH stack.
+    mods = loaded("import sys\nsys.argv = ['reconcile', '--help']\nfrom reconciler.cli import app\n"
+                  "try:\n    app()\nexcept SystemExit:\n    pass")
+    assert heavy(mods, ("asyncssh", "pydantic", "pygit2", "tomlkit", "starlette", "httpx")) == []
+    # Parsing every option of a run (the callback then fails at once: no such repo) loads no pydantic.
+    mods = loaded("import sys\nsys.argv = ['reconcile', '--repo', '/nonexistent', '--concurrency', '3', "
+                  "'--lock-wait', '0.5', '-H', 'a', '--cache-dir', '/tmp/x', '--dry-run']\n"
+                  "from reconciler.cli import app\ntry:\n    app()\nexcept SystemExit:\n    pass")
+    assert "pydantic" not in mods
+
+
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAICAdCaxAZ4iUdq6+pd5a/yu2sIc3kEhzg+RQQqCtivEF"
+
+
+def write_host(repo: DesiredRepo, env: str) -> None:
+    repo.write("fleet/hosts/h1.toml", f'address = "127.0.0.5"\nssh = {{ host_key = "{KEY}" }}\n'
+                                      f'[services.s]\nunit_file = "units/s.service"\nenv = {{ A = "{env}" }}\n')
+
+
+def small_repo(path: Path, env: str = "1") -> DesiredRepo:
+    """A desired state under fleet/ (the --path), one host, one service."""
+    repo = DesiredRepo(path)
+    repo.write("fleet/fleet.toml", '[ssh]\nuser = "root"\n')
+    repo.write("fleet/units/s.service", "[Service]\nExecStart=/bin/true\n")
+    write_host(repo, env)
+    return repo
+
+
+def test_a_revision_loaded_before_is_read_back_without_the_loader(tmp_path):
+    repo = small_repo(tmp_path / "desired")
+    first = repo.commit()
+    repo.write("README", "a commit that leaves fleet/ as it is")
+    second = repo.commit()
+    cache = tmp_path / "cache"
+    snap = source.snapshot(source.open_repo(str(repo.path)), first, "fleet")
+    state = loadcache.load(snap, cache)
+    assert state.revision == first and state.hosts["h1"].services["s"].env == {"A": "1"}
+    entries = list((cache / "desired").glob("*.pickle"))
+    assert len(entries) == 1 and entries[0].stat().st_mode & 0o777 == 0o600
+    assert (cache / "desired").stat().st_mode & 0o777 == 0o700
+
+    # A fresh process reads it back without the loader, tomlkit or pydantic; the next commit,
+    # which leaves fleet/ as it is, hits the same entry (content-addressed) with its own revision.
+    code = (f"from pathlib import Path\nfrom reconciler import loadcache, source\n"
+            f"snap = source.snapshot(source.open_repo({str(repo.path)!r}), {second!r}, 'fleet')\n"
+            f"state = loadcache.load(snap, Path({str(cache)!r}))\n"
+            f"assert state.revision == {second!r}, state.revision\n"
+            f"assert state.hosts['h1'].services['s'].env == {{'A': '1'}}")
+    mods = loaded(code)
+    assert heavy(mods, ("pydantic", "tomlkit", "reconciler.load", "reconciler.schema")) == []
+    assert len(list((cache / "desired").glob("*.pickle"))) == 1
+
+    # What the cache gives back is what a load from scratch gives.
+    from reconciler.load import load_desired
+    assert loadcache.load(snap, cache) == load_desired(snap)
+
+
+def test_a_changed_revision_or_a_foreign_entry_loads_afresh(tmp_path):
+    repo = small_repo(tmp_path / "desired")
+    one = repo.commit()
+    write_host(repo, "2")
+    two = repo.commit()
+    cache = tmp_path / "cache"
+    r = source.open_repo(str(repo.path))
+    assert loadcache.load(source.snapshot(r, one, "fleet"), cache).hosts["h1"].services["s"].env == {"A": "1"}
+    assert loadcache.load(source.snapshot(r, two, "fleet"), cache).hosts["h1"].services["s"].env == {"A": "2"}
+    # An entry that someone else could have written is never unpickled: loaded afresh instead.
+    for p in (cache / "desired").glob("*.pickle"):
+        p.write_bytes(b"not a pickle")
+        p.chmod(0o666)
+    assert loadcache.load(source.snapshot(r, one, "fleet"), cache).hosts["h1"].services["s"].env == {"A": "1"}
+
+
+def test_a_bad_repo_rule_file_fails_the_load_and_is_never_cached(tmp_path):
+    repo = small_repo(tmp_path / "desired")
+    repo.write("fleet/rules/site.toml", "[[rule]]\nid = 'Not An Id'\n")
+    rev = repo.commit()
+    cache = tmp_path / "cache"
+    snap = source.snapshot(source.open_repo(str(repo.path)), rev, "fleet")
+    with pytest.raises(ConfigError) as e:
+        loadcache.load(snap, cache)
+    assert any(p.file == "rules/site.toml" for p in e.value.problems)
+    assert not list((cache / "desired").glob("*.pickle"))
+
+
+# ---- typer's coercion without pydantic: the same values and messages as typer's own -------------
+
+def _coerce(build, annotation, info, value):
+    param = SimpleNamespace(multiple=isinstance(value, tuple), nargs=1, name="p", human_readable_name="--p")
+    rt = build(_coercion.resolve_type_descriptor(annotation, info))
+    try:
+        return "ok", rt.coerce(value, param=param, ctx=None)
+    except BadParameter as e:
+        return "bad", e.message
+
+
+@pytest.mark.parametrize("annotation,info,value", [
+    (str, OptionInfo(), "x"), (str, OptionInfo(), ""), (str | None, OptionInfo(), None),
+    (int, OptionInfo(min=1), "3"), (int, OptionInfo(min=1), "0"), (int, OptionInfo(min=1), "x"),
+    (int, OptionInfo(min=1), "2.5"), (int, OptionInfo(), 50), (int | None, OptionInfo(min=1), None),
+    (float, OptionInfo(min=0), "0.5"), (float, OptionInfo(min=0), "-1"), (float, OptionInfo(min=0), "1e"),
+    (float, OptionInfo(min=0), 30.0), (float, OptionInfo(max=10), "11"),
+    (Path, OptionInfo(), "/tmp/x"), (Path | None, OptionInfo(), None), (Path, ArgumentInfo(), "rel/p"),
+    (list[str] | None, OptionInfo(), ("a", "b")), (list[str] | None, OptionInfo(), None),
+    (bool, OptionInfo(), "true"), (bool, OptionInfo(), "no"),
+])
+def test_plain_coercion_matches_typer(annotation, info, value):
+    ours = _coerce(coercion.plain_builder(_coercion.build_runtime_param), annotation, info, value)
+    theirs = _coerce(_coercion.build_runtime_param, annotation, info, value)
+    assert ours == theirs
+    assert coercion.converter(annotation, info, lambda *a, **k: a[0]) is not None
+
+
+def test_plain_coercion_leaves_other_types_to_typer():
+    assert coercion.converter(int, OptionInfo(min=1, clamp=True)) is None
+    assert coercion.converter(list[int], OptionInfo()) is None
+    assert coercion.converter(dict, OptionInfo()) is None

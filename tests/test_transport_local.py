@@ -1,0 +1,133 @@
+"""LocalTransport: the Transport a host uses against itself (`reconcile pull`, the GPU check host).
+
+Real processes on this machine, no fakes: a command with input, check=True, a timeout that
+kills what the command started, a cancelled command, a TCP stream to a local server (what the
+health probe uses), and a spawned process as the host lock holds one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from reconciler import lock
+from reconciler.errors import CommandError
+from reconciler.transport import LocalTransport
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_run_with_input_and_exit_status() -> None:
+    t = LocalTransport("h1")
+    res = run(t.run("read x; echo \"got $x\"; echo err >&2; exit 3", input="hello\n"))
+    assert (res.exit_status, res.stdout, res.stderr, res.ok) == (3, "got hello\n", "err\n", False)
+    assert run(t.run("echo -n ok")).stdout == "ok"
+    assert run(t.run("[[ a == a ]] && echo bash")).stdout == "bash\n"      # bash, as over SSH for root
+
+
+def test_check_raises_with_host_and_what() -> None:
+    with pytest.raises(CommandError) as e:
+        run(LocalTransport("h1").run("echo nope >&2; false", check=True, what="observe"))
+    assert e.value.host == "h1" and e.value.what == "observe" and e.value.exit_status == 1
+    assert "nope" in str(e.value)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_a_timeout_kills_the_command_and_what_it_started(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child"
+    started = time.monotonic()
+    with pytest.raises(CommandError, match=r"timed out after 0\.5s"):
+        run(LocalTransport().run(f"sleep 100 & echo $! > {pidfile}; wait", timeout=0.5))
+    assert time.monotonic() - started < 10
+    child = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+
+
+def test_a_cancelled_command_is_killed(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+
+    async def go() -> None:
+        task = asyncio.create_task(LocalTransport().run(f"echo $$ > {pidfile}; sleep 100"))
+        while not pidfile.exists() or not pidfile.read_text().strip():
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(go())
+    pid = int(pidfile.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_open_connection_reaches_a_local_server() -> None:
+    async def go() -> bytes:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"hello " + await reader.readline())
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            reader, writer = await LocalTransport().open_connection("127.0.0.1", port)
+            writer.write(b"probe\n")
+            data = await reader.read()
+            writer.close()
+            return data
+
+    assert run(go()) == b"hello probe\n"
+
+
+def test_spawn_lines_in_and_out() -> None:
+    async def go() -> list[str]:
+        p = await LocalTransport().spawn("while read l; do echo \"<$l>\"; done")
+        p.write("a\n")
+        first = await p.readline()
+        p.write("b\n")
+        second = await p.readline()
+        await p.close()
+        return [first, second, await p.readline()]
+
+    assert run(go()) == ["<a>\n", "<b>\n", ""]
+
+
+def test_the_host_lock_through_a_local_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs on one host: the second waits, then reports Locked with who holds it; released, it is free."""
+    monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
+    monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
+    monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
+
+    async def go() -> str:
+        t = LocalTransport("h1")
+        held = await lock.acquire(t, wait=1)
+        try:
+            with pytest.raises(lock.LockedError) as e:
+                await lock.acquire(t, wait=0.5)
+        finally:
+            await held.release()
+        again = await lock.acquire(t, wait=5)
+        await again.release()
+        return str(e.value)
+
+    said = run(go())
+    assert "another reconcile holds" in said and "held by reconcile on" in said
