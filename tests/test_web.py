@@ -301,3 +301,15 @@ def test_bookkeeping_bug_never_reaches_the_run(hub, capsys):
     hub.rollout("wave", object())          # not a rollout: the page says so once, the caller goes on
     hub.rollout("wave", object())
     assert capsys.readouterr().out.count("fleet page: bookkeeping failed") == 1
+
+
+def test_a_secret_that_is_a_field_name_masks_text_but_not_the_page_structure(client):
+    """A registered value that happens to be a word of the view model ("second") is masked in
+    text, and the page's fields (each attempt's duration under the key "seconds") still show."""
+    from reconciler import redact
+    redact.register("second")
+    try:
+        page = client.get("/hosts/gpu-2").text
+        assert 'data-col="time">12.5s<' in page and "31.0s" in page
+    finally:
+        redact._values.discard("second")

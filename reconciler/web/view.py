@@ -2,8 +2,8 @@
 
 No I/O, no clock, no web library: the caller passes the rows (status.Store), the snapshot
 (hub.Hub), a commit look-up and the time. Every model these functions return is plain data
-(dicts, lists, strings, numbers) and goes through `redact_data` before any template sees it
-(`redacted`): the one way text from a run, a commit or the store reaches the page. The
+(dicts, lists, strings, numbers) and has every string value redacted before any template sees
+it (`redacted`): the one way text from a run, a commit or the store reaches the page. The
 templates escape it (Jinja2 autoescape).
 
     grid     hosts x services: health, desired vs running revision (short SHA, subject, age),
@@ -46,9 +46,12 @@ _EXIT_MEANING = {0: "converged or in sync", 1: "failed before changing any host 
 
 
 def redacted(model: Model) -> Model:
-    """The model with every string masked, keys included (as redact.redact_data does): what
-    templates receive. A page repeats the same strings many times (subjects, health words), so
-    each distinct one is redacted once per model."""
+    """The model with every string value masked: what templates receive. Keys are left alone:
+    they are the model's own field names ("seconds", "quote") and names from git (hosts,
+    services, labels), and masking them would blank a field whenever a registered secret value
+    happens to be a word in one (a token "second" once hid every attempt's duration). A page
+    repeats the same strings many times (subjects, health words), so each distinct one is
+    redacted once per model."""
     memo: dict[str, str] = {}
 
     def walk(x: Any) -> Any:
@@ -57,7 +60,7 @@ def redacted(model: Model) -> Model:
                 memo[x] = redact(x)
             return memo[x]
         if isinstance(x, dict):
-            return {walk(k): walk(v) for k, v in x.items()}
+            return {k: walk(v) for k, v in x.items()}
         if isinstance(x, list | tuple):
             return [walk(v) for v in x]
         return x
