@@ -367,6 +367,9 @@ def watch(
     metrics: str | None = typer.Option(None, "--metrics", help="host:port of the Prometheus endpoint, '' = off."),
     web: str | None = typer.Option(None, "--web", help="host:port of the read-only fleet page, '' = off "
                                                        "(default 127.0.0.1:9188)."),
+    label: list[str] | None = typer.Option(None, "--label", "-l", metavar="KEY=VALUE",
+                                           help="Override config: only hosts with this label (repeatable: all "
+                                                "must match), for several controllers that share a fleet."),
 ) -> None:
     """Run as a daemon: reconcile on every push (within a second), every interval, and on trigger."""
     import asyncio
@@ -380,7 +383,7 @@ def watch(
         return
     overrides = {k: v for k, v in dict(repo=repo, branch=branch, identity=identity, age_identity=age_identity,
                                        state_dir=str(state_dir) if state_dir else None, metrics=metrics,
-                                       web=web).items()
+                                       web=web, labels=label or None).items()
                  if v is not None}
     cfg = cfg.model_copy(update=overrides)
     asyncio.run(Daemon(cfg, interval=interval).serve())

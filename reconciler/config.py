@@ -25,6 +25,8 @@
     forge_token_env = ""                 # ... or the name of an environment variable holding it
     forge_target_url = ""                # optional link on each status; {sha} {short} {host} are filled in
     forge_timeout = 5                    # seconds per request
+    labels = []                          # only hosts carrying every KEY=VALUE here (a shard of the
+                                         #   fleet: ["shard=a"]); env: RECONCILER_LABELS="shard=a,gpu=h200"
 
 Every key can be overridden by an environment variable RECONCILER_<KEY> (e.g.
 RECONCILER_REPO, RECONCILER_INTERVAL). Signing policy lives here, on the control host, and not
@@ -74,6 +76,15 @@ class ControllerConfig(BaseModel):
     forge_token_env: str | None = None
     forge_target_url: str | None = None
     forge_timeout: float = 5.0
+    labels: list[str] = []
+
+    @field_validator("labels", mode="before")
+    @classmethod
+    def _label_list(cls, v: object) -> object:
+        """A list, or (from RECONCILER_LABELS) one string of KEY=VALUE items split by commas."""
+        if isinstance(v, str):
+            return [x.strip() for x in v.replace(" ", ",").split(",") if x.strip()]
+        return v
 
     @field_validator("forge_url", "forge_target_url")
     @classmethod

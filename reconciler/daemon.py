@@ -6,6 +6,11 @@ second), and a post-receive hook all only *ask* for a reconcile. One runner task
 so there are never two reconciles at once; asks that arrive during a run coalesce into one
 more run. A failed run (git unreachable, a host down) retries with back-off.
 
+Connections stay open between runs (pool.py: one per host, re-checked at each lease, retried
+once on a fresh connection when a kept one turns out dead, closed when idle or when the host
+leaves the fleet): a no-change round at the interval costs the host lock and one observation
+per host, so drift is checked every interval at that cost.
+
 SIGTERM: stop asking, cancel the run in flight, close SSH connections. Files on hosts are
 written atomically and the record last, so a killed run leaves every host runnable and the
 next run (after a restart) converges, re-watching services applied but not yet seen healthy.
@@ -46,6 +51,7 @@ import os
 import signal
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, TextIO, cast
 
@@ -56,12 +62,14 @@ from . import notify_systemd as sd
 from .commitstatus import CommitStatus
 from .config import ControllerConfig
 from .errors import ConfigError, ReconcilerError, SourceError
-from .fleet import reconcile_fleet
+from .fleet import reconcile_fleet, select_hosts
 from .load import render_at
 from .metrics import Metrics
-from .preflight import load_rules, secret_warnings
+from .pool import Pool
+from .preflight import RuleSet, load_rules, secret_warnings
 from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_result
+from .spec import DesiredState
 from .status import Store, default_state_dir, remember
 from .trust import RevisionRefused, check_descends, descends, verify_signature
 from .web.hub import Hub
@@ -130,6 +138,10 @@ class Daemon:
         # The fleet page's live feed (web/hub.py: plain data; the web server is imported in serve()).
         self.hub: Hub | None = Hub() if cfg.web else None
         self.commit_status = CommitStatus(cfg)   # deploy status on the commit: git notes, forge status
+        # One SSH connection per host kept open between runs (pool.py): a warm no-change round
+        # costs the host lock and one observation per host, not a handshake.
+        self.pool = Pool(ssh_connector(cfg.identity))
+        self._loaded: tuple[str | None, DesiredState, RuleSet] | None = None   # the last tree loaded
 
     # -- asking ---------------------------------------------------------------------------
     def ask(self, why: str) -> None:
@@ -238,8 +250,7 @@ class Daemon:
                     who = verify_signature(repo, snap.revision,
                                            self.cfg.allowed_signers or "/etc/reconciler/allowed_signers")
                     console.print(f"{snap.short}: signed by {who}")
-                state = load.load_desired(snap)
-                rules = load_rules(snap)
+                state, rules = self._load(snap)
                 # Age secrets decrypted with the controller's identity, at this revision and at any
                 # a rollback renders; one that cannot be decrypted blocks its service (the core).
                 dec = secrets.Decryptor(self.cfg.age_identity)
@@ -247,17 +258,21 @@ class Daemon:
                 for w in secret_warnings(state, snap.read):
                     console.print(w, soft_wrap=True, markup=False)
                 view = PhaseView(console, plans=console)    # each host's diff before its health progress
-                self.commit_status.started(snap.revision, len(state.hosts))
+                # A controller of one shard (config labels): only the hosts carrying its labels.
+                chosen = select_hosts(state, None, self.cfg.labels or None)
+                mine = {n: state.hosts[n] for n in chosen} if chosen is not None else state.hosts
+                self.commit_status.started(snap.revision, len(mine))
                 if self.hub is not None:     # the fleet page
-                    self.hub.run_started(snap.revision, why, state.hosts, repo.path)
-                result = await reconcile_fleet(state, ssh_connector(self.cfg.identity),
+                    self.hub.run_started(snap.revision, why, mine, repo.path)
+                result = await reconcile_fleet(state, self.pool.connector(), hosts=chosen,
                                                render_at=dec.render_at(render_at(snap)),
                                                on_phase=self.hub.tee(view) if self.hub else view,
                                                on_rollout=self.hub.rollout if self.hub else None,
                                                rules=rules, lock_wait=self.cfg.lock_wait,
                                                descends=descends(repo), allow_rewind=self.cfg.allow_rewind,
                                                supersede=self.supersede)
-                print_result(console, result, shown=view.shown)
+                print_result(console, result, shown=view.shown, in_sync_rows=False)
+                await self.pool.retain(mine)             # hosts that left the fleet (or shard), idle ones
                 remember(self.store, result)
                 if self.hub is not None:     # the fleet page: the store has the results now
                     self.hub.run_finished(result)
@@ -284,6 +299,17 @@ class Daemon:
             with _open_run_file(self.runs_dir / f"{rev_name}.exit", append=False) as f:
                 f.write(f"{code}\n")
         return code
+
+    def _load(self, snap: source.Snapshot) -> tuple[DesiredState, RuleSet]:
+        """The desired state and rule pack at a snapshot; the same tree as the last run's (every
+        interval run until the next push) is not parsed again."""
+        key = snap.tree_id
+        if key is not None and self._loaded is not None and self._loaded[0] == key:
+            return replace(self._loaded[1], revision=snap.revision), self._loaded[2]
+        state = load.load_desired(snap)
+        rules = load_rules(snap)
+        self._loaded = (key, state, rules)
+        return state, rules
 
     def _say(self, log: TextIO | None, line: str) -> None:
         line = redact.redact(line)
@@ -313,6 +339,7 @@ class Daemon:
                 code = 1
             finally:
                 self.running = False
+                self.metrics.observe_pool(self.pool.opened, self.pool.reused, len(self.pool))
             if self.hub is not None:         # the fleet page: the run is over, however it ended
                 self.hub.run_ended(code)
             if code in (1, 4):
@@ -356,6 +383,7 @@ class Daemon:
         await asyncio.gather(runner, watcher, pinger, return_exceptions=True)
         if page is not None and self.hub is not None:
             await page.stop(self.hub)
+        await self.pool.close()
         self.store.close()
 
     async def _watchdog(self) -> None:

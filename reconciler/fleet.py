@@ -4,7 +4,8 @@ at the first failure). Each host's own work is reconcile.reconcile_host.
 
 The fleet run (reconcile_fleet) in passes, never two at once on one host:
 
-    survey      connect, observe, plan every selected host (what a dry-run shows)
+    survey      connect, observe, plan every selected host (what a dry-run shows); a host with
+                anything to do is then locked and observed again under its lock
     quarantine  a group whose rollout halted earlier stays halted (rollout.quarantine_cover)
     waves       rollout.plan_rollouts: per group, which hosts restart together
     free pass   every host converges, leaving its waved services to the waves (deferred)
@@ -25,8 +26,18 @@ from typing import TYPE_CHECKING
 
 from . import lock
 from .errors import HostError, ReconcilerError, SourceError
-from .plan import starting
-from .reconcile import Connector, Event, HostPhase, HostResult, RenderAt, Rules, merge_plans, reconcile_host
+from .plan import Kind, starting
+from .reconcile import (
+    Connector,
+    Event,
+    HostPhase,
+    HostResult,
+    RenderAt,
+    Rules,
+    merge_plans,
+    reconcile_host,
+    running_after,
+)
 from .records import Quarantine, Result, halt_where
 from .rollout import Halt, RolloutResult, Wave, group_members, natural_key, plan_rollouts, quarantine_cover
 from .spec import DesiredState, HostSpec
@@ -85,6 +96,11 @@ def restarting(r: HostResult) -> set[str]:
     if r.plan is None:
         return set()
     return {n for n, tg in starting(r.plan).items() if not tg.rollback}
+
+
+def writes(r: HostResult) -> bool:
+    """Whether a host's surveyed plan would write anything there (a hold alone does not)."""
+    return r.plan is not None and any(a.kind is not Kind.HOLD for a in r.plan.actions)
 
 
 class _FleetRun:
@@ -156,18 +172,25 @@ class _FleetRun:
                 self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=reason,
                                                   message=message, seconds=time.monotonic() - t0)
                 return
-            if not self.dry_run:
-                # One reconcile of a host at a time: held from the first observation to the last verdict.
+            self.transports[h.name] = t
+            r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
+                                     retry=self.retry, transport=t, rules=self.rules)
+            if not self.dry_run and writes(r):
+                # One reconcile of a host at a time: a host with anything to do is locked, then
+                # observed again under the lock (another run may have changed it since the look
+                # above), and planned from that; the lock is held until the last verdict. A host in
+                # sync is read, never locked: a no-change round costs one observation per host.
                 try:
                     self.locks[h.name] = await lock.acquire(t, wait=self.lock_wait)
                 except HostError as e:
                     self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
                                                       message=e.message, seconds=time.monotonic() - t0)
+                    self.transports.pop(h.name, None)
                     await self._close(t)
                     return
-            self.transports[h.name] = t
-            r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
-                                     retry=self.retry, transport=t, rules=self.rules)
+                r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True,
+                                         render_at=self.render_at, retry=self.retry, transport=t, rules=self.rules)
+                r.seconds = time.monotonic() - t0
             self.results[h.name] = r
             applied = r.facts.record.applied_revision if r.facts and r.facts.record else None
             if applied and self.descends is not None and not self.allow_rewind:
@@ -181,6 +204,10 @@ class _FleetRun:
                 # It could not even be observed: report it, and leave it out of every pass.
                 self.transports.pop(h.name, None)
                 await self._close(t)
+
+    def _unlocked(self, h: HostSpec) -> bool:
+        """A host surveyed in sync and so never locked: no pass may write to it."""
+        return not self.dry_run and h.name not in self.locks
 
     async def _apply_halts(self) -> None:
         """Keep halted rollouts halted: extend each group's live halt to members that hold no
@@ -231,10 +258,16 @@ class _FleetRun:
                 t = self.transports[h.name]
                 before = self.results[h.name]
                 qs = {**self.fleet_q.get(h.name, {}), **(quarantine or {})}
-                r = await reconcile_host(h, self.state.revision, self.connect, dry_run=False,
+                # A host surveyed in sync was never locked: it is planned again from the survey's
+                # look and never written to (only hosts with something to do are locked).
+                unlocked = self._unlocked(h)
+                r = await reconcile_host(h, self.state.revision, self.connect, dry_run=unlocked,
                                          render_at=self.render_at, retry=self.retry, on_phase=self.on_phase,
-                                         hold=hold, quarantine=qs, transport=t, facts=None if fresh else before.facts,
+                                         hold=hold, quarantine=qs, transport=t,
+                                         facts=None if fresh and not unlocked else before.facts,
                                          rules=self.rules, supersede=self.supersede)
+                if unlocked and r.plan is not None and r.facts is not None:
+                    r.running = {n: running_after(r.plan, r.facts, n) for n in h.services}
             if h.name not in self.passed:
                 # The survey's result was a plan, not an outcome: the first pass replaces it.
                 self.passed.add(h.name)

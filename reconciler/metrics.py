@@ -36,6 +36,16 @@ class Metrics:
         self.last_run = Gauge("reconciler_last_run_timestamp_seconds", "When the last run ended", registry=r)
         self.waiting = Gauge("reconciler_waiting_for_first_push", "1 while the deploy branch does not exist yet",
                              registry=r)
+        # The warm pool (pool.py): opened grows by one per host at start, then only on reconnects.
+        self.ssh_opened = Counter("reconciler_ssh_connections_opened_total",
+                                  "SSH connections opened (a kept connection is reused, not counted)", registry=r)
+        self.ssh_reused = Counter("reconciler_ssh_connections_reused_total",
+                                  "Runs' host sessions served by a connection kept open since an earlier run",
+                                  registry=r)
+        self.ssh_open = Gauge("reconciler_ssh_connections_open", "SSH connections kept open between runs",
+                              registry=r)
+
+    _seen: tuple[int, int] = (0, 0)
 
     def serve(self, host: str, port: int) -> None:
         start_http_server(port, addr=host, registry=self.registry)
@@ -61,6 +71,13 @@ class Metrics:
                     self.healthy.labels(redact(h.host), redact(e.service)).set(1 if e.outcome.healthy else 0)
                 if e.action == "rollback" and e.outcome is not None and e.outcome.healthy:
                     self.rollbacks.labels(redact(h.host), redact(e.service)).inc()
+
+    def observe_pool(self, opened: int, reused: int, open_now: int) -> None:
+        """The pool's running totals: counters advance by what changed since the last call."""
+        self.ssh_opened.inc(max(0, opened - self._seen[0]))
+        self.ssh_reused.inc(max(0, reused - self._seen[1]))
+        self._seen = (opened, reused)
+        self.ssh_open.set(open_now)
 
     def run_failed(self, result: str, seconds: float) -> None:
         self.runs.labels(result).inc()

@@ -397,7 +397,7 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
                     break
         _fold(result, plan, dry_run)
         if not dry_run:
-            result.running = {n: _running(plan, facts, n) for n in host.services}
+            result.running = {n: running_after(plan, facts, n) for n in host.services}
     except HostError as e:
         result.status, result.reason, result.message = Result.FAILED, e.reason, e.message
         if isinstance(e, CommandError) and e.what not in ("observe", "pre-flight"):
@@ -413,7 +413,7 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
     return result
 
 
-def _running(plan: HostPlan, facts: HostFacts, name: str) -> str | None:
+def running_after(plan: HostPlan, facts: HostFacts, name: str) -> str | None:
     """The revision a service runs after this run (as far as the last plan knows)."""
     sp = plan.services.get(name)
     if sp is None or sp.state in (State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED, State.FOREIGN):

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 from .errors import ConfigError
 from .fleet import FleetResult
 from .reconcile import HostResult
+from .records import Result
 from .redact import redact
 
 
@@ -56,39 +57,48 @@ def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
     console.print()
 
 
-def print_result(console: Console, res: FleetResult, shown: set[str] | frozenset[str] = frozenset()) -> None:
+def print_result(console: Console, res: FleetResult, shown: set[str] | frozenset[str] = frozenset(),
+                 in_sync_rows: bool = True) -> None:
     """Everything a person needs after a run: per-host detail (but for the hosts in `shown`,
-    whose plan was printed as it was applied), then the table and a total."""
+    whose plan was printed as it was applied), then the table and a total. Without
+    `in_sync_rows` (the daemon, every interval), the table lists only the hosts that are not in
+    sync, and the total counts the rest: a no-change round of 1,000 hosts is one line."""
     for r in res.hosts:
         if r.host not in shown:
             print_host(console, r, res.dry_run)
     print_events(console, res)
     print_rollouts(console, res)
-    table = Table(title=f"revision {res.revision[:7]}{' (dry run: nothing changed)' if res.dry_run else ''}",
-                  title_justify="left")
-    # A long detail must not squeeze the other columns to nothing: cap it at what they leave.
-    others = sum(max([len(col)] + [len(v) for v in values]) for col, values in (
-        ("host", [r.host for r in res.hosts]), ("address", [r.address for r in res.hosts]),
-        ("result", [r.status for r in res.hosts]), ("time", ["000.00s"])))
-    for col in ("host", "address", "result", "detail", "time"):
-        table.add_column(col, overflow="ellipsis", no_wrap=col == "detail",
-                         max_width=max(20, console.width - others - 16) if col == "detail" else None)
-    for r in res.hosts:
-        detail = (f"{r.reason}: {r.message}" if r.reason
-                  else r.plan.summary() if r.plan else "")
-        table.add_row(_t(r.host), _t(r.address), f"[{_STYLE.get(r.status, '')}]{r.status}[/]", _t(detail),
-                      f"{r.seconds:.2f}s")
-    console.print(table)
-    for r in res.hosts:
-        if r.reason:
-            console.print(f"{_t(r.host)}: {_t(r.reason)}: {_t(r.message or '')}", highlight=False,
-                          soft_wrap=True)
+    listed = [r for r in res.hosts if in_sync_rows or r.status != Result.IN_SYNC]
+    if listed:
+        _table(console, res, listed)
     counts: dict[str, int] = {}
     for r in res.hosts:
         counts[r.status] = counts.get(r.status, 0) + 1
     parts = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     console.print(f"{len(res.hosts)} host{'s' * (len(res.hosts) != 1)}: {parts}; exit {res.exit_code()}",
                   highlight=False)
+
+
+def _table(console: Console, res: FleetResult, hosts: list[HostResult]) -> None:
+    table = Table(title=f"revision {res.revision[:7]}{' (dry run: nothing changed)' if res.dry_run else ''}",
+                  title_justify="left")
+    # A long detail must not squeeze the other columns to nothing: cap it at what they leave.
+    others = sum(max([len(col)] + [len(v) for v in values]) for col, values in (
+        ("host", [r.host for r in hosts]), ("address", [r.address for r in hosts]),
+        ("result", [r.status for r in hosts]), ("time", ["000.00s"])))
+    for col in ("host", "address", "result", "detail", "time"):
+        table.add_column(col, overflow="ellipsis", no_wrap=col == "detail",
+                         max_width=max(20, console.width - others - 16) if col == "detail" else None)
+    for r in hosts:
+        detail = (f"{r.reason}: {r.message}" if r.reason
+                  else r.plan.summary() if r.plan else "")
+        table.add_row(_t(r.host), _t(r.address), f"[{_STYLE.get(r.status, '')}]{r.status}[/]", _t(detail),
+                      f"{r.seconds:.2f}s")
+    console.print(table)
+    for r in hosts:
+        if r.reason:
+            console.print(f"{_t(r.host)}: {_t(r.reason)}: {_t(r.message or '')}", highlight=False,
+                          soft_wrap=True)
 
 
 def print_config_error(console: Console, err: ConfigError, where: str) -> None:

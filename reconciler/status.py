@@ -11,10 +11,12 @@ no secret value the controller knows, and no token-like pattern, is ever written
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,11 +83,26 @@ class Store:
         self.db = sqlite3.connect(self.path, timeout=10)
         self.db.row_factory = sqlite3.Row
         self.db.executescript(SCHEMA)
+        self._batched = False
+
+    def _tx(self) -> contextlib.AbstractContextManager[object]:
+        """One transaction per write, or none inside batch() (whose own transaction covers it)."""
+        return contextlib.nullcontext() if self._batched else self.db
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Many writes in one transaction (a run's results: one commit, not one per service)."""
+        self._batched = True
+        try:
+            with self.db:
+                yield
+        finally:
+            self._batched = False
 
     def add_attempt(self, host: str, service: str, revision: str, content_hash: str | None, action: str,
                     result: str, message: str = "", quote: str | None = None,
                     journal: list[str] | None = None, seconds: float = 0.0) -> None:
-        with self.db:
+        with self._tx():
             self.db.execute(
                 "INSERT INTO attempts(at, host, service, revision, content_hash, action, result, message, quote,"
                 " journal, seconds) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
@@ -95,7 +112,7 @@ class Store:
     def set_status(self, host: str, service: str, *, desired_rev: str | None, running_rev: str | None,
                    health: str | None, last_event: str, quote: str | None = None) -> None:
         """Upsert one service's status; health None keeps the health recorded before."""
-        with self.db:
+        with self._tx():
             self.db.execute(
                 "INSERT INTO services(host, service, desired_rev, running_rev, health, last_event, quote, updated_at)"
                 " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(host, service) DO UPDATE SET desired_rev=excluded.desired_rev,"
@@ -125,7 +142,7 @@ class Store:
         return row["value"] if row else None
 
     def set_value(self, key: str, value: str) -> None:
-        with self.db:
+        with self._tx():
             self.db.execute("INSERT INTO controller(key, value) VALUES (?, ?) "
                             "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (redact(key), value))
 
@@ -164,7 +181,12 @@ def service_quote(r: HostResult, service: str) -> str | None:
 
 
 def remember(store: Store, result: FleetResult) -> None:
-    """Write every attempt and the latest per-service status to the state store."""
+    """Write every attempt and the latest per-service status to the state store (one commit)."""
+    with store.batch():
+        _remember(store, result)
+
+
+def _remember(store: Store, result: FleetResult) -> None:
     for r in result.hosts:
         for e in r.events:
             o = e.outcome

@@ -68,10 +68,10 @@ class Deploy:
     def push(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return git(self.clone, "push", *args, "origin", "HEAD:main", env=self.env, check=check)
 
-    def start(self) -> None:
+    def start(self, interval: int = 300) -> None:
         with open(self.tmp / "daemon.log", "ab") as log:   # the daemon keeps its own copy of the fd
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "reconciler", "watch", "--repo", str(self.bare), "--interval", "300",
+                [sys.executable, "-m", "reconciler", "watch", "--repo", str(self.bare), "--interval", str(interval),
                  "--metrics", f"127.0.0.1:{self.metrics_port}"],
                 env={**self.env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
@@ -103,6 +103,12 @@ class Deploy:
                 return int(f.read_text())
             time.sleep(0.1)
         raise AssertionError(f"no run for {rev[:7]} within {timeout}s:\n{self.daemon_log()[-3000:]}")
+
+    def metrics(self) -> dict[str, float]:
+        """The daemon's unlabelled series and those labelled by result, name -> value."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
+                if k and not k.startswith("#")}
 
     def status(self) -> list[dict]:
         out = subprocess.run([sys.executable, "-m", "reconciler", "status", "--json"], env=self.env, cwd=ROOT,
@@ -258,3 +264,40 @@ def test_metrics_endpoint(fleet, deploy):
                    f'reconciler_host_reachable{{host="{h.name}"}} 1.0',
                    "reconciler_rollbacks_total", "reconciler_drift_found_total"):
         assert series in text, series
+
+
+@pytest.mark.timeout(90)
+def test_warm_daemon_reuses_its_connections_and_replaces_one_closed_on_the_host(fleet, deploy):
+    """`watch` keeps one SSH connection per host between runs (reconciler/pool.py): interval runs
+    reuse it; when the host ends it (here: its sshd session is killed, as a host's sshd restart
+    or reboot would), the next run connects afresh and still converges."""
+    hosts = fleet.hosts[:2]
+    deploy.write(hosts)
+    rev = deploy.commit("v1")
+    deploy.start(interval=1)
+    deploy.push()
+    assert deploy.wait_exit_file(rev) == 0
+
+    def runs() -> float:
+        return deploy.metrics().get('reconciler_runs_total{result="ok"}', 0.0)
+
+    start = runs()
+    deadline = time.monotonic() + 30
+    while runs() < start + 3:                       # three more interval runs, no change
+        assert time.monotonic() < deadline, deploy.daemon_log()[-3000:]
+        time.sleep(0.2)
+    m = deploy.metrics()
+    assert m["reconciler_ssh_connections_opened_total"] == 2, m       # one per host, ever
+    assert m["reconciler_ssh_connections_reused_total"] >= 6, m
+    assert m["reconciler_ssh_connections_open"] == 2, m
+    # End the daemon's session on the first host from the host's side (not this look's own).
+    fleet.ssh(hosts[0], "for p in $(pgrep -f '^sshd: root@notty'); do [ $p = $PPID ] || kill $p; done")
+    deploy.write(hosts, {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "debug"}}})
+    rev = deploy.commit("v2: a change after the kill")
+    deploy.push()
+    assert deploy.wait_exit_file(rev) == 0
+    assert "LOG_LEVEL=debug" in fleet.show(hosts[0], "model-a", "Environment")["Environment"]
+    m = deploy.metrics()
+    assert m["reconciler_ssh_connections_opened_total"] == 3, m       # the one replaced, only
+    assert m.get('reconciler_runs_total{result="host_failed"}', 0.0) == 0, deploy.daemon_log()[-3000:]
+    assert m[f'reconciler_host_reachable{{host="{hosts[0].name}"}}'] == 1.0

@@ -1,0 +1,187 @@
+"""The warm daemon's connection pool (reconciler/pool.py), with transports that only count.
+
+The real-host side (a daemon's rounds reuse their connections, and a connection killed on the
+host is replaced) is in tests/test_e2e_push.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from reconciler.errors import ConnectError
+from reconciler.pool import Pool
+from reconciler.spec import HostSpec, SSHSpec
+from reconciler.transport import Completed
+
+
+class FakeConn:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def is_closed(self) -> bool:
+        return self.closed
+
+
+class FakeTransport:
+    """Counts commands; `dead` makes every command fail as a lost connection would."""
+
+    def __init__(self, host: str, n: int):
+        self.host, self.n = host, n
+        self._conn = FakeConn()
+        self.dead = False
+        self.commands: list[str] = []
+
+    async def run(self, cmd: str, **kw: object) -> Completed:
+        if self.dead:
+            raise ConnectError(self.host, f"connection lost during {kw.get('what', 'command')}")
+        self.commands.append(cmd)
+        return Completed(0, f"{cmd} on connection {self.n}", "")
+
+    async def spawn(self, cmd: str) -> object:
+        if self.dead:
+            raise ConnectError(self.host, "connection lost starting flock")
+        self.commands.append(cmd)
+        return object()
+
+    async def open_connection(self, host: str, port: int):  # pragma: no cover - not used here
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        self._conn.closed = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def host(name: str = "gpu-1", address: str = "127.0.0.20", **ssh: object) -> HostSpec:
+    return HostSpec(name, SSHSpec(address, **ssh))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def made() -> list[FakeTransport]:
+    return []
+
+
+@pytest.fixture
+def pool(made: list[FakeTransport]) -> Pool:
+    async def connect(h: HostSpec) -> FakeTransport:
+        t = FakeTransport(h.name, len(made))
+        made.append(t)
+        return t
+    return Pool(connect, clock=Clock())  # type: ignore[arg-type]
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_a_second_run_reuses_the_connection_and_close_only_gives_it_back(pool, made):
+    async def scenario() -> None:
+        for _ in range(3):
+            t = await pool.connector()(host())
+            assert (await t.run("observe")).stdout == "observe on connection 0"
+            await t.close()
+            await t.close()                       # closing twice gives back once
+    run(scenario())
+    assert len(made) == 1 and not made[0]._conn.closed
+    assert (pool.opened, pool.reused, len(pool)) == (1, 2, 1)
+
+
+def test_a_changed_address_port_or_key_connects_afresh_and_closes_the_old(pool, made):
+    async def scenario() -> None:
+        for h in (host(), host(address="127.0.0.21"), host(address="127.0.0.21", port=2222),
+                  host(address="127.0.0.21", port=2222, host_key="ssh-ed25519 AAAA"),
+                  host(address="127.0.0.21", port=2222, host_key="ssh-ed25519 AAAA")):
+            await (await pool.lease(h)).close()
+    run(scenario())
+    assert len(made) == 4 and [t._conn.closed for t in made] == [True, True, True, False]
+    assert pool.reused == 1
+
+
+def test_a_connection_known_to_be_closed_is_replaced_at_the_next_lease(pool, made):
+    async def scenario() -> None:
+        await (await pool.lease(host())).close()
+        made[0]._conn.closed = True              # keepalive found the peer gone, between runs
+        t = await pool.lease(host())
+        assert (await t.run("observe")).stdout == "observe on connection 1"
+        await t.close()
+    run(scenario())
+    assert (pool.opened, pool.reused) == (2, 0)
+
+
+def test_a_kept_connection_found_dead_at_its_first_command_is_retried_once_on_a_fresh_one(pool, made):
+    async def scenario() -> None:
+        await (await pool.lease(host())).close()
+        made[0].dead = True                      # dead, though asyncssh has not noticed yet
+        t = await pool.lease(host())
+        await t.spawn("flock ...")               # the host lock: first command of the lease
+        assert (await t.run("observe")).stdout == "observe on connection 1"
+        await t.close()
+        t = await pool.lease(host())             # the fresh one is the pool's now
+        assert (await t.run("observe")).stdout == "observe on connection 1"
+        await t.close()
+    run(scenario())
+    assert made[0]._conn.closed and len(made) == 2 and made[1].commands == ["flock ...", "observe", "observe"]
+
+
+def test_only_the_first_command_is_retried_and_a_broken_lease_is_dropped(pool, made):
+    async def scenario() -> None:
+        t = await pool.lease(host())
+        await t.run("observe")
+        made[0].dead = True
+        with pytest.raises(ConnectError):        # mid-run: the run's failure (Unreachable), no retry
+            await t.run("apply")
+        await t.close()
+        assert len(pool) == 0 and made[0]._conn.closed
+        t = await pool.lease(host())
+        assert (await t.run("observe")).stdout == "observe on connection 1"
+        await t.close()
+    run(scenario())
+    assert made[0].commands == ["observe"] and len(made) == 2
+
+
+def test_a_fresh_connection_that_fails_is_not_retried(pool, made):
+    async def scenario() -> None:
+        t = await pool.lease(host())
+        made[0].dead = True
+        with pytest.raises(ConnectError):
+            await t.spawn("flock ...")
+        await t.close()
+    run(scenario())
+    assert len(made) == 1 and len(pool) == 0
+
+
+def test_a_host_leased_twice_at_once_gets_a_second_connection_that_is_really_closed(pool, made):
+    async def scenario() -> None:
+        a = await pool.lease(host())
+        b = await pool.lease(host())
+        await b.close()
+        await a.close()
+    run(scenario())
+    assert len(made) == 2 and made[1]._conn.closed and not made[0]._conn.closed and len(pool) == 1
+
+
+def test_retain_closes_hosts_that_left_the_fleet_and_idle_ones_never_a_leased_one(pool, made):
+    clock: Clock = pool.clock  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        for name in ("gpu-1", "gpu-2", "gpu-3"):
+            await (await pool.lease(host(name))).close()
+        busy = await pool.lease(host("gpu-3"))
+        clock.now += 10
+        await (await pool.lease(host("gpu-2"))).close()
+        await pool.retain(["gpu-2", "gpu-3"])        # gpu-1 left the fleet
+        assert sorted(pool._entries) == ["gpu-2", "gpu-3"]
+        clock.now += pool.idle + 1
+        await pool.retain(["gpu-2", "gpu-3"])        # gpu-2 idle too long; gpu-3 is leased
+        assert sorted(pool._entries) == ["gpu-3"]
+        await busy.close()
+        await pool.close()
+    run(scenario())
+    assert all(t._conn.closed for t in made) and len(pool) == 0
