@@ -165,6 +165,7 @@ class Scale:
                "PYTHONPYCACHEPREFIX": str(tmp / "pycache"), "NO_COLOR": "1", "COLUMNS": "200"}
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         self.env = env
+        self._repo: DesiredRepo | None = None
 
     def start_sshd(self) -> None:
         subprocess.run([*fleetlib.ssh_base(self.host.address, self.kh),
@@ -174,8 +175,9 @@ class Scale:
 
     def repo(self, n: int) -> DesiredRepo:
         """n hosts, one stand-in service each, systemd-only health; converged once through sim-0
-        (they all share the one container, so all n are in sync after it)."""
-        repo = DesiredRepo(self.tmp / f"repo{n}")
+        (they all share the one container, so all n are in sync after it). One repo, a commit per
+        size (sizes ascending): each descends from the one the host records as applied."""
+        repo = self._repo = self._repo or DesiredRepo(self.tmp / "repo")
         repo.write("fleet.toml", f'concurrency = {AT_ONCE}\n\n[ssh]\nuser = "root"\nport = {PORT}\n'
                                  'known_hosts = "known_hosts"\n')
         repo.write("known_hosts", "".join(self.known.read_text().splitlines(keepends=True)[:n]))

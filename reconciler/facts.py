@@ -179,7 +179,8 @@ for n in $names; do
   units="$units $n.service"
 done
 if [ -n "$units" ]; then
-  printf '%%s S - ' "$T"; systemctl show -p %(props)s $units | base64 -w0; echo
+  # last, and as it is (no base64 process): everything up to the END line is systemctl's
+  printf '%%s S -\n' "$T"; systemctl show -p %(props)s $units; echo
 fi
 printf '%%s END\n' "$T"
 """
@@ -239,6 +240,15 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
     show: dict[str, dict[str, str]] = {}
     secret_files: dict[str, str | None] = {}
     ended = False
+    # `systemctl show` comes last, unencoded, between the "S -" line and the END line (the
+    # token, random per observation, cannot occur in it).
+    head, mark, rest = stdout.partition(f"{token} S -\n")
+    if mark:
+        shown, end, _ = rest.rpartition(f"\n{token} END\n")
+        if not end:
+            raise ObserveError(host, "observation output ended early (is this a systemd host with a POSIX shell?)")
+        show = parse_show(shown)
+        stdout = head + f"{token} END\n"
     for line in stdout.splitlines():
         parts = line.split(" ")
         if len(parts) < 2 or parts[0] != token:
@@ -262,8 +272,6 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
         name = parts[2]
         if kind == "H":
             host_record = HostRecord.parse(text) if text is not None else None
-        elif kind == "S":
-            show = parse_show(text or "")
         elif kind == "D" and path:
             dropins.setdefault(name, {})[path] = text or ""
         elif kind in ("R", "U", "E"):

@@ -129,7 +129,15 @@ class ServiceSpec:
         return path in self.allow_dropins or path.rsplit("/", 1)[-1] in self.allow_dropins
 
     def content_hash(self) -> str:
-        """A stable digest of everything that, when changed, requires a restart."""
+        """A stable digest of everything that, when changed, requires a restart (computed once:
+        the spec is frozen, and a run asks for it a dozen times per service)."""
+        cached: str | None = self.__dict__.get("_content_hash")
+        if cached is None:
+            cached = self._digest()
+            object.__setattr__(self, "_content_hash", cached)
+        return cached
+
+    def _digest(self) -> str:
         h = hashlib.sha256()
         h.update(self.unit_text.encode())
         for k in sorted(self.env):

@@ -50,10 +50,11 @@ def test_parse_observation():
         f"{t} R crashy {rec_json}",
         f"{t} U crashy {unit}",
         f"{t} E crashy -",
-        f"{t} S - {b64(SHOW)}",
         "noise line from a login banner",
+        f"{t} S -",                    # systemctl show, as it is, up to the END line
+        SHOW,
         f"{t} END",
-    ])
+    ]) + "\n"
     f = parse_observation(out, t)
     assert f.record is not None and f.record.applied_revision == "abc"
     s = f.services["crashy"]
@@ -65,6 +66,16 @@ def test_parse_observation():
 def test_truncated_observation_is_an_error():
     with pytest.raises(ObserveError):
         parse_observation("tok H - -\n", "tok")
+    with pytest.raises(ObserveError):        # cut inside systemctl's output
+        parse_observation(f"tok H - -\ntok S -\n{SHOW[:40]}", "tok")
+
+
+def test_show_output_cannot_end_the_observation_early():
+    """A property value is systemd's text (a Description= anyone may write): only the END line
+    with this observation's random token ends it."""
+    show = "Id=x.service\nDescription=tok END\nSubState=running\n"
+    f = parse_observation(f"tok U x {b64('[Service]')}\ntok S -\n{show}\ntok END\n", "tok")
+    assert f.services["x"].props["SubState"] == "running"
 
 
 def test_observe_command_quotes_names():
