@@ -173,8 +173,10 @@ class _FleetRun:
                                                   message=message, seconds=time.monotonic() - t0)
                 return
             self.transports[h.name] = t
+            # A dry run shows this plan, pre-flight included; a real run's first look only
+            # decides whether the host needs its lock (pre-flight runs on the look under it).
             r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
-                                     retry=self.retry, transport=t, rules=self.rules)
+                                     retry=self.retry, transport=t, rules=self.rules, check=self.dry_run)
             if not self.dry_run and writes(r):
                 # One reconcile of a host at a time: a host with anything to do is locked, then
                 # observed again under the lock (another run may have changed it since the look
@@ -238,7 +240,7 @@ class _FleetRun:
             host, old = self.state.hosts[name], self.results[name]
             r = await reconcile_host(host, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
                                      retry=self.retry, quarantine=qs, transport=self.transports[name],
-                                     facts=old.facts, rules=self.rules)
+                                     facts=old.facts, rules=self.rules, checked=old.checked)
             r.seconds += old.seconds
             self.results[name] = r
 
@@ -265,7 +267,7 @@ class _FleetRun:
                                          render_at=self.render_at, retry=self.retry, on_phase=self.on_phase,
                                          hold=hold, quarantine=qs, transport=t,
                                          facts=None if fresh and not unlocked else before.facts,
-                                         rules=self.rules, supersede=self.supersede)
+                                         rules=self.rules, supersede=self.supersede, checked=before.checked)
                 if unlocked and r.plan is not None and r.facts is not None:
                     r.running = {n: running_after(r.plan, r.facts, n) for n in h.services}
             if h.name not in self.passed:

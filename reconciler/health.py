@@ -27,6 +27,9 @@ from .transport import Completed, Transport
 WATCH_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID,"
                "ActiveEnterTimestampMonotonic")
 SYSTEMD_POLL = 0.5   # seconds between systemd polls: a crash shows within about a second
+# The first gaps after a watch's first reading are shorter: a start (--no-block) that is done a
+# moment after the apply returns is seen then, not half a second later; a few cheap reads more.
+SYSTEMD_RAMP = (0.1, 0.1, 0.2, 0.3)
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,7 @@ class SystemdWatch:
 
     Each watch asks for its unit's next reading (`read`); a tick starts at once when none ran in
     the last `poll` seconds (so a watch's first reading is immediate), else `poll` seconds after
-    the last one, and answers everyone who asked since with one `systemctl show` of all their
+    the last one (SYSTEMD_RAMP's shorter gaps after the first few), and answers everyone who asked since with one `systemctl show` of all their
     units. A watch that is busy in between (an HTTP probe) gets the next tick's reading, so
     readings stay `poll` apart as with a poll of its own. A failed round trip fails every reading
     of that tick, as it would have failed each watch's own.
@@ -180,6 +183,7 @@ class SystemdWatch:
         self._asked: dict[str, list[asyncio.Future[dict[str, str]]]] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._last = float("-inf")
+        self._ticks = 0
 
     async def read(self, unit: str) -> dict[str, str]:
         """The unit's properties (WATCH_PROPS) at the next tick; {} when systemd names no such unit."""
@@ -193,12 +197,15 @@ class SystemdWatch:
         asked: dict[str, list[asyncio.Future[dict[str, str]]]] = {}
         try:
             while self._asked:
-                await asyncio.sleep(max(0.0, self._last + self.poll - time.monotonic()))
+                gap = min(self.poll, SYSTEMD_RAMP[self._ticks - 1]) if 0 < self._ticks <= len(SYSTEMD_RAMP) \
+                    else self.poll
+                await asyncio.sleep(max(0.0, self._last + gap - time.monotonic()))
                 asked, self._asked = self._asked, {}
                 units = sorted(u for u, futs in asked.items() if any(not f.done() for f in futs))
                 if not units:
                     continue
                 self._last = time.monotonic()
+                self._ticks += 1
                 try:
                     res = await self._show(units)
                 except Exception as e:

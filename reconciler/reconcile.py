@@ -97,6 +97,7 @@ class HostResult:
     running: dict[str, str | None] = field(default_factory=dict)   # service -> revision running
     facts: HostFacts | None = field(default=None, repr=False, compare=False)   # what the plan saw
     notes: list[str] = field(default_factory=list)      # pre-flight warnings, GPU gate notes
+    checked: Preflight | None = field(default=None, repr=False, compare=False)   # the last pre-flight
 
     def worsen(self, status: Result, reason: str | None = None, message: str | None = None) -> None:
         """Keep the worst status; messages of equally bad failures add up."""
@@ -217,8 +218,10 @@ class _HostRun:
     def __init__(self, host: HostSpec, revision: str, t: Transport, result: HostResult, *,
                  render_at: RenderAt | None, retry: bool, deferred: frozenset[str],
                  fleet_quarantine: Mapping[str, Quarantine], rules: Rules,
-                 on_phase: HostPhase | None, supersede: asyncio.Event | None = None):
+                 on_phase: HostPhase | None, supersede: asyncio.Event | None = None,
+                 check: bool = True, reuse: Preflight | None = None):
         self.host, self.revision, self.t, self.result = host, revision, t, result
+        self.check, self.reuse = check, reuse
         self.render_at, self.retry, self.deferred = render_at, retry, deferred
         self.fleet_q = {n: q for n, q in fleet_quarantine.items() if n in host.services and n not in deferred}
         self.rules, self.on_phase, self.supersede = rules, on_phase, supersede
@@ -241,12 +244,17 @@ class _HostRun:
         """Plan, then run the host-side pre-flight for what that plan starts, and plan again with
         its findings (blocked services, fetches, the GPU gate)."""
         plan = plan_host(self.host, facts, self._context(facts))
-        if not any(a.kind in (Kind.START, Kind.RESTART, Kind.WRITE) for a in plan.actions):
+        if not any(a.kind in (Kind.START, Kind.RESTART, Kind.WRITE) for a in plan.actions) or not self.check:
             return plan
-        from .gate import preflight_host
-        rules = self.rules() if callable(self.rules) else self.rules
-        pf = await preflight_host(self.t, self.host, plan, facts, rules, fetched=fetched)
-        self.preflight = pf
+        if self.reuse is not None and fetched is None:
+            # The survey's pre-flight, of these same facts: a pass that did not look again
+            # does not check again (a wave's pass, which looks again, checks again too).
+            pf, self.reuse = self.reuse, None
+        else:
+            from .gate import preflight_host
+            rules = self.rules() if callable(self.rules) else self.rules
+            pf = await preflight_host(self.t, self.host, plan, facts, rules, fetched=fetched)
+        self.preflight = self.result.checked = pf
         self.result.notes.extend(w for w in pf.warnings if w not in self.result.notes)
         return plan_host(self.host, facts, self._context(facts, pf))
 
@@ -352,7 +360,8 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
                          on_phase: HostPhase | None = None, hold: frozenset[str] = frozenset(),
                          quarantine: Mapping[str, Quarantine] | None = None, transport: Transport | None = None,
                          facts: HostFacts | None = None, rules: Rules = None,
-                         supersede: asyncio.Event | None = None) -> HostResult:
+                         supersede: asyncio.Event | None = None, check: bool = True,
+                         checked: Preflight | None = None) -> HostResult:
     """Converge one host (or, with dry_run, only plan it). Never raises for host failures.
 
     For the fleet's passes: `hold` names services another pass converges (a rollout wave);
@@ -361,9 +370,13 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
     caller closes it); `facts` skips the first observation. `rules`: the pre-flight rule pack (or
     a function that loads it, called when pre-flight first runs).
     `supersede`: set when a newer revision arrives; health waits then end without a verdict.
+    `check=False` plans without the host-side pre-flight (a first look that only decides
+    whether the host needs its lock); `checked` is a pre-flight already run on these `facts`.
     """
     started = time.monotonic()
     result = HostResult(host.name, host.ssh.address)
+    if facts is None:
+        checked = None          # a pre-flight is reused only with the facts it was run on
     t: Transport | None = transport
     held: lock.HostLock | None = None
     try:
@@ -375,7 +388,8 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
             facts = await observe(t, host)
         result.facts = facts
         run = _HostRun(host, revision, t, result, render_at=render_at, retry=retry, deferred=hold,
-                       fleet_quarantine=quarantine or {}, rules=rules, on_phase=on_phase, supersede=supersede)
+                       fleet_quarantine=quarantine or {}, rules=rules, on_phase=on_phase, supersede=supersede,
+                       check=check, reuse=checked)
         plan = await run.plan(facts)
         result.plan = plan
         if not dry_run:
