@@ -172,10 +172,11 @@ class SystemdWatch:
 
     Each watch asks for its unit's next reading (`read`); a tick starts at once when none ran in
     the last `poll` seconds (so a watch's first reading is immediate), else `poll` seconds after
-    the last one (SYSTEMD_RAMP's shorter gaps after the first few), and answers everyone who asked since with one `systemctl show` of all their
-    units. A watch that is busy in between (an HTTP probe) gets the next tick's reading, so
-    readings stay `poll` apart as with a poll of its own. A failed round trip fails every reading
-    of that tick, as it would have failed each watch's own.
+    the last one (SYSTEMD_RAMP's shorter gaps after the first few), and answers everyone who
+    asked since with one `systemctl show` of all their units. A watch that is busy in between
+    (an HTTP probe) gets the next tick's reading, so readings stay `poll` apart as with a poll
+    of its own. A failed round trip fails every reading of that tick, as it would have failed
+    each watch's own.
     """
 
     def __init__(self, t: Transport, poll: float = SYSTEMD_POLL):
