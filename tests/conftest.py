@@ -12,8 +12,10 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pygit2
 import pytest
@@ -196,3 +198,15 @@ def run_cli(*args: str, check_codes: tuple[int, ...] | None = None) -> subproces
 def run_json(*args: str, check_codes: tuple[int, ...] | None = None) -> tuple[int, dict]:
     res = run_cli(*args, "--json", check_codes=check_codes)
     return res.returncode, json.loads(res.stdout)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 0.1) -> Any:
+    """Poll `check` until it returns something truthy (returned), or fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)

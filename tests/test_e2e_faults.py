@@ -39,7 +39,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +48,7 @@ import pytest
 from reconciler import load, source
 from reconciler.plan import desired_files
 from tests import fleet as fleetlib
-from tests.conftest import FLEET_FIRST, FLEET_PREFIX, FLEET_SIZE, ROOT, DesiredRepo, Fleet, run_cli, run_json
+from tests.conftest import FLEET_FIRST, FLEET_PREFIX, FLEET_SIZE, ROOT, DesiredRepo, Fleet, run_cli, run_json, wait_for
 from tests.proxy import Proxy
 
 pytestmark = pytest.mark.fleet
@@ -187,17 +187,6 @@ def finished(p: subprocess.Popen, log: Path, timeout: float) -> tuple[int, dict]
 
 def host_report(out: dict, name: str) -> dict:
     return next((r for r in out.get("hosts", []) if r["host"] == name), {})
-
-
-def wait_for(what: str, check: Callable[[], object], timeout: float, every: float = 0.1) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(every)
 
 
 def record(fleet: Fleet, h: fleetlib.Host) -> dict:

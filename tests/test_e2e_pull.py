@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from tests import conftest
 from tests import fleet as fleetlib
 from tests.conftest import ROOT, DesiredRepo, Fleet, run_json, write_fleet
 
@@ -84,14 +85,8 @@ def hosts(fleet_session: Fleet) -> list[fleetlib.Host]:
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 45) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.5)
+    """conftest.wait_for at pull mode's pace: timers run every few seconds."""
+    return conftest.wait_for(what, check, timeout, every=0.5)
 
 
 def read_json(fleet: Fleet, h: fleetlib.Host, path: str) -> dict[str, Any]:

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import browser
-from tests.conftest import ROOT
+from tests.conftest import ROOT, wait_for
 from tests.test_e2e_push import Deploy, free_port
 from tests.test_e2e_rollout import INCIDENT_LINE, SERVICE, SPEC_FLAGS, write_shared
 
@@ -47,16 +46,6 @@ def deploy(tmp_path: Path) -> Iterator[Deploy]:
     d = Deploy(tmp_path)
     yield d
     d.stop()
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def page_up(url: str) -> bool:
