@@ -301,14 +301,16 @@ def test_the_proxy_cuts_with_an_rst_blackholes_without_closing_and_heals():
             wait_for("the upstream side to be reset", lambda: upstream_saw == ["reset"], timeout=5)
             # accepted, then reset at once: the RST can land before create_connection's own
             # connect check (SO_ERROR after a non-blocking connect) or at the first recv
+            opened = [c]
             with pytest.raises(ConnectionResetError):
-                refused = socket.create_connection(("127.0.0.1", p.port), timeout=5)
-                refused.recv(16)
+                opened.append(socket.create_connection(("127.0.0.1", p.port), timeout=5))
+                opened[-1].recv(16)
             p.heal()
             again = socket.create_connection(("127.0.0.1", p.port), timeout=5)
+            opened.append(again)
             again.sendall(b"back")
             assert again.recv(16) == b"back"
-            for s_ in (c, refused, again):
+            for s_ in opened:
                 s_.close()
     finally:
         srv.close()
