@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import base64
 import shlex
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from . import confirm, faults, secrets
 from .errors import CommandError
-from .facts import CREDSTORE, HOST_RECORD, STATE_DIR, adopted_copy, cred_env_path, cred_path, record_path
+from .facts import CREDSTORE, HOST_RECORD, STATE_DIR, adopted_copy, cred_env_path, cred_path, parse_show, record_path
 from .plan import ORDER, Action, HostPlan, Kind, Reason
 from .records import HostRecord, ServiceRecord
 from .spec import SecretSpec
@@ -51,19 +52,30 @@ trap cleanup EXIT
 trap 'exit 129' HUP INT TERM PIPE
 fatal() { printf '@@fatal %s %s\n' "$1" "$2"; exit 1; }
 pause() { [ -z "${1:-}" ] || sleep "$1"; }   # fault injection only (faults.py); no-op otherwise
+N=0
+# A temp file beside $1 that no other run's script names ($$: this shell's PID, unique while it
+# runs), in root's own directories, so nobody else can plant one there. Sets d and t.
+tmp_beside() {
+  d=${1%/*}; [ -d "$d" ] || mkdir -p "$d" || return 1
+  N=$((N + 1)); t="$d/.reconciler-tmp.$$.$N"; TMPS="$TMPS $t"
+}
 atomic_write() {  # path mode base64-content
-  d=$(dirname "$1"); mkdir -p "$d" || return 1
-  t=$(mktemp "$d/.reconciler-tmp.XXXXXX") || return 1
-  TMPS="$TMPS $t"
-  printf '%s' "$3" | base64 -d > "$t" && chmod "$2" "$t" && sync "$t" || return 1
+  tmp_beside "$1" || return 1
+  # Anything but 0644 is created owner-only first (a secret is never readable by others, not
+  # for a moment); base64 reads a here-document (no extra process for a pipe).
+  [ "$2" = 0644 ] || umask 077
+  base64 -d > "$t" <<EOF
+$3
+EOF
+  r=$?; umask 022; [ "$r" = 0 ] || return 1
+  [ "$2" = 0644 ] || chmod "$2" "$t" || return 1
+  sync "$t" || return 1
   pause "${RC_PAUSE_AFTER_TEMP:-}"
   mv -f "$t" "$1" && sync "$d" || return 1
   pause "${RC_PAUSE_AFTER_RENAME:-}"
 }
 atomic_copy() {  # source destination
-  d=$(dirname "$2"); mkdir -p "$d" || return 1
-  t=$(mktemp "$d/.reconciler-tmp.XXXXXX") || return 1
-  TMPS="$TMPS $t"
+  tmp_beside "$2" || return 1
   cp -p "$1" "$t" && sync "$t" && mv -f "$t" "$2" && sync "$d"
 }
 soft() {  # step-index command...: never stops the script; reports ok or the failure
@@ -128,7 +140,7 @@ def _secrets(service: str, wanted: Sequence[SecretSpec], *, remove: bool = False
                  f"case \" {names} \" in *\" ${{f##*/}} \"*) ;; *) rm -rf \"$f\";; esac; done")
     env_secrets = [s for s in sorted(wanted, key=lambda s: s.name) if s.env]
     if env_secrets:
-        compose = [f"t=$(mktemp {q(CREDSTORE)}/.reconciler-tmp.XXXXXX)", 'TMPS="$TMPS $t"', 'chmod 0600 "$t"',
+        compose = [f"tmp_beside {env}", "umask 077", ': > "$t"', "umask 022",
                    *(f'env_line {q(s.name)} {q(s.path if s.source == "file" else cred_path(service, s.name))} '
                      f'>> "$t"' for s in env_secrets),
                    'sync "$t"', f'mv -f "$t" {env}', f"sync {q(CREDSTORE)}"]
@@ -213,6 +225,13 @@ def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
         parts.append(f"step {i}")
         parts.append(f"soft {i} {soft}" if soft else f"{_fatal(a, plan, now)} || fatal {i} $?")
     parts.append("step done")
+    started = sorted({a.service for a in actions if a.kind in (Kind.START, Kind.RESTART) and a.service})
+    if started:
+        # The health watch's first reading of what this script started, in the same round trip
+        # (a start queued with --no-block is often done by now); never fatal.
+        from .health import WATCH_PROPS
+        parts.append(f"printf '@@show\\n'; systemctl show -p {WATCH_PROPS} {' '.join(_unit(n) for n in started)} "
+                     "2>/dev/null; printf '\\n@@shown\\n'")
     return "\n".join(parts) + "\n"
 
 
@@ -232,6 +251,10 @@ class Applied:
     host_clock: float | None = None
     failures: list[StepFailure] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)    # service -> why its start was skipped
+    # systemd's reading of the started units at the script's end (unit -> WATCH_PROPS), and
+    # when it came back (time.monotonic()): the health watch's first reading
+    shown: dict[str, dict[str, str]] = field(default_factory=dict)
+    shown_at: float = 0.0
 
     def failed(self, service: str) -> StepFailure | None:
         """The failed start or restart of a service, if any."""
@@ -276,6 +299,10 @@ async def _run(t: Transport, plan: HostPlan, actions: Sequence[Action], now: int
         return
     res = await t.run("sh -s", input=build_script(plan, actions, now), timeout=timeout, what="apply")
     clock, failures, fatal = parse_results(plan, res.stdout, res.stderr)
+    _, mark, rest = res.stdout.partition("@@show\n")
+    shown, end, _tail = rest.rpartition("\n@@shown\n")
+    if mark and end:
+        out.shown, out.shown_at = parse_show(shown), time.monotonic()
     if out.host_clock is None:
         out.host_clock = clock
     out.failures.extend(failures)

@@ -25,6 +25,7 @@ from .facts import CREDSTORE, STATE_DIR, UNIT_DIR, env_path, record_path, secret
 from .records import Quarantine, ServiceRecord
 
 CONFIRM_DIR = f"{STATE_DIR}/confirm"
+WANTS = f"{UNIT_DIR}/timers.target.wants"      # where `systemctl enable` links the timer
 LOCK = f"{STATE_DIR}/.lock"
 
 
@@ -89,8 +90,10 @@ def disarm_script(service: str, *, inside: bool = False) -> str:
     if inside:
         return f"rm -f {s} {unit} {timer}; systemctl disable --no-reload {name}.timer >/dev/null 2>&1; true"
     kept = f"{shlex.quote(f'{KEPT}/{service}')} {shlex.quote(f'{KEPT}/{service}.env')}"
-    return (f"systemctl disable --now --no-reload {name}.timer >/dev/null 2>&1; "
-            f"systemctl stop {name}.service >/dev/null 2>&1; rm -f {s} {unit} {timer}; rm -rf {kept}; true")
+    # One systemctl for both units; the enablement is the one symlink `enable` made (what
+    # `disable --no-reload` would remove), so no second systemctl process is needed for it.
+    return (f"systemctl stop {name}.timer {name}.service >/dev/null 2>&1; "
+            f"rm -f {s} {unit} {timer} {WANTS}/{name}.timer; rm -rf {kept}; true")
 
 
 def arm(service: str, *, revision: str, new_hash: str, window: int, record: ServiceRecord,

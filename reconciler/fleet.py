@@ -34,6 +34,7 @@ from .reconcile import (
     HostResult,
     RenderAt,
     Rules,
+    lock_and_observe,
     merge_plans,
     reconcile_host,
     running_after,
@@ -180,10 +181,11 @@ class _FleetRun:
             if not self.dry_run and writes(r):
                 # One reconcile of a host at a time: a host with anything to do is locked, then
                 # observed again under the lock (another run may have changed it since the look
-                # above), and planned from that; the lock is held until the last verdict. A host in
-                # sync is read, never locked: a no-change round costs one observation per host.
+                # above; the lock's holder reads it, in the same round trip), and planned from
+                # that; the lock is held until the last verdict. A host in sync is read, never
+                # locked: a no-change round costs one observation per host.
                 try:
-                    self.locks[h.name] = await lock.acquire(t, wait=self.lock_wait)
+                    self.locks[h.name], locked = await lock_and_observe(t, h, self.lock_wait)
                 except HostError as e:
                     self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
                                                       message=e.message, seconds=time.monotonic() - t0)
@@ -191,7 +193,8 @@ class _FleetRun:
                     await self._close(t)
                     return
                 r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True,
-                                         render_at=self.render_at, retry=self.retry, transport=t, rules=self.rules)
+                                         render_at=self.render_at, retry=self.retry, transport=t, rules=self.rules,
+                                         facts=locked)
                 r.seconds = time.monotonic() - t0
             self.results[h.name] = r
             applied = r.facts.record.applied_revision if r.facts and r.facts.record else None

@@ -25,7 +25,7 @@ from .spec import HealthSpec
 from .transport import Completed, Transport
 
 WATCH_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID,"
-               "ActiveEnterTimestampMonotonic")
+               "ActiveEnterTimestampMonotonic,Job")
 SYSTEMD_POLL = 0.5   # seconds between systemd polls: a crash shows within about a second
 # The first gaps after a watch's first reading are shorter: a start (--no-block) that is done a
 # moment after the apply returns is seen then, not half a second later; a few cheap reads more.
@@ -76,6 +76,9 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
     if active == "active" and sub in ("running", "exited", "reload"):
         return Verdict("running", detail=summary)
     if active in ("inactive", "deactivating"):
+        if props.get("Job", "") not in ("", "0"):
+            # a job is queued (our --no-block start, not yet begun): nothing is judged before it runs
+            return Verdict("starting", detail=f"waiting for the start job {props['Job']}: {summary}")
         if never_active:   # e.g. a start timeout: systemd is stopping what never came up
             return Verdict("crashed", "StartFailed", f"start failed: {summary}")
         return Verdict("exited", "Exited", f"process ended: {summary}")
@@ -185,9 +188,21 @@ class SystemdWatch:
         self._ticker: asyncio.Task[None] | None = None
         self._last = float("-inf")
         self._ticks = 0
+        self._seeded: dict[str, dict[str, str]] = {}
+
+    def seed(self, shown: dict[str, dict[str, str]], at: float) -> None:
+        """A reading taken elsewhere (the apply script's last command, at time.monotonic() `at`)
+        counts as a tick: each of its units' next read gets it at once, and the next tick keeps
+        the usual gap after it."""
+        self._seeded = dict(shown)          # an older apply's reading is never handed out
+        if shown:
+            self._last, self._ticks = at, max(self._ticks, 1)
 
     async def read(self, unit: str) -> dict[str, str]:
         """The unit's properties (WATCH_PROPS) at the next tick; {} when systemd names no such unit."""
+        seeded = self._seeded.pop(unit, None)
+        if seeded is not None:
+            return seeded
         fut: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
         self._asked.setdefault(unit, []).append(fut)
         if self._ticker is None or self._ticker.done():

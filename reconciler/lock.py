@@ -36,10 +36,13 @@ class LockedError(HostError):
     reason = "Locked"
 
 
-def holder_command(wait: float, owner: str) -> str:
-    """The shell that takes the lock (waiting at most `wait` s), says LOCKED, and keeps it
-    while heartbeats arrive; it prints BUSY and the owner's line when the wait runs out."""
-    keep = (f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; echo LOCKED; "
+def holder_command(wait: float, owner: str, then: str = "") -> str:
+    """The shell that takes the lock (waiting at most `wait` s), says LOCKED, runs `then` (a
+    command whose output the run reads under the lock: its observation, in the same round
+    trip), and keeps the lock while heartbeats arrive; it prints BUSY and the owner's line
+    when the wait runs out."""
+    first = f"{then} </dev/null; " if then else ""
+    keep = (f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; echo LOCKED; {first}"
             f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done; rm -f {OWNER}")
     return (f"mkdir -p {STATE_DIR} && if flock -w {int(wait)} {LOCK} sh -c {shlex.quote(keep)}; then :; "
             f"else echo BUSY; cat {OWNER} 2>/dev/null; fi")
@@ -51,10 +54,13 @@ def owner_line() -> str:
 
 
 class HostLock:
-    """The held lock of one host; release() lets go (closing the connection does too)."""
+    """The held lock of one host; release() lets go (closing the connection does too).
 
-    def __init__(self, proc: Spawned):
-        self.proc = proc
+    `output`: what the command run under the lock printed (acquire's `then`), or None when it
+    was not asked for or did not end within its time."""
+
+    def __init__(self, proc: Spawned, output: str | None = None):
+        self.proc, self.output = proc, output
         self.beat = asyncio.create_task(self._heartbeat())
 
     async def _heartbeat(self) -> None:
@@ -73,16 +79,24 @@ class HostLock:
             await self.proc.close()
 
 
-async def acquire(t: Transport, *, wait: float = WAIT) -> HostLock:
+async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[str, str] | None = None,
+                  then_timeout: float = 30.0) -> HostLock:
     """Take the host's lock, waiting at most `wait` seconds; raise LockedError when another
-    run keeps it that long."""
-    proc = await t.spawn(holder_command(wait, owner_line()))
+    run keeps it that long.
+
+    then: (command, last line) to run on the host once the lock is held, its output read up to
+    and including that line (HostLock.output; None if it did not come within then_timeout)."""
+    proc = await t.spawn(holder_command(wait, owner_line(), then[0] if then else ""))
     try:
         first = await asyncio.wait_for(proc.readline(), wait + 15)
     except TimeoutError:
         first = ""
     if first.strip() == "LOCKED":
-        return HostLock(proc)
+        output = None
+        if then is not None:
+            with contextlib.suppress(TimeoutError):
+                output = await asyncio.wait_for(_read_through(proc, then[1]), then_timeout)
+        return HostLock(proc, output)
     who = ""
     if first.strip() == "BUSY":
         with contextlib.suppress(TimeoutError):
@@ -91,3 +105,13 @@ async def acquire(t: Transport, *, wait: float = WAIT) -> HostLock:
     holder = f" (held by {who})" if who else ""
     raise LockedError(t.host, f"another reconcile holds {LOCK} on this host{holder}; waited {wait:.0f}s, "
                               f"changed nothing here")
+
+
+async def _read_through(proc: Spawned, last: str) -> str | None:
+    """Lines up to and including `last` (None: the output ended before it)."""
+    lines: list[str] = []
+    while line := await proc.readline():
+        lines.append(line)
+        if line.rstrip("\n") == last:
+            return "".join(lines)
+    return None

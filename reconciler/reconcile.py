@@ -129,11 +129,30 @@ def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0) ->
     return connect
 
 
+def observation(host: HostSpec) -> tuple[str, str]:
+    """The command that reads everything the planner needs from the host, and its token."""
+    return observe_command(list(host.services), secret_files=secret_files(host))
+
+
 async def observe(t: Transport, host: HostSpec) -> HostFacts:
     """Read everything the planner needs from the host, in one round trip."""
-    cmd, token = observe_command(list(host.services), secret_files=secret_files(host))
+    cmd, token = observation(host)
     res = await t.run(cmd, check=True, timeout=30, what="observe")
     return parse_observation(res.stdout, token, host.name)
+
+
+async def lock_and_observe(t: Transport, host: HostSpec, wait: float) -> tuple[lock.HostLock, HostFacts | None]:
+    """Take the host's lock and read it under the lock, in one round trip (the holder runs the
+    observation once it holds the lock). The facts are None when that reading did not come back
+    whole: the caller observes again by itself (and meets the error there)."""
+    cmd, token = observation(host)
+    held = await lock.acquire(t, wait=wait, then=(cmd, f"{token} END"))
+    if held.output is None:
+        return held, None
+    try:
+        return held, parse_observation(held.output, token, host.name)
+    except ReconcilerError:
+        return held, None
 
 
 # ---- results ------------------------------------------------------------------------------------
@@ -290,6 +309,7 @@ class _HostRun:
             else None
         faults.hit("before-apply")
         applied = await apply_plan(self.t, plan, now=int(time.time()), gpu_wait=waiter)
+        self.systemd.seed(applied.shown, applied.shown_at)
         faults.hit("after-apply")
         for name, why in sorted(applied.skipped.items()):
             sp = plan.services[name]
@@ -383,7 +403,8 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
         if t is None:
             t = await connect(host)
             if not dry_run:
-                held = await lock.acquire(t)
+                held, locked = await lock_and_observe(t, host, lock.WAIT)
+                facts = facts or locked
         if facts is None:
             facts = await observe(t, host)
         result.facts = facts

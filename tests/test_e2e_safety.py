@@ -66,6 +66,11 @@ def test_an_older_revision_is_refused_by_what_the_host_records(fleet, repo):
     write_fleet(repo, [h], {"model-a": svc()})
     c1 = repo.commit("v1")
     run_cli("--repo", str(repo.path), check_codes=(0,))
+    # the healthy verdict disarmed the deploy's switch: no files, no enablement link, not active
+    timer = "/etc/systemd/system/reconciler-confirm-model-a.timer"
+    assert not fleet.exists(h, timer) and not fleet.exists(h, "/var/lib/reconciler/confirm/model-a.sh")
+    assert not fleet.ssh(h, "ls -a /etc/systemd/system/timers.target.wants/ 2>/dev/null | grep confirm || true")
+    assert fleet.show(h, "reconciler-confirm-model-a.timer", "ActiveState")["ActiveState"] == "inactive"
     write_fleet(repo, [h], {"model-a": svc(V="2")})
     c2 = repo.commit("v2")
     run_cli("--repo", str(repo.path), check_codes=(0,))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import re
+import stat
+import subprocess
 
 import pytest
 
@@ -110,9 +112,29 @@ def test_script_records_intent_then_writes_atomically_then_reloads_once_then_rec
     intent = script.index("atomic_write /var/lib/reconciler/services/m.json")
     assert intent < script.index("atomic_write /etc/systemd/system/m.service") < script.index("systemctl daemon-reload")
     assert script.index("u_start m.service") < script.index("/var/lib/reconciler/host.json")
-    assert '.reconciler-tmp.XXXXXX' in script
+    assert '/.reconciler-tmp.$$.' in script
     # the clean-up removes only this script's own temp files
     assert 'rm -f $TMPS' in script and "rm -f /etc/systemd/system/.reconciler-tmp.*" not in script
+
+
+def test_atomic_write_in_the_hosts_shell_keeps_content_and_modes_and_leaves_no_temp(tmp_path):
+    """The prelude's atomic_write, run by sh: exact bytes, the mode asked for (a 0600 file is
+    never created readable by others), no temp file left behind, and a failure stops the script."""
+    from reconciler.apply import _PRELUDE, _write
+    body = "\n".join([_write(f"{tmp_path}/new/dir/a.conf", "x=1\n\u00e9\n") + " || fatal 1 $?",
+                      _write(f"{tmp_path}/secret", "s3cret", "0600") + " || fatal 2 $?",
+                      _write(f"{tmp_path}/run.sh", "#!/bin/sh\n", "0700") + " || fatal 3 $?",
+                      'echo "umask $(umask)"',
+                      _write(f"{tmp_path}/secret/cannot", "x") + " || fatal 4 $?", "echo not-reached"])
+    r = subprocess.run(["sh", "-s"], input=_PRELUDE + body + "\n", capture_output=True, text=True, timeout=10)
+    assert (tmp_path / "new/dir/a.conf").read_text() == "x=1\n\u00e9\n"
+    assert (tmp_path / "secret").read_text() == "s3cret"
+    assert stat.S_IMODE((tmp_path / "secret").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "run.sh").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "new/dir/a.conf").stat().st_mode) == 0o644
+    assert "umask 0022" in r.stdout                      # a 0600 write puts the umask back
+    assert "@@fatal 4" in r.stdout and "not-reached" not in r.stdout and r.returncode == 1
+    assert not [p for p in tmp_path.rglob(".reconciler-tmp.*")]
 
 
 INSTALLED = "[Service]\nExecStart=/bin/{}\n\n[Install]\nWantedBy=multi-user.target\n"
@@ -144,7 +166,9 @@ def test_one_daemon_reload_per_apply_even_when_it_enables():
     asyncio.run(write_record(t, "m", ServiceRecord(hash="h", revision="f" * 40), stop=True))
     (_, verdict), = t.calls
     assert verdict is not None and "daemon-reload" not in verdict
-    assert all("--no-reload" in v for v in RELOADING.findall(verdict)) and RELOADING.findall(verdict)
+    # the verdict's disarm reloads nothing either: it removes the timer's enablement link itself
+    assert all("--no-reload" in v for v in RELOADING.findall(verdict))
+    assert "/etc/systemd/system/timers.target.wants/reconciler-confirm-m.timer" in verdict
 
 
 def test_a_failing_start_is_reported_and_the_script_goes_on():

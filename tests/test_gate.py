@@ -34,3 +34,48 @@ def test_validate_accepts_speculative_decoding_on_a_dense_model(tmp_path, monkey
     write_fleet(r, [H], {"sglang": {"port": 30000, "model": "Qwen3-8B", "args": SPEC}}, extra={})
     r.commit()
     run_cli("validate", "--repo", str(r.path), check_codes=(0,))
+
+
+OLD_ANALYZE = """#!/bin/sh
+for a in "$@"; do
+  case "$a" in --recursive-errors=*) echo "systemd-analyze: unrecognized option '$a'" >&2; exit 1;; esac
+done
+for a in "$@"; do f="$a"; done
+grep -q '^Bogus=' "$f" && { echo "$f:3: Unknown key 'Bogus' in section [Service], ignoring."; exit 1; }
+exit 0
+"""
+NEW_ANALYZE = """#!/bin/sh
+for a in "$@"; do f="$a"; done
+case " $* " in *" --recursive-errors=no "*) ;; *) echo "other.service: broken dependency"; exit 1;; esac
+grep -q '^Bogus=' "$f" && { echo "$f:3: Unknown key 'Bogus' in section [Service], ignoring."; exit 1; }
+exit 0
+"""
+
+
+def _verify_with(tmp_path, analyze: str) -> dict[str, list[str]]:
+    """Run the pre-flight's verify script with a stand-in systemd-analyze first on PATH."""
+    import os
+    import subprocess
+
+    from reconciler.gate import parse_verify, verify_command
+    bindir = tmp_path / "bin"
+    bindir.mkdir(parents=True)
+    (bindir / "systemd-analyze").write_text(analyze)
+    (bindir / "systemd-analyze").chmod(0o755)
+    units = {"good": ("[Unit]\nDescription=g\n[Service]\nExecStart=/bin/true\n", None),
+             "bad": ("[Unit]\n[Service]\nBogus=1\nExecStart=/bin/true\n", None)}
+    cmd, stdin, token = verify_command(units)
+    res = subprocess.run(["sh", "-c", cmd], input=stdin, capture_output=True, text=True, timeout=10,
+                         env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
+    problems, available = parse_verify(res.stdout, token, units)
+    assert available
+    return problems
+
+
+def test_verify_checks_only_the_unit_itself_and_falls_back_for_an_older_systemd_analyze(tmp_path):
+    """--recursive-errors=no: a broken unit elsewhere on the host never blocks ours; an older
+    systemd-analyze that does not know the option still checks the unit (no false block)."""
+    for analyze in (NEW_ANALYZE, OLD_ANALYZE):
+        problems = _verify_with(tmp_path / str(len(analyze)), analyze)
+        assert set(problems) == {"bad"}, problems
+        assert problems["bad"] == ["line 3: Unknown key 'Bogus' in section [Service], ignoring. (`Bogus=1`)"]

@@ -62,6 +62,13 @@ NOTIFY_TIMEOUT = {"LoadState": "loaded", "ActiveState": "failed", "SubState": "f
      {"baseline_invocation": "old"}, "starting", ""),
     # a start that timed out, caught while systemd stops what never came up
     ({**NOTIFY_TIMEOUT, "ActiveState": "deactivating", "SubState": "stop-sigterm"}, {}, "crashed", "StartFailed"),
+    # a unit never started before, its first start queued (--no-block) and not yet run: the job
+    # is pending, so inactive/dead says nothing yet (the apply's own last reading can see this)
+    ({"LoadState": "loaded", "ActiveState": "inactive", "SubState": "dead", "Result": "success",
+      "ActiveEnterTimestampMonotonic": "0", "InvocationID": "", "Job": "81"}, {}, "starting", ""),
+    # the same once the job is gone and it never came up: the start failed
+    ({"LoadState": "loaded", "ActiveState": "inactive", "SubState": "dead", "Result": "success",
+      "ActiveEnterTimestampMonotonic": "0", "InvocationID": "", "Job": ""}, {}, "crashed", "StartFailed"),
     # a bad unit is reported even before the start begins
     ({"LoadState": "bad-setting", "InvocationID": "old"}, {"baseline_invocation": "old"}, "not-loaded",
      "UnitNotLoaded"),

@@ -131,3 +131,33 @@ def test_the_host_lock_through_a_local_transport(tmp_path: Path, monkeypatch: py
 
     said = run(go())
     assert "another reconcile holds" in said and "held by reconcile on" in said
+
+
+def test_the_lock_runs_a_command_under_itself_and_hands_back_its_output(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """lock_and_observe's half: the holder runs the command only once it holds the lock (a
+    second run's command never runs while the first holds it), and its output comes back whole."""
+    monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
+    monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
+    monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
+    marker = tmp_path / "ran"
+
+    async def go() -> tuple[str | None, bool, str | None, str | None]:
+        t = LocalTransport("h1")
+        held = await lock.acquire(t, wait=1, then=("printf 'a b\\n\\nc\\n'; echo T END; echo after", "T END"))
+        try:
+            with pytest.raises(lock.LockedError):
+                await lock.acquire(t, wait=0.5, then=(f"touch {marker}; echo T END", "T END"))
+            ran_while_held = marker.exists()
+        finally:
+            await held.release()
+        cut = await lock.acquire(t, wait=1, then=("echo partial", "T END"), then_timeout=2)
+        await cut.release()
+        plain = await lock.acquire(t, wait=1)
+        await plain.release()
+        return held.output, ran_while_held, cut.output, plain.output
+
+    output, ran_while_held, cut, plain = run(go())
+    assert output == "a b\n\nc\nT END\n"
+    assert not ran_while_held
+    assert cut is None and plain is None        # never ended with its line / nothing asked
