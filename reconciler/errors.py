@@ -80,3 +80,35 @@ class CommandError(HostError):
 
 class ObserveError(HostError):
     reason = "ObserveFailed"
+
+
+# ---- how a value is named in a message (schema and rule-pack messages) ----
+
+
+def describe(value: object) -> str:
+    """A short TOML-flavoured rendering of a value for messages: 'abc', 22, true, a table."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        return repr(shown)
+    if isinstance(value, int | float):
+        return repr(value)
+    return kind_of(value)
+
+
+def kind_of(value: object) -> str:
+    """The TOML kind of a value ('a string', 'an integer', 'a table' ...), never the value."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    return "a date or time"

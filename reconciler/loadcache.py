@@ -38,7 +38,10 @@ if TYPE_CHECKING:
     from .spec import DesiredState
 
 KEEP = 64
-_rulesets: dict[str, RuleSet] = {}      # parsed while loading a revision in this process, by key
+# by key: the rule pack parsed while loading a revision in this process, or as kept in the
+# cache (pickled: unpickled when pre-flight first asks, so a run that starts nothing never
+# imports the rule modules)
+_rulesets: dict[str, RuleSet | bytes] = {}
 _PACKAGE = Path(__file__).resolve().parent
 _fingerprint: str | None = None
 
@@ -73,7 +76,9 @@ def _trusted(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
-def _read(path: Path) -> DesiredState | None:
+def _read(path: Path) -> tuple[DesiredState, bytes] | None:
+    """A kept load: the desired state, and the revision's compiled rule pack (no pydantic) as a
+    pickle of its own."""
     import pickle
 
     from .spec import DesiredState
@@ -86,10 +91,13 @@ def _read(path: Path) -> DesiredState | None:
             state = pickle.load(f)
     except Exception:          # missing, truncated, written by another version: load afresh
         return None
-    return state if isinstance(state, DesiredState) else None
+    if not (isinstance(state, tuple) and len(state) == 2 and isinstance(state[0], DesiredState)
+            and isinstance(state[1], bytes)):
+        return None
+    return state[0], state[1]
 
 
-def _write(directory: Path, path: Path, state: DesiredState) -> None:
+def _write(directory: Path, path: Path, state: DesiredState, rules: RuleSet) -> None:
     import pickle
     import tempfile
     tmp: str | None = None
@@ -99,7 +107,8 @@ def _write(directory: Path, path: Path, state: DesiredState) -> None:
             return
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")      # 0600
         with os.fdopen(fd, "wb") as f:
-            pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+            rules_blob = pickle.dumps(rules, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump((state, rules_blob), f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
         tmp = None
         entries = sorted(directory.glob("*.pickle"), key=lambda p: p.stat().st_mtime, reverse=True)
@@ -121,16 +130,17 @@ def load(snap: Snapshot, base: Path | None = None) -> DesiredState:
     directory = cache_dir(base)
     path = directory / f"{key}.pickle"
     if key is not None:
-        state = _read(path)
-        if state is not None:
-            return replace(state, revision=snap.revision)
+        kept = _read(path)
+        if kept is not None:
+            _rulesets[key] = kept[1]
+            return replace(kept[0], revision=snap.revision)
     from .load import load_desired
     from .preflight import load_rules
     state = load_desired(snap)
     rules = load_rules(snap)        # the repo's own rule files, checked before any host is touched
     if key is not None:
         _rulesets[key] = rules
-        _write(directory, path, state)
+        _write(directory, path, state, rules)
     return state
 
 
@@ -138,8 +148,20 @@ def rules(snap: Snapshot) -> RuleSet:
     """The revision's pre-flight rule pack (shipped + the repo's rules/*.toml): the one parsed with
     its load in this process, else parsed now (ConfigError for a bad repo rule file)."""
     key = _key(snap)
-    if key is not None and key in _rulesets:
-        return _rulesets[key]
+    kept = _rulesets.get(key) if key is not None else None
+    if isinstance(kept, bytes):
+        import pickle
+
+        from .preflight import RuleSet
+        try:
+            kept = pickle.loads(kept)
+        except Exception:      # written by another version after all: parse afresh
+            kept = None
+        kept = kept if isinstance(kept, RuleSet) else None
+    if kept is not None:
+        if key is not None:
+            _rulesets[key] = kept
+        return kept
     from .preflight import load_rules
     return load_rules(snap)
 

@@ -21,8 +21,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
-from .errors import Problem
-from .schema import kind_of
+from .errors import Problem, kind_of
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 _DICT_KEY = "[key]"      # pydantic's last loc entry when the error is about a key, not its value

@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator
 from pydantic_core import PydanticCustomError
 
+from .errors import describe, kind_of
+
 SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
 HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -37,35 +39,6 @@ _BASE64 = re.compile(r"^[A-Za-z0-9+/]+={0,2}$")
 # the unit file or the Environment= drop-in.
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _WHITESPACE_OR_CONTROL = re.compile(r"[\s\x00-\x1f\x7f]")
-
-
-def describe(value: object) -> str:
-    """A short TOML-flavoured rendering of a value for messages: 'abc', 22, true, a table."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        shown = value if len(value) <= 80 else value[:77] + "..."
-        return repr(shown)
-    if isinstance(value, int | float):
-        return repr(value)
-    return kind_of(value)
-
-
-def kind_of(value: object) -> str:
-    """The TOML kind of a value ('a string', 'an integer', 'a table' ...), never the value."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a float"
-    if isinstance(value, dict):
-        return "a table"
-    if isinstance(value, list):
-        return "an array"
-    return "a date or time"
 
 
 def _fail(expected: str, value: object, *, secret: bool = False, hint: str = "") -> PydanticCustomError:

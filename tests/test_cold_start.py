@@ -110,10 +110,19 @@ def test_a_revision_loaded_before_is_read_back_without_the_loader(tmp_path):
             f"snap = source.snapshot(source.open_repo({str(repo.path)!r}), {second!r}, 'fleet')\n"
             f"state = loadcache.load(snap, Path({str(cache)!r}))\n"
             f"assert state.revision == {second!r}, state.revision\n"
-            f"assert state.hosts['h1'].services['s'].env == {{'A': '1'}}")
+            f"assert state.hosts['h1'].services['s'].env == {{'A': '1'}}\n"
+            f"import sys\n"
+            f"assert 'reconciler.preflight._rules' not in sys.modules    # a run that starts nothing\n"
+            f"rules = loadcache.rules(snap)       # what pre-flight asks for: the kept rule pack\n"
+            f"print('RULES', ' '.join(r.id for r in rules.rules), len(rules.models))")
     mods = loaded(code)
     assert heavy(mods, ("pydantic", "tomlkit", "reconciler.load", "reconciler.schema")) == []
     assert len(list((cache / "desired").glob("*.pickle"))) == 1
+    from reconciler.preflight import load_rules
+    fresh = load_rules(snap)
+    kept = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                          timeout=60).stdout
+    assert f"RULES {' '.join(r.id for r in fresh.rules)} {len(fresh.models)}" in kept and fresh.rules
 
     # What the cache gives back is what a load from scratch gives.
     from reconciler.load import load_desired

@@ -11,10 +11,12 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..spec import ServiceSpec
-from ._schema import ModelEntry
+
+if TYPE_CHECKING:
+    from ._compiled import ModelEntry
 
 # Layer kinds that carry recurrent state (Gated DeltaNet / linear attention, Mamba SSM) in the
 # layer lists of hybrid configs: Qwen3.5 / Qwen3-Next `layer_types`, Granite-4.0-H `layer_types`,

@@ -15,15 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pydantic import ValidationError
-
 from ..errors import ConfigError, Problem
-from ..problems import validation_problems
 from ..spec import ServiceSpec
 from ._builtin import BUILTIN_RULES
 from ._command import Command
+from ._compiled import PLACEHOLDER, CompiledFile, Condition, ModelEntry, Require, Rule, Severity
 from ._models import ModelInfo, glob_any
-from ._schema import PLACEHOLDER, Condition, ModelEntry, Require, Rule, RuleFile, Severity
 
 RULES_DIR = "rules"          # in the desired-state repo, and in the reconciler package
 
@@ -77,8 +74,13 @@ class RuleSet:
             i for i in BUILTIN_RULES if self.enabled(i)]
 
 
-def parse_rule_file(data: bytes, file: str) -> RuleFile:
-    """Parse and validate one rule file; raise ConfigError with file and key on any problem."""
+def parse_rule_file(data: bytes, file: str) -> CompiledFile:
+    """Parse and validate one rule file (the pydantic schema, loaded here and only here), and
+    compile it; raise ConfigError with file and key on any problem."""
+    from pydantic import ValidationError
+
+    from ._compiled import compile_rule_file
+    from ._schema import RuleFile
     try:
         raw = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
@@ -86,8 +88,10 @@ def parse_rule_file(data: bytes, file: str) -> RuleFile:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([Problem(file, "", f"invalid TOML: {e}")]) from None
     try:
-        return RuleFile.model_validate(raw)
+        return compile_rule_file(RuleFile.model_validate(raw))
     except ValidationError as e:
+        # problems.py (and the desired-state schema it reads) loads only to explain a bad file
+        from ..problems import validation_problems
         raise ConfigError(validation_problems(file, RuleFile, e, data=raw)) from None
 
 

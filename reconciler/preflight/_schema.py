@@ -12,15 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from ..schema import describe
-
-Severity = Literal["error", "warning"]
+from ..errors import describe
+from ._compiled import PLACEHOLDER, Severity
 
 _RULE_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,79}$")
 _FLAG_NAME = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TRAIT = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
-PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 _PLACEHOLDERS_FIXED = ("model", "model.why", "missing")
 
 
@@ -113,19 +111,6 @@ class Rule(_Strict):
         except InvalidSpecifier:
             raise ValueError(f"expected a version range such as '>=0.5.10,<0.5.14', got {describe(v)}") from None
         return v
-
-    def covers(self, version: str | None) -> bool:
-        """Whether the rule is true for this server version (None: unknown)."""
-        if self.versions is None:
-            return True
-        if version is None:
-            return self.unknown_version == "apply"
-        from packaging.specifiers import SpecifierSet
-        from packaging.version import InvalidVersion, Version
-        try:
-            return SpecifierSet(self.versions).contains(Version(version), prereleases=True)
-        except InvalidVersion:
-            return self.unknown_version == "apply"
 
     @field_validator("message", "fix")
     @classmethod

@@ -1,0 +1,116 @@
+"""The rule pack as the checks read it: plain frozen dataclasses, no pydantic.
+
+_schema (pydantic) validates a rule file once, with file and key in every message; what it
+accepted is compiled into these (`compile_rule_file`), which the checks evaluate and the load
+cache keeps with a loaded revision. So a run that reads its revision from the cache evaluates
+the rule pack without importing pydantic or building the schema (about 0.1 s of a converging
+run's start).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from . import _schema
+
+Severity = Literal["error", "warning"]
+PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """When a rule applies; every key given must hold (an empty condition always holds)."""
+
+    flag_any: tuple[str, ...] = ()
+    flag_none: tuple[str, ...] = ()
+    flags: Mapping[str, tuple[str, ...] | bool] = field(default_factory=dict)
+    flags_not: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    env_any: tuple[str, ...] = ()
+    env: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    env_not: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    model: tuple[str, ...] = ()
+    architecture: tuple[str, ...] = ()
+    model_type: tuple[str, ...] = ()
+    model_id: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Require:
+    """What must hold when a rule applies: flags (value, or true/false = given/not) and env."""
+
+    flags: Mapping[str, tuple[str, ...] | bool] = field(default_factory=dict)
+    env: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One declarative rule (see _schema.Rule for what each key means)."""
+
+    id: str
+    server: Literal["sglang", "vllm", "any"]
+    message: str
+    fix: str
+    source: str
+    severity: Severity = "error"
+    when: Condition = field(default_factory=Condition)
+    unless: Condition | None = None
+    require: Require | None = None
+    versions: str | None = None
+    unknown_version: Literal["apply", "skip"] = "apply"
+
+    def covers(self, version: str | None) -> bool:
+        """Whether the rule is true for this server version (None: unknown)."""
+        if self.versions is None:
+            return True
+        if version is None:
+            return self.unknown_version == "apply"
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion, Version
+        try:
+            return SpecifierSet(self.versions).contains(Version(version), prereleases=True)
+        except InvalidVersion:
+            return self.unknown_version == "apply"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """Model knowledge: models matching any of ids / architectures / model_types have traits."""
+
+    traits: tuple[str, ...]
+    ids: tuple[str, ...] = ()
+    architectures: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class CompiledFile:
+    """One validated rule file, compiled."""
+
+    rule: tuple[Rule, ...]
+    model: tuple[ModelEntry, ...]
+    disable: tuple[str, ...]
+
+
+def _condition(c: _schema.Condition) -> Condition:
+    return Condition(flag_any=tuple(c.flag_any), flag_none=tuple(c.flag_none), flags=dict(c.flags),
+                     flags_not=dict(c.flags_not), env_any=tuple(c.env_any), env=dict(c.env),
+                     env_not=dict(c.env_not), model=tuple(c.model), architecture=tuple(c.architecture),
+                     model_type=tuple(c.model_type), model_id=tuple(c.model_id))
+
+
+def compile_rule_file(f: _schema.RuleFile) -> CompiledFile:
+    """What a validated rule file says, as the checks read it."""
+    rules = tuple(Rule(id=r.id, server=r.server, message=r.message, fix=r.fix, source=r.source,
+                       severity=r.severity, when=_condition(r.when),
+                       unless=_condition(r.unless) if r.unless is not None else None,
+                       require=Require(flags=dict(r.require.flags), env=dict(r.require.env))
+                       if r.require is not None else None,
+                       versions=r.versions, unknown_version=r.unknown_version) for r in f.rule)
+    models = tuple(ModelEntry(traits=tuple(m.traits), ids=tuple(m.ids), architectures=tuple(m.architectures),
+                              model_types=tuple(m.model_types), note=m.note) for m in f.model)
+    return CompiledFile(rules, models, tuple(f.disable))
