@@ -15,7 +15,10 @@ included, as a user runs it:
 
 Both take every host at once; health is systemd's alone with stable_for = 0 (the figure is the
 reconcile itself, not a model's load time); peak memory is each process's own maximum RSS
-(os.wait4), CPU its user + system time. Untimed steps between runs put the hosts where the
+(os.wait4), CPU its user + system time. "machine CPU" is the whole machine's busy time during
+the run and "processes" the processes started meanwhile (/proc/stat): the test hosts' sshd,
+shells, systemctl and systemd work too, which share this machine's cores with the controller
+(what a run costs the hosts shows there). Untimed steps between runs put the hosts where the
 next run expects them (fresh for converge; the reconciler's last value back after the floor's
 env change). Bytecode is cached as for an installed tool (PYTHONPYCACHEPREFIX in a temp dir)
 and each command runs once untimed first. A new commit is loaded afresh by `reconcile` (each
@@ -60,11 +63,28 @@ RESET = fleetlib.RESET_SCRIPT + ("for i in $(seq 100); do pgrep -f sglang.launch
 
 @dataclass
 class Run:
-    """One whole process: wall seconds, CPU seconds (user + system), peak RSS in MB."""
+    """One whole process: wall seconds, CPU seconds (user + system), peak RSS in MB; and the
+    whole machine's CPU seconds and new processes meanwhile (/proc/stat: the test hosts' sshd,
+    shells and systemd included, which share this machine's cores with the controller)."""
 
     seconds: float
     cpu: float
     rss_mb: float
+    machine_cpu: float = 0.0
+    forks: int = 0
+
+
+def machine() -> tuple[float, int]:
+    """(CPU seconds spent by the whole machine so far, busy time only; processes forked so far)."""
+    busy, forks = 0.0, 0
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("cpu "):
+                v = [int(x) for x in line.split()[1:]]
+                busy = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")    # less idle and iowait
+            elif line.startswith("processes "):
+                forks = int(line.split()[1])
+    return busy, forks
 
 
 @dataclass
@@ -77,10 +97,12 @@ def spawn(cmd: list[str], env: dict[str, str], expect: str) -> Run:
     """Run a command to its end; its own peak RSS and CPU come from wait4. `expect` must be in
     its last line of output (what it says it did), else the benchmark stops with its output."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        m0, f0 = machine()
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
         _, status, ru = os.wait4(p.pid, 0)
         seconds = time.perf_counter() - t0
+        m1, f1 = machine()
         p.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
@@ -89,7 +111,7 @@ def spawn(cmd: list[str], env: dict[str, str], expect: str) -> Run:
     if p.returncode != 0 or expect not in last:
         raise SystemExit(f"{' '.join(cmd)}: exit {p.returncode}, wanted {expect!r} in {last!r}\n{text[-3000:]}\n"
                          f"{errors[-3000:]}")
-    return Run(seconds, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024)
+    return Run(seconds, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024, m1 - m0, f1 - f0 - 1)
 
 
 class Bench:
@@ -180,14 +202,16 @@ def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool) -> str
     out.append(f"median of {rounds} round{'s' * (rounds != 1)}; whole processes, Python start-up included; "
                f"all hosts at once; systemd-only health, stable_for = 0\n")
     out.append(f"{'scenario':<28}{'hosts':>6}{'floor s':>10}{'reconcile s':>13}{'ratio':>8}"
-               f"{'CPU s floor/ours':>19}{'peak RSS MB floor/ours':>25}")
+               f"{'CPU s floor/ours':>19}{'peak RSS MB floor/ours':>25}{'machine CPU s':>17}{'processes':>15}")
     for s in scenarios:
         for n in sizes:
             c = results[n][s]
             f, o = med(c.floor, "seconds"), med(c.ours, "seconds")
             out.append(f"{TITLES[s]:<28}{n:>6}{f:>10.2f}{o:>13.2f}{o / f:>7.2f}x"
                        f"{med(c.floor, 'cpu'):>10.2f} / {med(c.ours, 'cpu'):<6.2f}"
-                       f"{max(r.rss_mb for r in c.floor):>14.0f} / {max(r.rss_mb for r in c.ours):<6.0f}")
+                       f"{max(r.rss_mb for r in c.floor):>14.0f} / {max(r.rss_mb for r in c.ours):<6.0f}"
+                       f"{med(c.floor, 'machine_cpu'):>9.2f} / {med(c.ours, 'machine_cpu'):<6.2f}"
+                       f"{med(c.floor, 'forks'):>7.0f} / {med(c.ours, 'forks'):<6.0f}")
     out.append("")
     label = " / ".join(str(n) for n in sizes)
     out.append("| scenario | floor | reconcile | goal |\n|---|---|---|---|")

@@ -1,0 +1,231 @@
+"""Benchmark: where a one-host converge goes, step by step, next to the floor's steps.
+
+One real test host (127.0.0.96), fresh before each round (no unit, no records): `reconcile`
+(in this process, through its CLI entry point) and the floor (bench/floor.py's `converge`)
+converge it to one stand-in service with systemd-only health and stable_for = 0, as in
+bench/compare.py. Every SSH connection and command is timed where it is made: wall time, the
+whole machine's busy CPU meanwhile (the host's sshd, shells, systemctl and systemd work
+included) and the processes started meanwhile (/proc/stat). Medians over --rounds; the pre-flight's
+server-version probe is cached after the first round, as in a real fleet.
+
+    sudo .venv/bin/python -m bench.steps             # 7 rounds
+    sudo .venv/bin/python -m bench.steps --rounds 3
+
+Needs root (systemd-nspawn). Prints a table; asserts only that every run converged. The
+machine's other load shows in the figures: take them on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+
+from bench import compare, floor
+from bench.compare import machine
+from reconciler import load, source, transport
+from reconciler.plan import render_env
+from tests import fleet as fleetlib
+from tests.conftest import DesiredRepo
+
+FIRST = int(os.environ.get("RECONCILER_BENCH_STEPS_ADDRESS", "96"))
+
+Steps = dict[str, list[tuple[float, float, int]]]     # step -> [(wall ms, machine CPU ms, processes)]
+
+
+class Meter:
+    """Times each awaited step: wall, the machine's busy CPU and processes started meanwhile."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, float, float, int]] = []
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        m0, f0 = machine()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            m1, f1 = machine()
+            self.steps.append((name, 1000 * (time.perf_counter() - t0), 1000 * (m1 - m0), f1 - f0))
+
+
+def instrument_ours(meter: Meter) -> None:
+    """Wrap the reconciler's SSH transport: connect, each command (by its `what`), the lock."""
+    run, spawn, connect = transport.SSHTransport.run, transport.SSHTransport.spawn, transport.SSHTransport.connect
+
+    async def timed_run(self: Any, cmd: str, *a: Any, **k: Any) -> Any:
+        what = str(k.get("what") or cmd.split()[0])
+        with meter.step("record verdict" if what.startswith("record verdict") else what):
+            return await run(self, cmd, *a, **k)
+
+    async def timed_spawn(self: Any, cmd: str) -> Any:
+        # The lock's holder: timed until it answers (LOCKED, and the observation under the lock).
+        with meter.step("lock + observe under it"):
+            p = await spawn(self, cmd)
+            first = await p.readline()
+            lines = [first]
+            while first.strip() == "LOCKED" and (line := await p.readline()):
+                lines.append(line)
+                if line.rstrip("\n").endswith(" END"):
+                    break
+        return _Replay(p, lines)
+
+    async def timed_connect(cls: Any, *a: Any, **k: Any) -> Any:
+        with meter.step("connect"):
+            return await connect(*a, **k)
+
+    transport.SSHTransport.run = timed_run          # type: ignore[method-assign]
+    transport.SSHTransport.spawn = timed_spawn      # type: ignore[method-assign]
+    transport.SSHTransport.connect = classmethod(timed_connect)   # type: ignore[method-assign,assignment]
+
+
+class _Replay:
+    """A spawned command whose first lines were read already: handed back in order first."""
+
+    def __init__(self, p: Any, lines: list[str]):
+        self.p, self.lines = p, lines
+
+    async def readline(self) -> str:
+        return self.lines.pop(0) if self.lines else await self.p.readline()
+
+    def write(self, data: str) -> None:
+        self.p.write(data)
+
+    async def close(self) -> None:
+        await self.p.close()
+
+
+def instrument_floor(meter: Meter) -> None:
+    """Wrap asyncssh as the floor uses it: connect, and each command (read, fix, poll)."""
+    connect, run = asyncssh.connect, asyncssh.SSHClientConnection.run
+    names = iter(("read", "fix (write, reload, enable, start, show)"))
+
+    @contextlib.asynccontextmanager
+    async def timed_connect(*a: Any, **k: Any) -> Any:
+        with meter.step("connect"):
+            conn = await connect(*a, **k)
+        async with conn:
+            yield conn
+
+    async def timed_run(self: Any, cmd: str, *a: Any, **k: Any) -> Any:
+        with meter.step(next(names, "health poll")):
+            return await run(self, cmd, *a, **k)
+
+    floor.asyncssh.connect = timed_connect          # type: ignore[assignment]
+    asyncssh.SSHClientConnection.run = timed_run    # type: ignore[method-assign]
+
+
+_ORIG_T = (transport.SSHTransport.__dict__["run"], transport.SSHTransport.__dict__["spawn"],
+           transport.SSHTransport.__dict__["connect"])
+_ORIG_F = (asyncssh.connect, asyncssh.SSHClientConnection.run)
+
+
+def _restore() -> None:
+    for name, orig in zip(("run", "spawn", "connect"), _ORIG_T, strict=True):
+        setattr(transport.SSHTransport, name, orig)
+    asyncssh.connect, asyncssh.SSHClientConnection.run = _ORIG_F     # type: ignore[method-assign]
+
+
+def ours_round(repo: DesiredRepo, env: dict[str, str]) -> Meter:
+    meter = Meter()
+    instrument_ours(meter)
+    from reconciler import cli
+    saved = dict(os.environ)
+    os.environ.update(env)
+    sys.argv = ["reconcile", "--repo", str(repo.path), "--json"]
+    try:
+        with meter.step("whole run (in process, after start-up)"), \
+                open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+            try:
+                cli.main()
+            except SystemExit as e:
+                if e.code != 0:
+                    raise SystemExit(f"reconcile exited {e.code}") from None
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        _restore()
+    return meter
+
+
+def floor_round(h: dict[str, str], key: str, kh: str) -> Meter:
+    meter = Meter()
+    instrument_floor(meter)
+
+    async def go() -> str:
+        with meter.step("whole run (in process, after start-up)"):
+            return await floor.converge(h, compare.SERVICE, key, asyncssh.read_known_hosts(kh))
+    try:
+        did = asyncio.run(go())
+    finally:
+        _restore()
+    if did != "converged":
+        raise SystemExit(f"floor: {did}")
+    return meter
+
+
+def table(title: str, rounds: list[Meter]) -> list[str]:
+    by: Steps = defaultdict(list)
+    order: list[str] = []
+    for m in rounds:
+        seen: dict[str, tuple[float, float, int]] = {}
+        for name, wall, cpu, procs in m.steps:
+            w, c, p = seen.get(name, (0.0, 0.0, 0))
+            seen[name] = (w + wall, c + cpu, p + procs)      # a step met twice in a run adds up
+            if name not in order:
+                order.append(name)
+        for name, v in seen.items():
+            by[name].append(v)
+    out = [title, f"  {'step':<44}{'wall ms':>9}{'machine CPU ms':>16}{'processes':>11}"]
+    whole = "whole run (in process, after start-up)"
+    for name in [n for n in order if n != whole] + [whole]:
+        v = by[name]
+        out.append(f"  {name:<44}{statistics.median(x[0] for x in v):>9.1f}{statistics.median(x[1] for x in v):>16.0f}"
+                   f"{statistics.median(x[2] for x in v):>11.0f}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    fleetlib.build()
+    hosts = fleetlib.up(1, first=FIRST, prefix="stp")
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            b = compare.Bench(hosts, Path(tmp))
+            repo = DesiredRepo(Path(tmp) / "repo")
+            b.desired(repo, hosts, 1)
+            state = load.load_desired(source.snapshot(repo.repo))
+            svc = state.hosts[hosts[0].name].services[compare.SERVICE]
+            spec = {"address": hosts[0].address, "unit": svc.unit_text, "env": render_env(svc.env)}
+            ours: list[Meter] = []
+            floors: list[Meter] = []
+            b.reset(hosts)
+            ours_round(repo, b.env)                  # untimed: bytecode, the load cache, the version probe
+            for _ in range(args.rounds):
+                b.reset(hosts)
+                ours.append(ours_round(repo, b.env))
+                b.reset(hosts)
+                floors.append(floor_round(spec, b.key, str(b.kh)))
+    finally:
+        fleetlib.down(hosts)
+    print(f"one host, converge from nothing; median of {args.rounds} rounds; systemd-only health, stable_for = 0")
+    print("\n".join(table("reconcile", ours)))
+    print("\n".join(table("floor (bench/floor.py)", floors)))
+
+
+if __name__ == "__main__":
+    main()
