@@ -10,12 +10,13 @@ two, with the wait for the GPUs between them. Each step reports its own result:
     ok or its exit status and message, and a start or restart that fails is judged like any
     other health failure (reason StartFailed) by the caller. Starts are queued with --no-block:
     a server with Type=notify may take many minutes to report ready, and the health watch,
-    not this script, waits for it.
+    not this script, waits for it. The script's last command reads systemd's state of what it
+    started: the watch's first reading (Applied.shown).
 
 Safety:
   * every file is written atomically: a temp file in the same directory whose name systemd
-    never loads (`.reconciler-tmp.*`), fsync, rename, fsync of the directory; the clean-up on
-    exit removes only this script's own temp files;
+    never loads (`.reconciler-tmp.<script PID>.<n>`), fsync, rename, fsync of the directory;
+    the clean-up on exit removes only this script's own temp files; four processes a file;
   * the record of a service says `pending` (what is deployed, what it replaces) before any of
     its files is replaced; one daemon-reload per host; restart only what the plan says;
   * a drop-in someone else wrote is moved to /var/lib/reconciler/removed/, never just deleted;

@@ -7,7 +7,8 @@ reads EOF), or when the controller goes silent: the run writes a heartbeat line 
 seconds, and the holder gives up after IDLE seconds without one (a controller that was
 partitioned away, whose connection the host has not noticed yet, never blocks later runs
 for long). While it holds the lock it keeps who it is in /var/lib/reconciler/.lock.owner, so
-a run that waits in vain can say who holds it.
+a run that waits in vain can say who holds it. Once it holds the lock it can run one command
+first (`acquire(then=...)`): the run's observation under the lock, in the same round trip.
 """
 
 from __future__ import annotations
