@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from . import confirm, faults, secrets
 from .errors import CommandError
 from .facts import CREDSTORE, HOST_RECORD, STATE_DIR, adopted_copy, cred_env_path, cred_path, parse_show, record_path
+from .health import WATCH_PROPS
 from .plan import ORDER, Action, HostPlan, Kind, Reason
 from .records import HostRecord, ServiceRecord
 from .spec import SecretSpec
@@ -230,7 +231,6 @@ def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
     if started:
         # The health watch's first reading of what this script started, in the same round trip
         # (a start queued with --no-block is often done by now); never fatal.
-        from .health import WATCH_PROPS
         parts.append(f"printf '@@show\\n'; systemctl show -p {WATCH_PROPS} {' '.join(_unit(n) for n in started)} "
                      "2>/dev/null; printf '\\n@@shown\\n'")
     return "\n".join(parts) + "\n"

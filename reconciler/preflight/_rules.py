@@ -19,7 +19,7 @@ from ..errors import ConfigError, Problem
 from ..spec import ServiceSpec
 from ._builtin import BUILTIN_RULES
 from ._command import Command
-from ._compiled import PLACEHOLDER, CompiledFile, Condition, ModelEntry, Require, Rule, Severity
+from ._compiled import PLACEHOLDER, CompiledFile, Condition, ModelEntry, Require, Rule, Severity, compile_rule_file
 from ._models import ModelInfo, glob_any
 
 RULES_DIR = "rules"          # in the desired-state repo, and in the reconciler package
@@ -79,7 +79,6 @@ def parse_rule_file(data: bytes, file: str) -> CompiledFile:
     compile it; raise ConfigError with file and key on any problem."""
     from pydantic import ValidationError
 
-    from ._compiled import compile_rule_file
     from ._schema import RuleFile
     try:
         raw = tomllib.loads(data.decode("utf-8"))
