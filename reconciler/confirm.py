@@ -93,7 +93,7 @@ def disarm_script(service: str, *, inside: bool = False) -> str:
     # One systemctl for both units; the enablement is the one symlink `enable` made (what
     # `disable --no-reload` would remove), so no second systemctl process is needed for it.
     return (f"systemctl stop {name}.timer {name}.service >/dev/null 2>&1; "
-            f"rm -f {s} {unit} {timer} {WANTS}/{name}.timer; rm -rf {kept}; true")
+            f"rm -rf {s} {unit} {timer} {WANTS}/{name}.timer {kept}; true")
 
 
 def arm(service: str, *, revision: str, new_hash: str, window: int, record: ServiceRecord,

@@ -45,7 +45,8 @@ def holder_command(wait: float, owner: str, then: str = "") -> str:
     first = f"{then} </dev/null; " if then else ""
     keep = (f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; echo LOCKED; {first}"
             f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done; rm -f {OWNER}")
-    return (f"mkdir -p {STATE_DIR} && if flock -w {int(wait)} {LOCK} sh -c {shlex.quote(keep)}; then :; "
+    return (f"{{ [ -d {STATE_DIR} ] || mkdir -p {STATE_DIR}; }} && "
+            f"if flock -w {int(wait)} {LOCK} sh -c {shlex.quote(keep)}; then :; "
             f"else echo BUSY; cat {OWNER} 2>/dev/null; fi")
 
 

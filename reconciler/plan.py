@@ -176,6 +176,9 @@ class Action:
     watch: Watch | None = None
     switch: Switch | None = field(default=None, repr=False)          # ARM: the dead-man's switch
     secrets: tuple[SecretSpec, ...] = field(default=(), repr=False)   # SECRETS: what to deliver (no values)
+    # START: systemd had never loaded the unit (no failed state, restart count or start limit to
+    # reset first)
+    fresh: bool = False
 
     def describe(self) -> str:
         target = self.path or self.service or ""
@@ -695,7 +698,9 @@ class _Builder:
                 self.add(Kind.STOP, Reason.GPU_GATE, sp.name, detail="stop first, start when its GPUs are free")
             self.add(Kind.WAIT_GPUS, Reason.GPU_GATE, sp.name, detail="wait until the GPUs it claims are released")
         self._arm(sp, f, s, rec)
-        self.add(Kind.RESTART if s.running and not gated else Kind.START, reason, sp.name, detail=detail)
+        fresh = f is not None and f.props.get("LoadState") == "not-found" and f.active_state == "inactive"
+        self.add(Kind.RESTART if s.running and not gated else Kind.START, reason, sp.name, detail=detail,
+                 fresh=fresh)
         self._enable(target.spec, f)
         versions = {n: v for n, v in secret_versions(target.spec, self.facts.secret_files).items() if v}
         started = replace(rec, hash=target.hash, revision=target.revision, secrets=versions,

@@ -109,8 +109,12 @@ def test_script_records_intent_then_writes_atomically_then_reloads_once_then_rec
     p = _plan()
     script = build_script(p, p.actions, 0)
     assert script.count("systemctl daemon-reload") == 1
-    intent = script.index("atomic_write /var/lib/reconciler/services/m.json")
-    assert intent < script.index("atomic_write /etc/systemd/system/m.service") < script.index("systemctl daemon-reload")
+    intent = script.index("stage /var/lib/reconciler/services/m.json")
+    durable = script.index("sync /var/lib/reconciler/services ")
+    # the intent is renamed into place and its directory synced before any unit file is staged
+    reload = script.index("systemctl daemon-reload")
+    assert intent < durable < script.index("stage /etc/systemd/system/m.service") < reload
+    assert script.index("mv -f \"$W2\" /etc/systemd/system/m.service ") < script.index("systemctl daemon-reload")
     assert script.index("u_start m.service") < script.index("/var/lib/reconciler/host.json")
     assert '/.reconciler-tmp.$$.' in script
     # the clean-up removes only this script's own temp files
@@ -137,9 +141,42 @@ def test_atomic_write_in_the_hosts_shell_keeps_content_and_modes_and_leaves_no_t
     assert not [p for p in tmp_path.rglob(".reconciler-tmp.*")]
 
 
+def test_a_batch_of_writes_in_the_hosts_shell_fsyncs_once_renames_each_and_names_the_failed_step(tmp_path):
+    """Consecutive file steps go as one batch (one fsync of all temps, a rename each, one fsync
+    of the directories): exact bytes and modes, no temp left, and a step that cannot write stops
+    the script with its own step number before anything of the batch is renamed."""
+    from reconciler.apply import _PRELUDE, _batch
+    ok = _batch([(3, "", [(f"{tmp_path}/a/x.conf", "x='1'\n\u00e9 $HOME `id`\n", "0644")]),
+                 (4, f"rm -f {tmp_path}/gone", [(f"{tmp_path}/b/run.sh", "#!/bin/sh\n", "0700"),
+                                               (f"{tmp_path}/a/y.conf", "", "0644")])], 0)
+    (tmp_path / "gone").write_text("old")
+    r = subprocess.run(["sh", "-s"], input=_PRELUDE + "\n".join(ok) + "\necho \"left:$TMPS.\"\n", capture_output=True,
+                       text=True, timeout=10)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "a/x.conf").read_text() == "x='1'\n\u00e9 $HOME `id`\n"
+    assert (tmp_path / "a/y.conf").read_text() == "" and not (tmp_path / "gone").exists()
+    assert stat.S_IMODE((tmp_path / "b/run.sh").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "a/x.conf").stat().st_mode) == 0o644
+    assert "left:." in r.stdout                                    # nothing left for the clean-up
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro/dir").write_text("a file where a directory must be")
+    bad = _batch([(1, "", [(f"{tmp_path}/a/x.conf", "new\n", "0644")]),
+                  (2, "", [(f"{tmp_path}/ro/dir/z.conf", "z\n", "0644")])], 0)
+    r = subprocess.run(["sh", "-s"], input=_PRELUDE + "\n".join(bad) + "\n", capture_output=True, text=True, timeout=10)
+    assert "@@fatal 2" in r.stdout and r.returncode == 1
+    assert (tmp_path / "a/x.conf").read_text().startswith("x=")      # the batch renamed nothing
+    assert not [p for p in tmp_path.rglob(".reconciler-tmp.*")]
+
+
 INSTALLED = "[Service]\nExecStart=/bin/{}\n\n[Install]\nWantedBy=multi-user.target\n"
 # systemctl verbs that reload the daemon by themselves unless given --no-reload
 RELOADING = re.compile(r"systemctl (?:[-\w]+ )*?(?:enable|disable|reenable|preset|mask|unmask|link)\b[^\n;&|]*")
+
+
+def _commands(script: str) -> str:
+    """The script without the contents of the files it stages (a switch's own script names
+    systemctl verbs that this script does not run)."""
+    return re.sub(r"(stage \S+ \d+ )'.*?' && W", r"\1... && W", script, flags=re.S)
 
 
 def test_one_daemon_reload_per_apply_even_when_it_enables():
@@ -153,13 +190,13 @@ def test_one_daemon_reload_per_apply_even_when_it_enables():
     p = plan_host(h, HostFacts(services={}), Context("f" * 40, confirm_margin=60.0))
     assert {Kind.WRITE, Kind.ARM, Kind.DAEMON_RELOAD, Kind.ARM_TIMER, Kind.ENABLE, Kind.START} <= \
         {a.kind for a in p.actions}
-    script = build_script(p, p.actions, 0)
+    script = _commands(build_script(p, p.actions, 0))
     assert script.count("daemon-reload") == 1
     verbs = RELOADING.findall(script)
     assert len(verbs) >= 4 and all("--no-reload" in v for v in verbs), verbs    # 2 enables, 2 switch timers
     reload = script.index("systemctl daemon-reload")
     assert reload < min(script.index(v) for v in verbs) and reload < script.index("u_start m.service")
-    assert max(script.index(f"atomic_write /etc/systemd/system/{n}.service ") for n in "mn") < reload
+    assert max(script.index(f" /etc/systemd/system/{n}.service ||") for n in "mn") < reload
 
     # The verdict that follows (record, disarm the switch, stop on a failure) reloads nothing.
     t = FakeTransport(Completed(0, "", ""))
