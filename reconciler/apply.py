@@ -67,7 +67,10 @@ stage() {  # path mode content: a temp file beside path holding content (printf 
   # Anything but 0644 is created owner-only first (a secret is never readable by others, not
   # for a moment).
   [ "$2" = 0644 ] || umask 077
-  printf '%s' "$3" > "$t"; r=$?; umask 022; [ "$r" = 0 ] || return 1
+  # dash's printf says only "I/O error" when a write fails: once more through cat for the reason
+  # (No space left on device) in the step's error
+  printf '%s' "$3" 2>/dev/null > "$t" || printf '%s' "$3" | cat > "$t"; r=$?
+  umask 022; [ "$r" = 0 ] || return 1
   [ "$2" = 0644 ] || chmod "$2" "$t"
 }
 put() {  # path: fsync the staged temp $t, rename it over path, fsync the directory
