@@ -141,7 +141,7 @@ def _restore() -> None:
 def ours_round(repo: DesiredRepo, env: dict[str, str]) -> Meter:
     meter = Meter()
     instrument_ours(meter)
-    from reconciler import cli
+    from reconciler import entry
     saved = dict(os.environ)
     os.environ.update(env)
     sys.argv = ["reconcile", "--repo", str(repo.path), "--json"]
@@ -149,7 +149,7 @@ def ours_round(repo: DesiredRepo, env: dict[str, str]) -> Meter:
         with meter.step("whole run (in process, after start-up)"), \
                 open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
             try:
-                cli.main()
+                entry.main()
             except SystemExit as e:
                 if e.code != 0:
                     raise SystemExit(f"reconcile exited {e.code}") from None

@@ -1,5 +1,5 @@
 """`python -m reconciler` runs the `reconcile` command."""
 
-from .cli import main
+from .entry import main
 
 main()

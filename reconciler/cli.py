@@ -12,25 +12,32 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TextIO, cast
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from . import coercion, redact
+from .clicore import (
+    _console,
+    _decrypting,
+    _fail,
+    _fail_input,
+    _has_age,
+    _load,
+    _print_json,
+    _say,
+    converge,
+    escape,
+)
 from .errors import ConfigError, SourceError
 
 # Everything else is imported where it is used: parsing the arguments (and --help) loads typer
 # alone, and a run loads only what it needs (the SSH stack when it connects, the rule pack when
 # pre-flight runs). tests/test_cold_start.py keeps it so.
 if TYPE_CHECKING:
-    from collections.abc import Callable
 
-    from rich.console import Console
 
-    from .preflight import RuleSet
     from .pull import PullOptions
-    from .source import Snapshot
-    from .spec import DesiredState
 
 
 def _quiet_flag_types() -> None:
@@ -78,78 +85,6 @@ AgeIdentityOpt = typer.Option(None, "--age-identity", envvar="RECONCILER_AGE_IDE
                                    "(needed only when the desired state has some).")
 
 
-def escape(text: str) -> str:
-    """rich's markup escape (rich is imported when something is printed, not before)."""
-    from rich.markup import escape as rich_escape
-    return rich_escape(text)
-
-
-def _console(stderr: bool = False) -> Console:
-    """Rich on a terminal; plain text at least 160 columns wide in logs, pipes and CI (no
-    mid-line wrapping of diffs and journal lines). Everything printed is redacted."""
-    from rich.console import Console
-    # A TextIO as rich types it: Console only writes, flushes and asks isatty/fileno.
-    out = cast(TextIO, redact.RedactingWriter(sys.stderr if stderr else sys.stdout))
-    c = Console(highlight=False, file=out)
-    if not c.is_terminal and "COLUMNS" not in os.environ:
-        c = Console(highlight=False, file=out, width=160)
-    return c
-
-
-def _print_json(data: object) -> None:
-    """--json output, redacted (every string before serializing, then the text once more)."""
-    import json
-    print(redact.redact(json.dumps(redact.redact_data(data), indent=2)))
-
-
-def _load(repo: str, rev: str | None, path: str, cache_dir: Path | None) -> tuple[Snapshot, DesiredState]:
-    from . import loadcache, source
-    r = source.open_repo(repo, cache_dir)
-    snap = source.snapshot(r, rev, path)
-    return snap, loadcache.load(snap, cache_dir)    # a revision loaded before skips TOML and the schema
-
-
-def _has_age(state: DesiredState) -> bool:
-    return any(s.source == "age" for h in state.hosts.values() for svc in h.services.values() for s in svc.secrets)
-
-
-def _decrypting(state: DesiredState, snap: Snapshot, identity: str | None
-                ) -> tuple[DesiredState, Callable[[str], DesiredState | None]]:
-    """The state with its age secrets decrypted, and render_at doing the same for the revisions a
-    rollback renders. A secret that cannot be decrypted (no identity, another key, a damaged
-    file) is no error here: its SecretSpec says why, and that service is blocked."""
-    from . import secrets
-    from .loadcache import render_at
-    dec = secrets.Decryptor(secrets.identity_path(identity))
-    return (dec.state(state) if _has_age(state) else state), dec.render_at(render_at(snap))
-
-
-def _fail_input(err: Exception, as_json: bool, where: str) -> None:
-    if as_json:
-        payload: dict = {"error": type(err).__name__, "message": str(err)}
-        if isinstance(err, ConfigError):
-            payload["problems"] = [p.__dict__ for p in err.problems]
-        _print_json(payload)
-    elif isinstance(err, ConfigError):
-        from .report import print_config_error
-        print_config_error(_console(stderr=True), err, where)
-    else:
-        # one line, never wrapped at the console's width (a log, CI, a hook reads it whole)
-        _console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)
-    raise typer.Exit(1)
-
-
-def _say(text: str) -> None:
-    """A plain line on stderr (no markup: `[services.m.secrets]` is text), redacted."""
-    _console(stderr=True).print(text, markup=False, soft_wrap=True)
-
-
-def _fail(message: str) -> NoReturn:
-    """One error line on stderr, exit 1."""
-    _console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
-    raise typer.Exit(1)
-
-
 @app.callback(invoke_without_command=True)
 def main_cmd(
     ctx: typer.Context,
@@ -183,56 +118,9 @@ def main_cmd(
     """Converge every host to the desired state at a revision (or preview it with --dry-run)."""
     if ctx.invoked_subcommand is not None:
         return
-    import asyncio
-
-    from . import source
-    from .fleet import reconcile_fleet, select_hosts
-    from .preflight import secret_warnings
-    from .reconcile import ssh_connector
-    from .report import PhaseView, print_result
-    from .status import Store, remember
-    from .trust import descends
-    if notes and source.is_url(repo):
-        _fail(f"--notes writes to a local repo; {redact.redact(repo)} is a URL (its local mirror is a cache that "
-              f"nobody reads). Run it on a clone and push refs/notes/reconciler")
-    where = f"{repo}@{rev or 'HEAD'}"
-    try:
-        snap, state = _load(repo, rev, path, cache_dir)
-    except (ConfigError, SourceError) as e:
-        _fail_input(e, as_json, where)
-        return
-    rules = _rules(snap)      # parsed when pre-flight first runs (a change to start); never for a no-change run
-    try:
-        selected = select_hosts(state, host, label)
-    except SourceError as e:
-        _fail_input(e, as_json, where)
-        return
-    state, render = _decrypting(state, snap, age_identity)
-    console = _console()
-    for w in secret_warnings(state, snap.read):
-        _console(stderr=True).print(f"[yellow]{escape(w)}[/]", soft_wrap=True)
-    with PhaseView(_console(stderr=True), plans=None if as_json or dry_run else console) as view:
-        result = asyncio.run(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
-                                             concurrency=concurrency, hosts=selected,
-                                             render_at=render, retry=retry, on_phase=view,
-                                             rules=rules, lock_wait=lock_wait, descends=descends(snap.repo),
-                                             allow_rewind=allow_rewind))
-    if not dry_run:
-        store = Store(state_dir)
-        remember(store, result)
-        store.close()
-        if notes:
-            from .gitnotes import NotesError, record_run
-            try:
-                record_run(snap.repo, result)
-            except NotesError as e:
-                _say(f"warning: deploy notes not written: {e}")
-    if as_json:
-        _print_json(result.to_json())
-    else:
-        print_result(console, result, shown=view.shown)
-    raise typer.Exit(result.exit_code())
-
+    converge(repo=repo, rev=rev, path=path, dry_run=dry_run, as_json=as_json, identity=identity,
+             concurrency=concurrency, host=host, label=label, retry=retry, allow_rewind=allow_rewind,
+             lock_wait=lock_wait, age_identity=age_identity, cache_dir=cache_dir, state_dir=state_dir, notes=notes)
 
 @app.command()
 def validate(repo: str = RepoOpt, rev: str | None = RevOpt, path: str = PathOpt,
@@ -326,17 +214,6 @@ def status(
         _print_json(rows)
     else:
         print_status(_console(), rows, live=snap.short)
-
-
-def _rules(snap: Snapshot) -> Callable[[], RuleSet]:
-    """The pre-flight rule pack of a revision, loaded (once) on first use."""
-    from functools import cache
-
-    @cache
-    def rules() -> RuleSet:
-        from . import loadcache
-        return loadcache.rules(snap)
-    return rules
 
 
 @app.command()

@@ -17,6 +17,10 @@ checked to be owned by this user and writable by nobody else before one is read.
 is missing, unreadable, foreign or stale means: load from git again. The newest KEEP entries
 stay. They hold what the revision holds (env values included; secrets only as the encrypted
 bytes from the repo, never decrypted).
+
+Beside the entries, a small file per commit names the tree it was loaded from
+(`<commit>-<path hash>-<fingerprint>.key`): a run at a commit loaded before (`load_known`, with
+source.deferred_snapshot's HEAD read from git's ref files) needs neither the loader nor git.
 """
 
 from __future__ import annotations
@@ -66,6 +70,46 @@ def cache_dir(base: Path | None = None) -> Path:
     return (base or default_cache_dir()) / "desired"
 
 
+def _alias(directory: Path, snap: Snapshot) -> Path:
+    sub = hashlib.sha256(snap.subdir.encode()).hexdigest()[:8]
+    return directory / f"{snap.revision}-{sub}-{fingerprint()}.key"
+
+
+def _remember_tree(directory: Path, snap: Snapshot, tree: str) -> None:
+    """Note which tree this commit loads (once per commit; a commit's tree never changes)."""
+    alias = _alias(directory, snap)
+    if alias.exists():
+        return
+    import tempfile
+    with contextlib.suppress(OSError):
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            f.write(tree)
+        os.replace(tmp, alias)
+
+
+def load_known(snap: Snapshot, base: Path | None = None) -> DesiredState | None:
+    """The kept load of a commit loaded before by this code (without git: the tree it read is
+    noted beside the entry); None when there is none."""
+    directory = cache_dir(base)
+    alias = _alias(directory, snap)
+    try:
+        if not _trusted(directory.stat()) or not _trusted(alias.stat()):
+            return None
+        tree = alias.read_text().strip()
+    except OSError:
+        return None
+    if not tree or not all(c in "0123456789abcdef" for c in tree):
+        return None
+    key = f"{tree}-{fingerprint()}"
+    kept = _read(directory / f"{key}.pickle")
+    if kept is None:
+        return None
+    snap.know_tree(tree)
+    _rulesets[key] = kept[1]
+    return replace(kept[0], revision=snap.revision)
+
+
 def _key(snap: Snapshot) -> str | None:
     """The id of the tree the loader reads (the commit's, or --path's), with the code's."""
     tree = snap.tree_id
@@ -111,9 +155,10 @@ def _write(directory: Path, path: Path, state: DesiredState, rules: RuleSet) -> 
             pickle.dump((state, rules_blob), f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
         tmp = None
-        entries = sorted(directory.glob("*.pickle"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for old in entries[KEEP:]:
-            old.unlink(missing_ok=True)
+        for pattern, keep in (("*.pickle", KEEP), ("*.key", 16 * KEEP)):
+            entries = sorted(directory.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
+            for old in entries[keep:]:
+                old.unlink(missing_ok=True)
     except OSError:
         pass               # no cache this time; the run goes on
     finally:
@@ -133,6 +178,7 @@ def load(snap: Snapshot, base: Path | None = None) -> DesiredState:
         kept = _read(path)
         if kept is not None:
             _rulesets[key] = kept[1]
+            _remember_tree(directory, snap, key.split("-", 1)[0])
             return replace(kept[0], revision=snap.revision)
     from .load import load_desired
     from .preflight import load_rules
@@ -141,6 +187,7 @@ def load(snap: Snapshot, base: Path | None = None) -> DesiredState:
     if key is not None:
         _rulesets[key] = rules
         _write(directory, path, state, rules)
+        _remember_tree(directory, snap, key.split("-", 1)[0])
     return state
 
 

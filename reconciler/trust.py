@@ -13,10 +13,12 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-
-import pygit2
+from typing import TYPE_CHECKING
 
 from .errors import ReconcilerError
+
+if TYPE_CHECKING:      # pygit2 is imported where a commit is read (a run in sync never needs it)
+    import pygit2
 
 
 class RevisionRefused(ReconcilerError):
@@ -70,6 +72,7 @@ def check_descends(repo: pygit2.Repository, last_applied: str | None, target: st
 
 def verify_signature(repo: pygit2.Repository, rev: str, allowed_signers: str | Path) -> str:
     """Return the signer's principal for an SSH-signed commit, or raise RevisionRefused."""
+    import pygit2
     commit = repo.revparse_single(rev).peel(pygit2.Commit)
     short = str(commit.id)[:7]
     try:

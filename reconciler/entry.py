@@ -1,0 +1,112 @@
+"""The `reconcile` console script and `python -m reconciler`.
+
+The plain run, `reconcile [options]` (what a user, a git hook and the benchmarks start most),
+is parsed here without typer: importing typer and building its command costs about 50 ms of
+every run's start, a tenth of a no-change run on one host. Everything else goes to the typer
+app in cli.py, unchanged: a sub-command, --help, an option this table does not know, a value it
+cannot take (typer then prints the error). tests/test_entry.py keeps OPTIONS equal to the typer
+command's options, and both parsers' results equal for the same arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# option -> (parameter of clicore.converge, kind, environment variable). Kinds: flag, str, int
+# (>= 1), float (>= 0), path, list (repeatable).
+OPTIONS: dict[str, tuple[str, str, str | None]] = {
+    "--repo": ("repo", "str", "RECONCILER_REPO"),
+    "--rev": ("rev", "str", None),
+    "--path": ("path", "str", "RECONCILER_PATH"),
+    "--dry-run": ("dry_run", "flag", None), "-n": ("dry_run", "flag", None),
+    "--json": ("as_json", "flag", None),
+    "--identity": ("identity", "str", "RECONCILER_IDENTITY"), "-i": ("identity", "str", "RECONCILER_IDENTITY"),
+    "--concurrency": ("concurrency", "int", None),
+    "--host": ("host", "list", None), "-H": ("host", "list", None),
+    "--label": ("label", "list", None), "-l": ("label", "list", None),
+    "--retry": ("retry", "flag", None),
+    "--allow-rewind": ("allow_rewind", "flag", None),
+    "--lock-wait": ("lock_wait", "float", None),
+    "--age-identity": ("age_identity", "str", "RECONCILER_AGE_IDENTITY"),
+    "--cache-dir": ("cache_dir", "path", "RECONCILER_CACHE_DIR"),
+    "--state-dir": ("state_dir", "path", "RECONCILER_STATE_DIR"),
+    "--notes": ("notes", "flag", None),
+}
+DEFAULTS: dict[str, Any] = {"repo": ".", "rev": None, "path": "", "dry_run": False, "as_json": False,
+                            "identity": None, "concurrency": None, "host": None, "label": None, "retry": False,
+                            "allow_rewind": False, "lock_wait": 30.0, "age_identity": None, "cache_dir": None,
+                            "state_dir": None, "notes": False}
+
+
+def _value(kind: str, text: str) -> Any:
+    """The option's value, or ValueError where typer would refuse it (typer then says why)."""
+    if kind == "int":
+        n = int(text)
+        if n < 1:
+            raise ValueError(text)
+        return n
+    if kind == "float":
+        f = float(text)
+        if not f >= 0:
+            raise ValueError(text)
+        return f
+    return Path(text) if kind == "path" else text
+
+
+def parse(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str, Any] | None:
+    """converge()'s keyword arguments for a plain run, or None: anything else (typer's to parse)."""
+    out: dict[str, Any] = {}
+    lists: dict[str, list[str]] = {}
+    args = list(argv)
+    try:
+        while args:
+            arg = args.pop(0)
+            name, eq, inline = arg.partition("=") if arg.startswith("--") else (arg, "", "")
+            spec = OPTIONS.get(name)
+            if spec is None:
+                return None                 # a sub-command, --help, `--`, -nH...: typer's
+            param, kind, _env = spec
+            if kind == "flag":
+                if eq:
+                    return None
+                out[param] = True
+                continue
+            if not eq:
+                if not args or args[0].startswith("-"):
+                    return None
+                inline = args.pop(0)
+            if kind == "list":
+                lists.setdefault(param, []).append(inline)
+            else:
+                out[param] = _value(kind, inline)
+    except ValueError:
+        return None
+    out.update(lists)
+    for param, kind, env in OPTIONS.values():
+        if param not in out and env and environ.get(env):
+            out[param] = _value(kind, environ[env])
+    return {**DEFAULTS, **out}
+
+
+def main() -> None:
+    """Entry point of `reconcile`: the plain run here, everything else through typer (cli.py).
+    An unexpected error prints its traceback redacted, as cli.main does."""
+    kwargs = parse(sys.argv[1:], os.environ)
+    if kwargs is None:
+        from .cli import main as typer_main
+        typer_main()
+        return
+    from . import redact
+    from .clicore import converge
+    try:
+        converge(**kwargs)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception:
+        import traceback
+        sys.stderr.write(redact.redact(traceback.format_exc()))
+        sys.exit(1)
