@@ -154,26 +154,38 @@ if [ $# -gt 0 ]; then
     printf '%%s K %%s %%s\n' "$T" "$(printf '%%s' "$f" | base64 -w0)" "$h"
   done
 fi
-b64() {
-  if [ -f "$3" ]; then printf '%%s %%s %%s ' "$T" "$1" "$2"; base64 -w0 < "$3"; echo
+emit() {  # kind name path: each line of the file after "$T kind name L ", a last line without its
+  # newline as P, then F; or "-" when there is no such file. Builtins only: no process per file.
+  if [ -f "$3" ]; then
+    l=
+    while IFS= read -r l; do printf '%%s %%s %%s L %%s\n' "$T" "$1" "$2" "$l"; done < "$3"
+    [ -z "$l" ] || printf '%%s %%s %%s P %%s\n' "$T" "$1" "$2" "$l"
+    printf '%%s %%s %%s F\n' "$T" "$1" "$2"
   else printf '%%s %%s %%s -\n' "$T" "$1" "$2"; fi
 }
+NL='
+'
+
 for f in "$D"/services/*.json; do
   [ -e "$f" ] || continue
   n=${f##*/}; n=${n%%.json}
   case "$names" in *" $n "*) ;; *) names="$names$n ";; esac
 done
-b64 H - "$D/host.json"
+emit H - "$D/host.json"
 units=""
 for n in $names; do
   u=%(unit_dir)s/$n.service
-  b64 R "$n" "$D/services/$n.json"
-  b64 U "$n" "$u"
-  b64 E "$n" "$u.d/%(dropin)s"
+  emit R "$n" "$D/services/$n.json"
+  emit U "$n" "$u"
+  emit E "$n" "$u.d/%(dropin)s"
   for d in %(dropin_dirs)s; do
     for f in "$d/$n.service.d/"*.conf; do
       [ -f "$f" ] || continue
-      printf '%%s D %%s %%s ' "$T" "$n" "$(printf '%%s' "$f" | base64 -w0)"; base64 -w0 < "$f"; echo
+      case "$f" in
+        *"$NL"*) printf '%%s D %%s B %%s\n' "$T" "$n" "$(printf '%%s' "$f" | base64 -w0)" ;;
+        *) printf '%%s D %%s N %%s\n' "$T" "$n" "$f" ;;
+      esac
+      emit D "$n" "$f"
     done
   done
   units="$units $n.service"
@@ -249,32 +261,43 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
             raise ObserveError(host, "observation output ended early (is this a systemd host with a POSIX shell?)")
         show = parse_show(shown)
         stdout = head + f"{token} END\n"
-    for line in stdout.splitlines():
-        parts = line.split(" ")
+    lines: dict[tuple[str, str], list[str]] = {}
+    dropin_path: dict[str, str | None] = {}
+    for line in stdout.split("\n"):   # not splitlines(): a file's line may hold \r, \x0c or \u2028
+        parts = line.split(" ", 4)
         if len(parts) < 2 or parts[0] != token:
             continue
-        if parts[1] == "END":
+        kind = parts[1]
+        if kind == "END":
             ended = True
             continue
-        kind = parts[1]
         if kind == "K" and len(parts) == 4:
             path = _decode(parts[2])
             if path:
                 secret_files[path] = None if parts[3] == "-" else parts[3]
             continue
-        if len(parts) != (5 if kind == "D" else 4):
+        if len(parts) < 4 or kind not in ("H", "R", "U", "E", "D"):
             raise ObserveError(host, f"malformed observation line: {line[:80]!r}")
-        try:
-            text = _decode(parts[-1])
-            path = _decode(parts[3]) if kind == "D" else None
-        except ObserveError:
-            raise ObserveError(host, "malformed observation output (bad base64)") from None
-        name = parts[2]
+        name, op, rest = parts[2], parts[3], parts[4] if len(parts) == 5 else ""
+        if op == "L":
+            lines.setdefault((kind, name), []).append(rest + "\n")
+            continue
+        if op == "P":
+            lines.setdefault((kind, name), []).append(rest)
+            continue
+        if kind == "D" and op in ("N", "B"):
+            dropin_path[name] = rest if op == "N" else _decode(rest)
+            continue
+        if op not in ("F", "-"):
+            raise ObserveError(host, f"malformed observation line: {line[:80]!r}")
+        text = "".join(lines.pop((kind, name), [])) if op == "F" else None
         if kind == "H":
             host_record = HostRecord.parse(text) if text is not None else None
-        elif kind == "D" and path:
-            dropins.setdefault(name, {})[path] = text or ""
-        elif kind in ("R", "U", "E"):
+        elif kind == "D":
+            path = dropin_path.pop(name, None)
+            if path:
+                dropins.setdefault(name, {})[path] = text or ""
+        else:
             files.setdefault(name, {})[kind] = text
     if not ended:
         raise ObserveError(host, "observation output ended early (is this a systemd host with a POSIX shell?)")

@@ -12,7 +12,7 @@ import pytest
 
 from reconciler.apply import apply_plan, build_script, parse_results, write_record
 from reconciler.errors import CommandError, ObserveError
-from reconciler.facts import HostFacts, observe_command, parse_observation, parse_show
+from reconciler.facts import ENV_DROPIN, HostFacts, observe_command, parse_observation, parse_show
 from reconciler.plan import Context, Kind, plan_host
 from reconciler.records import ServiceRecord
 from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
@@ -46,11 +46,10 @@ def test_parse_show_by_key_and_blocks():
 
 def test_parse_observation():
     t = "tok"
-    host_json, rec_json, unit = b64('{"applied_revision": "abc"}'), b64('{"hash": "h"}'), b64("[Service]\n")
     out = "\n".join([
-        f"{t} H - {host_json}",
-        f"{t} R crashy {rec_json}",
-        f"{t} U crashy {unit}",
+        f"{t} H - L {{\"applied_revision\": \"abc\"}}", f"{t} H - F",
+        f"{t} R crashy P {{\"hash\": \"h\"}}", f"{t} R crashy F",
+        f"{t} U crashy L [Service]", f"{t} U crashy F",
         f"{t} E crashy -",
         "noise line from a login banner",
         f"{t} S -",                    # systemctl show, as it is, up to the END line
@@ -76,8 +75,37 @@ def test_show_output_cannot_end_the_observation_early():
     """A property value is systemd's text (a Description= anyone may write): only the END line
     with this observation's random token ends it."""
     show = "Id=x.service\nDescription=tok END\nSubState=running\n"
-    f = parse_observation(f"tok U x {b64('[Service]')}\ntok S -\n{show}\ntok END\n", "tok")
+    f = parse_observation(f"tok U x P [Service]\ntok U x F\ntok S -\n{show}\ntok END\n", "tok")
     assert f.services["x"].props["SubState"] == "running"
+
+
+def test_the_observation_reads_files_exactly_with_no_process_per_file(tmp_path):
+    """The host's shell prints each file line by line (builtins only) and the parser puts back
+    exactly its bytes: spaces, tabs, backslashes, %, a carriage return or form feed inside a
+    line, a last line without newline, an empty file, text that looks like the framing; and a
+    drop-in whose name has a space."""
+    from reconciler import facts
+    state, units, dropins = tmp_path / "state", tmp_path / "units", tmp_path / "run"
+    (state / "services").mkdir(parents=True)
+    units.mkdir()
+    tricky = ("[Service]\n  Environment=\"A=%s %d \\\\ \\n\"\t\nExecStart=/bin/x \\\n  --y\r\n"
+              "Description=a\x0cb\u2028c \u00e9\ntok U m F\n-\n\nlast line, no newline")
+    (units / "m.service").write_text(tricky)
+    (units / "m.service.d").mkdir()
+    (units / "m.service.d/50-reconciler-env.conf").write_text("")
+    (state / "services/m.json").write_text('{"hash": "h"}\n')
+    (dropins / "m.service.d").mkdir(parents=True)
+    (dropins / "m.service.d/my drop in.conf").write_text("[Service]\nNice=5\n")
+    script = facts._SCRIPT % {"token": "tok", "state": str(state), "unit_dir": str(units), "dropin": ENV_DROPIN,
+                              "props": "Id", "dropin_dirs": str(dropins)}
+    script = script.replace("systemctl show -p Id $units", "printf 'Id=m.service\\n'")
+    r = subprocess.run(["sh", "-c", script, "observe", "m", "gone"], capture_output=True, timeout=10)
+    assert r.returncode == 0, r.stderr
+    f = parse_observation(r.stdout.decode(), "tok")
+    m = f.services["m"]
+    assert m.unit_text == tricky and m.env_text == "" and m.record is not None and m.record.hash == "h"
+    assert m.dropins == {f"{dropins}/m.service.d/my drop in.conf": "[Service]\nNice=5\n"}
+    assert f.services["gone"].unit_text is None and f.record is None and f.services["m"].props["Id"] == "m.service"
 
 
 def test_observe_command_quotes_names():
