@@ -72,41 +72,70 @@ Progress = Callable[[str, str, float, float], None]   # service, phase, elapsed,
 
 _VERIFY_SCRIPT = r"""
 T=%(token)s
-command -v systemd-analyze >/dev/null 2>&1 || { printf '%%s V - - -\n' "$T"; printf '%%s END\n' "$T"; exit 0; }
-dir=$(mktemp -d /tmp/reconciler-verify.XXXXXX) || exit 1
+nl='
+'
+command -v systemd-analyze >/dev/null 2>&1 || { printf '%%s V - -\n' "$T"; printf '%%s END\n' "$T"; exit 0; }
+# stdin, first line: a random directory suffix, then the temp names that get a drop-in directory.
+# One mkdir makes them all (mode 700; the name is on no command line before mkdir runs).
+read -r r dropins || exit 1
+dir=/tmp/reconciler-verify.$r
+set -f
+set -- "$dir"
+for t in $dropins; do set -- "$@" "$dir/$t.service.d"; done
+set +f
+mkdir -m 700 -- "$@" || exit 1
 trap 'rm -rf "$dir"' EXIT
-while read -r svc tmpname unit env; do
-  printf '%%s' "$unit" | base64 -d > "$dir/$tmpname.service"
-  if [ "$env" != "-" ]; then
-    mkdir -p "$dir/$tmpname.service.d"
-    printf '%%s' "$env" | base64 -d > "$dir/$tmpname.service.d/%(dropin)s"
-  fi
+put() {  # file count: copy count lines of stdin into file, the last without a newline (exact bytes)
+  n=$2
+  { IFS= read -r l; printf '%%s' "$l"
+    while [ "$n" -gt 1 ]; do IFS= read -r l; printf '\n%%s' "$l"; n=$((n - 1)); done; } > "$1"
+}
+while read -r svc tmpname nunit nenv; do
+  put "$dir/$tmpname.service" "$nunit"
+  [ "$nenv" = - ] || put "$dir/$tmpname.service.d/%(dropin)s" "$nenv"
   # Only this unit's own findings (--recursive-errors=no, systemd 250+: a fifth of the time, and
   # another unit's fault never blocks this one); an older systemd-analyze checks as it can.
   out=$(systemd-analyze verify --man=no --recursive-errors=no "$dir/$tmpname.service" 2>&1); rc=$?
   case "$out" in *recursive-errors*)
     out=$(systemd-analyze verify --man=no "$dir/$tmpname.service" 2>&1); rc=$? ;;
   esac
-  printf '%%s V %%s %%s %%s\n' "$T" "$svc" "$rc" "$(printf '%%s' "$out" | base64 -w0)"
+  # Printable ASCII comes line by line (O); anything else in one base64 payload (B).
+  case "$out" in
+    *[![:print:]"$nl"]*) printf '%%s B %%s %%s\n' "$T" "$svc" "$(printf '%%s' "$out" | base64 -w0)" ;;
+    *) IFS=$nl; set -f
+       for l in $out; do printf '%%s O %%s %%s\n' "$T" "$svc" "$l"; done
+       unset IFS; set +f ;;
+  esac
+  printf '%%s V %%s %%s\n' "$T" "$svc" "$rc"
 done
 printf '%%s END\n' "$T"
 """
+
+
+def _lines(text: str) -> tuple[int, str]:
+    """A text as the verify script's `put` reads it: how many pieces it has between newlines, and
+    those pieces each on a line of its own (so a missing final newline stays missing)."""
+    pieces = text.split("\n")
+    return len(pieces), "".join(p + "\n" for p in pieces)
 
 
 def verify_command(units: Mapping[str, tuple[str, str | None]], token: str | None = None) -> tuple[str, str, str]:
     """The command that has systemd check each unit (service -> (unit text, env drop-in or None))
     under a throw-away name, so no live drop-in of the real unit is mixed in.
 
+    The unit and drop-in texts come on stdin as plain lines, counted (never on a command line,
+    never decoded by another process); they are written byte for byte by the shell itself.
     Returns (command, stdin, token)."""
     token = token or secrets.token_hex(8)
-    lines = []
+    names = {name: f"reconciler-verify-{secrets.token_hex(4)}-{name}" for name in units}
+    head = [secrets.token_hex(8)] + [names[n] for n, (_, env) in sorted(units.items()) if env]
+    parts = [" ".join(head) + "\n"]
     for name, (unit, env) in sorted(units.items()):
-        tmpname = f"reconciler-verify-{secrets.token_hex(4)}-{name}"
-        enc = base64.b64encode(unit.encode()).decode()
-        env_enc = base64.b64encode(env.encode()).decode() if env else "-"
-        lines.append(f"{name} {tmpname} {enc} {env_enc}")
+        nunit, unit_lines = _lines(unit)
+        nenv, env_lines = _lines(env) if env else ("-", "")
+        parts.append(f"{name} {names[name]} {nunit} {nenv}\n{unit_lines}{env_lines}")
     script = _VERIFY_SCRIPT % {"token": token, "dropin": ENV_DROPIN}
-    return f"sh -c {shlex.quote(script)} reconciler-verify", "\n".join(lines) + "\n", token
+    return f"sh -c {shlex.quote(script)} reconciler-verify", "".join(parts), token
 
 
 _LINE_REF = re.compile(r"^(?P<file>/\S+?):(?P<line>\d+): (?P<msg>.*)$")
@@ -118,15 +147,25 @@ def parse_verify(stdout: str, token: str,
     and whether systemd-analyze was there at all."""
     out: dict[str, list[str]] = {}
     available = True
-    for line in stdout.splitlines():
-        parts = line.split(" ")
-        if len(parts) != 5 or parts[0] != token or parts[1] != "V":
+    said: dict[str, list[str]] = {}        # service -> systemd-analyze's output lines so far
+    for line in stdout.split("\n"):
+        parts = line.split(" ", 3)
+        if len(parts) < 3 or parts[0] != token:
             continue
-        name, rc, payload = parts[2], parts[3], parts[4]
+        kind, name = parts[1], parts[2]
+        if kind == "O" and len(parts) == 4:
+            said.setdefault(name, []).append(parts[3])
+            continue
+        if kind == "B" and len(parts) == 4:
+            said.setdefault(name, []).append(base64.b64decode(parts[3]).decode(errors="replace"))
+            continue
+        if kind != "V" or len(parts) != 4:
+            continue
+        rc = parts[3]
         if name == "-":
             available = False
             continue
-        text = base64.b64decode(payload).decode(errors="replace") if payload != "-" else ""
+        text = "\n".join(said.pop(name, []))
         unit, env = units.get(name, ("", None))
         problems = []
         for msg in text.splitlines():

@@ -144,6 +144,19 @@ def _mib(v: int | None) -> str:
 
 _SCRIPT = r"""
 T=%(token)s
+nl='
+'
+enc() {  # file -> e: @ and its one line when that is printable ASCII without spaces, else the
+         # file in base64 (no process for the usual comm and cgroup v2); 1 when it cannot be read
+  e= ok= l= m=
+  { ok=1; IFS= read -r l; r=$?; IFS= read -r m; s=$?; } 2>/dev/null < "$1"
+  [ -n "$ok" ] || return 1
+  if [ "$r$s" = 01 ] && [ -z "$m" ]; then
+    case "$l" in ''|*[![:graph:]]*) ;; *) e=@$l; return 0 ;; esac
+  fi
+  e=$(base64 -w0 < "$1" 2>/dev/null)
+  return 0
+}
 printf '%%s BEGIN\n' "$T"
 # One ls over every process's fd directory (no process per fd): "/proc/PID/fd:" headers, then
 # "... N -> /dev/nvidia0" lines. awk keeps, per PID, the distinct /dev/nvidia* targets.
@@ -154,25 +167,38 @@ ls -l /proc/[0-9]*/fd 2>/dev/null | awk -v P=%(arrow)s '
     if (!(k in seen)) { seen[k] = 1; devs[pid] = devs[pid] " " dev }
   }
   END { for (p in devs) print p devs[p] }' | while read -r pid devs; do
-  comm=$(cat "/proc/$pid/comm" 2>/dev/null) || continue
-  cg=$(cat "/proc/$pid/cgroup" 2>/dev/null | base64 | tr -d '\n')
-  printf '%%s H %%s %%s %%s %%s\n' "$T" "$pid" "$(printf '%%s' "$comm" | base64 | tr -d '\n')" "${cg:--}" "$devs"
+  enc "/proc/$pid/comm" || continue
+  comm=$e
+  enc "/proc/$pid/cgroup"
+  printf '%%s H %%s %%s %%s %%s\n' "$T" "$pid" "${comm:--}" "${e:--}" "$devs"
 done
 if command -v nvidia-smi >/dev/null 2>&1; then
   printf '%%s SMI 1\n' "$T"
+  set -f      # nvidia-smi's lines, one by one (IFS: newlines only; empty lines say nothing)
   out=$(%(query_gpu)s 2>&1); rc=$?
-  printf '%%s\n' "$out" | while IFS= read -r l; do printf '%%s G %%s\n' "$T" "$l"; done
+  IFS=$nl; for l in $out; do printf '%%s G %%s\n' "$T" "$l"; done; unset IFS
   printf '%%s GRC %%s\n' "$T" "$rc"
   out=$(%(query_apps)s 2>&1); rc=$?
-  printf '%%s\n' "$out" | while IFS= read -r l; do printf '%%s A %%s\n' "$T" "$l"; done
+  IFS=$nl; for l in $out; do printf '%%s A %%s\n' "$T" "$l"; done; unset IFS
   printf '%%s ARC %%s\n' "$T" "$rc"
   # The cgroup of every compute process too: a server's GPU workers may hold no /dev/nvidia*
-  # fd we can see, and only their cgroup ties them to a service.
-  printf '%%s\n' "$out" | cut -d, -f1 | sort -u | while read -r p; do
-    case "$p" in ''|*[!0-9]*) continue ;; esac
-    cg=$(cat "/proc/$p/cgroup" 2>/dev/null | base64 | tr -d '\n')
-    printf '%%s C %%s %%s\n' "$T" "$p" "${cg:--}"
+  # fd we can see, and only their cgroup ties them to a service. Each PID once.
+  seen=' '
+  IFS=$nl
+  for l in $out; do
+    unset IFS
+    set -- ${l%%%%,*}       # the first field, without the blanks around it
+    IFS=$nl
+    [ $# -eq 1 ] || continue
+    p=$1
+    case "$p" in *[!0-9]*) continue ;; esac
+    case "$seen" in *" $p "*) continue ;; esac
+    seen="$seen$p "
+    enc "/proc/$p/cgroup"
+    printf '%%s C %%s %%s\n' "$T" "$p" "${e:--}"
   done
+  unset IFS
+  set +f
 else
   printf '%%s SMI 0\n' "$T"
 fi
@@ -228,6 +254,8 @@ def _int(v: str) -> int | None:
 def _b64(payload: str) -> str:
     if payload == "-":
         return ""
+    if payload.startswith("@"):
+        return payload[1:]          # one line of printable ASCII, sent as it is
     try:
         return base64.b64decode(payload, validate=True).decode("utf-8", errors="replace")
     except (binascii.Error, ValueError):

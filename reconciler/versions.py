@@ -43,26 +43,38 @@ _PROBE_PY = (
 
 _SCRIPT = r"""
 T=%(token)s
+nl='
+'
 probe() {  # name executable module pythonpath cached-stamp
   exe=$2
   unknown() { printf '%%s V %%s - -\n' "$T" "$1"; }
   case "$exe" in /*) ;; *) exe=$(command -v "$exe" 2>/dev/null) || { unknown "$1"; return; } ;; esac
   py=$exe
-  if [ "$(head -c 2 "$exe" 2>/dev/null)" = "#!" ]; then
-    line=$(head -n 1 "$exe" | sed 's/^#![[:space:]]*//')
-    case "$line" in *python*) py=$line ;; esac
-  fi
+  line=
+  { IFS= read -r line < "$exe"; } 2>/dev/null     # the first line: a shebang names the interpreter
+  case "$line" in '#!'*)
+    line=${line#??}; line=${line#"${line%%%%[![:space:]]*}"}
+    case "$line" in *python*) py=$line ;; esac ;;
+  esac
   first=${py%%%% *}
   if [ "$first" = /usr/bin/env ]; then
     second=${py#* }; first=$(command -v "${second%%%% *}" 2>/dev/null) || first=/nonexistent
   fi
-  dirs="$first $(dirname "$first")/../lib/python3*/site-packages /usr/local/lib/python3*/dist-packages"
-  dirs="$dirs /usr/lib/python3/dist-packages $(printf '%%s' "$4" | tr ':' ' ')"
-  stamp=$(stat -L -c %%Y $dirs 2>/dev/null | tr '\n' '.')
+  case "$first" in */*) bin=${first%%/*} ;; *) bin=. ;; esac
+  pp=$4 ppdirs=       # PYTHONPATH with each ':' a space (then split like the rest)
+  while :; do case "$pp" in *:*) ppdirs="$ppdirs${pp%%%%:*} "; pp=${pp#*:} ;; *) ppdirs=$ppdirs$pp; break ;; esac; done
+  dirs="$first ${bin:-/}/../lib/python3*/site-packages /usr/local/lib/python3*/dist-packages"
+  dirs="$dirs /usr/lib/python3/dist-packages $ppdirs"
+  stamp=$(stat -L --printf '%%Y.' $dirs 2>/dev/null)
   [ -x "$first" ] || { unknown "$1"; return; }
   if [ "$stamp" = "$5" ]; then printf '%%s V %%s %%s =\n' "$T" "$1" "$stamp"; return; fi
-  v=$(cd / && PYTHONPATH="$4" timeout 60 $py -c "$P" "$3" 2>/dev/null | tail -n 1)
-  printf '%%s V %%s %%s %%s\n' "$T" "$1" "$stamp" "$(printf '%%s' "$v" | base64 | tr -d '\n')"
+  out=$(cd / && PYTHONPATH="$4" timeout 60 $py -c "$P" "$3" 2>/dev/null; printf x)
+  out=${out%%x}; out=${out%%"$nl"}; v=${out##*"$nl"}     # the last line, as tail -n 1 gives it
+  case "$v" in
+    [0-9]*[!0-9A-Za-z.+!-]*|[!0-9]*|'') v=$(printf '%%s' "$v" | base64 -w0) ;;
+    *) v=@$v ;;          # a version as it is (the parser's own pattern): no base64 process
+  esac
+  printf '%%s V %%s %%s %%s\n' "$T" "$1" "$stamp" "$v"
 }
 """
 
@@ -126,10 +138,13 @@ def parse_probe(stdout: str, token: str) -> dict[str, Answer]:
         elif payload == "=":
             out[name] = Answer(None, stamp, cached=True)
         else:
-            try:
-                text = base64.b64decode(payload).decode(errors="replace").strip()
-            except ValueError:
-                text = ""
+            if payload.startswith("@"):
+                text = payload[1:]        # sent as it is: the host found it matches the pattern below
+            else:
+                try:
+                    text = base64.b64decode(payload).decode(errors="replace").strip()
+                except ValueError:
+                    text = ""
             out[name] = Answer(text if re.match(r"^[0-9][0-9A-Za-z.+!-]*$", text) else None, stamp)
     return out
 

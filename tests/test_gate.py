@@ -79,3 +79,57 @@ def test_verify_checks_only_the_unit_itself_and_falls_back_for_an_older_systemd_
         problems = _verify_with(tmp_path / str(len(analyze)), analyze)
         assert set(problems) == {"bad"}, problems
         assert problems["bad"] == ["line 3: Unknown key 'Bogus' in section [Service], ignoring. (`Bogus=1`)"]
+
+
+COPY_ANALYZE = """#!/bin/sh
+for a in "$@"; do f="$a"; done
+n=${f##*/}; n=${n#reconciler-verify-*-}; n=${n%.service}
+cp "$f" "$VERIFY_COPY/$n.unit"
+[ -d "$f.d" ] && cp "$f.d"/* "$VERIFY_COPY/$n.env"
+printf '%s:2: Unknown key name \\342\\200\\234B\\303\\266gus\\342\\200\\235, ignoring.\\n' "$f"
+exit 1
+"""
+
+
+def test_verify_writes_the_units_byte_for_byte_and_reads_any_output(tmp_path):
+    """The texts come on stdin as counted lines and are written by the shell itself: backslash
+    continuations, CRs, blank and space-only lines, a missing final newline, UTF-8 and quotes all
+    arrive unchanged. systemd-analyze's output that is not plain ASCII still reads right."""
+    import os
+    import subprocess
+
+    from reconciler.gate import parse_verify, verify_command
+    from reconciler.plan import render_env
+    bindir, copy = tmp_path / "bin", tmp_path / "copy"
+    bindir.mkdir()
+    copy.mkdir()
+    (bindir / "systemd-analyze").write_text(COPY_ANALYZE)
+    (bindir / "systemd-analyze").chmod(0o755)
+    units = {
+        "a": ("[Service]\nExecStart=/bin/echo a \\\n  b\r\n\n   \n\tB\u00f6gus=1 \"q\" $x %i `c`\n-x\nend", None),
+        "b": ("[Unit]\n", render_env({"SECRET": "s3 %cr\"et\\ \u00e9", "B": "2"})),
+        "c": ("", None),
+    }
+    cmd, stdin, token = verify_command(units)
+    assert "s3 %cr" not in cmd and "B\u00f6gus" not in cmd           # texts only on stdin
+    res = subprocess.run(["sh", "-c", cmd], input=stdin, capture_output=True, text=True, timeout=10,
+                         env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "VERIFY_COPY": str(copy)})
+    assert res.returncode == 0, res.stderr
+    for name, (unit, env) in units.items():
+        assert (copy / f"{name}.unit").read_bytes() == unit.encode()
+        assert (copy / f"{name}.env").read_bytes() == env.encode() if env else not (copy / f"{name}.env").exists()
+    problems, available = parse_verify(res.stdout, token, units)
+    assert available
+    assert problems["a"] == ["line 2: Unknown key name \u201cB\u00f6gus\u201d, ignoring. (`ExecStart=/bin/echo a \\`)"]
+    assert set(problems) == {"a", "b", "c"}
+
+
+def test_parse_verify_framing():
+    from reconciler.gate import parse_verify
+    units = {"s": ("[Service]\nBogus=1\n", None)}
+    out = "\n".join(["T O s /tmp/x/reconciler-verify-ab12-s.service:2: Unknown key 'Bogus', ignoring.",
+                     "T O s other.service: broken", "other O s /tmp/x/reconciler-verify-1-s.service:1: forged",
+                     "T V s 1", "T END"])
+    assert parse_verify(out, "T", units) == ({"s": ["line 2: Unknown key 'Bogus', ignoring. (`Bogus=1`)"]}, True)
+    assert parse_verify("T V s 3\nT END\n", "T", units) == ({"s": ["systemd-analyze verify exited 3"]}, True)
+    assert parse_verify("T V - -\nT END\n", "T", units) == ({}, False)

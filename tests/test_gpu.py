@@ -133,6 +133,49 @@ def test_parse_refuses_truncated_or_forged_output():
     assert not facts.has_nvidia_smi
 
 
+def test_parse_values_sent_as_they_are():
+    """The host sends a comm or cgroup of one printable-ASCII line as '@' + the line (no base64
+    process); anything else in base64. Both read the same."""
+    cgroup = b64("0::/system.slice/x.service\n")
+    out = "\n".join([
+        f"{TOKEN} BEGIN",
+        f"{TOKEN} H 1200 @python3 @0::/system.slice/sglang-qwen.service /dev/nvidia0",
+        f"{TOKEN} H 1201 @@odd @0::/ /dev/nvidia1",                     # a comm starting with '@'
+        f"{TOKEN} H 1202 {b64('my proc')} {cgroup} /dev/nvidia1",
+        f"{TOKEN} SMI 1", f"{TOKEN} G 0, GPU-a, 100, 81559", f"{TOKEN} GRC 0",
+        f"{TOKEN} A 5555, python3, 512, GPU-a", f"{TOKEN} ARC 0",
+        f"{TOKEN} C 5555 @0::/system.slice/vllm.service",
+        f"{TOKEN} END"])
+    by_pid = {h.pid: h for h in gpu.parse_gpu(out, TOKEN).holders}
+    assert (by_pid[1200].comm, by_pid[1200].unit) == ("python3", "sglang-qwen.service")
+    assert (by_pid[1201].comm, by_pid[1201].unit) == ("@odd", None)
+    assert (by_pid[1202].comm, by_pid[1202].unit) == ("my proc", "x.service")
+    assert by_pid[5555].unit == "vllm.service"
+
+
+def test_proc_scan_reads_any_process_name(tmp_path: Path):
+    """Names of every kind (spaces, UTF-8, a newline, a leading '@') come back as they are."""
+    prefix = str(tmp_path / "nvidia")
+    names = ["my proc", "caf\u00e9", "a\nb", "@x", "plain"]
+    procs = []
+    try:
+        for name in names:
+            code = ("import ctypes, time\n"
+                    f"ctypes.CDLL(None).prctl(15, ctypes.c_char_p({name.encode()!r}), 0, 0, 0)\n"
+                    f"a = open({prefix + '0'!r}, 'w')\n"
+                    "print('ready', flush=True); time.sleep(60)\n")
+            p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+            procs.append(p)
+        facts = asyncio.run(gpu.gpu_facts(LocalTransport(), device_prefix=prefix))
+        assert {h.pid: h.comm for h in facts.holders} == {p.pid: n for p, n in zip(procs, names, strict=True)}
+        assert all(h.devices == (prefix + "0",) for h in facts.holders)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 @pytest.mark.parametrize("cgroup, unit", [
     ("0::/system.slice/sglang-qwen.service\n", "sglang-qwen.service"),
     ("0::/system.slice/sglang-qwen.service/payload\n", "sglang-qwen.service"),

@@ -668,6 +668,33 @@ def test_model_check_edge_cases(tmp_path: Path):
                                                 "model.safetensors is empty (0 bytes)"]
 
 
+def test_model_check_reads_any_weight_file_name(tmp_path: Path):
+    """One stat sizes every weight file; names with spaces, newlines, UTF-8 or a leading '@',
+    dangling links and a directory named like a weight file come back right, in glob order."""
+    d = tmp_path / "odd model"
+    (d / "sub").mkdir(parents=True)
+    (d / "config.json").write_text("{}")
+    for name, size in [("a b.safetensors", 5), ("new\nline.safetensors", 3), ("caf\u00e9.safetensors", 0),
+                       ("sub/x.safetensors", 7), ("-dash.bin", 9), ("@at.gguf", 11)]:
+        (d / name).write_bytes(b"x" * size)
+    os.symlink(tmp_path / "gone", d / "dangling.safetensors")
+    (d / "dir.safetensors").mkdir()
+    plain = tmp_path / "plain"                       # no newline in a name: the one stat answers
+    plain.mkdir()
+    (plain / "model.safetensors").write_bytes(b"y" * 4)
+    (plain / "x y.gguf").write_bytes(b"y" * 2)
+    os.symlink(tmp_path / "gone", plain / "model-2.bin")
+    facts = run_check([str(d), str(plain)])
+    odd = facts[str(d)]
+    dir_size = os.stat(d / "dir.safetensors").st_size
+    assert list(odd.files.items()) == [
+        ("a b.safetensors", 5), ("caf\u00e9.safetensors", 0), ("dangling.safetensors", None),
+        ("dir.safetensors", dir_size), ("new\nline.safetensors", 3), ("sub/x.safetensors", 7),
+        ("-dash.bin", 9), ("@at.gguf", 11)]
+    assert odd.problems() == ["dangling.safetensors missing", "caf\u00e9.safetensors is empty (0 bytes)"]
+    assert list(facts[str(plain)].files.items()) == [("model.safetensors", 4), ("model-2.bin", None), ("x y.gguf", 2)]
+
+
 def test_parse_model_check_is_framed_and_complete_or_refused():
     import base64
 
@@ -681,12 +708,13 @@ def test_parse_model_check_is_framed_and_complete_or_refused():
         f"T P {b('/m')}", "T D 1",
         f"T F config.json {b(cfg)}-",
         f"T F model.safetensors.index.json {b(index)}-",
-        f"T S 5 {b('s1.safetensors')}", f"T S - {b('s2.safetensors')}", "T A 1000",
+        f"T S 5 {b('s1.safetensors')}", "T S - @s2.safetensors", "T S 3 @@x.bin", "T A 1000",
         "other-token P xxx",
         "T END",
     ])
     [m] = pf.parse_model_check(out, "T").values()
     assert m.config == {"architectures": ["X"]} and m.missing == ["s2.safetensors"]
+    assert m.files == {"s1.safetensors": 5, "s2.safetensors": None, "@x.bin": 3}   # '@': as it is
     assert m.free_bytes == 1000 * 1024
     with pytest.raises(ObserveError):
         pf.parse_model_check(out.replace("T END", ""), "T")
@@ -702,3 +730,56 @@ def test_dry_run_path_model_facts_feed_the_rules():
     findings = pf.check_service(svc, rules=RULES, model_config=facts.config, gpu_count=None)
     assert ids(findings) == ["sglang-spec-hybrid-extra-buffer"]
     assert INCIDENT_PHRASE in str(findings[0])
+
+
+# ---- the server version on the host (versions.py) --------------------------------------------
+
+
+def test_probe_reads_versions_then_answers_from_the_stamp(tmp_path: Path):
+    """The probe run for real: a python, a console script's shebang (also through /usr/bin/env),
+    an executable found on PATH, odd version strings; then, with the stamps cached, only `stat`."""
+    import sys
+
+    from reconciler.versions import Probe, parse_probe, probe_command
+    py = sys.executable
+    pkgs = {"p1": "0.5.12", "p2": " 1.0+cu121.post1 ", "p3": "v1.2", "p4": "0.5\n0.6", "p5": "1.0 beta"}
+    for mod, v in pkgs.items():
+        (tmp_path / mod / mod).mkdir(parents=True)
+        (tmp_path / mod / mod / "__init__.py").write_text(f"__version__ = {v!r}\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+
+    def script(name: str, text: str) -> str:
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+        return str(bindir / name)
+
+    probes = [Probe(f"s-{m}", py, m, f"{tmp_path / m}:/no such dir") for m in pkgs]
+    probes += [Probe("shebang", script("vllm", f"#!  {py} -s\nprint(1)\n"), "p1", str(tmp_path / "p1")),
+               Probe("env", script("sglang", "#!/usr/bin/env python3\n"), "p1", str(tmp_path / "p1")),
+               Probe("wrapper", script("wrapper", "#!/bin/sh\nexit 0\n"), "p1", ""),
+               Probe("path", "python3", "p1", str(tmp_path / "p1")),
+               Probe("missing", "/no/such/python3", "p1", "")]
+
+    def run(cached: dict[str, str]):
+        cmd, token = probe_command(probes, cached)
+        res = asyncio.run(LocalTransport().run(cmd, check=True, timeout=120, what="probe"))
+        return parse_probe(res.stdout, token)
+    first = run({})
+    assert {n: a.version for n, a in first.items()} == {
+        "s-p1": "0.5.12", "s-p2": "1.0+cu121.post1", "s-p3": None, "s-p4": "0.6", "s-p5": None,
+        "shebang": "0.5.12", "env": "0.5.12", "wrapper": None, "path": "0.5.12", "missing": None}
+    assert first["missing"].stamp is None and all(a.stamp for n, a in first.items() if n != "missing")
+    assert first["s-p1"].stamp.endswith(".") and not any(a.cached for a in first.values())
+    again = run({p.key: first[p.service].stamp or "" for p in probes})
+    assert {n for n, a in again.items() if a.cached} == set(first) - {"missing"}
+    assert all(again[n].stamp == first[n].stamp for n in again)
+
+
+def test_parse_probe_payloads():
+    from reconciler.versions import Answer, parse_probe
+    out = "\n".join(["T V a 1.2. @0.5.12", "T V b 1.2. IDAuNS4xMyAK", "T V c 1.2. =", "T V d - -",
+                     "T V e 1.2. @", "T V f 1.2. !!", "U V g 1.2. @1"])
+    assert parse_probe(out, "T") == {"a": Answer("0.5.12", "1.2."), "b": Answer("0.5.13", "1.2."),
+                                     "c": Answer(None, "1.2.", cached=True), "d": Answer(None, None),
+                                     "e": Answer(None, "1.2."), "f": Answer(None, "1.2.")}

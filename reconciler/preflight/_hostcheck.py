@@ -23,10 +23,62 @@ CONFIG_FILE = "config.json"
 
 _MODEL_SCRIPT = r"""
 T=%(token)s
-b64() { base64 | tr -d '\n'; }
+nl='
+'
+# One file's size: stat, else wc (only when the one stat in weights() does not line up).
 size() { stat -L -c %%s -- "$1" 2>/dev/null || wc -c < "$1" 2>/dev/null | tr -d ' '; }
-for p in "$@"; do
-  printf '%%s P %%s\n' "$T" "$(printf '%%s' "$p" | b64)"
+name() {  # a name as an S line carries it: @ and the name when printable ASCII without spaces, else base64
+  case "$1" in ''|*[![:graph:]]*) n=$(printf '%%s' "$1" | base64 -w0) ;; *) n=@$1 ;; esac
+}
+weights() {  # dir: one S line per weight file (its size, or - when unreadable), in glob order
+  d=$1; set --; ex=
+  for w in "$d"/*.safetensors "$d"/*/*.safetensors "$d"/*.bin "$d"/*.gguf; do
+    if [ -e "$w" ]; then ex=${ex}1; elif [ -L "$w" ]; then ex=${ex}0; else continue; fi
+    set -- "$@" "$w"
+  done
+  [ $# -gt 0 ] || return 0
+  # One stat for every file that exists ("SIZE NAME" lines, a dangling link gives none). Each
+  # line must be "SIZE $w" for the next existing file; when not (a name with a newline, a file
+  # that went or came meanwhile) every file is sized on its own, as size() does.
+  all=; case "$ex" in *1*) all=$(stat -L -c '%%s %%n' -- "$@" 2>/dev/null) ;; esac
+  rest=$all; e=$ex; ok=1
+  for w in "$@"; do
+    case "$e" in 1*)
+      case "$rest" in *"$nl"*) l=${rest%%%%"$nl"*}; rest=${rest#*"$nl"} ;; *) l=$rest; rest= ;; esac
+      s=${l%%%% *}
+      case "$s" in ''|*[!0-9]*) ok= ;; esac
+      [ "$l" = "$s $w" ] || ok= ;;
+    esac
+    e=${e#?}
+  done
+  [ -z "$rest" ] || ok=
+  rest=$all
+  for w in "$@"; do
+    if [ -z "$ok" ]; then
+      s=$(size "$w") || s=-
+      [ -n "$s" ] || s=-
+    else
+      case "$ex" in
+        1*) case "$rest" in *"$nl"*) l=${rest%%%%"$nl"*}; rest=${rest#*"$nl"} ;; *) l=$rest; rest= ;; esac
+            s=${l%%%% *} ;;
+        *) s=- ;;
+      esac
+    fi
+    ex=${ex#?}
+    name "${w#"$d"/}"
+    printf '%%s S %%s %%s\n' "$T" "$s" "$n"
+  done
+}
+free() {  # path: the free KiB of its file system (df's "Available"), or nothing
+  a=$(df -Pk -- "$1" 2>/dev/null)
+  case "$a" in
+    *"$nl"*) a=${a#*"$nl"}; a=${a%%%%"$nl"*}; set -f; set -- $a; set +f; a=$4 ;;
+    *) a= ;;
+  esac
+}
+while [ $# -gt 1 ]; do        # pairs: the path in base64 (for the P line), the path
+  enc=$1; p=$2; shift 2
+  printf '%%s P %%s\n' "$T" "$enc"
   d=$p
   case "$p" in *"*"*)   # a pattern (a Hugging Face cache's snapshots/*): its last directory
     for g in $p; do [ -d "$g" ] && d=$g; done ;;
@@ -35,21 +87,19 @@ for p in "$@"; do
     printf '%%s D 1\n' "$T"
     for f in config.json model.safetensors.index.json; do
       if [ -f "$d/$f" ]; then
-        printf '%%s F %%s %%s\n' "$T" "$f" "$(b64 < "$d/$f")-"
+        printf '%%s F %%s %%s\n' "$T" "$f" "$(base64 -w0 < "$d/$f")-"
       fi
     done
-    for w in "$d"/*.safetensors "$d"/*/*.safetensors "$d"/*.bin "$d"/*.gguf; do
-      [ -e "$w" ] || [ -L "$w" ] || continue
-      s=$(size "$w") || s=-
-      [ -n "$s" ] || s=-
-      printf '%%s S %%s %%s\n' "$T" "$s" "$(printf '%%s' "${w#"$d"/}" | b64)"
-    done
+    weights "$d"
   else
     printf '%%s D 0\n' "$T"
   fi
-  q=$d
-  while [ ! -d "$q" ] && [ "$q" != / ] && [ "$q" != . ]; do q=$(dirname -- "$q"); done
-  printf '%%s A %%s\n' "$T" "$(df -Pk -- "$q" 2>/dev/null | awk 'NR==2 {print $4}')"
+  q=$d        # the nearest existing directory (dirname's steps, by parameter expansion)
+  while [ ! -d "$q" ] && [ "$q" != / ] && [ "$q" != . ]; do
+    case "$q" in */*) q=${q%%/*}; [ -n "$q" ] || q=/ ;; *) q=. ;; esac
+  done
+  free "$q"
+  printf '%%s A %%s\n' "$T" "$a"
 done
 printf '%%s END\n' "$T"
 """
@@ -60,13 +110,16 @@ def model_check_command(paths: list[str], token: str | None = None) -> tuple[str
 
     Per path (a path with `*` is a pattern: its last matching directory is read, as for a
     Hugging Face cache's snapshots/*): whether it is a directory, config.json and model.safetensors.index.json
-    (base64), the size of every weight file (*.safetensors, one sub-directory deep, *.bin,
-    *.gguf; symlinks followed, as in a Hugging Face cache) and the free space of its file
-    system. No python on the host. Returns (command, token); the token frames the output.
+    (base64, one base64 process each), the size of every weight file (*.safetensors, one
+    sub-directory deep, *.bin, *.gguf; symlinks followed, as in a Hugging Face cache; one stat
+    for all of them) and the free space of its file system (one df). No python on the host, and
+    no process per file name: a name of printable ASCII without spaces comes as it is (`@name`),
+    any other name in base64. Each path is passed with its base64 form, for its P line. Returns
+    (command, token); the token frames the output.
     """
     token = token or secrets.token_hex(8)
     script = _MODEL_SCRIPT % {"token": token}
-    args = " ".join(shlex.quote(p) for p in paths)
+    args = " ".join(shlex.quote(x) for p in paths for x in (base64.b64encode(p.encode()).decode(), p))
     return f"sh -c {shlex.quote(script)} reconciler-model-check {args}", token
 
 
@@ -107,6 +160,8 @@ class ModelFacts:
 
 
 def _b64text(payload: str, host: str) -> str:
+    if payload.startswith("@"):
+        return payload[1:]          # a name sent as it is (printable ASCII, no spaces)
     try:
         return base64.b64decode(payload, validate=True).decode("utf-8", errors="replace")
     except (binascii.Error, ValueError):
