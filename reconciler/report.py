@@ -26,27 +26,48 @@ from .records import Result
 from .redact import redact
 
 
-def _t(text: object) -> str:
-    """Text from a run, redacted and escaped for rich markup."""
-    return escape(redact(str(text)))
+def _t(text: object, plain: bool = False) -> str:
+    """Text from a run, redacted (and escaped for rich markup, unless `plain`)."""
+    return redact(str(text)) if plain else escape(redact(str(text)))
+
+
+def _plain(console: Console) -> bool:
+    """Whether rich would lay this console's output out as plain text anyway (a log, a pipe, CI:
+    not a terminal, no colour): it is then written as it is, without rich's layout per call
+    (about 5 ms a line; 0.25 s of a 10-host converge's controller CPU was printing)."""
+    return not console.is_terminal and console.color_system is None
+
+
+def _say(console: Console, lines: list[str], plain: bool) -> None:
+    """Lines built for `plain` (text) or not (markup), in one write or one print."""
+    if plain:
+        console.file.write("\n".join(lines) + "\n")
+    else:
+        console.print("\n".join(lines), highlight=False)
+
+
+def _style(style: str, text: str, plain: bool) -> str:
+    return text if plain or not style else f"[{style}]{text}[/]"
 
 
 _STYLE = {"in-sync": "green", "converged": "green", "would-change": "yellow", "failed": "bold red",
           "rolled-back": "bold yellow", "quarantined": "yellow"}
 
 
-def diff_lines(diff: str) -> list[str]:
-    """A unified diff as markup lines, coloured by kind (text redacted and escaped)."""
+def diff_lines(diff: str, plain: bool = False) -> list[str]:
+    """A unified diff as markup lines, coloured by kind (text redacted and escaped); or as plain
+    text lines (redacted)."""
     out = []
     for line in diff.rstrip("\n").splitlines():
         style = ("bold" if line.startswith(("---", "+++")) else "green" if line.startswith("+")
                  else "red" if line.startswith("-") else "cyan" if line.startswith("@@") else "")
-        out.append(f"    [{style}]{_t(line)}[/]" if style else f"    {_t(line)}")
+        out.append("    " + _style(style, _t(line, plain), plain))
     return out
 
 
 def print_diff(console: Console, diff: str) -> None:
-    console.print("\n".join(diff_lines(diff)), highlight=False)
+    plain = _plain(console)
+    _say(console, diff_lines(diff, plain), plain)
 
 
 def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
@@ -55,12 +76,13 @@ def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
     if r.plan is None or not r.plan.visible:
         return
     verb = ("would change" if dry_run else "changes") if r.plan.changes else "holds"
-    lines = [f"[bold]── {_t(r.host)} ({_t(r.address)}) {verb} at {r.plan.revision[:7]}[/]"]
+    plain = _plain(console)
+    lines = [_style("bold", f"── {_t(r.host, plain)} ({_t(r.address, plain)}) {verb} at {r.plan.revision[:7]}", plain)]
     for a in r.plan.actions:
         if a.diff:
-            lines += diff_lines(a.diff)
-    lines += [f"  • {_t(a.describe())}" for a in r.plan.visible]
-    console.print("\n".join(lines) + "\n", highlight=False)
+            lines += diff_lines(a.diff, plain)
+    lines += [f"  • {_t(a.describe(), plain)}" for a in r.plan.visible]
+    _say(console, [*lines, ""], plain)
 
 
 def print_result(console: Console, res: FleetResult, shown: set[str] | frozenset[str] = frozenset(),
@@ -81,8 +103,8 @@ def print_result(console: Console, res: FleetResult, shown: set[str] | frozenset
     for r in res.hosts:
         counts[r.status] = counts.get(r.status, 0) + 1
     parts = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-    console.print(f"{len(res.hosts)} host{'s' * (len(res.hosts) != 1)}: {parts}; exit {res.exit_code()}",
-                  highlight=False)
+    _say(console, [f"{len(res.hosts)} host{'s' * (len(res.hosts) != 1)}: {parts}; exit {res.exit_code()}"],
+         _plain(console))
 
 
 def _table(console: Console, res: FleetResult, hosts: list[HostResult]) -> None:
@@ -101,10 +123,13 @@ def _table(console: Console, res: FleetResult, hosts: list[HostResult]) -> None:
         table.add_row(_t(r.host), _t(r.address), f"[{_STYLE.get(r.status, '')}]{r.status}[/]", _t(detail),
                       f"{r.seconds:.2f}s")
     console.print(table)
-    for r in hosts:
-        if r.reason:
-            console.print(f"{_t(r.host)}: {_t(r.reason)}: {_t(r.message or '')}", highlight=False,
-                          soft_wrap=True)
+    plain = _plain(console)
+    reasons = [f"{_t(r.host, plain)}: {_t(r.reason, plain)}: {_t(r.message or '', plain)}" for r in hosts if r.reason]
+    if reasons:
+        if plain:
+            _say(console, reasons, plain)
+        else:
+            console.print("\n".join(reasons), highlight=False, soft_wrap=True)
 
 
 def print_config_error(console: Console, err: ConfigError, where: str) -> None:
@@ -164,26 +189,33 @@ class PhaseView:
             self.progress.update(self.tasks[key], description=desc, completed=min(elapsed, timeout), clock=clock)
         elif self.last.get(key) != phase:
             self.last[key] = phase
-            self.console.print(f"[{elapsed:6.1f}s] {_t(host)} {_t(service)}: {_t(phase)}", highlight=False)
+            if _plain(self.console):
+                _say(self.console, [f"[{elapsed:6.1f}s] {_t(host, True)} {_t(service, True)}: {_t(phase, True)}"], True)
+            else:
+                self.console.print(f"[{elapsed:6.1f}s] {_t(host)} {_t(service)}: {_t(phase)}", highlight=False)
 
 
 def print_events(console: Console, res: FleetResult) -> None:
     """Health outcomes, rollbacks and quarantines, with the journal line that explains each failure."""
+    plain = _plain(console)
+    lines: list[str] = []
     for r in res.hosts:
-        for n in r.notes:
-            console.print(f"[dim]{_t(r.host)}: {_t(n)}[/]", highlight=False, soft_wrap=True)
+        lines += [_style("dim", f"{_t(r.host, plain)}: {_t(n, plain)}", plain) for n in r.notes]
         for e in r.events:
             if e.outcome is None:
-                console.print(f"{_t(r.host)} {_t(e.service)}: {_t(e.note)}", highlight=False)
+                lines.append(f"{_t(r.host, plain)} {_t(e.service, plain)}: {_t(e.note, plain)}")
                 continue
             o = e.outcome
             head = f"{r.host} {e.service} ({e.action} {e.revision[:7]}): {o.reason}"
-            if o.healthy:
-                console.print(f"[green]{_t(head)}[/] {_t(o.message)}", highlight=False)
-            else:
-                console.print(f"[bold red]{_t(head)}[/] {_t(o.message)}", highlight=False)
-                if o.quote:
-                    console.print(f"    journal: {_t(o.quote)}", highlight=False)
+            style = "green" if o.healthy else "bold red"
+            lines.append(f"{_style(style, _t(head, plain), plain)} {_t(o.message, plain)}")
+            if not o.healthy and o.quote:
+                lines.append(f"    journal: {_t(o.quote, plain)}")
+    if lines:
+        if plain:
+            _say(console, lines, plain)
+        else:      # one print; notes and quotes are never wrapped mid-line
+            console.print("\n".join(lines), highlight=False, soft_wrap=True)
 
 
 def print_status(console: Console, rows: list[dict], live: str | None = None) -> None:
