@@ -16,7 +16,10 @@ two, with the wait for the GPUs between them. Each step reports its own result:
 Safety:
   * every file is written atomically: a temp file in the same directory whose name systemd
     never loads (`.reconciler-tmp.<script PID>.<n>`), fsync, rename, fsync of the directory;
-    the clean-up on exit removes only this script's own temp files; four processes a file;
+    the clean-up on exit removes only this script's own temp files. Consecutive file steps go
+    as one batch: every temp written by the shell's printf (no process), one fsync of them all,
+    a rename each, one fsync of their directories (2 + N processes for N files); the intents
+    are a batch of their own, durable before any file they announce is replaced;
   * the record of a service says `pending` (what is deployed, what it replaces) before any of
     its files is replaced; one daemon-reload per host; restart only what the plan says;
   * a drop-in someone else wrote is moved to /var/lib/reconciler/removed/, never just deleted;
@@ -227,7 +230,8 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
     if a.kind is Kind.ARM_TIMER:
         assert a.service is not None
         name = confirm.unit_name(a.service)
-        return f"systemctl reset-failed {name}.service 2>/dev/null; systemctl enable --now --no-reload {name}.timer"
+        arm = f"systemctl enable --now --no-reload {name}.timer"
+        return arm if a.fresh else f"systemctl reset-failed {name}.service 2>/dev/null; {arm}"
     if a.kind is Kind.DISARM:
         assert a.service is not None
         return confirm.disarm_script(a.service)

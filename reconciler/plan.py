@@ -177,7 +177,7 @@ class Action:
     switch: Switch | None = field(default=None, repr=False)          # ARM: the dead-man's switch
     secrets: tuple[SecretSpec, ...] = field(default=(), repr=False)   # SECRETS: what to deliver (no values)
     # START: systemd had never loaded the unit (no failed state, restart count or start limit to
-    # reset first)
+    # reset first); ARM_TIMER: the switch never fired (its unit has no failure to reset)
     fresh: bool = False
 
     def describe(self) -> str:
@@ -729,7 +729,11 @@ class _Builder:
         what = f"roll back to {sw.restores[:7]}" if sw.restores else "stop it"
         self.add(Kind.ARM, Reason.CONFIRM, sp.name, switch=sw,
                  detail=f"dead-man's switch: {what} unless the controller confirms within {window}s")
-        self.add(Kind.ARM_TIMER, Reason.CONFIRM, sp.name, detail=f"{unit_name(sp.name)}.timer")
+        # A switch that fired before may have left its unit failed: reset it first (else there
+        # is nothing to reset, and no systemctl to run for it).
+        before = f.record if f is not None else None
+        fired = before is not None and before.quarantine is not None and before.quarantine.reason == "NotConfirmed"
+        self.add(Kind.ARM_TIMER, Reason.CONFIRM, sp.name, detail=f"{unit_name(sp.name)}.timer", fresh=not fired)
         self.reload = True
 
     def _start_reason(self, sp: ServicePlan, s: _Sync, running: bool, why_sub: str) -> tuple[Reason, str]:

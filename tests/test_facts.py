@@ -259,3 +259,26 @@ def test_a_failing_file_step_stops_the_script_and_names_the_step():
     assert "write /etc/systemd/system/m" in str(e.value) and "No space left" in str(e.value)
     clock, failures, fatal = parse_results(p, f"@@fatal {write} 1\n", stderr)
     assert fatal is not None and fatal[0] == write and failures == []
+
+
+def test_the_switch_is_reset_before_arming_only_after_it_fired():
+    """`systemctl reset-failed` of the switch's unit (one more systemctl per deploy) only where
+    a switch fired before (the record says NotConfirmed); a first start of a never-loaded unit
+    needs no reset-failed either, a known one does."""
+    from reconciler.facts import ServiceFacts
+    from reconciler.records import Quarantine
+    h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", INSTALLED.format("m"), {"A": "1"})})
+    ctx = Context("f" * 40, confirm_margin=60.0)
+    def body(facts: HostFacts) -> str:          # the steps, without the prelude's functions
+        p = plan_host(h, facts, ctx)
+        return _commands(build_script(p, p.actions, 0)).split("@@now", 1)[1]
+    first = body(HostFacts(services={}))
+    assert "reset-failed reconciler-confirm" not in first and "systemctl enable --now" in first
+    new = ServiceFacts("m", props={"LoadState": "not-found", "ActiveState": "inactive"})
+    fresh = body(HostFacts(services={"m": new}))
+    assert "reset-failed" not in fresh and "systemctl start --no-block m.service" in fresh
+    fired = ServiceRecord(hash="0" * 16, revision="e" * 40, quarantine=Quarantine("0" * 16, "e" * 40, "NotConfirmed"))
+    known = ServiceFacts("m", unit_text="[Service]\nExecStart=/bin/old\n", record=fired,
+                         props={"LoadState": "loaded", "ActiveState": "inactive"})
+    after = body(HostFacts(services={"m": known}))
+    assert "systemctl reset-failed reconciler-confirm-m.service" in after and "u_start m.service" in after
