@@ -52,13 +52,14 @@ _fingerprint: str | None = None
 
 def fingerprint() -> str:
     """The reconciler's own code, as far as a load depends on it: path, size and mtime of every
-    module of the package and its sub-packages (a reinstall or an edit changes it)."""
+    module of the package and its sub-packages, and of the shipped rule pack (rules/*.toml): a
+    reinstall or an edit changes it."""
     global _fingerprint
     if _fingerprint is None:
         h = hashlib.sha256()
         for d, dirs, files in sorted(os.walk(_PACKAGE)):
             dirs[:] = [x for x in dirs if x != "__pycache__"]
-            for name in sorted(f for f in files if f.endswith(".py")):
+            for name in sorted(f for f in files if f.endswith((".py", ".toml"))):
                 st = os.stat(os.path.join(d, name))
                 h.update(f"{os.path.relpath(d, _PACKAGE)}/{name} {st.st_size} {st.st_mtime_ns}\n".encode())
         _fingerprint = h.hexdigest()[:16]
@@ -141,7 +142,29 @@ def _read(path: Path) -> tuple[DesiredState, bytes] | None:
     return state[0], state[1]
 
 
-def _write(directory: Path, path: Path, state: DesiredState, rules: RuleSet) -> None:
+def _shipped(directory: Path) -> Path:
+    return directory / f"shipped-{fingerprint()}.rules"
+
+
+def _shipped_pack(snap: Snapshot, directory: Path) -> bytes | None:
+    """The compiled rule pack (pickled) of a revision with no rules/ of its own: only the
+    shipped pack, the same for every such revision of this code, kept once beside the entries
+    (a new commit then skips parsing it, about 45 ms)."""
+    if snap.list("rules"):
+        return None
+    path = _shipped(directory)
+    try:
+        if not _trusted(directory.stat()):
+            return None
+        with open(path, "rb") as f:
+            return f.read() if _trusted(os.fstat(f.fileno())) else None
+    except OSError:
+        return None
+
+
+def _write(directory: Path, path: Path, state: DesiredState, rules: RuleSet | bytes, *,
+           shipped: bool = False) -> None:
+    """Keep a load (and, with `shipped`, its rule pack as the shipped-only one)."""
     import pickle
     import tempfile
     tmp: str | None = None
@@ -149,13 +172,18 @@ def _write(directory: Path, path: Path, state: DesiredState, rules: RuleSet) -> 
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not _trusted(directory.stat()):
             return
+        rules_blob = rules if isinstance(rules, bytes) else pickle.dumps(rules, protocol=pickle.HIGHEST_PROTOCOL)
+        if shipped:
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(rules_blob)
+            os.replace(tmp, _shipped(directory))
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")      # 0600
         with os.fdopen(fd, "wb") as f:
-            rules_blob = pickle.dumps(rules, protocol=pickle.HIGHEST_PROTOCOL)
             pickle.dump((state, rules_blob), f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
         tmp = None
-        for pattern, keep in (("*.pickle", KEEP), ("*.key", 16 * KEEP)):
+        for pattern, keep in (("*.pickle", KEEP), ("*.key", 16 * KEEP), ("shipped-*.rules", 2)):
             entries = sorted(directory.glob(pattern), key=lambda p: p.stat().st_mtime, reverse=True)
             for old in entries[keep:]:
                 old.unlink(missing_ok=True)
@@ -181,12 +209,15 @@ def load(snap: Snapshot, base: Path | None = None) -> DesiredState:
             _remember_tree(directory, snap, key.split("-", 1)[0])
             return replace(kept[0], revision=snap.revision)
     from .load import load_desired
-    from .preflight import load_rules
     state = load_desired(snap)
-    rules = load_rules(snap)        # the repo's own rule files, checked before any host is touched
+    rules: RuleSet | bytes | None = _shipped_pack(snap, directory)
+    fresh = rules is None
+    if rules is None:
+        from .preflight import load_rules
+        rules = load_rules(snap)    # the repo's own rule files, checked before any host is touched
     if key is not None:
         _rulesets[key] = rules
-        _write(directory, path, state, rules)
+        _write(directory, path, state, rules, shipped=fresh and not snap.list("rules"))
         _remember_tree(directory, snap, key.split("-", 1)[0])
     return state
 

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from reconciler import loadcache, source
+from reconciler.errors import ConfigError
 
 from .test_cold_start import heavy, loaded, small_repo
 
@@ -85,3 +88,35 @@ def test_a_commit_loaded_before_needs_neither_git_nor_the_loader(tmp_path):
     # another --path at the same commit is another note
     other = source.deferred_snapshot(str(repo.path), None, "")
     assert other is not None and loadcache.load_known(other, cache) is None
+
+
+def test_a_new_commit_without_rules_of_its_own_reuses_the_kept_shipped_pack(tmp_path):
+    """The rule pack of a revision with no rules/ is the shipped one, the same for every such
+    revision of this code: parsed once, then read back (a new commit skips parsing it); a repo
+    with rules of its own is parsed every time, its bad rule file still an error."""
+    repo = small_repo(tmp_path / "desired")
+    repo.commit()
+    cache = tmp_path / "cache"
+    loadcache.load(source.snapshot(source.open_repo(str(repo.path)), None, "fleet"), cache)
+    assert len(list((cache / "desired").glob("shipped-*.rules"))) == 1
+    host = repo.path / "fleet/hosts/h1.toml"
+    host.write_text(host.read_text().replace('"1"', '"3"'))
+    repo.commit()
+    code = (f"from pathlib import Path\nfrom reconciler import loadcache, source\nimport sys\n"
+            f"snap = source.snapshot(source.open_repo({str(repo.path)!r}), None, 'fleet')\n"
+            f"state = loadcache.load(snap, Path({str(cache)!r}))\n"
+            f"assert state.hosts['h1'].services['s'].env == {{'A': '3'}}\n"
+            f"assert 'reconciler.preflight._rules' not in sys.modules\n"
+            f"rules = loadcache.rules(snap)\n"
+            f"print('RULES', len(rules.rules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0 and "RULES" in out.stdout, out.stderr
+    shipped = int(out.stdout.split()[-1])
+    assert shipped > 0
+
+    # rules of its own: parsed (a bad one is the load's error, as before)
+    repo.write("fleet/rules/mine.toml", "[[rule]]\nid = 'x'\nbogus = 1\n")
+    repo.commit()
+    with pytest.raises(ConfigError):
+        loadcache.load(source.snapshot(source.open_repo(str(repo.path)), None, "fleet"), cache)
