@@ -131,10 +131,35 @@ def _unit(service: str | None) -> str:
     return shlex.quote(f"{service}.service")
 
 
-def _record(name: str, rec: ServiceRecord, now: int) -> str:
+def _record_text(rec: ServiceRecord, now: int) -> str:
+    """A record as written: a pending deploy stamped with the host's clock."""
     if rec.pending is not None and not rec.pending.at:
         rec = replace(rec, pending=replace(rec.pending, at=now))
-    return _write(record_path(name), rec.dumps())
+    return rec.dumps()
+
+
+def _record(name: str, rec: ServiceRecord, now: int) -> str:
+    return _write(record_path(name), _record_text(rec, now))
+
+
+def _files(a: Action, plan: HostPlan, now: int) -> tuple[str, list[tuple[str, str, str]]] | None:
+    """A step that only writes files, as (shell to run before them, [(path, content, mode)]);
+    None for any other step."""
+    q = shlex.quote
+    if a.kind in (Kind.INTENT, Kind.RECORD) and a.service:
+        assert a.record is not None
+        return "", [(record_path(a.service), _record_text(a.record, now), "0644")]
+    if a.kind is Kind.RECORD:
+        pre = " && ".join(f"rm -f {q(record_path(n))}; rm -rf {q(adopted_copy(n, ''))}" for n in plan.dropped_records)
+        return pre, [(HOST_RECORD, HostRecord(plan.revision, now).dumps(), "0644")]
+    if a.kind is Kind.WRITE:
+        assert a.path is not None and a.content is not None
+        return "", [(a.path, a.content, "0644")]
+    if a.kind is Kind.ARM:
+        assert a.switch is not None
+        script, unit, timer = confirm.paths(a.switch.service)
+        return "", [(script, a.switch.script, "0700"), (unit, a.switch.unit, "0644"), (timer, a.switch.timer, "0644")]
+    return None
 
 
 def _secrets(service: str, wanted: Sequence[SecretSpec], *, remove: bool = False) -> str:
@@ -189,16 +214,10 @@ def _soft(a: Action) -> str | None:
 def _fatal(a: Action, plan: HostPlan, now: int) -> str:
     """The shell of a file or record step (paths and names are validated upstream, quoted here)."""
     q = shlex.quote
-    if a.kind in (Kind.INTENT, Kind.RECORD) and a.service:
-        assert a.record is not None
-        return _record(a.service, a.record, now)
-    if a.kind is Kind.RECORD:
-        lines = [f"rm -f {q(record_path(n))}; rm -rf {q(adopted_copy(n, ''))}" for n in plan.dropped_records]
-        lines.append(_write(HOST_RECORD, HostRecord(plan.revision, now).dumps()))
-        return " && ".join(lines)
-    if a.kind is Kind.WRITE:
-        assert a.path is not None and a.content is not None
-        return _write(a.path, a.content)
+    written = _files(a, plan, now)
+    if written is not None:        # each file by itself (what a batch cannot carry)
+        pre, files = written
+        return " && ".join([*([pre] if pre else []), *(_write(p, c, m) for p, c, m in files)])
     if a.kind is Kind.REMOVE:
         assert a.path is not None and a.service is not None
         d = a.path.rsplit("/", 1)[0]
@@ -222,11 +241,6 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
         return _secrets(a.service, a.secrets, remove=a.reason is Reason.REMOVED)
     if a.kind is Kind.DAEMON_RELOAD:
         return 'pause "${RC_PAUSE_BEFORE_RELOAD:-}"; systemctl daemon-reload'
-    if a.kind is Kind.ARM:
-        assert a.switch is not None
-        script, unit, timer = confirm.paths(a.switch.service)
-        return " && ".join((_write(script, a.switch.script, "0700"), _write(unit, a.switch.unit),
-                            _write(timer, a.switch.timer)))
     if a.kind is Kind.ARM_TIMER:
         assert a.service is not None
         name = confirm.unit_name(a.service)
@@ -248,31 +262,12 @@ _PLAIN_PATH = re.compile(r"^/[A-Za-z0-9_.@:+/-]+$")
 
 
 def _staged(a: Action, plan: HostPlan, now: int) -> tuple[str, list[tuple[str, str, str]]] | None:
-    """A step that only writes files, as (shell to run before them, [(path, content, mode)]);
-    None for any other step (or one with a file the batch cannot carry)."""
-    q = shlex.quote
-    pre, files = "", []
-    if a.kind in (Kind.INTENT, Kind.RECORD) and a.service:
-        assert a.record is not None
-        rec = a.record
-        if rec.pending is not None and not rec.pending.at:
-            rec = replace(rec, pending=replace(rec.pending, at=now))
-        files = [(record_path(a.service), rec.dumps(), "0644")]
-    elif a.kind is Kind.RECORD:
-        pre = " && ".join(f"rm -f {q(record_path(n))} && rm -rf {q(adopted_copy(n, ''))}" for n in plan.dropped_records)
-        files = [(HOST_RECORD, HostRecord(plan.revision, now).dumps(), "0644")]
-    elif a.kind is Kind.WRITE:
-        assert a.path is not None and a.content is not None
-        files = [(a.path, a.content, "0644")]
-    elif a.kind is Kind.ARM:
-        assert a.switch is not None
-        script, unit, timer = confirm.paths(a.switch.service)
-        files = [(script, a.switch.script, "0700"), (unit, a.switch.unit, "0644"), (timer, a.switch.timer, "0644")]
-    else:
+    """A file-writing step a batch can carry (`_files`), or None (another step, or a file whose
+    path or content a batch cannot hold)."""
+    written = _files(a, plan, now)
+    if written is None or any("\x00" in c or not _PLAIN_PATH.match(p) for p, c, _ in written[1]):
         return None
-    if any("\x00" in c or not _PLAIN_PATH.match(p) for p, c, _ in files):
-        return None
-    return pre, files
+    return written
 
 
 def _batch(group: list[tuple[int, str, list[tuple[str, str, str]]]], first_var: int) -> list[str]:
