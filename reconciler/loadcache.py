@@ -146,12 +146,10 @@ def _shipped(directory: Path) -> Path:
     return directory / f"shipped-{fingerprint()}.rules"
 
 
-def _shipped_pack(snap: Snapshot, directory: Path) -> bytes | None:
+def _shipped_pack(directory: Path) -> bytes | None:
     """The compiled rule pack (pickled) of a revision with no rules/ of its own: only the
     shipped pack, the same for every such revision of this code, kept once beside the entries
     (a new commit then skips parsing it, about 45 ms)."""
-    if snap.list("rules"):
-        return None
     path = _shipped(directory)
     try:
         if not _trusted(directory.stat()):
@@ -210,14 +208,15 @@ def load(snap: Snapshot, base: Path | None = None) -> DesiredState:
             return replace(kept[0], revision=snap.revision)
     from .load import load_desired
     state = load_desired(snap)
-    rules: RuleSet | bytes | None = _shipped_pack(snap, directory)
-    fresh = rules is None
+    shipped_only = not snap.list("rules")
+    rules: RuleSet | bytes | None = _shipped_pack(directory) if shipped_only else None
+    keep_shipped = shipped_only and rules is None
     if rules is None:
         from .preflight import load_rules
         rules = load_rules(snap)    # the repo's own rule files, checked before any host is touched
     if key is not None:
         _rulesets[key] = rules
-        _write(directory, path, state, rules, shipped=fresh and not snap.list("rules"))
+        _write(directory, path, state, rules, shipped=keep_shipped)
         _remember_tree(directory, snap, key.split("-", 1)[0])
     return state
 
