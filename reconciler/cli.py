@@ -28,6 +28,7 @@ from .clicore import (
     _say,
     converge,
     escape,
+    guarded,
 )
 from .errors import ConfigError, SourceError
 
@@ -612,13 +613,6 @@ def secrets_encrypt(
 
 
 def main() -> None:
-    """Entry point of the `reconcile` console script. An unexpected error prints its traceback,
-    redacted (typer's own handler would print local variables' text unmasked)."""
-    try:
-        app()
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception:
-        import traceback
-        sys.stderr.write(redact.redact(traceback.format_exc()))
-        sys.exit(1)
+    """The typer app, for everything entry.py does not parse itself. An unexpected error prints
+    its traceback, redacted (clicore.guarded)."""
+    guarded(app)

@@ -115,6 +115,19 @@ def _rules(snap: Snapshot) -> Callable[[], RuleSet]:
 
 
 
+def guarded(run: Callable[[], object]) -> None:
+    """Run a command: Ctrl-C exits 130; an unexpected error prints its traceback redacted and
+    exits 1 (typer's own handler would print local variables' text unmasked)."""
+    try:
+        run()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception:
+        import traceback
+        sys.stderr.write(redact.redact(traceback.format_exc()))
+        sys.exit(1)
+
+
 def _descends(snap: Snapshot) -> Callable[[str, str], bool | None]:
     """trust.descends on the snapshot's repository, opened (with pygit2) when first asked."""
     def check(target: str, applied: str) -> bool | None:

@@ -94,19 +94,11 @@ def parse(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str, Any] | N
 
 def main() -> None:
     """Entry point of `reconcile`: the plain run here, everything else through typer (cli.py).
-    An unexpected error prints its traceback redacted, as cli.main does."""
+    An unexpected error prints its traceback redacted (clicore.guarded), as cli.main's does."""
     kwargs = parse(sys.argv[1:], os.environ)
     if kwargs is None:
         from .cli import main as typer_main
         typer_main()
         return
-    from . import redact
-    from .clicore import converge
-    try:
-        converge(**kwargs)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception:
-        import traceback
-        sys.stderr.write(redact.redact(traceback.format_exc()))
-        sys.exit(1)
+    from .clicore import converge, guarded
+    guarded(lambda: converge(**kwargs))

@@ -38,12 +38,12 @@ def _plain(console: Console) -> bool:
     return not console.is_terminal and console.color_system is None
 
 
-def _say(console: Console, lines: list[str], plain: bool) -> None:
+def _say(console: Console, lines: list[str], plain: bool, soft_wrap: bool = False) -> None:
     """Lines built for `plain` (text) or not (markup), in one write or one print."""
     if plain:
         console.file.write("\n".join(lines) + "\n")
     else:
-        console.print("\n".join(lines), highlight=False)
+        console.print("\n".join(lines), highlight=False, soft_wrap=soft_wrap)
 
 
 def _style(style: str, text: str, plain: bool) -> str:
@@ -126,10 +126,7 @@ def _table(console: Console, res: FleetResult, hosts: list[HostResult]) -> None:
     plain = _plain(console)
     reasons = [f"{_t(r.host, plain)}: {_t(r.reason, plain)}: {_t(r.message or '', plain)}" for r in hosts if r.reason]
     if reasons:
-        if plain:
-            _say(console, reasons, plain)
-        else:
-            console.print("\n".join(reasons), highlight=False, soft_wrap=True)
+        _say(console, reasons, plain, soft_wrap=True)
 
 
 def print_config_error(console: Console, err: ConfigError, where: str) -> None:
@@ -153,6 +150,7 @@ class PhaseView:
         self.plans = plans
         self.shown: set[str] = set()
         self.live = console.is_terminal
+        self.plain = _plain(console)
         self.last: dict[tuple[str, str], str] = {}
         self.progress = None
         self.tasks: dict[tuple[str, str], TaskID] = {}
@@ -189,10 +187,8 @@ class PhaseView:
             self.progress.update(self.tasks[key], description=desc, completed=min(elapsed, timeout), clock=clock)
         elif self.last.get(key) != phase:
             self.last[key] = phase
-            if _plain(self.console):
-                _say(self.console, [f"[{elapsed:6.1f}s] {_t(host, True)} {_t(service, True)}: {_t(phase, True)}"], True)
-            else:
-                self.console.print(f"[{elapsed:6.1f}s] {_t(host)} {_t(service)}: {_t(phase)}", highlight=False)
+            p = self.plain
+            _say(self.console, [f"[{elapsed:6.1f}s] {_t(host, p)} {_t(service, p)}: {_t(phase, p)}"], p)
 
 
 def print_events(console: Console, res: FleetResult) -> None:
@@ -211,11 +207,8 @@ def print_events(console: Console, res: FleetResult) -> None:
             lines.append(f"{_style(style, _t(head, plain), plain)} {_t(o.message, plain)}")
             if not o.healthy and o.quote:
                 lines.append(f"    journal: {_t(o.quote, plain)}")
-    if lines:
-        if plain:
-            _say(console, lines, plain)
-        else:      # one print; notes and quotes are never wrapped mid-line
-            console.print("\n".join(lines), highlight=False, soft_wrap=True)
+    if lines:      # one print; notes and quotes are never wrapped mid-line
+        _say(console, lines, plain, soft_wrap=True)
 
 
 def print_status(console: Console, rows: list[dict], live: str | None = None) -> None:
