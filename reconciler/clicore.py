@@ -27,21 +27,33 @@ if TYPE_CHECKING:
 
 
 def escape(text: str) -> str:
-    """rich's markup escape (rich is imported when something is printed, not before)."""
-    from rich.markup import escape as rich_escape
-    return rich_escape(text)
+    """rich's markup escape (rich is imported when something is printed on a terminal, not before)."""
+    from .report import escape_markup
+    return escape_markup(text)
 
 
 def _console(stderr: bool = False) -> Console:
     """Rich on a terminal; plain text at least 160 columns wide in logs, pipes and CI (no
     mid-line wrapping of diffs and journal lines). Everything printed is redacted."""
-    from rich.console import Console
     # A TextIO as rich types it: Console only writes, flushes and asks isatty/fileno.
     out = cast(TextIO, redact.RedactingWriter(sys.stderr if stderr else sys.stdout))
+    from .report import PlainConsole, writes_plain
+    if writes_plain(out):
+        # What rich would write here is plain text: written as it is, rich never imported.
+        return cast("Console", PlainConsole(out, _width()))
+    from rich.console import Console
     c = Console(highlight=False, file=out)
     if not c.is_terminal and "COLUMNS" not in os.environ:
         c = Console(highlight=False, file=out, width=160)
     return c
+
+
+def _width() -> int:
+    """A plain console's width (the result table's detail column): $COLUMNS, else 160."""
+    try:
+        return max(40, int(os.environ.get("COLUMNS", "")))
+    except ValueError:
+        return 160
 
 
 def _print_json(data: object) -> None:

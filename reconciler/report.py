@@ -10,13 +10,13 @@ masks whatever is left.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+import os
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    from rich.console import Console
     from rich.progress import TaskID
 
 from .errors import ConfigError
@@ -28,7 +28,66 @@ from .redact import redact
 
 def _t(text: object, plain: bool = False) -> str:
     """Text from a run, redacted (and escaped for rich markup, unless `plain`)."""
-    return redact(str(text)) if plain else escape(redact(str(text)))
+    return redact(str(text)) if plain else escape_markup(redact(str(text)))
+
+
+# rich's markup tags, with the backslashes before them (rich.markup's own pattern)
+_TAGS = re.compile(r"(\\*)\[([a-z#/@][^[]*?)]")
+
+
+def escape_markup(text: str) -> str:
+    """rich.markup.escape, without importing rich: every tag-like "[...]" escaped (and the
+    backslashes before it doubled), and a lone trailing backslash doubled."""
+    text = _TAGS.sub(lambda m: f"{m.group(1)}{m.group(1)}\\[{m.group(2)}]", text)
+    return text + "\\" if text.endswith("\\") and not text.endswith("\\\\") else text
+
+
+def strip_markup(text: str) -> str:
+    """rich markup as the text rich writes without style: tags dropped, escaped ones (an odd
+    number of backslashes before them) kept as text with half the backslashes, and a "\\["
+    outside a tag written as "[" (rich.markup.render's rules, emoji codes left as they are)."""
+    out, position = [], 0
+    for m in _TAGS.finditer(text):
+        out.append(text[position:m.start()].replace("\\[", "["))
+        slashes, escaped = divmod(len(m.group(1)), 2)
+        out.append("\\" * slashes + (f"[{m.group(2)}]" if escaped else ""))
+        position = m.end()
+    out.append(text[position:].replace("\\[", "["))
+    return "".join(out)
+
+
+def writes_plain(file: Any) -> bool:
+    """Whether rich would write plain text to `file`: not a terminal, and neither FORCE_COLOR nor
+    TTY_COMPATIBLE=1 makes it act as one (rich.console.Console's own test)."""
+    if os.environ.get("FORCE_COLOR") or os.environ.get("TTY_COMPATIBLE") == "1":
+        return False
+    try:
+        return not file.isatty()
+    except (AttributeError, ValueError, OSError):
+        return True
+
+
+class PlainConsole:
+    """The part of a rich Console the CLI's output uses, for a log, a pipe or CI, where rich
+    would write plain text anyway: markup is stripped, nothing is wrapped, and rich (its import
+    and its layout, tens of milliseconds of every run) is not needed. Anything but text (a rich
+    renderable) is handed to a rich Console on the same file."""
+
+    is_terminal = False
+    color_system = None
+
+    def __init__(self, file: TextIO, width: int):
+        self.file, self.width = file, width
+
+    def print(self, *objects: Any, sep: str = " ", end: str = "\n", markup: bool | None = None,
+              highlight: bool | None = None, soft_wrap: bool | None = None) -> None:
+        if all(isinstance(o, str) for o in objects):
+            text = sep.join(objects)
+            self.file.write((text if markup is False else strip_markup(text)) + end)
+            return
+        from rich.console import Console
+        Console(file=self.file, width=self.width, highlight=False).print(
+            *objects, sep=sep, end=end, markup=markup, highlight=highlight, soft_wrap=soft_wrap)
 
 
 def _plain(console: Console) -> bool:
@@ -107,23 +166,43 @@ def print_result(console: Console, res: FleetResult, shown: set[str] | frozenset
          _plain(console))
 
 
+def plain_table(title: str, columns: tuple[str, ...], rows: Sequence[tuple[str, ...]],
+                width: dict[str, int] | None = None) -> list[str]:
+    """A table as aligned plain-text lines (what a log or a pipe gets): the title, the header,
+    a rule and one line per row; a column in `width` is cut to it with an ellipsis."""
+    cut = width or {}
+    rows = [tuple(v if len(v) <= cut.get(c, len(v)) else v[:max(0, cut[c] - 1)] + "…"
+                  for c, v in zip(columns, row, strict=True)) for row in rows]
+    sizes = [max([len(c)] + [len(row[i]) for row in rows]) for i, c in enumerate(columns)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(v.ljust(n) for v, n in zip(cells, sizes, strict=True)).rstrip()
+    return [title, line(columns), "  ".join("-" * n for n in sizes), *(line(row) for row in rows)]
+
+
 def _table(console: Console, res: FleetResult, hosts: list[HostResult]) -> None:
-    table = Table(title=f"revision {res.revision[:7]}{' (dry run: nothing changed)' if res.dry_run else ''}",
-                  title_justify="left")
+    plain = _plain(console)
+    title = f"revision {res.revision[:7]}{' (dry run: nothing changed)' if res.dry_run else ''}"
     # A long detail must not squeeze the other columns to nothing: cap it at what they leave.
     others = sum(max([len(col)] + [len(v) for v in values]) for col, values in (
         ("host", [r.host for r in hosts]), ("address", [r.address for r in hosts]),
         ("result", [r.status for r in hosts]), ("time", ["000.00s"])))
-    for col in ("host", "address", "result", "detail", "time"):
-        table.add_column(col, overflow="ellipsis", no_wrap=col == "detail",
-                         max_width=max(20, console.width - others - 16) if col == "detail" else None)
-    for r in hosts:
-        detail = (f"{r.reason}: {r.message}" if r.reason
-                  else r.plan.summary() if r.plan else "")
-        table.add_row(_t(r.host), _t(r.address), f"[{_STYLE.get(r.status, '')}]{r.status}[/]", _t(detail),
-                      f"{r.seconds:.2f}s")
-    console.print(table)
-    plain = _plain(console)
+    detail_width = max(20, console.width - others - 16)
+    columns = ("host", "address", "result", "detail", "time")
+    rows = [(_t(r.host, plain), _t(r.address, plain), str(r.status),
+             _t(f"{r.reason}: {r.message}" if r.reason else r.plan.summary() if r.plan else "", plain),
+             f"{r.seconds:.2f}s") for r in hosts]
+    if plain:
+        _say(console, plain_table(title, columns, rows, {"detail": detail_width}), plain)
+    else:
+        from rich.table import Table
+        table = Table(title=title, title_justify="left")
+        for col in columns:
+            table.add_column(col, overflow="ellipsis", no_wrap=col == "detail",
+                             max_width=detail_width if col == "detail" else None)
+        for row, r in zip(rows, hosts, strict=True):
+            table.add_row(row[0], row[1], f"[{_STYLE.get(r.status, '')}]{r.status}[/]", *row[3:])
+        console.print(table)
     reasons = [f"{_t(r.host, plain)}: {_t(r.reason, plain)}: {_t(r.message or '', plain)}" for r in hosts if r.reason]
     if reasons:
         _say(console, reasons, plain, soft_wrap=True)
@@ -216,29 +295,43 @@ def print_status(console: Console, rows: list[dict], live: str | None = None) ->
     hosts' records, with systemd's ActiveState/SubState as one more column."""
     title = (f"fleet status at {live} (live, from the hosts' records)" if live
              else "fleet status (from the local state store)")
-    table = Table(title=title, title_justify="left")
     cols = ("host", "service", "desired", "running", "health", *(("systemd",) if live else ()), "last event")
-    for col in cols:
-        table.add_column(col)
+    plain = _plain(console)
+    lines = []
     for r in rows:
         event = r["last_event"] + (f" — {r['quote']}" if r.get("quote") else "")
         systemd = "/".join(x for x in (r.get("active_state"), r.get("sub_state")) if x) or "-"
-        table.add_row(_t(r["host"]), _t(r["service"]), (r["desired_rev"] or "")[:7], (r["running_rev"] or "-")[:7],
-                      _t(r["health"] or "-"), *((_t(systemd),) if live else ()), _t(event))
+        lines.append((_t(r["host"], plain), _t(r["service"], plain), (r["desired_rev"] or "")[:7],
+                      (r["running_rev"] or "-")[:7], _t(r["health"] or "-", plain),
+                      *((_t(systemd, plain),) if live else ()), _t(event, plain)))
+    _print_table(console, title, cols, lines)
+
+
+def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
+    """Rows built for `_plain(console)`: aligned text, or a rich table."""
+    if _plain(console):
+        _say(console, plain_table(title, columns, rows), True)
+        return
+    from rich.table import Table
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
 
 
 def print_history(console: Console, host: str, rows: list[dict]) -> None:
     import datetime as _dt
-    table = Table(title=f"history of {_t(host)}", title_justify="left")
-    for col in ("when", "service", "action", "revision", "result", "detail", "time"):
-        table.add_column(col)
+    plain = _plain(console)
+    lines = []
     for r in rows:
         when = _dt.datetime.fromtimestamp(r["at"]).strftime("%Y-%m-%d %H:%M:%S")
         detail = r["quote"] or r["message"] or ""
-        table.add_row(when, _t(r["service"]), _t(r["action"]), r["revision"][:7], _t(r["result"]), _t(detail),
-                      f"{r['seconds']:.1f}s")
-    console.print(table)
+        lines.append((when, _t(r["service"], plain), _t(r["action"], plain), r["revision"][:7],
+                      _t(r["result"], plain), _t(detail, plain), f"{r['seconds']:.1f}s"))
+    _print_table(console, f"history of {_t(host, plain)}", ("when", "service", "action", "revision", "result",
+                                                             "detail", "time"), lines)
 
 
 def print_rollouts(console: Console, res: FleetResult) -> None:

@@ -9,6 +9,7 @@ figures live in bench/compare.py, not here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -189,3 +190,42 @@ def test_plain_coercion_leaves_other_types_to_typer():
     assert coercion.converter(int, OptionInfo(min=1, clamp=True)) is None
     assert coercion.converter(list[int], OptionInfo()) is None
     assert coercion.converter(dict, OptionInfo()) is None
+
+
+def test_a_run_written_to_a_pipe_never_imports_rich(tmp_path):
+    # h1's address answers nothing (nothing listens on 127.0.0.5:22 here): the run reports it
+    # Unreachable in the result table, written as plain text; rich is for terminals only.
+    repo = small_repo(tmp_path / "desired")
+    repo.commit()
+    code = ("import sys\nfrom reconciler import entry\n"
+            f"sys.argv = ['reconcile', '--repo', {str(repo.path)!r}, '--path', 'fleet', '--dry-run']\n"
+            "try:\n    entry.main()\nexcept SystemExit as e:\n    print('EXIT', e.code)")
+    env = {"RECONCILER_CACHE_DIR": str(tmp_path / "cache"), "RECONCILER_STATE_DIR": str(tmp_path / "state"),
+           "COLUMNS": "120"}
+    mods = loaded(code, env)
+    assert "rich" not in mods and "reconciler.report" in mods
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, **env}).stdout
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("revision "))
+    assert lines[head].endswith("(dry run: nothing changed)")
+    assert lines[head + 1].split() == ["host", "address", "result", "detail", "time"]
+    assert set(lines[head + 2].replace(" ", "")) == {"-"}
+    row = lines[head + 3].split()
+    assert row[:3] == ["h1", "127.0.0.5", "failed"] and row[3] == "Unreachable:" and row[-1].endswith("s")
+    assert "EXIT 4" in out and "[Errno 111]" in out       # text in brackets as it is; no markup left
+    assert not any(tag in out for tag in ("[/]", "[bold", "[red", "[green", "[yellow"))
+
+
+@pytest.mark.parametrize("text", ["plain", "[bold]x[/]", "a [b] c", "path\\", "x\\[y]", "\\\\[bold]z", "[/]",
+                                  "list[0]", "a[b=c]d", "[@click]x", "ends\\\\", "[", "]", "\\[ ] a]/b[]"])
+def test_plain_markup_matches_rich(text):
+    # The plain console writes what rich would (its markup rules, without the import).
+    from rich.markup import escape, render
+
+    from reconciler.report import escape_markup, strip_markup
+    assert escape_markup(text) == escape(text)
+    for markup in (escape(text), f"[bold]{escape(text)}[/]"):
+        assert strip_markup(markup) == render(markup, emoji=False).plain
+    with contextlib.suppress(Exception):       # not all texts are valid markup for rich
+        assert strip_markup(text) == render(text, emoji=False).plain
