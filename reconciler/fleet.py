@@ -111,8 +111,10 @@ class _FleetRun:
                  selected: list[str] | None, render_at: RenderAt | None, retry: bool,
                  on_phase: HostPhase | None, notifier: Notifier | None, rules: Rules = None,
                  lock_wait: float = lock.WAIT, descends: Descends | None = None, allow_rewind: bool = False,
-                 supersede: asyncio.Event | None = None, on_rollout: RolloutWatch | None = None):
+                 supersede: asyncio.Event | None = None, on_rollout: RolloutWatch | None = None,
+                 expect_changes: frozenset[str] = frozenset()):
         self.state, self.connect, self.dry_run, self.rules = state, connect, dry_run, rules
+        self.expect_changes = expect_changes
         self.on_rollout = on_rollout
         self.render_at, self.retry, self.on_phase, self.notifier = render_at, retry, on_phase, notifier
         self.sem = asyncio.Semaphore(concurrency)
@@ -176,9 +178,13 @@ class _FleetRun:
             self.transports[h.name] = t
             # A dry run shows this plan, pre-flight included; a real run's first look only
             # decides whether the host needs its lock (pre-flight runs on the look under it).
-            r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
-                                     retry=self.retry, transport=t, rules=self.rules, check=self.dry_run)
-            if not self.dry_run and writes(r):
+            # A host expected to change (its desired state is not the one it was last seen in
+            # sync with) is locked at once: its first look would only say what is expected.
+            ahead = not self.dry_run and h.name in self.expect_changes
+            r = None if ahead else await reconcile_host(h, self.state.revision, self.connect, dry_run=True,
+                                                        render_at=self.render_at, retry=self.retry, transport=t,
+                                                        rules=self.rules, check=self.dry_run)
+            if r is None or (not self.dry_run and writes(r)):
                 # One reconcile of a host at a time: a host with anything to do is locked, then
                 # observed again under the lock (another run may have changed it since the look
                 # above; the lock's holder reads it, in the same round trip), and planned from
@@ -391,7 +397,8 @@ async def reconcile_fleet(state: DesiredState, connect: Connector, *, dry_run: b
                           rules: Rules = None, lock_wait: float = lock.WAIT,
                           descends: Descends | None = None, allow_rewind: bool = False,
                           supersede: asyncio.Event | None = None,
-                          on_rollout: RolloutWatch | None = None) -> FleetResult:
+                          on_rollout: RolloutWatch | None = None,
+                          expect_changes: frozenset[str] = frozenset()) -> FleetResult:
     """Reconcile every selected host (at most `concurrency` at once), rolling shared services
     out in waves; with dry_run, only survey and plan them (the waves included).
 
@@ -402,6 +409,7 @@ async def reconcile_fleet(state: DesiredState, connect: Connector, *, dry_run: b
     host where it does not is refused (NotDescendant, exit 4) unless allow_rewind. supersede:
     set when a newer revision arrives (the daemon): health waits end, no new wave starts.
     on_rollout: told of each rollout's start, waves and end (the daemon's fleet page).
+    expect_changes: hosts that are locked at once, without a first look (status.expect_changes).
     """
     if notifier is None and not dry_run and state.settings.notify is not None:
         from .notify import Notifier
@@ -409,7 +417,7 @@ async def reconcile_fleet(state: DesiredState, connect: Connector, *, dry_run: b
     run = _FleetRun(state, connect, dry_run=dry_run, concurrency=concurrency or state.settings.concurrency,
                     selected=hosts, render_at=render_at, retry=retry, on_phase=on_phase, notifier=notifier,
                     rules=rules, lock_wait=lock_wait, descends=descends, allow_rewind=allow_rewind,
-                    supersede=supersede, on_rollout=on_rollout)
+                    supersede=supersede, on_rollout=on_rollout, expect_changes=expect_changes)
     return await run.run()
 
 

@@ -12,6 +12,7 @@ no secret value the controller knows, and no token-like pattern, is ever written
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import sqlite3
@@ -26,6 +27,7 @@ from .redact import redact, redact_data
 if TYPE_CHECKING:
     from .fleet import FleetResult
     from .reconcile import HostResult
+    from .spec import HostSpec
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS attempts (
@@ -146,8 +148,45 @@ class Store:
             self.db.execute("INSERT INTO controller(key, value) VALUES (?, ?) "
                             "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (redact(key), value))
 
+    def in_sync(self) -> dict[str, str]:
+        """host -> the fingerprint of the desired state it was last seen in sync with."""
+        raw = self.get_value(IN_SYNC)
+        try:
+            seen = json.loads(raw) if raw else {}
+        except ValueError:
+            return {}
+        return seen if isinstance(seen, dict) else {}
+
     def close(self) -> None:
         self.db.close()
+
+
+IN_SYNC = "in_sync_fingerprints"
+
+
+def fingerprint(revision: str, host: HostSpec) -> str:
+    """A digest of everything desired of one host at a revision (a host records the revision it
+    runs, so a new one is a change there too; the spec has no sets: its text is stable)."""
+    return hashlib.sha256(f"{revision}\0{host!r}".encode()).hexdigest()[:16]
+
+
+def expect_changes(seen: dict[str, str], wanted: dict[str, str]) -> frozenset[str]:
+    """PURE: the hosts whose desired state (at this revision) is not the one they were last seen
+    in sync with: a run locks them at once instead of looking first; a host never seen, or not
+    left in sync, is looked at first."""
+    return frozenset(h for h, fp in wanted.items() if h in seen and seen[h] != fp)
+
+
+def remember_in_sync(store: Store, result: FleetResult, wanted: dict[str, str]) -> None:
+    """Note which hosts this run left in sync with which desired state (a host it did not leave
+    in sync, or could not reach, is forgotten: its next run looks first)."""
+    seen = store.in_sync()
+    for r in result.hosts:
+        if r.host in wanted and r.status in (Result.IN_SYNC, Result.CONVERGED):
+            seen[r.host] = wanted[r.host]
+        else:
+            seen.pop(r.host, None)
+    store.set_value(IN_SYNC, json.dumps(seen, sort_keys=True))
 
 
 def _opt(text: str | None) -> str | None:

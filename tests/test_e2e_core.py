@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests import fleet as fleetlib
 from tests.conftest import run_cli, run_json, write_fleet
 
 pytestmark = pytest.mark.fleet
@@ -197,3 +198,61 @@ def test_ten_hosts_converge_in_one_run_from_a_url(fleet, repo, tmp_path):
     code, out = run_json("--repo", url, "--cache-dir", str(tmp_path / "cache"), "--rev", rev[:10], "--dry-run",
                          check_codes=(0,))
     assert out["revision"] == rev
+
+
+def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
+    # The controller notes the desired state (and revision) each host was left in sync with. At
+    # that state a run reads each host once and locks none; at a new revision, where every host
+    # at least records the revision, each is locked and read under the lock at once (one
+    # observation per host, not two).
+    import asyncio
+
+    from reconciler import source
+    from reconciler.fleet import reconcile_fleet
+    from reconciler.load import load_desired
+    from reconciler.reconcile import ssh_connector
+    from reconciler.status import Store, expect_changes, fingerprint
+
+    hosts = fleet.hosts[:2]
+    write_fleet(repo, hosts, {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info"}}})
+    repo.commit("two hosts")
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    connect = ssh_connector(str(fleetlib.client_key_path()))
+
+    def run_recorded() -> tuple[dict[str, str], dict[str, list[str]], frozenset[str]]:
+        state = load_desired(source.snapshot(source.open_repo(str(repo.path))))
+        store = Store()
+        expect = expect_changes(store.in_sync(), {h: fingerprint(state.revision, s) for h, s in state.hosts.items()})
+        store.close()
+        seen: dict[str, list[str]] = {}
+
+        async def recording(host):
+            t = await connect(host)
+            run, spawn = t.run, t.spawn
+
+            async def rec_run(cmd, **kw):
+                seen.setdefault(host.name, []).append(kw.get("what", "command"))
+                return await run(cmd, **kw)
+
+            async def rec_spawn(cmd):
+                seen.setdefault(host.name, []).append("lock")
+                return await spawn(cmd)
+            t.run, t.spawn = rec_run, rec_spawn
+            return t
+
+        res = asyncio.run(reconcile_fleet(state, recording, expect_changes=expect))
+        return {r.host: str(r.status) for r in res.hosts}, seen, expect
+
+    statuses, seen, expect = run_recorded()
+    assert expect == frozenset() and set(statuses.values()) == {"in-sync"}
+    assert seen == {h.name: ["observe"] for h in hosts}
+
+    text = (repo.path / f"hosts/{hosts[1].name}.toml").read_text()
+    repo.write(f"hosts/{hosts[1].name}.toml", text.replace('LOG_LEVEL = "info"', 'LOG_LEVEL = "debug"'))
+    repo.commit("debug on the second host")
+    statuses, seen, expect = run_recorded()
+    assert expect == {h.name for h in hosts}
+    assert statuses == {hosts[0].name: "in-sync", hosts[1].name: "converged"}
+    for h in hosts:
+        assert seen[h.name][0] == "lock" and "observe" not in seen[h.name], seen
+    assert "LOG_LEVEL=debug" in fleet.show(hosts[1], "model-a", "Environment")["Environment"]
