@@ -164,7 +164,7 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
     from .preflight import secret_warnings
     from .reconcile import ssh_connector
     from .report import PhaseView, print_result
-    from .status import Store, expect_changes, fingerprint, remember, remember_in_sync
+    from .status import Store, expect_changes, remember, remember_in_sync
     if notes and source.is_url(repo):
         _fail(f"--notes writes to a local repo; {redact.redact(repo)} is a URL (its local mirror is a cache that "
               f"nobody reads). Run it on a clone and push refs/notes/reconciler")
@@ -179,10 +179,9 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
     except SourceError as e:
         _fail_input(e, as_json, where)
     # Which hosts this run is expected to change (status.expect_changes): they are locked at once.
-    wanted = {h: fingerprint(state.revision, state.hosts[h])
-              for h in (selected if selected is not None else state.hosts)}
     store = None if dry_run else Store(state_dir)
-    expect = expect_changes(store.in_sync(), wanted) if store is not None else frozenset()
+    expect = (expect_changes(store.in_sync(), state.revision, selected if selected is not None else state.hosts)
+              if store is not None else frozenset())
     state, render = _decrypting(state, snap, age_identity)
     console = _console()
     for w in secret_warnings(state, snap.read):
@@ -195,7 +194,7 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
                                              allow_rewind=allow_rewind, expect_changes=expect))
     if store is not None:
         remember(store, result)
-        remember_in_sync(store, result, wanted)
+        remember_in_sync(store, result)
         store.close()
         if notes:
             from .gitnotes import NotesError, record_run

@@ -178,8 +178,8 @@ class _FleetRun:
             self.transports[h.name] = t
             # A dry run shows this plan, pre-flight included; a real run's first look only
             # decides whether the host needs its lock (pre-flight runs on the look under it).
-            # A host expected to change (its desired state is not the one it was last seen in
-            # sync with) is locked at once: its first look would only say what is expected.
+            # A host expected to change (last left in sync with another revision) is locked at
+            # once: its first look would only say what is expected.
             ahead = not self.dry_run and h.name in self.expect_changes
             r = None if ahead else await reconcile_host(h, self.state.revision, self.connect, dry_run=True,
                                                         render_at=self.render_at, retry=self.retry, transport=t,

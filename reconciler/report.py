@@ -187,22 +187,11 @@ def _table(console: Console, res: FleetResult, hosts: list[HostResult]) -> None:
     others = sum(max([len(col)] + [len(v) for v in values]) for col, values in (
         ("host", [r.host for r in hosts]), ("address", [r.address for r in hosts]),
         ("result", [r.status for r in hosts]), ("time", ["000.00s"])))
-    detail_width = max(20, console.width - others - 16)
-    columns = ("host", "address", "result", "detail", "time")
-    rows = [(_t(r.host, plain), _t(r.address, plain), str(r.status),
+    rows = [(_t(r.host, plain), _t(r.address, plain), _style(_STYLE.get(r.status, ""), str(r.status), plain),
              _t(f"{r.reason}: {r.message}" if r.reason else r.plan.summary() if r.plan else "", plain),
              f"{r.seconds:.2f}s") for r in hosts]
-    if plain:
-        _say(console, plain_table(title, columns, rows, {"detail": detail_width}), plain)
-    else:
-        from rich.table import Table
-        table = Table(title=title, title_justify="left")
-        for col in columns:
-            table.add_column(col, overflow="ellipsis", no_wrap=col == "detail",
-                             max_width=detail_width if col == "detail" else None)
-        for row, r in zip(rows, hosts, strict=True):
-            table.add_row(row[0], row[1], f"[{_STYLE.get(r.status, '')}]{r.status}[/]", *row[3:])
-        console.print(table)
+    _print_table(console, title, ("host", "address", "result", "detail", "time"), rows,
+                 cut={"detail": max(20, console.width - others - 16)})
     reasons = [f"{_t(r.host, plain)}: {_t(r.reason, plain)}: {_t(r.message or '', plain)}" for r in hosts if r.reason]
     if reasons:
         _say(console, reasons, plain, soft_wrap=True)
@@ -307,15 +296,18 @@ def print_status(console: Console, rows: list[dict], live: str | None = None) ->
     _print_table(console, title, cols, lines)
 
 
-def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
-    """Rows built for `_plain(console)`: aligned text, or a rich table."""
+def _print_table(console: Console, title: str, columns: tuple[str, ...], rows: Sequence[tuple[str, ...]],
+                 cut: dict[str, int] | None = None) -> None:
+    """Rows built for `_plain(console)`: aligned text, or a rich table. `cut`: columns kept to
+    one line of at most that width, ending in an ellipsis."""
     if _plain(console):
-        _say(console, plain_table(title, columns, rows), True)
+        _say(console, plain_table(title, columns, rows, cut), True)
         return
     from rich.table import Table
+    cut = cut or {}
     table = Table(title=title, title_justify="left")
     for col in columns:
-        table.add_column(col)
+        table.add_column(col, overflow="ellipsis", no_wrap=col in cut, max_width=cut.get(col))
     for row in rows:
         table.add_row(*row)
     console.print(table)

@@ -12,12 +12,11 @@ no secret value the controller knows, and no token-like pattern, is ever written
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +26,6 @@ from .redact import redact, redact_data
 if TYPE_CHECKING:
     from .fleet import FleetResult
     from .reconcile import HostResult
-    from .spec import HostSpec
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS attempts (
@@ -149,7 +147,7 @@ class Store:
                             "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (redact(key), value))
 
     def in_sync(self) -> dict[str, str]:
-        """host -> the fingerprint of the desired state it was last seen in sync with."""
+        """host -> the revision it was last left in sync with."""
         raw = self.get_value(IN_SYNC)
         try:
             seen = json.loads(raw) if raw else {}
@@ -161,29 +159,24 @@ class Store:
         self.db.close()
 
 
-IN_SYNC = "in_sync_fingerprints"
+IN_SYNC = "in_sync_revisions"
 
 
-def fingerprint(revision: str, host: HostSpec) -> str:
-    """A digest of everything desired of one host at a revision (a host records the revision it
-    runs, so a new one is a change there too; the spec has no sets: its text is stable)."""
-    return hashlib.sha256(f"{revision}\0{host!r}".encode()).hexdigest()[:16]
+def expect_changes(seen: dict[str, str], revision: str, hosts: Iterable[str]) -> frozenset[str]:
+    """PURE: the hosts last left in sync with another revision. Each records the revision it
+    runs, so a new one changes every host (the same revision is the same desired state): a run
+    locks them at once instead of looking first; a host never seen, or not left in sync, is
+    looked at first."""
+    return frozenset(h for h in hosts if h in seen and seen[h] != revision)
 
 
-def expect_changes(seen: dict[str, str], wanted: dict[str, str]) -> frozenset[str]:
-    """PURE: the hosts whose desired state (at this revision) is not the one they were last seen
-    in sync with: a run locks them at once instead of looking first; a host never seen, or not
-    left in sync, is looked at first."""
-    return frozenset(h for h, fp in wanted.items() if h in seen and seen[h] != fp)
-
-
-def remember_in_sync(store: Store, result: FleetResult, wanted: dict[str, str]) -> None:
-    """Note which hosts this run left in sync with which desired state (a host it did not leave
-    in sync, or could not reach, is forgotten: its next run looks first)."""
+def remember_in_sync(store: Store, result: FleetResult) -> None:
+    """Note the hosts this run left in sync with its revision (a host it did not leave in sync,
+    or could not reach, is forgotten: its next run looks first)."""
     seen = store.in_sync()
     for r in result.hosts:
-        if r.host in wanted and r.status in (Result.IN_SYNC, Result.CONVERGED):
-            seen[r.host] = wanted[r.host]
+        if r.status in (Result.IN_SYNC, Result.CONVERGED):
+            seen[r.host] = result.revision
         else:
             seen.pop(r.host, None)
     store.set_value(IN_SYNC, json.dumps(seen, sort_keys=True))

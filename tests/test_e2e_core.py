@@ -201,17 +201,17 @@ def test_ten_hosts_converge_in_one_run_from_a_url(fleet, repo, tmp_path):
 
 
 def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
-    # The controller notes the desired state (and revision) each host was left in sync with. At
-    # that state a run reads each host once and locks none; at a new revision, where every host
-    # at least records the revision, each is locked and read under the lock at once (one
-    # observation per host, not two).
+    # The controller notes the revision each host was left in sync with. At that revision a run
+    # reads each host once and locks none; at a new revision, where every host at least records
+    # the revision, each is locked and read under the lock at once (one observation per host,
+    # not two).
     import asyncio
 
     from reconciler import source
     from reconciler.fleet import reconcile_fleet
     from reconciler.load import load_desired
     from reconciler.reconcile import ssh_connector
-    from reconciler.status import Store, expect_changes, fingerprint
+    from reconciler.status import Store, expect_changes
 
     hosts = fleet.hosts[:2]
     write_fleet(repo, hosts, {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info"}}})
@@ -222,7 +222,7 @@ def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
     def run_recorded() -> tuple[dict[str, str], dict[str, list[str]], frozenset[str]]:
         state = load_desired(source.snapshot(source.open_repo(str(repo.path))))
         store = Store()
-        expect = expect_changes(store.in_sync(), {h: fingerprint(state.revision, s) for h, s in state.hosts.items()})
+        expect = expect_changes(store.in_sync(), state.revision, state.hosts)
         store.close()
         seen: dict[str, list[str]] = {}
 
