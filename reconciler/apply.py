@@ -59,10 +59,16 @@ fatal() { printf '@@fatal %s %s\n' "$1" "$2"; exit 1; }
 pause() { [ -z "${1:-}" ] || sleep "$1"; }   # fault injection only (faults.py); no-op otherwise
 N=0
 # A temp file beside $1 that no other run's script names ($$: this shell's PID, unique while it
-# runs), in root's own directories, so nobody else can plant one there. Sets d and t.
+# runs), in root's own directories, so nobody else can plant one there; never one left by a
+# killed run of the same PID (it is created anew, so its mode is the umask's). Sets d and t.
 tmp_beside() {
   d=${1%/*}; [ -d "$d" ] || mkdir -p "$d" || return 1
-  N=$((N + 1)); t="$d/.reconciler-tmp.$$.$N"; TMPS="$TMPS $t"
+  N=$((N + 1)); t="$d/.reconciler-tmp.$$.$N"
+  while [ -e "$t" ] || [ -L "$t" ]; do N=$((N + 1)); t="$d/.reconciler-tmp.$$.$N"; done
+  TMPS="$TMPS $t"
+}
+modes() {  # mode file: made with umask 022 (0644) or 077 (0600); any other mode takes a chmod
+  case "$1" in 0644|0600) ;; *) chmod "$1" "$2" ;; esac
 }
 stage() {  # path mode content: a temp file beside path holding content (printf is a builtin: no
   # process, and the content stays on the script's stdin, off every command line); sets t.
@@ -74,7 +80,7 @@ stage() {  # path mode content: a temp file beside path holding content (printf 
   # (No space left on device) in the step's error
   printf '%s' "$3" 2>/dev/null > "$t" || printf '%s' "$3" | cat > "$t"; r=$?
   umask 022; [ "$r" = 0 ] || return 1
-  [ "$2" = 0644 ] || chmod "$2" "$t"
+  modes "$2" "$t"
 }
 put() {  # path: fsync the staged temp $t, rename it over path, fsync the directory
   sync "$t" || return 1
@@ -93,7 +99,7 @@ atomic_write() {  # path mode base64-content (bytes that are not text: a secret'
 $3
 EOF
   r=$?; umask 022; [ "$r" = 0 ] || return 1
-  [ "$2" = 0644 ] || chmod "$2" "$t" || return 1
+  modes "$2" "$t" || return 1
   put "$1"
 }
 atomic_copy() {  # source destination
@@ -158,7 +164,8 @@ def _files(a: Action, plan: HostPlan, now: int) -> tuple[str, list[tuple[str, st
     if a.kind is Kind.ARM:
         assert a.switch is not None
         script, unit, timer = confirm.paths(a.switch.service)
-        return "", [(script, a.switch.script, "0700"), (unit, a.switch.unit, "0644"), (timer, a.switch.timer, "0644")]
+        # The script is run by `sh script` (confirm.py), so root-only 0600 is enough: no chmod
+        return "", [(script, a.switch.script, "0600"), (unit, a.switch.unit, "0644"), (timer, a.switch.timer, "0644")]
     return None
 
 

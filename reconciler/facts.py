@@ -16,11 +16,11 @@ from __future__ import annotations
 import base64
 import binascii
 import secrets
-import shlex
 from dataclasses import dataclass, field
 
 from .errors import ObserveError
 from .records import HostRecord, ServiceRecord
+from .shell import ShCommand
 
 UNIT_DIR = "/etc/systemd/system"
 STATE_DIR = "/var/lib/reconciler"
@@ -199,7 +199,7 @@ printf '%%s END\n' "$T"
 
 
 def observe_command(desired: list[str], token: str | None = None,
-                    secret_files: list[str] | None = None) -> tuple[str, str]:
+                    secret_files: list[str] | None = None) -> tuple[ShCommand, str]:
     """The shell command that reads everything about these services (and the inventory), and
     the keyed hash of each file in `secret_files`.
 
@@ -208,10 +208,10 @@ def observe_command(desired: list[str], token: str | None = None,
     token = token or secrets.token_hex(8)
     script = _SCRIPT % {"token": token, "state": STATE_DIR, "unit_dir": UNIT_DIR,
                         "dropin": ENV_DROPIN, "props": SHOW_PROPS, "dropin_dirs": " ".join(DROPIN_DIRS)}
-    args = " ".join(shlex.quote(n) for n in sorted(desired))
+    args = sorted(desired)
     if secret_files:
-        args += " -- " + " ".join(shlex.quote(p) for p in sorted(set(secret_files)))
-    return f"sh -c {shlex.quote(script)} reconciler-observe {args}", token
+        args += ["--", *sorted(set(secret_files))]
+    return ShCommand(script, "reconciler-observe", args), token
 
 
 def parse_show(text: str) -> dict[str, dict[str, str]]:

@@ -35,6 +35,7 @@ from .facts import ENV_DROPIN, HostFacts
 from .gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, gpu_facts, kill_strays, parse_gpu, wait_released
 from .plan import Block, Checks, HostPlan, foreign_dropins, own_files, render_env, starting, writing_units
 from .preflight import ModelFacts, RuleSet, check_host, gpu_claim, model_check_command, parse_command, parse_model_check
+from .shell import ShCommand, one_sh
 from .spec import HostSpec, ModelSpec, ServiceSpec
 from .transport import Transport
 from .versions import cache as versions_cache
@@ -119,7 +120,7 @@ def _lines(text: str) -> tuple[int, str]:
     return len(pieces), "".join(p + "\n" for p in pieces)
 
 
-def verify_command(units: Mapping[str, tuple[str, str | None]], token: str | None = None) -> tuple[str, str, str]:
+def verify_command(units: Mapping[str, tuple[str, str | None]], token: str | None = None) -> tuple[ShCommand, str, str]:
     """The command that has systemd check each unit (service -> (unit text, env drop-in or None))
     under a throw-away name, so no live drop-in of the real unit is mixed in.
 
@@ -135,7 +136,7 @@ def verify_command(units: Mapping[str, tuple[str, str | None]], token: str | Non
         nenv, env_lines = _lines(env) if env else ("-", "")
         parts.append(f"{name} {names[name]} {nunit} {nenv}\n{unit_lines}{env_lines}")
     script = _VERIFY_SCRIPT % {"token": token, "dropin": ENV_DROPIN}
-    return f"sh -c {shlex.quote(script)} reconciler-verify", "".join(parts), token
+    return ShCommand(script, "reconciler-verify"), "".join(parts), token
 
 
 _LINE_REF = re.compile(r"^(?P<file>/\S+?):(?P<line>\d+): (?P<msg>.*)$")
@@ -225,7 +226,7 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     probes = [p for n, s in sorted(specs.items()) if (p := probe_for(n, parse_command(s))) is not None] \
         if rules is not None and any(r.versions for r in rules.rules) else []
     cache = versions_cache()
-    cmds: list[str] = []
+    cmds: list[ShCommand] = []
     stdin = None
     vtok = mtok = gtok = ptok = ""
     if units:
@@ -240,7 +241,7 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     if probes:
         pcmd, ptok = probe_command(probes, cache.stamps(host.name))
         cmds.append(pcmd)
-    res = await t.run("; ".join(cmds), input=stdin, check=True, timeout=120, what="pre-flight")
+    res = await t.run(one_sh(cmds, "reconciler-preflight"), input=stdin, check=True, timeout=120, what="pre-flight")
     versions: dict[str, str | None] = {}
     if probes:
         versions = cache.resolve(host.name, probes, parse_probe(res.stdout, ptok))

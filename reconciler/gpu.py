@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from .errors import ObserveError
+from .shell import ShCommand
 
 
 class Result(Protocol):
@@ -209,7 +210,7 @@ printf '%%s END\n' "$T"
 DEVICE_PREFIX = "/dev/nvidia"
 
 
-def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX) -> tuple[str, str]:
+def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX) -> tuple[ShCommand, str]:
     """The POSIX sh command that reads the GPU state of a host. Returns (command, token).
 
     Lists every process with /dev/nvidia* open (pid, comm, cgroup, device nodes) by scanning
@@ -224,7 +225,7 @@ def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX)
     token = token or secrets.token_hex(8)
     script = _SCRIPT % {"token": token, "query_gpu": QUERY_GPU, "query_apps": QUERY_APPS,
                         "arrow": shlex.quote(" -> " + device_prefix)}
-    return f"sh -c {shlex.quote(script)} reconciler-gpu", token
+    return ShCommand(script, "reconciler-gpu"), token
 
 
 _UNIT = re.compile(r"/([^/\s]+\.(?:service|scope))(?=/|$)")

@@ -22,6 +22,7 @@ import time
 
 from .errors import HostError
 from .facts import STATE_DIR
+from .shell import ShCommand
 from .transport import Spawned, Transport
 
 LOCK = f"{STATE_DIR}/.lock"
@@ -42,7 +43,9 @@ def holder_command(wait: float, owner: str, then: str = "") -> str:
     command whose output the run reads under the lock: its observation, in the same round
     trip), and keeps the lock while heartbeats arrive; it prints BUSY and the owner's line
     when the wait runs out."""
-    first = f"{then} </dev/null; " if then else ""
+    # An sh command (the observation) runs as a subshell of the holder's own sh, not a new sh
+    run = then.subshell() if isinstance(then, ShCommand) else then
+    first = f"{run} </dev/null; " if then else ""
     keep = (f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; echo LOCKED; {first}"
             f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done; rm -f {OWNER}")
     return (f"{{ [ -d {STATE_DIR} ] || mkdir -p {STATE_DIR}; }} && "

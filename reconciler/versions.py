@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .preflight import Command
+from .shell import ShCommand
 
 _PYTHON = re.compile(r"^python[0-9.]*$")
 
@@ -106,14 +107,14 @@ def probe_for(service: str, cmd: Command) -> Probe | None:
     return Probe(service, exe, cmd.server, cmd.env.get("PYTHONPATH", ""))
 
 
-def probe_command(probes: list[Probe], cached: Mapping[str, str], token: str | None = None) -> tuple[str, str]:
+def probe_command(probes: list[Probe], cached: Mapping[str, str], token: str | None = None) -> tuple[ShCommand, str]:
     """The shell that reads every probe's version (or only its stamp, when `cached` has the
     stamp seen last time for its key). Returns (command, token)."""
     token = token or secrets.token_hex(8)
     calls = [" ".join(shlex.quote(x) for x in ("probe", p.service, p.executable, p.module, p.pythonpath,
                                                 cached.get(p.key, ""))) for p in probes]
     script = (_SCRIPT % {"token": token}) + f"P={shlex.quote(_PROBE_PY)}\n" + "\n".join(calls) + "\n"
-    return f"sh -c {shlex.quote(script)}", token
+    return ShCommand(script, "reconciler-probe"), token
 
 
 @dataclass(frozen=True)

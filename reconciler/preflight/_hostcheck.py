@@ -11,12 +11,12 @@ import base64
 import binascii
 import json
 import secrets
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ObserveError
+from ..shell import ShCommand
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -105,7 +105,7 @@ printf '%%s END\n' "$T"
 """
 
 
-def model_check_command(paths: list[str], token: str | None = None) -> tuple[str, str]:
+def model_check_command(paths: list[str], token: str | None = None) -> tuple[ShCommand, str]:
     """The POSIX sh command that reads what a completeness check needs, for each model dir.
 
     Per path (a path with `*` is a pattern: its last matching directory is read, as for a
@@ -119,8 +119,8 @@ def model_check_command(paths: list[str], token: str | None = None) -> tuple[str
     """
     token = token or secrets.token_hex(8)
     script = _MODEL_SCRIPT % {"token": token}
-    args = " ".join(shlex.quote(x) for p in paths for x in (base64.b64encode(p.encode()).decode(), p))
-    return f"sh -c {shlex.quote(script)} reconciler-model-check {args}", token
+    args = [x for p in paths for x in (base64.b64encode(p.encode()).decode(), p)]
+    return ShCommand(script, "reconciler-model-check", args), token
 
 
 @dataclass(frozen=True)

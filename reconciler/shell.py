@@ -1,0 +1,39 @@
+"""Shell commands the reconciler sends to hosts: `sh -c SCRIPT NAME ARGS...`, kept with their parts.
+
+`ShCommand` is the command line itself (a str, run as it is), and it keeps its script and
+arguments, so that several can run in one sh (`one_sh`): each in a subshell of its own (its
+positional parameters, variables, traps and `exit` its own), one exec of sh for all of them
+instead of one each. Every process counts on a host that also loads a model: pre-flight's four
+checks were four `sh` processes.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+
+
+class ShCommand(str):
+    """`sh -c SCRIPT NAME ARGS...` (ARGS shell-quoted here), as a string with its parts."""
+
+    script: str
+    args: tuple[str, ...]
+
+    def __new__(cls, script: str, name: str = "sh", args: Sequence[str] = ()) -> ShCommand:
+        line = " ".join(["sh -c", shlex.quote(script), shlex.quote(name), *(shlex.quote(a) for a in args)])
+        self = super().__new__(cls, line)
+        self.script, self.args = script, tuple(args)
+        return self
+
+    def subshell(self) -> str:
+        """The same script as a subshell of another sh, its positional parameters set."""
+        params = " ".join(shlex.quote(a) for a in self.args)
+        return f"(set -- {params}\n{self.script}\n)"
+
+
+def one_sh(commands: Sequence[ShCommand], name: str = "sh") -> ShCommand:
+    """Several commands run one after another in one sh, each in its own subshell (its exit
+    status does not stop the next); stdin is the outer sh's, read by whichever reads it."""
+    if len(commands) == 1:
+        return commands[0]
+    return ShCommand("\n".join(c.subshell() for c in commands), name)
