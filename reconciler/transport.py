@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from . import libcache
 from .errors import CommandError, ConnectError, HostKeyError
 from .spec import SSHSpec
 
@@ -115,6 +116,7 @@ def known_hosts_for(spec: SSHSpec) -> asyncssh.SSHKnownHosts:
 def _parsed(text: str) -> asyncssh.SSHKnownHosts:
     """The fleet's known_hosts, parsed once per text: every host shares the one file, and
     parsing it for each connection made a 1,000-host run quadratic (1,000 parses of 1,000 lines)."""
+    libcache.import_asyncssh()
     import asyncssh
     return asyncssh.import_known_hosts(text)
 
@@ -130,7 +132,8 @@ class SSHTransport:
     async def connect(cls, host: str, spec: SSHSpec, *, identity: str | None = None,
                       connect_timeout: float = 10.0) -> SSHTransport:
         """Connect and verify the host key strictly; map failures to ConnectError/HostKeyError."""
-        import asyncssh  # here, not at the top: a run that never connects (or a local one) skips it
+        libcache.import_asyncssh()     # here, not at the top: a run that never connects (or a local one) skips it
+        import asyncssh
         keys = identity_files(identity)
         kwargs: dict = dict(
             port=spec.port, username=spec.user, known_hosts=known_hosts_for(spec),
