@@ -160,7 +160,10 @@ enc() {  # file -> e: @ and its one line when that is printable ASCII without sp
 }
 printf '%%s BEGIN\n' "$T"
 # One ls over every process's fd directory (no process per fd): "/proc/PID/fd:" headers, then
-# "... N -> /dev/nvidia0" lines. awk keeps, per PID, the distinct /dev/nvidia* targets.
+# "... N -> /dev/nvidia0" lines. awk keeps, per PID, the distinct /dev/nvidia* targets. Where
+# no such device node exists and there is no nvidia-smi, nothing can hold one: no scan.
+set -- %(nodes)s
+if [ -e "$1" ] || [ -L "$1" ] || command -v nvidia-smi >/dev/null 2>&1; then
 ls -l /proc/[0-9]*/fd 2>/dev/null | awk -v P=%(arrow)s '
   /^\/proc\/[0-9]+\/fd:$/ { split($0, a, "/"); pid = a[3]; next }
   index($0, P) {
@@ -173,6 +176,7 @@ ls -l /proc/[0-9]*/fd 2>/dev/null | awk -v P=%(arrow)s '
   enc "/proc/$pid/cgroup"
   printf '%%s H %%s %%s %%s %%s\n' "$T" "$pid" "${comm:--}" "${e:--}" "$devs"
 done
+fi
 if command -v nvidia-smi >/dev/null 2>&1; then
   printf '%%s SMI 1\n' "$T"
   set -f      # nvidia-smi's lines, one by one (IFS: newlines only; empty lines say nothing)
@@ -224,7 +228,7 @@ def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX)
         raise ValueError("device_prefix must not contain whitespace or backslashes")
     token = token or secrets.token_hex(8)
     script = _SCRIPT % {"token": token, "query_gpu": QUERY_GPU, "query_apps": QUERY_APPS,
-                        "arrow": shlex.quote(" -> " + device_prefix)}
+                        "arrow": shlex.quote(" -> " + device_prefix), "nodes": shlex.quote(device_prefix) + "*"}
     return ShCommand(script, "reconciler-gpu"), token
 
 

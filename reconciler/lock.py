@@ -46,8 +46,12 @@ def holder_command(wait: float, owner: str, then: str = "") -> str:
     # An sh command (the observation) runs as a subshell of the holder's own sh, not a new sh
     run = then.subshell() if isinstance(then, ShCommand) else then
     first = f"{run} </dev/null; " if then else ""
-    keep = (f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; echo LOCKED; {first}"
-            f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done; rm -f {OWNER}")
+    # The heartbeats are read by bash's `read -t` (no process per line); a host without bash
+    # reads each with `timeout head` (two processes every HEARTBEAT seconds)
+    beats = (f"if command -v bash >/dev/null 2>&1; then "
+             f"bash -c 'while IFS= read -r -t {IDLE} line && [ -n \"$line\" ]; do :; done'; "
+             f"else while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done; fi")
+    keep = f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; echo LOCKED; {first}{beats}; rm -f {OWNER}"
     return (f"{{ [ -d {STATE_DIR} ] || mkdir -p {STATE_DIR}; }} && "
             f"if flock -w {int(wait)} {LOCK} sh -c {shlex.quote(keep)}; then :; "
             f"else echo BUSY; cat {OWNER} 2>/dev/null; fi")

@@ -336,3 +336,32 @@ def test_bench_script_dry_run_without_third_party_packages():
     assert res.returncode == 0, res.stderr
     assert "transport=Local" in res.stdout      # reconciler.transport no longer needs asyncssh to load
     assert "before   no GPUs (nvidia-smi not found)" in res.stdout
+
+
+
+def test_no_device_node_and_no_nvidia_smi_skips_the_proc_scan(tmp_path: Path):
+    """Where no device node exists (and no nvidia-smi), no process can hold one: the scan of every
+    process's fds (ls | awk) is skipped. Once a node exists, it runs again."""
+    prefix = str(tmp_path / "nvidia")
+    cmd, token = gpu.gpu_command(device_prefix=prefix)
+    bin_dir, marker = tmp_path / "bin", tmp_path / "ls-ran"
+    bin_dir.mkdir()
+    (bin_dir / "ls").write_text(f"#!/bin/sh\n: > {marker}\nexec /bin/ls \"$@\"\n")
+    (bin_dir / "ls").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin"}
+
+    def run() -> list[gpu.Holder]:
+        res = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=30, env=env)
+        return gpu.parse_gpu(res.stdout, token, "h").holders
+
+    assert run() == [] and not marker.exists()
+    (tmp_path / "nvidia0").write_text("")
+    held = subprocess.Popen([sys.executable, "-c", f"import time; f = open({prefix + '0'!r}); time.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 5
+        while not any(h.pid == held.pid for h in run()):
+            assert time.monotonic() < deadline, "the holder was not found"
+        assert marker.exists()
+    finally:
+        held.kill()
+        held.wait()

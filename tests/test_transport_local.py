@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -161,3 +163,40 @@ def test_the_lock_runs_a_command_under_itself_and_hands_back_its_output(tmp_path
     assert output == "a b\n\nc\nT END\n"
     assert not ran_while_held
     assert cut is None and plain is None        # never ended with its line / nothing asked
+
+
+@pytest.mark.parametrize("with_bash", [True, False])
+def test_the_holder_keeps_the_lock_while_heartbeats_come_and_lets_go_when_they_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_bash: bool) -> None:
+    """A controller gone silent (partitioned away) never blocks the host for long: the holder
+    lets go IDLE seconds after the last heartbeat, with bash's `read -t` or, on a host without
+    bash, `timeout head`. While heartbeats come, it holds on past IDLE."""
+    monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
+    monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
+    monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(lock, "IDLE", 1)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("sh", "flock", "head", "mkdir", "cat", "rm", *(("bash",) if with_bash else ())):
+        (bin_dir / tool).symlink_to(shutil.which(tool) or tool)
+    marker = tmp_path / "timeout-ran"          # `timeout`, noting that it ran
+    (bin_dir / "timeout").write_text(f"#!/bin/sh\n: > {marker}\nexec {shutil.which('timeout')} \"$@\"\n")
+    (bin_dir / "timeout").chmod(0o755)
+    holder = subprocess.Popen(["/bin/sh", "-c", lock.holder_command(1, "test owner")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={"PATH": str(bin_dir)})
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline() == "LOCKED\n"
+        for _ in range(6):                         # 1.8 s of heartbeats: past IDLE, still held
+            holder.stdin.write(".\n")
+            holder.stdin.flush()
+            time.sleep(0.3)
+            assert holder.poll() is None
+        t0 = time.monotonic()
+        assert holder.wait(timeout=5) == 0        # silent: it lets go after IDLE
+        assert 0.5 < time.monotonic() - t0 < 3
+        assert not (tmp_path / ".lock.owner").exists()
+        assert marker.exists() is not with_bash    # with bash: no process per heartbeat
+    finally:
+        holder.kill()
+        holder.wait()
