@@ -9,10 +9,11 @@ controller killed or cut off mid-deploy thus leaves the host on its last good ve
 and the records say so.
 
 The switch is three files: /var/lib/reconciler/confirm/<service>.sh (0600: it holds the previous
-env, which may be secret; systemd runs it with /bin/sh) and the units reconciler-confirm-<service>.{service,timer} in
-/etc/systemd/system, enabled, so a host that reboots inside the window still fires it (the
-window then counts from boot). The script takes the host lock first (it never interleaves with a
-reconcile run) and does nothing when it was disarmed meanwhile.
+env, which may be secret; systemd runs it with /bin/sh) and the units
+reconciler-confirm-<service>.{service,timer} in /etc/systemd/system, enabled, so a host that
+reboots inside the window still fires it (the window then counts from boot). The script takes
+the host lock first (it never interleaves with a reconcile run) and does nothing when it was
+disarmed meanwhile.
 """
 
 from __future__ import annotations

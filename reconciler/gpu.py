@@ -162,8 +162,9 @@ printf '%%s BEGIN\n' "$T"
 # One ls over every process's fd directory (no process per fd): "/proc/PID/fd:" headers, then
 # "... N -> /dev/nvidia0" lines. awk keeps, per PID, the distinct /dev/nvidia* targets. Where
 # no such device node exists and there is no nvidia-smi, nothing can hold one: no scan.
+smi=; ! command -v nvidia-smi >/dev/null 2>&1 || smi=1
 set -- %(nodes)s
-if [ -e "$1" ] || [ -L "$1" ] || command -v nvidia-smi >/dev/null 2>&1; then
+if [ -e "$1" ] || [ -L "$1" ] || [ -n "$smi" ]; then
 ls -l /proc/[0-9]*/fd 2>/dev/null | awk -v P=%(arrow)s '
   /^\/proc\/[0-9]+\/fd:$/ { split($0, a, "/"); pid = a[3]; next }
   index($0, P) {
@@ -177,7 +178,7 @@ ls -l /proc/[0-9]*/fd 2>/dev/null | awk -v P=%(arrow)s '
   printf '%%s H %%s %%s %%s %%s\n' "$T" "$pid" "${comm:--}" "${e:--}" "$devs"
 done
 fi
-if command -v nvidia-smi >/dev/null 2>&1; then
+if [ -n "$smi" ]; then
   printf '%%s SMI 1\n' "$T"
   set -f      # nvidia-smi's lines, one by one (IFS: newlines only; empty lines say nothing)
   out=$(%(query_gpu)s 2>&1); rc=$?

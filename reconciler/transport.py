@@ -116,8 +116,7 @@ def known_hosts_for(spec: SSHSpec) -> asyncssh.SSHKnownHosts:
 def _parsed(text: str) -> asyncssh.SSHKnownHosts:
     """The fleet's known_hosts, parsed once per text: every host shares the one file, and
     parsing it for each connection made a 1,000-host run quadratic (1,000 parses of 1,000 lines)."""
-    libcache.import_asyncssh()
-    import asyncssh
+    import asyncssh  # imported by connect(), its one caller, through libcache
     return asyncssh.import_known_hosts(text)
 
 
