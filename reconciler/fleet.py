@@ -191,13 +191,16 @@ class _FleetRun:
                 # that; the lock is held until the last verdict. A host in sync is read, never
                 # locked: a no-change round costs one observation per host.
                 try:
-                    self.locks[h.name], locked = await lock_and_observe(t, h, self.lock_wait)
+                    held, locked = await lock_and_observe(t, h, self.lock_wait)
                 except HostError as e:
                     self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
                                                       message=e.message, seconds=time.monotonic() - t0)
                     self.transports.pop(h.name, None)
                     await self._close(t)
                     return
+                # From here on, the host's commands go through the holder's shell (session.py)
+                self.locks[h.name], t = held, held.over(t)
+                self.transports[h.name] = t
                 r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True,
                                          render_at=self.render_at, retry=self.retry, transport=t, rules=self.rules,
                                          facts=locked)

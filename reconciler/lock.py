@@ -8,7 +8,8 @@ seconds, and the holder gives up after IDLE seconds without one (a controller th
 partitioned away, whose connection the host has not noticed yet, never blocks later runs
 for long). While it holds the lock it keeps who it is in /var/lib/reconciler/.lock.owner, so
 a run that waits in vain can say who holds it. Once it holds the lock it can run one command
-first (`acquire(then=...)`): the run's observation under the lock, in the same round trip.
+first (`acquire(then=...)`): the run's observation under the lock, in the same round trip;
+then, where the host has bash, it runs the run's commands too (session.py; HostLock.over).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import time
 
 from .errors import HostError
 from .facts import STATE_DIR
+from .session import HostSession, SessionTransport, loop_script
 from .shell import ShCommand
-from .transport import Spawned, Transport
+from .transport import Spawned, StreamSpawned, Transport
 
 LOCK = f"{STATE_DIR}/.lock"
 OWNER = f"{STATE_DIR}/.lock.owner"
@@ -39,19 +41,22 @@ class LockedError(HostError):
 
 
 def holder_command(wait: float, owner: str, then: str = "") -> str:
-    """The shell that takes the lock (waiting at most `wait` s), says LOCKED, runs `then` (a
-    command whose output the run reads under the lock: its observation, in the same round
-    trip), and keeps the lock while heartbeats arrive; it prints BUSY and the owner's line
-    when the wait runs out."""
+    """The shell that takes the lock (waiting at most `wait` s), says LOCKED (`LOCKED bash`
+    where bash runs its loop), runs `then` (a command whose output the run reads under the
+    lock: its observation, in the same round trip), and keeps the lock while heartbeats
+    arrive; it prints BUSY and the owner's line when the wait runs out.
+
+    Where bash exists, the holder then runs the run's commands too (session.py: one shell for
+    the whole host run, no SSH channel per command) and reads the heartbeats with bash's
+    `read -t`; a host without bash reads each heartbeat with `timeout head` (two processes
+    every HEARTBEAT seconds), and the run opens a channel per command."""
     # An sh command (the observation) runs as a subshell of the holder's own sh, not a new sh
     run = then.subshell() if isinstance(then, ShCommand) else then
-    first = f"{run} </dev/null; " if then else ""
-    # The heartbeats are read by bash's `read -t` (no process per line); a host without bash
-    # reads each with `timeout head` (two processes every HEARTBEAT seconds)
-    beats = (f"if command -v bash >/dev/null 2>&1; then "
-             f"bash -c 'while IFS= read -r -t {IDLE} line && [ -n \"$line\" ]; do :; done'; "
-             f"else while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done; fi")
-    keep = f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; echo LOCKED; {first}{beats}; rm -f {OWNER}"
+    first = f"{run} </dev/null 2>/dev/null; " if then else ""
+    plain = f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done"
+    keep = (f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; b=; command -v bash >/dev/null 2>&1 && b=bash; "
+            f"echo LOCKED $b; {first}"
+            f"if [ -n \"$b\" ]; then bash -c {shlex.quote(loop_script(IDLE))}; else {plain}; fi; rm -f {OWNER}")
     return (f"{{ [ -d {STATE_DIR} ] || mkdir -p {STATE_DIR}; }} && "
             f"if flock -w {int(wait)} {LOCK} sh -c {shlex.quote(keep)}; then :; "
             f"else echo BUSY; cat {OWNER} 2>/dev/null; fi")
@@ -66,11 +71,16 @@ class HostLock:
     """The held lock of one host; release() lets go (closing the connection does too).
 
     `output`: what the command run under the lock printed (acquire's `then`), or None when it
-    was not asked for or did not end within its time."""
+    was not asked for or did not end within its time. `session`: the holder's command loop,
+    where it runs one (over(t) sends the run's commands through it)."""
 
-    def __init__(self, proc: Spawned, output: str | None = None):
-        self.proc, self.output = proc, output
+    def __init__(self, proc: Spawned, output: str | None = None, session: HostSession | None = None):
+        self.proc, self.output, self.session = proc, output, session
         self.beat = asyncio.create_task(self._heartbeat())
+
+    def over(self, t: Transport) -> Transport:
+        """t, its commands run by the holder while it is free (t itself without a session)."""
+        return SessionTransport(t, self.session) if self.session is not None else t
 
     async def _heartbeat(self) -> None:
         while True:
@@ -100,12 +110,17 @@ async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[str, str] | N
         first = await asyncio.wait_for(proc.readline(), wait + 15)
     except TimeoutError:
         first = ""
-    if first.strip() == "LOCKED":
+    if first.split()[:1] == ["LOCKED"]:
         output = None
         if then is not None:
             with contextlib.suppress(TimeoutError):
                 output = await asyncio.wait_for(_read_through(proc, then[1]), then_timeout)
-        return HostLock(proc, output)
+        # The session only when the holder's output was read whole: what is left unread would
+        # pass for a command's
+        whole = then is None or output is not None
+        looping = first.split()[1:] == ["bash"] and whole
+        session = HostSession(t.host, proc) if looping and isinstance(proc, StreamSpawned) else None
+        return HostLock(proc, output, session)
     who = ""
     if first.strip() == "BUSY":
         with contextlib.suppress(TimeoutError):

@@ -404,6 +404,7 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
             t = await connect(host)
             if not dry_run:
                 held, locked = await lock_and_observe(t, host, lock.WAIT)
+                t = held.over(t)        # the run's commands through the holder's shell
                 facts = facts or locked
         if facts is None:
             facts = await observe(t, host)

@@ -20,7 +20,7 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from . import libcache
 from .errors import CommandError, ConnectError, HostKeyError
@@ -79,6 +79,16 @@ class Spawned(Protocol):
         ...
 
 
+@runtime_checkable
+class StreamSpawned(Spawned, Protocol):
+    """A spawned command whose stdout and stderr can each be read up to a separator (the host
+    session's framing, session.py)."""
+
+    async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
+        """Up to and including separator; asyncio.IncompleteReadError at the end."""
+        ...
+
+
 KEEPALIVE = 5.0
 KEEPALIVE_COUNT = 3
 # AES-GCM first: as strong as asyncssh's default chacha20-poly1305, and far cheaper per packet in
@@ -89,7 +99,7 @@ CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly130
            "aes256-ctr", "aes192-ctr", "aes128-ctr")
 
 
-def _checked(host: str, res: Completed, check: bool, what: str) -> Completed:
+def checked(host: str, res: Completed, check: bool, what: str) -> Completed:
     if check and not res.ok:
         raise CommandError(host, what, res.exit_status, res.stderr)
     return res
@@ -177,7 +187,7 @@ class SSHTransport:
         if r.exit_status is None and r.exit_signal is not None:
             raise CommandError(self.host, what, None, f"killed by signal {r.exit_signal[0]} on the host")
         res = Completed(r.exit_status, _text(r.stdout), _text(r.stderr))
-        return _checked(self.host, res, check, what)
+        return checked(self.host, res, check, what)
 
     async def open_connection(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await self._conn.open_connection(host, port)
@@ -186,7 +196,7 @@ class SSHTransport:
     async def spawn(self, cmd: str) -> Spawned:
         import asyncssh
         try:
-            proc = await self._conn.create_process(cmd)
+            proc = await self._conn.create_process(cmd, errors="replace")
         except (OSError, asyncssh.Error) as e:
             raise ConnectError(self.host, f"connection lost starting {cmd.split()[0]}: {e}") from None
         return _SSHSpawned(proc)
@@ -206,6 +216,13 @@ class _SSHSpawned:
             return await self.proc.stdout.readline()
         except (OSError, ConnectionError):
             return ""
+
+    async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
+        import asyncssh
+        try:
+            return await (self.proc.stderr if stderr else self.proc.stdout).readuntil(separator)
+        except asyncssh.Error as e:      # the connection went (keepalives unanswered, a reset)
+            raise ConnectionError(e.reason or type(e).__name__) from None
 
     def write(self, data: str) -> None:
         self.proc.stdin.write(data)
@@ -279,7 +296,7 @@ class LocalTransport:
             await _kill_group(proc)
             raise
         res = Completed(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
-        return _checked(self.host, res, check, what)
+        return checked(self.host, res, check, what)
 
     async def open_connection(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection(host, port)

@@ -186,7 +186,7 @@ def test_the_holder_keeps_the_lock_while_heartbeats_come_and_lets_go_when_they_s
                               stdout=subprocess.PIPE, text=True, env={"PATH": str(bin_dir)})
     assert holder.stdin is not None and holder.stdout is not None
     try:
-        assert holder.stdout.readline() == "LOCKED\n"
+        assert holder.stdout.readline() == ("LOCKED bash\n" if with_bash else "LOCKED\n")
         for _ in range(6):                         # 1.8 s of heartbeats: past IDLE, still held
             holder.stdin.write(".\n")
             holder.stdin.flush()

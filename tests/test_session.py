@@ -1,0 +1,199 @@
+"""The host session (session.py): the lock holder's own shell runs the run's commands.
+
+The real holder command (lock.holder_command) runs here under /bin/sh with its lock and owner
+files in a temp dir, its stdin, stdout and stderr pipes standing in for the SSH channel's:
+commands with and without input keep their output, stderr and exit status apart; a command
+that times out is killed with all it started and the session is left; a busy session sends
+the next command to a channel of its own; heartbeats keep the holder while a long command
+runs, silence ends both; no command line on the machine shows a command's input."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from reconciler import lock
+from reconciler.errors import CommandError
+from reconciler.session import SessionTransport
+from reconciler.transport import Completed
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Piped:
+    """A spawned holder over local pipes, read as the SSH one is (StreamSpawned)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+
+    async def readline(self) -> str:
+        assert self.proc.stdout is not None
+        return (await self.proc.stdout.readline()).decode()
+
+    async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
+        stream = self.proc.stderr if stderr else self.proc.stdout
+        assert stream is not None
+        return (await stream.readuntil(separator.encode())).decode()
+
+    def write(self, data: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data.encode())
+
+    async def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        await self.proc.wait()
+
+
+class _Channels:
+    """The transport under the session: each command a `sh -c` of its own, counted."""
+
+    host = "h1"
+
+    def __init__(self) -> None:
+        self.ran: list[str] = []
+
+    async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
+                  timeout: float | None = 60.0, what: str = "command") -> Completed:
+        self.ran.append(what)
+        p = await asyncio.create_subprocess_exec("sh", "-c", cmd, stdin=asyncio.subprocess.PIPE,
+                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await p.communicate(input.encode() if input is not None else None)
+        return Completed(p.returncode, out.decode(), err.decode())
+
+    async def spawn(self, cmd: str) -> _Piped:
+        p = await asyncio.create_subprocess_exec("sh", "-c", cmd, stdin=asyncio.subprocess.PIPE,
+                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        return _Piped(p)
+
+    async def open_connection(self, host: str, port: int):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+def locked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
+    monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
+    monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
+    return tmp_path
+
+
+async def _session(then: tuple[str, str] | None = ("echo seen; echo END", "END")) -> tuple[
+        _Channels, lock.HostLock, SessionTransport]:
+    ch = _Channels()
+    held = await lock.acquire(ch, wait=1, then=then)  # type: ignore[arg-type]
+    t = held.over(ch)  # type: ignore[arg-type]
+    assert isinstance(t, SessionTransport)
+    return ch, held, t
+
+
+def test_commands_keep_their_output_stderr_and_status(locked: Path) -> None:
+    async def go() -> None:
+        ch, held, t = await _session()
+        assert held.output == "seen\nEND\n"
+        r = await t.run("echo out; echo err >&2; exit 3")
+        assert (r.exit_status, r.stdout, r.stderr) == (3, "out\n", "err\n")
+        r = await t.run("printf 'no newline'")           # output without a last newline stays exact
+        assert (r.exit_status, r.stdout, r.stderr) == (0, "no newline", "")
+        script = "set -u\nread -r a\nprintf '%s|%s\\n' \"$a\" \"$0\"\n"
+        r = await t.run("sh -c 'read -r a; echo \"$a\"; cat'", input="héllo wörld\nrest\n")
+        assert r.stdout == "héllo wörld\nrest\n"
+        r = await t.run("sh -s", input=script.replace("read -r a", "a=1"))   # a script on stdin, as apply sends
+        assert r.stdout == "1|sh\n"
+        r = await t.run("sh -c 'echo \"$1\"' name 'it'\\''s'")
+        assert r.stdout == "it's\n"
+        assert ch.ran == []                            # all through the holder's shell
+        with pytest.raises(CommandError) as e:
+            await t.run("echo nope >&2; false", check=True, what="apply")
+        assert e.value.what == "apply" and e.value.exit_status == 1 and "nope" in e.value.stderr
+        await held.release()
+    asyncio.run(go())
+
+
+def test_a_timed_out_command_is_killed_whole_and_the_session_left(locked: Path) -> None:
+    async def go() -> None:
+        ch, held, t = await _session()
+        mark = locked / "child"
+        with pytest.raises(CommandError, match="timed out"):
+            await t.run(f"sh -c 'sleep 3 & echo $! > {mark}; wait'", timeout=0.5, what="apply")
+        pid = int(mark.read_text())
+        for _ in range(50):                            # its child too: the command's process group
+            if not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the timed-out command's child still runs")
+        r = await t.run("echo own channel", what="after")
+        assert r.stdout == "own channel\n" and ch.ran == ["after"]
+        await held.release()
+    asyncio.run(go())
+
+
+def test_a_busy_session_sends_the_next_command_to_its_own_channel(locked: Path) -> None:
+    async def go() -> None:
+        ch, held, t = await _session(then=None)
+        slow, quick = await asyncio.gather(t.run("sleep 0.5; echo slow", what="slow"),
+                                           t.run("echo quick", what="quick"))
+        assert (slow.stdout, quick.stdout) == ("slow\n", "quick\n")
+        assert ch.ran == ["quick"]
+        assert (await t.run("echo again", what="again")).stdout == "again\n"
+        assert ch.ran == ["quick"]
+        await held.release()
+    asyncio.run(go())
+
+
+def test_heartbeats_hold_the_lock_through_a_long_command_and_silence_ends_both(
+        locked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lock, "IDLE", 1)
+    monkeypatch.setattr(lock, "HEARTBEAT", 0.3)
+
+    async def go() -> None:
+        ch, held, t = await _session()
+        r = await t.run("sleep 2; echo done", timeout=10)   # longer than IDLE: the heartbeats go on
+        assert r.stdout == "done\n"
+        assert (locked / ".lock.owner").exists()
+        mark = locked / "long"
+        run = asyncio.create_task(t.run(f"echo $$ > {mark}; exec sleep 20", timeout=30))
+        for _ in range(40):
+            if mark.exists() and mark.read_text().strip():
+                break
+            await asyncio.sleep(0.05)
+        pid = int(mark.read_text())
+        held.beat.cancel()                               # the run goes silent
+        t0 = time.monotonic()
+        while (locked / ".lock.owner").exists() and time.monotonic() - t0 < 5:
+            await asyncio.sleep(0.1)
+        assert not (locked / ".lock.owner").exists()      # let go after IDLE...
+        assert 0.5 < time.monotonic() - t0 < 4
+        await asyncio.sleep(0.2)
+        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+        run.cancel()                                      # ...and the command under it was killed
+        await asyncio.gather(run, return_exceptions=True)
+        await held.release()
+    asyncio.run(go())
+
+
+def test_no_command_line_shows_a_command_or_its_input(locked: Path) -> None:
+    secret = "s3cr3t-" + os.urandom(6).hex()
+
+    async def go() -> None:
+        ch, held, t = await _session()
+        task = asyncio.create_task(t.run(f"sh -c 'read -r v; sleep 1; echo ${{#v}}' # {secret}", input=secret + "\n"))
+        await asyncio.sleep(0.5)
+        seen = []
+        for p in Path("/proc").iterdir():
+            if p.name.isdigit():
+                with contextlib.suppress(OSError):
+                    seen.append((p / "cmdline").read_bytes())
+        assert not any(secret.encode() in c for c in seen)
+        assert (await task).stdout == f"{len(secret)}\n"
+        await held.release()
+    asyncio.run(go())
