@@ -34,7 +34,7 @@ import asyncssh
 
 from bench import compare, floor
 from bench.compare import machine
-from reconciler import load, source, transport
+from reconciler import load, session, source, transport
 from reconciler.plan import render_env
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo
@@ -64,11 +64,17 @@ class Meter:
 def instrument_ours(meter: Meter) -> None:
     """Wrap the reconciler's SSH transport: connect, each command (by its `what`), the lock."""
     run, spawn, connect = transport.SSHTransport.run, transport.SSHTransport.spawn, transport.SSHTransport.connect
+    in_session = session.HostSession.run
 
     async def timed_run(self: Any, cmd: str, *a: Any, **k: Any) -> Any:
         what = str(k.get("what") or cmd.split()[0])
         with meter.step("record verdict" if what.startswith("record verdict") else what):
             return await run(self, cmd, *a, **k)
+
+    async def timed_session_run(self: Any, cmd: str, **k: Any) -> Any:      # the lock holder's shell
+        what = str(k.get("what") or cmd.split()[0])
+        with meter.step("record verdict" if what.startswith("record verdict") else what):
+            return await in_session(self, cmd, **k)
 
     async def timed_spawn(self: Any, cmd: str) -> Any:
         # The lock's holder: timed until it answers (LOCKED, and the observation under the lock).
@@ -76,7 +82,7 @@ def instrument_ours(meter: Meter) -> None:
             p = await spawn(self, cmd)
             first = await p.readline()
             lines = [first]
-            while first.strip() == "LOCKED" and (line := await p.readline()):
+            while first.startswith("LOCKED") and (line := await p.readline()):
                 lines.append(line)
                 if line.rstrip("\n").endswith(" END"):
                     break
@@ -87,6 +93,7 @@ def instrument_ours(meter: Meter) -> None:
             return await connect(*a, **k)
 
     transport.SSHTransport.run = timed_run          # type: ignore[method-assign]
+    session.HostSession.run = timed_session_run     # type: ignore[method-assign]
     transport.SSHTransport.spawn = timed_spawn      # type: ignore[method-assign]
     transport.SSHTransport.connect = classmethod(timed_connect)   # type: ignore[method-assign,assignment]
 
@@ -99,6 +106,9 @@ class _Replay:
 
     async def readline(self) -> str:
         return self.lines.pop(0) if self.lines else await self.p.readline()
+
+    async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
+        return await self.p.readuntil(separator, stderr=stderr)
 
     def write(self, data: str) -> None:
         self.p.write(data)
@@ -130,11 +140,13 @@ def instrument_floor(meter: Meter) -> None:
 _ORIG_T = (transport.SSHTransport.__dict__["run"], transport.SSHTransport.__dict__["spawn"],
            transport.SSHTransport.__dict__["connect"])
 _ORIG_F = (asyncssh.connect, asyncssh.SSHClientConnection.run)
+_ORIG_S = session.HostSession.__dict__["run"]
 
 
 def _restore() -> None:
     for name, orig in zip(("run", "spawn", "connect"), _ORIG_T, strict=True):
         setattr(transport.SSHTransport, name, orig)
+    session.HostSession.run = _ORIG_S                   # type: ignore[method-assign]
     asyncssh.connect, asyncssh.SSHClientConnection.run = _ORIG_F     # type: ignore[method-assign]
 
 

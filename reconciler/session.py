@@ -43,11 +43,12 @@ READY = "@@ready"
 def loop_script(idle: int) -> str:
     """The holder's command loop (bash: its `read -t` and `read -N` cost no process per frame).
     Its own stderr (job notices) goes nowhere; fd 4 is the channel's, the commands' stderr."""
-    ends = (f"r=$?; printf \"\\n{END}%s %s\\n\" \"$2\" \"$r\"; printf \"\\n{END}%s\\n\" \"$2\" >&2; }} "
-            f"</dev/null 2>&4 &")
+    # The group's EXIT trap writes the ends (an `exit` in the command ends it too); with it, the
+    # command is one fork of the group, and its input one more (lastpipe: no subshell for eval)
+    ends = f"trap 'printf \"\\n{END}%s %s\\n\" \"$2\" \"$?\"; printf \"\\n{END}%s\\n\" \"$2\" >&2' EXIT"
     return f"""exec 4>&2 2>/dev/null
 printf "{READY}\\n" >&4
-set -m
+set -m; shopt -s lastpipe
 pid=
 stop() {{ [ -z "$pid" ] || kill -TERM -- "-$pid"; pid=; }}
 trap stop EXIT
@@ -58,9 +59,9 @@ while IFS= read -r -t {idle} line && [ -n "$line" ]; do
     [ "$3" = 0 ] || LC_ALL=C read -r -N "$3" cmd || break
     case $4 in -|0) ;; *) LC_ALL=C read -r -N "$4" inp || break ;; esac
     if [ "$4" = - ]; then
-      {{ ( eval "$cmd" ) 4>&-; {ends}
+      {{ {ends}; eval "$cmd" 4>&-; }} </dev/null 2>&4 &
     else
-      {{ printf %s "$inp" | ( eval "$cmd" ) 4>&-; {ends}
+      {{ {ends}; printf %s "$inp" | eval "$cmd" 4>&-; }} </dev/null 2>&4 &
     fi
     pid=$! ;;
   D) pid= ;;
