@@ -66,14 +66,16 @@ def instrument_ours(meter: Meter) -> None:
     run, spawn, connect = transport.SSHTransport.run, transport.SSHTransport.spawn, transport.SSHTransport.connect
     in_session = session.HostSession.run
 
-    async def timed_run(self: Any, cmd: str, *a: Any, **k: Any) -> Any:
+    def step(cmd: str, k: dict[str, Any]) -> str:
         what = str(k.get("what") or cmd.split()[0])
-        with meter.step("record verdict" if what.startswith("record verdict") else what):
+        return "record verdict" if what.startswith("record verdict") else what
+
+    async def timed_run(self: Any, cmd: str, *a: Any, **k: Any) -> Any:
+        with meter.step(step(cmd, k)):
             return await run(self, cmd, *a, **k)
 
     async def timed_session_run(self: Any, cmd: str, **k: Any) -> Any:      # the lock holder's shell
-        what = str(k.get("what") or cmd.split()[0])
-        with meter.step("record verdict" if what.startswith("record verdict") else what):
+        with meter.step(step(cmd, k)):
             return await in_session(self, cmd, **k)
 
     async def timed_spawn(self: Any, cmd: str) -> Any:

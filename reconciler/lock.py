@@ -110,7 +110,8 @@ async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[str, str] | N
         first = await asyncio.wait_for(proc.readline(), wait + 15)
     except TimeoutError:
         first = ""
-    if first.split()[:1] == ["LOCKED"]:
+    words = first.split()       # LOCKED, or LOCKED bash (the holder runs the session loop)
+    if words[:1] == ["LOCKED"]:
         output = None
         if then is not None:
             with contextlib.suppress(TimeoutError):
@@ -118,7 +119,7 @@ async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[str, str] | N
         # The session only when the holder's output was read whole: what is left unread would
         # pass for a command's
         whole = then is None or output is not None
-        looping = first.split()[1:] == ["bash"] and whole
+        looping = words[1:] == ["bash"] and whole
         session = HostSession(t.host, proc) if looping and isinstance(proc, StreamSpawned) else None
         return HostLock(proc, output, session)
     who = ""

@@ -95,7 +95,7 @@ class HostSession:
         try:
             try:
                 self.proc.write(f"R {tok} {size} {more}\n{cmd}{input or ''}")
-            except (OSError, ConnectionError, RuntimeError):
+            except (OSError, RuntimeError):
                 self.broken = True
                 raise _NotSent() from None
             try:
@@ -112,7 +112,7 @@ class HostSession:
                 raise
         finally:
             self.busy = False
-        with contextlib.suppress(OSError, ConnectionError, RuntimeError):
+        with contextlib.suppress(OSError, RuntimeError):
             self.proc.write("D\n")
         body, _, status = out.rpartition(f"\n{END}{tok} ")
         return Completed(int(status.strip() or 255), body, err)
@@ -129,7 +129,7 @@ class HostSession:
     def _abandon(self) -> None:
         """Kill the running command; its output may still come, so the session is done."""
         self.broken = True
-        with contextlib.suppress(OSError, ConnectionError, RuntimeError):
+        with contextlib.suppress(OSError, RuntimeError):
             self.proc.write("K\n")
 
 
