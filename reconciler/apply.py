@@ -310,10 +310,38 @@ def _batch(group: list[tuple[int, str, list[tuple[str, str, str]]]], first_var: 
     return lines
 
 
+def _enable_start_pairs(actions: Sequence[Action]) -> dict[int, int]:
+    """id(enable) -> id(start) of the same service where only enables and starts lie between
+    them (the plan's order: every enable, then every start): one `systemctl enable --now` does
+    both, one systemctl process fewer per service started for the first time."""
+    pairs: dict[int, int] = {}
+    for n, a in enumerate(actions):
+        if a.kind is not Kind.ENABLE:
+            continue
+        for b in actions[n + 1:]:
+            if b.kind not in (Kind.ENABLE, Kind.START):
+                break
+            if b.kind is Kind.START and b.service == a.service:
+                pairs[id(a)] = id(b)
+                break
+    return pairs
+
+
+def _enable_now(i: int, enable: Action, j: int, start: Action) -> str:
+    """Steps i (enable) and j (start) of one service in one systemctl. Where that fails, each
+    step runs by itself, as without the pairing, so the failure is reported by its own step."""
+    u = _unit(start.service)
+    reset = "" if start.fresh else f"systemctl reset-failed {u} 2>/dev/null; "
+    return (f"{reset}if systemctl enable --now --no-block --quiet --no-reload {u} >/dev/null 2>&1; "
+            f"then printf '@@ok %s\\n@@ok %s\\n' {i} {j}\n"
+            f"else soft {i} {_soft(enable)}; step {j}; soft {j} {_soft(start)}; fi")
+
+
 def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
     """The given actions of a plan as one script; step N marks plan.actions[N]."""
     index = {id(a): i for i, a in enumerate(plan.actions)}
-    parts = [_PRELUDE, "printf '@@now %s\\n' \"$(date +%s)\"", *faults.host_pauses()]
+    # The host's clock: the session's bash gives it (session.py, no process), else `date`
+    parts = [_PRELUDE, "printf '@@now %s\\n' \"${RECONCILER_NOW:-$(date +%s)}\"", *faults.host_pauses()]
     group: list[tuple[int, str, list[tuple[str, str, str]]]] = []
     staged = 0
 
@@ -324,8 +352,9 @@ def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
             staged += sum(len(f) for _, _, f in group)
             group.clear()
 
+    paired = _enable_start_pairs(actions)
     for a in actions:
-        if a.kind in CONTROLLER:
+        if a.kind in CONTROLLER or id(a) in paired.values():
             continue
         i = index[id(a)]
         batch = _staged(a, plan, now)
@@ -338,6 +367,10 @@ def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
         flush()
         soft = _soft(a)
         parts.append(f"step {i}")
+        start = next((s for s in actions if id(s) == paired.get(id(a))), None)
+        if start is not None:
+            parts.append(_enable_now(i, a, index[id(start)], start))
+            continue
         parts.append(f"soft {i} {soft}" if soft else f"{_fatal(a, plan, now)} || fatal {i} $?")
     flush()
     parts.append("step done")

@@ -46,6 +46,8 @@ def loop_script(idle: int) -> str:
     # The group's EXIT trap writes the ends (an `exit` in the command ends it too); with it, the
     # command is one fork of the group, and its input one more (lastpipe: no subshell for eval)
     ends = f"trap 'printf \"\\n{END}%s %s\\n\" \"$2\" \"$?\"; printf \"\\n{END}%s\\n\" \"$2\" >&2' EXIT"
+    # and the host's clock for the command, from bash's own printf (apply's @@now: no `date`)
+    ends += "; printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW"
     return f"""exec 4>&2 2>/dev/null
 printf "{READY}\\n" >&4
 set -m; shopt -s lastpipe

@@ -12,7 +12,7 @@ import pytest
 
 from reconciler.apply import apply_plan, build_script, parse_results, write_record
 from reconciler.errors import CommandError, ObserveError
-from reconciler.facts import ENV_DROPIN, HostFacts, observe_command, parse_observation, parse_show
+from reconciler.facts import ENV_DROPIN, HostFacts, ServiceFacts, observe_command, parse_observation, parse_show
 from reconciler.plan import Context, Kind, plan_host
 from reconciler.records import ServiceRecord
 from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
@@ -282,3 +282,50 @@ def test_the_switch_is_reset_before_arming_only_after_it_fired():
                          props={"LoadState": "loaded", "ActiveState": "inactive"})
     after = body(HostFacts(services={"m": known}))
     assert "systemctl reset-failed reconciler-confirm-m.service" in after and "u_start m.service" in after
+
+
+
+def test_a_new_service_is_enabled_and_started_by_one_systemctl_and_a_failure_names_its_step(tmp_path):
+    """A service's enable and its first start go as one `systemctl enable --now --no-block`
+    (one process fewer per new service). When that fails, each step runs again by itself, so
+    a failure is reported by the step it belongs to, as without the pairing. The script's
+    steps run by sh with a fake systemctl that logs its calls and fails the verbs it is told to."""
+    from reconciler.apply import _PRELUDE
+    h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", INSTALLED.format("m"), {"A": "1"}),
+                                              "n": ServiceSpec("n", INSTALLED.format("n"), {})})
+    new = {n: ServiceFacts(n, props={"LoadState": "not-found", "ActiveState": "inactive"}) for n in "mn"}
+    p = plan_host(h, HostFacts(services=new), Context("f" * 40))
+    steps = {(a.kind, a.service): i for i, a in enumerate(p.actions)}
+    script = build_script(p, p.actions, 0)
+    body = script[script.index(f"step {steps[(Kind.ENABLE, 'm')]}\n"):script.index("step done")]
+    body = body[:body.index(f"step {steps[(Kind.RECORD, 'm')]}\n")]       # enables and starts only
+    assert body.count("systemctl enable --now --no-block --quiet --no-reload") == 2
+    fake = tmp_path / "systemctl"
+    fake.write_text('#!/bin/sh\necho "$*" >> "$LOG"\n'
+                    'case " $* " in *" $FAIL "*) echo "Failed: $FAIL refused" >&2; exit 1 ;; esac\n')
+    fake.chmod(0o755)
+
+    def run(fail: str) -> tuple[list[str], str]:
+        log = tmp_path / f"log-{len(fail)}"
+        r = subprocess.run(["sh", "-s"], input=_PRELUDE + body, capture_output=True, text=True, timeout=10,
+                           env={"PATH": f"{tmp_path}:/usr/bin:/bin", "LOG": str(log), "FAIL": fail})
+        assert r.returncode == 0, r.stdout + r.stderr
+        return log.read_text().splitlines(), r.stdout
+
+    calls, out = run("--nothing--")
+    assert calls == ["enable --now --no-block --quiet --no-reload m.service",
+                     "enable --now --no-block --quiet --no-reload n.service"]
+    assert "@@fail" not in out
+    # n's start is refused: n's pair is run again step by step, and the start step says why
+    calls, out = run("n.service")
+    assert calls[0] == "enable --now --no-block --quiet --no-reload m.service"
+    assert calls[1:] == ["enable --now --no-block --quiet --no-reload n.service",
+                         "enable --quiet --no-reload n.service", "start --no-block n.service"]
+    failed = [line.split() for line in out.splitlines() if line.startswith("@@fail")]
+    assert [int(f[1]) for f in failed] == [steps[(Kind.ENABLE, "n")], steps[(Kind.START, "n")]]
+    assert "refused" in base64.b64decode(failed[1][3]).decode()
+    # only the enable (not the start) fails: the start still runs, and only the enable step failed
+    calls, out = run("--quiet")
+    assert calls[-1] == "start --no-block n.service"
+    assert [int(line.split()[1]) for line in out.splitlines() if line.startswith("@@fail")] == \
+        [steps[(Kind.ENABLE, "m")], steps[(Kind.ENABLE, "n")]]

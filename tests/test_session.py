@@ -118,6 +118,40 @@ def test_commands_keep_their_output_stderr_and_status(locked: Path) -> None:
     asyncio.run(go())
 
 
+
+def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(locked: Path,
+                                                                                tmp_path: Path) -> None:
+    """Each command in the session finds the host's clock in RECONCILER_NOW (bash's printf, no
+    process), taken when it starts; the apply script's @@now uses it and runs no `date`, which
+    it still runs on a channel of its own (no RECONCILER_NOW there)."""
+    from reconciler.apply import _PRELUDE, build_script
+    from reconciler.facts import HostFacts
+    from reconciler.plan import Context, plan_host
+    from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
+    h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", "[Service]\nExecStart=/bin/m\n", {})})
+    p = plan_host(h, HostFacts(services={}), Context("f" * 40))
+    now_line = next(line for line in build_script(p, p.actions, 0).splitlines() if "@@now" in line) + "\n"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "date").write_text("#!/bin/sh\necho 12345\n")
+    (fake / "date").chmod(0o755)
+
+    async def go() -> None:
+        ch, held, t = await _session()
+        t0 = time.time()
+        r = await t.run("sh -s", input=f"PATH={fake}:$PATH\n" + _PRELUDE + now_line)
+        assert r.exit_status == 0, r.stderr
+        clock = float(r.stdout.split("@@now ", 1)[1].split()[0])
+        assert t0 - 2 <= clock <= time.time() + 1            # the session's clock, not the fake date
+        await asyncio.sleep(1.1)
+        r = await t.run("echo $RECONCILER_NOW")
+        assert int(r.stdout) >= clock + 1                   # taken anew for each command
+        await held.release()
+        # on a channel of its own, the script asks `date`
+        own = await ch.run("sh -s", input=f"PATH={fake}:$PATH\n" + _PRELUDE + now_line)
+        assert "@@now 12345" in own.stdout
+    asyncio.run(go())
+
 def test_a_timed_out_command_is_killed_whole_and_the_session_left(locked: Path) -> None:
     async def go() -> None:
         ch, held, t = await _session()
