@@ -310,11 +310,11 @@ def _batch(group: list[tuple[int, str, list[tuple[str, str, str]]]], first_var: 
     return lines
 
 
-def _enable_start_pairs(actions: Sequence[Action]) -> dict[int, int]:
-    """id(enable) -> id(start) of the same service where only enables and starts lie between
+def _enable_start_pairs(actions: Sequence[Action]) -> dict[int, Action]:
+    """id(enable) -> the start of the same service, where only enables and starts lie between
     them (the plan's order: every enable, then every start): one `systemctl enable --now` does
     both, one systemctl process fewer per service started for the first time."""
-    pairs: dict[int, int] = {}
+    pairs: dict[int, Action] = {}
     for n, a in enumerate(actions):
         if a.kind is not Kind.ENABLE:
             continue
@@ -322,7 +322,7 @@ def _enable_start_pairs(actions: Sequence[Action]) -> dict[int, int]:
             if b.kind not in (Kind.ENABLE, Kind.START):
                 break
             if b.kind is Kind.START and b.service == a.service:
-                pairs[id(a)] = id(b)
+                pairs[id(a)] = b
                 break
     return pairs
 
@@ -353,8 +353,9 @@ def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
             group.clear()
 
     paired = _enable_start_pairs(actions)
+    started_by_enable = {id(s) for s in paired.values()}
     for a in actions:
-        if a.kind in CONTROLLER or id(a) in paired.values():
+        if a.kind in CONTROLLER or id(a) in started_by_enable:
             continue
         i = index[id(a)]
         batch = _staged(a, plan, now)
@@ -367,7 +368,7 @@ def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
         flush()
         soft = _soft(a)
         parts.append(f"step {i}")
-        start = next((s for s in actions if id(s) == paired.get(id(a))), None)
+        start = paired.get(id(a))
         if start is not None:
             parts.append(_enable_now(i, a, index[id(start)], start))
             continue
