@@ -46,8 +46,9 @@ def loop_script(idle: int) -> str:
     # The group's EXIT trap writes the ends (an `exit` in the command ends it too); with it, the
     # command is one fork of the group, and its input one more (lastpipe: no subshell for eval)
     ends = f"trap 'printf \"\\n{END}%s %s\\n\" \"$2\" \"$?\"; printf \"\\n{END}%s\\n\" \"$2\" >&2' EXIT"
-    # and the host's clock for the command, from bash's own printf (apply's @@now: no `date`)
-    ends += "; printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW"
+    # The host's clock for the command, from bash's own printf (apply's @@now: no `date`)
+    clock = "printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW"
+    prologue = f"{ends}; {clock}"       # what the command's group runs before the command
     return f"""exec 4>&2 2>/dev/null
 printf "{READY}\\n" >&4
 set -m; shopt -s lastpipe
@@ -61,9 +62,9 @@ while IFS= read -r -t {idle} line && [ -n "$line" ]; do
     [ "$3" = 0 ] || LC_ALL=C read -r -N "$3" cmd || break
     case $4 in -|0) ;; *) LC_ALL=C read -r -N "$4" inp || break ;; esac
     if [ "$4" = - ]; then
-      {{ {ends}; eval "$cmd" 4>&-; }} </dev/null 2>&4 &
+      {{ {prologue}; eval "$cmd" 4>&-; }} </dev/null 2>&4 &
     else
-      {{ {ends}; printf %s "$inp" | eval "$cmd" 4>&-; }} </dev/null 2>&4 &
+      {{ {prologue}; printf %s "$inp" | eval "$cmd" 4>&-; }} </dev/null 2>&4 &
     fi
     pid=$! ;;
   D) pid= ;;
