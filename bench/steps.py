@@ -84,7 +84,8 @@ def instrument_ours(meter: Meter) -> None:
             p = await spawn(self, cmd)
             first = await p.readline()
             lines = [first]
-            while first.startswith("LOCKED") and (line := await p.readline()):
+            # LOCKED ... same: the look stands, nothing is read under the lock
+            while first.startswith("LOCKED") and "same" not in first.split() and (line := await p.readline()):
                 lines.append(line)
                 if line.rstrip("\n").endswith(" END"):
                     break

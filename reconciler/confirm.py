@@ -13,7 +13,8 @@ env, which may be secret; systemd runs it with /bin/sh) and the units
 reconciler-confirm-<service>.{service,timer} in /etc/systemd/system, enabled, so a host that
 reboots inside the window still fires it (the window then counts from boot). The script takes
 the host lock first (it never interleaves with a reconcile run) and does nothing when it was
-disarmed meanwhile.
+disarmed meanwhile; once it runs, it counts itself and says who holds the lock, as every holder
+does (lock.py), so a run that looked at the host before knows to look again.
 """
 
 from __future__ import annotations
@@ -22,12 +23,23 @@ import base64
 import shlex
 from dataclasses import dataclass
 
-from .facts import CREDSTORE, STATE_DIR, UNIT_DIR, env_path, record_path, secrets_path, unit_path
+from .facts import (
+    CREDSTORE,
+    LOCK,
+    LOCK_COUNT,
+    LOCK_OWNER,
+    STATE_DIR,
+    UNIT_DIR,
+    count_holder,
+    env_path,
+    record_path,
+    secrets_path,
+    unit_path,
+)
 from .records import Quarantine, ServiceRecord
 
 CONFIRM_DIR = f"{STATE_DIR}/confirm"
 WANTS = f"{UNIT_DIR}/timers.target.wants"      # where `systemctl enable` links the timer
-LOCK = f"{STATE_DIR}/.lock"
 
 
 def unit_name(service: str) -> str:
@@ -109,6 +121,9 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
     lines = ["#!/bin/sh",
              f"# reconciler's dead-man's switch for {service}: the controller did not confirm {revision[:7]}.",
              "set -u",
+             "# a holder of the host lock: counted, and named, before it changes anything (lock.py)",
+             count_holder(LOCK_COUNT),
+             f"echo {shlex.quote(f'the dead-man switch of {service} ({unit_name(service)}.service)')} > {LOCK_OWNER}",
              "put() {  # path base64",
              '  d=$(dirname "$1"); mkdir -p "$d"; t=$(mktemp "$d/.reconciler-tmp.XXXXXX")',
              '  printf "%s" "$2" | base64 -d > "$t" && chmod 0644 "$t" && sync "$t" && mv -f "$t" "$1"',
@@ -137,7 +152,7 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
                               secrets=record.secrets)
         lines.append(f"put {shlex.quote(record_path(service))} {_b64(fired.dumps())}")
         lines.append(f"systemctl stop {u}")
-    lines.append(disarm_script(service, inside=True))
+    lines += [disarm_script(service, inside=True), f"rm -f {LOCK_OWNER}"]
     script = "\n".join(lines) + "\n"
     spath = script_path(service)
     name = unit_name(service)

@@ -65,6 +65,20 @@ def record_path(service: str) -> str:
 
 
 HOST_RECORD = f"{STATE_DIR}/host.json"
+# The host lock (lock.py): its file, who holds it now, and how many times it was taken. Every
+# holder counts itself in LOCK_COUNT before it changes anything, and says who it is in
+# LOCK_OWNER until it lets go; a look that saw no holder, and a count no other holder has moved
+# since, still holds once the lock is taken (fleet.py's survey: no second observation).
+LOCK = f"{STATE_DIR}/.lock"
+LOCK_OWNER = f"{STATE_DIR}/.lock.owner"
+LOCK_COUNT = f"{STATE_DIR}/.lock.count"
+
+
+def count_holder(count: str) -> str:
+    """sh that a new holder of the host lock runs first: $g the count as it found it (0 when
+    there is none yet), and the file moved on by one. Builtins only, no process."""
+    return (f"g=0; [ ! -f {count} ] || {{ read -r g < {count} || :; }}; "
+            f"case $g in ''|*[!0-9]*) n=1 ;; *) n=$((g + 1)) ;; esac; echo $n > {count}")
 
 
 def adopted_copy(service: str, path: str) -> str:
@@ -132,6 +146,8 @@ class HostFacts:
     record: HostRecord | None = None      # /var/lib/reconciler/host.json
     # Files that hold secrets: path -> keyed hash of the content, None when absent (never a value)
     secret_files: dict[str, str | None] = field(default_factory=dict)
+    # How many times the host lock had been taken, when nobody held it as this was read (else None)
+    lock_count: str | None = None
 
     @property
     def inventory(self) -> set[str]:
@@ -141,6 +157,10 @@ class HostFacts:
 _SCRIPT = r"""
 T=%(token)s
 D=%(state)s
+# the lock's count, or - while a holder has it (its owner file is there)
+g=0; [ ! -f "$D/.lock.count" ] || { read -r g < "$D/.lock.count" || :; }
+[ ! -e "$D/.lock.owner" ] || g=-
+printf '%%s G %%s\n' "$T" "${g:--}"
 names=" "
 while [ $# -gt 0 ]; do [ "$1" = -- ] && { shift; break; }; names="$names$1 "; shift; done
 if [ $# -gt 0 ]; then
@@ -251,6 +271,7 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
     host_record: HostRecord | None = None
     show: dict[str, dict[str, str]] = {}
     secret_files: dict[str, str | None] = {}
+    lock_count: str | None = None
     ended = False
     # `systemctl show` comes last, unencoded, between the "S -" line and the END line (the
     # token, random per observation, cannot occur in it).
@@ -270,6 +291,9 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
         kind = parts[1]
         if kind == "END":
             ended = True
+            continue
+        if kind == "G" and len(parts) == 3:
+            lock_count = parts[2] if parts[2].isdigit() else None
             continue
         if kind == "K" and len(parts) == 4:
             path = _decode(parts[2])
@@ -312,4 +336,4 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
             props=show.get(f"{name}.service", {}),
             dropins=dropins.get(name, {}),
         )
-    return HostFacts(services=services, record=host_record, secret_files=secret_files)
+    return HostFacts(services=services, record=host_record, secret_files=secret_files, lock_count=lock_count)

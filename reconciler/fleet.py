@@ -186,12 +186,13 @@ class _FleetRun:
                                                         rules=self.rules, check=self.dry_run)
             if r is None or (not self.dry_run and writes(r)):
                 # One reconcile of a host at a time: a host with anything to do is locked, then
-                # observed again under the lock (another run may have changed it since the look
-                # above; the lock's holder reads it, in the same round trip), and planned from
-                # that; the lock is held until the last verdict. A host in sync is read, never
-                # locked: a no-change round costs one observation per host.
+                # observed again under the lock where another run may have changed it since the
+                # look above (one held the lock then, or has taken it since: the lock's holder
+                # knows by its count, and reads the host in the same round trip), and planned
+                # from that; the lock is held until the last verdict. A host in sync is read,
+                # never locked: a no-change round costs one observation per host.
                 try:
-                    held, locked = await lock_and_observe(t, h, self.lock_wait)
+                    held, locked = await lock_and_observe(t, h, self.lock_wait, look=r.facts if r else None)
                 except HostError as e:
                     self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
                                                       message=e.message, seconds=time.monotonic() - t0)

@@ -10,6 +10,12 @@ for long). While it holds the lock it keeps who it is in /var/lib/reconciler/.lo
 a run that waits in vain can say who holds it. Once it holds the lock it can run one command
 first (`acquire(then=...)`): the run's observation under the lock, in the same round trip;
 then, where the host has bash, it runs the run's commands too (session.py; HostLock.over).
+
+Every holder (this one, and the dead-man's switch: confirm.py) counts itself in
+/var/lib/reconciler/.lock.count before it changes anything. A run that looked at the host
+before it asked for the lock passes the count it saw (`acquire(since=...)`): when the holder
+finds it unmoved, no other run held the lock since the look, and the look stands (the holder
+says LOCKED ... same and skips the observation: one `systemctl show` fewer per host).
 """
 
 from __future__ import annotations
@@ -22,13 +28,13 @@ import socket
 import time
 
 from .errors import HostError
-from .facts import STATE_DIR
+from .facts import LOCK, LOCK_COUNT, LOCK_OWNER, STATE_DIR, count_holder
 from .session import HostSession, SessionTransport, loop_script
 from .shell import ShCommand
 from .transport import Spawned, StreamSpawned, Transport
 
-LOCK = f"{STATE_DIR}/.lock"
-OWNER = f"{STATE_DIR}/.lock.owner"
+OWNER = LOCK_OWNER
+COUNT = LOCK_COUNT
 IDLE = 30            # seconds without a heartbeat before the holder lets go
 HEARTBEAT = 5.0      # seconds between heartbeats
 WAIT = 30.0          # default: how long a run waits for another run's lock
@@ -40,9 +46,10 @@ class LockedError(HostError):
     reason = "Locked"
 
 
-def holder_command(wait: float, owner: str, then: str = "") -> str:
-    """The shell that takes the lock (waiting at most `wait` s), says LOCKED (`LOCKED bash`
-    where bash runs its loop), runs `then` (a command whose output the run reads under the
+def holder_command(wait: float, owner: str, then: str = "", since: str | None = None) -> str:
+    """The shell that takes the lock (waiting at most `wait` s), counts itself (COUNT), says
+    LOCKED (`LOCKED bash` where bash runs its loop; `... same` when the count was still
+    `since`), runs `then` unless it said same (a command whose output the run reads under the
     lock: its observation, in the same round trip), and keeps the lock while heartbeats
     arrive; it prints BUSY and the owner's line when the wait runs out.
 
@@ -52,10 +59,12 @@ def holder_command(wait: float, owner: str, then: str = "") -> str:
     every HEARTBEAT seconds), and the run opens a channel per command."""
     # An sh command (the observation) runs as a subshell of the holder's own sh, not a new sh
     run = then.subshell() if isinstance(then, ShCommand) else then
-    first = f"{run} </dev/null 2>/dev/null; " if then else ""
+    first = f"[ -n \"$s\" ] || {{ {run}; }} </dev/null 2>/dev/null; " if then else ""
+    same = f"[ \"$g\" != {since} ] || s=same; " if since is not None and since.isdigit() else ""
     plain = f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done"
-    keep = (f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; b=; command -v bash >/dev/null 2>&1 && b=bash; "
-            f"echo LOCKED $b; {first}"
+    keep = (f"{count_holder(COUNT)}; s=; {same}"
+            f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; b=; command -v bash >/dev/null 2>&1 && b=bash; "
+            f"echo LOCKED $b $s; {first}"
             f"if [ -n \"$b\" ]; then bash -c {shlex.quote(loop_script(IDLE))}; else {plain}; fi; rm -f {OWNER}")
     return (f"{{ [ -d {STATE_DIR} ] || mkdir -p {STATE_DIR}; }} && "
             f"if flock -w {int(wait)} {LOCK} sh -c {shlex.quote(keep)}; then :; "
@@ -71,11 +80,13 @@ class HostLock:
     """The held lock of one host; release() lets go (closing the connection does too).
 
     `output`: what the command run under the lock printed (acquire's `then`), or None when it
-    was not asked for or did not end within its time. `session`: the holder's command loop,
-    where it runs one (over(t) sends the run's commands through it)."""
+    was not asked for, did not end within its time, or was not run: `same` says that (the count
+    was still acquire's `since`). `session`: the holder's command loop, where it runs one
+    (over(t) sends the run's commands through it)."""
 
-    def __init__(self, proc: Spawned, output: str | None = None, session: HostSession | None = None):
-        self.proc, self.output, self.session = proc, output, session
+    def __init__(self, proc: Spawned, output: str | None = None, session: HostSession | None = None,
+                 same: bool = False):
+        self.proc, self.output, self.session, self.same = proc, output, session, same
         self.beat = asyncio.create_task(self._heartbeat())
 
     def over(self, t: Transport) -> Transport:
@@ -99,29 +110,32 @@ class HostLock:
 
 
 async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[str, str] | None = None,
-                  then_timeout: float = 30.0) -> HostLock:
+                  then_timeout: float = 30.0, since: str | None = None) -> HostLock:
     """Take the host's lock, waiting at most `wait` seconds; raise LockedError when another
     run keeps it that long.
 
     then: (command, last line) to run on the host once the lock is held, its output read up to
-    and including that line (HostLock.output; None if it did not come within then_timeout)."""
-    proc = await t.spawn(holder_command(wait, owner_line(), then[0] if then else ""))
+    and including that line (HostLock.output; None if it did not come within then_timeout).
+    since: the lock's count as a look saw it; when it has not moved, `then` is not run
+    (HostLock.same)."""
+    proc = await t.spawn(holder_command(wait, owner_line(), then[0] if then else "", since))
     try:
         first = await asyncio.wait_for(proc.readline(), wait + 15)
     except TimeoutError:
         first = ""
-    words = first.split()       # LOCKED, or LOCKED bash (the holder runs the session loop)
+    words = first.split()       # LOCKED [bash] [same]: bash runs the session loop; same: see since
     if words[:1] == ["LOCKED"]:
         output = None
-        if then is not None:
+        same = "same" in words[1:]
+        if then is not None and not same:
             with contextlib.suppress(TimeoutError):
                 output = await asyncio.wait_for(_read_through(proc, then[1]), then_timeout)
         # The session only when the holder's output was read whole: what is left unread would
         # pass for a command's
-        whole = then is None or output is not None
-        looping = words[1:] == ["bash"] and whole
+        whole = then is None or output is not None or same
+        looping = "bash" in words[1:] and whole
         session = HostSession(t.host, proc) if looping and isinstance(proc, StreamSpawned) else None
-        return HostLock(proc, output, session)
+        return HostLock(proc, output, session, same)
     who = ""
     if first.strip() == "BUSY":
         with contextlib.suppress(TimeoutError):

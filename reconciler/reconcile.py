@@ -141,12 +141,20 @@ async def observe(t: Transport, host: HostSpec) -> HostFacts:
     return parse_observation(res.stdout, token, host.name)
 
 
-async def lock_and_observe(t: Transport, host: HostSpec, wait: float) -> tuple[lock.HostLock, HostFacts | None]:
+async def lock_and_observe(t: Transport, host: HostSpec, wait: float,
+                           look: HostFacts | None = None) -> tuple[lock.HostLock, HostFacts | None]:
     """Take the host's lock and read it under the lock, in one round trip (the holder runs the
     observation once it holds the lock). The facts are None when that reading did not come back
-    whole: the caller observes again by itself (and meets the error there)."""
+    whole: the caller observes again by itself (and meets the error there).
+
+    look: facts read just before, without the lock. When no run held the lock while they were
+    read and none took it since (its count has not moved), they are the facts under the lock
+    too: the holder reads nothing, and they come back as they are."""
     cmd, token = observation(host)
-    held = await lock.acquire(t, wait=wait, then=(cmd, f"{token} END"))
+    since = look.lock_count if look is not None else None
+    held = await lock.acquire(t, wait=wait, then=(cmd, f"{token} END"), since=since)
+    if held.same:
+        return held, look
     if held.output is None:
         return held, None
     try:

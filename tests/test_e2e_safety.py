@@ -106,6 +106,7 @@ def test_a_controller_killed_in_the_health_wait_leaves_the_host_to_its_switch(fl
     assert killed.returncode == -9
     armed = time.monotonic()
     assert fleet.show(h, "reconciler-confirm-model-a.timer", "ActiveState")["ActiveState"] == "active"
+    count = int(fleet.ssh(h, "cat /var/lib/reconciler/.lock.count"))
     deadline = armed + 6 + 1 + 3 + 20
     while record(fleet, h).get("quarantine") is None:
         assert time.monotonic() < deadline, fleet.ssh(h, "journalctl -u reconciler-confirm-model-a -n 20")
@@ -120,6 +121,9 @@ def test_a_controller_killed_in_the_health_wait_leaves_the_host_to_its_switch(fl
         time.sleep(0.3)
     assert "STANDIN_HANG" not in fleet.show(h, "model-a", "Environment")["Environment"]
     assert not fleet.exists(h, "/etc/systemd/system/reconciler-confirm-model-a.timer")   # it cleaned up
+    # It held the host lock as every holder does: counted itself, and let go of its owner line
+    assert int(fleet.ssh(h, "cat /var/lib/reconciler/.lock.count")) == count + 1
+    assert not fleet.exists(h, "/var/lib/reconciler/.lock.owner")
     print(f"switch fired {fired:.1f}s after the controller died (window {6 + 1 + 3}s)")
     # the next run finds v1 running, v2 quarantined, and restarts nothing
     inv = fleet.show(h, "model-a", "InvocationID")["InvocationID"]

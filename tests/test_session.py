@@ -82,6 +82,7 @@ class _Channels:
 def locked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
     monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
+    monkeypatch.setattr(lock, "COUNT", str(tmp_path / ".lock.count"))
     monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
     return tmp_path
 

@@ -117,6 +117,7 @@ def test_the_host_lock_through_a_local_transport(tmp_path: Path, monkeypatch: py
     """Two runs on one host: the second waits, then reports Locked with who holds it; released, it is free."""
     monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
     monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
+    monkeypatch.setattr(lock, "COUNT", str(tmp_path / ".lock.count"))
     monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
 
     async def go() -> str:
@@ -141,6 +142,7 @@ def test_the_lock_runs_a_command_under_itself_and_hands_back_its_output(tmp_path
     second run's command never runs while the first holds it), and its output comes back whole."""
     monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
     monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
+    monkeypatch.setattr(lock, "COUNT", str(tmp_path / ".lock.count"))
     monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
     marker = tmp_path / "ran"
 
@@ -173,6 +175,7 @@ def test_the_holder_keeps_the_lock_while_heartbeats_come_and_lets_go_when_they_s
     bash, `timeout head`. While heartbeats come, it holds on past IDLE."""
     monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
     monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
+    monkeypatch.setattr(lock, "COUNT", str(tmp_path / ".lock.count"))
     monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
     monkeypatch.setattr(lock, "IDLE", 1)
     bin_dir = tmp_path / "bin"
@@ -200,3 +203,64 @@ def test_the_holder_keeps_the_lock_while_heartbeats_come_and_lets_go_when_they_s
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_look_stands_under_the_lock_until_another_holder_has_had_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """lock_and_observe(look=...), as the fleet's survey calls it, with the real observation and
+    holder scripts under /bin/sh (systemctl faked, noting each call). While no run held the lock
+    as the look was read and none has taken it since (its count has not moved), the holder reads
+    nothing and the look comes back as it was. Once another holder has had the lock, or while
+    one holds it as the look is read, the host is read again under the lock."""
+    from reconciler import facts
+    from reconciler.reconcile import lock_and_observe, observe
+    from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
+    for name in ("LOCK", "OWNER", "COUNT"):
+        monkeypatch.setattr(lock, name, str(tmp_path / {"LOCK": ".lock", "OWNER": ".lock.owner",
+                                                        "COUNT": ".lock.count"}[name]))
+    monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
+    monkeypatch.setattr(facts, "STATE_DIR", str(tmp_path))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shows = tmp_path / "shows"
+    (bin_dir / "systemctl").write_text(f"#!/bin/sh\necho show >> {shows}\n"
+                                       "printf 'Id=m.service\\nActiveState=active\\n'\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    host = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", "[Service]\nExecStart=/bin/x\n", {})})
+
+    def reads() -> int:
+        return len(shows.read_text().splitlines()) if shows.exists() else 0
+
+    async def go() -> None:
+        t = LocalTransport("h1")
+        look = await observe(t, host)
+        assert look.lock_count == "0" and reads() == 1           # never locked yet
+        held, facts_ = await lock_and_observe(t, host, 1, look=look)
+        assert held.same and facts_ is look and reads() == 1      # nothing read under the lock
+        await held.release()
+
+        look = await observe(t, host)
+        assert look.lock_count == "1" and reads() == 2
+        other = await lock.acquire(t, wait=1)                    # another run has it meanwhile
+        await other.release()
+        held, facts_ = await lock_and_observe(t, host, 1, look=look)
+        assert not held.same and facts_ is not None and facts_ is not look and reads() == 3
+        assert facts_.services["m"].props["ActiveState"] == "active"
+        await held.release()
+
+        other = await lock.acquire(t, wait=1)
+        try:
+            look = await observe(t, host)                         # read while a run holds it
+        finally:
+            await other.release()
+        assert look.lock_count is None
+        held, facts_ = await lock_and_observe(t, host, 1, look=look)
+        assert not held.same and facts_ is not look and reads() == 5
+        await held.release()
+        held, facts_ = await lock_and_observe(t, host, 1)        # no look: always read under it
+        assert not held.same and facts_ is not None and reads() == 6
+        await held.release()
+        assert (tmp_path / ".lock.count").read_text() == "6\n" and not (tmp_path / ".lock.owner").exists()
+
+    run(go())
