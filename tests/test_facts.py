@@ -234,6 +234,9 @@ def test_one_daemon_reload_per_apply_even_when_it_enables():
     # the verdict's disarm reloads nothing either: it removes the timer's enablement link itself
     assert all("--no-reload" in v for v in RELOADING.findall(verdict))
     assert "/etc/systemd/system/timers.target.wants/reconciler-confirm-m.timer" in verdict
+    # and it queues the stop of the switch without waiting for it (nothing arms it again there)
+    assert "systemctl stop --no-block reconciler-confirm-m.timer reconciler-confirm-m.service" in verdict
+
 
 
 def test_a_failing_start_is_reported_and_the_script_goes_on():
