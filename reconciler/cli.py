@@ -29,6 +29,7 @@ from .clicore import (
     converge,
     escape,
     guarded,
+    run_async,
 )
 from .errors import ConfigError, SourceError
 
@@ -197,7 +198,6 @@ def status(
         else:
             print_status(_console(), rows)
         return
-    import asyncio
 
     from .fleet import select_hosts
     from .live import live_status
@@ -210,7 +210,7 @@ def status(
         _fail_input(e, as_json, where)
         return
     state, _render = _decrypting(state, snap, age_identity)
-    rows = asyncio.run(live_status(state, ssh_connector(identity), hosts=selected, concurrency=concurrency))
+    rows = run_async(live_status(state, ssh_connector(identity), hosts=selected, concurrency=concurrency))
     if as_json:
         _print_json(rows)
     else:
@@ -362,7 +362,6 @@ def pull(
 def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
     """Run `reconcile pull` until a local repo's branch stops moving under it (at most 3 runs);
     print each run, record it in the state store, exit with the last run's code."""
-    import asyncio
 
     from .pull import PullOutcome, pull_once
     from .report import PhaseView, print_result
@@ -384,7 +383,7 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
     for _ in range(3):
         try:
             with PhaseView(_console(stderr=True), plans=None if as_json or opts.dry_run else console) as view:
-                outcome = asyncio.run(pull_once(opts, on_phase=view, on_choice=chosen))
+                outcome = run_async(pull_once(opts, on_phase=view, on_choice=chosen))
         except (ConfigError, SourceError) as e:
             _fail_input(e, as_json, f"{opts.repo}@{opts.rev or 'HEAD'}")
             return

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, TextIO, cast
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO, TypeVar, cast
 
 from . import redact
 from .errors import ConfigError, SourceError
@@ -24,6 +25,23 @@ if TYPE_CHECKING:
     from .preflight import RuleSet
     from .source import Snapshot
     from .spec import DesiredState
+
+
+_T = TypeVar("_T")
+
+
+def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
+    """asyncio.run(coro), with the coroutine's result kept out of the main task. asyncio.run's
+    SIGINT handler holds that task, and putting the default handler back at the end has the
+    signal module format the handler it replaces, task and result included: the repr of a whole
+    fleet's result, twice (about 8 ms at 30 hosts, and it grows with the fleet)."""
+    import asyncio
+    box: list[_T] = []
+
+    async def main() -> None:
+        box.append(await coro)
+    asyncio.run(main())
+    return box[0]
 
 
 def escape(text: str) -> str:
@@ -157,7 +175,6 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
              cache_dir: Path | None = None, state_dir: Path | None = None, notes: bool = False) -> NoReturn:
     """Converge every host to the desired state at a revision (or preview it with --dry-run);
     exits with the run's code."""
-    import asyncio
 
     from . import source
     from .fleet import reconcile_fleet, select_hosts
@@ -187,7 +204,7 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
     for w in secret_warnings(state, snap.read):
         _console(stderr=True).print(f"[yellow]{escape(w)}[/]", soft_wrap=True)
     with PhaseView(_console(stderr=True), plans=None if as_json or dry_run else console) as view:
-        result = asyncio.run(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
+        result = run_async(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
                                              concurrency=concurrency, hosts=selected,
                                              render_at=render, retry=retry, on_phase=view,
                                              rules=rules, lock_wait=lock_wait, descends=_descends(snap),

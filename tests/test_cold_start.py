@@ -229,3 +229,28 @@ def test_plain_markup_matches_rich(text):
         assert strip_markup(markup) == render(markup, emoji=False).plain
     with contextlib.suppress(Exception):       # not all texts are valid markup for rich
         assert strip_markup(text) == render(text, emoji=False).plain
+
+
+def test_the_run_never_formats_its_result_on_the_way_out() -> None:
+    """asyncio.run puts SIGINT's default handler back at the end, and the signal module formats
+    the handler it replaces, which holds the main task and so the run's result: a whole fleet's
+    result printed with repr, twice, for nothing. run_async keeps the result out of the task."""
+    import asyncio
+
+    from reconciler.clicore import run_async
+
+    formatted: list[str] = []
+
+    class Result:
+        def __repr__(self) -> str:
+            formatted.append("repr")
+            return "Result()"
+
+    async def run() -> Result:
+        await asyncio.sleep(0)
+        return Result()
+
+    got = run_async(run())
+    assert isinstance(got, Result) and formatted == []
+    asyncio.run(run())              # what run_async avoids
+    assert formatted
