@@ -76,9 +76,11 @@ LOCK_COUNT = f"{STATE_DIR}/.lock.count"
 
 def count_holder(count: str) -> str:
     """sh that a new holder of the host lock runs first: $g the count as it found it (0 when
-    there is none yet), and the file moved on by one. Builtins only, no process."""
+    there is none yet), and the file moved on by one. Builtins only, no process. Where the count
+    cannot be written (a full disk), the file goes: a look that saw a count never finds it again."""
     return (f"g=0; [ ! -f {count} ] || {{ read -r g < {count} || :; }}; "
-            f"case $g in ''|*[!0-9]*) n=1 ;; *) n=$((g + 1)) ;; esac; echo $n > {count}")
+            f"case $g in ''|*[!0-9]*) n=1 ;; *) n=$((g + 1)) ;; esac; "
+            f"{{ echo $n > {count}; }} 2>/dev/null || rm -f {count}")
 
 
 def adopted_copy(service: str, path: str) -> str:
@@ -157,9 +159,13 @@ class HostFacts:
 _SCRIPT = r"""
 T=%(token)s
 D=%(state)s
-# the lock's count, or - while a holder has it (its owner file is there)
-g=0; [ ! -f "$D/.lock.count" ] || { read -r g < "$D/.lock.count" || :; }
+# The lock's count: 0 where the lock was never taken, - where it cannot be trusted: a holder
+# has the lock (its owner file is there), an armed dead-man's switch may fire at any moment, or
+# the lock was taken but its count is gone (a holder could not write it).
+g=-
+if [ -f "$D/.lock.count" ]; then read -r g < "$D/.lock.count" || :; elif [ ! -e "$D/.lock" ]; then g=0; fi
 [ ! -e "$D/.lock.owner" ] || g=-
+for f in "$D"/confirm/*.sh; do [ ! -e "$f" ] || g=-; done
 printf '%%s G %%s\n' "$T" "${g:--}"
 names=" "
 while [ $# -gt 0 ]; do [ "$1" = -- ] && { shift; break; }; names="$names$1 "; shift; done

@@ -261,6 +261,24 @@ def test_a_look_stands_under_the_lock_until_another_holder_has_had_it(tmp_path: 
         held, facts_ = await lock_and_observe(t, host, 1)        # no look: always read under it
         assert not held.same and facts_ is not None and reads() == 6
         await held.release()
-        assert (tmp_path / ".lock.count").read_text() == "6\n" and not (tmp_path / ".lock.owner").exists()
+        count = tmp_path / ".lock.count"
+        assert count.read_text() == "6\n" and not (tmp_path / ".lock.owner").exists()
+
+        # An armed dead-man's switch may fire (and change the host) at any moment: no look stands
+        (tmp_path / "confirm").mkdir()
+        (tmp_path / "confirm" / "m.sh").write_text("#!/bin/sh\n")
+        assert (await observe(t, host)).lock_count is None
+        (tmp_path / "confirm" / "m.sh").unlink()
+        assert (await observe(t, host)).lock_count == "6"
+        # A holder that cannot write the count (a full disk: /dev/full) removes it, so a look
+        # that saw it never stands after that holder; the lock taken with no count is unknown too
+        count.unlink()
+        count.symlink_to("/dev/full")
+        other = await lock.acquire(t, wait=1)
+        await other.release()
+        assert not count.exists() and not count.is_symlink()
+        assert (await observe(t, host)).lock_count is None
+        (tmp_path / ".lock").unlink()                              # a host never locked: 0
+        assert (await observe(t, host)).lock_count == "0"
 
     run(go())
