@@ -23,17 +23,16 @@ brace (systemd's ${VAR}, %i, JSON) passes through untouched.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
-import tomlkit
-
 if TYPE_CHECKING:
     from .source import Snapshot
-import tomlkit.exceptions
 from pydantic import BaseModel, ValidationError
 
 from . import schema
@@ -392,6 +391,13 @@ class _Loader:
         except UnicodeDecodeError as e:
             self.problems.add(file, "", f"not UTF-8 text (bad byte at offset {e.start})")
             return None
+        # The standard library's parser first (a tenth of tomlkit's time, and no tomlkit import:
+        # every new revision is parsed whole, a 1,000-host repo is 1,000 files); tomlkit only
+        # when it fails, for its message: the line, column and key of the fault.
+        with contextlib.suppress(tomllib.TOMLDecodeError):
+            return tomllib.loads(text)
+        import tomlkit
+        import tomlkit.exceptions
         try:
             parsed = tomlkit.parse(text).unwrap()
         except tomlkit.exceptions.ParseError as e:

@@ -1,6 +1,6 @@
 """Loaded desired states, kept by content: a run at a revision already loaded skips the loader.
 
-Loading a revision (load.py: tomlkit, the pydantic schema, merging, rendering) costs about 0.1 s
+Loading a revision (load.py: parsing, the pydantic schema, merging, rendering) costs about 0.1 s
 of a cold `reconcile` run, most of it importing pydantic and building the schema. What it
 returns is a pure function of the files below `--path` at that revision and of the loader's
 code, and it is plain frozen dataclasses (spec.py). The repo's own pre-flight rules

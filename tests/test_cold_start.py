@@ -254,3 +254,21 @@ def test_the_run_never_formats_its_result_on_the_way_out() -> None:
     assert isinstance(got, Result) and formatted == []
     asyncio.run(run())              # what run_async avoids
     assert formatted
+
+
+def test_a_new_revision_is_parsed_without_tomlkit_which_still_words_a_syntax_error(tmp_path):
+    """The standard library parses every file of a new revision (tomlkit takes ten times as
+    long, and as long again to import); tomlkit is imported only to word a file that does not
+    parse, with its line, column and key."""
+    repo = small_repo(tmp_path / "desired")
+    rev = repo.commit()
+    code = (f"from reconciler import load, source\n"
+            f"state = load.load_desired(source.snapshot(source.open_repo({str(repo.path)!r}), {rev!r}, 'fleet'))\n"
+            f"assert state.hosts['h1'].services['s'].env == {{'A': '1'}}\n")
+    mods = loaded(code)
+    assert "reconciler.load" in mods and heavy(mods, ("tomlkit",)) == []
+    from reconciler.load import MemorySnapshot, load_desired
+    with pytest.raises(ConfigError) as e:
+        load_desired(MemorySnapshot({"fleet.toml": "concurrency = 1\nconcurrency = 2\n"}))
+    said = [(p.file, p.message) for p in e.value.problems]
+    assert ("fleet.toml", 'TOML syntax error at line 2, column 0: Key "concurrency" already exists.') in said, said
