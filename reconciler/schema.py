@@ -1,10 +1,10 @@
 """Pydantic models of the desired-state TOML files, exactly as written (before merging).
 
 load.py parses each file (tomllib; tomlkit words a syntax error), validates it against one of
-these models and only then merges and renders. Every model forbids unknown keys (a typo must never silently do nothing),
-and every scalar goes through a small validator of our own, so that a wrong value reads
-"expected an integer 1-65535, got '22'" instead of pydantic's generic text, and so that no
-type is ever coerced (TOML already has real integers, floats and strings).
+these models and only then merges and renders. Every model forbids unknown keys (a typo must
+never silently do nothing), and every scalar goes through a small validator of our own, so that
+a wrong value reads "expected an integer 1-65535, got '22'" instead of pydantic's generic
+text, and so that no type is ever coerced (TOML already has real integers, floats and strings).
 
 The values of `env` may be secrets: their validators never put the value in a message.
 """
