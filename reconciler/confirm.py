@@ -24,6 +24,7 @@ import shlex
 from dataclasses import dataclass
 
 from .facts import (
+    CONFIRM_SUBDIR,
     CREDSTORE,
     LOCK,
     LOCK_COUNT,
@@ -38,7 +39,7 @@ from .facts import (
 )
 from .records import Quarantine, ServiceRecord
 
-CONFIRM_DIR = f"{STATE_DIR}/confirm"
+CONFIRM_DIR = f"{STATE_DIR}/{CONFIRM_SUBDIR}"
 WANTS = f"{UNIT_DIR}/timers.target.wants"      # where `systemctl enable` links the timer
 
 

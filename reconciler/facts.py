@@ -70,6 +70,7 @@ HOST_RECORD = f"{STATE_DIR}/host.json"
 # LOCK_OWNER until it lets go; a look that saw no holder, and a count no other holder has moved
 # since, still holds once the lock is taken (fleet.py's survey: no second observation).
 LOCK = f"{STATE_DIR}/.lock"
+CONFIRM_SUBDIR = "confirm"     # where an armed dead-man's switch keeps its script (confirm.py)
 LOCK_OWNER = f"{STATE_DIR}/.lock.owner"
 LOCK_COUNT = f"{STATE_DIR}/.lock.count"
 
@@ -165,7 +166,7 @@ D=%(state)s
 g=-
 if [ -f "$D/.lock.count" ]; then read -r g < "$D/.lock.count" || :; elif [ ! -e "$D/.lock" ]; then g=0; fi
 [ ! -e "$D/.lock.owner" ] || g=-
-for f in "$D"/confirm/*.sh; do [ ! -e "$f" ] || g=-; done
+for f in "$D"/%(confirm)s/*.sh; do [ ! -e "$f" ] || g=-; done
 printf '%%s G %%s\n' "$T" "${g:--}"
 names=" "
 while [ $# -gt 0 ]; do [ "$1" = -- ] && { shift; break; }; names="$names$1 "; shift; done
@@ -232,7 +233,7 @@ def observe_command(desired: list[str], token: str | None = None,
     Returns (command, token); the token frames the output so no file content can forge it.
     """
     token = token or secrets.token_hex(8)
-    script = _SCRIPT % {"token": token, "state": STATE_DIR, "unit_dir": UNIT_DIR,
+    script = _SCRIPT % {"token": token, "state": STATE_DIR, "confirm": CONFIRM_SUBDIR, "unit_dir": UNIT_DIR,
                         "dropin": ENV_DROPIN, "props": SHOW_PROPS, "dropin_dirs": " ".join(DROPIN_DIRS)}
     args = sorted(desired)
     if secret_files:
