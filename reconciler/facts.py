@@ -75,6 +75,11 @@ LOCK_OWNER = f"{STATE_DIR}/.lock.owner"
 LOCK_COUNT = f"{STATE_DIR}/.lock.count"
 
 
+# The lock's files and the switches' directory, by their names in STATE_DIR (the observation's $D)
+_LOCK_NAMES = {"lock": LOCK.rsplit("/", 1)[1], "owner": LOCK_OWNER.rsplit("/", 1)[1],
+               "count": LOCK_COUNT.rsplit("/", 1)[1], "confirm": CONFIRM_SUBDIR}
+
+
 def count_holder(count: str) -> str:
     """sh that a new holder of the host lock runs first: $g the count as it found it (0 when
     there is none yet), and the file moved on by one. Builtins only, no process. Where the count
@@ -164,8 +169,8 @@ D=%(state)s
 # has the lock (its owner file is there), an armed dead-man's switch may fire at any moment, or
 # the lock was taken but its count is gone (a holder could not write it).
 g=-
-if [ -f "$D/.lock.count" ]; then read -r g < "$D/.lock.count" || :; elif [ ! -e "$D/.lock" ]; then g=0; fi
-[ ! -e "$D/.lock.owner" ] || g=-
+if [ -f "$D/%(count)s" ]; then read -r g < "$D/%(count)s" || :; elif [ ! -e "$D/%(lock)s" ]; then g=0; fi
+[ ! -e "$D/%(owner)s" ] || g=-
 for f in "$D"/%(confirm)s/*.sh; do [ ! -e "$f" ] || g=-; done
 printf '%%s G %%s\n' "$T" "${g:--}"
 names=" "
@@ -233,7 +238,7 @@ def observe_command(desired: list[str], token: str | None = None,
     Returns (command, token); the token frames the output so no file content can forge it.
     """
     token = token or secrets.token_hex(8)
-    script = _SCRIPT % {"token": token, "state": STATE_DIR, "confirm": CONFIRM_SUBDIR, "unit_dir": UNIT_DIR,
+    script = _SCRIPT % {"token": token, "state": STATE_DIR, **_LOCK_NAMES, "unit_dir": UNIT_DIR,
                         "dropin": ENV_DROPIN, "props": SHOW_PROPS, "dropin_dirs": " ".join(DROPIN_DIRS)}
     args = sorted(desired)
     if secret_files:

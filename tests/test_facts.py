@@ -96,7 +96,7 @@ def test_the_observation_reads_files_exactly_with_no_process_per_file(tmp_path):
     (state / "services/m.json").write_text('{"hash": "h"}\n')
     (dropins / "m.service.d").mkdir(parents=True)
     (dropins / "m.service.d/my drop in.conf").write_text("[Service]\nNice=5\n")
-    script = facts._SCRIPT % {"token": "tok", "state": str(state), "confirm": "confirm", "unit_dir": str(units),
+    script = facts._SCRIPT % {"token": "tok", "state": str(state), **facts._LOCK_NAMES, "unit_dir": str(units),
                               "dropin": ENV_DROPIN, "props": "Id", "dropin_dirs": str(dropins)}
     script = script.replace("systemctl show -p Id $units", "printf 'Id=m.service\\n'")
     r = subprocess.run(["sh", "-c", script, "observe", "m", "gone"], capture_output=True, timeout=10)
