@@ -80,13 +80,23 @@ def _print_json(data: object) -> None:
     print(redact.redact(json.dumps(redact.redact_data(data), indent=2)))
 
 
-def _load(repo: str, rev: str | None, path: str, cache_dir: Path | None) -> tuple[Snapshot, DesiredState]:
+def _load(repo: str, rev: str | None, path: str, cache_dir: Path | None,
+          meanwhile: Callable[[], object] | None = None) -> tuple[Snapshot, DesiredState]:
+    """The snapshot and desired state at a revision. `meanwhile` (the run's own imports) runs
+    before this returns: beside the load of a local commit not loaded before (loadcache.load_aside)."""
     from . import loadcache, source
     deferred = source.deferred_snapshot(repo, rev, path)
     if deferred is not None:
         known = loadcache.load_known(deferred, cache_dir)     # a commit loaded before: no git, no loader
+        if known is None and meanwhile is not None:
+            known = loadcache.load_aside(deferred, meanwhile, cache_dir)
+            meanwhile = None
         if known is not None:
+            if meanwhile is not None:
+                meanwhile()
             return deferred, known
+    if meanwhile is not None:
+        meanwhile()
     r = source.open_repo(repo, cache_dir)
     snap = source.snapshot(r, rev, path)
     return snap, loadcache.load(snap, cache_dir)    # a revision loaded before skips TOML and the schema
@@ -168,6 +178,14 @@ def _descends(snap: Snapshot) -> Callable[[str, str], bool | None]:
     return check
 
 
+def _run_imports() -> None:
+    """What a run imports before it reaches a host: its own modules and the SSH stack (done
+    beside a new commit's load, which then overlaps them)."""
+    from . import fleet, preflight, reconcile, report, status  # noqa: F401
+    from .libcache import import_asyncssh
+    import_asyncssh()
+
+
 def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run: bool = False,
              as_json: bool = False, identity: str | None = None, concurrency: int | None = None,
              host: list[str] | None = None, label: list[str] | None = None, retry: bool = False,
@@ -177,19 +195,19 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
     exits with the run's code."""
 
     from . import source
-    from .fleet import reconcile_fleet, select_hosts
-    from .preflight import secret_warnings
-    from .reconcile import ssh_connector
-    from .report import PhaseView, print_result
-    from .status import Store, expect_changes, remember, remember_in_sync
     if notes and source.is_url(repo):
         _fail(f"--notes writes to a local repo; {redact.redact(repo)} is a URL (its local mirror is a cache that "
               f"nobody reads). Run it on a clone and push refs/notes/reconciler")
     where = f"{repo}@{rev or 'HEAD'}"
     try:
-        snap, state = _load(repo, rev, path, cache_dir)
+        snap, state = _load(repo, rev, path, cache_dir, meanwhile=_run_imports)
     except (ConfigError, SourceError) as e:
         _fail_input(e, as_json, where)
+    from .fleet import reconcile_fleet, select_hosts
+    from .preflight import secret_warnings
+    from .reconcile import ssh_connector
+    from .report import PhaseView, print_result
+    from .status import Store, expect_changes, remember, remember_in_sync
     rules = _rules(snap)      # parsed when pre-flight first runs (a change to start); never for a no-change run
     try:
         selected = select_hosts(state, host, label)

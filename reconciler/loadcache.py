@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import os
 import stat
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -109,6 +110,48 @@ def load_known(snap: Snapshot, base: Path | None = None) -> DesiredState | None:
     snap.know_tree(tree)
     _rulesets[key] = kept[1]
     return replace(kept[0], revision=snap.revision)
+
+
+def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | None = None) -> DesiredState | None:
+    """A commit not loaded before, loaded in a forked child while this process runs `meanwhile`
+    (the run's own imports: the SSH stack, the fleet modules); None where that did not happen.
+
+    A first load costs about 0.3 s of CPU (importing pygit2 and pydantic, building the schema,
+    reading and validating the files), and so does `meanwhile`: on a machine with a core to
+    spare they overlap instead of adding up. The child keeps its load in the cache, as `load`
+    does, and exits; this process then reads it from there (`load_known`), so what it gets is
+    what an in-process load would have kept. None (the caller then loads the commit itself, and
+    reports a bad one's problems as ever) when: no fork here (not Linux, or threads running,
+    which a fork would not carry), the child failed (a bad revision: nothing is kept), or the
+    cache could not be written. `meanwhile` has then run all the same.
+    """
+    import threading
+    if sys.platform != "linux" or threading.active_count() != 1:
+        meanwhile()
+        return None
+    pid = os.fork()
+    if pid == 0:                   # the child: load, keep, exit without running the parent's exit handlers
+        code = 1
+        try:
+            load(snap, base)
+            code = 0
+        except BaseException:      # the parent loads again, and reports it
+            pass
+        finally:
+            os._exit(code)
+    reaped = False
+    try:
+        meanwhile()
+        _, status = os.waitpid(pid, 0)
+        reaped = True
+    finally:
+        if not reaped:             # meanwhile failed (or Ctrl-C): the child is not waited for
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        return None
+    return load_known(snap, base)
 
 
 def _key(snap: Snapshot) -> str | None:

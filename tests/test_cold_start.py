@@ -272,3 +272,50 @@ def test_a_new_revision_is_parsed_without_tomlkit_which_still_words_a_syntax_err
         load_desired(MemorySnapshot({"fleet.toml": "concurrency = 1\nconcurrency = 2\n"}))
     said = [(p.file, p.message) for p in e.value.problems]
     assert ("fleet.toml", 'TOML syntax error at line 2, column 0: Key "concurrency" already exists.') in said, said
+
+
+def test_a_new_commit_loads_in_a_child_beside_the_runs_imports(tmp_path):
+    repo = small_repo(tmp_path / "desired")
+    good = repo.commit()
+    cache = tmp_path / "cache"
+    # A fresh process, as a run: the commit was never loaded. The child loads and keeps it while
+    # `meanwhile` runs here; this process reads the kept load and never imports the loader.
+    code = (f"import os, sys\nfrom pathlib import Path\nfrom reconciler import clicore\n"
+            f"ran = []\n"
+            f"def meanwhile():\n    ran.append(os.getpid())\n"
+            f"snap, state = clicore._load({str(repo.path)!r}, None, 'fleet', Path({str(cache)!r}), meanwhile)\n"
+            f"assert ran == [os.getpid()], ran\n"
+            f"assert state.revision == {good!r} and state.hosts['h1'].services['s'].env == {{'A': '1'}}\n"
+            f"try:\n    os.waitpid(-1, os.WNOHANG)\nexcept ChildProcessError:\n    print('NO CHILD LEFT')\n")
+    mods = loaded(code)
+    assert heavy(mods, ("pygit2", "pydantic", "reconciler.load", "reconciler.schema")) == []
+    assert len(list((cache / "desired").glob("*.pickle"))) == 1
+    assert "NO CHILD LEFT" in subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                             cwd=ROOT, timeout=60, check=True).stdout
+    from reconciler.load import load_desired
+    snap = source.snapshot(source.open_repo(str(repo.path)), good, "fleet")
+    assert loadcache.load(snap, cache) == load_desired(snap)
+
+    # A bad commit: the child keeps nothing, and this process loads it itself, reporting its
+    # problems as a run without the child does (meanwhile ran once all the same).
+    repo.write("fleet/hosts/h1.toml", 'address = "127.0.0.5"\n[services.s]\nunit_file = 5\n')
+    repo.commit()
+    bad = (f"import os\nfrom pathlib import Path\nfrom reconciler import clicore\nfrom reconciler.errors import "
+           f"ConfigError\nran = []\n"
+           f"try:\n    clicore._load({str(repo.path)!r}, None, 'fleet', Path({str(cache)!r}), lambda: ran.append(1))\n"
+           f"except ConfigError as e:\n    print('RAN', len(ran), [(p.file, p.key) for p in e.problems])\n")
+    out = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         check=True).stdout
+    assert "RAN 1 [('hosts/h1.toml', 'services.s.unit_file')]" in out, out
+    assert len(list((cache / "desired").glob("*.pickle"))) == 1
+
+    # meanwhile fails (an import error, Ctrl-C): it propagates, and the child is not left behind.
+    write_host(repo, "3")
+    repo.commit()
+    fails = (f"import os\nfrom pathlib import Path\nfrom reconciler import clicore\n"
+             f"def meanwhile():\n    raise KeyboardInterrupt\n"
+             f"try:\n    clicore._load({str(repo.path)!r}, None, 'fleet', Path({str(cache)!r}), meanwhile)\n"
+             f"except KeyboardInterrupt:\n    pass\n"
+             f"try:\n    os.waitpid(-1, os.WNOHANG)\nexcept ChildProcessError:\n    print('NO CHILD LEFT')\n")
+    assert "NO CHILD LEFT" in subprocess.run([sys.executable, "-c", fails], capture_output=True, text=True,
+                                             cwd=ROOT, timeout=60, check=True).stdout
