@@ -56,6 +56,14 @@ def test_importing_the_cli_loads_no_ssh_web_schema_or_ui():
     assert heavy(mods, OURS) == []
 
 
+def test_a_run_imports_no_toml_parser_to_judge_secrets():
+    # What every run does before it connects (clicore.converge: the secret warnings, the run's
+    # modules) parses no TOML: the parser is imported where a secret-looking value is traced.
+    mods = loaded("from reconciler import clicore\nclicore._run_imports()\n"
+                  "from reconciler.preflight import secret_warnings  # noqa: F401")
+    assert heavy(mods, ("tomllib", "tomlkit", "pydantic", "pygit2", "reconciler.load")) == []
+
+
 def test_the_hooks_entry_point_is_lighter_still():
     mods = loaded("import reconciler.hooks")
     assert heavy(mods) == []

@@ -21,7 +21,6 @@ a definition is named in the host file.
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,6 +50,7 @@ class _Origins:
         self.parsed: dict[str, Mapping[str, Any]] = {}
 
     def _table(self, path: str) -> Mapping[str, Any]:
+        import tomllib  # here: only a secret-looking value is traced to its file
         if path not in self.parsed:
             data = self.read(path) if self.read is not None else None
             try:
