@@ -318,8 +318,9 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
                 ok = True
             if ok and first_ok is None:
                 first_ok = now
-                phase = f"healthy, stable for {health.stable_for:.0f}s?"
-                report(phase)
+                if health.stable_for > 0:      # with none to wait, "healthy" comes next
+                    phase = f"healthy, checking it stays stable for {health.stable_for:g}s"
+                    report(phase)
             elif not ok and first_ok is not None:
                 got = status if status is not None else body
                 return await fail("Unstable", f"{health.http} failed ({got}) {now - first_ok:.1f}s after "

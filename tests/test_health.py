@@ -216,3 +216,19 @@ def test_a_newer_revision_ends_every_shared_watch_at_once():
         return out, time.monotonic() - t0, len(t.shows)
     out, took, shows = asyncio.run(main())
     assert [o.reason for o in out] == ["Superseded", "Superseded"] and took < 0.5 and shows == 1
+
+
+@pytest.mark.parametrize("stable_for,phases", [
+    (0.3, ["starting", "healthy, checking it stays stable for 0.3s", "healthy"]),
+    (0, ["starting", "healthy"]),       # no window to wait out: no phase that asks for one
+])
+def test_the_phases_a_watch_reports(stable_for, phases):
+    seen: list[str] = []
+
+    async def main():
+        t = ScriptedHost({"a": [RUNNING]})
+        return await watch_service(t, "a", HealthSpec(stable_for=stable_for, startup_timeout=5), baseline_restarts=0,
+                                   since_epoch=0, baseline_invocation="old", systemd_poll=POLL,
+                                   on_phase=lambda _n, p, _e, _t: seen.append(p))
+    assert asyncio.run(main()).reason == "Healthy"
+    assert seen == phases
