@@ -21,6 +21,10 @@ bytes from the repo, never decrypted).
 Beside the entries, a small file per commit names the tree it was loaded from
 (`<commit>-<path hash>-<fingerprint>.key`): a run at a commit loaded before (`load_known`, with
 source.deferred_snapshot's HEAD read from git's ref files) needs neither the loader nor git.
+
+A run at a local commit not loaded before has it loaded by a forked child, which keeps it here,
+while the run itself imports what it needs to reach the hosts (`load_aside`): the two halves of
+a cold start overlap on a machine with a second core.
 """
 
 from __future__ import annotations
