@@ -317,6 +317,18 @@ def test_a_new_commit_loads_in_a_child_beside_the_runs_imports(tmp_path):
     assert "RAN 1 [('hosts/h1.toml', 'services.s.unit_file')]" in out, out
     assert len(list((cache / "desired").glob("*.pickle"))) == 1
 
+    # With a thread running (which a fork would not carry), nothing forks: meanwhile runs, and
+    # this process loads the commit itself.
+    write_host(repo, "2")
+    two = repo.commit()
+    threaded = (f"import os, sys, threading\nfrom pathlib import Path\nfrom reconciler import clicore\n"
+                f"stop = threading.Event()\nthreading.Thread(target=stop.wait, daemon=True).start()\n"
+                f"ran = []\n"
+                f"snap, state = clicore._load({str(repo.path)!r}, None, 'fleet', Path({str(cache)!r}), "
+                f"lambda: ran.append(1))\n"
+                f"assert ran == [1] and state.revision == {two!r}, (ran, state.revision)\nstop.set()\n")
+    assert "reconciler.load" in loaded(threaded)
+
     # meanwhile fails (an import error, Ctrl-C): it propagates, and the child is not left behind.
     write_host(repo, "3")
     repo.commit()
