@@ -81,15 +81,17 @@ def _print_json(data: object) -> None:
 
 
 def _load(repo: str, rev: str | None, path: str, cache_dir: Path | None,
-          meanwhile: Callable[[], object] | None = None) -> tuple[Snapshot, DesiredState]:
+          meanwhile: Callable[[], object] | None = None,
+          spare: Callable[[], object] | None = None) -> tuple[Snapshot, DesiredState]:
     """The snapshot and desired state at a revision. `meanwhile` (the run's own imports) runs
-    before this returns: beside the load of a local commit not loaded before (loadcache.load_aside)."""
+    before this returns: beside the load of a local commit not loaded before (loadcache.load_aside),
+    followed there by `spare` where that load is still going."""
     from . import loadcache, source
     deferred = source.deferred_snapshot(repo, rev, path)
     if deferred is not None:
         known = loadcache.load_known(deferred, cache_dir)     # a commit loaded before: no git, no loader
         if known is None and meanwhile is not None:
-            known = loadcache.load_aside(deferred, meanwhile, cache_dir)
+            known = loadcache.load_aside(deferred, meanwhile, cache_dir, spare=spare)
             meanwhile = None
         if known is not None:
             if meanwhile is not None:
@@ -186,6 +188,11 @@ def _run_imports() -> None:
     import_asyncssh()
 
 
+def _deploy_imports() -> None:
+    """What a run imports once it deploys: the pre-flight stack (a new commit mostly deploys)."""
+    from . import gate  # noqa: F401
+
+
 def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run: bool = False,
              as_json: bool = False, identity: str | None = None, concurrency: int | None = None,
              host: list[str] | None = None, label: list[str] | None = None, retry: bool = False,
@@ -200,7 +207,7 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
               f"nobody reads). Run it on a clone and push refs/notes/reconciler")
     where = f"{repo}@{rev or 'HEAD'}"
     try:
-        snap, state = _load(repo, rev, path, cache_dir, meanwhile=_run_imports)
+        snap, state = _load(repo, rev, path, cache_dir, meanwhile=_run_imports, spare=_deploy_imports)
     except (ConfigError, SourceError) as e:
         _fail_input(e, as_json, where)
     from .fleet import reconcile_fleet, select_hosts

@@ -116,7 +116,8 @@ def load_known(snap: Snapshot, base: Path | None = None) -> DesiredState | None:
     return replace(kept[0], revision=snap.revision)
 
 
-def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | None = None) -> DesiredState | None:
+def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | None = None, *,
+               spare: Callable[[], object] | None = None) -> DesiredState | None:
     """A commit not loaded before, loaded in a forked child while this process runs `meanwhile`
     (the run's own imports: the SSH stack, the fleet modules); None where that did not happen.
 
@@ -128,6 +129,9 @@ def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | Non
     reports a bad one's problems as ever) when: no fork here (not Linux, or threads running,
     which a fork would not carry), the child failed (a bad revision: nothing is kept), or the
     cache could not be written. `meanwhile` has then run all the same.
+
+    `spare` (what a run that deploys needs later) runs after `meanwhile` only where the child is
+    still loading: this process would otherwise wait on it idle.
     """
     import threading
     if sys.platform != "linux" or threading.active_count() != 1:
@@ -146,7 +150,11 @@ def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | Non
     reaped = False
     try:
         meanwhile()
-        _, status = os.waitpid(pid, 0)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done == 0:
+            if spare is not None:
+                spare()
+            _, status = os.waitpid(pid, 0)
         reaped = True
     finally:
         if not reaped:             # meanwhile failed (or Ctrl-C): the child is not waited for

@@ -339,3 +339,30 @@ def test_a_new_commit_loads_in_a_child_beside_the_runs_imports(tmp_path):
              f"try:\n    os.waitpid(-1, os.WNOHANG)\nexcept ChildProcessError:\n    print('NO CHILD LEFT')\n")
     assert "NO CHILD LEFT" in subprocess.run([sys.executable, "-c", fails], capture_output=True, text=True,
                                              cwd=ROOT, timeout=60, check=True).stdout
+
+
+def test_spare_work_fills_only_a_wait_for_the_loading_child(tmp_path):
+    repo = small_repo(tmp_path / "desired")
+    cache = tmp_path / "cache"
+    exited = ("import os, time\n"
+              "def child_exited():    # every child of this process a zombie: exited, not yet reaped\n"
+              "    kids = [k for t in os.listdir('/proc/self/task')\n"
+              "            for k in open(f'/proc/self/task/{t}/children').read().split()]\n"
+              "    return all(open(f'/proc/{k}/stat').read().rsplit(')', 1)[1].split()[0] == 'Z' for k in kids)\n"
+              "def wait_child():\n    while not child_exited():\n        time.sleep(0.01)\n")
+
+    def spared(meanwhile: str) -> str:
+        write_host(repo, meanwhile)
+        repo.commit()            # a commit not loaded before: its load goes to a child
+        code = (f"{exited}from pathlib import Path\nfrom reconciler import clicore\nspared = []\n"
+                f"snap, state = clicore._load({str(repo.path)!r}, None, 'fleet', Path({str(cache)!r}), "
+                f"{meanwhile}, lambda: spared.append(1))\n"
+                f"print('SPARED', len(spared), state.hosts['h1'].services['s'].env['A'])\n")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                              check=True).stdout
+
+    # meanwhile done at once: the child is still loading (importing pygit2 and pydantic), and
+    # this process does the spare work rather than wait for it idle.
+    assert "SPARED 1 lambda: None" in spared("lambda: None")
+    # meanwhile outlasted the child: nothing to fill, the spare work is left to the run.
+    assert "SPARED 0 wait_child" in spared("wait_child")
