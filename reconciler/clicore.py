@@ -88,17 +88,15 @@ def _load(repo: str, rev: str | None, path: str, cache_dir: Path | None,
     followed there by `spare` where that load is still going."""
     from . import loadcache, source
     deferred = source.deferred_snapshot(repo, rev, path)
+    known = None
     if deferred is not None:
         known = loadcache.load_known(deferred, cache_dir)     # a commit loaded before: no git, no loader
-        if known is None and meanwhile is not None:
-            known = loadcache.load_aside(deferred, meanwhile, cache_dir, spare=spare)
-            meanwhile = None
-        if known is not None:
-            if meanwhile is not None:
-                meanwhile()
-            return deferred, known
+        if known is None and meanwhile is not None:           # runs meanwhile beside its child
+            known, meanwhile = loadcache.load_aside(deferred, meanwhile, cache_dir, spare=spare), None
     if meanwhile is not None:
         meanwhile()
+    if deferred is not None and known is not None:
+        return deferred, known
     r = source.open_repo(repo, cache_dir)
     snap = source.snapshot(r, rev, path)
     return snap, loadcache.load(snap, cache_dir)    # a revision loaded before skips TOML and the schema

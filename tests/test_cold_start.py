@@ -46,6 +46,16 @@ def loaded(code: str, env: dict[str, str] | None = None) -> set[str]:
     return set(json.loads(line[2:]))
 
 
+def printed(code: str) -> str:
+    """What `code` prints in a fresh interpreter (it must exit 0)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          check=True).stdout
+
+
+# Appended to a probe: prints NO CHILD LEFT where the process has no child, waited for or not.
+NO_CHILD = "import os\ntry:\n    os.waitpid(-1, os.WNOHANG)\nexcept ChildProcessError:\n    print('NO CHILD LEFT')\n"
+
+
 def heavy(mods: set[str], names: tuple[str, ...] = HEAVY) -> list[str]:
     return sorted(n for n in names if n in mods)
 
@@ -294,12 +304,11 @@ def test_a_new_commit_loads_in_a_child_beside_the_runs_imports(tmp_path):
             f"snap, state = clicore._load({str(repo.path)!r}, None, 'fleet', Path({str(cache)!r}), meanwhile)\n"
             f"assert ran == [os.getpid()], ran\n"
             f"assert state.revision == {good!r} and state.hosts['h1'].services['s'].env == {{'A': '1'}}\n"
-            f"try:\n    os.waitpid(-1, os.WNOHANG)\nexcept ChildProcessError:\n    print('NO CHILD LEFT')\n")
+            + NO_CHILD)
     mods = loaded(code)
     assert heavy(mods, ("pygit2", "pydantic", "reconciler.load", "reconciler.schema")) == []
     assert len(list((cache / "desired").glob("*.pickle"))) == 1
-    assert "NO CHILD LEFT" in subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                             cwd=ROOT, timeout=60, check=True).stdout
+    assert "NO CHILD LEFT" in printed(code)
     from reconciler.load import load_desired
     snap = source.snapshot(source.open_repo(str(repo.path)), good, "fleet")
     assert loadcache.load(snap, cache) == load_desired(snap)
@@ -312,8 +321,7 @@ def test_a_new_commit_loads_in_a_child_beside_the_runs_imports(tmp_path):
            f"ConfigError\nran = []\n"
            f"try:\n    clicore._load({str(repo.path)!r}, None, 'fleet', Path({str(cache)!r}), lambda: ran.append(1))\n"
            f"except ConfigError as e:\n    print('RAN', len(ran), [(p.file, p.key) for p in e.problems])\n")
-    out = subprocess.run([sys.executable, "-c", bad], capture_output=True, text=True, cwd=ROOT, timeout=60,
-                         check=True).stdout
+    out = printed(bad)
     assert "RAN 1 [('hosts/h1.toml', 'services.s.unit_file')]" in out, out
     assert len(list((cache / "desired").glob("*.pickle"))) == 1
 
@@ -335,10 +343,8 @@ def test_a_new_commit_loads_in_a_child_beside_the_runs_imports(tmp_path):
     fails = (f"import os\nfrom pathlib import Path\nfrom reconciler import clicore\n"
              f"def meanwhile():\n    raise KeyboardInterrupt\n"
              f"try:\n    clicore._load({str(repo.path)!r}, None, 'fleet', Path({str(cache)!r}), meanwhile)\n"
-             f"except KeyboardInterrupt:\n    pass\n"
-             f"try:\n    os.waitpid(-1, os.WNOHANG)\nexcept ChildProcessError:\n    print('NO CHILD LEFT')\n")
-    assert "NO CHILD LEFT" in subprocess.run([sys.executable, "-c", fails], capture_output=True, text=True,
-                                             cwd=ROOT, timeout=60, check=True).stdout
+             f"except KeyboardInterrupt:\n    pass\n" + NO_CHILD)
+    assert "NO CHILD LEFT" in printed(fails)
 
 
 def test_spare_work_fills_only_a_wait_for_the_loading_child(tmp_path):
@@ -358,8 +364,7 @@ def test_spare_work_fills_only_a_wait_for_the_loading_child(tmp_path):
                 f"snap, state = clicore._load({str(repo.path)!r}, None, 'fleet', Path({str(cache)!r}), "
                 f"{meanwhile}, lambda: spared.append(1))\n"
                 f"print('SPARED', len(spared), state.hosts['h1'].services['s'].env['A'])\n")
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
-                              check=True).stdout
+        return printed(code)
 
     # meanwhile done at once: the child is still loading (importing pygit2 and pydantic), and
     # this process does the spare work rather than wait for it idle.
