@@ -85,13 +85,17 @@ class HostSession:
         self.busy = False
         self.broken = False
         self._ready = False
+        # A frame's token is this session's, then the command's own: the ends are looked for
+        # by the session's part, the same text for every command (asyncssh compiles a reader's
+        # separator to a regex per call, and Python keeps the ones it compiled last).
+        self._prefix = secrets.token_hex(8) + ":"
 
     def takes(self, cmd: str, input: str | None) -> bool:
         """Whether this command can go through the session now (bash reads no NUL byte)."""
         return not (self.busy or self.broken or "\0" in cmd or (input is not None and "\0" in input))
 
     async def run(self, cmd: str, *, input: str | None, timeout: float | None, what: str) -> Completed:
-        tok = secrets.token_hex(8)
+        tok = self._prefix + secrets.token_hex(8)
         size = len(cmd.encode())
         more = "-" if input is None else str(len(input.encode()))
         self.busy = True
@@ -124,10 +128,20 @@ class HostSession:
         if not self._ready:             # whatever the holder wrote to stderr before its loop
             await self.proc.readuntil(f"{READY}\n", stderr=True)
             self._ready = True
-        out, err = await asyncio.gather(self.proc.readuntil(f"\n{END}{tok} "),
-                                        self.proc.readuntil(f"\n{END}{tok}\n", stderr=True))
-        out += await self.proc.readuntil("\n")
+        own = tok[len(self._prefix):]
+        out, err = await asyncio.gather(self._until(f"{own} "), self._until(f"{own}\n", stderr=True))
         return out, err[: -len(f"\n{END}{tok}\n")]
+
+    async def _until(self, own: str, *, stderr: bool = False) -> str:
+        """The stream up to and including the frame's end line: `@@end:`, the session's part of
+        the token, then `own` (the command's part, and what follows it up to the line end: on
+        stdout the exit status). An end line with another token is output like any other."""
+        got = ""
+        while True:
+            got += await self.proc.readuntil(f"\n{END}{self._prefix}", stderr=stderr)
+            got += (line := await self.proc.readuntil("\n", stderr=stderr))
+            if line.startswith(own):
+                return got
 
     def _abandon(self) -> None:
         """Kill the running command; its output may still come, so the session is done."""

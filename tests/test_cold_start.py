@@ -74,6 +74,16 @@ def test_a_run_imports_no_toml_parser_to_judge_secrets():
     assert heavy(mods, ("tomllib", "tomlkit", "pydantic", "pygit2", "reconciler.load")) == []
 
 
+def test_a_deploy_judges_plain_rules_without_a_toml_parser_or_packaging():
+    # The rule pack comes compiled from the load (reconciler/loadcache.py): judging it against a
+    # plain server version parses no TOML and compiles none of packaging's specifiers.
+    mods = loaded("from reconciler import clicore\nclicore._run_imports()\nclicore._deploy_imports()\n"
+                  "from reconciler.preflight._compiled import Rule\n"
+                  "assert Rule(id='r', server='sglang', message='', fix='', source='',\n"
+                  "            versions='>=0.5.10,<0.5.14').covers('0.5.12')")
+    assert heavy(mods, ("tomllib", "importlib.resources", "packaging.specifiers", "packaging.version")) == []
+
+
 def test_the_hooks_entry_point_is_lighter_still():
     mods = loaded("import reconciler.hooks")
     assert heavy(mods) == []

@@ -119,6 +119,32 @@ def test_commands_keep_their_output_stderr_and_status(locked: Path) -> None:
     asyncio.run(go())
 
 
+def test_an_end_line_of_another_command_is_output_and_every_command_reads_the_same_separators(
+        locked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ends are found by the session's part of the token (one separator text for all its
+    commands, so asyncssh's per-call regex is compiled once); a line that carries the session's
+    part but another command's is output like any other line."""
+    seps: list[str] = []
+    real = _Piped.readuntil
+
+    async def counted(self: _Piped, separator: str, *, stderr: bool = False) -> str:
+        seps.append(separator)
+        return await real(self, separator, stderr=stderr)
+    monkeypatch.setattr(_Piped, "readuntil", counted)
+
+    async def go() -> None:
+        _, held, t = await _session()
+        session = t.session                     # type: ignore[attr-defined]
+        fake = f"@@end:{session._prefix}0000000000000000"
+        r = await t.run(f"printf 'a\\n{fake} 0\\nb\\n'; printf 'c\\n{fake}\\nd\\n' >&2; exit 4")
+        assert (r.exit_status, r.stdout, r.stderr) == (4, f"a\n{fake} 0\nb\n", f"c\n{fake}\nd\n")
+        seps.clear()
+        for _ in range(3):
+            assert (await t.run("echo x")).stdout == "x\n"
+        assert len(set(seps)) == 2 and len(seps) == 3 * 4   # stdout and stderr: the end line, then "\n"
+        await held.release()
+    asyncio.run(go())
+
 
 def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(locked: Path,
                                                                                 tmp_path: Path) -> None:

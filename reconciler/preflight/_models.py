@@ -72,10 +72,17 @@ def _recurrent_layers(config: Mapping[str, Any]) -> str | None:
     return None
 
 
+_WILDCARDS = frozenset("*?[")      # what makes an fnmatch pattern more than a name
+
+
 def glob_any(value: str, patterns: Iterable[str]) -> str | None:
+    """The first pattern (fnmatch, any case) the value matches. A pattern with no wildcard is
+    compared as it is: most of the rule pack's names are plain, and fnmatch compiles each
+    pattern to a regex the first time a process meets it."""
     low = value.lower()
     for p in patterns:
-        if fnmatch.fnmatchcase(low, p.lower()):
+        pat = p.lower()
+        if (low == pat) if _WILDCARDS.isdisjoint(pat) else fnmatch.fnmatchcase(low, pat):
             return p
     return None
 

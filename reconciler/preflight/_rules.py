@@ -7,10 +7,7 @@ built-in). A declarative rule against one service gives a `Finding` or None (`ev
 
 from __future__ import annotations
 
-import difflib
-import importlib.resources
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -77,6 +74,8 @@ class RuleSet:
 def parse_rule_file(data: bytes, file: str) -> CompiledFile:
     """Parse and validate one rule file (the pydantic schema, loaded here and only here), and
     compile it; raise ConfigError with file and key on any problem."""
+    import tomllib
+
     from pydantic import ValidationError
 
     from ._schema import RuleFile
@@ -95,6 +94,7 @@ def parse_rule_file(data: bytes, file: str) -> CompiledFile:
 
 
 def _package_files() -> list[tuple[str, bytes]]:
+    import importlib.resources  # only a load reads the rule pack (a run gets it compiled)
     root = importlib.resources.files("reconciler").joinpath(RULES_DIR)
     out = []
     for entry in sorted(root.iterdir(), key=lambda p: p.name):
@@ -158,6 +158,7 @@ def load_rules(snap: SnapshotLike | None = None) -> RuleSet:
     known = set(rules) | set(BUILTIN_RULES) | shipped
     for rid, file in disabled.items():
         if rid not in known:
+            import difflib
             close = difflib.get_close_matches(rid, sorted(known), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             problems.append(Problem(file, "disable", f"unknown rule id {rid!r}{hint}"))
