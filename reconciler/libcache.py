@@ -71,9 +71,25 @@ def remembered(path: Path | None = None) -> Iterator[None]:
                 os.replace(tmp, path)
 
 
+X509 = "asyncssh.crypto.x509"
+
+
 def import_asyncssh() -> None:
-    """Import asyncssh (once per process) with find_library's answers remembered."""
+    """Import asyncssh (once per process) with find_library's answers remembered.
+
+    asyncssh's X.509 certificate support is optional and needs pyOpenSSL. Where pyOpenSSL is
+    missing, its module imports cryptography.x509 (20-40 ms) before it fails on `from OpenSSL
+    import crypto`, and asyncssh goes on without it. There the module is not tried at all:
+    asyncssh meets the same ImportError at once, and goes on exactly as it would have."""
     if "asyncssh" in sys.modules:
         return
-    with remembered():
-        import asyncssh  # noqa: F401
+    import importlib.util
+    skip = X509 not in sys.modules and importlib.util.find_spec("OpenSSL") is None
+    if skip:
+        sys.modules[X509] = None        # type: ignore[assignment]  # import says: not available
+    try:
+        with remembered():
+            import asyncssh  # noqa: F401
+    finally:
+        if skip and sys.modules.get(X509, 0) is None:
+            del sys.modules[X509]

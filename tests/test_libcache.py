@@ -64,3 +64,29 @@ def test_an_unreadable_cache_asks_ctypes(asked: list[str], tmp_path: Path) -> No
     cache.write_text('{"key": 1, "libs": []}')
     _lookup(cache)
     assert len(asked) == 6
+
+
+def _asyncssh_in_fresh_process(code: str, tmp_path: Path) -> list[object]:
+    import json
+    import subprocess
+    import sys
+    probe = (f"import sys, json\n{code}\nimport asyncssh\n"
+             "print(json.dumps([asyncssh.public_key._x509_available, 'cryptography.x509' in sys.modules,\n"
+             "                  sys.modules.get('asyncssh.crypto.x509', 0) is None]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True,
+                         env={**os.environ, "RECONCILER_CACHE_DIR": str(tmp_path)}).stdout
+    return list(json.loads(out))
+
+
+def test_asyncssh_without_pyopenssl_never_tries_its_x509_module(tmp_path: Path) -> None:
+    # asyncssh's X.509 support needs pyOpenSSL: without it, its module imported cryptography.x509
+    # (20-40 ms) and then failed. import_asyncssh skips the attempt; asyncssh ends up the same.
+    import importlib.util
+    plain = _asyncssh_in_fresh_process("", tmp_path)
+    ours = _asyncssh_in_fresh_process("from reconciler.libcache import import_asyncssh\nimport_asyncssh()", tmp_path)
+    assert ours[0] == plain[0]                  # X.509 available or not, as asyncssh decides
+    assert ours[2] is False                     # and nothing is left blocked after the import
+    if importlib.util.find_spec("OpenSSL") is None:
+        assert (plain[0], plain[1], ours[1]) == (False, True, False)
+    else:
+        assert ours[1] == plain[1]
