@@ -9,6 +9,7 @@ run's start).
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -87,8 +88,8 @@ def _release(text: str) -> tuple[int, ...] | None:
     return tuple(int(p) for p in parts)
 
 
-_ORDER = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b, "==": lambda a, b: a == b,
-          "!=": lambda a, b: a != b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
+_ORDER = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operator.ne, "<": operator.lt,
+          ">": operator.gt}
 
 
 def plain_covers(versions: str, version: str) -> bool | None:
