@@ -168,10 +168,12 @@ def guarded(run: Callable[[], object]) -> None:
         sys.exit(1)
 
 
-def _descends(snap: Snapshot) -> Callable[[str, str], bool | None]:
-    """trust.descends on the snapshot's repository, opened (with pygit2) when first asked."""
+def _descends(snap: Snapshot, cache_dir: Path | None = None) -> Callable[[str, str], bool | None]:
+    """trust.descends on the snapshot's repository, opened (with pygit2) when first asked: where
+    the load cache's note of the commit's ancestors does not already list the applied revision."""
     def check(target: str, applied: str) -> bool | None:
-        if target == applied:
+        from .loadcache import descends_known
+        if target == applied or descends_known(target, applied, cache_dir):
             return True
         from .trust import descends
         return descends(snap.repo)(target, applied)
@@ -230,7 +232,7 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
         result = run_async(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
                                              concurrency=concurrency, hosts=selected,
                                              render_at=render, retry=retry, on_phase=view,
-                                             rules=rules, lock_wait=lock_wait, descends=_descends(snap),
+                                             rules=rules, lock_wait=lock_wait, descends=_descends(snap, cache_dir),
                                              allow_rewind=allow_rewind, expect_changes=expect))
     if store is not None:
         remember(store, result)

@@ -381,3 +381,49 @@ def test_spare_work_fills_only_a_wait_for_the_loading_child(tmp_path):
     assert "SPARED 1 lambda: None" in spared("lambda: None")
     # meanwhile outlasted the child: nothing to fill, the spare work is left to the run.
     assert "SPARED 0 wait_child" in spared("wait_child")
+
+
+def test_the_rewind_check_of_a_new_commit_asks_no_git_where_its_load_noted_the_ancestors(tmp_path, monkeypatch):
+    repo = small_repo(tmp_path / "desired")
+    applied = repo.commit()                     # what the host runs
+    write_host(repo, "2")
+    middle = repo.commit()
+    write_host(repo, "3")
+    new = repo.commit()                         # what the run deploys: never loaded before
+    cache = tmp_path / "cache"
+    # A fresh process, as a run: the child loads the new commit and notes its ancestors; the
+    # rewind check over the host's applied revision is then answered without pygit2.
+    code = (f"from pathlib import Path\nfrom reconciler import clicore\n"
+            f"snap, state = clicore._load({str(repo.path)!r}, None, 'fleet', Path({str(cache)!r}), lambda: None)\n"
+            f"check = clicore._descends(snap, Path({str(cache)!r}))\n"
+            f"print('DESCENDS', check({new!r}, {applied!r}), check({new!r}, {middle!r}))\n")
+    assert "DESCENDS True True" in printed(code)
+    assert heavy(loaded(code), ("pygit2", "pydantic")) == []
+    note = cache / "desired" / f"{new}.ancestors"
+    assert note.read_text().split() == [middle, applied] and note.stat().st_mode & 0o777 == 0o600
+
+    # What the note does not say is asked of git, with git's answers: a revision that is not an
+    # ancestor (a rewind), one that is not in the repository at all.
+    later = (f"from pathlib import Path\nfrom reconciler import clicore, source\n"
+             f"snap = source.deferred_snapshot({str(repo.path)!r}, None, 'fleet')\n"
+             f"check = clicore._descends(snap, Path({str(cache)!r}))\n"
+             f"print('ASKED', check({applied!r}, {new!r}), check({new!r}, {'f' * 40!r}))\n")
+    assert "ASKED False None" in printed(later)
+    assert "pygit2" in loaded(later)
+
+    # A note someone else could have written is not believed; nor a note of a commit that
+    # does not list the applied revision (it lists only the newest ANCESTORS): git answers.
+    note.chmod(0o666)
+    assert not loadcache.descends_known(new, applied, cache)
+    note.chmod(0o600)
+    assert loadcache.descends_known(new, applied, cache)
+    assert not loadcache.descends_known(new, new, cache) and not loadcache.descends_known(new, "HEAD", cache)
+    monkeypatch.setattr(loadcache, "ANCESTORS", 1)
+    write_host(repo, "4")
+    newest = repo.commit()
+    loadcache.load(source.snapshot(source.open_repo(str(repo.path)), newest, "fleet"), cache)
+    assert (cache / "desired" / f"{newest}.ancestors").read_text().split() == [new]
+    assert not loadcache.descends_known(newest, applied, cache)
+    snap = source.snapshot(source.open_repo(str(repo.path)), newest, "fleet")
+    from reconciler import clicore
+    assert clicore._descends(snap, cache)(newest, applied) is True
