@@ -194,6 +194,7 @@ def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | Non
     if pid == 0:                   # the child: load, keep, exit without running the parent's exit handlers
         code = 1
         try:
+            _without_pydantic_plugins()
             load(snap, base)
             code = 0
         except BaseException:      # the parent loads again, and reports it
@@ -217,6 +218,21 @@ def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | Non
     if os.waitstatus_to_exitcode(status) != 0:
         return None
     return load_known(snap, base)
+
+
+def _without_pydantic_plugins() -> None:
+    """In the loading child only: pydantic without its plugin loader. That module imports
+    importlib.metadata and scans every installed distribution's entry points for plugins (about
+    25 ms of the child, which a new commit's run waits for), and a load, whose result is plain
+    dataclasses, has no use for plugins. PYDANTIC_DISABLE_PLUGINS is pydantic's own switch; the
+    loader module in its place is not, so where a pydantic release imports something else from
+    it, the child fails and the run loads the commit itself, as without the fork."""
+    import types
+    os.environ["PYDANTIC_DISABLE_PLUGINS"] = "__all__"
+    if "pydantic.plugin._loader" not in sys.modules:
+        loader = types.ModuleType("pydantic.plugin._loader")
+        loader.get_plugins = lambda: ()        # type: ignore[attr-defined]
+        sys.modules["pydantic.plugin._loader"] = loader
 
 
 def _key(snap: Snapshot) -> str | None:

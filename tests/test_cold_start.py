@@ -427,3 +427,17 @@ def test_the_rewind_check_of_a_new_commit_asks_no_git_where_its_load_noted_the_a
     snap = source.snapshot(source.open_repo(str(repo.path)), newest, "fleet")
     from reconciler import clicore
     assert clicore._descends(snap, cache)(newest, applied) is True
+
+
+def test_the_loading_child_builds_the_schema_without_pydantics_plugin_scan(tmp_path):
+    repo = small_repo(tmp_path / "desired")
+    rev = repo.commit()
+    # What the forked child runs before loading: pydantic then never imports importlib.metadata
+    # nor scans entry points, and the load is the same.
+    code = (f"import sys\nfrom reconciler import loadcache, source\nloadcache._without_pydantic_plugins()\n"
+            f"from reconciler.load import load_desired\n"
+            f"state = load_desired(source.snapshot(source.open_repo({str(repo.path)!r}), {rev!r}, 'fleet'))\n"
+            f"print('ENV', state.hosts['h1'].services['s'].env)\n")
+    assert "ENV {'A': '1'}" in printed(code)
+    mods = loaded(code)
+    assert "pydantic" in mods and "importlib.metadata" not in mods
