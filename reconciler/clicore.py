@@ -18,11 +18,13 @@ from . import redact
 from .errors import ConfigError, SourceError
 
 if TYPE_CHECKING:
+    import asyncio
     from collections.abc import Callable
 
     from rich.console import Console
 
     from .preflight import RuleSet
+    from .reconcile import EarlyConnections
     from .source import Snapshot
     from .spec import DesiredState
 
@@ -30,18 +32,84 @@ if TYPE_CHECKING:
 _T = TypeVar("_T")
 
 
-def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
-    """asyncio.run(coro), with the coroutine's result kept out of the main task. asyncio.run's
-    SIGINT handler holds that task, and putting the default handler back at the end has the
-    signal module format the handler it replaces, task and result included: the repr of a whole
-    fleet's result, twice (about 8 ms at 30 hosts, and it grows with the fleet)."""
+def run_async(coro: Coroutine[Any, Any, _T], runner: asyncio.Runner | None = None) -> _T:
+    """asyncio.run(coro) (or runner.run: a loop started before, _Early's), with the coroutine's
+    result kept out of the main task. asyncio.run's SIGINT handler holds that task, and putting
+    the default handler back at the end has the signal module format the handler it replaces,
+    task and result included: the repr of a whole fleet's result, twice (about 8 ms at 30 hosts,
+    and it grows with the fleet)."""
     import asyncio
     box: list[_T] = []
 
     async def main() -> None:
         box.append(await coro)
-    asyncio.run(main())
+    if runner is not None:
+        runner.run(main())
+    else:
+        asyncio.run(main())
     return box[0]
+
+
+class _Early:
+    """The run's event loop, started while a new commit still loads in its child (after the
+    run's own imports), to connect meanwhile to the hosts of the state this repo loaded last
+    (reconcile.EarlyConnections): a new commit mostly keeps its hosts. The run then goes on in
+    the same loop, its connector taking those connections. Not with --host or --label (which
+    hosts they select is known only from the new commit), nor where the last state is not kept."""
+
+    def __init__(self, repo: str, path: str, cache_dir: Path | None, identity: str | None,
+                 concurrency: int | None, selecting: bool):
+        self.repo, self.path, self.cache_dir, self.identity = repo, path, cache_dir, identity
+        self.concurrency, self.selecting = concurrency, selecting
+        self.runner: asyncio.Runner | None = None
+        self.pool: EarlyConnections | None = None
+
+    def wait(self, pid: int) -> None:
+        """Connect until the child `pid` exits (loadcache.load_aside's wait); it is not reaped."""
+        from . import loadcache
+        last = None if self.selecting else loadcache.last_loaded(self.repo, self.path, self.cache_dir)
+        if last is None or not last.hosts:
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return
+        import asyncio
+
+        from .reconcile import EarlyConnections
+        from .rollout import natural_key
+        ordered = [h for _, h in sorted(last.hosts.items(), key=lambda kv: natural_key(kv[0]))]
+        hosts = ordered[:self.concurrency or last.settings.concurrency]     # what the run opens first
+        self.runner, self.pool = asyncio.Runner(), EarlyConnections(self.identity)
+        pool = self.pool
+
+        async def meanwhile() -> None:
+            loop = asyncio.get_running_loop()
+            exited: asyncio.Future[None] = loop.create_future()
+
+            def readable() -> None:          # the child has exited
+                if not exited.done():
+                    exited.set_result(None)
+            loop.add_reader(fd, readable)
+            try:
+                pool.start(hosts)
+                await exited
+            finally:
+                loop.remove_reader(fd)
+        try:
+            self.runner.run(meanwhile())
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Close the connections the run did not take, and the loop."""
+        if self.runner is None:
+            return
+        try:
+            if self.pool is not None:
+                self.runner.run(self.pool.close())
+        finally:
+            self.runner.close()
 
 
 def escape(text: str) -> str:
@@ -82,24 +150,29 @@ def _print_json(data: object) -> None:
 
 def _load(repo: str, rev: str | None, path: str, cache_dir: Path | None,
           meanwhile: Callable[[], object] | None = None,
-          spare: Callable[[], object] | None = None) -> tuple[Snapshot, DesiredState]:
+          spare: Callable[[], object] | None = None,
+          wait: Callable[[int], object] | None = None) -> tuple[Snapshot, DesiredState]:
     """The snapshot and desired state at a revision. `meanwhile` (the run's own imports) runs
     before this returns: beside the load of a local commit not loaded before (loadcache.load_aside),
-    followed there by `spare` where that load is still going."""
+    followed there by `spare`, then `wait`, where that load is still going."""
     from . import loadcache, source
     deferred = source.deferred_snapshot(repo, rev, path)
     known = None
     if deferred is not None:
         known = loadcache.load_known(deferred, cache_dir)     # a commit loaded before: no git, no loader
         if known is None and meanwhile is not None:           # runs meanwhile beside its child
-            known, meanwhile = loadcache.load_aside(deferred, meanwhile, cache_dir, spare=spare), None
+            known, meanwhile = loadcache.load_aside(deferred, meanwhile, cache_dir, spare=spare, wait=wait), None
     if meanwhile is not None:
         meanwhile()
     if deferred is not None and known is not None:
+        loadcache.remember_last(repo, path, known.revision, cache_dir)
         return deferred, known
     r = source.open_repo(repo, cache_dir)
     snap = source.snapshot(r, rev, path)
-    return snap, loadcache.load(snap, cache_dir)    # a revision loaded before skips TOML and the schema
+    state = loadcache.load(snap, cache_dir)    # a revision loaded before skips TOML and the schema
+    if deferred is not None:
+        loadcache.remember_last(repo, path, state.revision, cache_dir)
+    return snap, state
 
 
 def _has_age(state: DesiredState) -> bool:
@@ -206,34 +279,41 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
         _fail(f"--notes writes to a local repo; {redact.redact(repo)} is a URL (its local mirror is a cache that "
               f"nobody reads). Run it on a clone and push refs/notes/reconciler")
     where = f"{repo}@{rev or 'HEAD'}"
+    # a new commit's run connects to the hosts while the commit loads (_Early)
+    early = _Early(repo, path, cache_dir, identity, concurrency, bool(host or label))
     try:
-        snap, state = _load(repo, rev, path, cache_dir, meanwhile=_run_imports, spare=_deploy_imports)
-    except (ConfigError, SourceError) as e:
-        _fail_input(e, as_json, where)
-    from .fleet import reconcile_fleet, select_hosts
-    from .preflight import secret_warnings
-    from .reconcile import ssh_connector
-    from .report import PhaseView, print_result
-    from .status import Store, expect_changes, remember, remember_in_sync
-    rules = _rules(snap)      # parsed when pre-flight first runs (a change to start); never for a no-change run
-    try:
-        selected = select_hosts(state, host, label)
-    except SourceError as e:
-        _fail_input(e, as_json, where)
-    # Which hosts this run is expected to change (status.expect_changes): they are locked at once.
-    store = None if dry_run else Store(state_dir)
-    expect = (expect_changes(store.in_sync(), state.revision, selected if selected is not None else state.hosts)
-              if store is not None else frozenset())
-    state, render = _decrypting(state, snap, age_identity)
-    console = _console()
-    for w in secret_warnings(state, snap.read):
-        _console(stderr=True).print(f"[yellow]{escape(w)}[/]", soft_wrap=True)
-    with PhaseView(_console(stderr=True), plans=None if as_json or dry_run else console) as view:
-        result = run_async(reconcile_fleet(state, ssh_connector(identity), dry_run=dry_run,
-                                             concurrency=concurrency, hosts=selected,
-                                             render_at=render, retry=retry, on_phase=view,
-                                             rules=rules, lock_wait=lock_wait, descends=_descends(snap, cache_dir),
-                                             allow_rewind=allow_rewind, expect_changes=expect))
+        try:
+            snap, state = _load(repo, rev, path, cache_dir, meanwhile=_run_imports, spare=_deploy_imports,
+                                wait=early.wait)
+        except (ConfigError, SourceError) as e:
+            _fail_input(e, as_json, where)
+        from .fleet import reconcile_fleet, select_hosts
+        from .preflight import secret_warnings
+        from .reconcile import ssh_connector
+        from .report import PhaseView, print_result
+        from .status import Store, expect_changes, remember, remember_in_sync
+        rules = _rules(snap)      # parsed when pre-flight first runs (a change to start); never for a no-change run
+        try:
+            selected = select_hosts(state, host, label)
+        except SourceError as e:
+            _fail_input(e, as_json, where)
+        # Which hosts this run is expected to change (status.expect_changes): they are locked at once.
+        store = None if dry_run else Store(state_dir)
+        expect = (expect_changes(store.in_sync(), state.revision, selected if selected is not None else state.hosts)
+                  if store is not None else frozenset())
+        state, render = _decrypting(state, snap, age_identity)
+        console = _console()
+        for w in secret_warnings(state, snap.read):
+            _console(stderr=True).print(f"[yellow]{escape(w)}[/]", soft_wrap=True)
+        with PhaseView(_console(stderr=True), plans=None if as_json or dry_run else console) as view:
+            result = run_async(reconcile_fleet(state, ssh_connector(identity, early=early.pool), dry_run=dry_run,
+                                                 concurrency=concurrency, hosts=selected,
+                                                 render_at=render, retry=retry, on_phase=view,
+                                                 rules=rules, lock_wait=lock_wait, descends=_descends(snap, cache_dir),
+                                                 allow_rewind=allow_rewind, expect_changes=expect),
+                                 runner=early.runner)
+    finally:
+        early.close()
     if store is not None:
         remember(store, result)
         remember_in_sync(store, result)

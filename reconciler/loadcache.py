@@ -169,8 +169,47 @@ def load_known(snap: Snapshot, base: Path | None = None) -> DesiredState | None:
     return replace(kept[0], revision=snap.revision)
 
 
+def _last_path(directory: Path, repo: str, subdir: str) -> Path:
+    where = hashlib.sha256(f"{os.path.realpath(repo)}\0{subdir.strip('/')}".encode()).hexdigest()[:16]
+    return directory / f"last-{where}"
+
+
+def remember_last(repo: str, subdir: str, revision: str, base: Path | None = None) -> None:
+    """Note the revision a run at this local repo (and --path) loaded, for `last_loaded`."""
+    directory = cache_dir(base)
+    path = _last_path(directory, repo, subdir)
+    with contextlib.suppress(OSError):
+        if path.read_text() == revision:
+            return
+    import tempfile
+    with contextlib.suppress(OSError):
+        if not _trusted(directory.stat()):
+            return
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            f.write(revision)
+        os.replace(tmp, path)
+
+
+def last_loaded(repo: str, subdir: str, base: Path | None = None) -> DesiredState | None:
+    """The state a run at this repo (and --path) loaded last, as kept (no git, no loader); None
+    when there is none, or it is not kept any more."""
+    from .source import Snapshot
+    directory = cache_dir(base)
+    try:
+        if not _trusted(directory.stat()):
+            return None
+        revision = _last_path(directory, repo, subdir).read_text().strip()
+    except OSError:
+        return None
+    if _ancestry(directory, revision) is None:        # a full commit id, nothing else
+        return None
+    return load_known(Snapshot(None, None, subdir.strip("/"), revision=revision), base)
+
+
 def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | None = None, *,
-               spare: Callable[[], object] | None = None) -> DesiredState | None:
+               spare: Callable[[], object] | None = None,
+               wait: Callable[[int], object] | None = None) -> DesiredState | None:
     """A commit not loaded before, loaded in a forked child while this process runs `meanwhile`
     (the run's own imports: the SSH stack, the fleet modules); None where that did not happen.
 
@@ -184,7 +223,9 @@ def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | Non
     cache could not be written. `meanwhile` has then run all the same.
 
     `spare` (what a run that deploys needs later) runs after `meanwhile` only where the child is
-    still loading: this process would otherwise wait on it idle.
+    still loading: this process would otherwise wait on it idle. So does `wait`, after it, given
+    the child's PID: it returns once the child has exited (it does not reap it), having done
+    meanwhile what it could (clicore: connect to the hosts).
     """
     import threading
     if sys.platform != "linux" or threading.active_count() != 1:
@@ -194,6 +235,8 @@ def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | Non
     if pid == 0:                   # the child: load, keep, exit without running the parent's exit handlers
         code = 1
         try:
+            from .faults import pause_if_asked
+            pause_if_asked("slow-load")
             _without_pydantic_plugins()
             load(snap, base)
             code = 0
@@ -208,6 +251,8 @@ def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | Non
         if done == 0:
             if spare is not None:
                 spare()
+            if wait is not None:
+                wait(pid)
             _, status = os.waitpid(pid, 0)
         reaped = True
     finally:

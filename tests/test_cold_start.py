@@ -441,3 +441,50 @@ def test_the_loading_child_builds_the_schema_without_pydantics_plugin_scan(tmp_p
     assert "ENV {'A': '1'}" in printed(code)
     mods = loaded(code)
     assert "pydantic" in mods and "importlib.metadata" not in mods
+
+
+def test_early_connections_serve_only_the_same_host_reached_the_same_way(monkeypatch):
+    import asyncio
+
+    from reconciler import reconcile
+    from reconciler.errors import HostKeyError
+    from reconciler.spec import HostSpec, SSHSpec
+
+    opened: list[tuple[str, SSHSpec]] = []
+    closed: list[str] = []
+
+    class Conn:
+        def __init__(self, name: str):
+            self.name = name
+
+        async def close(self) -> None:
+            closed.append(self.name)
+
+    async def connect(name, spec, *, identity=None, connect_timeout=10.0):
+        opened.append((name, spec))
+        await asyncio.sleep(0.01)
+        if spec.address == "127.0.0.9":
+            raise HostKeyError(name, "host key of 127.0.0.9:22 is unknown or has changed")
+        return Conn(name)
+
+    monkeypatch.setattr(reconcile.SSHTransport, "connect", connect)
+    a, b, c, gone = (HostSpec(n, SSHSpec(f"127.0.0.{i}")) for n, i in (("a", 5), ("b", 6), ("c", 9), ("gone", 7)))
+
+    async def run() -> list[object]:
+        early = reconcile.EarlyConnections()
+        early.start([a, b, c, gone])
+        conn = reconcile.ssh_connector(early=early)
+        got: list[object] = [await conn(a)]
+        # b's commit changed its port: a connection of its own, with the new settings
+        got.append(await conn(HostSpec("b", SSHSpec("127.0.0.6", port=2222))))
+        try:
+            await conn(c)              # the early connect's failure is this connect's, not a second try
+        except HostKeyError as e:
+            got.append(e)
+        await early.close()            # b's early one and gone's were not taken
+        return got
+
+    got = asyncio.run(run())
+    assert [x.name if isinstance(x, Conn) else type(x).__name__ for x in got] == ["a", "b", "HostKeyError"]
+    assert [(n, s.port) for n, s in opened] == [("a", 22), ("b", 22), ("c", 22), ("gone", 22), ("b", 2222)]
+    assert sorted(closed) == ["b", "gone"]
