@@ -147,8 +147,17 @@ async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[str, str] | N
 
 
 async def _read_through(proc: Spawned, last: str) -> str | None:
-    """Lines up to and including `last` (None: the output ended before it)."""
+    """Lines up to and including `last` (None: the output ended before it): in one read where the
+    output can be read up to a separator (not a line at a time: the observation is dozens)."""
     lines: list[str] = []
+    if isinstance(proc, StreamSpawned):
+        try:
+            got = await proc.readuntil(f"{last}\n")
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            return None
+        if got == f"{last}\n" or got.endswith(f"\n{last}\n"):
+            return got
+        lines.append(got)         # `last` ended another line: not the end, read on
     while line := await proc.readline():
         lines.append(line)
         if line.rstrip("\n") == last:

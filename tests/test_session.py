@@ -258,3 +258,40 @@ def test_no_command_line_shows_a_command_or_its_input(locked: Path) -> None:
         assert (await task).stdout == f"{len(secret)}\n"
         await held.release()
     asyncio.run(go())
+
+
+class _Fed:
+    """Output fed at once, read as a StreamSpawned (readuntil) or, with lines_only, line by line."""
+
+    def __init__(self, data: str, lines_only: bool = False):
+        self.reader = asyncio.StreamReader()
+        self.reader.feed_data(data.encode())
+        self.reader.feed_eof()
+        if not lines_only:
+            self.readuntil = self._readuntil
+
+    async def readline(self) -> str:
+        return (await self.reader.readline()).decode()
+
+    async def _readuntil(self, separator: str, *, stderr: bool = False) -> str:
+        return (await self.reader.readuntil(separator.encode())).decode()
+
+    def write(self, data: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("lines_only", [False, True])
+def test_the_output_under_the_lock_is_read_through_its_last_line_and_no_further(lines_only):
+    async def through(data: str) -> tuple[str | None, str]:
+        proc = _Fed(data, lines_only)
+        got = await lock._read_through(proc, "T END")    # type: ignore[arg-type]
+        return got, await proc.readline()
+
+    assert asyncio.run(through("a\nb\nT END\nnext\n")) == ("a\nb\nT END\n", "next\n")
+    assert asyncio.run(through("T END\nnext\n")) == ("T END\n", "next\n")
+    # the last line's text at the end of another line is not the end
+    assert asyncio.run(through("a T END\nb\nT END\nnext\n")) == ("a T END\nb\nT END\n", "next\n")
+    assert asyncio.run(through("a\nb\n")) == (None, "")           # the output ended before it
