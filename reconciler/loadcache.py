@@ -196,10 +196,11 @@ def last_loaded(repo: str, subdir: str, base: Path | None = None) -> DesiredStat
     when there is none, or it is not kept any more."""
     from .source import Snapshot
     directory = cache_dir(base)
+    pointer = _last_path(directory, repo, subdir)
     try:
-        if not _trusted(directory.stat()):
+        if not _trusted(directory.stat()) or not _trusted(pointer.stat()):
             return None
-        revision = _last_path(directory, repo, subdir).read_text().strip()
+        revision = pointer.read_text().strip()
     except OSError:
         return None
     if _ancestry(directory, revision) is None:        # a full commit id, nothing else

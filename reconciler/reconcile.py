@@ -166,8 +166,7 @@ def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0,
         if task is not None:
             # Opened early with these very settings: its outcome (a failure too, such as a
             # host key that does not match) is this connect's.
-            with contextlib.suppress(asyncio.CancelledError):
-                return await task
+            return await task
         return await SSHTransport.connect(host.name, host.ssh, identity=identity, connect_timeout=connect_timeout)
     return connect
 

@@ -488,3 +488,26 @@ def test_early_connections_serve_only_the_same_host_reached_the_same_way(monkeyp
     assert [x.name if isinstance(x, Conn) else type(x).__name__ for x in got] == ["a", "b", "HostKeyError"]
     assert [(n, s.port) for n, s in opened] == [("a", 22), ("b", 22), ("c", 22), ("gone", 22), ("b", 2222)]
     assert sorted(closed) == ["b", "gone"]
+
+
+def test_the_state_a_repo_loaded_last_is_read_back_without_git_or_the_loader(tmp_path):
+    repo = small_repo(tmp_path / "desired")
+    rev = repo.commit()
+    cache = tmp_path / "cache"
+    assert loadcache.last_loaded(str(repo.path), "fleet", cache) is None
+    from reconciler import clicore
+    clicore._load(str(repo.path), None, "fleet", cache)     # a run's load notes it
+    # A fresh process: what this repo (and --path) loaded last, without pygit2 or pydantic.
+    code = (f"from pathlib import Path\nfrom reconciler import loadcache\n"
+            f"last = loadcache.last_loaded({str(repo.path)!r}, 'fleet', Path({str(cache)!r}))\n"
+            f"print('LAST', last.revision, sorted(last.hosts), last.hosts['h1'].ssh.address)\n")
+    assert f"LAST {rev} ['h1'] 127.0.0.5" in printed(code)
+    assert heavy(loaded(code), ("pygit2", "pydantic", "reconciler.load")) == []
+    # another --path of the same repo has its own; a pointer someone else could have written is not read
+    assert loadcache.last_loaded(str(repo.path), "", cache) is None
+    pointer = next((cache / "desired").glob("last-*"))
+    pointer.chmod(0o666)
+    assert loadcache.last_loaded(str(repo.path), "fleet", cache) is None
+    pointer.chmod(0o600)
+    pointer.write_text("HEAD")
+    assert loadcache.last_loaded(str(repo.path), "fleet", cache) is None
