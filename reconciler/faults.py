@@ -42,10 +42,15 @@ _PAUSES = {"pause-after-temp": "RC_PAUSE_AFTER_TEMP", "pause-after-rename": "RC_
            "pause-before-reload": "RC_PAUSE_BEFORE_RELOAD"}
 
 
+def _pause_seconds() -> str:
+    """RECONCILER_FAULT_PAUSE as a plain number of seconds (default 5)."""
+    seconds = os.environ.get("RECONCILER_FAULT_PAUSE", "5")
+    return seconds if seconds.replace(".", "", 1).isdigit() else "5"
+
+
 def host_pauses() -> list[str]:
     """Shell lines that arm the apply script's pauses the environment asks for (none normally)."""
-    seconds = os.environ.get("RECONCILER_FAULT_PAUSE", "5")
-    seconds = seconds if seconds.replace(".", "", 1).isdigit() else "5"
+    seconds = _pause_seconds()
     return [f"{var}={seconds}" for point, var in _PAUSES.items() if armed(point)]
 
 
@@ -66,5 +71,4 @@ def pause_if_asked(point: str) -> None:
     """Sleep RECONCILER_FAULT_PAUSE seconds (default 5) at `point` when the environment asks."""
     if armed(point):
         import time
-        seconds = os.environ.get("RECONCILER_FAULT_PAUSE", "5")
-        time.sleep(float(seconds) if seconds.replace(".", "", 1).isdigit() else 5.0)
+        time.sleep(float(_pause_seconds()))

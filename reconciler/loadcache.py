@@ -94,12 +94,27 @@ def _remember_tree(directory: Path, snap: Snapshot, tree: str) -> None:
     alias = _alias(directory, snap)
     if alias.exists():
         return
-    import tempfile
     with contextlib.suppress(OSError):
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            f.write(tree)
-        os.replace(tmp, alias)
+        _put_text(directory, alias, tree)
+
+
+def _put_text(directory: Path, path: Path, text: str) -> None:
+    """A small file of the cache written whole (a 0600 temp renamed over it); raises OSError."""
+    import tempfile
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _trusted_text(directory: Path, path: Path) -> str | None:
+    """A small file of the cache, where it and its directory are only this user's (None else)."""
+    try:
+        if not _trusted(directory.stat()) or not _trusted(path.stat()):
+            return None
+        return path.read_text()
+    except OSError:
+        return None
 
 
 def _ancestry(directory: Path, revision: str) -> Path | None:
@@ -115,16 +130,12 @@ def _note_ancestors(directory: Path, snap: Snapshot) -> None:
     if path is None or path.exists():
         return
     import itertools
-    import tempfile
 
     import pygit2
     try:
         walk = snap.repo.walk(snap.commit.id, pygit2.enums.SortMode.NONE)   # lazy: never the whole history
         ids = [str(c.id) for c in itertools.islice(walk, 1, ANCESTORS + 1)]
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(f"{c}\n" for c in ids))
-        os.replace(tmp, path)
+        _put_text(directory, path, "".join(f"{c}\n" for c in ids))
     except (OSError, pygit2.GitError, ValueError):
         pass
 
@@ -136,29 +147,16 @@ def descends_known(revision: str, applied: str, base: Path | None = None) -> boo
     path = _ancestry(directory, revision)
     if path is None or len(applied) != len(revision) or not _HEX.issuperset(applied):
         return False
-    try:
-        if not _trusted(directory.stat()):
-            return False
-        with open(path) as f:
-            if not _trusted(os.fstat(f.fileno())):
-                return False
-            return f"\n{applied}\n" in "\n" + f.read()
-    except OSError:
-        return False
+    noted = _trusted_text(directory, path)
+    return noted is not None and f"\n{applied}\n" in "\n" + noted
 
 
 def load_known(snap: Snapshot, base: Path | None = None) -> DesiredState | None:
     """The kept load of a commit loaded before by this code (without git: the tree it read is
     noted beside the entry); None when there is none."""
     directory = cache_dir(base)
-    alias = _alias(directory, snap)
-    try:
-        if not _trusted(directory.stat()) or not _trusted(alias.stat()):
-            return None
-        tree = alias.read_text().strip()
-    except OSError:
-        return None
-    if not tree or not all(c in "0123456789abcdef" for c in tree):
+    tree = (_trusted_text(directory, _alias(directory, snap)) or "").strip()
+    if not tree or not _HEX.issuperset(tree):
         return None
     key = f"{tree}-{fingerprint()}"
     kept = _read(directory / f"{key}.pickle")
@@ -178,17 +176,11 @@ def remember_last(repo: str, subdir: str, revision: str, base: Path | None = Non
     """Note the revision a run at this local repo (and --path) loaded, for `last_loaded`."""
     directory = cache_dir(base)
     path = _last_path(directory, repo, subdir)
+    if _trusted_text(directory, path) == revision:
+        return
     with contextlib.suppress(OSError):
-        if path.read_text() == revision:
-            return
-    import tempfile
-    with contextlib.suppress(OSError):
-        if not _trusted(directory.stat()):
-            return
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-        with os.fdopen(fd, "w") as f:
-            f.write(revision)
-        os.replace(tmp, path)
+        if _trusted(directory.stat()):
+            _put_text(directory, path, revision)
 
 
 def last_loaded(repo: str, subdir: str, base: Path | None = None) -> DesiredState | None:
@@ -196,13 +188,7 @@ def last_loaded(repo: str, subdir: str, base: Path | None = None) -> DesiredStat
     when there is none, or it is not kept any more."""
     from .source import Snapshot
     directory = cache_dir(base)
-    pointer = _last_path(directory, repo, subdir)
-    try:
-        if not _trusted(directory.stat()) or not _trusted(pointer.stat()):
-            return None
-        revision = pointer.read_text().strip()
-    except OSError:
-        return None
+    revision = (_trusted_text(directory, _last_path(directory, repo, subdir)) or "").strip()
     if _ancestry(directory, revision) is None:        # a full commit id, nothing else
         return None
     return load_known(Snapshot(None, None, subdir.strip("/"), revision=revision), base)
