@@ -163,9 +163,8 @@ def _files(a: Action, plan: HostPlan, now: int) -> tuple[str, list[tuple[str, st
         return "", [(a.path, a.content, "0644")]
     if a.kind is Kind.ARM:
         assert a.switch is not None
-        script, unit, timer = confirm.paths(a.switch.service)
         # The script is run by `sh script` (confirm.py), so root-only 0600 is enough: no chmod
-        return "", [(script, a.switch.script, "0600"), (unit, a.switch.unit, "0644"), (timer, a.switch.timer, "0644")]
+        return "", [(confirm.script_path(a.switch.service), a.switch.script, "0600")]
     return None
 
 
@@ -249,10 +248,15 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
     if a.kind is Kind.DAEMON_RELOAD:
         return 'pause "${RC_PAUSE_BEFORE_RELOAD:-}"; systemctl daemon-reload'
     if a.kind is Kind.ARM_TIMER:
-        assert a.service is not None
-        name = confirm.unit_name(a.service)
-        arm = f"systemctl enable --now --no-reload {name}.timer"
-        return arm if a.fresh else f"systemctl reset-failed {name}.service 2>/dev/null; {arm}"
+        assert a.switch is not None
+        # Once per host: the unit that arms pending switches again at boot (their timers are
+        # transient). It only matters at the next boot, so it needs no daemon-reload; the link
+        # first, the unit file last, so a cut-short install is done again.
+        install = " && ".join([f"mkdir -p {q(confirm.REARM_LINK.rsplit('/', 1)[0])}",
+                               f"ln -sfn {q(confirm.REARM_PATH)} {q(confirm.REARM_LINK)}",
+                               _write(confirm.REARM_SCRIPT, confirm.REARM_TEXT),
+                               _write(confirm.REARM_PATH, confirm.REARM_UNIT_TEXT)])
+        return f"{{ [ -f {q(confirm.REARM_PATH)} ] || {{ {install}; }}; }} && {confirm.arm_command(a.switch)}"
     if a.kind is Kind.DISARM:
         assert a.service is not None
         return confirm.disarm_script(a.service)

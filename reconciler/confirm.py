@@ -8,13 +8,17 @@ version it stops the service instead. The controller's verdict, whatever it is, 
 controller killed or cut off mid-deploy thus leaves the host on its last good version by itself,
 and the records say so.
 
-The switch is three files: /var/lib/reconciler/confirm/<service>.sh (0600: it holds the previous
-env, which may be secret; systemd runs it with /bin/sh) and the units
-reconciler-confirm-<service>.{service,timer} in /etc/systemd/system, enabled, so a host that
-reboots inside the window still fires it (the window then counts from boot). The script takes
-the host lock first (it never interleaves with a reconcile run) and does nothing when it was
-disarmed meanwhile; once it runs, it counts itself and says who holds the lock, as every holder
-does (lock.py), so a run that looked at the host before knows to look again.
+The switch is a script, /var/lib/reconciler/confirm/<service>.sh (0600: it holds the previous
+env, which may be secret; systemd runs it with /bin/sh), and a transient timer and service,
+reconciler-confirm-<service>.{timer,service}, made by one `systemd-run --on-active` (no unit file
+is written, so arming it needs no daemon-reload, and an env-only deploy needs none at all). A
+transient timer does not survive a reboot: one static unit, reconciler-rearm-switches.service
+(enabled, written once per host by the first arm), arms every switch whose script is still
+there again at boot, so a host that reboots inside the window still fires it (the window then
+counts from boot). The script takes the host lock first (it never interleaves with a reconcile
+run) and does nothing when it was disarmed meanwhile; once it runs, it counts itself and says
+who holds the lock, as every holder does (lock.py), so a run that looked at the host before
+knows to look again.
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ from .facts import (
 from .records import Quarantine, ServiceRecord
 
 CONFIRM_DIR = f"{STATE_DIR}/{CONFIRM_SUBDIR}"
-WANTS = f"{UNIT_DIR}/timers.target.wants"      # where `systemctl enable` links the timer
+WANTS = f"{UNIT_DIR}/timers.target.wants"      # where the switch's timer was linked before it was transient
+REARM_UNIT = "reconciler-rearm-switches.service"
+REARM_PATH = f"{UNIT_DIR}/{REARM_UNIT}"
+REARM_LINK = f"{UNIT_DIR}/multi-user.target.wants/{REARM_UNIT}"
+REARM_SCRIPT = f"{STATE_DIR}/rearm-switches.sh"
 
 
 def unit_name(service: str) -> str:
@@ -52,9 +60,49 @@ def script_path(service: str) -> str:
 
 
 def paths(service: str) -> tuple[str, str, str]:
-    """The switch's files: the script, the service unit, the timer unit."""
+    """The switch's script, and the unit files an older reconciler wrote for it (removed with it)."""
     name = unit_name(service)
     return script_path(service), f"{UNIT_DIR}/{name}.service", f"{UNIT_DIR}/{name}.timer"
+
+
+def _run(unit: str, window: str, script: str, description: str) -> str:
+    """The `systemd-run` that arms one switch: a transient timer (gone once it fired or is
+    stopped) and the service it starts (--collect: gone after it ran, even when it failed), so
+    the next arm finds neither. The service takes the host lock, then runs the script if it is
+    still there. Arguments are shell words (quoted, or variables of the re-arm script)."""
+    return (f"systemd-run --quiet --collect --unit={unit} --description={description} "
+            f"--on-active={window}s --timer-property=AccuracySec=1s --timer-property=RemainAfterElapse=no "
+            f"-p Type=oneshot /usr/bin/flock -w 600 {LOCK} /bin/sh -c \"[ ! -f {script} ] || exec /bin/sh {script}\"")
+
+
+def arm_command(sw: Switch) -> str:
+    """Shell that arms a switch whose script is in place. A timer of the same name still there
+    (a verdict that never came: the controller died) is stopped first, only then."""
+    name = unit_name(sw.service)
+    what = f"roll back to {sw.restores[:7]}" if sw.restores else "stop it"
+    run = _run(shlex.quote(name), str(sw.window), shlex.quote(script_path(sw.service)),
+               shlex.quote(f"reconciler: dead-man's switch of {sw.service} ({what} unless confirmed)"))
+    return (f"{{ {run} 2>/dev/null || {{ systemctl stop {name}.timer {name}.service 2>/dev/null; "
+            f"systemctl reset-failed {name}.timer {name}.service 2>/dev/null; {run}; }}; }}")
+
+
+# Run at boot by REARM_UNIT: a switch whose script is still there was armed when the host went
+# down; arm it again (window from its script's "# window=" line, counted from now).
+_REARM_RUN = _run('"reconciler-confirm-$n"', '"${w:-600}"', '$s',
+                  '"reconciler: dead-man' + "'" + 's switch of $n (armed again at boot)"')
+REARM_TEXT = f"""#!/bin/sh
+# reconciler: arm again, at boot, every dead-man's switch still pending (their timers are transient).
+for s in {STATE_DIR}/{CONFIRM_SUBDIR}/*.sh; do
+  [ -f "$s" ] || continue
+  n=${{s##*/}}; n=${{n%.sh}}
+  w=$(sed -n 's/^# window=\\([0-9][0-9]*\\)$/\\1/p' "$s" | head -n 1)
+  {_REARM_RUN}
+done
+true
+"""
+REARM_UNIT_TEXT = (f"[Unit]\nDescription=reconciler: arm again the dead-man's switches a reboot cut short\n\n"
+                   f"[Service]\nType=oneshot\nExecStart=/bin/sh {REARM_SCRIPT}\n\n"
+                   f"[Install]\nWantedBy=multi-user.target\n")
 
 
 @dataclass(frozen=True)
@@ -75,8 +123,6 @@ class Switch:
     service: str
     window: int
     script: str
-    unit: str
-    timer: str
     restores: str | None         # the revision it puts back (None: it stops the service)
 
 
@@ -107,11 +153,10 @@ def disarm_script(service: str, *, inside: bool = False, wait: bool = True) -> s
     own disarms (of a service held stopped or removed, both rare) wait for the stop, as before."""
     s, unit, timer = paths(service)
     name = unit_name(service)
-    if inside:
-        return f"rm -f {s} {unit} {timer}; systemctl disable --no-reload {name}.timer >/dev/null 2>&1; true"
+    if inside:    # its transient timer is gone once it fired; an older reconciler's files go with it
+        return f"rm -f {s} {unit} {timer} {WANTS}/{name}.timer; true"
     kept = f"{shlex.quote(f'{KEPT}/{service}')} {shlex.quote(f'{KEPT}/{service}.env')}"
-    # One systemctl for both units; the enablement is the one symlink `enable` made (what
-    # `disable --no-reload` would remove), so no second systemctl process is needed for it.
+    # One systemctl for both units; the files are an older reconciler's (unit files, enabled).
     stop = "systemctl stop" if wait else "systemctl stop --no-block"
     return (f"{stop} {name}.timer {name}.service >/dev/null 2>&1; "
             f"rm -rf {s} {unit} {timer} {WANTS}/{name}.timer {kept}; true")
@@ -128,6 +173,7 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
                          f"the host); --retry or a new commit tries again")
     lines = ["#!/bin/sh",
              f"# reconciler's dead-man's switch for {service}: the controller did not confirm {revision[:7]}.",
+             f"# window={window}",
              "set -u",
              "# a holder of the host lock: counted, and named, before it changes anything (lock.py)",
              count_holder(LOCK_COUNT),
@@ -162,14 +208,4 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
         lines.append(f"systemctl stop {u}")
     lines += [disarm_script(service, inside=True), f"rm -f {LOCK_OWNER}"]
     script = "\n".join(lines) + "\n"
-    spath = script_path(service)
-    name = unit_name(service)
-    what = f"roll {service} back to {previous.revision[:7]}" if previous else f"stop {service}"
-    unit = (f"[Unit]\nDescription=reconciler: {what} ({revision[:7]} was not confirmed)\n\n"
-            f"[Service]\nType=oneshot\n"
-            # the host lock first (never during a reconcile run); a disarmed switch does nothing
-            f"ExecStart=/usr/bin/flock -w 600 {LOCK} /bin/sh -c '[ ! -f {spath} ] || exec /bin/sh {spath}'\n")
-    timer = (f"[Unit]\nDescription=reconciler: dead-man's switch of {service} at {revision[:7]}\n\n"
-             f"[Timer]\nOnActiveSec={window}s\nAccuracySec=1s\nUnit={name}.service\n\n"
-             f"[Install]\nWantedBy=timers.target\n")
-    return Switch(service, window, script, unit, timer, previous.revision if previous else None)
+    return Switch(service, window, script, previous.revision if previous else None)

@@ -174,10 +174,10 @@ class Action:
     detail: str = ""
     record: ServiceRecord | None = field(default=None, repr=False)   # INTENT / RECORD: what to write
     watch: Watch | None = None
-    switch: Switch | None = field(default=None, repr=False)          # ARM: the dead-man's switch
+    switch: Switch | None = field(default=None, repr=False)          # ARM, ARM_TIMER: the dead-man's switch
     secrets: tuple[SecretSpec, ...] = field(default=(), repr=False)   # SECRETS: what to deliver (no values)
     # START: systemd had never loaded the unit (no failed state, restart count or start limit to
-    # reset first); ARM_TIMER: the switch never fired (its unit has no failure to reset)
+    # reset first)
     fresh: bool = False
 
     def describe(self) -> str:
@@ -729,12 +729,8 @@ class _Builder:
         what = f"roll back to {sw.restores[:7]}" if sw.restores else "stop it"
         self.add(Kind.ARM, Reason.CONFIRM, sp.name, switch=sw,
                  detail=f"dead-man's switch: {what} unless the controller confirms within {window}s")
-        # A switch that fired before may have left its unit failed: reset it first (else there
-        # is nothing to reset, and no systemctl to run for it).
-        before = f.record if f is not None else None
-        fired = before is not None and before.quarantine is not None and before.quarantine.reason == "NotConfirmed"
-        self.add(Kind.ARM_TIMER, Reason.CONFIRM, sp.name, detail=f"{unit_name(sp.name)}.timer", fresh=not fired)
-        self.reload = True
+        # A transient timer (confirm.py): nothing to reset, even after a switch fired.
+        self.add(Kind.ARM_TIMER, Reason.CONFIRM, sp.name, switch=sw, detail=f"{unit_name(sp.name)}.timer")
 
     def _start_reason(self, sp: ServicePlan, s: _Sync, running: bool, why_sub: str) -> tuple[Reason, str]:
         if why_sub:

@@ -322,6 +322,8 @@ for t in /etc/systemd/system/reconciler-confirm-*.timer /etc/systemd/system/reco
   [ -f "$t" ] || continue
   systemctl disable --now "$(basename "$t")" >/dev/null 2>&1; rm -f "$t"
 done
+# the dead-man's switches' transient timers (confirm.py)
+systemctl stop 'reconciler-confirm-*.timer' 'reconciler-confirm-*.service' >/dev/null 2>&1
 for f in /etc/systemd/system/*.service; do
   [ -f "$f" ] && [ ! -L "$f" ] || continue
   u=$(basename "$f")

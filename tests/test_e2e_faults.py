@@ -59,7 +59,7 @@ DROPIN_DIR = f"/etc/systemd/system/{SVC}.service.d"
 ENV = f"{DROPIN_DIR}/50-reconciler-env.conf"
 RECORD = f"/var/lib/reconciler/services/{SVC}.json"
 LOCK = "/var/lib/reconciler/.lock"
-TIMER = f"/etc/systemd/system/reconciler-confirm-{SVC}.timer"
+SWITCH = f"/var/lib/reconciler/confirm/{SVC}.sh"      # an armed dead-man's switch's script
 PAUSE = 4                   # seconds the apply script sleeps at a fault point
 STARTED = "39f53479d3a045ac8e11786248231fbf"     # systemd's "Started <unit>" journal MESSAGE_ID
 
@@ -242,6 +242,11 @@ def deploy_v1(fleet: Fleet, repo: DesiredRepo, h: fleetlib.Host, **kw: object) -
     return v1
 
 
+def switch_timer(fleet: Fleet, h: fleetlib.Host) -> str:
+    """The ActiveState of the switch's transient timer ("inactive" once it is gone)."""
+    return fleet.show(h, f"reconciler-confirm-{SVC}.timer", "ActiveState")["ActiveState"]
+
+
 def check_converged(fleet: Fleet, h: fleetlib.Host, v2: Rendering) -> None:
     """The end state every case must reach: v2 written, running, verified, nothing pending or armed."""
     assert file_shas(fleet, h) == v2.shas
@@ -252,7 +257,8 @@ def check_converged(fleet: Fleet, h: fleetlib.Host, v2: Rendering) -> None:
     rec = record(fleet, h)
     assert rec["pending"] is None and rec["quarantine"] is None, rec
     assert rec["hash"] == rec["last_good_hash"] == v2.hash and rec["last_good_revision"] == v2.revision, rec
-    assert not fleet.exists(h, TIMER), "the dead-man's switch is still armed"
+    assert not fleet.exists(h, SWITCH), "the dead-man's switch is still armed"
+    assert switch_timer(fleet, h) == "inactive", "the dead-man's switch's timer is still there"
 
 
 # ---- 0. the proxy itself ----------------------------------------------------------------------
@@ -324,7 +330,7 @@ POINTS = {
     "after-temp": ("pause-after-temp", f"{_PAUSED} && ls -A {DROPIN_DIR} | grep -q '^[.]reconciler-tmp[.]' "
                                        "&& echo yes"),
     "after-rename": ("pause-after-rename", f"{_PAUSED} && grep -q RELEASE=v2 {ENV} && echo yes"),
-    "before-reload": ("pause-before-reload", f"{_PAUSED} && grep -q RELEASE=v2 {ENV} && test -f {TIMER} "
+    "before-reload": ("pause-before-reload", f"{_PAUSED} && grep -q RELEASE=v2 {ENV} && test -f {SWITCH} "
                                              "&& echo yes"),
     "health-wait": ("", None),
 }
@@ -592,9 +598,10 @@ def test_a_host_rebooted_inside_the_switch_window_rolls_itself_back_after_boot(
         rebootable, repo, tmp_path, monkeypatch, recovery_table):
     """v1 healthy; v2 deployed by a controller killed in the health watch (RECONCILER_FAULT=in-watch),
     so the dead-man's switch stays armed (window = startup 9 + stable 1 + margin 5 = 15 s); the
-    container reboots at once. After boot the timer, enabled, counts the window again and fires by
-    itself: v1's files are back and run, the record says v2 is quarantined (NotConfirmed) with
-    nothing pending, the switch is gone. The next `reconcile` exits 3 and restarts nothing."""
+    container reboots at once. After boot the switch is armed again (its timer is transient; the
+    unit the first arm installed arms it at boot), counts the window again and fires by itself:
+    v1's files are back and run, the record says v2 is quarantined (NotConfirmed) with nothing
+    pending, the switch is gone. The next `reconcile` exits 3 and restarts nothing."""
     box, fleet = rebootable
     h = box.host
     monkeypatch.setenv("RECONCILER_CONFIRM_MARGIN", "5")
@@ -617,7 +624,8 @@ def test_a_host_rebooted_inside_the_switch_window_rolls_itself_back_after_boot(
     # Rebooted inside the window: the switch has not fired yet, and it is armed again after boot.
     rec = record(fleet, h)
     assert rec["pending"]["revision"] == v2.revision and rec["quarantine"] is None, rec
-    assert fleet.show(h, f"reconciler-confirm-{SVC}.timer", "ActiveState")["ActiveState"] == "active"
+    # the timer is transient: reconciler-rearm-switches.service arms it again at boot
+    wait_for("the switch armed again at boot", lambda: switch_timer(fleet, h) == "active", timeout=10, every=0.2)
     assert file_shas(fleet, h) == v2.shas
 
     wait_for("the switch to fire after boot", lambda: (record(fleet, h).get("quarantine") or {}).get("reason")
@@ -632,7 +640,7 @@ def test_a_host_rebooted_inside_the_switch_window_rolls_itself_back_after_boot(
     q = rec["quarantine"]
     assert (q["hash"], q["revision"], q["reason"]) == (v2.hash, v2.revision, "NotConfirmed"), q
     assert file_shas(fleet, h) == v1.shas and not temp_files(fleet, h)
-    assert not fleet.exists(h, TIMER)
+    assert not fleet.exists(h, SWITCH) and switch_timer(fleet, h) == "inactive"
 
     inv = fleet.show(h, SVC, "InvocationID")["InvocationID"]
     code, out = run_json("--repo", str(repo.path), check_codes=(3,))
@@ -675,7 +683,7 @@ def test_a_full_disk_fails_the_write_and_leaves_the_old_version_untouched(fleet,
         p = fleet.show(h, SVC, "InvocationID", "ActiveState", "NeedDaemonReload")
         assert (p["InvocationID"], p["ActiveState"]) == (inv, "active"), p
         assert process_release(fleet, h) == "v1"
-        assert not fleet.exists(h, TIMER)
+        assert not fleet.exists(h, SWITCH) and switch_timer(fleet, h) == "inactive"
         rec = record(fleet, h)
         assert rec["hash"] == rec["last_good_hash"] == v1.hash and rec["quarantine"] is None, rec
         assert rec["pending"]["hash"] == v2.hash and not rec["pending"]["started"], rec

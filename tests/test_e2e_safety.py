@@ -67,8 +67,7 @@ def test_an_older_revision_is_refused_by_what_the_host_records(fleet, repo):
     c1 = repo.commit("v1")
     run_cli("--repo", str(repo.path), check_codes=(0,))
     # the healthy verdict disarmed the deploy's switch: no files, no enablement link, not active
-    timer = "/etc/systemd/system/reconciler-confirm-model-a.timer"
-    assert not fleet.exists(h, timer) and not fleet.exists(h, "/var/lib/reconciler/confirm/model-a.sh")
+    assert not fleet.exists(h, "/var/lib/reconciler/confirm/model-a.sh")
     assert not fleet.ssh(h, "ls -a /etc/systemd/system/timers.target.wants/ 2>/dev/null | grep confirm || true")
     assert fleet.show(h, "reconciler-confirm-model-a.timer", "ActiveState")["ActiveState"] == "inactive"
     write_fleet(repo, [h], {"model-a": svc(V="2")})
@@ -120,7 +119,8 @@ def test_a_controller_killed_in_the_health_wait_leaves_the_host_to_its_switch(fl
         assert time.monotonic() < deadline
         time.sleep(0.3)
     assert "STANDIN_HANG" not in fleet.show(h, "model-a", "Environment")["Environment"]
-    assert not fleet.exists(h, "/etc/systemd/system/reconciler-confirm-model-a.timer")   # it cleaned up
+    assert not fleet.exists(h, "/var/lib/reconciler/confirm/model-a.sh")   # it cleaned up
+    assert fleet.show(h, "reconciler-confirm-model-a.timer", "ActiveState")["ActiveState"] == "inactive"
     # It held the host lock as every holder does: counted itself, and let go of its owner line
     assert int(fleet.ssh(h, "cat /var/lib/reconciler/.lock.count")) == count + 1
     assert not fleet.exists(h, "/var/lib/reconciler/.lock.owner")

@@ -264,28 +264,53 @@ def test_a_failing_file_step_stops_the_script_and_names_the_step():
     assert fatal is not None and fatal[0] == write and failures == []
 
 
-def test_the_switch_is_reset_before_arming_only_after_it_fired():
-    """`systemctl reset-failed` of the switch's unit (one more systemctl per deploy) only where
-    a switch fired before (the record says NotConfirmed); a first start of a never-loaded unit
-    needs no reset-failed either, a known one does."""
-    from reconciler.facts import ServiceFacts
-    from reconciler.records import Quarantine
+def test_the_switch_is_a_transient_timer_armed_by_one_process(tmp_path):
+    """The arm step is one `systemd-run` (a transient timer: no unit file, no daemon-reload). A
+    timer of the same name still loaded (a controller died before its verdict) makes systemd-run
+    refuse: only then is it stopped and armed again. The unit that arms pending switches again at
+    boot is installed by the first arm on a host, and never again. Run by sh, with a fake
+    systemd-run and systemctl that log their calls, in a scratch root."""
+    from reconciler import confirm
+    from reconciler.apply import _PRELUDE, _fatal
     h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", INSTALLED.format("m"), {"A": "1"})})
-    ctx = Context("f" * 40, confirm_margin=60.0)
-    def body(facts: HostFacts) -> str:          # the steps, without the prelude's functions
-        p = plan_host(h, facts, ctx)
-        return _commands(build_script(p, p.actions, 0)).split("@@now", 1)[1]
-    first = body(HostFacts(services={}))
-    assert "reset-failed reconciler-confirm" not in first and "systemctl enable --now" in first
-    new = ServiceFacts("m", props={"LoadState": "not-found", "ActiveState": "inactive"})
-    fresh = body(HostFacts(services={"m": new}))
-    assert "reset-failed" not in fresh and "systemctl start --no-block m.service" in fresh
-    fired = ServiceRecord(hash="0" * 16, revision="e" * 40, quarantine=Quarantine("0" * 16, "e" * 40, "NotConfirmed"))
-    known = ServiceFacts("m", unit_text="[Service]\nExecStart=/bin/old\n", record=fired,
-                         props={"LoadState": "loaded", "ActiveState": "inactive"})
-    after = body(HostFacts(services={"m": known}))
-    assert "systemctl reset-failed reconciler-confirm-m.service" in after and "u_start m.service" in after
+    p = plan_host(h, HostFacts(services={}), Context("f" * 40, confirm_margin=60.0))
+    arm = next(a for a in p.actions if a.kind is Kind.ARM_TIMER)
+    root = tmp_path / "root"
+    # the step, its paths moved under the scratch root
+    paths = sorted({confirm.REARM_PATH, confirm.REARM_LINK, confirm.REARM_SCRIPT, confirm.REARM_LINK.rsplit("/", 1)[0]},
+                   key=len, reverse=True)
+    step = re.sub("|".join(map(re.escape, paths)), lambda m: f"{root}{m.group(0)}", _fatal(arm, p, 0))
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in ("systemd-run", "systemctl"):
+        (bindir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "$LOG"\n'
+                                   f'[ "{tool}" != systemd-run ] || [ ! -e "$LOADED" ] || exit 1\n'
+                                   f'[ "{tool}" != systemctl ] || rm -f "$LOADED"\n')
+        (bindir / tool).chmod(0o755)
 
+    def run(loaded: bool) -> list[str]:
+        log, flag = tmp_path / "log", tmp_path / "loaded"
+        log.unlink(missing_ok=True)
+        if loaded:
+            flag.touch()
+        r = subprocess.run(["sh", "-s"], input=_PRELUDE + step + " || exit 3\n", capture_output=True, text=True,
+                           timeout=10, env={"PATH": f"{bindir}:/usr/bin:/bin", "LOG": str(log), "LOADED": str(flag)})
+        assert r.returncode == 0, r.stdout + r.stderr
+        return [line.split(" --", 1)[0] for line in log.read_text().splitlines()]
+
+    assert run(loaded=False) == ["systemd-run"]
+    def text(path: str) -> str:
+        return (root / path[1:]).read_text().replace(str(root), "")
+    assert text(confirm.REARM_PATH) == confirm.REARM_UNIT_TEXT and text(confirm.REARM_SCRIPT) == confirm.REARM_TEXT
+    link = root / confirm.REARM_LINK[1:]
+    assert link.is_symlink() and str(link.readlink()).endswith(confirm.REARM_PATH)
+    (root / confirm.REARM_SCRIPT[1:]).write_text("kept")
+    assert run(loaded=True) == ["systemd-run", "systemctl stop reconciler-confirm-m.timer reconciler-confirm-m.service",
+                                "systemctl reset-failed reconciler-confirm-m.timer reconciler-confirm-m.service",
+                                "systemd-run"]
+    assert (root / confirm.REARM_SCRIPT[1:]).read_text() == "kept"      # installed once only
+    sh = subprocess.run(["sh", "-n"], input=confirm.REARM_TEXT, capture_output=True, text=True, timeout=10)
+    assert sh.returncode == 0, sh.stderr
 
 
 def test_a_new_service_is_enabled_and_started_by_one_systemctl_and_a_failure_names_its_step(tmp_path):

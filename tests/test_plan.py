@@ -698,8 +698,10 @@ def test_a_deploy_arms_a_switch_that_restores_the_verified_version() -> None:
     assert sw is not None and sw.restores == OLD
     h = M.health
     assert sw.window == int(h.startup_timeout + h.stable_for + 60)
-    assert f"OnActiveSec={sw.window}s" in sw.timer and "WantedBy=timers.target" in sw.timer
-    assert "flock -w 600 /var/lib/reconciler/.lock" in sw.unit
+    from reconciler import confirm
+    cmd = confirm.arm_command(sw)      # a transient timer: no unit file, no daemon-reload for it
+    assert f"--on-active={sw.window}s" in cmd and "flock -w 600 /var/lib/reconciler/.lock" in cmd
+    assert f"# window={sw.window}\n" in sw.script         # what the re-arm at boot reads
     # the script puts the verified files back, restarts, and records the new version quarantined
     assert "systemctl restart m.service" in sw.script and '"NotConfirmed"' not in sw.script  # (base64 inside)
     import base64
