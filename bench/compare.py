@@ -46,8 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import floor
 from reconciler import load, source
-from reconciler.plan import render_env
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 
@@ -142,7 +142,7 @@ class Bench:
         state = load.load_desired(source.snapshot(repo.repo))
         spec = {"key": self.key, "known_hosts": str(self.kh), "service": SERVICE,
                 "hosts": [{"address": h.address, "unit": state.hosts[h.name].services[SERVICE].unit_text,
-                           "env": render_env({**state.hosts[h.name].services[SERVICE].env,
+                           "env": floor.environment_dropin({**state.hosts[h.name].services[SERVICE].env,
                                               "BENCH_VALUE": str(value)})} for h in hosts]}
         path = self.tmp / "floor.json"
         path.write_text(json.dumps(spec))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -105,6 +106,13 @@ def _start(unit: str) -> int:
             for word in shlex.split(v):
                 name, _, value = word.partition("=")
                 env[name] = value
+        elif k == "EnvironmentFile":      # the reconciler's env file: NAME="value" lines
+            path = Path(v.lstrip("-"))
+            if path.is_file():
+                for line in path.read_text().splitlines():
+                    name, eq, value = line.partition("=")
+                    if eq and not name.startswith("#"):
+                        env[name] = re.sub(r"\\(.)", r"\1", value[1:-1]) if value[:1] == '"' else value
     log = open(STATE / f"{unit}.log", "ab")  # noqa: SIM115 -- the supervisor keeps it
     # The supervisor itself runs with a plain environment: only the service gets the unit's.
     sup = subprocess.Popen([sys.executable, __file__, "__supervise", unit, exec_start[0]],

@@ -33,6 +33,16 @@ CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly130
            "aes256-ctr", "aes192-ctr", "aes128-ctr")
 
 
+def environment_dropin(env: dict[str, str]) -> str:
+    """The env as the floor writes it: a drop-in of Environment= lines (what a hand-written fix
+    would do; it takes a daemon-reload per change, where the reconciler's env file takes none)."""
+    lines = ["[Service]\n"]
+    for key in sorted(env):
+        value = env[key].replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+        lines.append(f'Environment="{key}={value}"\n')
+    return "".join(lines)
+
+
 async def converge(h: dict, service: str, key: str, known_hosts: object, port: int = 22,
                    read_only: bool = False) -> str:
     """One host: read, fix what differs, wait for systemd's active/running. Returns what it did."""

@@ -64,6 +64,10 @@ def main() -> int:
     bindir = Path(tempfile.mkdtemp(prefix="fake-systemd-bin-"))
     (bindir / "systemctl").write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT}/bench/fake_systemctl.py \"$@\"\n")
     (bindir / "systemctl").chmod(0o755)
+    # The dead-man's switch is a transient timer (systemd-run); with no systemd here it is not
+    # exercised (nothing would fire it), as the fake systemctl never ran its timer either.
+    (bindir / "systemd-run").write_text("#!/bin/sh\nexit 0\n")
+    (bindir / "systemd-run").chmod(0o755)
     os.environ["PATH"] = f"{bindir}:{os.environ['PATH']}"
     os.environ["RECONCILER_STATE_DIR"] = tempfile.mkdtemp(prefix="reconciler-state-")
     try:

@@ -75,7 +75,8 @@ def main() -> None:
             def show() -> dict[str, str]:
                 out = subprocess.run([
                     *fleetlib.ssh_base(h.address, kh),
-                    "systemctl show model-a -p Environment,ActiveState,ExecMainStartTimestampMonotonic"],
+                    "systemctl show model-a -p ActiveState,ExecMainStartTimestampMonotonic; "
+                    "sed -n 's/^ROUND=\"\\(.*\\)\"$/Round=\\1/p' /etc/reconciler/env/model-a.env"],
                     capture_output=True, text=True).stdout
                 return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
@@ -83,7 +84,7 @@ def main() -> None:
                 deadline = time.monotonic() + timeout
                 while time.monotonic() < deadline:
                     p = show()
-                    if f"ROUND={i}" in p.get("Environment", "") and p.get("ActiveState") == "active":
+                    if p.get("Round") == str(i) and p.get("ActiveState") == "active":
                         return int(p["ExecMainStartTimestampMonotonic"]) / 1e6
                     time.sleep(0.05)
                 raise SystemExit(f"round {i} never went live:\n{(tmp / 'daemon.log').read_text()[-3000:]}")

@@ -35,7 +35,6 @@ import asyncssh
 from bench import compare, floor
 from bench.compare import machine
 from reconciler import load, session, source, transport
-from reconciler.plan import render_env
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo
 
@@ -225,7 +224,7 @@ def main() -> None:
             b.desired(repo, hosts, 1)
             state = load.load_desired(source.snapshot(repo.repo))
             svc = state.hosts[hosts[0].name].services[compare.SERVICE]
-            spec = {"address": hosts[0].address, "unit": svc.unit_text, "env": render_env(svc.env)}
+            spec = {"address": hosts[0].address, "unit": svc.unit_text, "env": floor.environment_dropin(svc.env)}
             ours: list[Meter] = []
             floors: list[Meter] = []
             b.reset(hosts)

@@ -37,7 +37,17 @@ from dataclasses import dataclass, field, replace
 
 from . import confirm, faults, secrets
 from .errors import CommandError
-from .facts import CREDSTORE, HOST_RECORD, STATE_DIR, adopted_copy, cred_env_path, cred_path, parse_show, record_path
+from .facts import (
+    CREDSTORE,
+    HOST_RECORD,
+    STATE_DIR,
+    adopted_copy,
+    cred_env_path,
+    cred_path,
+    envfile_path,
+    parse_show,
+    record_path,
+)
 from .health import WATCH_PROPS
 from .plan import ORDER, Action, HostPlan, Kind, Reason
 from .records import HostRecord, ServiceRecord
@@ -160,7 +170,9 @@ def _files(a: Action, plan: HostPlan, now: int) -> tuple[str, list[tuple[str, st
         return pre, [(HOST_RECORD, HostRecord(plan.revision, now).dumps(), "0644")]
     if a.kind is Kind.WRITE:
         assert a.path is not None and a.content is not None
-        return "", [(a.path, a.content, "0644")]
+        # the env file is root's alone (systemd reads it as root); others can no longer read the
+        # env, as they could through `systemctl show` of Environment= lines
+        return "", [(a.path, a.content, "0600" if a.service and a.path == envfile_path(a.service) else "0644")]
     if a.kind is Kind.ARM:
         assert a.switch is not None
         # The script is run by `sh script` (confirm.py), so root-only 0600 is enough: no chmod

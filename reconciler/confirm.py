@@ -37,6 +37,7 @@ from .facts import (
     UNIT_DIR,
     count_holder,
     env_path,
+    envfile_path,
     record_path,
     secrets_path,
     unit_path,
@@ -111,7 +112,8 @@ class Previous:
 
     revision: str
     unit_text: str
-    env_text: str | None
+    env_text: str | None              # its env drop-in
+    envfile_text: str | None = None   # its env file
     secrets_text: str | None = None   # its secrets drop-in (paths only)
     secrets_replaced: bool = False    # the deploy delivers other secret values: put the kept ones back
 
@@ -178,9 +180,9 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
              "# a holder of the host lock: counted, and named, before it changes anything (lock.py)",
              count_holder(LOCK_COUNT),
              f"echo {shlex.quote(f'the dead-man switch of {service} ({unit_name(service)}.service)')} > {LOCK_OWNER}",
-             "put() {  # path base64",
+             "put() {  # path base64 [mode]",
              '  d=$(dirname "$1"); mkdir -p "$d"; t=$(mktemp "$d/.reconciler-tmp.XXXXXX")',
-             '  printf "%s" "$2" | base64 -d > "$t" && chmod 0644 "$t" && sync "$t" && mv -f "$t" "$1"',
+             '  printf "%s" "$2" | base64 -d > "$t" && chmod "${3:-0644}" "$t" && sync "$t" && mv -f "$t" "$1"',
              "}"]
     u = shlex.quote(f"{service}.service")
     if previous is not None:
@@ -192,6 +194,10 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
             lines.append(f"put {shlex.quote(env_path(service))} {_b64(previous.env_text)}")
         else:
             lines.append(f"rm -f {shlex.quote(env_path(service))}")
+        if previous.envfile_text is not None:
+            lines.append(f"put {shlex.quote(envfile_path(service))} {_b64(previous.envfile_text)} 0600")
+        else:
+            lines.append(f"rm -f {shlex.quote(envfile_path(service))}")
         if previous.secrets_text is not None:
             lines.append(f"put {shlex.quote(secrets_path(service))} {_b64(previous.secrets_text)}")
         else:

@@ -45,6 +45,15 @@ def env_path(service: str) -> str:
     return f"{UNIT_DIR}/{service}.service.d/{ENV_DROPIN}"
 
 
+# A service's environment, as the EnvironmentFile= its env drop-in names: systemd reads it at
+# every start, so a change of env alone is a write and a restart, with no daemon-reload.
+ENV_DIR = "/etc/reconciler/env"
+
+
+def envfile_path(service: str) -> str:
+    return f"{ENV_DIR}/{service}.env"
+
+
 def secrets_path(service: str) -> str:
     """The drop-in that hands a service its secrets (paths only, never a value)."""
     return f"{UNIT_DIR}/{service}.service.d/{SECRETS_DROPIN}"
@@ -104,10 +113,11 @@ class ServiceFacts:
 
     name: str
     unit_text: str | None = None
-    env_text: str | None = None
+    env_text: str | None = None           # our env drop-in (it names the env file)
     record: ServiceRecord | None = None   # the reconciler's record: present = in the inventory
     props: dict[str, str] = field(default_factory=dict)
     dropins: dict[str, str] = field(default_factory=dict)
+    envfile_text: str | None = None       # the env file (envfile_path)
 
     @property
     def managed(self) -> bool:
@@ -210,6 +220,7 @@ for n in $names; do
   emit R "$n" "$D/services/$n.json"
   emit U "$n" "$u"
   emit E "$n" "$u.d/%(dropin)s"
+  emit V "$n" "%(env_dir)s/$n.env"
   for d in %(dropin_dirs)s; do
     for f in "$d/$n.service.d/"*.conf; do
       [ -f "$f" ] || continue
@@ -239,7 +250,8 @@ def observe_command(desired: list[str], token: str | None = None,
     """
     token = token or secrets.token_hex(8)
     script = _SCRIPT % {"token": token, "state": STATE_DIR, **_LOCK_NAMES, "unit_dir": UNIT_DIR,
-                        "dropin": ENV_DROPIN, "props": SHOW_PROPS, "dropin_dirs": " ".join(DROPIN_DIRS)}
+                        "env_dir": ENV_DIR, "dropin": ENV_DROPIN, "props": SHOW_PROPS,
+                        "dropin_dirs": " ".join(DROPIN_DIRS)}
     args = sorted(desired)
     if secret_files:
         args += ["--", *sorted(set(secret_files))]
@@ -312,7 +324,7 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
             if path:
                 secret_files[path] = None if parts[3] == "-" else parts[3]
             continue
-        if len(parts) < 4 or kind not in ("H", "R", "U", "E", "D"):
+        if len(parts) < 4 or kind not in ("H", "R", "U", "E", "V", "D"):
             raise ObserveError(host, f"malformed observation line: {line[:80]!r}")
         name, op, rest = parts[2], parts[3], parts[4] if len(parts) == 5 else ""
         if op == "L":
@@ -344,6 +356,7 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
             name=name,
             unit_text=f.get("U"),
             env_text=f.get("E"),
+            envfile_text=f.get("V"),
             record=ServiceRecord.parse(rec_text) if rec_text is not None else None,
             props=show.get(f"{name}.service", {}),
             dropins=dropins.get(name, {}),

@@ -33,7 +33,7 @@ from .apply import GpuWait
 from .errors import CommandError
 from .facts import ENV_DROPIN, HostFacts
 from .gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, gpu_facts, kill_strays, parse_gpu, wait_released
-from .plan import Block, Checks, HostPlan, foreign_dropins, own_files, render_env, starting, writing_units
+from .plan import Block, Checks, HostPlan, foreign_dropins, own_files, render_env_dropin, starting, writing_units
 from .preflight import ModelFacts, RuleSet, check_host, gpu_claim, model_check_command, parse_command, parse_model_check
 from .shell import ShCommand, one_sh
 from .spec import HostSpec, ModelSpec, ServiceSpec
@@ -218,7 +218,7 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     units: dict[str, tuple[str, str | None]] = {}
     for n, u in writing_units(plan).items():
         target = plan.services[n].target
-        units[n] = (u, render_env(target.spec.env) if target is not None and target.spec.env else None)
+        units[n] = (u, render_env_dropin(n) if target is not None and target.spec.env else None)
     if not targets and not units:
         return out
     specs = {n: model_from_command(effective_spec(tg.spec, facts)) for n, tg in targets.items()}

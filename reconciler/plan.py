@@ -38,7 +38,18 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from .confirm import Previous, Switch, arm, unit_name
-from .facts import HostFacts, ServiceFacts, adopted_copy, cred_env_path, cred_path, env_path, secrets_path, unit_path
+from .facts import (
+    UNIT_DIR,
+    HostFacts,
+    ServiceFacts,
+    adopted_copy,
+    cred_env_path,
+    cred_path,
+    env_path,
+    envfile_path,
+    secrets_path,
+    unit_path,
+)
 from .records import Adopted, Pending, Quarantine, Result, ServiceRecord
 from .spec import HostSpec, SecretSpec, ServiceSpec
 
@@ -288,20 +299,47 @@ class HostPlan:
 # ---- files -------------------------------------------------------------------------------------
 
 
-def render_env(env: Mapping[str, str]) -> str:
-    """The env drop-in: one quoted Environment= line per variable."""
-    lines = [ENV_HEADER, "[Service]\n"]
-    for key in sorted(env):
-        value = env[key].replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
-        lines.append(f'Environment="{key}={value}"\n')
-    return "".join(lines)
+def render_env_dropin(service: str) -> str:
+    """The env drop-in: it names the service's env file (the same text whatever the env is, so a
+    change of env alone changes no unit file and needs no daemon-reload)."""
+    return f"{ENV_HEADER}[Service]\nEnvironmentFile={envfile_path(service)}\n"
+
+
+def _env_quote(value: str) -> str:
+    # systemd.exec(5), EnvironmentFile=: in double quotes, a backslash keeps any of \ " ` $ as it
+    # is; every other character (a newline too) is the value's own; nothing is expanded.
+    return '"' + re.sub(r'([\\"`$])', r"\\\1", value) + '"'
+
+
+def render_env_file(env: Mapping[str, str]) -> str:
+    """The env file: one NAME="value" line per variable, read by systemd at every start."""
+    return ENV_HEADER + "".join(f"{key}={_env_quote(env[key])}\n" for key in sorted(env))
+
+
+_ENV_FILE_LINE = re.compile(r'^([A-Za-z_][A-Za-z0-9_]*)=(.*)$')
+
+
+def parse_env_file(text: str | None) -> dict[str, str]:
+    """Best-effort reading of an env file (ours or hand-edited) for reasons and diffs."""
+    out: dict[str, str] = {}
+    for line in (text or "").splitlines():
+        m = _ENV_FILE_LINE.match(line.strip())
+        if m:
+            value = m.group(2)
+            if len(value) >= 2 and value[0] == value[-1] == '"':
+                value = re.sub(r"\\(.)", r"\1", value[1:-1])
+            elif len(value) >= 2 and value[0] == value[-1] == "'":
+                value = value[1:-1]
+            out[m.group(1)] = value
+    return out
 
 
 _ENV_LINE = re.compile(r'^Environment="([^=]+)=(.*)"$')
 
 
 def parse_env(text: str | None) -> dict[str, str]:
-    """Best-effort reading of an env drop-in (ours or hand-edited) for reasons and diffs."""
+    """Best-effort reading of Environment= lines (an env drop-in an older reconciler wrote, or a
+    hand-edited one) for reasons."""
     out: dict[str, str] = {}
     for line in (text or "").splitlines():
         m = _ENV_LINE.match(line.strip())
@@ -330,13 +368,14 @@ def render_secrets(svc: ServiceSpec) -> str | None:
 def desired_files(svc: ServiceSpec) -> dict[str, str | None]:
     """Path -> content for one service; None means the file must not exist."""
     return {unit_path(svc.name): svc.unit_text,
-            env_path(svc.name): render_env(svc.env) if svc.env else None,
+            env_path(svc.name): render_env_dropin(svc.name) if svc.env else None,
+            envfile_path(svc.name): render_env_file(svc.env) if svc.env else None,
             secrets_path(svc.name): render_secrets(svc)}
 
 
 def own_files(name: str) -> frozenset[str]:
     """The files the reconciler writes for a service (everything else is someone else's)."""
-    return frozenset({unit_path(name), env_path(name), secrets_path(name)})
+    return frozenset({unit_path(name), env_path(name), envfile_path(name), secrets_path(name)})
 
 
 def secret_files(host: HostSpec) -> list[str]:
@@ -410,7 +449,10 @@ def mask_secrets(text: str) -> str:
     """Hide values of secret-looking variables (…TOKEN, …SECRET, …PASSWORD) in a diff."""
     def repl(m: re.Match[str]) -> str:
         return f'{m.group(1)}{m.group(2)}=***"' if _SECRETISH.search(m.group(2)) else m.group(0)
-    return re.sub(r'^([-+ ]?Environment="?)([A-Za-z_][A-Za-z0-9_]*)=.*$', repl, text, flags=re.M)
+    def line(m: re.Match[str]) -> str:     # an env file's NAME="value"
+        return f'{m.group(1)}{m.group(2)}="***"' if _SECRETISH.search(m.group(2)) else m.group(0)
+    text = re.sub(r'^([-+ ]?Environment="?)([A-Za-z_][A-Za-z0-9_]*)=.*$', repl, text, flags=re.M)
+    return re.sub(r'^([-+ ]?)([A-Za-z_][A-Za-z0-9_]*)=.*$', line, text, flags=re.M)
 
 
 def unified_diff(path: str, old: str | None, new: str | None, host: str, short_rev: str) -> str:
@@ -474,6 +516,8 @@ def _have(f: ServiceFacts | None, path: str) -> str | None:
         return None
     if path.endswith(".service"):
         return f.unit_text
+    if path == envfile_path(f.name):
+        return f.envfile_text
     return f.env_text if path == env_path(f.name) else f.dropins.get(path)
 
 
@@ -492,7 +536,7 @@ def _sync(target: Target, f: ServiceFacts | None, observed: Mapping[str, str | N
 
 
 def _absent(f: ServiceFacts | None) -> bool:
-    return f is None or (f.unit_text is None and f.env_text is None and not f.managed)
+    return f is None or (f.unit_text is None and f.env_text is None and f.envfile_text is None and not f.managed)
 
 
 def _sync_state(s: _Sync, f: ServiceFacts | None) -> State:
@@ -685,7 +729,9 @@ class _Builder:
         if s.secrets:
             self.add(Kind.SECRETS, Reason.SECRET_CHANGED, sp.name, secrets=target.spec.secrets,
                      detail=why_sub or describe_secret_changes(s.secrets))
-        self.reload |= bool(s.files or s.dropins) or (f is not None and f.props.get("NeedDaemonReload") == "yes")
+        # systemd reads the env file at every start: only a unit file or drop-in takes a reload
+        self.reload |= any(p.startswith(f"{UNIT_DIR}/") for p, _, _ in s.files) or bool(s.dropins) \
+            or (f is not None and f.props.get("NeedDaemonReload") == "yes")
 
     def _start(self, sp: ServicePlan, f: ServiceFacts | None, s: _Sync, rec: ServiceRecord, why_sub: str) -> None:
         """(Re)start it (through the GPU gate on a GPU host), record it started, watch it."""
@@ -722,7 +768,7 @@ class _Builder:
         previous = None
         if (f is not None and f.unit_text is not None and rec.hash and rec.hash == rec.last_good_hash
                 and rec.last_good_revision and sp.state is not State.DRIFTED and not s.dropins):
-            previous = Previous(rec.last_good_revision, f.unit_text, f.env_text,
+            previous = Previous(rec.last_good_revision, f.unit_text, f.env_text, envfile_text=f.envfile_text,
                                 secrets_text=f.dropins.get(secrets_path(sp.name)), secrets_replaced=bool(s.secrets))
         sw = arm(sp.name, revision=target.revision, new_hash=target.hash, window=window, record=rec,
                  previous=previous)
@@ -756,10 +802,13 @@ class _Builder:
             return Reason.DRIFT, "drift: edited on the host, reverting to the revision"
         if path == secrets_path(svc.name):
             return Reason.SECRET_CHANGED, "which secrets it gets, or how"
-        if path.endswith(".conf"):
-            before, after = parse_env(old), parse_env(render_env(svc.env))
+        if path == envfile_path(svc.name):
+            before, after = parse_env_file(old), dict(svc.env)
             keys = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
             return Reason.ENV_CHANGED, f"env changed: {', '.join(keys)}" if keys else "env file changed"
+        if path.endswith(".conf"):
+            return Reason.ENV_CHANGED, (f"env now read from {envfile_path(svc.name)}" if parse_env(old)
+                                        else "env drop-in changed")
         return Reason.UNIT_CHANGED, "unit changed in the revision"
 
     def _enable(self, spec: ServiceSpec, f: ServiceFacts | None) -> None:
@@ -794,11 +843,12 @@ class _Builder:
         if f.enabled:
             self.add(Kind.DISABLE, Reason.REMOVED, name, detail=why)
         for path, have in ((unit_path(name), f.unit_text), (env_path(name), f.env_text),
+                           (envfile_path(name), f.envfile_text),
                            (secrets_path(name), f.dropins.get(secrets_path(name)))):
             if have is not None:
                 self.add(Kind.REMOVE, Reason.REMOVED, name, path=path, detail=why,
                          diff=unified_diff(path, have, None, self.host.name, self.short))
-                self.reload = True
+                self.reload |= path.startswith(f"{UNIT_DIR}/")
         if rec.secrets:
             self.add(Kind.SECRETS, Reason.REMOVED, name, detail=f"{why}: delete its delivered secrets")
         if rec.adopted is not None:

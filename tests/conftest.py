@@ -20,6 +20,7 @@ from typing import Any
 import pygit2
 import pytest
 
+from reconciler.plan import parse_env_file
 from tests import fleet as fleetlib
 
 FLEET_SIZE = int(os.environ.get("RECONCILER_TEST_FLEET_SIZE", "10"))
@@ -52,6 +53,15 @@ class Fleet:
     def show(self, host: fleetlib.Host, unit: str, *props: str) -> dict[str, str]:
         out = self.ssh(host, f"systemctl show {unit} -p {','.join(props)}")
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def environment(self, host: fleetlib.Host, service: str) -> str:
+        """The environment systemd gives the service at its next start, as NAME=value words:
+        its Environment= lines (`systemctl show`) and its env file (the reconciler's, which the
+        env drop-in names; systemd reads it at every start)."""
+        shown = self.show(host, service, "Environment").get("Environment", "")
+        text = self.ssh(host, f"cat /etc/reconciler/env/{service.removesuffix('.service')}.env 2>/dev/null",
+                        check=False)
+        return " ".join([shown, *(f"{k}={v}" for k, v in parse_env_file(text).items())]).strip()
 
     def exists(self, host: fleetlib.Host, path: str) -> bool:
         return self.ssh(host, f"test -e {path} && echo yes || echo no").strip() == "yes"

@@ -333,7 +333,8 @@ for f in /etc/systemd/system/*.service; do
 done
 pkill -f "sleep $STRAY_SECONDS" >/dev/null 2>&1
 rm -f /usr/local/bin/nvidia-smi /etc/fake-gpus
-rm -rf /var/lib/reconciler /etc/credstore /etc/systemd/system/*.service.d /etc/systemd/system/.reconciler-* \
+rm -rf /var/lib/reconciler /etc/reconciler/env /etc/credstore /etc/systemd/system/*.service.d \
+  /etc/systemd/system/.reconciler-* \
   /tmp/model-* /run/systemd/system/*.service.d /etc/systemd/system.control /run/systemd/system.control
 systemctl daemon-reload
 systemctl reset-failed

@@ -55,7 +55,7 @@ def test_the_diff_comes_before_the_health_progress_and_is_not_repeated():
     res = FleetResult(REV, False, [r])
     print_result(out, res, shown=view.shown)
     text = buf.getvalue()
-    assert text.index('+Environment="A=2"') < text.index("gpu-1 m: starting") < text.index("revision")
+    assert text.index('+A="2"') < text.index("gpu-1 m: starting") < text.index("revision")
     assert text.count("── gpu-1") == 1
 
 

@@ -13,7 +13,7 @@ from tests.conftest import run_cli, run_json, write_fleet
 pytestmark = pytest.mark.fleet
 
 UNIT = "/etc/systemd/system/model-a.service"
-ENV = "/etc/systemd/system/model-a.service.d/50-reconciler-env.conf"
+ENV = "/etc/reconciler/env/model-a.env"     # the env file its drop-in names
 
 
 def test_dry_run_apply_then_noop(fleet, repo):
@@ -25,15 +25,18 @@ def test_dry_run_apply_then_noop(fleet, repo):
     assert f"+++ {rev[:7]}:{UNIT}" in dry.stdout
     assert ("ExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /models/Qwen3-8B --host "
             + h.address) in dry.stdout
-    assert 'Environment="LOG_LEVEL=info"' in dry.stdout
+    assert '+LOG_LEVEL="info"' in dry.stdout and "EnvironmentFile=/etc/reconciler/env/model-a.env" in dry.stdout
     assert "start model-a" in dry.stdout and rev[:7] in dry.stdout
     # dry-run changed nothing
     assert not fleet.exists(h, UNIT) and fleet.no_records(h)
 
     run_cli("--repo", str(repo.path), check_codes=(0,))
-    p = fleet.show(h, "model-a", "ActiveState", "SubState", "Environment", "InvocationID", "UnitFileState")
+    p = fleet.show(h, "model-a", "ActiveState", "SubState", "MainPID", "InvocationID", "UnitFileState")
     assert (p["ActiveState"], p["SubState"]) == ("active", "running")
-    assert "LOG_LEVEL=info" in p["Environment"] and "HF_HOME=/srv/hf" in p["Environment"]
+    # what the process really got, from the env file (0600: root's alone)
+    env = fleet.ssh(h, f"tr '\\0' '\\n' < /proc/{p['MainPID']}/environ").splitlines()
+    assert "LOG_LEVEL=info" in env and "HF_HOME=/srv/hf" in env
+    assert fleet.ssh(h, f"stat -c %a {ENV}").strip() == "600"
     assert p["UnitFileState"] == "enabled"
     stamp = fleet.ssh(h, f"stat -c %Y.%i {UNIT} {ENV} /var/lib/reconciler/host.json")
 
@@ -69,7 +72,7 @@ def test_env_change_restarts_exactly_that_service_on_those_hosts(fleet, repo):
     after = {(h.name, s): fleet.show(h, s, "InvocationID")["InvocationID"] for h in hosts for s in services}
     changed = {k for k in before if before[k] != after[k]}
     assert changed == {(hosts[1].name, "model-b")}
-    assert "LOG_LEVEL=debug" in fleet.show(hosts[1], "model-b", "Environment")["Environment"]
+    assert "LOG_LEVEL=debug" in fleet.environment(hosts[1], "model-b")
 
 
 def test_hand_edit_is_drift_and_is_reverted(fleet, repo):
@@ -257,7 +260,7 @@ def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
         # Locked at once, and every command after that (pre-flight, apply, the verdict) went
         # through the lock holder's shell: no SSH channel of its own (session.py)
         assert seen[h.name] == ["lock"], seen
-    assert "LOG_LEVEL=debug" in fleet.show(hosts[1], "model-a", "Environment")["Environment"]
+    assert "LOG_LEVEL=debug" in fleet.environment(hosts[1], "model-a")
 
 
 def test_a_new_commits_run_connects_while_it_loads_but_never_with_changed_ssh_settings(fleet, repo, monkeypatch):
@@ -289,8 +292,8 @@ def test_a_new_commits_run_connects_while_it_loads_but_never_with_changed_ssh_se
     assert {h.name: logins(h) - before[h.name] for h in (good, moved)} == {good.name: 2, moved.name: 2}
     res = {r["host"]: r for r in out["hosts"]}
     assert res[good.name]["status"] == "converged"
-    assert "LOG_LEVEL=debug" in fleet.show(good, "model-a", "Environment")["Environment"]
+    assert "LOG_LEVEL=debug" in fleet.environment(good, "model-a")
     # The moved host's key no longer matches what the commit pins: the run's own connection is
     # refused (before it logs in), though the early one had logged in.
     assert res[moved.name]["reason"] == "HostKeyUnverified", res[moved.name]
-    assert "LOG_LEVEL=debug" not in fleet.show(moved, "model-a", "Environment")["Environment"]
+    assert "LOG_LEVEL=debug" not in fleet.environment(moved, "model-a")

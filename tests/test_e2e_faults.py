@@ -55,8 +55,8 @@ pytestmark = pytest.mark.fleet
 
 SVC = "m"
 UNIT = f"/etc/systemd/system/{SVC}.service"
-DROPIN_DIR = f"/etc/systemd/system/{SVC}.service.d"
-ENV = f"{DROPIN_DIR}/50-reconciler-env.conf"
+ENV_DIR = "/etc/reconciler/env"
+ENV = f"{ENV_DIR}/{SVC}.env"            # the env file (its drop-in names it)
 RECORD = f"/var/lib/reconciler/services/{SVC}.json"
 LOCK = "/var/lib/reconciler/.lock"
 SWITCH = f"/var/lib/reconciler/confirm/{SVC}.sh"      # an armed dead-man's switch's script
@@ -67,7 +67,7 @@ STARTED = "39f53479d3a045ac8e11786248231fbf"     # systemd's "Started <unit>" jo
 # even when the controller reaches the host through the proxy on 127.0.0.1.
 STANDIN_UNIT = """
 [Unit]
-Description=stand-in model server {service.name}
+Description=stand-in model server {service.name}@NOTE@
 
 [Service]
 Type=simple
@@ -114,13 +114,14 @@ def recovery_table(request) -> list[Row]:
 
 
 def write_state(repo: DesiredRepo, h: fleetlib.Host, *, release: str, load_s: float = 1.0,
-                via: int | None = None, startup_timeout: float = 12) -> None:
-    """One service `m` on host h; `via`: the port of a proxy on 127.0.0.1 the controller goes through."""
+                via: int | None = None, startup_timeout: float = 12, note: str = "") -> None:
+    """One service `m` on host h; `via`: the port of a proxy on 127.0.0.1 the controller goes through;
+    `note`: added to the unit's Description (a change of the unit file, not only of the env)."""
     address, port = ("127.0.0.1", via) if via else (h.address, 22)
     pattern = f"[{address}]:{port}" if port != 22 else address
     repo.write("fleet.toml", '[ssh]\nuser = "root"\nknown_hosts = "known_hosts"\n')
     repo.write("known_hosts", f"{pattern} {fleetlib.host_public_key()}\n")
-    repo.write("units/standin.service", STANDIN_UNIT)
+    repo.write("units/standin.service", STANDIN_UNIT.replace("@NOTE@", note))
     repo.write(f"hosts/{h.name}.toml", "\n".join([
         f'address = "{address}"', "", "[ssh]", f"port = {port}", "",
         f"[services.{SVC}]", 'unit_file = "units/standin.service"',
@@ -202,7 +203,8 @@ def file_shas(fleet: Fleet, h: fleetlib.Host) -> tuple[str, str]:
 
 
 def temp_files(fleet: Fleet, h: fleetlib.Host) -> str:
-    return fleet.ssh(h, "find /etc/systemd/system /var/lib/reconciler -name '.reconciler-tmp.*' 2>/dev/null",
+    return fleet.ssh(h, "find /etc/systemd/system /etc/reconciler /var/lib/reconciler -name '.reconciler-tmp.*' "
+                        "2>/dev/null",
                      check=False).strip()
 
 
@@ -327,10 +329,11 @@ def test_the_proxy_cuts_with_an_rst_blackholes_without_closing_and_heals():
 # How the test knows the host is at the point (a plain ssh command that prints "yes").
 _PAUSED = f"pgrep -fx 'sleep {PAUSE}' >/dev/null"
 POINTS = {
-    "after-temp": ("pause-after-temp", f"{_PAUSED} && ls -A {DROPIN_DIR} | grep -q '^[.]reconciler-tmp[.]' "
+    "after-temp": ("pause-after-temp", f"{_PAUSED} && ls -A {ENV_DIR} | grep -q '^[.]reconciler-tmp[.]' "
                                        "&& echo yes"),
-    "after-rename": ("pause-after-rename", f"{_PAUSED} && grep -q RELEASE=v2 {ENV} && echo yes"),
-    "before-reload": ("pause-before-reload", f"{_PAUSED} && grep -q RELEASE=v2 {ENV} && test -f {SWITCH} "
+    "after-rename": ("pause-after-rename", f"{_PAUSED} && grep -q 'RELEASE=\"v2\"' {ENV} && echo yes"),
+    # (v2 changes the unit too at this point: an env change alone takes no daemon-reload)
+    "before-reload": ("pause-before-reload", f"{_PAUSED} && grep -q 'RELEASE=\"v2\"' {ENV} && test -f {SWITCH} "
                                              "&& echo yes"),
     "health-wait": ("", None),
 }
@@ -351,7 +354,7 @@ def at_point(fleet: Fleet, h: fleetlib.Host, point: str) -> bool:
     if cmd is not None:
         return fleet.ssh(h, cmd, check=False).strip() == "yes"
     pending = record(fleet, h).get("pending") or {}
-    return bool(pending.get("started")) and "RELEASE=v2" in fleet.show(h, SVC, "Environment")["Environment"]
+    return bool(pending.get("started")) and process_release(fleet, h) == "v2"
 
 
 @dataclass
@@ -398,11 +401,12 @@ def heal_and_settle(fleet: Fleet, h: fleetlib.Host, proxy: Proxy) -> None:
     wait_for("the host to settle", lambda: settled(fleet, h), timeout=PAUSE + 20, every=0.3)
 
 
-def change(fleet: Fleet, repo: DesiredRepo, h: fleetlib.Host, proxy: Proxy, load_s: float) -> tuple[Rendering,
-                                                                                                       Rendering]:
-    """v1 deployed and healthy through the proxy; v2 (an env change) committed."""
+def change(fleet: Fleet, repo: DesiredRepo, h: fleetlib.Host, proxy: Proxy, load_s: float,
+           unit_too: bool = False) -> tuple[Rendering, Rendering]:
+    """v1 deployed and healthy through the proxy; v2 (an env change, and a unit change with
+    `unit_too`) committed."""
     v1 = deploy_v1(fleet, repo, h, via=proxy.port, load_s=load_s)
-    write_state(repo, h, release="v2", via=proxy.port, load_s=load_s)
+    write_state(repo, h, release="v2", via=proxy.port, load_s=load_s, note=" (v2)" if unit_too else "")
     return v1, rendering(repo, repo.commit("v2: an env change"), h.name)
 
 
@@ -421,7 +425,7 @@ def test_a_change_interrupted_by_a_fault_is_never_half_applied_and_the_next_run_
     h = fleet.hosts[0]
     load_s = 4.0 if point == "health-wait" else 1.5
     with Proxy((h.address, 22)) as proxy:
-        v1, v2 = change(fleet, repo, h, proxy, load_s)
+        v1, v2 = change(fleet, repo, h, proxy, load_s, unit_too=point == "before-reload")
         allowed = {v1.shas, v2.shas}
         try:
             it = interrupt(fleet, h, proxy, repo, tmp_path / "interrupted", fault, point, allowed)
@@ -658,7 +662,7 @@ def test_a_host_rebooted_inside_the_switch_window_rolls_itself_back_after_boot(
 
 @pytest.mark.timeout(120)
 def test_a_full_disk_fails_the_write_and_leaves_the_old_version_untouched(fleet, repo, recovery_table):
-    """The env drop-in's directory is a full 64 KiB tmpfs (holding v1's drop-in, byte for byte):
+    """The env file's directory is a full 64 KiB tmpfs (holding v1's env file, byte for byte):
     the run fails (exit 4, ApplyFailed naming the write and ENOSPC), v1 keeps running untouched
     (same process, same files, no temp file left, nothing started, no switch armed), the record
     keeps v1 and says what was attempted (pending v2, not started). Unmounted, the next run
@@ -669,16 +673,16 @@ def test_a_full_disk_fails_the_write_and_leaves_the_old_version_untouched(fleet,
     v2 = rendering(repo, repo.commit("v2"), h.name)
     inv = fleet.show(h, SVC, "InvocationID")["InvocationID"]
     t_fault = time.time()
-    fleet.ssh(h, f"cp -a {ENV} /run/fi-env && mount -t tmpfs -o size=64k,mode=0755 fi-full {DROPIN_DIR} && "
-                 f"cp -a /run/fi-env {ENV} && {{ dd if=/dev/zero of={DROPIN_DIR}/.fill bs=4k 2>/dev/null; true; }} "
-                 f"&& test \"$(df --output=avail {DROPIN_DIR} | tail -1 | tr -d ' ')\" = 0")
+    fleet.ssh(h, f"cp -a {ENV} /run/fi-env && mount -t tmpfs -o size=64k,mode=0755 fi-full {ENV_DIR} && "
+                 f"cp -a /run/fi-env {ENV} && {{ dd if=/dev/zero of={ENV_DIR}/.fill bs=4k 2>/dev/null; true; }} "
+                 f"&& test \"$(df --output=avail {ENV_DIR} | tail -1 | tr -d ' ')\" = 0")
     try:
         code, out = run_json("--repo", str(repo.path), check_codes=(4,))
         r = host_report(out, h.name)
         assert r["reason"] == "ApplyFailed", r
         assert f"write {ENV}" in r["message"] and "No space left on device" in r["message"], r["message"]
         assert file_shas(fleet, h) == v1.shas
-        assert fleet.ssh(h, f"ls -A {DROPIN_DIR}").split() == [".fill", "50-reconciler-env.conf"]
+        assert fleet.ssh(h, f"ls -A {ENV_DIR}").split() == [".fill", f"{SVC}.env"]
         assert not temp_files(fleet, h)
         p = fleet.show(h, SVC, "InvocationID", "ActiveState", "NeedDaemonReload")
         assert (p["InvocationID"], p["ActiveState"]) == (inv, "active"), p
@@ -688,7 +692,7 @@ def test_a_full_disk_fails_the_write_and_leaves_the_old_version_untouched(fleet,
         assert rec["hash"] == rec["last_good_hash"] == v1.hash and rec["quarantine"] is None, rec
         assert rec["pending"]["hash"] == v2.hash and not rec["pending"]["started"], rec
     finally:
-        fleet.ssh(h, f"umount {DROPIN_DIR}; rm -f /run/fi-env", check=False)
+        fleet.ssh(h, f"umount {ENV_DIR}; rm -f /run/fi-env", check=False)
     t_next = time.time()
     run_cli("--repo", str(repo.path), check_codes=(0,))
     t_end = time.time()

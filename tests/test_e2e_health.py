@@ -147,7 +147,7 @@ def test_two_hosts_one_bad(fleet, repo):
     code, out = run_json("--repo", str(repo.path), check_codes=(3,))
     st = {r["host"]: r["status"] for r in out["hosts"]}
     assert st == {good.name: "in-sync", bad.name: "quarantined"}
-    assert "LOG_LEVEL=debug" in fleet.show(good, "m", "Environment")["Environment"]
-    assert "LOG_LEVEL=debug" not in fleet.show(bad, "m", "Environment")["Environment"]
+    assert "LOG_LEVEL=debug" in fleet.environment(good, "m")
+    assert "LOG_LEVEL=debug" not in fleet.environment(bad, "m")
     assert http_status(fleet, good) == "200" and http_status(fleet, bad) == "200"
     assert lines  # the table names both hosts

@@ -192,7 +192,7 @@ def test_the_runbook_installs_a_working_controller(fleet, control: Control, tmp_
     out = res.stdout + res.stderr
     assert res.returncode == 0 and "model-a (deploy" in out and "finished with exit 0" in out, out
     assert "Traceback" not in out and "PermissionError" not in out
-    assert "LOG_LEVEL=debug" in fleet.show(gpu, "model-a", "Environment")["Environment"]
+    assert "LOG_LEVEL=debug" in fleet.environment(gpu, "model-a")
 
     # An invalid push is refused, naming the file and key; nothing lands.
     text = (ws.path / f"hosts/{gpu.name}.toml").read_text().replace("[services.model-a]\n",

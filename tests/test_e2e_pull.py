@@ -190,7 +190,7 @@ def test_pull_mode_two_hosts_waves_and_a_rollback_with_no_controller(fleet: Flee
     assert note(fleet, canary, canary, c2)["standing"] == "ok"
     # the second host's verdict was pushed back over git:// (a third wave would read it)
     wait_for("the second host's report", lambda: note(fleet, canary, early, c2).get("standing") == "ok", 15)
-    assert "LOG_LEVEL=debug" in fleet.show(early, "model-a", "Environment")["Environment"]
+    assert "LOG_LEVEL=debug" in fleet.environment(early, "model-a")
 
     # A bad commit: the stand-in crashes right after it turns healthy. The canary deploys it,
     # sees the crash loop and rolls back to c2 by itself; the second host never deploys it.
@@ -217,7 +217,7 @@ def test_pull_mode_two_hosts_waves_and_a_rollback_with_no_controller(fleet: Flee
     assert held["target"] == c2 and held["skipped"][0]["revision"] == c3, held
     assert held["skipped"][0]["why"] == f"{canary.name} (canary) failed it: {reason}", held
     assert runs(fleet, early, c2)
-    assert "STANDIN_CRASH_AFTER" not in fleet.show(early, "model-a", "Environment")["Environment"]
+    assert "STANDIN_CRASH_AFTER" not in fleet.environment(early, "model-a")
 
     # The fleet as the hosts' records say, read over SSH from this machine: both hosts.
     code, rows = run_json("status", "--live", "--repo", str(repo.path), check_codes=(0,))

@@ -139,7 +139,7 @@ def test_push_goes_live_and_streams_the_outcome(fleet, deploy):
     rev2 = deploy.commit("debug")
     deploy.push()
     assert deploy.wait_exit_file(rev2) == 0
-    assert "LOG_LEVEL=debug" in fleet.show(h, "model-a", "Environment")["Environment"]
+    assert "LOG_LEVEL=debug" in fleet.environment(h, "model-a")
 
 
 @pytest.mark.timeout(60)
@@ -234,7 +234,7 @@ def test_daemon_killed_mid_deploy_converges_after_restart(fleet, deploy):
     deploy.push()
     # wait until the new env is on the host (applied), then SIGKILL during the health wait
     deadline = time.monotonic() + 20
-    while "V=2" not in fleet.show(h, "model-a", "Environment")["Environment"]:
+    while "V=2" not in fleet.environment(h, "model-a"):
         assert time.monotonic() < deadline, deploy.daemon_log()
         time.sleep(0.1)
     deploy.stop(signal.SIGKILL)
@@ -296,7 +296,7 @@ def test_warm_daemon_reuses_its_connections_and_replaces_one_closed_on_the_host(
     rev = deploy.commit("v2: a change after the kill")
     deploy.push()
     assert deploy.wait_exit_file(rev) == 0
-    assert "LOG_LEVEL=debug" in fleet.show(hosts[0], "model-a", "Environment")["Environment"]
+    assert "LOG_LEVEL=debug" in fleet.environment(hosts[0], "model-a")
     m = deploy.metrics()
     assert m["reconciler_ssh_connections_opened_total"] == 3, m       # the one replaced, only
     assert m.get('reconciler_runs_total{result="host_failed"}', 0.0) == 0, deploy.daemon_log()[-3000:]

@@ -251,7 +251,7 @@ def test_good_change_never_has_more_than_max_unavailable_down(fleet, repo):
     after = invocations(fleet, hosts)
     assert all(after[h.name] != before[h.name] for h in hosts)
     for h in hosts:
-        assert "SGLANG_LOG_LEVEL=debug" in fleet.show(h, SERVICE, "Environment")["Environment"]
+        assert "SGLANG_LOG_LEVEL=debug" in fleet.environment(h, SERVICE)
 
 
 @pytest.mark.timeout(180)

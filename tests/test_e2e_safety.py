@@ -85,7 +85,7 @@ def test_an_older_revision_is_refused_by_what_the_host_records(fleet, repo):
     assert out["hosts"][0]["reason"] == "NotDescendant"       # a dry run says so too
     code, out = run_json("--repo", str(repo.path), "--rev", c1, "--allow-rewind", check_codes=(0,))
     assert out["hosts"][0]["status"] == "converged"
-    assert "V=2" not in fleet.show(h, "model-a", "Environment")["Environment"]
+    assert "V=2" not in fleet.environment(h, "model-a")
 
 
 @pytest.mark.timeout(120)
@@ -118,7 +118,7 @@ def test_a_controller_killed_in_the_health_wait_leaves_the_host_to_its_switch(fl
     while fleet.show(h, "model-a", "ActiveState")["ActiveState"] != "active":
         assert time.monotonic() < deadline
         time.sleep(0.3)
-    assert "STANDIN_HANG" not in fleet.show(h, "model-a", "Environment")["Environment"]
+    assert "STANDIN_HANG" not in fleet.environment(h, "model-a")
     assert not fleet.exists(h, "/var/lib/reconciler/confirm/model-a.sh")   # it cleaned up
     assert fleet.show(h, "reconciler-confirm-model-a.timer", "ActiveState")["ActiveState"] == "inactive"
     # It held the host lock as every holder does: counted itself, and let go of its owner line
@@ -155,7 +155,7 @@ def test_a_push_during_the_stable_for_window_goes_live_at_once(fleet, tmp_path):
         pushed = time.monotonic()
         d.push()
         deadline = pushed + 15
-        while "V=3" not in fleet.show(h, "model-a", "Environment")["Environment"]:
+        while "V=3" not in fleet.environment(h, "model-a"):
             assert time.monotonic() < deadline, d.daemon_log()[-3000:]
             time.sleep(0.1)
         live = time.monotonic() - pushed

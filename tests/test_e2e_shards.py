@@ -85,6 +85,6 @@ def test_a_host_in_sync_is_read_without_its_lock_and_a_change_waits_for_it(fleet
         repo.commit("v2")
         code, out = run_json("--repo", str(repo.path), "--lock-wait", "2", check_codes=(4,))
         assert out["hosts"][0]["reason"] == "Locked"
-        assert "LOG_LEVEL=info" in fleet.show(h, "model-a", "Environment")["Environment"]   # untouched
+        assert "LOG_LEVEL=info" in fleet.environment(h, "model-a")   # untouched
     finally:
         fleet.ssh(h, "pkill -f 'flock /var/lib/reconciler/.lock' || true", check=False)

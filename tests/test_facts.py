@@ -96,14 +96,18 @@ def test_the_observation_reads_files_exactly_with_no_process_per_file(tmp_path):
     (state / "services/m.json").write_text('{"hash": "h"}\n')
     (dropins / "m.service.d").mkdir(parents=True)
     (dropins / "m.service.d/my drop in.conf").write_text("[Service]\nNice=5\n")
+    (tmp_path / "env").mkdir()
+    (tmp_path / "env/m.env").write_text('A="1 $x"\nB="2"')
     script = facts._SCRIPT % {"token": "tok", "state": str(state), **facts._LOCK_NAMES, "unit_dir": str(units),
-                              "dropin": ENV_DROPIN, "props": "Id", "dropin_dirs": str(dropins)}
+                              "env_dir": str(tmp_path / "env"), "dropin": ENV_DROPIN, "props": "Id",
+                              "dropin_dirs": str(dropins)}
     script = script.replace("systemctl show -p Id $units", "printf 'Id=m.service\\n'")
     r = subprocess.run(["sh", "-c", script, "observe", "m", "gone"], capture_output=True, timeout=10)
     assert r.returncode == 0, r.stderr
     f = parse_observation(r.stdout.decode(), "tok")
     m = f.services["m"]
     assert m.unit_text == tricky and m.env_text == "" and m.record is not None and m.record.hash == "h"
+    assert m.envfile_text == 'A="1 $x"\nB="2"' and f.services["gone"].envfile_text is None
     assert m.dropins == {f"{dropins}/m.service.d/my drop in.conf": "[Service]\nNice=5\n"}
     assert f.services["gone"].unit_text is None and f.record is None and f.services["m"].props["Id"] == "m.service"
 

@@ -99,7 +99,6 @@ def test_verify_writes_the_units_byte_for_byte_and_reads_any_output(tmp_path):
     import subprocess
 
     from reconciler.gate import parse_verify, verify_command
-    from reconciler.plan import render_env
     bindir, copy = tmp_path / "bin", tmp_path / "copy"
     bindir.mkdir()
     copy.mkdir()
@@ -107,7 +106,7 @@ def test_verify_writes_the_units_byte_for_byte_and_reads_any_output(tmp_path):
     (bindir / "systemd-analyze").chmod(0o755)
     units = {
         "a": ("[Service]\nExecStart=/bin/echo a \\\n  b\r\n\n   \n\tB\u00f6gus=1 \"q\" $x %i `c`\n-x\nend", None),
-        "b": ("[Unit]\n", render_env({"SECRET": "s3 %cr\"et\\ \u00e9", "B": "2"})),
+        "b": ("[Unit]\n", '[Service]\nEnvironment="B=2"\nEnvironment="SECRET=s3 %%cr\\"et\\\\ \u00e9"\n'),
         "c": ("", None),
     }
     cmd, stdin, token = verify_command(units)

@@ -12,7 +12,7 @@ from reconciler.apply import apply_plan
 from reconciler.facts import HostFacts, ServiceFacts
 from reconciler.gate import gpu_waiter
 from reconciler.gpu import Gpu, GpuFacts
-from reconciler.plan import Checks, Context, Kind, plan_host, render_env
+from reconciler.plan import Checks, Context, Kind, plan_host, render_env_dropin, render_env_file
 from reconciler.records import ServiceRecord
 from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.transport import Completed, LocalTransport
@@ -57,8 +57,9 @@ def gpu_host_setup(tmp_path, holder_pid: int, old_pid: int, unit: str):
     smi.chmod(0o755)
     host = HostSpec("gpuhost", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", unit, {"A": "2"})})
     facts = HostFacts(services={"m": ServiceFacts(
-        "m", unit, render_env({"A": "1"}), ServiceRecord(hash="old"),
-        {"ActiveState": "active", "ExecMainPID": str(old_pid), "UnitFileState": "enabled"})})
+        "m", unit, render_env_dropin("m"), ServiceRecord(hash="old"),
+        {"ActiveState": "active", "ExecMainPID": str(old_pid), "UnitFileState": "enabled"},
+        envfile_text=render_env_file({"A": "1"}))})
     gpu = GpuFacts(has_nvidia_smi=True, gpus=[Gpu(0, 21090, 143771, "GPU-aaaa")], holders=[])
     plan = plan_host(host, facts, Context("a" * 40, checks=Checks(gpu_gate=True)))
     return str(smi.parent), host, facts, plan, gpu

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from reconciler.facts import HostFacts, ServiceFacts, env_path, unit_path
+from reconciler.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
 from reconciler.plan import (
     ORDER,
     Action,
@@ -24,8 +24,10 @@ from reconciler.plan import (
     State,
     Watch,
     mask_secrets,
+    parse_env_file,
     plan_host,
-    render_env,
+    render_env_dropin,
+    render_env_file,
 )
 from reconciler.records import Adopted, HostRecord, Pending, Quarantine, Result, ServiceRecord
 from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
@@ -59,12 +61,13 @@ _SAME = object()
 def on_host(s: ServiceSpec, record: ServiceRecord | None, *, active: str = "active", enabled: str = "enabled",
             unit: object = _SAME, env: object = _SAME,
             dropins: Mapping[str, str] | None = None, **props: str) -> ServiceFacts:
-    """Service `s` as observed on the host: its files (or the text, or None, given as `unit`/`env`),
-    its record and its systemd state."""
-    env_text = (render_env(s.env) if s.env else None) if env is _SAME else env
+    """Service `s` as observed on the host: its files (or the text, or None, given as `unit`/`env`:
+    `env` is the env file's text), its record and its systemd state."""
+    envfile = (render_env_file(s.env) if s.env else None) if env is _SAME else env
+    env_text = render_env_dropin(s.name) if envfile is not None else None    # our drop-in names the env file
     return ServiceFacts(
         name=s.name, unit_text=s.unit_text if unit is _SAME else unit, env_text=env_text,  # type: ignore[arg-type]
-        record=record,
+        envfile_text=envfile, record=record,  # type: ignore[arg-type]
         props={"LoadState": "loaded", "FragmentPath": unit_path(s.name), "ActiveState": active,
                "UnitFileState": enabled, "NRestarts": "2", "InvocationID": "inv-0",
                "ActiveEnterTimestampMonotonic": "100", "NeedDaemonReload": "no", **props},
@@ -133,9 +136,11 @@ class Case:
         return plan_host(host(*self.desired), facts, Context(REV, **ctx))  # type: ignore[arg-type]
 
 
-NEW = ("intent m", "write m NewService", "write m NewService", "daemon-reload", "enable m", "start m NewService",
-       "record m", "record", "watch m HealthCheck")
-SUBSTITUTE = ("hold m HoldLastGood", "intent m", "write m", "daemon-reload", "restart m SubstituteLastGood",
+# A new service with env: the unit, the env drop-in (it names the env file) and the env file.
+NEW = ("intent m", "write m NewService", "write m NewService", "write m NewService", "daemon-reload", "enable m",
+       "start m NewService", "record m", "record", "watch m HealthCheck")
+# The last good differs from what is there in env only: no daemon-reload (systemd reads the env file at start).
+SUBSTITUTE = ("hold m HoldLastGood", "intent m", "write m", "restart m SubstituteLastGood",
               "record m", "record", "watch m SubstituteLastGood")
 
 CASES = [
@@ -154,16 +159,15 @@ CASES = [
          ("intent m", "write m UnitChanged", "daemon-reload", "restart m UnitChanged", "record m", "record",
           "watch m HealthCheck")),
     Case("changed env", (M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),), {"m": State.CHANGED},
-         ("intent m", "write m EnvChanged", "daemon-reload", "restart m UnitChanged", "record m", "record",
-          "watch m")),
+         ("intent m", "write m EnvChanged", "restart m UnitChanged", "record m", "record", "watch m")),
     Case("env removed: the drop-in is removed", (svc(env={}),), (on_host(M, verified(M, OLD)),),
-         {"m": State.CHANGED}, ("intent m", "remove m EnvChanged", "daemon-reload", "restart m", "record m",
-                                "record", "watch m")),
+         {"m": State.CHANGED}, ("intent m", "remove m EnvChanged", "remove m EnvChanged", "daemon-reload",
+                                "restart m", "record m", "record", "watch m")),
     Case("drifted unit: hand edit reverted", (M,),
          (on_host(M, verified(M), unit=UNIT.replace("/bin/server", "/bin/server --bad")),), {"m": State.DRIFTED},
          ("intent m", "write m Drift", "daemon-reload", "restart m", "record m", "record", "watch m")),
-    Case("drifted env", (M,), (on_host(M, verified(M), env=render_env({"A": "by hand"})),), {"m": State.DRIFTED},
-         ("intent m", "write m Drift", "daemon-reload", "restart m", "record m", "record", "watch m")),
+    Case("drifted env", (M,), (on_host(M, verified(M), env=render_env_file({"A": "by hand"})),), {"m": State.DRIFTED},
+         ("intent m", "write m Drift", "restart m", "record m", "record", "watch m")),
     Case("stopped: start, nothing written", (M,), (on_host(M, verified(M), active="inactive"),),
          {"m": State.STOPPED}, ("start m NotRunning", "record m", "record", "watch m")),
     Case("failed unit: start", (M,), (on_host(M, verified(M), active="failed"),), {"m": State.STOPPED},
@@ -188,14 +192,14 @@ CASES = [
          (on_host(M, verified(M_ENV0, OLD, pending=INTENT_M)),), {"m": State.PENDING},
          ("intent m", "restart m InterruptedDeploy", "record m", "record", "watch m HealthCheck"), host_rev=OLD),
     Case("pending, not started, cut before the env was written", (M,),
-         (on_host(M, verified(M_ENV0, OLD, pending=INTENT_M), env=render_env(M_ENV0.env)),), {"m": State.PENDING},
-         ("intent m", "write m EnvChanged", "daemon-reload", "restart m InterruptedDeploy", "record m", "record",
-          "watch m"), host_rev=OLD),
+         (on_host(M, verified(M_ENV0, OLD, pending=INTENT_M), env=render_env_file(M_ENV0.env)),), {"m": State.PENDING},
+         ("intent m", "write m EnvChanged", "restart m InterruptedDeploy", "record m", "record", "watch m"),
+         host_rev=OLD),
     Case("pending, new service cut before any file: write and start", (M,),
          (ServiceFacts("m", record=ServiceRecord(pending=replace(INTENT_M, replaces_hash=None,
                                                                  replaces_revision=None)),
                        props={"LoadState": "not-found", "ActiveState": "inactive"}),), {"m": State.PENDING},
-         ("intent m", "write m NewService", "write m NewService", "daemon-reload", "enable m",
+         ("intent m", "write m NewService", "write m NewService", "write m NewService", "daemon-reload", "enable m",
           "start m InterruptedDeploy", "record m", "record", "watch m"), host_rev=None),
     Case("pending, started, files match: only re-verify", (M,),
          (on_host(M, STARTED_M),),
@@ -203,8 +207,7 @@ CASES = [
     Case("pending, started, files differ: write again", (M,),
          (on_host(M_ENV0, STARTED_M),),
          {"m": State.PENDING},
-         ("intent m", "write m", "daemon-reload", "restart m InterruptedDeploy", "record m", "record",
-          "watch m HealthCheck")),
+         ("intent m", "write m", "restart m InterruptedDeploy", "record m", "record", "watch m HealthCheck")),
     # ---- failures: quarantine, substitution, hold ----------------------------------------------
     Case("quarantined, last good in place and running: hold marker only", (BAD,), (on_host(LAST, HELD_GOOD),),
          {"m": State.QUARANTINED}, ("hold m HoldLastGood",), ctx={"last_good": {"m": LAST}}),
@@ -212,7 +215,7 @@ CASES = [
          {"m": State.QUARANTINED}, SUBSTITUTE, ctx={"last_good": {"m": LAST}}, host_rev=OLD),
     Case("quarantined, bad version stopped by its verdict: start the last good", (BAD,),
          (on_host(BAD, FAILED_BAD, active="inactive"),), {"m": State.QUARANTINED},
-         ("hold m HoldLastGood", "intent m", "write m", "daemon-reload", "start m SubstituteLastGood", "record m",
+         ("hold m HoldLastGood", "intent m", "write m", "start m SubstituteLastGood", "record m",
           "record", "watch m SubstituteLastGood"), ctx={"last_good": {"m": LAST}}),
     Case("quarantined, last good in place but stopped: start it", (BAD,),
          (on_host(LAST, HELD_GOOD, active="inactive"),), {"m": State.QUARANTINED},
@@ -253,11 +256,11 @@ CASES = [
          {"m": State.STOPPED}, ("start m NotRunning", "record m", "record", "watch m HealthCheck"),
          ctx={"retry": True, "last_good": {"m": LAST}}),
     Case("--retry ignores a fleet quarantine", (BAD,), (on_host(LAST, verified(LAST, GOOD)),),
-         {"m": State.CHANGED}, ("intent m", "write m", "daemon-reload", "restart m", "record m", "record", "watch m"),
+         {"m": State.CHANGED}, ("intent m", "write m", "restart m", "record m", "record", "watch m"),
          ctx={"retry": True, "fleet_quarantine": {"m": FLEET}}),
     Case("a new commit changes the quarantined service: deployed as usual", (M,), (on_host(LAST, HELD_GOOD),),
-         {"m": State.CHANGED}, ("intent m", "write m EnvChanged", "daemon-reload", "restart m", "record m", "record",
-                                "watch m"), ctx={"last_good": {"m": LAST}}),
+         {"m": State.CHANGED}, ("intent m", "write m EnvChanged", "restart m", "record m", "record", "watch m"),
+         ctx={"last_good": {"m": LAST}}),
     # ---- units the reconciler did not install ----------------------------------------------------
     Case("foreign unit file at our path: left alone, n still converges", (M, N), (foreign_unit(),),
          {"m": State.FOREIGN, "n": State.NEW},
@@ -268,27 +271,28 @@ CASES = [
     Case("foreign masked unit: left alone", (M,), (masked_unit(),), {"m": State.FOREIGN}, ("hold m Foreign",)),
     Case("adopt a hand-made unit: keep the original, then converge", (replace(M, adopt=True),), (foreign_unit(),),
          {"m": State.ADOPT},
-         ("intent m", "adopt m Adopt", "write m UnitChanged", "write m NewService", "daemon-reload", "restart m Adopt",
-          "record m", "record", "watch m HealthCheck"), host_rev=None),
+         ("intent m", "adopt m Adopt", "write m UnitChanged", "write m NewService", "write m NewService",
+          "daemon-reload", "restart m Adopt", "record m", "record", "watch m HealthCheck"), host_rev=None),
     Case("adopt a package unit: nothing to copy, ours shadows it", (replace(M, adopt=True),), (package_unit(),),
          {"m": State.ADOPT},
-         ("intent m", "write m NewService", "write m NewService", "daemon-reload", "enable m", "start m Adopt",
-          "record m", "record", "watch m")),
+         ("intent m", "write m NewService", "write m NewService", "write m NewService", "daemon-reload", "enable m",
+          "start m Adopt", "record m", "record", "watch m")),
     # ---- orphans: in the inventory, no longer desired ------------------------------------------
     Case("orphan: stop, disable, remove", (), (on_host(M, verified(M, OLD)),), {"m": State.ORPHAN},
          ("stop m RemovedFromGit", "disable m RemovedFromGit", "remove m RemovedFromGit", "remove m RemovedFromGit",
-          "daemon-reload", "record"), dropped=("m",)),
+          "remove m RemovedFromGit", "daemon-reload", "record"), dropped=("m",)),
     Case("orphan already stopped and disabled: remove", (),
          (on_host(svc(env={}), verified(M, OLD), active="inactive", enabled="disabled"),), {"m": State.ORPHAN},
          ("remove m", "daemon-reload", "record"), dropped=("m",)),
     Case("adopted orphan: put the original back, enable and start it", (),
          (on_host(M, verified(M, adopted=Adopted((unit_path("m"),), was_enabled=True, was_active=True))),),
          {"m": State.ORPHAN},
-         ("stop m", "disable m", "remove m", "remove m", "restore m RestoreAdopted", "daemon-reload",
+         ("stop m", "disable m", "remove m", "remove m", "remove m", "restore m RestoreAdopted", "daemon-reload",
           "enable m RestoreAdopted", "start m RestoreAdopted", "record"), dropped=("m",)),
     Case("adopted orphan that was stopped and disabled: put back only", (),
          (on_host(M, verified(M, adopted=Adopted((unit_path("m"),))), active="inactive", enabled="disabled"),),
-         {"m": State.ORPHAN}, ("remove m", "remove m", "restore m", "daemon-reload", "record"), dropped=("m",)),
+         {"m": State.ORPHAN}, ("remove m", "remove m", "remove m", "restore m", "daemon-reload", "record"),
+         dropped=("m",)),
     Case("orphan of a deferred pass: not touched", (), (on_host(M, verified(M, OLD)),), {},
          (), ctx={"deferred": frozenset({"m"})}),
     Case("a unit outside the inventory is never touched", (), (foreign_unit(),), {}, ()),
@@ -319,15 +323,15 @@ CASES = [
          {"m": State.BLOCKED, "n": State.STOPPED}, ("hold m Blocked", "start n", "record n", "record", "watch n"),
          host_rev=OLD, ctx={"checks": Checks(blocked={"m": (Block("PreflightFailed", "no"),)})}),
     Case("model to fetch: fetch first", (M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),), {"m": State.CHANGED},
-         ("fetch-model m FetchModel", "intent m", "write m", "daemon-reload", "restart m", "record m", "record",
-          "watch m"), ctx={"checks": Checks(fetch={"m": "org/model into /models/m"})}),
+         ("fetch-model m FetchModel", "intent m", "write m", "restart m", "record m", "record", "watch m"),
+         ctx={"checks": Checks(fetch={"m": "org/model into /models/m"})}),
     Case("GPU gate on a change: stop, wait for the GPUs, start", (M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),),
          {"m": State.CHANGED},
-         ("intent m", "stop m GpuGate", "write m", "daemon-reload", "wait-gpus m GpuGate", "start m UnitChanged",
+         ("intent m", "stop m GpuGate", "write m", "wait-gpus m GpuGate", "start m UnitChanged",
           "record m", "record", "watch m"), ctx={"checks": Checks(gpu_gate=True)}),
     Case("GPU gate on a new service: wait, then start", (M,), (), {"m": State.NEW},
-         ("intent m", "write m", "write m", "daemon-reload", "wait-gpus m GpuGate", "enable m", "start m NewService",
-          "record m", "record", "watch m"), ctx={"checks": Checks(gpu_gate=True)}),
+         ("intent m", "write m", "write m", "write m", "daemon-reload", "wait-gpus m GpuGate", "enable m",
+          "start m NewService", "record m", "record", "watch m"), ctx={"checks": Checks(gpu_gate=True)}),
     Case("GPU gate on a stopped service: no stop", (M,), (on_host(M, verified(M), active="inactive"),),
          {"m": State.STOPPED}, ("wait-gpus m", "start m NotRunning", "record m", "record", "watch m"),
          ctx={"checks": Checks(gpu_gate=True)}),
@@ -452,12 +456,12 @@ def test_in_sync_summary() -> None:
 def test_new_service_writes_its_files_and_records_what_it_starts() -> None:
     plan = plan_of((M,), (), host_rev=None)
     assert {a.path: a.content for a in plan.actions if a.kind is Kind.WRITE} == {
-        unit_path("m"): UNIT, env_path("m"): render_env({"A": "1"})}
+        unit_path("m"): UNIT, env_path("m"): render_env_dropin("m"), envfile_path("m"): render_env_file({"A": "1"})}
     intent, started = record_of(plan, Kind.INTENT), record_of(plan)
     assert intent.pending == Pending(hash=H, revision=REV)
     assert (started.hash, started.revision, pending_of(started).started) == (H, REV, True)
     assert started.last_good_hash is None          # only a healthy verdict makes it the last good
-    assert plan.summary() == "write 2 files, daemon-reload, enable m, start m"
+    assert plan.summary() == "write 3 files, daemon-reload, enable m, start m"
     w = watch_of(plan)
     assert (w.hash, w.rollback, w.reverify, w.baseline_restarts) == (H, False, False, 0)
 
@@ -466,8 +470,10 @@ def test_env_change_restarts_with_a_reason_naming_the_key() -> None:
     old, new = svc(env={"A": "1", "B": "x", "C": "y"}), svc(env={"A": "2", "B": "x"})
     plan = plan_of((new,), (on_host(old, verified(old, OLD)),))
     write = only(plan, Kind.WRITE)
-    assert (write.reason, write.path, write.detail) == (Reason.ENV_CHANGED, env_path("m"), "env changed: A, C")
+    assert (write.reason, write.path, write.detail) == (Reason.ENV_CHANGED, envfile_path("m"), "env changed: A, C")
     assert plan.restarts == ["m"] and plan.states == {"m": State.CHANGED}
+    # systemd reads the env file at every start: no unit file changed, so no daemon-reload
+    assert not [a for a in plan.actions if a.kind is Kind.DAEMON_RELOAD]
     # A restart keeps counting NRestarts: the watch starts from the count before it.
     assert watch_of(plan).baseline_restarts == 2
     assert watch_of(plan).baseline_invocation == "inv-0"
@@ -485,7 +491,8 @@ def test_hand_edit_is_drift_with_a_diff() -> None:
 
 def test_env_removed_removes_the_drop_in() -> None:
     plan = plan_of((svc(env={}),), (on_host(M, verified(M, OLD)),))
-    assert [(a.kind, a.path) for a in plan.actions if a.path] == [(Kind.REMOVE, env_path("m"))]
+    assert [(a.kind, a.path) for a in plan.actions if a.path] == [(Kind.REMOVE, env_path("m")),
+                                                                  (Kind.REMOVE, envfile_path("m"))]
 
 
 def test_secrets_never_show_in_a_plan() -> None:
@@ -493,8 +500,8 @@ def test_secrets_never_show_in_a_plan() -> None:
     plan = plan_of((new,), (on_host(old, verified(old, OLD)),))
     shown = repr(plan.actions) + "".join(str(a.to_json()) + a.describe() for a in plan.actions)
     assert "hf_old_secret" not in shown and "hf_new_secret" not in shown
-    assert "HF_TOKEN=***" in diff_of(plan)
-    assert only(plan, Kind.WRITE).content == render_env(new.env)     # the file itself has it
+    assert '-HF_TOKEN="***"' in diff_of(plan) and '+HF_TOKEN="***"' in diff_of(plan)
+    assert only(plan, Kind.WRITE).content == render_env_file(new.env)     # the file itself has it
 
 
 @pytest.mark.parametrize("observed", [
@@ -533,7 +540,7 @@ def test_substitution_converges_to_the_last_good_version() -> None:
     assert sp.target is not None and sp.target.spec == LAST and sp.target.revision == GOOD and sp.target.rollback
     assert sp.result is Result.QUARANTINED and sp.quote == QBAD.quote
     write = only(plan, Kind.WRITE)
-    assert write.content == render_env(LAST.env) and "substitute last good ccccccc" in write.detail
+    assert write.content == render_env_file(LAST.env) and "substitute last good ccccccc" in write.detail
     assert record_of(plan, Kind.INTENT).pending == Pending(
         hash=LAST.content_hash(), revision=GOOD, rollback=True, replaces_hash=BAD.content_hash(), replaces_revision=REV)
     started = record_of(plan)
@@ -615,7 +622,7 @@ def test_an_adopted_masked_unit_is_masked_again_when_it_leaves() -> None:
 def test_orphan_removal_drops_its_record_and_shows_the_removed_files() -> None:
     plan = plan_of((), (on_host(M, verified(M, OLD)),))
     assert plan.dropped_records == ("m",) and plan.states == {"m": State.ORPHAN}
-    assert {a.path for a in plan.actions if a.kind is Kind.REMOVE} == {unit_path("m"), env_path("m")}
+    assert {a.path for a in plan.actions if a.kind is Kind.REMOVE} == {unit_path("m"), env_path("m"), envfile_path("m")}
     assert all("+++ /dev/null" in (a.diff or "") for a in plan.actions if a.kind is Kind.REMOVE)
     assert plan.services["m"].result is Result.CONVERGED
 
@@ -639,14 +646,16 @@ def test_gpu_gated_start_counts_restarts_from_zero() -> None:
 
 
 @pytest.mark.parametrize(("value", "expected"), [
-    ('a"b', 'Environment="K=a\\"b"'), ("50%", 'Environment="K=50%%"'), ("c:\\x", 'Environment="K=c:\\\\x"'),
-    ("", 'Environment="K="'), ("x y", 'Environment="K=x y"')])
+    ('a"b', 'K="a\\"b"'), ("50%", 'K="50%"'), ("c:\\x", 'K="c:\\\\x"'), ("$HOME `x`", 'K="\\$HOME \\`x\\`"'),
+    ("", 'K=""'), ("x y", 'K="x y"')])
 def test_env_values_are_escaped_for_systemd(value: str, expected: str) -> None:
-    assert f"{expected}\n" in render_env({"K": value})
+    assert f"{expected}\n" in render_env_file({"K": value})
+    assert parse_env_file(render_env_file({"K": value})) == {"K": value}
 
 
-def test_env_is_rendered_sorted_under_a_header() -> None:
-    assert render_env({"B": "2", "A": "1"}).splitlines()[1:] == ["[Service]", 'Environment="A=1"', 'Environment="B=2"']
+def test_env_is_rendered_sorted_under_a_header_in_a_file_the_drop_in_names() -> None:
+    assert render_env_file({"B": "2", "A": "1"}).splitlines()[1:] == ['A="1"', 'B="2"']
+    assert render_env_dropin("m").splitlines()[1:] == ["[Service]", f"EnvironmentFile={envfile_path('m')}"]
 
 
 @pytest.mark.parametrize(("line", "masked"), [
@@ -692,8 +701,9 @@ def test_an_adopted_units_drop_ins_are_kept_and_put_back() -> None:
 def test_a_deploy_arms_a_switch_that_restores_the_verified_version() -> None:
     plan = plan_of((M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),), confirm_margin=60.0)
     kinds = [a.kind for a in plan.actions]
-    assert kinds.index(Kind.INTENT) < kinds.index(Kind.ARM) < kinds.index(Kind.DAEMON_RELOAD) \
-        < kinds.index(Kind.ARM_TIMER) < kinds.index(Kind.RESTART)
+    # an env-only change: no daemon-reload, not for the env file, not for the switch (transient)
+    assert kinds.index(Kind.INTENT) < kinds.index(Kind.ARM) < kinds.index(Kind.ARM_TIMER) < kinds.index(Kind.RESTART)
+    assert Kind.DAEMON_RELOAD not in kinds
     sw = only(plan, Kind.ARM).switch
     assert sw is not None and sw.restores == OLD
     h = M.health
@@ -704,6 +714,7 @@ def test_a_deploy_arms_a_switch_that_restores_the_verified_version() -> None:
     assert f"# window={sw.window}\n" in sw.script         # what the re-arm at boot reads
     # the script puts the verified files back, restarts, and records the new version quarantined
     assert "systemctl restart m.service" in sw.script and '"NotConfirmed"' not in sw.script  # (base64 inside)
+    assert f"put {envfile_path('m')} " in sw.script and f"put {env_path('m')} " in sw.script   # env file and drop-in
     import base64
     import json
     records = [json.loads(base64.b64decode(x)) for x in sw.script.split() if x.startswith("eyJ")]

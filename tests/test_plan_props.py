@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.facts import HostFacts, ServiceFacts, env_path, unit_path
+from reconciler.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
 from reconciler.plan import (
     Action,
     Checks,
@@ -30,8 +30,9 @@ from reconciler.plan import (
     desired_files,
     needs_last_good,
     plan_host,
+    render_env_dropin,
+    render_env_file,
 )
-from reconciler.plan import render_env as render
 from reconciler.records import Adopted, HostRecord, Pending, Quarantine, ServiceRecord, Verdict, judge
 from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
 
@@ -56,7 +57,10 @@ def _props(f: ServiceFacts, **kv: str) -> ServiceFacts:
 
 
 def _write(f: ServiceFacts, path: str, content: str | None) -> ServiceFacts:
-    """A file written (content) or removed (None): the unit, our env drop-in, or another drop-in."""
+    """A file written (content) or removed (None): the unit, our env drop-in, or another drop-in;
+    or the env file, which systemd reads at every start (no daemon-reload needed for it)."""
+    if path == envfile_path(f.name):
+        return replace(f, envfile_text=content)
     dropins = dict(f.dropins)
     if path == unit_path(f.name):
         f = replace(f, unit_text=content)
@@ -184,9 +188,10 @@ def ctx_for(desired: HostSpec, facts: HostFacts, renders: Mapping[str, ServiceSp
 def installed(s: ServiceSpec, rec: ServiceRecord | None, *, active: str = "active", enabled: str = "enabled",
               **props: str) -> ServiceFacts:
     """A service whose files on the host are exactly those of `s`."""
-    env = render(s.env) if s.env else None
+    env = render_env_dropin(s.name) if s.env else None
     return ServiceFacts(
-        name=s.name, unit_text=s.unit_text, env_text=env, record=rec,
+        name=s.name, unit_text=s.unit_text, env_text=env, envfile_text=render_env_file(s.env) if s.env else None,
+        record=rec,
         props={"LoadState": "loaded", "FragmentPath": unit_path(s.name), "ActiveState": active,
                "UnitFileState": enabled, "NRestarts": "0", "InvocationID": "inv-0",
                "ActiveEnterTimestampMonotonic": "0", "NeedDaemonReload": "no", **props},
@@ -249,8 +254,7 @@ def observed(draw: st.DrawFn, s: ServiceSpec, kind: str | None = None) -> tuple[
         return s, replace(installed(s, verified(s)), unit_text=s.unit_text + "# edited by hand\n")
     if kind == "drifted-env":
         f = installed(s, verified(s))
-        text = render({**s.env, "HAND": "edit"})
-        return s, replace(f, env_text=text, dropins={**f.dropins, env_path(s.name): text})
+        return s, replace(f, envfile_text=render_env_file({**s.env, "HAND": "edit"}))
     if kind in ("stopped", "failed"):
         return s, installed(s, verified(s), active="inactive" if kind == "stopped" else "failed")
     if kind == "not-enabled":
