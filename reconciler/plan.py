@@ -334,6 +334,16 @@ def parse_env_file(text: str | None) -> dict[str, str]:
     return out
 
 
+def _legacy_env_dropin(env: Mapping[str, str]) -> str:
+    """The env drop-in as a reconciler before the env file wrote it (Environment= lines): a host
+    that has exactly this for the desired env runs the desired env already."""
+    lines = [ENV_HEADER, "[Service]\n"]
+    for key in sorted(env):
+        value = env[key].replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+        lines.append(f'Environment="{key}={value}"\n')
+    return "".join(lines)
+
+
 _ENV_LINE = re.compile(r'^Environment="([^=]+)=(.*)"$')
 
 
@@ -500,6 +510,9 @@ class _Sync:
     running: bool
     pending: Pending | None  # an unfinished deploy of exactly this version
     verified: bool         # this version passed health here
+    # The env as Environment= lines of exactly the desired values, where the env file should be:
+    # the files move (write, daemon-reload), the process, which has that env already, stays.
+    moved_env: tuple[tuple[str, str | None, str | None], ...] = ()
 
     @property
     def files_differ(self) -> bool:
@@ -529,7 +542,12 @@ def _sync(target: Target, f: ServiceFacts | None, observed: Mapping[str, str | N
         if have != want:
             files.append((path, have, want))
     pending = rec.pending if rec.pending is not None and rec.pending.hash == target.hash else None
-    return _Sync(files=tuple(files), dropins=tuple(foreign_dropins(target.spec, f).items()),
+    moved: list[tuple[str, str | None, str | None]] = []
+    env_files = {env_path(target.spec.name), envfile_path(target.spec.name)}
+    if f is not None and files and {p for p, _, _ in files} <= env_files and f.envfile_text is None \
+            and target.spec.env and f.env_text == _legacy_env_dropin(target.spec.env):
+        moved, files = files, []
+    return _Sync(files=tuple(files), moved_env=tuple(moved), dropins=tuple(foreign_dropins(target.spec, f).items()),
                  secrets=secret_changes(target.spec, rec, observed),
                  applied=rec.hash == target.hash, running=f is not None and f.running, pending=pending,
                  verified=rec.last_good_hash == target.hash)
@@ -596,8 +614,10 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
         return ServicePlan(name, State.ADOPT, desired, result=Result.CONVERGED,
                            note=f"adopting {foreign} (the original is kept and put back when the service "
                                 f"leaves the desired state)")
-    state = _sync_state(_sync(desired, f, observed or {}), f)
-    return ServicePlan(name, state, desired, result=Result.IN_SYNC if state is State.IN_SYNC else Result.CONVERGED)
+    s = _sync(desired, f, observed or {})
+    state = _sync_state(s, f)
+    in_sync = state is State.IN_SYNC and not s.moved_env
+    return ServicePlan(name, state, desired, result=Result.IN_SYNC if in_sync else Result.CONVERGED)
 
 
 def _blocked(sp: ServicePlan, blocks: tuple[Block, ...]) -> ServicePlan:
@@ -658,6 +678,12 @@ class _Builder:
         assert sp.target is not None
         s = _sync(sp.target, f, self.facts.secret_files)
         why_sub = f"substitute last good {sp.target.revision[:7]}: {sp.note}" if sp.target.rollback else ""
+        for path, have, want in s.moved_env:
+            assert want is not None
+            self.add(Kind.WRITE, Reason.ENV_CHANGED, sp.name, path=path, content=want,
+                     diff=unified_diff(path, have, want, self.host.name, sp.target.revision[:7]),
+                     detail=f"env moved to {envfile_path(sp.name)}, same values: no restart")
+            self.reload = True
         if self._nothing_to_apply(sp, f, s, why_sub):
             return
         if sp.name in self.ctx.checks.fetch and not sp.target.rollback:

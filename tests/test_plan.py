@@ -740,3 +740,22 @@ def test_an_orphan_with_a_deploy_in_flight_disarms_its_switch() -> None:
     plan = plan_of((), (on_host(M, rec),), confirm_margin=60.0)
     kinds = [a.kind for a in plan.actions]
     assert Kind.DISARM in kinds and kinds.index(Kind.DISARM) < kinds.index(Kind.STOP)
+
+
+def test_a_host_with_the_env_as_environment_lines_moves_to_the_env_file_without_a_restart() -> None:
+    """A host an older reconciler deployed has the env as Environment= lines in the drop-in and no
+    env file. Where those lines are exactly the desired env, the running process has it already:
+    the files move (write both, daemon-reload), nothing restarts. Where they differ, it is an
+    env change as any other."""
+    from reconciler.plan import _legacy_env_dropin
+    legacy = replace(on_host(M, verified(M)), env_text=_legacy_env_dropin(M.env), envfile_text=None,
+                     dropins={env_path("m"): _legacy_env_dropin(M.env)})
+    plan = plan_of((M,), (legacy,))
+    assert [(a.kind, a.path) for a in plan.actions if a.kind is not Kind.RECORD] == [
+        (Kind.WRITE, env_path("m")), (Kind.WRITE, envfile_path("m")), (Kind.DAEMON_RELOAD, None)]
+    assert all("same values: no restart" in a.detail for a in plan.actions if a.kind is Kind.WRITE)
+    assert plan.states == {"m": State.IN_SYNC} and plan.services["m"].result is Result.CONVERGED
+    old_env = _legacy_env_dropin({"A": "0"})
+    other = replace(legacy, env_text=old_env, dropins={env_path("m"): old_env})
+    plan = plan_of((M,), (other,))
+    assert plan.states == {"m": State.DRIFTED} and plan.restarts == ["m"]
