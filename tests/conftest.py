@@ -186,7 +186,7 @@ def write_fleet(repo: DesiredRepo, hosts: list[fleetlib.Host], services: dict[st
                 f"{k} = {json.dumps(v)}" for k, v in health.items() if v is not None) + " }")
             env = s.get("env", {})
             if env:
-                body.append("env = { " + ", ".join(f'{k} = "{v}"' for k, v in env.items()) + " }")
+                body.append("env = { " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + " }")
             body.append("")
         repo.write(f"hosts/{h.name}.toml", "\n".join(body))
     for rel, text in (extra if extra is not None else WITHOUT_INCIDENT_RULE).items():

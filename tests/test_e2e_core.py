@@ -5,6 +5,9 @@ Every test starts from freshly reset hosts (the `fleet` fixture) and a real git 
 
 from __future__ import annotations
 
+import json
+import shlex
+
 import pytest
 
 from tests import fleet as fleetlib
@@ -65,7 +68,8 @@ def test_env_change_restarts_exactly_that_service_on_those_hosts(fleet, repo):
     repo.commit("debug logging for model-b on one host")
 
     dry = run_cli("--repo", str(repo.path), "--dry-run", check_codes=(2,))
-    assert "env changed: LOG_LEVEL" in dry.stdout
+    assert "env changed: LOG_LEVEL" in dry.stdout and "daemon-reload" not in dry.stdout
+    reloads = reload_count(fleet, hosts[1])
     code, out = run_json("--repo", str(repo.path), check_codes=(0,))
     statuses = {r["host"]: r["status"] for r in out["hosts"]}
     assert statuses == {hosts[0].name: "in-sync", hosts[1].name: "converged", hosts[2].name: "in-sync"}
@@ -73,6 +77,35 @@ def test_env_change_restarts_exactly_that_service_on_those_hosts(fleet, repo):
     changed = {k for k in before if before[k] != after[k]}
     assert changed == {(hosts[1].name, "model-b")}
     assert "LOG_LEVEL=debug" in fleet.environment(hosts[1], "model-b")
+    # the env file is read at the start: systemd was never reloaded, the switch included
+    assert reload_count(fleet, hosts[1]) == reloads
+
+
+def reload_count(fleet, h: fleetlib.Host) -> int:
+    """How many daemon-reloads systemd has logged since it booted."""
+    return int(fleet.ssh(h, "journalctl -b _PID=1 -o cat --no-pager | grep -c '^Reloading[.]$' || true").strip())
+
+
+def test_a_host_with_the_env_in_environment_lines_moves_to_the_env_file_without_a_restart(fleet, repo):
+    """A host an older reconciler deployed had the env as Environment= lines in the drop-in and
+    no env file. The first run after the upgrade moves the files (and reloads), restarts
+    nothing, and the process keeps the same env; the next run is in sync."""
+    from reconciler.plan import _legacy_env_dropin
+    h = fleet.hosts[0]
+    write_fleet(repo, [h], {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info", "Q": 'a "b" 50% \\ $x'}}})
+    repo.commit("v1")
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    legacy = _legacy_env_dropin({"LOG_LEVEL": "info", "Q": 'a "b" 50% \\ $x'})
+    fleet.ssh(h, f"printf '%s' {shlex.quote(legacy)} > /etc/systemd/system/model-a.service.d/50-reconciler-env.conf"
+                 f" && rm {ENV} && systemctl daemon-reload")
+    inv = fleet.show(h, "model-a", "InvocationID")["InvocationID"]
+    code, out = run_json("--repo", str(repo.path), check_codes=(0,))
+    r = out["hosts"][0]
+    assert r["status"] == "converged" and "no restart" in json.dumps(r["actions"]), r
+    assert fleet.show(h, "model-a", "InvocationID")["InvocationID"] == inv
+    assert fleet.exists(h, ENV) and 'LOG_LEVEL=info' in fleet.environment(h, "model-a")
+    code, out = run_json("--repo", str(repo.path), check_codes=(0,))
+    assert out["hosts"][0]["status"] == "in-sync"
 
 
 def test_hand_edit_is_drift_and_is_reverted(fleet, repo):
