@@ -36,7 +36,7 @@ _HOSTNAME_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 _KEY_TYPE = re.compile(r"^[a-z0-9][a-z0-9@.-]*$")
 _BASE64 = re.compile(r"^[A-Za-z0-9+/]+={0,2}$")
 # Control characters other than tab: a newline in a value would let it escape its line in
-# the unit file or the Environment= drop-in.
+# the unit file or the env file.
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _WHITESPACE_OR_CONTROL = re.compile(r"[\s\x00-\x1f\x7f]")
 
