@@ -4,7 +4,7 @@ The table of issue 15, for the project's own runs. Three scenarios:
 
   no-change    the hosts run the desired state; nothing to do
   converge     fresh hosts (no unit, no records) converge to one service each
-  env-change   a commit changes one env value on every host: each writes its drop-in and restarts
+  env-change   a commit changes one env value on every host: each writes its env file and restarts
 
 Each cell is the median of --rounds runs of a whole process, Python start-up and imports
 included, as a user runs it:
@@ -43,11 +43,11 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench import floor
 from reconciler import load, source
+from reconciler.plan import desired_files
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 
@@ -141,19 +141,25 @@ class Bench:
         """The floor converging `hosts` to the repo's unit with env BENCH_VALUE=value."""
         state = load.load_desired(source.snapshot(repo.repo))
         spec = {"key": self.key, "known_hosts": str(self.kh), "service": SERVICE,
-                "hosts": [{"address": h.address, "unit": state.hosts[h.name].services[SERVICE].unit_text,
-                           "env": floor.environment_dropin({**state.hosts[h.name].services[SERVICE].env,
-                                              "BENCH_VALUE": str(value)})} for h in hosts]}
+                "hosts": [{"address": h.address, "files": floor_files(replace(
+                    state.hosts[h.name].services[SERVICE],
+                    env={**state.hosts[h.name].services[SERVICE].env, "BENCH_VALUE": str(value)}))}
+                          for h in hosts]}
         path = self.tmp / "floor.json"
         path.write_text(json.dumps(spec))
         return spawn([sys.executable, "-m", "bench.floor", str(path)], self.env, f"{len(hosts)} {expect}")
 
-    def reset(self, hosts: list[fleetlib.Host]) -> None:
+    def reset(self, hosts: list[fleetlib.Host], script: str = RESET) -> None:
         def one(h: fleetlib.Host) -> None:
-            subprocess.run([*fleetlib.ssh_base(h.address, self.kh), RESET], check=True, capture_output=True,
+            subprocess.run([*fleetlib.ssh_base(h.address, self.kh), script], check=True, capture_output=True,
                            timeout=60)
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(one, hosts))
+
+    def unlimit(self, hosts: list[fleetlib.Host]) -> None:
+        """Untimed: clear systemd's start rate limit (5 starts in 10 s) that the runs' quick
+        restarts of the same unit, back to back, would otherwise hit."""
+        self.reset(hosts, f"systemctl reset-failed {SERVICE}.service")
 
     def warm_up(self) -> None:
         """Compile and cache both programs' bytecode (an installed tool has its .pyc files)."""
@@ -183,10 +189,19 @@ class Bench:
         for _ in range(rounds if "env-change" in cells else 0):
             self.value += 1
             self.desired(repo, hosts, self.value)
+            self.unlimit(hosts)
             cells["env-change"].ours.append(self.ours(repo, n, "converged"))
+            self.unlimit(hosts)
             cells["env-change"].floor.append(self.floor(repo, hosts, -self.value, "converged"))
+            self.unlimit(hosts)
             self.floor(repo, hosts, self.value, "converged")       # untimed: back to the reconciler's value
         return cells
+
+
+def floor_files(svc: object) -> dict[str, str]:
+    """The files the reconciler writes for a service, for the floor to converge to (the same host
+    at the end)."""
+    return {p: text for p, text in desired_files(svc).items() if text is not None}  # type: ignore[arg-type]
 
 
 def med(runs: list[Run], attr: str) -> float:

@@ -2,16 +2,19 @@
 
 A bare asyncssh script, run as a process of its own (Python start-up and the asyncssh import
 included, as for `reconcile`): all hosts at once, one connection per host, one batched read
-(the unit file, the env drop-in and `systemctl show` of the unit), and the minimal fix in one
-more command where anything differs: write the files that changed, one daemon-reload, enable a
-unit that is not enabled, start or restart it, and read its state in the same command. Health is
+(the service's files, read by a shell builtin loop with no process per file, and `systemctl show`
+of the unit), and the minimal fix in one more command where anything differs: write the files
+that changed, one daemon-reload only where a file systemd loads changed (an env file is read at
+the start: no reload for it), enable a unit that is not enabled, start or restart it, and read
+its state in the same command. The files are the reconciler's own layout (the unit, the env
+drop-in that names the env file, the env file), so both end with the same host. Health is
 systemd's alone with stable_for = 0: active/running once (polled again every 0.1 s until then).
 No records, no lock, no pre-flight, no atomic fsync'd writes, no rollback: a floor, not a tool.
 
     python -m bench.floor SPEC.json     # exit 0 when every host runs the desired files
 
 SPEC: {"key": client key, "known_hosts": file, "service": name,
-       "hosts": [{"address": "127.0.0.N", "unit": text, "env": text}, ...]}
+       "hosts": [{"address": "127.0.0.N", "files": {path: text, ...}}, ...]}
 optional: "port" (22), "concurrency" (hosts connecting at once; default all), "read_only"
 (bench/scale.py: read only, and say in-sync when the unit is active/running).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import shlex
 import sys
 import time
 
@@ -31,42 +35,42 @@ SEP = "@@floor@@"
 # in asyncssh than its default chacha20-poly1305), so the floor is no slower for want of it.
 CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com",
            "aes256-ctr", "aes192-ctr", "aes128-ctr")
+UNIT_DIR = "/etc/systemd/system"
 
 
-def environment_dropin(env: dict[str, str]) -> str:
-    """The env as the floor writes it: a drop-in of Environment= lines (what a hand-written fix
-    would do; it takes a daemon-reload per change, where the reconciler's env file takes none)."""
-    lines = ["[Service]\n"]
-    for key in sorted(env):
-        value = env[key].replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
-        lines.append(f'Environment="{key}={value}"\n')
-    return "".join(lines)
+def layout(service: str) -> list[str]:
+    """The reconciler's files of a service with env and no secrets (reconciler/facts.py)."""
+    return [f"{UNIT_DIR}/{service}.service", f"{UNIT_DIR}/{service}.service.d/50-reconciler-env.conf",
+            f"/etc/reconciler/env/{service}.env"]
+
+
+def read_command(paths: list[str], show: str) -> str:
+    """Each file's text (builtins only: no process per file), SEP after each, then `show`."""
+    reads = "; ".join(f"r {shlex.quote(p)}; echo {SEP}" for p in paths)
+    return (f"r() {{ [ -f \"$1\" ] || return 0; while IFS= read -r l; do printf '%s\\n' \"$l\"; done < \"$1\"; }}; "
+            f"{reads}; {show}")
 
 
 async def converge(h: dict, service: str, key: str, known_hosts: object, port: int = 22,
                    read_only: bool = False) -> str:
     """One host: read, fix what differs, wait for systemd's active/running. Returns what it did."""
-    unit_path = f"/etc/systemd/system/{service}.service"
-    env_dir = f"{unit_path}.d"
-    env_path = f"{env_dir}/50-reconciler-env.conf"
+    want: dict[str, str] = h.get("files") or {}
+    paths = list(want) or layout(service)
     show = f"systemctl show -p ActiveState,SubState,UnitFileState {service}.service"
     async with asyncssh.connect(h["address"], port=port, username="root", client_keys=[key],
                                 known_hosts=known_hosts, config=[], encryption_algs=CIPHERS) as conn:
-        read = await conn.run(f"cat {unit_path} 2>/dev/null; echo {SEP}; cat {env_path} 2>/dev/null; "
-                              f"echo {SEP}; {show}", check=True)
-        unit, env, props = str(read.stdout).split(f"{SEP}\n")
+        read = await conn.run(read_command(paths, show), check=True)
+        *texts, props = str(read.stdout).split(f"{SEP}\n")
         state = dict(line.split("=", 1) for line in props.splitlines() if "=" in line)
         if read_only:
             return "in-sync" if state.get("SubState") == "running" else "not-running"
+        changed = [p for p, have in zip(paths, texts, strict=True) if have != want[p]]
         steps = []
-        if unit != h["unit"]:
-            steps.append(f"printf %s {base64.b64encode(h['unit'].encode()).decode()} | base64 -d > {unit_path}")
-        if env != h["env"]:
-            steps.append(f"mkdir -p {env_dir} && printf %s {base64.b64encode(h['env'].encode()).decode()} "
-                         f"| base64 -d > {env_path}")
-        changed = bool(steps)
+        for p in changed:
+            d, text = shlex.quote(p.rsplit("/", 1)[0]), base64.b64encode(want[p].encode()).decode()
+            steps.append(f"{{ [ -d {d} ] || mkdir -p {d}; }} && printf %s {text} | base64 -d > {shlex.quote(p)}")
         running = state.get("ActiveState") == "active" and state.get("SubState") == "running"
-        if changed:
+        if any(p.startswith(f"{UNIT_DIR}/") for p in changed):
             steps.append("systemctl daemon-reload")
         if state.get("UnitFileState") != "enabled":
             steps.append(f"systemctl enable --quiet --no-reload {service}.service")
@@ -98,7 +102,8 @@ async def main(spec: dict) -> int:
     results = await asyncio.gather(*(one(h) for h in spec["hosts"]), return_exceptions=True)
     bad = [(h["address"], r) for h, r in zip(spec["hosts"], results, strict=True) if isinstance(r, BaseException)]
     for addr, e in bad:
-        print(f"{addr}: {type(e).__name__}: {e}", file=sys.stderr)
+        said = getattr(e, "stderr", "") or ""
+        print(f"{addr}: {type(e).__name__}: {e}" + (f": {str(said).strip()[-500:]}" if said else ""), file=sys.stderr)
     done = [r for r in results if isinstance(r, str)]
     print(f"{len(results)} hosts: " + ", ".join(f"{done.count(s)} {s}" for s in sorted(set(done))))
     return 1 if bad else 0

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.compare import Run, spawn
-from bench.floor import CIPHERS
+from bench.floor import CIPHERS, layout, read_command
 from tests import fleet as fleetlib
 from tests.conftest import STANDIN_UNIT, DesiredRepo
 
@@ -63,10 +63,7 @@ UseDNS no
 MaxStartups 2000:30:4000
 MaxSessions 20
 """
-SEP = "@@floor@@"
-READ = (f"cat /etc/systemd/system/{SERVICE}.service 2>/dev/null; echo {SEP}; "
-        f"cat /etc/systemd/system/{SERVICE}.service.d/50-reconciler-env.conf 2>/dev/null; echo {SEP}; "
-        f"systemctl show -p ActiveState,SubState,UnitFileState {SERVICE}.service")
+READ = read_command(layout(SERVICE), f"systemctl show -p ActiveState,SubState,UnitFileState {SERVICE}.service")
 
 
 def address(i: int) -> str:

@@ -224,7 +224,7 @@ def main() -> None:
             b.desired(repo, hosts, 1)
             state = load.load_desired(source.snapshot(repo.repo))
             svc = state.hosts[hosts[0].name].services[compare.SERVICE]
-            spec = {"address": hosts[0].address, "unit": svc.unit_text, "env": floor.environment_dropin(svc.env)}
+            spec = {"address": hosts[0].address, "files": compare.floor_files(svc)}
             ours: list[Meter] = []
             floors: list[Meter] = []
             b.reset(hosts)
