@@ -375,7 +375,7 @@ def parse_command(svc: ServiceSpec) -> Command:
     """
     entries = unit_entries(svc.unit_text)
     env = _environment_lines(entries)
-    env.update(svc.env)              # the reconciler's env drop-in is read after the unit
+    env.update(svc.env)              # the reconciler's env file: EnvironmentFile= wins over Environment=
     exec_start: str | None = None
     for key, value in entries:
         if key == "ExecStart":
