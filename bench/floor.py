@@ -16,7 +16,8 @@ No records, no lock, no pre-flight, no atomic fsync'd writes, no rollback: a flo
 SPEC: {"key": client key, "known_hosts": file, "service": name,
        "hosts": [{"address": "127.0.0.N", "files": {path: text, ...}}, ...]}
 optional: "port" (22), "concurrency" (hosts connecting at once; default all), "read_only"
-(bench/scale.py: read only, and say in-sync when the unit is active/running).
+(bench/scale.py: read only, and say in-sync when the unit is active/running) with "paths" (the
+files to read).
 """
 
 from __future__ import annotations
@@ -35,13 +36,7 @@ SEP = "@@floor@@"
 # in asyncssh than its default chacha20-poly1305), so the floor is no slower for want of it.
 CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com",
            "aes256-ctr", "aes192-ctr", "aes128-ctr")
-UNIT_DIR = "/etc/systemd/system"
-
-
-def layout(service: str) -> list[str]:
-    """The reconciler's files of a service with env and no secrets (reconciler/facts.py)."""
-    return [f"{UNIT_DIR}/{service}.service", f"{UNIT_DIR}/{service}.service.d/50-reconciler-env.conf",
-            f"/etc/reconciler/env/{service}.env"]
+UNIT_DIR = "/etc/systemd/system"      # where a changed file takes a daemon-reload
 
 
 def read_command(paths: list[str], show: str) -> str:
@@ -52,10 +47,11 @@ def read_command(paths: list[str], show: str) -> str:
 
 
 async def converge(h: dict, service: str, key: str, known_hosts: object, port: int = 22,
-                   read_only: bool = False) -> str:
-    """One host: read, fix what differs, wait for systemd's active/running. Returns what it did."""
+                   read_only: bool = False, paths: list[str] | None = None) -> str:
+    """One host: read, fix what differs, wait for systemd's active/running. Returns what it did.
+    `paths`: the files to read where the host names none to write (read_only)."""
     want: dict[str, str] = h.get("files") or {}
-    paths = list(want) or layout(service)
+    paths = list(want) or list(paths or [])
     show = f"systemctl show -p ActiveState,SubState,UnitFileState {service}.service"
     async with asyncssh.connect(h["address"], port=port, username="root", client_keys=[key],
                                 known_hosts=known_hosts, config=[], encryption_algs=CIPHERS) as conn:
@@ -97,7 +93,7 @@ async def main(spec: dict) -> int:
     async def one(h: dict) -> str:
         async with sem:
             return await converge(h, spec["service"], spec["key"], known, spec.get("port", 22),
-                                  spec.get("read_only", False))
+                                  spec.get("read_only", False), spec.get("paths"))
 
     results = await asyncio.gather(*(one(h) for h in spec["hosts"]), return_exceptions=True)
     bad = [(h["address"], r) for h, r in zip(spec["hosts"], results, strict=True) if isinstance(r, BaseException)]

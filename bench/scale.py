@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.compare import Run, spawn
-from bench.floor import CIPHERS, layout, read_command
+from bench.floor import CIPHERS, read_command
+from reconciler.facts import env_path, envfile_path, unit_path
 from tests import fleet as fleetlib
 from tests.conftest import STANDIN_UNIT, DesiredRepo
 
@@ -63,7 +64,8 @@ UseDNS no
 MaxStartups 2000:30:4000
 MaxSessions 20
 """
-READ = read_command(layout(SERVICE), f"systemctl show -p ActiveState,SubState,UnitFileState {SERVICE}.service")
+FILES = [unit_path(SERVICE), env_path(SERVICE), envfile_path(SERVICE)]    # what the reconciler reads too
+READ = read_command(FILES, f"systemctl show -p ActiveState,SubState,UnitFileState {SERVICE}.service")
 
 
 def address(i: int) -> str:
@@ -199,7 +201,7 @@ class Scale:
     def floor_spec(self, n: int) -> Path:
         path = self.tmp / f"floor{n}.json"
         path.write_text(json.dumps({"key": self.key, "known_hosts": str(self.known), "service": SERVICE,
-                                    "port": PORT, "concurrency": AT_ONCE, "read_only": True,
+                                    "port": PORT, "concurrency": AT_ONCE, "read_only": True, "paths": FILES,
                                     "hosts": [{"address": address(i)} for i in range(n)]}))
         return path
 

@@ -383,6 +383,12 @@ def desired_files(svc: ServiceSpec) -> dict[str, str | None]:
             secrets_path(svc.name): render_secrets(svc)}
 
 
+def needs_reload(path: str) -> bool:
+    """A file systemd loads (a unit or a drop-in): replacing it takes a daemon-reload. The env
+    file is read at every start and takes none."""
+    return path.startswith(f"{UNIT_DIR}/")
+
+
 def own_files(name: str) -> frozenset[str]:
     """The files the reconciler writes for a service (everything else is someone else's)."""
     return frozenset({unit_path(name), env_path(name), envfile_path(name), secrets_path(name)})
@@ -457,12 +463,12 @@ def describe_secret_changes(changes: tuple[tuple[str, str], ...]) -> str:
 
 def mask_secrets(text: str) -> str:
     """Hide values of secret-looking variables (…TOKEN, …SECRET, …PASSWORD) in a diff."""
-    def repl(m: re.Match[str]) -> str:
-        return f'{m.group(1)}{m.group(2)}=***"' if _SECRETISH.search(m.group(2)) else m.group(0)
-    def line(m: re.Match[str]) -> str:     # an env file's NAME="value"
-        return f'{m.group(1)}{m.group(2)}="***"' if _SECRETISH.search(m.group(2)) else m.group(0)
-    text = re.sub(r'^([-+ ]?Environment="?)([A-Za-z_][A-Za-z0-9_]*)=.*$', repl, text, flags=re.M)
-    return re.sub(r'^([-+ ]?)([A-Za-z_][A-Za-z0-9_]*)=.*$', line, text, flags=re.M)
+    def repl(m: re.Match[str]) -> str:   # an env file's NAME="value", or an Environment="NAME=value" line
+        sign, environment, name = m.groups()
+        if not _SECRETISH.search(name):
+            return m.group(0)
+        return f'{sign}{environment}{name}=***"' if environment else f'{sign}{name}="***"'
+    return re.sub(r'^([-+ ]?)(Environment="?)?([A-Za-z_][A-Za-z0-9_]*)=.*$', repl, text, flags=re.M)
 
 
 def unified_diff(path: str, old: str | None, new: str | None, host: str, short_rev: str) -> str:
@@ -755,8 +761,7 @@ class _Builder:
         if s.secrets:
             self.add(Kind.SECRETS, Reason.SECRET_CHANGED, sp.name, secrets=target.spec.secrets,
                      detail=why_sub or describe_secret_changes(s.secrets))
-        # systemd reads the env file at every start: only a unit file or drop-in takes a reload
-        self.reload |= any(p.startswith(f"{UNIT_DIR}/") for p, _, _ in s.files) or bool(s.dropins) \
+        self.reload |= any(needs_reload(p) for p, _, _ in s.files) or bool(s.dropins) \
             or (f is not None and f.props.get("NeedDaemonReload") == "yes")
 
     def _start(self, sp: ServicePlan, f: ServiceFacts | None, s: _Sync, rec: ServiceRecord, why_sub: str) -> None:
@@ -874,7 +879,7 @@ class _Builder:
             if have is not None:
                 self.add(Kind.REMOVE, Reason.REMOVED, name, path=path, detail=why,
                          diff=unified_diff(path, have, None, self.host.name, self.short))
-                self.reload |= path.startswith(f"{UNIT_DIR}/")
+                self.reload |= needs_reload(path)
         if rec.secrets:
             self.add(Kind.SECRETS, Reason.REMOVED, name, detail=f"{why}: delete its delivered secrets")
         if rec.adopted is not None:

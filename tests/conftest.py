@@ -20,6 +20,7 @@ from typing import Any
 import pygit2
 import pytest
 
+from reconciler.facts import envfile_path
 from reconciler.plan import parse_env_file
 from tests import fleet as fleetlib
 
@@ -59,8 +60,7 @@ class Fleet:
         its Environment= lines (`systemctl show`) and its env file (the reconciler's, which the
         env drop-in names; systemd reads it at every start)."""
         shown = self.show(host, service, "Environment").get("Environment", "")
-        text = self.ssh(host, f"cat /etc/reconciler/env/{service.removesuffix('.service')}.env 2>/dev/null",
-                        check=False)
+        text = self.ssh(host, f"cat {envfile_path(service.removesuffix('.service'))} 2>/dev/null", check=False)
         return " ".join([shown, *(f"{k}={v}" for k, v in parse_env_file(text).items())]).strip()
 
     def exists(self, host: fleetlib.Host, path: str) -> bool:
