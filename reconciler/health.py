@@ -38,7 +38,7 @@ SYSTEMD_RAMP = (0.1, 0.1, 0.2, 0.3)
 class Verdict:
     """What systemd says about a unit right now."""
 
-    state: str            # "running" | "starting" | "crashed" | "not-loaded" | "exited"
+    state: str            # "running" | "starting" | "crashed" | "not-loaded" | "exited" | "refused"
     reason: str = ""      # CamelCase when not fine
     detail: str = ""
 
@@ -64,6 +64,10 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
     if load and load != "loaded":
         return Verdict("not-loaded", "UnitNotLoaded", f"LoadState={load}: the unit file is invalid")
     if baseline_invocation and props.get("InvocationID", "") == baseline_invocation:
+        if active == "failed" and result == "start-limit-hit" and props.get("Job", "") in ("", "0"):
+            # systemd refused our start (more starts than StartLimitBurst= within
+            # StartLimitIntervalSec=): no new invocation will ever begin
+            return Verdict("refused", "StartLimitHit", f"systemd refused the start: start limit hit ({summary})")
         return Verdict("starting", detail=f"waiting for the start to begin: {summary}")
     entered = props.get("ActiveEnterTimestampMonotonic")     # absent: unknown, judged a crash
     never_active = entered == "0" or (bool(baseline_active_enter) and entered == baseline_active_enter)
@@ -290,6 +294,7 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
         report(f"failed: {reason}")
         return Outcome(name, False, reason, message, quote, [m for m, _ in lines][-40:], time.monotonic() - t0)
 
+    retried = False
     report(phase)
     if start_error is not None:
         out = await fail("StartFailed", f"systemctl could not start it: {start_error}")
@@ -305,6 +310,20 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
         now = time.monotonic()
         v = judge_systemd(props, baseline_restarts, baseline_invocation=baseline_invocation,
                           baseline_active_enter=baseline_active_enter)
+        if v.state == "refused":
+            # Our own starts in quick succession (deploys, a rollback) hit systemd's start limit:
+            # the new revision never ran, so it is not judged. As an operator would: reset the
+            # counter (NRestarts with it) and start it once more; refused again, it failed.
+            if retried:
+                return await fail("StartFailed", f"{v.detail}, again after systemctl reset-failed")
+            retried = True
+            report("start limit hit: reset-failed, starting again")
+            res = await t.run(f"systemctl reset-failed {unit} 2>/dev/null; systemctl start --no-block {unit}",
+                              timeout=30, what="start again")
+            if not res.ok:
+                return await fail("StartFailed", f"systemctl could not start it again: {res.stderr.strip()}")
+            baseline_restarts = 0
+            continue
         if v.state in ("crashed", "not-loaded", "exited"):
             if first_ok is not None and v.state == "crashed":
                 return await fail("Unstable", f"crashed {now - first_ok:.1f}s after becoming healthy: {v.detail}")

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.conftest import SPEC_FLAGS, run_cli, run_json, write_fleet
+from tests.conftest import SPEC_FLAGS, STANDIN_UNIT, run_cli, run_json, write_fleet
 
 pytestmark = pytest.mark.fleet
 
@@ -151,3 +151,29 @@ def test_two_hosts_one_bad(fleet, repo):
     assert "LOG_LEVEL=debug" not in fleet.environment(bad, "m")
     assert http_status(fleet, good) == "200" and http_status(fleet, bad) == "200"
     assert lines  # the table names both hosts
+
+
+@pytest.mark.timeout(90)
+def test_a_restart_refused_by_the_start_limit_is_started_again(fleet, repo):
+    # Deploys in quick succession hit systemd's start limit (here 2 starts in 60 s): the third
+    # restart is refused and no new process ever begins (InvocationID unchanged, Result
+    # start-limit-hit). The watch sees the refusal, resets the counter and starts it once more,
+    # as an operator would. Before, it waited out the start-up timeout ("never ran") and rolled
+    # back, quarantining a revision that never ran.
+    h = fleet.hosts[0]
+    name = "sglang-qwen"
+    limited = STANDIN_UNIT.replace("[Unit]\n", "[Unit]\nStartLimitBurst=2\nStartLimitIntervalSec=60\n", 1)
+    since = fleet.ssh(h, "date +%s").strip()
+    for i in range(3):
+        write_fleet(repo, [h], {name: svc(model="Qwen3-8B", env={"STANDIN_LOAD_SECONDS": "0", "ROUND": str(i)},
+                                          health={"startup_timeout": 30, "stable_for": 0})})
+        repo.write("units/standin.service", limited)
+        repo.commit(f"round {i}")
+        code, out = run_json("--repo", str(repo.path), check_codes=(0,))
+        outcome = events(out, h.name)[-1]["outcome"]
+        assert outcome["reason"] == "Healthy", outcome
+    assert outcome["seconds"] < 10, outcome          # not the 30 s start-up timeout
+    journal = fleet.ssh(h, f"journalctl -u {name}.service --since @{since} --no-pager -o cat")
+    assert "Start request repeated too quickly" in journal, journal
+    assert fleet.show(h, name, "ActiveState")["ActiveState"] == "active"
+    assert http_status(fleet, h) == "200"

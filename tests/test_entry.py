@@ -4,6 +4,7 @@ else (issue 15: a run's start without typer)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +96,24 @@ def test_a_plain_run_never_imports_typer():
     mods = loaded("import sys\nsys.argv = ['reconcile', '--concurrency', '0']\n"
                   "from reconciler.entry import main\ntry:\n    main()\nexcept SystemExit:\n    pass")
     assert "typer" in mods
+
+
+@pytest.mark.parametrize("body,code,out,err", [
+    # a run's own exit status, its output flushed, the atexit handlers run
+    ("sys.argv = ['reconcile', '--repo', '/nonexistent', '-n']\nprint('before', end='')\nentry.console()",
+     1, "beforeatexit ran\n", "not a git repository"),
+    ("entry.leave(None)", 0, "atexit ran\n", ""),
+    ("entry.leave(3)", 3, "atexit ran\n", ""),
+    ("entry.leave('no such thing')", 1, "atexit ran\n", "no such thing"),
+    # another thread still runs: the ordinary exit, which waits for it
+    ("import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), print('thread done'))).start()\n"
+     "entry.leave(5)", 5, "thread done\natexit ran\n", ""),
+])
+def test_leave_exits_with_the_status_after_the_handlers_and_flushed_output(body, code, out, err):
+    import subprocess
+    import sys
+    prog = f"import atexit, sys\nfrom reconciler import entry\natexit.register(lambda: print('atexit ran'))\n{body}\n"
+    res = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "RECONCILER_CACHE_DIR": "/nonexistent/cache"})
+    assert (res.returncode, res.stdout) == (code, out), res.stderr
+    assert err in res.stderr

@@ -69,6 +69,17 @@ NOTIFY_TIMEOUT = {"LoadState": "loaded", "ActiveState": "failed", "SubState": "f
     # the same once the job is gone and it never came up: the start failed
     ({"LoadState": "loaded", "ActiveState": "inactive", "SubState": "dead", "Result": "success",
       "ActiveEnterTimestampMonotonic": "0", "InvocationID": "", "Job": ""}, {}, "crashed", "StartFailed"),
+    # our restart refused by systemd's start limit (captured on a test host after restarts in
+    # quick succession): no new invocation will begin, so it is not "waiting for the start"
+    ({"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "start-limit-hit",
+      "NRestarts": "0", "InvocationID": "old", "Job": ""}, {"baseline_invocation": "old"}, "refused",
+     "StartLimitHit"),
+    # the same state with our job still queued, or after a new invocation, is not a refusal
+    ({"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "start-limit-hit",
+      "NRestarts": "0", "InvocationID": "old", "Job": "93"}, {"baseline_invocation": "old"}, "starting", ""),
+    ({"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "start-limit-hit",
+      "NRestarts": "5", "InvocationID": "new", "ActiveEnterTimestampMonotonic": "1240", "Job": ""},
+     {"baseline_invocation": "old", "baseline_active_enter": "1230"}, "crashed", "CrashLoop"),
     # a bad unit is reported even before the start begins
     ({"LoadState": "bad-setting", "InvocationID": "old"}, {"baseline_invocation": "old"}, "not-loaded",
      "UnitNotLoaded"),

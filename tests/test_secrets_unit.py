@@ -382,8 +382,12 @@ def test_the_store_keeps_no_secret(tmp_path: Path) -> None:
                       quote=f"Error: bad key {SK}", journal=[f"line {value}", URL])
     store.set_value(f"last_applied_revision:{URL}:main", "cd" * 20)
     assert store.get_value(f"last_applied_revision:{URL}:main") == "cd" * 20
+    # the write-ahead log and its index are the store's alone too, whatever the umask
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "state").iterdir()}
+    assert modes == {"state.db": 0o600, "state.db-wal": 0o600, "state.db-shm": 0o600}, modes
+    raw = b"".join(f.read_bytes() for f in (tmp_path / "state").iterdir())
     store.close()
-    raw = (tmp_path / "state" / "state.db").read_bytes()
+    raw += (tmp_path / "state" / "state.db").read_bytes()
     for v in (value, HF, SK, "S3cretPassw0rd"):
         assert v.encode() not in raw
     rows = Store(tmp_path / "state").history("h1")
