@@ -176,11 +176,11 @@ _SCRIPT = r"""
 T=%(token)s
 D=%(state)s
 # The lock's count: 0 where the lock was never taken, - where it cannot be trusted: a holder
-# has the lock (its owner file is there), an armed dead-man's switch may fire at any moment, or
+# has the lock (its owner file says who), an armed dead-man's switch may fire at any moment, or
 # the lock was taken but its count is gone (a holder could not write it).
 g=-
 if [ -f "$D/%(count)s" ]; then read -r g < "$D/%(count)s" || :; elif [ ! -e "$D/%(lock)s" ]; then g=0; fi
-[ ! -e "$D/%(owner)s" ] || g=-
+[ ! -s "$D/%(owner)s" ] || g=-
 for f in "$D"/%(confirm)s/*.sh; do [ ! -e "$f" ] || g=-; done
 printf '%%s G %%s\n' "$T" "${g:--}"
 names=" "

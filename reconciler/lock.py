@@ -62,12 +62,18 @@ def holder_command(wait: float, owner: str, then: str = "", since: str | None = 
     first = f"[ -n \"$s\" ] || {{ {run}; }} </dev/null 2>/dev/null; " if then else ""
     same = f"[ \"$g\" != {since} ] || s=same; " if since is not None and since.isdigit() else ""
     plain = f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done"
+    loop = shlex.quote(loop_script(IDLE, f": > {OWNER}"))
+    # The login shell holds the lock itself (flock on its fd 9) and, where it is bash, runs the
+    # loop too: two processes (the shell, flock) where `flock FILE sh -c ...` then `bash -c`
+    # took four. The owner file is emptied, not removed, when it lets go (no `rm` process): a
+    # look reads an empty one as no holder.
     keep = (f"{count_holder(COUNT)}; s=; {same}"
             f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; b=; command -v bash >/dev/null 2>&1 && b=bash; "
             f"echo LOCKED $b $s; {first}"
-            f"if [ -n \"$b\" ]; then bash -c {shlex.quote(loop_script(IDLE))}; else {plain}; fi; rm -f {OWNER}")
-    return (f"{{ [ -d {STATE_DIR} ] || mkdir -p {STATE_DIR}; }} && "
-            f"if flock -w {int(wait)} {LOCK} sh -c {shlex.quote(keep)}; then :; "
+            f"if [ -z \"$b\" ]; then {plain}; elif [ -n \"${{BASH_VERSION:-}}\" ]; then eval {loop}; "
+            f"else bash -c {loop}; fi; : > {OWNER}")
+    return (f"{{ [ -d {STATE_DIR} ] || mkdir -p {STATE_DIR}; }} && exec 9>>{LOCK} && "
+            f"if flock -w {int(wait)} 9; then {keep}; "
             f"else echo BUSY; cat {OWNER} 2>/dev/null; fi")
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import shlex
 
 from .errors import CommandError, ConnectError
 from .transport import Completed, Spawned, StreamSpawned, Transport, checked
@@ -40,9 +41,11 @@ END = "@@end:"
 READY = "@@ready"
 
 
-def loop_script(idle: int) -> str:
+def loop_script(idle: int, last: str = "") -> str:
     """The holder's command loop (bash: its `read -t` and `read -N` cost no process per frame).
-    Its own stderr (job notices) goes nowhere; fd 4 is the channel's, the commands' stderr."""
+    Its own stderr (job notices) goes nowhere; fd 4 is the channel's, the commands' stderr; fd 9
+    holds the host lock (lock.py), and no command gets it: one that leaves a process behind
+    does not keep the lock. `last`: what the loop runs as it ends, also on SIGTERM or SIGHUP."""
     # The group's EXIT trap writes the ends (an `exit` in the command ends it too); with it, the
     # command is one fork of the group, and its input one more (lastpipe: no subshell for eval)
     ends = f"trap 'printf \"\\n{END}%s %s\\n\" \"$2\" \"$?\"; printf \"\\n{END}%s\\n\" \"$2\" >&2' EXIT"
@@ -54,7 +57,7 @@ printf "{READY}\\n" >&4
 set -m; shopt -s lastpipe
 pid=
 stop() {{ [ -z "$pid" ] || kill -TERM -- "-$pid"; pid=; }}
-trap stop EXIT
+trap {shlex.quote("stop" + (f"; {last}" if last else ""))} EXIT
 while IFS= read -r -t {idle} line && [ -n "$line" ]; do
   case $line in
   R\\ *)
@@ -62,9 +65,9 @@ while IFS= read -r -t {idle} line && [ -n "$line" ]; do
     [ "$3" = 0 ] || LC_ALL=C read -r -N "$3" cmd || break
     case $4 in -|0) ;; *) LC_ALL=C read -r -N "$4" inp || break ;; esac
     if [ "$4" = - ]; then
-      {{ {prologue}; eval "$cmd" 4>&-; }} </dev/null 2>&4 &
+      {{ {prologue}; eval "$cmd" 4>&- 9>&-; }} </dev/null 2>&4 &
     else
-      {{ {prologue}; printf %s "$inp" | eval "$cmd" 4>&-; }} </dev/null 2>&4 &
+      {{ {prologue}; printf %s "$inp" | eval "$cmd" 4>&- 9>&-; }} </dev/null 2>&4 &
     fi
     pid=$! ;;
   D) pid= ;;

@@ -246,8 +246,13 @@ class _LocalSpawned:
         self.proc.stdin.write(data.encode())
 
     async def close(self) -> None:
+        # End of input first, as an SSH channel's close gives it: the lock holder then ends its
+        # own way (its owner file emptied, lock.py); terminated only if it does not end soon.
         if self.proc.stdin is not None:
             self.proc.stdin.close()
+        if self.proc.returncode is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.proc.wait(), 2)
         if self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.terminate()

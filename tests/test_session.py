@@ -220,7 +220,8 @@ def test_heartbeats_hold_the_lock_through_a_long_command_and_silence_ends_both(
         ch, held, t = await _session()
         r = await t.run("sleep 2; echo done", timeout=10)   # longer than IDLE: the heartbeats go on
         assert r.stdout == "done\n"
-        assert (locked / ".lock.owner").exists()
+        owner = locked / ".lock.owner"
+        assert owner.read_text().strip()                 # says who holds it
         mark = locked / "long"
         run = asyncio.create_task(t.run(f"echo $$ > {mark}; exec sleep 20", timeout=30))
         for _ in range(40):
@@ -230,9 +231,9 @@ def test_heartbeats_hold_the_lock_through_a_long_command_and_silence_ends_both(
         pid = int(mark.read_text())
         held.beat.cancel()                               # the run goes silent
         t0 = time.monotonic()
-        while (locked / ".lock.owner").exists() and time.monotonic() - t0 < 5:
+        while owner.read_text() and time.monotonic() - t0 < 5:
             await asyncio.sleep(0.1)
-        assert not (locked / ".lock.owner").exists()      # let go after IDLE...
+        assert owner.read_text() == ""                    # let go after IDLE...
         assert 0.5 < time.monotonic() - t0 < 4
         await asyncio.sleep(0.2)
         assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

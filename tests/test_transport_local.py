@@ -198,7 +198,7 @@ def test_the_holder_keeps_the_lock_while_heartbeats_come_and_lets_go_when_they_s
         t0 = time.monotonic()
         assert holder.wait(timeout=5) == 0        # silent: it lets go after IDLE
         assert 0.5 < time.monotonic() - t0 < 3
-        assert not (tmp_path / ".lock.owner").exists()
+        assert (tmp_path / ".lock.owner").read_text() == ""     # emptied: no holder
         assert marker.exists() is not with_bash    # with bash: no process per heartbeat
     finally:
         holder.kill()
@@ -262,7 +262,7 @@ def test_a_look_stands_under_the_lock_until_another_holder_has_had_it(tmp_path: 
         assert not held.same and facts_ is not None and reads() == 6
         await held.release()
         count = tmp_path / ".lock.count"
-        assert count.read_text() == "6\n" and not (tmp_path / ".lock.owner").exists()
+        assert count.read_text() == "6\n" and (tmp_path / ".lock.owner").read_text() == ""
 
         # An armed dead-man's switch may fire (and change the host) at any moment: no look stands
         (tmp_path / "confirm").mkdir()
