@@ -57,7 +57,9 @@ def test_two_runs_at_once_one_deploys_the_other_is_locked(fleet, repo):
     assert after["InvocationID"] != before["InvocationID"]
     # exactly one restart: the deploying run's (the locked one changed nothing)
     assert sum(e["action"] == "deploy" for e in a["events"]) == 1 and b["events"] == []
-    assert not fleet.exists(h, "/var/lib/reconciler/.lock.owner")      # released
+    # released: the owner file emptied (a look reads that as no holder), the lock free
+    assert fleet.ssh(h, "cat /var/lib/reconciler/.lock.owner 2>/dev/null; "
+                        "flock -n /var/lib/reconciler/.lock echo free") == "free\n"
 
 
 @pytest.mark.timeout(90)

@@ -141,12 +141,13 @@ def test_script_records_intent_then_writes_atomically_then_reloads_once_then_rec
     p = _plan()
     script = build_script(p, p.actions, 0)
     assert script.count("systemctl daemon-reload") == 1
-    intent = script.index("stage /var/lib/reconciler/services/m.json")
-    durable = script.index("sync /var/lib/reconciler/services ")
-    # the intent is renamed into place and its directory synced before any unit file is staged
+    intent = script.index("mv -f \"$W1\" /var/lib/reconciler/services/m.json")
+    # the intent is renamed into place and its directory synced before any unit file is renamed:
+    # that fsync is the next batch's (with its temps), one process fewer than a sync of its own
+    durable = script.index("sync /var/lib/reconciler/services \"$W2\"")
     reload = script.index("systemctl daemon-reload")
-    assert intent < durable < script.index("stage /etc/systemd/system/m.service") < reload
-    assert script.index("mv -f \"$W2\" /etc/systemd/system/m.service ") < script.index("systemctl daemon-reload")
+    assert intent < script.index("stage /etc/systemd/system/m.service") < durable
+    assert durable < script.index("mv -f \"$W2\" /etc/systemd/system/m.service ") < reload
     assert script.index("u_start m.service") < script.index("/var/lib/reconciler/host.json")
     assert '/.reconciler-tmp.$$.' in script
     # the clean-up removes only this script's own temp files
@@ -180,7 +181,7 @@ def test_a_batch_of_writes_in_the_hosts_shell_fsyncs_once_renames_each_and_names
     from reconciler.apply import _PRELUDE, _batch
     ok = _batch([(3, "", [(f"{tmp_path}/a/x.conf", "x='1'\n\u00e9 $HOME `id`\n", "0644")]),
                  (4, f"rm -f {tmp_path}/gone", [(f"{tmp_path}/b/run.sh", "#!/bin/sh\n", "0700"),
-                                               (f"{tmp_path}/a/y.conf", "", "0644")])], 0)
+                                               (f"{tmp_path}/a/y.conf", "", "0644")])], 0)[0]
     (tmp_path / "gone").write_text("old")
     r = subprocess.run(["sh", "-s"], input=_PRELUDE + "\n".join(ok) + "\necho \"left:$TMPS.\"\n", capture_output=True,
                        text=True, timeout=10)
@@ -193,7 +194,7 @@ def test_a_batch_of_writes_in_the_hosts_shell_fsyncs_once_renames_each_and_names
     (tmp_path / "ro").mkdir()
     (tmp_path / "ro/dir").write_text("a file where a directory must be")
     bad = _batch([(1, "", [(f"{tmp_path}/a/x.conf", "new\n", "0644")]),
-                  (2, "", [(f"{tmp_path}/ro/dir/z.conf", "z\n", "0644")])], 0)
+                  (2, "", [(f"{tmp_path}/ro/dir/z.conf", "z\n", "0644")])], 0)[0]
     r = subprocess.run(["sh", "-s"], input=_PRELUDE + "\n".join(bad) + "\n", capture_output=True, text=True, timeout=10)
     assert "@@fatal 2" in r.stdout and r.returncode == 1
     assert (tmp_path / "a/x.conf").read_text().startswith("x=")      # the batch renamed nothing
