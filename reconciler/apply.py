@@ -263,11 +263,18 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
         assert a.switch is not None
         # Once per host: the unit that arms pending switches again at boot (their timers are
         # transient). It only matters at the next boot, so it needs no daemon-reload; the link
-        # first, the unit file last, so a cut-short install is done again.
-        install = " && ".join([f"mkdir -p {q(confirm.REARM_LINK.rsplit('/', 1)[0])}",
+        # first, the unit file last, so a cut-short install is done again. Both files staged,
+        # one fsync of both, then one of their directories (six processes where two writes of
+        # their own and a mkdir took nine).
+        wants = confirm.REARM_LINK.rsplit("/", 1)[0]
+        dirs = " ".join(dict.fromkeys(q(p.rsplit("/", 1)[0]) for p in (confirm.REARM_SCRIPT, confirm.REARM_PATH)))
+        install = " && ".join([f"{{ [ -d {q(wants)} ] || mkdir -p {q(wants)}; }}",
                                f"ln -sfn {q(confirm.REARM_PATH)} {q(confirm.REARM_LINK)}",
-                               _write(confirm.REARM_SCRIPT, confirm.REARM_TEXT),
-                               _write(confirm.REARM_PATH, confirm.REARM_UNIT_TEXT)])
+                               f"stage {q(confirm.REARM_SCRIPT)} 0644 {q(confirm.REARM_TEXT)}", 'r1=$t',
+                               f"stage {q(confirm.REARM_PATH)} 0644 {q(confirm.REARM_UNIT_TEXT)}", 'r2=$t',
+                               'sync "$r1" "$r2"', f'mv -f "$r1" {q(confirm.REARM_SCRIPT)}',
+                               f'mv -f "$r2" {q(confirm.REARM_PATH)}', 'TMPS=${TMPS%" $r2"}',
+                               'TMPS=${TMPS%" $r1"}', f"sync {dirs}"])
         return f"{{ [ -f {q(confirm.REARM_PATH)} ] || {{ {install}; }}; }} && {confirm.arm_command(a.switch)}"
     if a.kind is Kind.DISARM:
         assert a.service is not None

@@ -209,7 +209,7 @@ RELOADING = re.compile(r"systemctl (?:[-\w]+ )*?(?:enable|disable|reenable|prese
 def _commands(script: str) -> str:
     """The script without the contents of the files it stages (a switch's own script names
     systemctl verbs that this script does not run)."""
-    return re.sub(r"(stage \S+ \d+ )'.*?' && W", r"\1... && W", script, flags=re.S)
+    return re.sub(r"(stage \S+ \d+ )'.*?' && (\w+=)", r"\1... && \2", script, flags=re.S)
 
 
 def test_one_daemon_reload_per_apply_even_when_it_enables():
@@ -282,7 +282,8 @@ def test_the_switch_is_a_transient_timer_armed_by_one_process(tmp_path):
     arm = next(a for a in p.actions if a.kind is Kind.ARM_TIMER)
     root = tmp_path / "root"
     # the step, its paths moved under the scratch root
-    paths = sorted({confirm.REARM_PATH, confirm.REARM_LINK, confirm.REARM_SCRIPT, confirm.REARM_LINK.rsplit("/", 1)[0]},
+    paths = sorted({confirm.REARM_PATH, confirm.REARM_LINK, confirm.REARM_SCRIPT, confirm.REARM_LINK.rsplit("/", 1)[0],
+                    confirm.REARM_PATH.rsplit("/", 1)[0], confirm.REARM_SCRIPT.rsplit("/", 1)[0]},
                    key=len, reverse=True)
     step = re.sub("|".join(map(re.escape, paths)), lambda m: f"{root}{m.group(0)}", _fatal(arm, p, 0))
     bindir = tmp_path / "bin"
@@ -298,9 +299,11 @@ def test_the_switch_is_a_transient_timer_armed_by_one_process(tmp_path):
         log.unlink(missing_ok=True)
         if loaded:
             flag.touch()
-        r = subprocess.run(["sh", "-s"], input=_PRELUDE + step + " || exit 3\n", capture_output=True, text=True,
+        r = subprocess.run(["sh", "-s"], input=_PRELUDE + step + ' || exit 3\necho "left:$TMPS."\n',
+                           capture_output=True, text=True,
                            timeout=10, env={"PATH": f"{bindir}:/usr/bin:/bin", "LOG": str(log), "LOADED": str(flag)})
         assert r.returncode == 0, r.stdout + r.stderr
+        assert "left:." in r.stdout and not list(root.rglob(".reconciler-tmp.*"))   # no temp left
         return [line.split(" --", 1)[0] for line in log.read_text().splitlines()]
 
     assert run(loaded=False) == ["systemd-run"]
