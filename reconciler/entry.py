@@ -126,7 +126,7 @@ def leave(code: object) -> NoReturn:
     By the time a run returns it has closed its connections, committed its store and printed
     its report. What Python's finalization did after that (clearing some 340 modules and
     collecting their objects) took 140-170 ms of CPU after the last line on a 2-core machine:
-    a sixth of a one-host run, paid by every run and every hook. The atexit handlers still run
+    a sixth of a one-host run (the git hooks use it too). The atexit handlers still run
     (logging's flush among them), and stdout and stderr are flushed. Where another thread still
     runs, it exits the ordinary way, which waits for it."""
     import atexit

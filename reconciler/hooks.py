@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from . import redact
 from .errors import ConfigError, SourceError
@@ -249,6 +249,13 @@ def _hook_bin() -> str:
         return str(beside)
     found = subprocess.run(["sh", "-c", "command -v reconcile-hook"], capture_output=True, text=True).stdout.strip()
     return found or "reconcile-hook"
+
+
+def console() -> NoReturn:
+    """The `reconcile-hook` console script: main(), then entry.leave() (no interpreter teardown:
+    a push waits for its hooks)."""
+    from .entry import leave
+    leave(main())
 
 
 def main(argv: list[str] | None = None) -> int:
