@@ -376,23 +376,23 @@ def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
     staged = 0
     # The intents' directories, whose fsync the next batch takes on; settle() runs it before a
     # step that is no batch (every later step comes after the intents are on disk).
-    carry: list[tuple[int, str]] = []
+    carry: tuple[int, str] | None = None          # (the intents' last step, their directories)
 
     def flush() -> None:
-        nonlocal staged
+        nonlocal staged, carry
         if group:
             intent = plan.actions[group[0][0]].kind is Kind.INTENT
-            lines, dirs = _batch(group, staged, carry=carry.pop()[1] if carry else "", defer=intent)
+            lines, dirs = _batch(group, staged, carry=carry[1] if carry else "", defer=intent)
             parts.extend(lines)
-            if dirs:
-                carry.append((group[-1][0], dirs))
+            carry = (group[-1][0], dirs) if dirs else None
             staged += sum(len(f) for _, _, f in group)
             group.clear()
 
     def settle() -> None:
+        nonlocal carry
         if carry:
-            i, dirs = carry.pop()
-            parts.append(f"sync {dirs} || fatal {i} $?")
+            parts.append(f"sync {carry[1]} || fatal {carry[0]} $?")
+            carry = None
 
     paired = _enable_start_pairs(actions)
     started_by_enable = {id(s) for s in paired.values()}

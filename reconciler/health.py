@@ -318,7 +318,8 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
                 return await fail("StartFailed", f"{v.detail}, again after systemctl reset-failed")
             retried = True
             report("start limit hit: reset-failed, starting again")
-            res = await t.run(f"systemctl reset-failed {unit} 2>/dev/null; systemctl start --no-block {unit}",
+            u = shlex.quote(unit)
+            res = await t.run(f"systemctl reset-failed {u} 2>/dev/null; systemctl start --no-block {u}",
                               timeout=30, what="start again")
             if not res.ok:
                 return await fail("StartFailed", f"systemctl could not start it again: {res.stderr.strip()}")
