@@ -64,9 +64,11 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
     if load and load != "loaded":
         return Verdict("not-loaded", "UnitNotLoaded", f"LoadState={load}: the unit file is invalid")
     if baseline_invocation and props.get("InvocationID", "") == baseline_invocation:
-        if active == "failed" and result == "start-limit-hit" and props.get("Job", "") in ("", "0"):
+        if active == "failed" and props.get("Job", "") in ("", "0"):
             # systemd refused our start (more starts than StartLimitBurst= within
-            # StartLimitIntervalSec=): no new invocation will ever begin
+            # StartLimitIntervalSec=): no job left and no new invocation, so none will begin.
+            # Result= says start-limit-hit only where the unit had not already failed: a restart
+            # of a unit in its crash loop (auto-restart) keeps that crash's exit-code.
             return Verdict("refused", "StartLimitHit", f"systemd refused the start: start limit hit ({summary})")
         return Verdict("starting", detail=f"waiting for the start to begin: {summary}")
     entered = props.get("ActiveEnterTimestampMonotonic")     # absent: unknown, judged a crash

@@ -177,3 +177,34 @@ def test_a_restart_refused_by_the_start_limit_is_started_again(fleet, repo):
     assert "Start request repeated too quickly" in journal, journal
     assert fleet.show(h, name, "ActiveState")["ActiveState"] == "active"
     assert http_status(fleet, h) == "200"
+
+
+@pytest.mark.timeout(90)
+def test_a_restart_of_a_unit_in_its_crash_loop_refused_by_the_start_limit_is_started_again(fleet, repo):
+    # The unit is waiting out RestartSec= after a crash (activating/auto-restart) and its start
+    # burst is used up (1 start in 120 s: the first deploy's). Our restart is refused, and
+    # since the unit had already failed, systemd leaves Result=signal, not start-limit-hit:
+    # the refusal is known by the unchanged InvocationID, the failed state and no job left.
+    # Before, the watch read that as "the start has not begun" and waited out the start-up
+    # timeout ("never ran"), then rolled back a revision that never ran.
+    h = fleet.hosts[0]
+    name = "sglang-qwen"
+    limited = STANDIN_UNIT.replace("[Unit]\n", "[Unit]\nStartLimitBurst=1\nStartLimitIntervalSec=120\n", 1) \
+        .replace("RestartSec=1\n", "RestartSec=60\n")
+    since = fleet.ssh(h, "date +%s").strip()
+    for i in range(2):
+        write_fleet(repo, [h], {name: svc(model="Qwen3-8B", env={"STANDIN_LOAD_SECONDS": "0", "ROUND": str(i)},
+                                          health={"startup_timeout": 30, "stable_for": 0})})
+        repo.write("units/standin.service", limited)
+        repo.commit(f"round {i}")
+        if i == 1:      # the process dies; systemd will start it again in 60 s
+            fleet.ssh(h, f"systemctl kill -s KILL {name}.service && sleep 0.5 && "
+                         f"systemctl show -p SubState --value {name}.service | grep -qx auto-restart")
+        code, out = run_json("--repo", str(repo.path), check_codes=(0,))
+        outcome = events(out, h.name)[-1]["outcome"]
+        assert outcome["reason"] == "Healthy", outcome
+    assert outcome["seconds"] < 10, outcome          # not the 30 s start-up timeout
+    journal = fleet.ssh(h, f"journalctl -u {name}.service --since @{since} --no-pager -o cat")
+    assert "Start request repeated too quickly" in journal, journal
+    assert fleet.show(h, name, "ActiveState")["ActiveState"] == "active"
+    assert http_status(fleet, h) == "200"

@@ -74,6 +74,11 @@ NOTIFY_TIMEOUT = {"LoadState": "loaded", "ActiveState": "failed", "SubState": "f
     ({"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "start-limit-hit",
       "NRestarts": "0", "InvocationID": "old", "Job": ""}, {"baseline_invocation": "old"}, "refused",
      "StartLimitHit"),
+    # our restart of a unit in its crash loop (activating/auto-restart, its burst used up),
+    # captured on a test host: refused the same, but Result= keeps the crash's exit-code
+    ({"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "exit-code",
+      "NRestarts": "4", "InvocationID": "old", "Job": ""}, {"baseline_invocation": "old"}, "refused",
+     "StartLimitHit"),
     # the same state with our job still queued, or after a new invocation, is not a refusal
     ({"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "start-limit-hit",
       "NRestarts": "0", "InvocationID": "old", "Job": "93"}, {"baseline_invocation": "old"}, "starting", ""),
