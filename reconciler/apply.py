@@ -261,11 +261,13 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
         return 'pause "${RC_PAUSE_BEFORE_RELOAD:-}"; systemctl daemon-reload'
     if a.kind is Kind.ARM_TIMER:
         assert a.switch is not None
-        # Once per host: the unit that arms pending switches again at boot (their timers are
-        # transient). It only matters at the next boot, so it needs no daemon-reload; the link
-        # first, the unit file last, so a cut-short install is done again. Both files staged,
-        # one fsync of both, then one of their directories (six processes where two writes of
-        # their own and a mkdir took nine).
+        # The timer itself is made only if the controller goes (the lock holder's last act,
+        # confirm.arm_pending, runs the re-arm script); here, a timer an earlier controller's
+        # holder left armed is stopped (a builtin test where there is none), and once per host
+        # the unit and script that arm pending switches (at boot, and for the holder) are
+        # installed. The unit only matters at the next boot, so it needs no daemon-reload; the
+        # link first, the unit file last, so a cut-short install is done again. Both files
+        # staged, one fsync of both, then one of their directories.
         wants = confirm.REARM_LINK.rsplit("/", 1)[0]
         dirs = " ".join(dict.fromkeys(q(p.rsplit("/", 1)[0]) for p in (confirm.REARM_SCRIPT, confirm.REARM_PATH)))
         install = " && ".join([f"{{ [ -d {q(wants)} ] || mkdir -p {q(wants)}; }}",
@@ -275,7 +277,8 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
                                'sync "$r1" "$r2"', f'mv -f "$r1" {q(confirm.REARM_SCRIPT)}',
                                f'mv -f "$r2" {q(confirm.REARM_PATH)}', 'TMPS=${TMPS%" $r2"}',
                                'TMPS=${TMPS%" $r1"}', f"sync {dirs}"])
-        return f"{{ [ -f {q(confirm.REARM_PATH)} ] || {{ {install}; }}; }} && {confirm.arm_command(a.switch)}"
+        stale = confirm.stop_if_armed(a.switch.service)
+        return f"{{ [ -f {q(confirm.REARM_PATH)} ] || {{ {install}; }}; }} && {{ {stale}; }}"
     if a.kind is Kind.DISARM:
         assert a.service is not None
         return confirm.disarm_script(a.service)

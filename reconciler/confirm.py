@@ -11,14 +11,22 @@ and the records say so.
 The switch is a script, /var/lib/reconciler/confirm/<service>.sh (0600: it holds the previous
 env, which may be secret; systemd runs it with /bin/sh), and a transient timer and service,
 reconciler-confirm-<service>.{timer,service}, made by one `systemd-run --on-active` (no unit file
-is written, so arming it needs no daemon-reload, and an env-only deploy needs none at all). A
-transient timer does not survive a reboot: one static unit, reconciler-rearm-switches.service
-(enabled, written once per host by the first arm), arms every switch whose script is still
-there again at boot, so a host that reboots inside the window still fires it (the window then
-counts from boot). The script takes the host lock first (it never interleaves with a reconcile
-run) and does nothing when it was disarmed meanwhile; once it runs, it counts itself and says
-who holds the lock, as every holder does (lock.py), so a run that looked at the host before
-knows to look again.
+is written, so arming it needs no daemon-reload, and an env-only deploy needs none at all).
+
+The timer is made when the controller goes, not before every start: the run's host lock holder
+(lock.py), the process that lives exactly as long as the controller's hold on the host, arms
+every switch whose script is still there as it lets go (`arm_pending`): after the verdict that
+is none, so a deploy that is confirmed costs no systemd-run and no stop (two systemd clients,
+about 40 ms of the host's CPU). A controller killed, cut off or silent for the lock's idle time
+ends the holder (EOF, a signal, or its read timing out), and its last act arms the switch, the
+window counted from then. A transient timer does not survive a reboot either: one static unit,
+reconciler-rearm-switches.service (enabled, written once per host by the first deploy that arms
+a switch), arms every switch whose script is still there again at boot, so a host that reboots
+inside the window still fires it (the window then counts from boot). The holder's last act runs
+that same script. The switch's service takes the host lock first (it never interleaves with a
+reconcile run) and does nothing when it was disarmed meanwhile; once it runs, it counts itself
+and says who holds the lock, as every holder does (lock.py), so a run that looked at the host
+before knows to look again.
 """
 
 from __future__ import annotations
@@ -76,23 +84,39 @@ def _run(unit: str, window: str, script: str, description: str) -> str:
             f"-p Type=oneshot /usr/bin/flock -w 600 {LOCK} /bin/sh -c \"[ ! -f {script} ] || exec /bin/sh {script}\"")
 
 
-def arm_command(sw: Switch) -> str:
-    """Shell that arms a switch whose script is in place. A timer of the same name still there
-    (a verdict that never came: the controller died) is stopped first, only then."""
-    name = unit_name(sw.service)
-    what = f"roll back to {sw.restores[:7]}" if sw.restores else "stop it"
-    run = _run(shlex.quote(name), str(sw.window), shlex.quote(script_path(sw.service)),
-               shlex.quote(f"reconciler: dead-man's switch of {sw.service} ({what} unless confirmed)"))
-    return (f"{{ {run} 2>/dev/null || {{ systemctl stop {name}.timer {name}.service 2>/dev/null; "
-            f"systemctl reset-failed {name}.timer {name}.service 2>/dev/null; {run}; }}; }}")
+TRANSIENT = "/run/systemd/transient"     # where systemd keeps a transient unit while it is loaded
 
 
-# Run at boot by REARM_UNIT: a switch whose script is still there was armed when the host went
-# down; arm it again (window from its script's "# window=" line, counted from now).
+def stop_if_armed(service: str) -> str:
+    """Shell that queues the stop of a switch's timer and service only where one is loaded (a
+    holder armed it as its controller went, or it fired and waits for the lock): a builtin test
+    of their transient unit files, no systemctl otherwise. (systemd makes that directory with
+    its first transient unit: where there is none, no switch is armed.) Never fails."""
+    name = unit_name(service)
+    return (f"if [ -e {TRANSIENT}/{name}.timer ] || [ -e {TRANSIENT}/{name}.service ]; "
+            f"then systemctl stop --no-block {name}.timer {name}.service >/dev/null 2>&1 || :; fi")
+
+
+def arm_pending() -> str:
+    """Shell the host lock's holder runs as it lets go (lock.py): where a switch's script is still
+    there (no verdict came), arm them all by the re-arm script, windows from now; nothing, and
+    no process, where none is. Signals that end a session are ignored meanwhile, so the
+    systemd-run it starts is not cut short by the session's own end; its output goes nowhere
+    (the controller's channel may be gone)."""
+    return (f"p=; for s in {CONFIRM_DIR}/*.sh; do [ ! -f \"$s\" ] || p=1; done; "
+            f"if [ -n \"$p\" ] && [ -f {REARM_SCRIPT} ]; then trap '' HUP TERM INT PIPE; "
+            f"/bin/sh {REARM_SCRIPT} 'armed as the controller went' </dev/null >/dev/null 2>&1; fi")
+
+
+# Run at boot by REARM_UNIT, and by the lock's holder as it lets go (arm_pending): a switch whose
+# script is still there was pending when the host went down or the controller went; arm it
+# (window from its script's "# window=" line, counted from now). $1: why, for the description.
 _REARM_RUN = _run('"reconciler-confirm-$n"', '"${w:-600}"', '$s',
-                  '"reconciler: dead-man' + "'" + 's switch of $n (armed again at boot)"')
+                  '"reconciler: dead-man' + "'" + 's switch of $n ($why)"')
 REARM_TEXT = f"""#!/bin/sh
-# reconciler: arm again, at boot, every dead-man's switch still pending (their timers are transient).
+# reconciler: arm every dead-man's switch still pending (their timers are transient), at boot
+# and when the controller went.
+why=${{1:-armed again at boot}}
 for s in {STATE_DIR}/{CONFIRM_SUBDIR}/*.sh; do
   [ -f "$s" ] || continue
   n=${{s##*/}}; n=${{n%.sh}}
@@ -148,20 +172,20 @@ def disarm_script(service: str, *, inside: bool = False, wait: bool = True) -> s
     """Shell that disarms a switch (the timer, a run it may have started, its files). `inside`:
     the switch's own script cleaning up after it fired (it must not stop its own unit).
 
-    wait=False queues the stop and goes on (`--no-block`: about 8 of the stop's 27 ms of the
-    host's CPU saved, measured on a test host), for a verdict: nothing arms this switch again in
-    the same script, and its files go at once, so a switch that fires meanwhile finds no script
-    and does nothing (it takes the host lock first, which the verdict's run holds). The plan's
-    own disarms (of a service held stopped or removed, both rare) wait for the stop, as before."""
+    wait=False, for a verdict: the script goes, and a timer is stopped (queued, `--no-block`) only
+    where one is loaded (stop_if_armed): a verdict's run held the lock throughout, so its holder
+    armed none, and the usual verdict runs no systemctl at all. One that a holder of an earlier,
+    dead controller armed and that fires meanwhile finds no script and does nothing (it takes the
+    host lock first, which the verdict's run holds). The plan's own disarms (of a service held
+    stopped or removed, both rare) stop it and wait for the stop, as before."""
     s, unit, timer = paths(service)
     name = unit_name(service)
     if inside:    # its transient timer is gone once it fired; an older reconciler's files go with it
         return f"rm -f {s} {unit} {timer} {WANTS}/{name}.timer; true"
     kept = f"{shlex.quote(f'{KEPT}/{service}')} {shlex.quote(f'{KEPT}/{service}.env')}"
     # One systemctl for both units; the files are an older reconciler's (unit files, enabled).
-    stop = "systemctl stop" if wait else "systemctl stop --no-block"
-    return (f"{stop} {name}.timer {name}.service >/dev/null 2>&1; "
-            f"rm -rf {s} {unit} {timer} {WANTS}/{name}.timer {kept}; true")
+    stop = f"systemctl stop {name}.timer {name}.service >/dev/null 2>&1" if wait else stop_if_armed(service)
+    return f"{stop}; rm -rf {s} {unit} {timer} {WANTS}/{name}.timer {kept}; true"
 
 
 def arm(service: str, *, revision: str, new_hash: str, window: int, record: ServiceRecord,
@@ -171,8 +195,8 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
     record: the service's record as the deploy writes it (the base of what the switch records).
     previous: the verified version to restore, or None (the switch then stops the service)."""
     q = Quarantine(hash=new_hash, revision=revision, reason="NotConfirmed",
-                   quote=f"the controller did not confirm {revision[:7]} within {window}s (it died or lost "
-                         f"the host); --retry or a new commit tries again")
+                   quote=f"the controller did not confirm {revision[:7]}: it died or lost the host, and nobody "
+                         f"came back within {window}s; --retry or a new commit tries again")
     lines = ["#!/bin/sh",
              f"# reconciler's dead-man's switch for {service}: the controller did not confirm {revision[:7]}.",
              f"# window={window}",

@@ -11,6 +11,10 @@ a run that waits in vain can say who holds it. Once it holds the lock it can run
 first (`acquire(then=...)`): the run's observation under the lock, in the same round trip;
 then, where the host has bash, it runs the run's commands too (session.py; HostLock.over).
 
+As it lets go (EOF, a signal, IDLE seconds of silence), the holder arms the dead-man's switch of
+every deploy on the host that got no verdict (confirm.py): the holder lives exactly as long as
+the controller's hold on the host, so a deploy that is confirmed never arms a timer at all.
+
 Every holder (this one, and the dead-man's switch: confirm.py) counts itself in
 /var/lib/reconciler/.lock.count before it changes anything. A run that looked at the host
 before it asked for the lock passes the count it saw (`acquire(since=...)`): when the holder
@@ -27,6 +31,7 @@ import shlex
 import socket
 import time
 
+from .confirm import arm_pending
 from .errors import HostError
 from .facts import LOCK, LOCK_COUNT, LOCK_OWNER, STATE_DIR, count_holder
 from .session import HostSession, SessionTransport, loop_script
@@ -61,8 +66,13 @@ def holder_command(wait: float, owner: str, then: str = "", since: str | None = 
     run = then.subshell() if isinstance(then, ShCommand) else then
     first = f"[ -n \"$s\" ] || {{ {run}; }} </dev/null 2>/dev/null; " if then else ""
     same = f"[ \"$g\" != {since} ] || s=same; " if since is not None and since.isdigit() else ""
-    plain = f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done"
-    loop = shlex.quote(loop_script(IDLE, f": > {OWNER}"))
+    # As it lets go, the holder empties the owner file and arms the dead-man's switch of every
+    # deploy that got no verdict (confirm.arm_pending: none, and no process, after a verdict):
+    # the controller went (EOF), was killed or cut off (a signal, or silence for IDLE seconds).
+    last = f": > {OWNER}; {arm_pending()}"
+    plain = (f"trap {shlex.quote(last + '; exit 129')} HUP TERM PIPE; "
+             f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done; {last}")
+    loop = shlex.quote(loop_script(IDLE, last))
     # The login shell holds the lock itself (flock on its fd 9) and, where it is bash, runs the
     # loop too: two processes (the shell, flock) where `flock FILE sh -c ...` then `bash -c`
     # took four. The owner file is emptied, not removed, when it lets go (no `rm` process): a

@@ -74,7 +74,7 @@ class Kind(StrEnum):
     ARM = "arm"                  # write the deploy's dead-man's switch (confirm.py)
     DAEMON_RELOAD = "daemon-reload"
     WAIT_GPUS = "wait-gpus"      # controller: wait until the GPUs are free before starting
-    ARM_TIMER = "arm-timer"      # start the switch's timer, right before the start
+    ARM_TIMER = "arm-timer"      # ready the switch's timer (made if the controller goes), right before the start
     ENABLE = "enable"
     START = "start"
     RESTART = "restart"
@@ -805,9 +805,11 @@ class _Builder:
                  previous=previous)
         what = f"roll back to {sw.restores[:7]}" if sw.restores else "stop it"
         self.add(Kind.ARM, Reason.CONFIRM, sp.name, switch=sw,
-                 detail=f"dead-man's switch: {what} unless the controller confirms within {window}s")
-        # A transient timer (confirm.py): nothing to reset, even after a switch fired.
-        self.add(Kind.ARM_TIMER, Reason.CONFIRM, sp.name, switch=sw, detail=f"{unit_name(sp.name)}.timer")
+                 detail=f"dead-man's switch: {what} {window}s after the controller goes, unless it confirmed")
+        # A transient timer (confirm.py), made by the lock's holder if the controller goes:
+        # nothing to reset, even after a switch fired.
+        self.add(Kind.ARM_TIMER, Reason.CONFIRM, sp.name, switch=sw,
+                 detail=f"{unit_name(sp.name)}.timer, if the controller goes")
 
     def _start_reason(self, sp: ServicePlan, s: _Sync, running: bool, why_sub: str) -> tuple[Reason, str]:
         if why_sub:

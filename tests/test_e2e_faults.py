@@ -616,7 +616,8 @@ def test_a_host_rebooted_inside_the_switch_window_rolls_itself_back_after_boot(
     ctl = controller(str(repo.path), tmp_path / "killed", env={"RECONCILER_FAULT": "in-watch"})
     rc, _ = finished(ctl, tmp_path / "killed", timeout=60)
     assert rc == -9
-    assert fleet.show(h, f"reconciler-confirm-{SVC}.timer", "ActiveState")["ActiveState"] == "active"
+    # the lock's holder armed the switch as the controller went
+    wait_for("the holder to arm the switch", lambda: switch_timer(fleet, h) == "active", timeout=5)
     assert (record(fleet, h)["pending"] or {}).get("revision") == v2.revision
 
     t_fault = time.time()

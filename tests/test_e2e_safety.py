@@ -17,7 +17,7 @@ import time
 import pytest
 
 from tests import fleet as fleetlib
-from tests.conftest import ROOT, run_cli, run_json, write_fleet
+from tests.conftest import ROOT, run_cli, run_json, wait_for, write_fleet
 from tests.test_e2e_push import Deploy, git
 
 pytestmark = pytest.mark.fleet
@@ -106,7 +106,9 @@ def test_a_controller_killed_in_the_health_wait_leaves_the_host_to_its_switch(fl
                             capture_output=True, text=True, timeout=60)
     assert killed.returncode == -9
     armed = time.monotonic()
-    assert fleet.show(h, "reconciler-confirm-model-a.timer", "ActiveState")["ActiveState"] == "active"
+    # no timer while the controller held the host: its lock's holder arms the switch as it goes
+    wait_for("the holder to arm the switch", lambda: fleet.show(h, "reconciler-confirm-model-a.timer", "ActiveState")
+             ["ActiveState"] == "active", timeout=5)
     count = int(fleet.ssh(h, "cat /var/lib/reconciler/.lock.count"))
     deadline = armed + 6 + 1 + 3 + 20
     while record(fleet, h).get("quarantine") is None:

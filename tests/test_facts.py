@@ -226,7 +226,7 @@ def test_one_daemon_reload_per_apply_even_when_it_enables():
     script = _commands(build_script(p, p.actions, 0))
     assert script.count("daemon-reload") == 1
     verbs = RELOADING.findall(script)
-    assert len(verbs) >= 4 and all("--no-reload" in v for v in verbs), verbs    # 2 enables, 2 switch timers
+    assert len(verbs) >= 4 and all("--no-reload" in v for v in verbs), verbs    # 2 enable --now, their 2 fallbacks
     reload = script.index("systemctl daemon-reload")
     assert reload < min(script.index(v) for v in verbs) and reload < script.index("u_start m.service")
     assert max(script.index(f" /etc/systemd/system/{n}.service ||") for n in "mn") < reload
@@ -239,7 +239,8 @@ def test_one_daemon_reload_per_apply_even_when_it_enables():
     # the verdict's disarm reloads nothing either: it removes the timer's enablement link itself
     assert all("--no-reload" in v for v in RELOADING.findall(verdict))
     assert "/etc/systemd/system/timers.target.wants/reconciler-confirm-m.timer" in verdict
-    # and it queues the stop of the switch without waiting for it (nothing arms it again there)
+    # and it stops the switch's timer only where one is loaded (a builtin test first), queued
+    assert "if [ -e /run/systemd/transient/reconciler-confirm-m.timer ]" in verdict
     assert "systemctl stop --no-block reconciler-confirm-m.timer reconciler-confirm-m.service" in verdict
 
 
@@ -269,12 +270,13 @@ def test_a_failing_file_step_stops_the_script_and_names_the_step():
     assert fatal is not None and fatal[0] == write and failures == []
 
 
-def test_the_switch_is_a_transient_timer_armed_by_one_process(tmp_path):
-    """The arm step is one `systemd-run` (a transient timer: no unit file, no daemon-reload). A
-    timer of the same name still loaded (a controller died before its verdict) makes systemd-run
-    refuse: only then is it stopped and armed again. The unit that arms pending switches again at
-    boot is installed by the first arm on a host, and never again. Run by sh, with a fake
-    systemd-run and systemctl that log their calls, in a scratch root."""
+def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
+    """A deploy arms no timer: its step installs, once per host, the unit and script that arm
+    pending switches (at boot, and for the lock's holder), and stops a timer an earlier
+    controller's holder left loaded, only where one is (a builtin test: no process otherwise).
+    The holder's last act (confirm.arm_pending) arms each switch whose script is still there by
+    that script, its window from the script, and runs nothing when none is. Run by sh, with a
+    fake systemd-run and systemctl that log their calls, in a scratch root."""
     from reconciler import confirm
     from reconciler.apply import _PRELUDE, _fatal
     h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", INSTALLED.format("m"), {"A": "1"})})
@@ -283,40 +285,54 @@ def test_the_switch_is_a_transient_timer_armed_by_one_process(tmp_path):
     root = tmp_path / "root"
     # the step, its paths moved under the scratch root
     paths = sorted({confirm.REARM_PATH, confirm.REARM_LINK, confirm.REARM_SCRIPT, confirm.REARM_LINK.rsplit("/", 1)[0],
-                    confirm.REARM_PATH.rsplit("/", 1)[0], confirm.REARM_SCRIPT.rsplit("/", 1)[0]},
-                   key=len, reverse=True)
-    step = re.sub("|".join(map(re.escape, paths)), lambda m: f"{root}{m.group(0)}", _fatal(arm, p, 0))
+                    confirm.REARM_PATH.rsplit("/", 1)[0], confirm.REARM_SCRIPT.rsplit("/", 1)[0],
+                    confirm.CONFIRM_DIR, confirm.TRANSIENT}, key=len, reverse=True)
+    moved = re.compile("|".join(map(re.escape, paths)))
+    step = moved.sub(lambda m: f"{root}{m.group(0)}", _fatal(arm, p, 0))
+    last = moved.sub(lambda m: f"{root}{m.group(0)}", confirm.arm_pending())
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for tool in ("systemd-run", "systemctl"):
-        (bindir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "$LOG"\n'
-                                   f'[ "{tool}" != systemd-run ] || [ ! -e "$LOADED" ] || exit 1\n'
-                                   f'[ "{tool}" != systemctl ] || rm -f "$LOADED"\n')
+        (bindir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> "$LOG"\n')
         (bindir / tool).chmod(0o755)
+    transient = root / confirm.TRANSIENT[1:]
+    transient.mkdir(parents=True)
+    log = tmp_path / "log"
 
-    def run(loaded: bool) -> list[str]:
-        log, flag = tmp_path / "log", tmp_path / "loaded"
+    def run(script: str) -> list[str]:
         log.unlink(missing_ok=True)
-        if loaded:
-            flag.touch()
-        r = subprocess.run(["sh", "-s"], input=_PRELUDE + step + ' || exit 3\necho "left:$TMPS."\n',
-                           capture_output=True, text=True,
-                           timeout=10, env={"PATH": f"{bindir}:/usr/bin:/bin", "LOG": str(log), "LOADED": str(flag)})
+        r = subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, timeout=10,
+                           env={"PATH": f"{bindir}:/usr/bin:/bin", "LOG": str(log)})
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "left:." in r.stdout and not list(root.rglob(".reconciler-tmp.*"))   # no temp left
-        return [line.split(" --", 1)[0] for line in log.read_text().splitlines()]
+        return log.read_text().splitlines() if log.exists() else []
 
-    assert run(loaded=False) == ["systemd-run"]
+    deploy = _PRELUDE + step + ' || exit 3\necho "left:$TMPS." >&2\n'
+    assert run(deploy) == []                      # no timer made, no process
+    assert not list(root.rglob(".reconciler-tmp.*"))   # no temp left
+
     def text(path: str) -> str:
         return (root / path[1:]).read_text().replace(str(root), "")
     assert text(confirm.REARM_PATH) == confirm.REARM_UNIT_TEXT and text(confirm.REARM_SCRIPT) == confirm.REARM_TEXT
     link = root / confirm.REARM_LINK[1:]
     assert link.is_symlink() and str(link.readlink()).endswith(confirm.REARM_PATH)
-    (root / confirm.REARM_SCRIPT[1:]).write_text("kept")
-    assert run(loaded=True) == ["systemd-run", "systemctl stop reconciler-confirm-m.timer reconciler-confirm-m.service",
-                                "systemctl reset-failed reconciler-confirm-m.timer reconciler-confirm-m.service",
-                                "systemd-run"]
-    assert (root / confirm.REARM_SCRIPT[1:]).read_text() == "kept"      # installed once only
+    script = (root / confirm.REARM_SCRIPT[1:])
+    script.write_text(script.read_text() + "# kept\n")
+    # a timer an earlier, dead controller's holder armed is still loaded: stopped, and only then
+    (transient / "reconciler-confirm-m.timer").write_text("")
+    assert run(deploy) == ["systemctl stop --no-block reconciler-confirm-m.timer reconciler-confirm-m.service"]
+    assert script.read_text().endswith("# kept\n")       # installed once only
+    (transient / "reconciler-confirm-m.timer").unlink()
+
+    # the holder lets go after a verdict: no script, nothing armed, no process
+    assert run(last) == []
+    # ... and with a deploy that got none: its switch armed, the window from its script
+    pending = root / confirm.script_path("m")[1:]
+    pending.parent.mkdir(parents=True, exist_ok=True)
+    pending.write_text("#!/bin/sh\n# window=77\n")
+    armed = run(last)
+    assert len(armed) == 1 and armed[0].startswith("systemd-run --quiet --collect --unit=reconciler-confirm-m "), armed
+    assert "--on-active=77s" in armed[0] and "(armed as the controller went)" in armed[0]
+    assert f"{root}{confirm.script_path('m')}" in armed[0]
     sh = subprocess.run(["sh", "-n"], input=confirm.REARM_TEXT, capture_output=True, text=True, timeout=10)
     assert sh.returncode == 0, sh.stderr
 

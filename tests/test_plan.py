@@ -709,9 +709,11 @@ def test_a_deploy_arms_a_switch_that_restores_the_verified_version() -> None:
     h = M.health
     assert sw.window == int(h.startup_timeout + h.stable_for + 60)
     from reconciler import confirm
-    cmd = confirm.arm_command(sw)      # a transient timer: no unit file, no daemon-reload for it
-    assert f"--on-active={sw.window}s" in cmd and "flock -w 600 /var/lib/reconciler/.lock" in cmd
-    assert f"# window={sw.window}\n" in sw.script         # what the re-arm at boot reads
+    # a transient timer (no unit file, no daemon-reload for it), made only if the controller
+    # goes, by the script that also arms it at boot: its window is the switch script's own
+    assert '--on-active="${w:-600}"s' in confirm.REARM_TEXT and "flock -w 600 /var/lib/reconciler/.lock" in \
+        confirm.REARM_TEXT
+    assert f"# window={sw.window}\n" in sw.script         # what the re-arm reads
     # the script puts the verified files back, restarts, and records the new version quarantined
     assert "systemctl restart m.service" in sw.script and '"NotConfirmed"' not in sw.script  # (base64 inside)
     assert f"put {envfile_path('m')} " in sw.script and f"put {env_path('m')} " in sw.script   # env file and drop-in
