@@ -67,7 +67,13 @@ def test_an_older_revision_is_refused_by_what_the_host_records(fleet, repo):
     h = fleet.hosts[0]
     write_fleet(repo, [h], {"model-a": svc()})
     c1 = repo.commit("v1")
+    since = fleet.ssh(h, "date +%s").strip()
     run_cli("--repo", str(repo.path), check_codes=(0,))
+    # a confirmed deploy never made its switch's timer: the lock's holder arms one only if the
+    # controller goes without a verdict (no systemd-run, no stop)
+    made = fleet.ssh(h, f"journalctl --no-pager -o cat --since @{since} -u reconciler-confirm-model-a.timer "
+                        "-u reconciler-confirm-model-a.service", check=False)
+    assert "reconciler-confirm-model-a" not in made, made
     # the healthy verdict disarmed the deploy's switch: no files, no enablement link, not active
     assert not fleet.exists(h, "/var/lib/reconciler/confirm/model-a.sh")
     assert not fleet.ssh(h, "ls -a /etc/systemd/system/timers.target.wants/ 2>/dev/null | grep confirm || true")
