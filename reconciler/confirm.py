@@ -19,7 +19,7 @@ every switch whose script is still there as it lets go (`arm_pending`): after th
 is none, so a deploy that is confirmed costs no systemd-run and no stop (two systemd clients,
 about 40 ms of the host's CPU). A controller killed, cut off or silent for the lock's idle time
 ends the holder (EOF, a signal, or its read timing out), and its last act arms the switch, the
-window counted from then. A transient timer does not survive a reboot either: one static unit,
+window counted from then. A transient timer does not survive a reboot: one static unit,
 reconciler-rearm-switches.service (enabled, written once per host by the first deploy that arms
 a switch), arms every switch whose script is still there again at boot, so a host that reboots
 inside the window still fires it (the window then counts from boot). The holder's last act runs
