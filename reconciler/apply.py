@@ -8,10 +8,11 @@ two, with the wait for the GPUs between them. Each step reports its own result:
     was written first, so the next run re-plans from what is really on the host;
   * systemctl steps (stop, disable, enable, start, restart) never stop the script: each reports
     ok or its exit status and message, and a start or restart that fails is judged like any
-    other health failure (reason StartFailed) by the caller. Starts are queued with --no-block:
-    a server with Type=notify may take many minutes to report ready, and the health watch,
-    not this script, waits for it. The script's last command reads systemd's state of what it
-    started: the watch's first reading (Applied.shown).
+    other health failure (reason StartFailed) by the caller. A start or restart waits for its
+    job only briefly (JOB_WAIT for all of them): a server with Type=notify may take many minutes
+    to report ready, or long to stop, and the health watch, not this script, waits for that; a
+    job that ran and failed is the watch's to judge too. The script's last command reads
+    systemd's state of what it started: the watch's first reading (Applied.shown).
 
 Safety:
   * every file is written atomically: a temp file in the same directory whose name systemd
@@ -55,6 +56,10 @@ from .spec import SecretSpec
 from .transport import Transport
 
 REMOVED_DIR = f"{STATE_DIR}/removed"
+# Seconds an apply script waits, in all, for the jobs of the starts and restarts it runs (job()):
+# a restart that is done by then (a quick stop, a Type=simple start) needs no poll of the watch
+# after the script's own reading; a slower one adds at most this much before the watch begins.
+JOB_WAIT = 1.0
 
 _PRELUDE = r"""set -u
 umask 022
@@ -127,7 +132,22 @@ env_line() {  # NAME file: NAME="value" for an EnvironmentFile= (systemd's doubl
   printf '%s="' "$1"; printf '%s' "$v" | sed 's/[\\"`$]/\\&/g'; printf '"\n'
 }
 u_stop() { systemctl stop "$1" && { systemctl reset-failed "$1" 2>/dev/null; true; }; }
-u_start() { systemctl reset-failed "$1" 2>/dev/null; systemctl start --no-block "$1"; }
+# A start or restart that waits for its job at most $1 seconds (the script's JOB_WAIT shared out):
+# a job done by then (a Type=simple or exec start, a quick stop) leaves the watch's first reading
+# settled, with no poll after it; a longer one (a slow stop, Type=notify's wait for READY=1) goes
+# on in systemd, which does not cancel a job when its client goes, and the watch waits for it. A
+# job that ran and failed is no step failure: the watch judges the unit (a crash, a refused
+# start), as after a queued one. Without timeout(1), queued (--no-block).
+job() {  # seconds systemctl-arguments...
+  w=$1; shift
+  command -v timeout >/dev/null 2>&1 || { systemctl "$@" --no-block; return; }
+  e=$(timeout "$w" systemctl "$@" 2>&1) && return 0
+  r=$?
+  [ "$r" != 124 ] || return 0
+  case "$e" in "Job for "*|"A dependency job for "*) return 0 ;; esac
+  printf '%s\n' "$e" >&2; return "$r"
+}
+u_start() { systemctl reset-failed "$2" 2>/dev/null; job "$1" start "$2"; }
 """
 
 
@@ -219,14 +239,22 @@ def _secrets(service: str, wanted: Sequence[SecretSpec], *, remove: bool = False
     return " && ".join(lines)
 
 
-def _soft(a: Action) -> str | None:
-    """The systemctl command of a soft step, or None when the action is not one."""
+def _soft(a: Action, wait: str) -> str | None:
+    """The systemctl command of a soft step, or None when the action is not one. `wait`: the
+    seconds a start or restart waits for its job (job() in the prelude)."""
     u = _unit(a.service)
     if a.kind is Kind.START and a.fresh:
-        return f"systemctl start --no-block {u}"
+        return f"job {wait} start {u}"
     return {Kind.STOP: f"u_stop {u}", Kind.DISABLE: f"systemctl disable --quiet --no-reload {u}",
-            Kind.ENABLE: f"systemctl enable --quiet --no-reload {u}", Kind.START: f"u_start {u}",
-            Kind.RESTART: f"systemctl restart --no-block {u}"}.get(a.kind)
+            Kind.ENABLE: f"systemctl enable --quiet --no-reload {u}", Kind.START: f"u_start {wait} {u}",
+            Kind.RESTART: f"job {wait} restart {u}"}.get(a.kind)
+
+
+def _job_wait(actions: Sequence[Action]) -> str:
+    """Each start's or restart's wait for its job: JOB_WAIT shared out among them (at least 0.1 s
+    each), so a script that restarts many slow services still reaches its watch within JOB_WAIT."""
+    n = sum(1 for a in actions if a.kind in (Kind.START, Kind.RESTART))
+    return f"{max(0.1, JOB_WAIT / max(1, n)):.2f}"
 
 
 def _fatal(a: Action, plan: HostPlan, now: int) -> str:
@@ -360,14 +388,15 @@ def _enable_start_pairs(actions: Sequence[Action]) -> dict[int, Action]:
     return pairs
 
 
-def _enable_now(i: int, enable: Action, j: int, start: Action) -> str:
-    """Steps i (enable) and j (start) of one service in one systemctl. Where that fails, each
-    step runs by itself, as without the pairing, so the failure is reported by its own step."""
+def _enable_now(i: int, enable: Action, j: int, start: Action, wait: str) -> str:
+    """Steps i (enable) and j (start) of one service in one systemctl. Where that fails (not its
+    start job: job() judges that as the watch's), each step runs by itself, as without the
+    pairing, so the failure is reported by its own step."""
     u = _unit(start.service)
     reset = "" if start.fresh else f"systemctl reset-failed {u} 2>/dev/null; "
-    return (f"{reset}if systemctl enable --now --no-block --quiet --no-reload {u} >/dev/null 2>&1; "
+    return (f"{reset}if job {wait} enable --now --quiet --no-reload {u} >/dev/null 2>&1; "
             f"then printf '@@ok %s\\n@@ok %s\\n' {i} {j}\n"
-            f"else soft {i} {_soft(enable)}; step {j}; soft {j} {_soft(start)}; fi")
+            f"else soft {i} {_soft(enable, wait)}; step {j}; soft {j} {_soft(start, wait)}; fi")
 
 
 def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
@@ -398,6 +427,7 @@ def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
             carry = None
 
     paired = _enable_start_pairs(actions)
+    wait = _job_wait(actions)
     started_by_enable = {id(s) for s in paired.values()}
     for a in actions:
         if a.kind in CONTROLLER or id(a) in started_by_enable:
@@ -412,11 +442,11 @@ def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
             continue
         flush()
         settle()
-        soft = _soft(a)
+        soft = _soft(a, wait)
         parts.append(f"step {i}")
         start = paired.get(id(a))
         if start is not None:
-            parts.append(_enable_now(i, a, index[id(start)], start))
+            parts.append(_enable_now(i, a, index[id(start)], start, wait))
             continue
         parts.append(f"soft {i} {soft}" if soft else f"{_fatal(a, plan, now)} || fatal {i} $?")
     flush()
@@ -425,7 +455,7 @@ def build_script(plan: HostPlan, actions: Sequence[Action], now: int) -> str:
     started = sorted({a.service for a in actions if a.kind in (Kind.START, Kind.RESTART) and a.service})
     if started:
         # The health watch's first reading of what this script started, in the same round trip
-        # (a start queued with --no-block is often done by now); never fatal.
+        # (a job that took longer than its wait is still running then); never fatal.
         parts.append(f"printf '@@show\\n'; systemctl show -p {WATCH_PROPS} {' '.join(_unit(n) for n in started)} "
                      "2>/dev/null; printf '\\n@@shown\\n'")
     return "\n".join(parts) + "\n"

@@ -29,8 +29,9 @@ from .transport import Completed, Transport
 WATCH_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID,"
                "ActiveEnterTimestampMonotonic,Job")
 SYSTEMD_POLL = 0.5   # seconds between systemd polls: a crash shows within about a second
-# The first gaps after a watch's first reading are shorter: a start (--no-block) that is done a
-# moment after the apply returns is seen then, not half a second later; a few cheap reads more.
+# The first gaps after a watch's first reading are shorter: a start whose job outlasted the apply
+# script's wait (apply.JOB_WAIT) and is done a moment later is seen then, not half a second
+# later; a few cheap reads more.
 SYSTEMD_RAMP = (0.1, 0.1, 0.2, 0.3)
 
 
@@ -47,8 +48,9 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
                   baseline_active_enter: str = "") -> Verdict:
     """Sort one `systemctl show` reading (pure). See ../shared/SYSTEMD.md for the states.
 
-    baseline_invocation: the InvocationID before our (queued, --no-block) start; while it is
-    unchanged the start has not begun and the old process's state says nothing about the new.
+    baseline_invocation: the InvocationID before our start (whose job may outlast the apply);
+    while it is unchanged the start has not begun and the old process's state says nothing about
+    the new.
     baseline_active_enter: ActiveEnterTimestampMonotonic before our start; a unit that fails
     without ever entering `active` since then failed to *start* (ExecStartPre=, a Type=notify or
     oneshot start that failed or timed out): reason StartFailed, not CrashLoop.
@@ -85,7 +87,7 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
         return Verdict("running", detail=summary)
     if active in ("inactive", "deactivating"):
         if props.get("Job", "") not in ("", "0"):
-            # a job is queued (our --no-block start, not yet begun): nothing is judged before it runs
+            # a job is queued (our start, still waiting): nothing is judged before it runs
             return Verdict("starting", detail=f"waiting for the start job {props['Job']}: {summary}")
         if never_active:   # e.g. a start timeout: systemd is stopping what never came up
             return Verdict("crashed", "StartFailed", f"start failed: {summary}")

@@ -7,6 +7,7 @@ import base64
 import re
 import stat
 import subprocess
+import time
 
 import pytest
 
@@ -148,7 +149,7 @@ def test_script_records_intent_then_writes_atomically_then_reloads_once_then_rec
     reload = script.index("systemctl daemon-reload")
     assert intent < script.index("stage /etc/systemd/system/m.service") < durable
     assert durable < script.index("mv -f \"$W2\" /etc/systemd/system/m.service ") < reload
-    assert script.index("u_start m.service") < script.index("/var/lib/reconciler/host.json")
+    assert script.index("u_start 1.00 m.service") < script.index("/var/lib/reconciler/host.json")
     assert '/.reconciler-tmp.$$.' in script
     # the clean-up removes only this script's own temp files
     assert 'rm -f $TMPS' in script and "rm -f /etc/systemd/system/.reconciler-tmp.*" not in script
@@ -203,7 +204,8 @@ def test_a_batch_of_writes_in_the_hosts_shell_fsyncs_once_renames_each_and_names
 
 INSTALLED = "[Service]\nExecStart=/bin/{}\n\n[Install]\nWantedBy=multi-user.target\n"
 # systemctl verbs that reload the daemon by themselves unless given --no-reload
-RELOADING = re.compile(r"systemctl (?:[-\w]+ )*?(?:enable|disable|reenable|preset|mask|unmask|link)\b[^\n;&|]*")
+RELOADING = re.compile(r"(?:systemctl|job [0-9.]+) (?:[-\w]+ )*?"
+                       r"(?:enable|disable|reenable|preset|mask|unmask|link)\b[^\n;&|]*")
 
 
 def _commands(script: str) -> str:
@@ -228,7 +230,7 @@ def test_one_daemon_reload_per_apply_even_when_it_enables():
     verbs = RELOADING.findall(script)
     assert len(verbs) >= 4 and all("--no-reload" in v for v in verbs), verbs    # 2 enable --now, their 2 fallbacks
     reload = script.index("systemctl daemon-reload")
-    assert reload < min(script.index(v) for v in verbs) and reload < script.index("u_start m.service")
+    assert reload < min(script.index(v) for v in verbs) and reload < script.index("u_start 0.50 m.service")
     assert max(script.index(f" /etc/systemd/system/{n}.service ||") for n in "mn") < reload
 
     # The verdict that follows (record, disarm the switch, stop on a failure) reloads nothing.
@@ -338,8 +340,8 @@ def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
 
 
 def test_a_new_service_is_enabled_and_started_by_one_systemctl_and_a_failure_names_its_step(tmp_path):
-    """A service's enable and its first start go as one `systemctl enable --now --no-block`
-    (one process fewer per new service). When that fails, each step runs again by itself, so
+    """A service's enable and its first start go as one `systemctl enable --now` (one process
+    fewer per new service). When that fails, each step runs again by itself, so
     a failure is reported by the step it belongs to, as without the pairing. The script's
     steps run by sh with a fake systemctl that logs its calls and fails the verbs it is told to."""
     from reconciler.apply import _PRELUDE
@@ -351,7 +353,7 @@ def test_a_new_service_is_enabled_and_started_by_one_systemctl_and_a_failure_nam
     script = build_script(p, p.actions, 0)
     body = script[script.index(f"step {steps[(Kind.ENABLE, 'm')]}\n"):script.index("step done")]
     body = body[:body.index(f"step {steps[(Kind.RECORD, 'm')]}\n")]       # enables and starts only
-    assert body.count("systemctl enable --now --no-block --quiet --no-reload") == 2
+    assert body.count("enable --now --quiet --no-reload") == 2
     fake = tmp_path / "systemctl"
     fake.write_text('#!/bin/sh\necho "$*" >> "$LOG"\n'
                     'case " $* " in *" $FAIL "*) echo "Failed: $FAIL refused" >&2; exit 1 ;; esac\n')
@@ -365,19 +367,68 @@ def test_a_new_service_is_enabled_and_started_by_one_systemctl_and_a_failure_nam
         return log.read_text().splitlines(), r.stdout
 
     calls, out = run("--nothing--")
-    assert calls == ["enable --now --no-block --quiet --no-reload m.service",
-                     "enable --now --no-block --quiet --no-reload n.service"]
+    assert calls == ["enable --now --quiet --no-reload m.service",
+                     "enable --now --quiet --no-reload n.service"]
     assert "@@fail" not in out
     # n's start is refused: n's pair is run again step by step, and the start step says why
     calls, out = run("n.service")
-    assert calls[0] == "enable --now --no-block --quiet --no-reload m.service"
-    assert calls[1:] == ["enable --now --no-block --quiet --no-reload n.service",
-                         "enable --quiet --no-reload n.service", "start --no-block n.service"]
+    assert calls[0] == "enable --now --quiet --no-reload m.service"
+    assert calls[1:] == ["enable --now --quiet --no-reload n.service",
+                         "enable --quiet --no-reload n.service", "start n.service"]
     failed = [line.split() for line in out.splitlines() if line.startswith("@@fail")]
     assert [int(f[1]) for f in failed] == [steps[(Kind.ENABLE, "n")], steps[(Kind.START, "n")]]
     assert "refused" in base64.b64decode(failed[1][3]).decode()
     # only the enable (not the start) fails: the start still runs, and only the enable step failed
     calls, out = run("--quiet")
-    assert calls[-1] == "start --no-block n.service"
+    assert calls[-1] == "start n.service"
     assert [int(line.split()[1]) for line in out.splitlines() if line.startswith("@@fail")] == \
         [steps[(Kind.ENABLE, "m")], steps[(Kind.ENABLE, "n")]]
+
+
+def test_a_restart_waits_briefly_for_its_job_and_a_job_that_ran_and_failed_is_the_watchs(tmp_path):
+    """job() in the apply script: a start or restart waits for its job at most its share of
+    JOB_WAIT (so the script's own reading is settled where the job was quick), and leaves a
+    longer one running (timeout ends only the client). A job that ran and failed is no step
+    failure (the watch judges the unit, as after a queued job); systemctl refusing the request
+    is. Without timeout(1) the request is queued (--no-block). Run by sh with a fake systemctl."""
+    from reconciler.apply import _PRELUDE
+    from tests.test_plan import OLD, on_host, plan_of, svc, verified
+    was = svc(env={"A": "1"})
+    p = plan_of((svc(env={"A": "2"}),), (on_host(was, verified(was, OLD)),))
+    restart = next(i for i, a in enumerate(p.actions) if a.kind is Kind.RESTART)
+    script = build_script(p, p.actions, 0)
+    line = next(x for x in script.splitlines() if x.startswith(f"soft {restart} "))
+    assert line == f"soft {restart} job 1.00 restart m.service"
+    fake = tmp_path / "bin" / "systemctl"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$*" >> "$LOG"\ncase "$MODE" in\n'
+                    '  slow) exec sleep 5 ;;\n'
+                    '  failed) echo "Job for m.service failed because the control process exited" >&2\n'
+                    '          echo "See \\"systemctl status m.service\\" for details." >&2; exit 1 ;;\n'
+                    '  refused) echo "Failed to restart m.service: Unit m.service is masked." >&2; exit 1 ;;\n'
+                    'esac\n')
+    fake.chmod(0o755)
+    bare = tmp_path / "bare"           # the tools job() needs, but no timeout(1)
+    bare.mkdir()
+    for tool in ("sh", "cat", "tail", "base64", "sleep"):
+        (bare / tool).symlink_to(subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True,
+                                                text=True).stdout.strip())
+
+    def run(mode: str, path: str = "/usr/bin:/bin") -> tuple[str, list[str], float]:
+        log = tmp_path / f"log-{mode}-{len(path)}"
+        t0 = time.monotonic()
+        r = subprocess.run(["sh", "-s"], input=_PRELUDE + line + "\n", capture_output=True, text=True,
+                           timeout=10, env={"PATH": f"{fake.parent}:{path}", "LOG": str(log), "MODE": mode})
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout.strip(), log.read_text().splitlines(), time.monotonic() - t0
+
+    assert run("ok")[:2] == (f"@@ok {restart}", ["restart m.service"])
+    out, _, took = run("slow")                 # the client is ended after its wait; the job is systemd's
+    assert out == f"@@ok {restart}" and 0.9 < took < 4, took
+    assert run("failed")[0] == f"@@ok {restart}"
+    out, _, _ = run("refused")
+    tag, step, status, msg = out.split()
+    assert (tag, int(step), status) == ("@@fail", restart, "1")
+    assert "masked" in base64.b64decode(msg).decode()
+    out, calls, _ = run("ok", str(bare))
+    assert out == f"@@ok {restart}" and calls == ["restart m.service --no-block"]

@@ -86,8 +86,8 @@ def test_restart_on_a_gpu_host_waits_for_release_before_start(tmp_path):
     assert steps == [Kind.STOP, Kind.WAIT_GPUS, Kind.START]   # the plan says it, so a dry run shows it
     kinds = [k for k, _ in t.log]
     assert kinds[0] == "apply" and "u_stop m.service" in t.log[0][1]
-    assert "systemctl restart" not in t.log[0][1] and "u_start m.service" not in t.log[0][1]
-    assert kinds[-1] == "apply" and "u_start m.service" in t.log[-1][1]
+    assert "systemctl restart" not in t.log[0][1] and "u_start 1.00 m.service" not in t.log[0][1]
+    assert kinds[-1] == "apply" and "u_start 1.00 m.service" in t.log[-1][1]
     assert "read" in kinds[1:-1]                      # the gate polled between stop and start
     assert applied.skipped == {} and any("GPUs free" in n for n in notes)
 
@@ -108,5 +108,5 @@ def test_gpus_that_stay_busy_keep_the_service_from_starting(tmp_path):
     assert "m" in applied.skipped and "busy" in applied.skipped["m"]
     assert any(f"stray GPU holder pid {stray.pid}" in n for n in notes)
     assert stray_alive                                 # policy "report": reported, never killed
-    assert "u_start m.service" not in t.log[-1][1]
+    assert "u_start 1.00 m.service" not in t.log[-1][1]
     assert "services/m.json" not in t.log[-1][1]       # not recorded as started: the next run tries again
