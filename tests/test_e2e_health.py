@@ -202,3 +202,33 @@ def test_a_restart_of_a_unit_in_its_crash_loop_refused_by_the_start_limit_is_sta
     deploys_started_again(fleet, repo, limited, 2, before_last=(
         "systemctl kill -s KILL sglang-qwen.service && sleep 0.5 && "
         "systemctl show -p SubState --value sglang-qwen.service | grep -qx auto-restart"))
+
+
+@pytest.mark.timeout(90)
+def test_a_restart_whose_stop_outlasts_the_scripts_wait_goes_on_in_systemd(fleet, repo):
+    # The apply script waits for a restart's job one second at most (apply.JOB_WAIT); this
+    # unit takes 3 s to stop (ExecStop=), so timeout(1) ends the systemctl client first. systemd
+    # does not cancel a job when its client goes: the stop, then the start, go on, and the watch
+    # sees the new process healthy, started once, with the new env.
+    h = fleet.hosts[0]
+    name = "sglang-qwen"
+    slow = STANDIN_UNIT.replace("Restart=always\n", "ExecStop=/bin/sleep 3\nRestart=always\n", 1)
+    for i in range(2):
+        write_fleet(repo, [h], {name: svc(model="Qwen3-8B", env={"STANDIN_LOAD_SECONDS": "0", "ROUND": str(i)},
+                                          health={"startup_timeout": 30, "stable_for": 0})})
+        repo.write("units/standin.service", slow)
+        repo.commit(f"round {i}")
+        if i == 1:
+            before = fleet.show(h, name, "InvocationID")["InvocationID"]
+            since = int(fleet.ssh(h, "date +%s%6N").strip())     # microseconds: round 0's start may share its second
+        code, out = run_json("--repo", str(repo.path), check_codes=(0,))
+        outcome = events(out, h.name)[-1]["outcome"]
+        assert outcome["reason"] == "Healthy", outcome
+    after = fleet.show(h, name, "InvocationID,ActiveState")
+    assert after["InvocationID"] != before and after["ActiveState"] == "active", after
+    assert "ROUND=1" in fleet.environment(h, name)
+    lines = [json.loads(x) for x in fleet.ssh(h, f"journalctl -u {name}.service --since @{since // 10**6} "
+                                                 "--no-pager -o json").splitlines() if x.strip()]
+    journal = "\n".join(str(x.get("MESSAGE")) for x in lines if int(x["__REALTIME_TIMESTAMP"]) >= since)
+    assert journal.count("Stopping ") == 1 and journal.count("Started ") == 1, journal
+    assert "cancel" not in journal.lower(), journal
