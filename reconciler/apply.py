@@ -138,14 +138,14 @@ u_stop() { systemctl stop "$1" && { systemctl reset-failed "$1" 2>/dev/null; tru
 # on in systemd, which does not cancel a job when its client goes, and the watch waits for it. A
 # job that ran and failed is no step failure: the watch judges the unit (a crash, a refused
 # start), as after a queued one. Without timeout(1), queued (--no-block).
-job() {  # seconds systemctl-arguments...
-  w=$1; shift
+job() {  # seconds systemctl-arguments... (its variables are jw, je, jr: sh has no locals)
+  jw=$1; shift
   command -v timeout >/dev/null 2>&1 || { systemctl "$@" --no-block; return; }
-  e=$(timeout "$w" systemctl "$@" 2>&1) && return 0
-  r=$?
-  [ "$r" != 124 ] || return 0
-  case "$e" in "Job for "*|"A dependency job for "*) return 0 ;; esac
-  printf '%s\n' "$e" >&2; return "$r"
+  je=$(timeout "$jw" systemctl "$@" 2>&1) && return 0
+  jr=$?
+  [ "$jr" != 124 ] || return 0
+  case "$je" in "Job for "*|"A dependency job for "*) return 0 ;; esac
+  printf '%s\n' "$je" >&2; return "$jr"
 }
 u_start() { systemctl reset-failed "$2" 2>/dev/null; job "$1" start "$2"; }
 """
