@@ -153,6 +153,24 @@ def test_two_hosts_one_bad(fleet, repo):
     assert lines  # the table names both hosts
 
 
+def commit_round(fleet, repo, unit: str, i: int) -> None:
+    """Commit round `i` of one stand-in (sglang-qwen) run by `unit` on the first host: env
+    ROUND=i, systemd-only health, stable_for 0."""
+    write_fleet(repo, [fleet.hosts[0]], {"sglang-qwen": svc(
+        model="Qwen3-8B", env={"STANDIN_LOAD_SECONDS": "0", "ROUND": str(i)},
+        health={"startup_timeout": 30, "stable_for": 0})})
+    repo.write("units/standin.service", unit)
+    repo.commit(f"round {i}")
+
+
+def deploy_healthy(fleet, repo) -> dict:
+    """Run reconcile (exit 0); the first host's last event must be Healthy. Returns its outcome."""
+    _, out = run_json("--repo", str(repo.path), check_codes=(0,))
+    outcome = events(out, fleet.hosts[0].name)[-1]["outcome"]
+    assert outcome["reason"] == "Healthy", outcome
+    return outcome
+
+
 def deploys_started_again(fleet, repo, unit: str, rounds: int, before_last: str | None = None) -> None:
     """Deploy `rounds` env changes of one stand-in run by `unit` (systemd-only health, stable_for
     0), each Healthy; `before_last` runs on the host just before the last deploy. systemd refused
@@ -161,15 +179,10 @@ def deploys_started_again(fleet, repo, unit: str, rounds: int, before_last: str 
     name = "sglang-qwen"
     since = fleet.ssh(h, "date +%s").strip()
     for i in range(rounds):
-        write_fleet(repo, [h], {name: svc(model="Qwen3-8B", env={"STANDIN_LOAD_SECONDS": "0", "ROUND": str(i)},
-                                          health={"startup_timeout": 30, "stable_for": 0})})
-        repo.write("units/standin.service", unit)
-        repo.commit(f"round {i}")
+        commit_round(fleet, repo, unit, i)
         if before_last is not None and i == rounds - 1:
             fleet.ssh(h, before_last)
-        code, out = run_json("--repo", str(repo.path), check_codes=(0,))
-        outcome = events(out, h.name)[-1]["outcome"]
-        assert outcome["reason"] == "Healthy", outcome
+        outcome = deploy_healthy(fleet, repo)
     assert outcome["seconds"] < 10, outcome          # not the 30 s start-up timeout
     journal = fleet.ssh(h, f"journalctl -u {name}.service --since @{since} --no-pager -o cat")
     assert "Start request repeated too quickly" in journal, journal
@@ -213,17 +226,12 @@ def test_a_restart_whose_stop_outlasts_the_scripts_wait_goes_on_in_systemd(fleet
     h = fleet.hosts[0]
     name = "sglang-qwen"
     slow = STANDIN_UNIT.replace("Restart=always\n", "ExecStop=/bin/sleep 3\nRestart=always\n", 1)
-    for i in range(2):
-        write_fleet(repo, [h], {name: svc(model="Qwen3-8B", env={"STANDIN_LOAD_SECONDS": "0", "ROUND": str(i)},
-                                          health={"startup_timeout": 30, "stable_for": 0})})
-        repo.write("units/standin.service", slow)
-        repo.commit(f"round {i}")
-        if i == 1:
-            before = fleet.show(h, name, "InvocationID")["InvocationID"]
-            since = int(fleet.ssh(h, "date +%s%6N").strip())     # microseconds: round 0's start may share its second
-        code, out = run_json("--repo", str(repo.path), check_codes=(0,))
-        outcome = events(out, h.name)[-1]["outcome"]
-        assert outcome["reason"] == "Healthy", outcome
+    commit_round(fleet, repo, slow, 0)
+    deploy_healthy(fleet, repo)
+    commit_round(fleet, repo, slow, 1)
+    before = fleet.show(h, name, "InvocationID")["InvocationID"]
+    since = int(fleet.ssh(h, "date +%s%6N").strip())     # microseconds: round 0's start may share its second
+    deploy_healthy(fleet, repo)
     after = fleet.show(h, name, "InvocationID,ActiveState")
     assert after["InvocationID"] != before and after["ActiveState"] == "active", after
     assert "ROUND=1" in fleet.environment(h, name)
