@@ -253,8 +253,10 @@ def _hook_bin() -> str:
 
 def console() -> NoReturn:
     """The `reconcile-hook` console script: main(), then entry.leave() (no interpreter teardown:
-    a push waits for its hooks)."""
+    a push waits for its hooks), with dataclasses' methods compiled once (dccache)."""
+    from . import dccache
     from .entry import leave
+    dccache.install()
     leave(main())
 
 

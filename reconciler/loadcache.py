@@ -230,6 +230,9 @@ def load_aside(snap: Snapshot, meanwhile: Callable[[], object], base: Path | Non
         except BaseException:      # the parent loads again, and reports it
             pass
         finally:
+            with contextlib.suppress(BaseException):   # nothing may keep the child from leaving
+                from .dccache import save
+                save()             # the methods of the dataclasses it imported (no atexit here)
             os._exit(code)
     reaped = False
     try:
