@@ -142,3 +142,23 @@ def test_the_reconcile_command_keeps_them(tmp_path: Path) -> None:
         stamps.append(path.stat().st_mtime_ns)
     assert stamps[0] == stamps[1]
     assert len(dccache._read(path)) > 20
+
+
+def test_a_full_file_keeps_only_what_this_process_used(compiles: list[str], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "code" / "dc.marshal"
+    dccache.install(path)
+    _make()
+    for i in range(3):      # texts another entry point compiled
+        dccache._exec(f"z{i} = {i}", {})
+    dccache.save()
+    assert len(dccache._read(path)) == len(compiles)
+    dccache.uninstall()
+    monkeypatch.setattr(dccache, "LIMIT", 3)
+    dccache.install(path)
+    _make()                 # all from the file; nothing new to keep
+    dccache._exec("w = 1", {})
+    dccache.save()
+    kept = dccache._read(path)
+    assert "w = 1" in kept and not any(k.startswith("z") for k in kept)
+    assert len(kept) == len(compiles) - 3
