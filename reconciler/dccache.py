@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import marshal
 import os
-import stat
 import sys
 from pathlib import Path
 from types import CodeType
@@ -50,12 +49,11 @@ def cache_file(base: Path | None = None) -> Path:
     return (base or default_cache_dir()) / "code" / f"dataclasses-{tag}.marshal"
 
 
-def _trusted(st: os.stat_result) -> bool:
-    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
 def _read(path: Path) -> dict[str, CodeType]:
-    """The kept code by text, or {} where the file is missing, foreign or not ours to trust."""
+    """The kept code by text, or {} where the file is missing, foreign or not ours to trust
+    (loadcache's rule for its pickles, which are run too; imported once dataclasses go
+    through the cache)."""
+    from .loadcache import _trusted
     try:
         if not _trusted(path.parent.stat()):
             return {}
@@ -116,6 +114,7 @@ def save() -> None:
     if path is None or not _new:
         return
     _new.clear()
+    from .loadcache import _trusted
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
