@@ -41,6 +41,7 @@ from .errors import CommandError
 from .facts import (
     CREDSTORE,
     HOST_RECORD,
+    LOCK_OWNER,
     STATE_DIR,
     adopted_copy,
     cred_env_path,
@@ -264,6 +265,12 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
     if written is not None:        # each file by itself (what a batch cannot carry)
         pre, files = written
         return " && ".join([*([pre] if pre else []), *(_write(p, c, m) for p, c, m in files)])
+    if a.kind is Kind.REMOVE and a.reason is Reason.STALE_TEMP:
+        assert a.path is not None
+        # Only what was there before this run's holder took the lock (its owner file's time):
+        # nothing of this run's own, nor of a switch that holds the lock after it.
+        p = q(a.path)
+        return f"{{ [ ! -e {p} ] && [ ! -L {p} ] || [ {p} -nt {LOCK_OWNER} ] || rm -f {p}; }}"
     if a.kind is Kind.REMOVE:
         assert a.path is not None and a.service is not None
         d = a.path.rsplit("/", 1)[0]

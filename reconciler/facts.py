@@ -166,6 +166,9 @@ class HostFacts:
     secret_files: dict[str, str | None] = field(default_factory=dict)
     # How many times the host lock had been taken, when nobody held it as this was read (else None)
     lock_count: str | None = None
+    # Temp files (`.reconciler-tmp.*`) in the directories the reconciler writes: what a run that was
+    # killed mid-write left (a run's own are gone when its script ends, by its clean-up)
+    stale_temps: tuple[str, ...] = ()
 
     @property
     def inventory(self) -> set[str]:
@@ -183,6 +186,11 @@ if [ -f "$D/%(count)s" ]; then read -r g < "$D/%(count)s" || :; elif [ ! -e "$D/
 [ ! -s "$D/%(owner)s" ] || g=-
 for f in "$D"/%(confirm)s/*.sh; do [ ! -e "$f" ] || g=-; done
 printf '%%s G %%s\n' "$T" "${g:--}"
+for f in %(unit_dir)s/.reconciler-tmp.* %(unit_dir)s/*.service.d/.reconciler-tmp.* %(env_dir)s/.reconciler-tmp.* \
+         "$D"/.reconciler-tmp.* "$D"/*/.reconciler-tmp.* "$D"/credstore/*/.reconciler-tmp.*; do
+  [ -e "$f" ] || [ -L "$f" ] || continue
+  printf '%%s T %%s\n' "$T" "$(printf '%%s' "$f" | base64 -w0)"
+done
 names=" "
 while [ $# -gt 0 ]; do [ "$1" = -- ] && { shift; break; }; names="$names$1 "; shift; done
 if [ $# -gt 0 ]; then
@@ -296,6 +304,7 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
     show: dict[str, dict[str, str]] = {}
     secret_files: dict[str, str | None] = {}
     lock_count: str | None = None
+    temps: list[str] = []
     ended = False
     # `systemctl show` comes last, unencoded, between the "S -" line and the END line (the
     # token, random per observation, cannot occur in it).
@@ -318,6 +327,11 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
             continue
         if kind == "G" and len(parts) == 3:
             lock_count = parts[2] if parts[2].isdigit() else None
+            continue
+        if kind == "T" and len(parts) == 3:
+            temp = _decode(parts[2])
+            if temp:
+                temps.append(temp)
             continue
         if kind == "K" and len(parts) == 4:
             path = _decode(parts[2])
@@ -361,4 +375,5 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
             props=show.get(f"{name}.service", {}),
             dropins=dropins.get(name, {}),
         )
-    return HostFacts(services=services, record=host_record, secret_files=secret_files, lock_count=lock_count)
+    return HostFacts(services=services, record=host_record, secret_files=secret_files, lock_count=lock_count,
+                     stale_temps=tuple(sorted(temps)))

@@ -19,10 +19,11 @@ import json
 import re
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .facts import parse_show
+from .records import INCONCLUSIVE, NO_VERDICT, START_LIMIT_HIT, SUPERSEDED
 from .spec import HealthSpec
 from .transport import Completed, Transport
 
@@ -112,19 +113,33 @@ _SYSTEMD_NOISE = re.compile(
     r"^Failed to start |Control process exited|Failed to kill control group")
 
 
-def explain(lines: list[tuple[str, bool]]) -> str | None:
+@dataclass(frozen=True)
+class Entry:
+    """One journal line of a unit: what it says, whether the service's own processes said it
+    (not systemd), the invocation it belongs to, and, on systemd's "Main process exited" line,
+    how the process ended (EXIT_CODE exited | killed | dumped, EXIT_STATUS)."""
+
+    message: str
+    own: bool
+    invocation: str = ""
+    exit_code: str = ""
+    exit_status: str = ""
+
+
+def explain(lines: Sequence[Entry]) -> str | None:
     """Pick the journal line that explains a failure (pure).
 
-    `lines` are (message, from_service) in journal order; the service's own lines win over
-    systemd's. The best pattern wins; among equals, the last line (closest to the crash).
+    The service's own lines win over systemd's. The best pattern wins; among equals, the last
+    line (closest to the crash).
     """
     for own in (True, False):
-        cands = [m.strip() for m, o in lines if o == own and m.strip() and not _SYSTEMD_NOISE.search(m)]
+        cands = [e.message.strip() for e in lines if e.own == own and e.message.strip()
+                 and not _SYSTEMD_NOISE.search(e.message)]
         for pat in _EXPLAIN:
             hits = [m for m in cands if pat.search(m)]
             if hits:
                 return hits[-1]
-    own_lines = [m.strip() for m, o in lines if o and m.strip()]
+    own_lines = [e.message.strip() for e in lines if e.own and e.message.strip()]
     return own_lines[-1] if own_lines else None
 
 
@@ -133,21 +148,58 @@ def journal_command(unit: str, since_epoch: float, lines: int = 200) -> str:
             f"-n {lines} 2>/dev/null || true")
 
 
-def parse_journal(stdout: str) -> list[tuple[str, bool]]:
-    """journalctl -o json -> [(message, from_service)]; systemd's own lines have _PID 1."""
-    out: list[tuple[str, bool]] = []
+def parse_journal(stdout: str) -> list[Entry]:
+    """journalctl -o json -> entries in journal order; systemd's own lines have _PID 1."""
+    out: list[Entry] = []
     for line in stdout.splitlines():
         try:
             e = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if not isinstance(e, dict):
+            continue
         msg = e.get("MESSAGE", "")
         if isinstance(msg, list):  # non-UTF-8 messages come as byte arrays
             msg = bytes(msg).decode(errors="replace")
         from_systemd = e.get("_PID") == "1" or e.get("SYSLOG_IDENTIFIER") == "systemd"
+        invocation = str(e.get("INVOCATION_ID" if from_systemd else "_SYSTEMD_INVOCATION_ID") or "")
+        code, status = (str(e.get("EXIT_CODE") or ""), str(e.get("EXIT_STATUS") or "")) if from_systemd else ("", "")
         for part in str(msg).splitlines():
-            out.append((part, not from_systemd))
+            out.append(Entry(part, not from_systemd, invocation, code, status))
     return out
+
+
+# systemd's own exit statuses for a process whose set-up failed before the service's command
+# ran, for a cause outside the unit (systemd.exec(5), "Process Exit Codes"): it could not be put
+# into the unit's cgroup, or memory ran out while it was set up. Others in 200-245 (203/EXEC
+# a missing binary, 217/USER an unknown user, ...) are the unit's own mistakes and count.
+SPAWN_FAILURES = {"204": "MEMORY", "219": "CGROUP"}
+
+
+def spawn_failure(props: dict[str, str], entries: Sequence[Entry], baseline_invocation: str = "") -> str | None:
+    """PURE: when a crash sign has no evidence that the *service* failed, what happened instead.
+
+    Evidence is a line from the service's own processes, or an end of its process that is not
+    systemd's failure to set it up (an exit status of its own, a signal), in an invocation since
+    ours began (`baseline_invocation`'s lines are the process that ran before our start). When
+    every end seen is such a set-up failure (SPAWN_FAILURES, or Result=resources: systemd could
+    not fork or set up what the unit needs) and the service said nothing, the service never ran:
+    that is no verdict on its version (returns why, for the message). None: the crash stands."""
+    mine = [e for e in entries if not baseline_invocation or e.invocation != baseline_invocation]
+    if any(e.own and e.message.strip() for e in mine):
+        return None
+    ends = [(e.exit_code, e.exit_status) for e in mine if e.exit_code]
+    if props.get("ExecMainCode") == "1" and props.get("ExecMainStatus") in SPAWN_FAILURES:
+        ends.append(("exited", props["ExecMainStatus"]))
+    setup = [s for c, s in ends if c == "exited" and s in SPAWN_FAILURES]
+    if any(not (c == "exited" and s in SPAWN_FAILURES) for c, s in ends):
+        return None
+    if setup:
+        names = ", ".join(dict.fromkeys(f"{s}/{SPAWN_FAILURES[s]}" for s in setup))
+        return f"systemd could not start its process (exit status {names}): the service itself never ran"
+    if props.get("Result") == "resources":
+        return "systemd could not set up its process (Result=resources): the service itself never ran"
+    return None
 
 
 @dataclass
@@ -291,14 +343,18 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
         if on_phase:
             on_phase(name, p, time.monotonic() - t0, health.startup_timeout)
 
-    async def fail(reason: str, message: str) -> Outcome:
+    async def fail(reason: str, message: str, props: dict[str, str] | None = None) -> Outcome:
         res = await t.run(journal_command(unit, since_epoch), timeout=20, what="journal")
         lines = parse_journal(res.stdout)
         quote = explain(lines)
-        report(f"failed: {reason}")
-        return Outcome(name, False, reason, message, quote, [m for m, _ in lines][-40:], time.monotonic() - t0)
+        if props is not None:
+            # A crash sign: it is a verdict only with evidence that the service itself failed.
+            why = spawn_failure(props, lines, baseline_invocation)
+            if why is not None:
+                reason, message = INCONCLUSIVE, f"no verdict: {why} ({message})"
+        report(f"failed: {reason}" if reason not in NO_VERDICT else f"no verdict: {reason}")
+        return Outcome(name, False, reason, message, quote, [e.message for e in lines][-40:], time.monotonic() - t0)
 
-    retried = False
     report(phase)
     if start_error is not None:
         out = await fail("StartFailed", f"systemctl could not start it: {start_error}")
@@ -309,30 +365,21 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
         props = await _next_reading(systemd, unit, cancel)
         if props is None:
             report("superseded")
-            return Outcome(name, False, "Superseded", "a newer revision arrived during the health wait",
+            return Outcome(name, False, SUPERSEDED, "a newer revision arrived during the health wait",
                            seconds=time.monotonic() - t0)
         now = time.monotonic()
         v = judge_systemd(props, baseline_restarts, baseline_invocation=baseline_invocation,
                           baseline_active_enter=baseline_active_enter)
         if v.state == "refused":
             # Our own starts in quick succession (deploys, a rollback) hit systemd's start limit:
-            # the new revision never ran, so it is not judged. As an operator would: reset the
-            # counter (NRestarts with it) and start it once more; refused again, it failed.
-            if retried:
-                return await fail("StartFailed", f"{v.detail}, again after systemctl reset-failed")
-            retried = True
-            report("start limit hit: reset-failed, starting again")
-            u = shlex.quote(unit)
-            res = await t.run(f"systemctl reset-failed {u} 2>/dev/null; systemctl start --no-block {u}",
-                              timeout=30, what="start again")
-            if not res.ok:
-                return await fail("StartFailed", f"systemctl could not start it again: {res.stderr.strip()}")
-            baseline_restarts = 0
-            continue
+            # the new revision never ran, so this is no verdict. The planner starts it again
+            # (reset-failed first, as an operator would); records.judge decides a second refusal.
+            return await fail(START_LIMIT_HIT, v.detail)
         if v.state in ("crashed", "not-loaded", "exited"):
             if first_ok is not None and v.state == "crashed":
-                return await fail("Unstable", f"crashed {now - first_ok:.1f}s after becoming healthy: {v.detail}")
-            return await fail(v.reason, v.detail)
+                return await fail("Unstable", f"crashed {now - first_ok:.1f}s after becoming healthy: {v.detail}",
+                                  props)
+            return await fail(v.reason, v.detail, props if v.state != "not-loaded" else None)
         if v.state == "running" and now >= next_http:
             next_http = now + health.interval
             if health.http:

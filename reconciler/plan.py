@@ -24,6 +24,12 @@ fleet-wide quarantine, the model fetch and the GPU-gated restart are all actions
     Blocked                nothing: pre-flight or systemd refused it (nothing is written)
     Deferred               nothing in this pass: a rollout wave converges it
     Orphan                 stop, disable, remove (or put an adopted original back)
+    Inconclusive           nothing: MAX_UNJUDGED watches of the deploy came to no verdict (systemd
+                           could not start its process, or refused its starts); not quarantined
+
+A deploy whose watch came to no verdict (`Pending.unjudged`) is started again when it is not up
+(reason StartAgain), or watched again when systemd brought it up by itself. Files a killed run
+left half-made (`.reconciler-tmp.*`) are removed under the host lock (reason StaleTempFile).
 
 What happens after a health verdict is `records.judge` (pure as well): the verdict is recorded
 at once, and the next plan on fresh facts picks the rollback or the hold from the new state.
@@ -50,7 +56,7 @@ from .facts import (
     secrets_path,
     unit_path,
 )
-from .records import Adopted, Pending, Quarantine, Result, ServiceRecord
+from .records import MAX_UNJUDGED, Adopted, Pending, Quarantine, Result, ServiceRecord
 from .spec import HostSpec, SecretSpec, ServiceSpec
 
 ENV_HEADER = "# Managed by reconciler from git; edits on this host are reverted.\n"
@@ -109,6 +115,7 @@ class State(StrEnum):
     BLOCKED = "Blocked"
     DEFERRED = "Deferred"
     ORPHAN = "Orphan"
+    INCONCLUSIVE = "Inconclusive"
 
 
 class Reason(StrEnum):
@@ -143,6 +150,9 @@ class Reason(StrEnum):
     RECORD = "Record"
     QUARANTINE = "RecordQuarantine"
     CONFIRM = "DeadMansSwitch"
+    START_AGAIN = "StartAgain"
+    HOLD_UNJUDGED = "HoldUnjudged"
+    STALE_TEMP = "StaleTempFile"
 
 
 @dataclass(frozen=True)
@@ -559,6 +569,14 @@ def _sync(target: Target, f: ServiceFacts | None, observed: Mapping[str, str | N
                  verified=rec.last_good_hash == target.hash)
 
 
+def _up(f: ServiceFacts | None) -> bool:
+    """Up, or on its way up by a start job: not failed, stopped, or waiting out a restart."""
+    if f is None:
+        return False
+    return f.active_state in ("active", "activating", "reloading", "refreshing") \
+        and not f.props.get("SubState", "").startswith("auto-restart")
+
+
 def _absent(f: ServiceFacts | None) -> bool:
     return f is None or (f.unit_text is None and f.env_text is None and f.envfile_text is None and not f.managed)
 
@@ -616,6 +634,12 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
         return ServicePlan(name, State.QUARANTINED_NO_GOOD, result=Result.FAILED, reason="QuarantinedNoRollback",
                            note=f"desired {rev7} quarantined ({why}); {what}: left stopped until a new commit "
                                 f"changes it or --retry", quote=q.quote)
+    pend = rec.pending
+    if (pend is not None and pend.hash == desired.hash and pend.started and pend.unjudged is not None
+            and pend.attempts >= MAX_UNJUDGED and not ctx.retry):
+        return ServicePlan(name, State.INCONCLUSIVE, result=Result.FAILED, reason="Inconclusive",
+                           note=f"no verdict on {pend.revision[:7]} after {pend.attempts} tries ({pend.unjudged}); "
+                                f"not quarantined: left as it is until a new commit changes it or --retry")
     if foreign is not None:
         return ServicePlan(name, State.ADOPT, desired, result=Result.CONVERGED,
                            note=f"adopting {foreign} (the original is kept and put back when the service "
@@ -703,6 +727,8 @@ class _Builder:
         target = sp.target
         assert target is not None
         if s.pending is not None and s.pending.started and not s.files_differ:
+            if s.pending.unjudged is not None and not _up(f):
+                return False          # its last watch came to no verdict and it is not up: start it again
             self.add(Kind.WATCH, Reason.REVERIFY, sp.name,
                      watch=self._watch(target, f, reverify=True, since=s.pending.at),
                      detail=why_sub or f"deployed {target.revision[:7]} has no verdict yet: watch it again")
@@ -730,8 +756,10 @@ class _Builder:
                                                fragment=f.foreign_path(),
                                                masked=f.props.get("LoadState") == "masked"))
         replaces = (s.pending.replaces_hash, s.pending.replaces_revision) if s.pending else (rec.hash, rec.revision)
+        tried = s.pending if s.pending is not None and not self.ctx.retry else None
         pending = Pending(hash=target.hash, revision=target.revision, rollback=target.rollback,
-                          replaces_hash=replaces[0], replaces_revision=replaces[1])
+                          replaces_hash=replaces[0], replaces_revision=replaces[1],
+                          unjudged=tried.unjudged if tried else None, attempts=tried.attempts if tried else 0)
         if s.files_differ or not s.applied or s.pending is not None:
             self.add(Kind.INTENT, Reason.RECORD, sp.name, record=replace(rec, pending=pending),
                      detail=f"pending {target.revision[:7]}")
@@ -818,6 +846,8 @@ class _Builder:
             return Reason.NEW_SERVICE, "new service"
         if sp.state is State.ADOPT:
             return Reason.ADOPT, sp.note
+        if s.pending is not None and s.pending.started and s.pending.unjudged is not None:
+            return Reason.START_AGAIN, f"no verdict on {s.pending.revision[:7]} ({s.pending.unjudged}): start it again"
         if s.pending is not None:
             return Reason.INTERRUPTED, f"the deploy of {s.pending.revision[:7]} was cut short: start it again"
         if not running:
@@ -901,7 +931,7 @@ class _Builder:
 # The hold marker each state without a plain target gets (actionForState's first half).
 _HOLDS = {State.QUARANTINED_NO_GOOD: Reason.HOLD_STOPPED, State.ROLLBACK_FAILED: Reason.HOLD_STOPPED,
           State.HALTED: Reason.HOLD_HALTED, State.FOREIGN: Reason.FOREIGN, State.BLOCKED: Reason.BLOCKED,
-          State.QUARANTINED: Reason.HOLD_LAST_GOOD}
+          State.QUARANTINED: Reason.HOLD_LAST_GOOD, State.INCONCLUSIVE: Reason.HOLD_UNJUDGED}
 # States whose live quarantine this run must make durable on the host.
 _RECORDS_QUARANTINE = frozenset({State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED, State.HALTED, State.QUARANTINED})
 
@@ -949,6 +979,9 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
         if sp.target is not None and sp.state is not State.BLOCKED:
             b.converge(sp, f)
     dropped = _orphans(b, facts, services)
+    for path in facts.stale_temps:
+        b.add(Kind.REMOVE, Reason.STALE_TEMP, path=path,
+              detail="temp file an interrupted run left (removed under the host lock)")
     if b.reload:
         b.add(Kind.DAEMON_RELOAD, Reason.RELOAD, detail="unit files changed on disk")
     host_rev = facts.record.applied_revision if facts.record else None

@@ -33,8 +33,19 @@ from .apply import Applied, apply_plan, write_record
 from .errors import CommandError, HostError, ReconcilerError
 from .facts import HostFacts, observe_command, parse_observation
 from .health import Outcome, Phase, SystemdWatch, watch_service
-from .plan import Action, Context, HostPlan, Kind, ServicePlan, State, needs_last_good, plan_host, secret_files
-from .records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
+from .plan import (
+    Action,
+    Context,
+    HostPlan,
+    Kind,
+    Reason,
+    ServicePlan,
+    State,
+    needs_last_good,
+    plan_host,
+    secret_files,
+)
+from .records import NO_VERDICT, SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from .spec import DesiredState, HostSpec, ServiceSpec
 from .transport import SSHTransport, Transport
 
@@ -50,7 +61,7 @@ HostPhase = Callable[[str, str, str, float, float], None]   # host, service, pha
 # never parses it).
 Rules: TypeAlias = "RuleSet | Callable[[], RuleSet] | None"
 
-MAX_ROUNDS = 4
+MAX_ROUNDS = 6
 
 
 class Event(StrEnum):
@@ -209,7 +220,7 @@ async def lock_and_observe(t: Transport, host: HostSpec, wait: float,
 
 _STATE_EVENT = {State.QUARANTINED: Event.QUARANTINED, State.HALTED: Event.QUARANTINED,
                 State.QUARANTINED_NO_GOOD: Event.HELD, State.ROLLBACK_FAILED: Event.HELD,
-                State.BLOCKED: Event.BLOCKED, State.FOREIGN: Event.FOREIGN}
+                State.BLOCKED: Event.BLOCKED, State.FOREIGN: Event.FOREIGN, State.INCONCLUSIVE: Event.HELD}
 
 
 def confirm_margin() -> float | None:
@@ -228,7 +239,7 @@ def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
                    changes: bool) -> tuple[Result, str | None, str | None]:
     """PURE: what one service's run comes to (result, reason, message), from its state and the
     verdicts of this run. The one place that turns verdicts into a host's result."""
-    judged = [e for e in events if e.outcome is not None and e.outcome.reason != SUPERSEDED]
+    judged = [e for e in events if e.outcome is not None and e.outcome.reason not in NO_VERDICT]
     failed = next((e for e in judged if e.action != Event.ROLLBACK and e.outcome and not e.outcome.healthy), None)
     rollback = next((e for e in judged if e.action == Event.ROLLBACK), None)
     if failed is not None:
@@ -238,6 +249,10 @@ def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
             return Result.ROLLED_BACK, "RolledBack", f"{sp.name}: {sp.note or 'running the last good version'}"
         return (Result.FAILED, "RollbackFailed",
                 f"{sp.name}: last good {rollback.revision[:7]} failed too: {rollback.outcome.message}")
+    last = next((e.outcome for e in reversed(events) if e.outcome is not None), None)
+    if last is not None and last.reason in NO_VERDICT - {SUPERSEDED} and sp.state is not State.INCONCLUSIVE:
+        # the run ended on a watch without a verdict (its rounds ran out): not done
+        return Result.FAILED, last.reason, f"{sp.name}: {last.message}"
     if sp.result.rank >= Result.QUARANTINED.rank:
         return sp.result, sp.reason or None, f"{sp.name}: {sp.note}" if sp.note else sp.name
     if dry_run and changes:
@@ -276,6 +291,9 @@ def _fold(result: HostResult, plan: HostPlan, dry_run: bool) -> None:
         result.worsen(status, reason, message)
     if not dry_run and plan.dropped_records and result.status is Result.IN_SYNC:
         result.status = Result.CONVERGED
+    if result.status is Result.IN_SYNC and any(a.reason is Reason.STALE_TEMP for a in plan.actions):
+        # a killed run's temp files: changes of the host's own, with no service
+        result.status = Result.WOULD_CHANGE if dry_run else Result.CONVERGED
 
 
 # ---- one host -----------------------------------------------------------------------------------
@@ -399,8 +417,13 @@ class _HostRun:
         judged = judge(base, hash=w.hash, revision=w.revision, rollback=w.rollback,
                        verdict=Verdict(out.healthy, out.reason, out.quote, out.message), now=int(time.time()),
                        fleet=self.fleet_q.get(name))
-        await write_record(self.t, name, judged.record, stop=judged.stop)
+        unjudged = judged.record.pending is not None       # no verdict: the switch stays armed
+        await write_record(self.t, name, judged.record, stop=judged.stop, disarm=not unjudged)
         faults.hit("after-verdict")
+        if unjudged:
+            self.result.notes.append(f"{name}: no verdict on {w.revision[:7]} ({out.reason}: {out.message}); "
+                                     f"starting it again")
+            return False
         if out.reason == SUPERSEDED:
             self.result.notes.append(f"{name}: {w.revision[:7]} superseded by a newer revision during its health "
                                      f"wait (no verdict: neither last good nor quarantined)")
@@ -471,6 +494,7 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
                 planned(result)
             for rnd in range(MAX_ROUNDS):
                 if rnd:
+                    run.retry = False     # --retry is one more try: the first round's, not every round's
                     facts = await observe(t, host)
                     plan = await run.plan(facts)
                     result.plan = merge_plans(result.plan, plan)

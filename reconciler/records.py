@@ -160,6 +160,8 @@ class Pending:
     at: int = 0                      # host clock (epoch s) when the intent was written
     started: bool = False            # the start/restart was issued after the files were in place
     blocked: str | None = None       # why the start did not happen (GPUs still busy): tried again next run
+    unjudged: str | None = None      # why the last watch of it came to no verdict: it is started again
+    attempts: int = 0                # watches of it that came to no verdict (capped: MAX_UNJUDGED)
 
     @classmethod
     def from_json(cls, data: object) -> Pending | None:
@@ -167,12 +169,14 @@ class Pending:
             return None
         return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "", rollback=_bool(data, "rollback"),
                    replaces_hash=_str(data, "replaces_hash"), replaces_revision=_str(data, "replaces_revision"),
-                   at=_int(data, "at"), started=_bool(data, "started"), blocked=_str(data, "blocked"))
+                   at=_int(data, "at"), started=_bool(data, "started"), blocked=_str(data, "blocked"),
+                   unjudged=_str(data, "unjudged"), attempts=_int(data, "attempts"))
 
     def to_json(self) -> dict[str, Any]:
         return {"hash": self.hash, "revision": self.revision, "rollback": self.rollback,
                 "replaces_hash": self.replaces_hash, "replaces_revision": self.replaces_revision,
-                "at": self.at, "started": self.started, "blocked": self.blocked}
+                "at": self.at, "started": self.started, "blocked": self.blocked,
+                "unjudged": self.unjudged, "attempts": self.attempts}
 
 
 @dataclass(frozen=True)
@@ -279,6 +283,15 @@ class HostRecord:
 
 
 SUPERSEDED = "Superseded"
+# A watch that came to no verdict on the version: a crash sign without evidence that the service
+# itself failed (systemd could not start its process: health.spawn_failure), or a start that
+# systemd refused for its start limit (our own starts in quick succession). The version is
+# neither last good nor quarantined; the pending deploy stays, and the planner starts it again,
+# at most MAX_UNJUDGED times in all.
+INCONCLUSIVE = "Inconclusive"
+START_LIMIT_HIT = "StartLimitHit"
+NO_VERDICT = frozenset({SUPERSEDED, INCONCLUSIVE, START_LIMIT_HIT})
+MAX_UNJUDGED = 3
 
 
 @dataclass(frozen=True)
@@ -310,10 +323,26 @@ def judge(rec: ServiceRecord, *, hash: str, revision: str, rollback: bool, verdi
     failed rollback     -> the quarantine is marked rollback_failed; stop the unit (no flapping)
     superseded          -> a newer revision arrived during the wait: no verdict at all (not last
                            good, not quarantined); the unit keeps running for the next deploy
+    inconclusive, start limit hit
+                        -> no verdict on the version: the pending deploy stays, with why and one
+                           more attempt counted; the planner starts it again (a start refused
+                           again right after that is StartFailed)
     """
     base = replace(rec, pending=None, hash=hash, revision=revision)
     if verdict.reason == SUPERSEDED:
         return Judged(base, stop=False)
+    kept = rec.pending if rec.pending is not None and rec.pending.hash == hash else None
+    if verdict.reason == START_LIMIT_HIT and kept is not None and (kept.unjudged or "").startswith(START_LIMIT_HIT):
+        # refused again after the planner started it again (reset-failed first): that start failed
+        verdict = replace(verdict, reason="StartFailed", message=f"{verdict.message}, again after systemctl "
+                                                                  f"reset-failed")
+    elif verdict.reason in NO_VERDICT:
+        pending = kept or Pending(hash=hash, revision=revision, rollback=rollback, started=True, at=now)
+        if not pending.at:         # the intent's time is stamped on the host as it is written
+            pending = replace(pending, at=now)
+        why = f"{verdict.reason}: {verdict.message}" if verdict.message else verdict.reason
+        return Judged(replace(base, pending=replace(pending, unjudged=why, attempts=pending.attempts + 1)),
+                      stop=False)
     if verdict.healthy:
         q = rec.quarantine if rollback else None
         return Judged(replace(base, last_good_hash=hash, last_good_revision=revision, quarantine=q), stop=False)

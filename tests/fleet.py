@@ -168,11 +168,46 @@ def boot(name: str, address: str, binds: list[str] | None = None) -> Host:
         f"--bind-ro={MODELS}:/models",
         *(binds or []),
     ]
+    groups = _own_cgroups(name)
     with open(RUN_DIR / f"{name}.log", "wb") as log:   # the container keeps its own copy of the fd
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=lambda: _enter(groups))
     _pidfile(name).write_text(str(proc.pid))
     return Host(name=name, address=address, pid=proc.pid)
+
+
+# The cgroup hierarchies systemd uses on this machine: the named v1 one and the unified (v2) one
+# of a hybrid layout, or the v2 root of a unified layout.
+_HIERARCHIES = ("/sys/fs/cgroup/systemd", "/sys/fs/cgroup/unified", "/sys/fs/cgroup")
+
+
+def _own_cgroups(name: str) -> list[Path]:
+    """A cgroup of its own for container `name` in every hierarchy systemd uses here (made now).
+
+    The machine does not run systemd, so systemd-nspawn (--keep-unit --register=no) puts each
+    container's processes under the cgroup nspawn itself runs in: started from the same one,
+    every container's `m.service` is the same cgroup, `/payload/system.slice/m.service`. Then
+    hosts are not apart as real hosts are: when two of them restart the same service at the
+    same moment, one host's systemd removes the cgroup the other's new process is being put
+    into, and that start fails with status 219/CGROUP before the service runs (seen on the
+    test fleet, issue 32). Each container in its own cgroup gets its own tree, as a real host."""
+    out = []
+    for h in map(Path, _HIERARCHIES):
+        if not (h / "cgroup.procs").exists() or (h == Path("/sys/fs/cgroup") and out):
+            continue
+        if h == Path("/sys/fs/cgroup") and not (h / "cgroup.controllers").exists():
+            continue      # a v1 layout's tmpfs, not a hierarchy
+        d = h / "reconciler-testfleet" / name
+        d.mkdir(parents=True, exist_ok=True)
+        out.append(d)
+    return out
+
+
+def _enter(groups: list[Path]) -> None:
+    """In the child, before exec: move this process into each of its cgroups."""
+    for d in groups:
+        with open(d / "cgroup.procs", "w") as f:
+            f.write("0")
 
 
 def ssh_base(address: str, known_hosts: Path) -> list[str]:

@@ -762,3 +762,119 @@ def test_the_source_error_of_a_gone_remote_is_one_line_in_a_pipe(repo):
         gone.rename(repo.path)
     assert res.returncode == 1 and res.stderr.startswith(f"error: cannot fetch {url}: "), res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+# ---- 7. kills at many offsets, two hosts, a service that cannot fail (issue 32) ----------------
+
+SLEEPER = "rel-kill"
+SLEEPER_UNIT = ("[Unit]\nDescription=a service that cannot fail\n\n[Service]\nExecStart=/bin/sleep infinity\n"
+                "Restart=always\nRestartSec=1\n\n[Install]\nWantedBy=multi-user.target\n")
+# From 0.1 s (the run is still loading and connecting) to 2 s (its health watch): every point
+# of a run in between, on a 2-core machine (a whole run here takes 1.5-2.5 s).
+KILL_OFFSETS = [round(0.1 * i, 1) for i in range(1, 21)]
+
+
+def write_sleepers(repo: DesiredRepo, hosts: list[fleetlib.Host], value: str) -> str:
+    """Service rel-kill (`sleep infinity`, systemd-only health) on every host, env V=value; commits."""
+    repo.write("fleet.toml", '[ssh]\nuser = "root"\nknown_hosts = "known_hosts"\n\n'
+                             "[health]\nstartup_timeout = 30\ninterval = 0.5\nstable_for = 1\n")
+    repo.write("known_hosts", "".join(h.known_hosts_line() + "\n" for h in hosts))
+    repo.write("units/sleeper.service", SLEEPER_UNIT)
+    for h in hosts:
+        repo.write(f"hosts/{h.name}.toml", f'address = "{h.address}"\n\n[services.{SLEEPER}]\n'
+                                           f'unit_file = "units/sleeper.service"\nenv = {{ V = "{value}" }}\n')
+    return repo.commit(value)
+
+
+def sleeper_state(fleet: Fleet, h: fleetlib.Host) -> dict:
+    """What runs on the host: the process's V, systemd's state, the record, any temp file."""
+    pid = fleet.show(h, SLEEPER, "MainPID")["MainPID"]
+    env = fleet.ssh(h, f"tr '\\0' '\\n' < /proc/{pid}/environ 2>/dev/null", check=False)
+    rec_text = fleet.ssh(h, f"cat /var/lib/reconciler/services/{SLEEPER}.json 2>/dev/null", check=False)
+    return {"V": next((x[2:] for x in env.splitlines() if x.startswith("V=")), None),
+            "active": fleet.show(h, SLEEPER, "ActiveState")["ActiveState"],
+            "record": json.loads(rec_text) if rec_text.strip() else {}, "temps": temp_files(fleet, h)}
+
+
+def assert_sleepers_run(fleet: Fleet, hosts: list[fleetlib.Host], value: str, revision: str, what: str) -> None:
+    for h in hosts:
+        got = sleeper_state(fleet, h)
+        rec = got["record"]
+        assert (got["V"], got["active"]) == (value, "active"), (what, h.name, got)
+        assert rec["pending"] is None and rec["quarantine"] is None, (what, h.name, rec)
+        assert rec["hash"] == rec["last_good_hash"] and rec["last_good_revision"] == revision, (what, h.name, rec)
+        assert got["temps"] == "", (what, h.name, got["temps"])
+
+
+@pytest.mark.timeout(600)
+def test_a_run_after_a_kill_at_any_offset_deploys_the_new_version_on_both_hosts(fleet, repo, tmp_path,
+                                                                                 recovery_table):
+    # Issue 32: the run after a killed one rolled a host back and quarantined the new, healthy
+    # version as CrashLoop, and a killed run's temp file stayed for good. Here the controller is
+    # killed (SIGKILL) at 20 offsets; each time the next run must end with the new version
+    # running on both hosts (exit 0), nothing quarantined, and no temp file left anywhere.
+    hosts = fleet.hosts[:2]
+    write_sleepers(repo, hosts, "k0")
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    failures = []
+    t0 = time.monotonic()
+    for i, offset in enumerate(KILL_OFFSETS, 1):
+        value = f"k{i}"
+        rev = write_sleepers(repo, hosts, value)
+        p = controller(str(repo.path), tmp_path / f"kill{i}")
+        time.sleep(offset)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        res = run_cli("--repo", str(repo.path))
+        if res.returncode != 0:
+            failures.append(f"kill at {offset}s: the next run exited {res.returncode}:\n{res.stdout[-1500:]}")
+            run_cli("--repo", str(repo.path), "--retry")
+            continue
+        assert_sleepers_run(fleet, hosts, value, rev, f"after the kill at {offset}s")
+    assert failures == [], "\n\n".join(failures)
+    recovery_table.append(Row(f"kill at {len(KILL_OFFSETS)} offsets, two hosts (whole loop)", "converged",
+                              time.monotonic() - t0))
+
+
+@pytest.mark.timeout(300)
+def test_plain_changes_after_killed_and_concurrent_runs_all_exit_0(fleet, repo, tmp_path):
+    # Issue 32: "once, a plain change run with no kill at all, right after the first deploy,
+    # exited 3". After a killed run and two runs at once, 20 plain changes in a row: exit 0 each.
+    hosts = fleet.hosts[:2]
+    write_sleepers(repo, hosts, "p0")
+    p = controller(str(repo.path), tmp_path / "killed")
+    time.sleep(0.8)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    write_sleepers(repo, hosts, "p1")
+    both = [controller(str(repo.path), tmp_path / f"both{n}") for n in (1, 2)]
+    codes = [finished(c, tmp_path / f"both{n}", 120)[0] for n, c in enumerate(both, 1)]
+    assert codes == [0, 0], codes             # the second waits for the first's lock, then finds it done
+    for i in range(2, 22):
+        rev = write_sleepers(repo, hosts, f"p{i}")
+        res = run_cli("--repo", str(repo.path))
+        assert res.returncode == 0, f"plain change {i - 1} exited {res.returncode}:\n{res.stdout[-2000:]}"
+        assert_sleepers_run(fleet, hosts, f"p{i}", rev, f"plain change {i - 1}")
+
+
+@pytest.mark.timeout(120)
+def test_temp_files_a_killed_run_left_are_named_by_the_dry_run_and_removed(fleet, repo):
+    # What a run killed mid-write leaves (its script got no chance to clean up): temp files
+    # beside the unit, the env file and the records. The dry run names each; the next run
+    # removes them under the host lock, whatever else it has to do (here: nothing).
+    h = fleet.hosts[0]
+    rev = write_sleepers(repo, [h], "t0")
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    left = ["/etc/systemd/system/.reconciler-tmp.4242.1", f"/etc/systemd/system/{SLEEPER}.service.d/"
+            ".reconciler-tmp.4242.2", "/etc/reconciler/env/.reconciler-tmp.4242.3",
+            "/var/lib/reconciler/services/.reconciler-tmp.abc123"]
+    fleet.ssh(h, " && ".join(f"echo half > {p}" for p in left))
+    dry = run_cli("--repo", str(repo.path), "--dry-run", check_codes=(2,))
+    for p in left:
+        assert f"remove {p}" in dry.stdout, dry.stdout
+    assert "interrupted run" in dry.stdout
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    assert temp_files(fleet, h) == ""
+    assert_sleepers_run(fleet, [h], "t0", rev, "after the clean-up")
+    res = run_cli("--repo", str(repo.path), check_codes=(0,))
+    assert "in sync" in res.stdout

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from reconciler.errors import ConnectError
-from reconciler.health import SystemdWatch, explain, judge_systemd, parse_journal, watch_service
+from reconciler.health import Entry as E
+from reconciler.health import SystemdWatch, explain, judge_systemd, parse_journal, spawn_failure, watch_service
 from reconciler.spec import HealthSpec
 from reconciler.transport import Completed
 
@@ -98,11 +99,11 @@ INCIDENT = "MTP with the hybrid GDN model needs --mamba-scheduler-strategy extra
 
 
 def test_explain_prefers_the_service_line_that_says_what_is_needed():
-    lines = [("[standin] server_args=ServerArgs(model_path='/models/x')", True),
-             ("Load weight begin. avail mem=79.1 GB", True),
-             (INCIDENT, True),
-             ("sglang-qwen.service: Main process exited, code=exited, status=1/FAILURE", False),
-             ("sglang-qwen.service: Failed with result 'exit-code'.", False)]
+    lines = [E("[standin] server_args=ServerArgs(model_path='/models/x')", True),
+             E("Load weight begin. avail mem=79.1 GB", True),
+             E(INCIDENT, True),
+             E("sglang-qwen.service: Main process exited, code=exited, status=1/FAILURE", False),
+             E("sglang-qwen.service: Failed with result 'exit-code'.", False)]
     assert explain(lines) == INCIDENT
 
 
@@ -112,14 +113,14 @@ def test_explain_prefers_the_service_line_that_says_what_is_needed():
     "OSError: [Errno 98] Address already in use",
 ])
 def test_explain_picks_common_failures_over_noise(line):
-    lines = [("Traceback (most recent call last):", True), ('  File "x.py", line 3, in <module>', True),
-             (line, True), ("INFO: shutting down", True)]
+    lines = [E("Traceback (most recent call last):", True), E('  File "x.py", line 3, in <module>', True),
+             E(line, True), E("INFO: shutting down", True)]
     assert explain(lines) == line
 
 
 def test_explain_falls_back_to_systemd_when_the_service_said_nothing():
-    lines = [("m.service: Failed to locate executable /usr/bin/nope: No such file or directory", False),
-             ("m.service: Failed with result 'exit-code'.", False)]
+    lines = [E("m.service: Failed to locate executable /usr/bin/nope: No such file or directory", False),
+             E("m.service: Failed with result 'exit-code'.", False)]
     assert "Failed to locate executable" in explain(lines)
 
 
@@ -130,8 +131,61 @@ def test_parse_journal_marks_systemd_lines_and_decodes_bytes():
         {"MESSAGE": list(b"caf\xc3\xa9 \xff"), "_PID": "42"},
     ])
     got = parse_journal(out)
-    assert got[0] == ("hello", True) and got[1] == ("Started m.service.", False)
-    assert got[2][0].startswith("café")
+    assert got[0] == E("hello", True) and got[1] == E("Started m.service.", False)
+    assert got[2].message.startswith("café")
+
+
+# systemd's journal entries as captured on a test host (journalctl -u crashy -o json): its own
+# lines carry INVOCATION_ID, the service's _SYSTEMD_INVOCATION_ID; the exit, EXIT_CODE/STATUS.
+CAPTURED = [
+    {"MESSAGE": "Started crashy.service.", "_PID": "1", "SYSLOG_IDENTIFIER": "systemd", "INVOCATION_ID": "i1"},
+    {"MESSAGE": "hello", "_PID": "788", "SYSLOG_IDENTIFIER": "sh", "_SYSTEMD_INVOCATION_ID": "i1"},
+    {"MESSAGE": "crashy.service: Main process exited, code=exited, status=3/NOTIMPLEMENTED", "_PID": "1",
+     "SYSLOG_IDENTIFIER": "systemd", "INVOCATION_ID": "i1", "EXIT_CODE": "exited", "EXIT_STATUS": "3"},
+]
+
+
+def test_parse_journal_keeps_the_invocation_and_how_the_process_ended():
+    got = parse_journal("\n".join(json.dumps(e) for e in CAPTURED))
+    assert got == [E("Started crashy.service.", False, "i1"), E("hello", True, "i1"),
+                   E("crashy.service: Main process exited, code=exited, status=3/NOTIMPLEMENTED", False, "i1",
+                     "exited", "3")]
+
+
+def exited(status: str, invocation: str = "i2", code: str = "exited") -> E:
+    return E(f"m.service: Main process exited, code={code}, status={status}", False, invocation, code,
+             status.split("/")[0])
+
+
+AUTO_RESTART = {"ActiveState": "activating", "SubState": "auto-restart", "Result": "exit-code",
+                "ExecMainCode": "1", "ExecMainStatus": "219", "NRestarts": "1"}
+
+
+@pytest.mark.parametrize("props,entries,baseline,why", [
+    # issue 32: the process could not be put in its cgroup, the service never ran: no verdict
+    (AUTO_RESTART, [exited("219/CGROUP")], "i1", "exit status 219/CGROUP"),
+    # ... seen from systemd's state alone (the journal read gave nothing)
+    (AUTO_RESTART, [], "i1", "exit status 219/CGROUP"),
+    ({**AUTO_RESTART, "ExecMainStatus": "204"}, [exited("204/MEMORY")], "", "exit status 204/MEMORY"),
+    ({"ActiveState": "failed", "Result": "resources"}, [], "i1", "Result=resources"),
+    # the service said something: it ran, the crash stands
+    (AUTO_RESTART, [E("boom", True, "i2"), exited("219/CGROUP", "i3")], "i1", None),
+    # an exit of its own (status 1), or a signal, beside a set-up failure: the crash stands
+    (AUTO_RESTART, [exited("1/FAILURE"), exited("219/CGROUP", "i3")], "i1", None),
+    ({**AUTO_RESTART, "ExecMainStatus": "0", "ExecMainCode": "2"}, [exited("9/KILL", code="killed")], "i1", None),
+    # a unit mistake of systemd's range (203/EXEC: the binary is missing) is the version's own
+    ({**AUTO_RESTART, "ExecMainStatus": "203"}, [exited("203/EXEC")], "i1", None),
+    # lines of the process that ran before our start are not evidence either way
+    (AUTO_RESTART, [E("old process says bye", True, "i1"), exited("219/CGROUP")], "i1", "219/CGROUP"),
+    # nothing at all to go on but the state: the crash stands, as before
+    ({"ActiveState": "failed", "Result": "exit-code", "ExecMainCode": "1", "ExecMainStatus": "1"}, [], "i1", None),
+])
+def test_a_crash_is_a_verdict_only_with_evidence_that_the_service_failed(props, entries, baseline, why):
+    got = spawn_failure(props, entries, baseline)
+    if why is None:
+        assert got is None
+    else:
+        assert got is not None and why in got and "never ran" in got
 
 
 # ---- one round trip per host per tick ----------------------------------------------------------
@@ -149,15 +203,17 @@ class ScriptedHost:
 
     host = "h1"
 
-    def __init__(self, script: dict[str, list[dict[str, str]]], fail: bool = False):
+    def __init__(self, script: dict[str, list[dict[str, str]]], fail: bool = False,
+                 journal: list[dict[str, str]] | None = None):
         self.script, self.fail = script, fail
+        self.journal = journal if journal is not None else [{"MESSAGE": "boom: needs --flag x", "_PID": "9"}]
         self.shows: list[tuple[float, list[str]]] = []
         self.seen: dict[str, int] = {}
 
     async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
         await asyncio.sleep(0.005)                  # a round trip
         if cmd.startswith("journalctl"):
-            return Completed(0, json.dumps({"MESSAGE": "boom: needs --flag x", "_PID": "9"}) + "\n", "")
+            return Completed(0, "".join(json.dumps(e) + "\n" for e in self.journal), "")
         assert cmd.startswith("systemctl show -p ")
         if self.fail:
             raise ConnectError(self.host, "connection lost")
@@ -248,3 +304,29 @@ def test_the_phases_a_watch_reports(stable_for, phases):
                                    on_phase=lambda _n, p, _e, _t: seen.append(p))
     assert asyncio.run(main()).reason == "Healthy"
     assert seen == phases
+
+
+SPAWN_FAILED = {**CRASHING, "ExecMainCode": "1", "ExecMainStatus": "219"}
+SPAWN_JOURNAL = [{"MESSAGE": "a.service: Main process exited, code=exited, status=219/CGROUP", "_PID": "1",
+                  "SYSLOG_IDENTIFIER": "systemd", "INVOCATION_ID": "new", "EXIT_CODE": "exited", "EXIT_STATUS": "219"}]
+
+
+@pytest.mark.parametrize("journal,reason", [
+    (SPAWN_JOURNAL, "Inconclusive"),                                    # the service never ran
+    (SPAWN_JOURNAL + [{"MESSAGE": "boom", "_PID": "9", "_SYSTEMD_INVOCATION_ID": "new"}], "CrashLoop"),
+])
+def test_a_crash_without_evidence_that_the_service_failed_is_no_verdict(journal, reason):
+    t = ScriptedHost({"a": [SPAWN_FAILED]}, journal=journal)
+    out = watch_all(t, ["a"], HealthSpec(stable_for=0, startup_timeout=5))[0]
+    assert (out.healthy, out.reason) == (False, reason)
+    if reason == "Inconclusive":
+        assert "219/CGROUP" in out.message and "never ran" in out.message
+
+
+def test_a_start_refused_for_the_start_limit_is_reported_not_retried_by_the_watch():
+    refused = {"LoadState": "loaded", "ActiveState": "failed", "SubState": "failed", "Result": "start-limit-hit",
+               "NRestarts": "0", "InvocationID": "old", "Job": ""}
+    t = ScriptedHost({"a": [refused]})
+    out = watch_all(t, ["a"], HealthSpec(stable_for=0, startup_timeout=5))[0]
+    assert out.reason == "StartLimitHit"
+    assert [u for _, u in t.shows] == [["a.service"]]     # one reading; no systemctl start of its own

@@ -29,7 +29,18 @@ from reconciler.plan import (
     render_env_dropin,
     render_env_file,
 )
-from reconciler.records import Adopted, HostRecord, Pending, Quarantine, Result, ServiceRecord
+from reconciler.records import (
+    INCONCLUSIVE,
+    START_LIMIT_HIT,
+    Adopted,
+    HostRecord,
+    Pending,
+    Quarantine,
+    Result,
+    ServiceRecord,
+    Verdict,
+    judge,
+)
 from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
 
 REV = "a" * 40        # the revision being applied
@@ -92,6 +103,11 @@ FIRST_FAILED = ServiceRecord(hash=BAD.content_hash(), revision=REV, quarantine=Q
 INTENT_M = Pending(hash=H, revision=REV, replaces_hash=M_ENV0.content_hash(), replaces_revision=OLD, at=1234)
 # M was started from that intent, and the controller died before the verdict.
 STARTED_M = replace(verified(M_ENV0, OLD), hash=H, revision=REV, pending=replace(INTENT_M, started=True))
+# ... and its watch came to no verdict: systemd could not start its process (issue 32)
+NO_VERDICT = "Inconclusive: no verdict: systemd could not start its process (exit status 219/CGROUP)"
+UNJUDGED_M = replace(STARTED_M, pending=replace(STARTED_M.pending, unjudged=NO_VERDICT, attempts=1))  # type: ignore[arg-type]
+TRIED_OUT_M = replace(STARTED_M, pending=replace(STARTED_M.pending, unjudged=NO_VERDICT, attempts=3))  # type: ignore[arg-type]
+TEMP = "/etc/systemd/system/.reconciler-tmp.4242.1"
 
 OVERRIDE = "/etc/systemd/system/m.service.d/override.conf"
 RUNTIME = "/run/systemd/system/m.service.d/x.conf"
@@ -127,10 +143,11 @@ class Case:
     host_rev: str | None = REV                 # the host record's applied revision (None: no record)
     ctx: Mapping[str, object] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
+    temps: tuple[str, ...] = ()                # temp files a killed run left (facts.stale_temps)
 
     def plan(self) -> HostPlan:
         facts = HostFacts(services={f.name: f for f in self.observed},
-                          record=HostRecord(self.host_rev) if self.host_rev else None)
+                          record=HostRecord(self.host_rev) if self.host_rev else None, stale_temps=self.temps)
         # The dead-man's switch is its own concern (tests at the end of this file): off in the table.
         ctx = {"confirm_margin": None, **self.ctx}
         return plan_host(host(*self.desired), facts, Context(REV, **ctx))  # type: ignore[arg-type]
@@ -338,6 +355,22 @@ CASES = [
     Case("GPU gate with the last good in place: nothing to gate", (BAD,), (on_host(LAST, HELD_GOOD),),
          {"m": State.QUARANTINED}, ("hold m HoldLastGood",),
          ctx={"last_good": {"m": LAST}, "checks": Checks(gpu_gate=True)}),
+    # ---- a watch that came to no verdict (issue 32) ----------------------------------------------
+    Case("no verdict, the unit failed: start it again", (M,), (on_host(M, UNJUDGED_M, active="failed"),),
+         {"m": State.PENDING}, ("intent m", "start m StartAgain", "record m", "record", "watch m HealthCheck")),
+    Case("no verdict, waiting out its restart: start it again now", (M,),
+         (on_host(M, UNJUDGED_M, active="activating", SubState="auto-restart"),), {"m": State.PENDING},
+         ("intent m", "restart m StartAgain", "record m", "record", "watch m HealthCheck")),
+    Case("no verdict, systemd brought it up by itself: watch it again", (M,), (on_host(M, UNJUDGED_M),),
+         {"m": State.PENDING}, ("watch m Reverify",)),
+    Case("no verdict after three tries: left as it is, not quarantined", (M,),
+         (on_host(M, TRIED_OUT_M, active="failed"),), {"m": State.INCONCLUSIVE}, ("hold m HoldUnjudged",)),
+    Case("no verdict after three tries, --retry: start it again", (M,),
+         (on_host(M, TRIED_OUT_M, active="failed"),), {"m": State.PENDING},
+         ("intent m", "start m StartAgain", "record m", "record", "watch m"), ctx={"retry": True}),
+    # ---- a killed run's temp files -----------------------------------------------------------------
+    Case("a temp file a killed run left is removed, and the drift names it", (M,), (on_host(M, verified(M)),),
+         {"m": State.IN_SYNC}, ("remove StaleTempFile", "record"), temps=(TEMP,)),
     # ---- other passes ----------------------------------------------------------------------------
     Case("deferred: a rollout wave converges it", (M, N), (on_host(M_ENV0, verified(M_ENV0, OLD)),),
          {"m": State.DEFERRED, "n": State.DEFERRED}, (), ctx={"deferred": frozenset({"m", "n"})}),
@@ -761,3 +794,48 @@ def test_a_host_with_the_env_as_environment_lines_moves_to_the_env_file_without_
     other = replace(legacy, env_text=old_env, dropins={env_path("m"): old_env})
     plan = plan_of((M,), (other,))
     assert plan.states == {"m": State.DRIFTED} and plan.restarts == ["m"]
+
+
+# ---- a watch with no verdict (issue 32) ----------------------------------------------------------
+
+
+def test_starting_again_keeps_the_count_of_watches_without_a_verdict() -> None:
+    plan = plan_of((M,), (on_host(M, UNJUDGED_M, active="failed"),))
+    for kind in (Kind.INTENT, Kind.RECORD):
+        p = pending_of(record_of(plan, kind))
+        assert (p.attempts, p.unjudged) == (1, NO_VERDICT)
+    assert "219/CGROUP" in only(plan, Kind.START).detail
+    # --retry starts the count afresh
+    retried = plan_of((M,), (on_host(M, TRIED_OUT_M, active="failed"),), retry=True)
+    assert pending_of(record_of(retried, Kind.INTENT)).attempts == 0
+
+
+def judged(rec: ServiceRecord, reason: str, healthy: bool = False) -> tuple[ServiceRecord, bool]:
+    out = judge(rec, hash=H, revision=REV, rollback=False, now=99,
+                verdict=Verdict(healthy, reason, "the quote", "the message"))
+    return out.record, out.stop
+
+
+@pytest.mark.parametrize("reason", [INCONCLUSIVE, START_LIMIT_HIT])
+def test_a_watch_without_a_verdict_keeps_the_deploy_pending_and_counts_it(reason: str) -> None:
+    rec, stop = judged(STARTED_M, reason)
+    assert not stop and rec.quarantine is None and rec.last_good_hash == STARTED_M.last_good_hash
+    p = pending_of(rec)
+    assert p.started and p.attempts == 1 and p.unjudged == f"{reason}: the message"
+    again, _ = judged(rec, INCONCLUSIVE)
+    assert pending_of(again).attempts == 2
+
+
+def test_a_start_refused_again_after_it_was_started_again_is_start_failed() -> None:
+    once, _ = judged(STARTED_M, START_LIMIT_HIT)
+    rec, stop = judged(once, START_LIMIT_HIT)
+    assert stop and rec.pending is None and rec.quarantine is not None
+    assert rec.quarantine.reason == "StartFailed"
+    # ... but not after a start that failed for another reason (that one was no verdict either)
+    other, _ = judged(UNJUDGED_M, START_LIMIT_HIT)
+    assert other.quarantine is None and pending_of(other).attempts == 2
+
+
+def test_a_healthy_verdict_after_no_verdict_makes_it_the_last_good() -> None:
+    rec, stop = judged(UNJUDGED_M, "Healthy", healthy=True)
+    assert not stop and rec.pending is None and rec.last_good_hash == H and rec.quarantine is None

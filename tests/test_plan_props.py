@@ -33,7 +33,17 @@ from reconciler.plan import (
     render_env_dropin,
     render_env_file,
 )
-from reconciler.records import Adopted, HostRecord, Pending, Quarantine, ServiceRecord, Verdict, judge
+from reconciler.records import (
+    INCONCLUSIVE,
+    MAX_UNJUDGED,
+    Adopted,
+    HostRecord,
+    Pending,
+    Quarantine,
+    ServiceRecord,
+    Verdict,
+    judge,
+)
 from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
 
 REV = "a" * 40        # the desired revision
@@ -97,12 +107,15 @@ def _stop(f: ServiceFacts) -> ServiceFacts:
     return _props(f, ActiveState="inactive", SubState="dead")
 
 
-def simulate(facts: HostFacts, plan: HostPlan, healthy: bool) -> HostFacts:
+def simulate(facts: HostFacts, plan: HostPlan, healthy: bool, no_verdict: str | None = None,
+             left: Mapping[str, str] | None = None) -> HostFacts:
     """PURE: the host after `plan` ran on it (and its watches reached a verdict).
 
     A watched service is healthy when `healthy` and it runs at the verdict. The verdict is
     recorded the way reconcile.py records it: `records.judge` on the service's first RECORD of
     the plan (else its record before the apply), and a failed verdict stops the unit.
+    `no_verdict`: the watches come to no verdict for this reason instead, leaving the unit's
+    systemd state as `left` says (systemd could not start its process).
     """
     svcs: dict[str, ServiceFacts] = dict(facts.services)
     host_record = facts.record
@@ -159,9 +172,12 @@ def simulate(facts: HostFacts, plan: HostPlan, healthy: bool) -> HostFacts:
             before = facts.services.get(name)
             base = base or (before.record if before is not None else None) or ServiceRecord()
             ok = healthy and f.running
+            reason = no_verdict or ("Healthy" if ok else "CrashLoop")
             judged = judge(base, hash=w.hash, revision=w.revision, rollback=w.rollback, now=NOW,
-                           verdict=Verdict(ok, "Healthy" if ok else "CrashLoop", None if ok else "boom"))
+                           verdict=Verdict(ok and not no_verdict, reason, None if ok else "boom"))
             f = replace(f, record=judged.record)
+            if no_verdict:
+                f = _props(f, **(left or {}))
             if judged.stop:
                 f = _stop(f)
         else:  # pragma: no cover - a new Kind needs a line here
@@ -519,3 +535,43 @@ def test_a_fleet_quarantine_is_durable_before_the_verdict(case: tuple[ServiceSpe
     facts = simulate(facts, cut, healthy=True)
     later = plan_host(desired, facts, ctx_for(desired, facts, {GOOD: good}))
     assert not written(later, bad), f"first:\n{show(plan)}\nlater, without the fleet's halt:\n{show(later)}"
+
+
+# ---- (d) a watch with no verdict is started again, never quarantined, never a loop (issue 32) ----
+
+LEFT = {"failed": {"ActiveState": "failed", "SubState": "failed"},
+        "auto-restart": {"ActiveState": "activating", "SubState": "auto-restart"},
+        "up again": {"ActiveState": "active", "SubState": "running"}}
+
+
+@PROPERTY
+@given(service("m"), st.lists(st.sampled_from([INCONCLUSIVE, "Healthy"]), min_size=1, max_size=8),
+       st.sampled_from(sorted(LEFT)))
+def test_d_no_verdict_starts_it_again_at_most_max_times_and_never_quarantines(
+        s: ServiceSpec, verdicts: list[str], left: str) -> None:
+    """systemd could not start the deploy's process (219/CGROUP): each watch without a verdict
+    leads to one more start (or a watch again, when systemd brought it up), at most MAX_UNJUDGED
+    watches in all; a healthy one makes it the last good. Never quarantined, never a loop."""
+    other = ServiceSpec("m", unit_text=s.unit_text + "# older\n", env=s.env)
+    facts = HostFacts(services={"m": installed(other, verified(other, OLD))}, record=HostRecord(OLD))
+    desired = host_spec(s)
+    watched = 0
+    for _ in range(MAX_UNJUDGED + 3):
+        p = plan_host(desired, facts, Context(REV))
+        if not p.watches:
+            break
+        verdict = verdicts[min(watched, len(verdicts) - 1)]
+        watched += 1
+        facts = simulate(facts, p, healthy=True, no_verdict=None if verdict == "Healthy" else verdict,
+                         left=LEFT[left])
+    else:
+        raise AssertionError("still watching after MAX_UNJUDGED + 3 plans")
+    rec = facts.services["m"].record
+    assert rec is not None and rec.quarantine is None
+    healthy_at = verdicts.index("Healthy") if "Healthy" in verdicts[:MAX_UNJUDGED] else None
+    if healthy_at is not None:
+        assert watched == healthy_at + 1 and rec.last_good_hash == s.content_hash() and rec.pending is None
+        assert p.states["m"] is State.IN_SYNC
+    else:
+        assert watched == MAX_UNJUDGED and rec.pending is not None and rec.pending.attempts == MAX_UNJUDGED
+        assert p.states["m"] is State.INCONCLUSIVE and p.changes == ()

@@ -1,0 +1,47 @@
+"""`reconcile.service_result`: what one service's run comes to, from its final state and the
+verdicts of this run (pure), as a table."""
+
+from __future__ import annotations
+
+import pytest
+
+from reconciler.health import Outcome
+from reconciler.plan import ServicePlan, State
+from reconciler.reconcile import Event, ServiceEvent, service_result
+from reconciler.records import Result
+
+REV = "a" * 40
+
+
+def ev(action: Event, reason: str, healthy: bool = False, message: str = "m") -> ServiceEvent:
+    return ServiceEvent("m", action, REV, "h", Outcome("m", healthy, reason, message))
+
+
+PENDING = ServicePlan("m", State.PENDING, result=Result.CONVERGED)
+CHANGED = ServicePlan("m", State.CHANGED, result=Result.CONVERGED)   # the plan a run executed last
+HELD = ServicePlan("m", State.INCONCLUSIVE, result=Result.FAILED, reason="Inconclusive", note="no verdict ...")
+NO_GOOD = ServicePlan("m", State.QUARANTINED_NO_GOOD, result=Result.FAILED, note="desired q; first deploy failed")
+
+
+@pytest.mark.parametrize("sp,events,want", [
+    (CHANGED, [ev(Event.DEPLOY, "Healthy", True)], (Result.CONVERGED, None)),
+    # no verdict, then started again and healthy: converged, not a failure
+    (CHANGED, [ev(Event.DEPLOY, "Inconclusive"), ev(Event.DEPLOY, "Healthy", True)], (Result.CONVERGED, None)),
+    (CHANGED, [ev(Event.DEPLOY, "StartLimitHit"), ev(Event.REVERIFY, "Healthy", True)], (Result.CONVERGED, None)),
+    # the rounds ran out on a watch without a verdict: failed, never "converged"
+    (PENDING, [ev(Event.DEPLOY, "Inconclusive"), ev(Event.DEPLOY, "Inconclusive")],
+     (Result.FAILED, "Inconclusive")),
+    # ... or the planner holds it after MAX_UNJUDGED of them: its own reason and note
+    (HELD, [ev(Event.DEPLOY, "Inconclusive")] * 3, (Result.FAILED, "Inconclusive")),
+    # a real failure after a watch without a verdict is still that failure, and the rollback counts
+    (CHANGED, [ev(Event.DEPLOY, "Inconclusive"), ev(Event.DEPLOY, "CrashLoop"),
+               ev(Event.ROLLBACK, "Healthy", True)], (Result.ROLLED_BACK, "RolledBack")),
+    (CHANGED, [ev(Event.DEPLOY, "CrashLoop"), ev(Event.ROLLBACK, "Inconclusive"),
+               ev(Event.ROLLBACK, "Healthy", True)], (Result.ROLLED_BACK, "RolledBack")),
+    (NO_GOOD, [ev(Event.DEPLOY, "CrashLoop")], (Result.FAILED, "FirstDeployFailed")),
+    # a newer revision ended the wait: no verdict, and nothing failed
+    (CHANGED, [ev(Event.DEPLOY, "Superseded")], (Result.CONVERGED, None)),
+])
+def test_service_result(sp: ServicePlan, events: list[ServiceEvent], want: tuple[Result, str | None]) -> None:
+    result, reason, _message = service_result(sp, events, dry_run=False, changes=True)
+    assert (result, reason) == want
