@@ -313,7 +313,7 @@ SPAWN_JOURNAL = [{"MESSAGE": "a.service: Main process exited, code=exited, statu
 
 @pytest.mark.parametrize("journal,reason", [
     (SPAWN_JOURNAL, "Inconclusive"),                                    # the service never ran
-    (SPAWN_JOURNAL + [{"MESSAGE": "boom", "_PID": "9", "_SYSTEMD_INVOCATION_ID": "new"}], "CrashLoop"),
+    ([*SPAWN_JOURNAL, {"MESSAGE": "boom", "_PID": "9", "_SYSTEMD_INVOCATION_ID": "new"}], "CrashLoop"),
 ])
 def test_a_crash_without_evidence_that_the_service_failed_is_no_verdict(journal, reason):
     t = ScriptedHost({"a": [SPAWN_FAILED]}, journal=journal)
