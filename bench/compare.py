@@ -21,8 +21,8 @@ shells, systemctl and systemd work too, which share this machine's cores with th
 (what a run costs the hosts shows there). Untimed steps between runs put the hosts where the
 next run expects them (fresh for converge; the reconciler's last value back after the floor's
 env change). Bytecode is cached as for an installed tool (PYTHONPYCACHEPREFIX in a temp dir)
-and each command runs once untimed first. A new commit is loaded afresh by `reconcile` (each
-env-change round); a commit it loaded before comes from its load cache (reconciler/loadcache.py).
+and each command runs once untimed first. Every `reconcile` loads its revision afresh (there is no
+load cache).
 
     sudo .venv/bin/python -m bench.compare                      # 1/10/30 hosts, 5 rounds each
     sudo .venv/bin/python -m bench.compare --sizes 1 10 --rounds 2 --scenarios no-change env-change

@@ -155,7 +155,7 @@ def _restore() -> None:
 def ours_round(repo: DesiredRepo, env: dict[str, str]) -> Meter:
     meter = Meter()
     instrument_ours(meter)
-    from reconciler import entry
+    from reconciler import cli
     saved = dict(os.environ)
     os.environ.update(env)
     sys.argv = ["reconcile", "--repo", str(repo.path), "--json"]
@@ -163,7 +163,7 @@ def ours_round(repo: DesiredRepo, env: dict[str, str]) -> Meter:
         with meter.step("whole run (in process, after start-up)"), \
                 open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
             try:
-                entry.main()
+                cli.main()
             except SystemExit as e:
                 if e.code != 0:
                     raise SystemExit(f"reconcile exited {e.code}") from None

@@ -1,5 +1,5 @@
 """`python -m reconciler` runs the `reconcile` command."""
 
-from .entry import console
+from .cli import console
 
 console()

@@ -14,10 +14,6 @@ On the host side, `pause-after-temp`, `pause-after-rename` and `pause-before-rel
 apply script sleep RECONCILER_FAULT_PAUSE seconds (default 5) at that point of its file writes,
 so a test can cut or blackhole the connection, or kill the controller, right there.
 
-`slow-load` makes the forked child that loads a new commit (loadcache.load_aside) sleep
-RECONCILER_FAULT_PAUSE seconds first, as a big repo or a slow disk would: what a run does
-meanwhile can then be seen.
-
 And for the daemon's watchdog test, `block-loop`: once the file /run/reconciler-block-loop
 exists, the daemon's event loop blocks (as a wedged loop would) and systemd must restart it.
 
@@ -65,10 +61,3 @@ def hit(point: str) -> None:
     """Kill this process at `point` when the environment asks for it."""
     if armed(point):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def pause_if_asked(point: str) -> None:
-    """Sleep RECONCILER_FAULT_PAUSE seconds (default 5) at `point` when the environment asks."""
-    if armed(point):
-        import time
-        time.sleep(float(_pause_seconds()))

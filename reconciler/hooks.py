@@ -252,11 +252,9 @@ def _hook_bin() -> str:
 
 
 def console() -> NoReturn:
-    """The `reconcile-hook` console script: main(), then entry.leave() (no interpreter teardown:
-    a push waits for its hooks), with dataclasses' methods compiled once (dccache)."""
-    from . import dccache
-    from .entry import leave
-    dccache.install()
+    """The `reconcile-hook` console script: main(), then process.leave() (no interpreter
+    teardown: a push waits for its hooks)."""
+    from .process import leave
     leave(main())
 
 

@@ -20,7 +20,6 @@ One host failing never stops the others: every host ends with a HostResult.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -135,49 +134,9 @@ class HostResult:
         }
 
 
-class EarlyConnections:
-    """SSH connections opened before the run knows its hosts: while a new commit loads (in a
-    forked child, loadcache.load_aside), to the hosts of the state this repo loaded last. The
-    run's connector takes one where the host is the same one, reached the same way (its name and
-    every SSH setting equal, known_hosts included), and opens its own otherwise; the rest are
-    closed when the run ends. Opening one changes nothing on a host (no command runs), so a
-    commit that fails to load has touched nothing."""
-
-    def __init__(self, identity: str | None = None, connect_timeout: float = 10.0):
-        self.identity, self.connect_timeout = identity, connect_timeout
-        self._tasks: dict[tuple[str, object], asyncio.Task[Transport]] = {}
-
-    def start(self, hosts: list[HostSpec]) -> None:
-        for h in hosts:
-            self._tasks[(h.name, h.ssh)] = asyncio.ensure_future(
-                SSHTransport.connect(h.name, h.ssh, identity=self.identity, connect_timeout=self.connect_timeout))
-
-    def take(self, host: HostSpec) -> asyncio.Task[Transport] | None:
-        """The connection opened early to this host, reached this way (None: there is none)."""
-        return self._tasks.pop((host.name, host.ssh), None)
-
-    async def close(self) -> None:
-        """Close what the run did not take (cancelling what is still connecting)."""
-        tasks, self._tasks = list(self._tasks.values()), {}
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            try:
-                t = await task
-            except (asyncio.CancelledError, Exception):
-                continue
-            with contextlib.suppress(Exception):
-                await t.close()
-
-
-def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0,
-                  early: EarlyConnections | None = None) -> Connector:
+def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0) -> Connector:
+    """Connects to a host over SSH (a new connection each time: the daemon's pool keeps them)."""
     async def connect(host: HostSpec) -> Transport:
-        task = early.take(host) if early is not None else None
-        if task is not None:
-            # Opened early with these very settings: its outcome (a failure too, such as a
-            # host key that does not match) is this connect's.
-            return await task
         return await SSHTransport.connect(host.name, host.ssh, identity=identity, connect_timeout=connect_timeout)
     return connect
 

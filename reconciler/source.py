@@ -4,9 +4,8 @@ The working tree is never read: what is deployed is exactly what a commit holds.
 local path (working clone or bare repo) or a URL, which is mirrored into a cache directory and
 fetched on every run.
 
-pygit2 is imported when a repository is first opened: a run whose revision (a local repo's
-HEAD, read from git's own ref files by `deferred_snapshot`) was loaded before reads its state
-from the load cache and never opens the repository, unless a later step reads from it.
+pygit2 is imported when a repository is first opened (a command that opens none, `--help` or
+`status`, never imports it).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -36,39 +35,12 @@ def default_cache_dir() -> Path:
 
 
 class Snapshot:
-    """The files of one commit (optionally below a sub-directory), read on demand.
+    """The files of one commit (optionally below a sub-directory), read on demand."""
 
-    Made from an open repository and commit, or deferred: a revision id and how to open them,
-    which happens on first use of `repo`, `commit` or the files."""
-
-    def __init__(self, repo: pygit2.Repository | None, commit: pygit2.Commit | None, subdir: str = "", *,
-                 revision: str | None = None,
-                 opener: Callable[[], tuple[pygit2.Repository, pygit2.Commit]] | None = None):
-        self._repo, self._commit, self.subdir = repo, commit, subdir
-        self._revision = revision if revision is not None else str(commit.id) if commit is not None else ""
-        self._opener = opener
+    def __init__(self, repo: pygit2.Repository, commit: pygit2.Commit, subdir: str = ""):
+        self.repo, self.commit, self.subdir = repo, commit, subdir
+        self.revision = str(commit.id)
         self._tree: str | None = None
-
-    def _open(self) -> None:
-        if self._repo is None or self._commit is None:
-            assert self._opener is not None
-            self._repo, self._commit = self._opener()
-
-    @property
-    def repo(self) -> pygit2.Repository:
-        self._open()
-        assert self._repo is not None
-        return self._repo
-
-    @property
-    def commit(self) -> pygit2.Commit:
-        self._open()
-        assert self._commit is not None
-        return self._commit
-
-    @property
-    def revision(self) -> str:
-        return self._revision
 
     @property
     def short(self) -> str:
@@ -77,15 +49,11 @@ class Snapshot:
     @property
     def tree_id(self) -> str | None:
         """The id of the tree this snapshot reads (the commit's, or the sub-directory's): a name
-        for its content (loadcache.py keys loaded states by it)."""
+        for its content (the daemon loads a tree it loaded before from memory)."""
         if self._tree is None:
             obj = self._entry("")
             self._tree = str(obj.id) if obj is not None else ""
         return self._tree or None
-
-    def know_tree(self, tree_id: str) -> None:
-        """Its tree id, as the load cache recorded it for this revision (no need to open git)."""
-        self._tree = tree_id
 
     def _entry(self, path: str) -> Any:
         full = str(PurePosixPath(self.subdir, path)) if self.subdir else path
@@ -110,61 +78,6 @@ class Snapshot:
         if obj is None or obj.type != pygit2.GIT_OBJECT_TREE:
             return []
         return sorted(e.name for e in obj if e.type == pygit2.GIT_OBJECT_BLOB)
-
-
-_HEX40 = re.compile(r"^[0-9a-f]{40}$")
-
-
-def _git_dir(repo: str) -> Path | None:
-    """The git directory of a plain local repo at exactly this path (a clone's .git, or a bare
-    repo); None for anything else (a sub-directory of a clone, a linked worktree, reftable)."""
-    p = Path(repo).resolve()
-    g = p / ".git" if (p / ".git").is_dir() else p if (p / "HEAD").is_file() and (p / "objects").is_dir() else None
-    if g is None or (g / "commondir").exists() or (g / "reftable").exists():
-        return None
-    return g
-
-
-def _ref(gitdir: Path, name: str, depth: int = 0) -> str | None:
-    """A ref's commit id from git's files: the loose ref, else packed-refs; None when unsure."""
-    if depth > 4 or not (name == "HEAD" or name.startswith("refs/heads/")) or ".." in name:
-        return None
-    try:
-        text: str | None = (gitdir / name).read_text().strip()
-    except FileNotFoundError:
-        text = None
-    except OSError:
-        return None
-    if text is not None:
-        if text.startswith("ref: "):
-            return _ref(gitdir, text[5:].strip(), depth + 1)
-        return text if _HEX40.match(text) else None
-    try:
-        packed = (gitdir / "packed-refs").read_text()
-    except OSError:
-        return None
-    for line in packed.splitlines():
-        if line[41:] == name and _HEX40.match(line[:40]):
-            return line[:40]
-    return None
-
-
-def deferred_snapshot(repo: str, rev: str | None = None, subdir: str = "") -> Snapshot | None:
-    """The snapshot of a local repo's HEAD, its commit id read from git's ref files and the
-    repository opened only when something reads it; None when that is not plain (a URL, a
-    revision given, a pre-receive hook's quarantine, an unusual repository): snapshot() then."""
-    if rev not in (None, "HEAD") or is_url(repo) or os.environ.get("GIT_QUARANTINE_PATH"):
-        return None
-    gitdir = _git_dir(repo)
-    commit = _ref(gitdir, "HEAD") if gitdir is not None else None
-    if commit is None:
-        return None
-    sub = subdir.strip("/")
-
-    def opener() -> tuple[pygit2.Repository, pygit2.Commit]:
-        snap = snapshot(open_repo(repo), commit, sub)
-        return snap.repo, snap.commit
-    return Snapshot(None, None, sub, revision=commit, opener=opener)
 
 
 def is_url(repo: str) -> bool:

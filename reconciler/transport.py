@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from . import libcache
 from .errors import CommandError, ConnectError, HostKeyError
 from .spec import SSHSpec
 
@@ -126,7 +125,7 @@ def known_hosts_for(spec: SSHSpec) -> asyncssh.SSHKnownHosts:
 def _parsed(text: str) -> asyncssh.SSHKnownHosts:
     """The fleet's known_hosts, parsed once per text: every host shares the one file, and
     parsing it for each connection made a 1,000-host run quadratic (1,000 parses of 1,000 lines)."""
-    import asyncssh  # imported by connect(), its one caller, through libcache
+    import asyncssh  # imported by connect(), its one caller: a run that never connects skips it
     return asyncssh.import_known_hosts(text)
 
 
@@ -141,8 +140,7 @@ class SSHTransport:
     async def connect(cls, host: str, spec: SSHSpec, *, identity: str | None = None,
                       connect_timeout: float = 10.0) -> SSHTransport:
         """Connect and verify the host key strictly; map failures to ConnectError/HostKeyError."""
-        libcache.import_asyncssh()     # here, not at the top: a run that never connects (or a local one) skips it
-        import asyncssh
+        import asyncssh  # here, not at the top: a run that never connects (or a local one) skips it
         keys = identity_files(identity)
         kwargs: dict = dict(
             port=spec.port, username=spec.user, known_hosts=known_hosts_for(spec),

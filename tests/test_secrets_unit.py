@@ -11,11 +11,13 @@ import stat
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from prometheus_client import generate_latest
 from rich.console import Console
-from typer.testing import CliRunner
 
 from reconciler import cli, hooks, redact, secrets
+from reconciler.cli.output import print_json
+from reconciler.cli.run import decrypting
 from reconciler.daemon import _tee
 from reconciler.fleet import FleetResult
 from reconciler.load import MemorySnapshot, load_desired
@@ -362,7 +364,7 @@ def test_validate_with_an_identity_checks_that_age_secrets_decrypt(tmp_path: Pat
 def test_json_output_is_redacted(tmp_path: Path, capsys) -> None:
     value = 'q"' + canary()
     redact.register(value)
-    cli._print_json({"hosts": [{"message": f"failed with {value}"}], "url": URL})
+    print_json({"hosts": [{"message": f"failed with {value}"}], "url": URL})
     out = capsys.readouterr().out
     assert "canary-" not in out and "S3cretPassw0rd" not in out
     assert json.loads(out)["hosts"][0]["message"] == "failed with ***"
@@ -425,7 +427,7 @@ def test_the_daemon_log_tee_and_a_crash_traceback_are_redacted(monkeypatch, caps
     _tee(journal, log).write(f"restart m: {value}\n")
     assert journal.getvalue() == log.getvalue() == "restart m: ***\n"
 
-    def boom() -> None:
+    def boom(**_kw: object) -> None:
         raise RuntimeError(f"unexpected: {value}")
     monkeypatch.setattr(cli, "app", boom)
     with pytest.raises(SystemExit) as exit_info:
@@ -447,7 +449,7 @@ def test_metrics_labels_are_redacted() -> None:
 def test_no_identity_is_needed_without_age_secrets(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("RECONCILER_AGE_IDENTITY", raising=False)
     state = state_with(SecretSpec("HF_TOKEN", "file", "/etc/credstore/hf"))
-    decrypted, _render = cli._decrypting(state, MemorySnapshot({}), None)    # type: ignore[arg-type]
+    decrypted, _render = decrypting(state, MemorySnapshot({}), None)    # type: ignore[arg-type]
     assert decrypted is state
 
 

@@ -1,0 +1,288 @@
+"""The `reconcile` command line (click): the run, and its sub-commands.
+
+Exit codes: 0 converged / in sync; 1 bad input or internal error (nothing applied);
+2 --dry-run found changes (and click's own usage errors); 3 a host was rolled back or runs its
+last good version; 4 at least one host failed.
+
+Each command imports what it uses when it runs: parsing the arguments (and --help) loads click
+alone, and a run loads only what it needs (the SSH stack when it connects, the rule pack when
+pre-flight runs, the web stack in `watch` only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..errors import ConfigError, SourceError
+from .output import console, escape, fail, fail_input, print_json, run_async
+from .run import converge, decrypting, has_age, load_revision, rules_of
+
+PATH = click.Path(path_type=Path)
+
+
+def repo_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--repo", default=".", envvar="RECONCILER_REPO", metavar="PATH|URL", show_envvar=False,
+                        help="Desired-state repo: a local path (clone or bare) or a URL.")(f)
+
+
+def rev_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--rev", metavar="REV", help="Revision to deploy (default: HEAD of the branch).")(f)
+
+
+def path_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--path", default="", envvar="RECONCILER_PATH", metavar="DIR",
+                        help="Sub-directory of the repo that holds fleet.toml and hosts/.")(f)
+
+
+def json_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
+
+
+def cache_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--cache-dir", type=PATH, envvar="RECONCILER_CACHE_DIR", metavar="DIR",
+                        help="Where URL repos are mirrored.")(f)
+
+
+def state_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--state-dir", type=PATH, envvar="RECONCILER_STATE_DIR", metavar="DIR",
+                        help="Where the state store lives (default ~/.local/state/reconciler).")(f)
+
+
+def age_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--age-identity", envvar="RECONCILER_AGE_IDENTITY", metavar="KEYFILE",
+                        help="The controller's age identity, to decrypt the repo's age secrets (needed only when "
+                             "the desired state has some).")(f)
+
+
+def identity_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--identity", "-i", envvar="RECONCILER_IDENTITY", metavar="KEYFILE",
+                        help="SSH private key (default: ~/.ssh defaults).")(f)
+
+
+def hosts_opt(f):  # type: ignore[no-untyped-def]
+    f = click.option("--label", "-l", multiple=True, metavar="KEY=VALUE",
+                     help="Only hosts with this label (repeatable: all must match).")(f)
+    return click.option("--host", "-H", multiple=True, metavar="NAME", help="Only these hosts (repeatable).")(f)
+
+
+def concurrency_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--concurrency", type=click.IntRange(min=1), metavar="N",
+                        help="Hosts at once (default: fleet.toml, 20).")(f)
+
+
+def lock_wait_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--lock-wait", type=click.FloatRange(min=0), default=30.0, metavar="SECONDS",
+                        help="How long to wait for another run's lock on a host before reporting it Locked "
+                             "(exit 4).")(f)
+
+
+@click.group(invoke_without_command=True, context_settings={"max_content_width": 120},
+             help="GitOps for bare-metal GPU hosts: converge systemd model servers to a git revision.\n\n"
+                  "Without a command: converge every host to the desired state at a revision (or preview "
+                  "it with --dry-run).")
+@repo_opt
+@rev_opt
+@path_opt
+@click.option("--dry-run", "-n", is_flag=True, help="Show diffs and actions; change nothing.")
+@json_opt
+@identity_opt
+@concurrency_opt
+@hosts_opt
+@click.option("--retry", is_flag=True, help="Re-apply quarantined (failed) service versions once more.")
+@click.option("--allow-rewind", is_flag=True, help="Deploy a revision that does not descend from the one a host "
+                                                   "records as applied (an older commit, another repo).")
+@lock_wait_opt
+@age_opt
+@cache_opt
+@state_opt
+@click.option("--notes", is_flag=True, help="Record the outcome as git notes (refs/notes/reconciler) on the "
+                                            "deployed commit in --repo, a local repo, as the daemon does on its "
+                                            "deploy repo (not on a dry run).")
+@click.pass_context
+def app(ctx: click.Context, repo: str, rev: str | None, path: str, dry_run: bool, as_json: bool,
+        identity: str | None, concurrency: int | None, host: tuple[str, ...], label: tuple[str, ...], retry: bool,
+        allow_rewind: bool, lock_wait: float, age_identity: str | None, cache_dir: Path | None,
+        state_dir: Path | None, notes: bool) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    converge(repo=repo, rev=rev, path=path, dry_run=dry_run, as_json=as_json, identity=identity,
+             concurrency=concurrency, host=list(host) or None, label=list(label) or None, retry=retry,
+             allow_rewind=allow_rewind, lock_wait=lock_wait, age_identity=age_identity, cache_dir=cache_dir,
+             state_dir=state_dir, notes=notes)
+
+
+@app.command()
+@repo_opt
+@rev_opt
+@path_opt
+@json_opt
+@cache_opt
+@click.option("--age-identity", envvar="RECONCILER_AGE_IDENTITY", metavar="KEYFILE",
+              help="Also check that every age secret decrypts with this identity (the controller's).")
+def validate(repo: str, rev: str | None, path: str, as_json: bool, cache_dir: Path | None,
+             age_identity: str | None) -> None:
+    """Check the desired state at a revision without contacting any host (exit 0 or 1)."""
+    from .. import secrets
+    from ..preflight import check_desired, secret_problems
+    decrypted = 0
+    try:
+        snap, state = load_revision(repo, rev, path, cache_dir)
+        problems, warnings = check_desired(state, rules_of(snap)(), snap.read)
+        identity = secrets.identity_path(age_identity)
+        if identity and has_age(state):
+            state = secrets.Decryptor(identity).state(state)
+            problems.extend(secret_problems(state, snap.read))
+            decrypted = len({s.path for h in state.hosts.values() for svc in h.services.values()
+                             for s in svc.secrets if s.source == "age" and s.problem is None})
+        if problems:
+            raise ConfigError(problems)
+    except (ConfigError, SourceError) as e:
+        fail_input(e, as_json, f"{repo}@{rev or 'HEAD'}")
+    for w in warnings:
+        console(stderr=True).print(escape(w), soft_wrap=True)
+    n_svc = sum(len(h.services) for h in state.hosts.values())
+    if as_json:
+        print_json({"revision": snap.revision, "valid": True, "hosts": len(state.hosts), "services": n_svc,
+                    "warnings": warnings})
+    else:
+        checked = f"; {decrypted} age secret file{'s' * (decrypted != 1)} decrypt" if decrypted else ""
+        console().print(f"{snap.short}: valid ({len(state.hosts)} hosts, {n_svc} services{checked})")
+
+
+@app.command()
+@json_opt
+@state_opt
+@click.option("--live", is_flag=True, help="Read the records on the hosts over SSH (read-only, no lock) instead of "
+                                           "the local state store: what runs where, from any machine. Adds "
+                                           "systemd's ActiveState.")
+@repo_opt
+@click.option("--rev", metavar="REV", help="With --live: the revision whose hosts to read (default: HEAD).")
+@path_opt
+@hosts_opt
+@identity_opt
+@concurrency_opt
+@age_opt
+@cache_opt
+def status(as_json: bool, state_dir: Path | None, live: bool, repo: str, rev: str | None, path: str,
+           host: tuple[str, ...], label: tuple[str, ...], identity: str | None, concurrency: int | None,
+           age_identity: str | None, cache_dir: Path | None) -> None:
+    """The fleet at a glance: host, service, desired and running revision, health, last event;
+    from the local state store, or with --live from the hosts' own records."""
+    from ..report import print_status
+    from ..status import Store
+    if not live:
+        if rev or host or label:
+            fail("--rev, --host and --label choose what `status --live` reads from the hosts; without --live, "
+                 "status shows the local state store")
+        rows = Store(state_dir).status()
+        if as_json:
+            print_json(rows)
+        else:
+            print_status(console(), rows)
+        return
+    from ..fleet import select_hosts
+    from ..live import live_status
+    from ..reconcile import ssh_connector
+    try:
+        snap, state = load_revision(repo, rev, path, cache_dir)
+        selected = select_hosts(state, list(host) or None, list(label) or None)
+    except (ConfigError, SourceError) as e:
+        fail_input(e, as_json, f"{repo}@{rev or 'HEAD'}")
+    state, _render = decrypting(state, snap, age_identity)
+    rows = run_async(live_status(state, ssh_connector(identity), hosts=selected, concurrency=concurrency))
+    if as_json:
+        print_json(rows)
+    else:
+        print_status(console(), rows, live=snap.short)
+
+
+@app.command()
+@click.argument("host")
+@json_opt
+@state_opt
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+def history(host: str, as_json: bool, state_dir: Path | None, limit: int) -> None:
+    """Every attempt on one host, newest first: revision, result, reason, journal line, duration."""
+    from ..report import print_history
+    from ..status import Store
+    rows = Store(state_dir).history(host, limit)
+    if as_json:
+        print_json(rows)
+    else:
+        print_history(console(), host, rows)
+
+
+@app.command()
+@click.option("--config", type=PATH, help="Controller config (default /etc/reconciler/config.toml or "
+                                          "$RECONCILER_CONFIG); RECONCILER_<KEY> env vars override it.")
+@click.option("--repo", help="Override config: the desired-state repo.")
+@click.option("--branch", help="Override config: the deploy branch.")
+@click.option("--interval", type=float, help="Seconds between periodic runs.")
+@click.option("--identity", "-i", metavar="KEYFILE", help="Override config: the SSH private key.")
+@click.option("--age-identity", metavar="KEYFILE", help="Override config: the age identity that decrypts the "
+                                                        "repo's secrets.")
+@click.option("--state-dir", type=PATH, metavar="DIR", help="Override config: the state directory.")
+@click.option("--metrics", metavar="HOST:PORT", help="The Prometheus endpoint, '' = off.")
+@click.option("--web", metavar="HOST:PORT", help="The read-only fleet page, '' = off (default 127.0.0.1:9188).")
+@click.option("--label", "-l", multiple=True, metavar="KEY=VALUE",
+              help="Override config: only hosts with this label (repeatable: all must match), for several "
+                   "controllers that share a fleet.")
+def watch(config: Path | None, repo: str | None, branch: str | None, interval: float | None, identity: str | None,
+          age_identity: str | None, state_dir: Path | None, metrics: str | None, web: str | None,
+          label: tuple[str, ...]) -> None:
+    """Run as a daemon: reconcile on every push (within a second), every interval, and on trigger."""
+    import asyncio
+
+    from ..config import load_config
+    from ..daemon import Daemon
+    try:
+        cfg = load_config(config)
+    except ConfigError as e:
+        fail_input(e, False, str(config or "config"))
+    overrides = {k: v for k, v in dict(repo=repo, branch=branch, identity=identity, age_identity=age_identity,
+                                       state_dir=str(state_dir) if state_dir else None, metrics=metrics,
+                                       web=web, labels=list(label) or None).items()
+                 if v is not None}
+    cfg = cfg.model_copy(update=overrides)
+    asyncio.run(Daemon(cfg, interval=interval).serve())
+
+
+@app.command("init-repo")
+@click.argument("path", type=PATH)
+@click.option("--branch", default="main", show_default=True)
+@click.option("--state-dir", type=PATH, envvar="RECONCILER_STATE_DIR", metavar="DIR",
+              help="The daemon's state dir, for streaming results to the pusher.")
+@click.option("--stream", is_flag=True, help="Always stream the deploy's outcome to the pusher.")
+@click.option("--shared", metavar="GROUP", help="Share the repo with GROUP (the pushing users and the daemon): "
+                                                "group-writable, setgid, core.sharedRepository=group; as root also "
+                                                "marked safe.directory in the system git config.")
+@click.option("--owner", metavar="USER", help="With --shared, as root: chown to USER.")
+def init_repo_cmd(path: Path, branch: str, state_dir: Path | None, stream: bool, shared: str | None,
+                  owner: str | None) -> None:
+    """Create a bare repo with the pre-receive (validate) and post-receive (deploy) hooks installed."""
+    from ..hooks import init_repo
+    if path.exists() and any(path.iterdir()):
+        fail(f"{path} exists and is not empty")
+    try:
+        notes = init_repo(path, branch=branch, state_dir=str(state_dir.resolve()) if state_dir else None,
+                          stream=stream, group=shared, owner=owner)
+    except (KeyError, PermissionError) as e:     # no such group/user, or not root for chown
+        fail(f"{path}: cannot share with {shared!r}{f' owned by {owner!r}' if owner else ''}: {e}")
+    out = console()
+    out.print(f"bare deploy repo at {path} (branch {branch}); hooks installed.")
+    for n in notes:
+        out.print(f"  {n}")
+    out.print(f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
+
+
+def _register() -> None:
+    """The commands kept in modules of their own: pull mode and secrets."""
+    from .pull import pull
+    from .secrets import secrets
+    app.add_command(pull)
+    app.add_command(secrets)
+
+
+_register()
