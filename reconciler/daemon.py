@@ -61,6 +61,7 @@ from . import faults, load, redact, secrets, source
 from . import notify_systemd as sd
 from .commitstatus import CommitStatus
 from .config import ControllerConfig
+from .dirs import default_state_dir
 from .errors import ConfigError, ReconcilerError, SourceError
 from .fleet import reconcile_fleet, select_hosts
 from .load import render_at
@@ -70,7 +71,7 @@ from .preflight import RuleSet, load_rules, secret_warnings
 from .reconcile import ssh_connector
 from .report import PhaseView, print_config_error, print_result
 from .spec import DesiredState
-from .status import Store, default_state_dir, remember
+from .status import Store, remember
 from .trust import RevisionRefused, check_descends, descends, verify_signature
 from .web.hub import Hub
 

@@ -545,7 +545,7 @@ class _Loader:
         except UnicodeDecodeError:
             self.problems.add(at.file, at.key, f"{path!r} is not a PEM file (not ASCII)")
             return None
-        from .probe import check_ca_pem  # only where a CA is set: the probe pulls in httpx
+        from .tls import check_ca_pem  # only where a CA is set: it imports cryptography
         why = check_ca_pem(text)
         if why:
             self.problems.add(at.file, at.key, f"{path!r} is not a usable CA bundle: {why}")

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
-from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
@@ -32,12 +31,11 @@ import httpcore
 import httpx
 from anyio.streams.tls import TLSAttribute, TLSStream
 
+from .tls import ssl_context as _ssl_context
+from .tls import ssl_reason as _ssl_reason
 from .transport import Transport
 
-if TYPE_CHECKING:
-    from cryptography import x509
-
-__all__ = ["check_ca_pem", "http_probe"]
+__all__ = ["http_probe"]
 
 _HEADERS = {
     "User-Agent": "reconciler-health-probe",
@@ -66,41 +64,6 @@ async def http_probe(t: Transport, url: str, *, timeout: float = 5.0, ca_pem: st
         return None, f"{backend.phase}: {'ReadTimeout' if backend.phase == 'read' else 'ConnectTimeout'}"
     except Exception as e:  # a network failure is an answer, not a bug in the caller
         return None, _describe(backend, e)
-
-
-def check_ca_pem(pem: str) -> str | None:
-    """Why `pem` is not a usable PEM CA bundle for `http_probe`, or None when it is."""
-    if "-----BEGIN CERTIFICATE-----" not in pem:
-        return "no PEM certificate in it (expected -----BEGIN CERTIFICATE-----)"
-    from cryptography import x509  # only here: the probe itself needs no X.509 parsing
-    try:
-        _ssl_context(pem)   # exactly what the probe will load
-        certs = x509.load_pem_x509_certificates(pem.encode())
-    except (ssl.SSLError, ValueError, TypeError) as e:
-        return f"not a PEM certificate bundle: {_ssl_reason(e)}"
-    for cert in certs:
-        # OpenSSL trusts a CA or a self-signed certificate pinned as is, never a bare leaf
-        # issued by someone else (the usual mistake: the server's certificate, not its CA's).
-        if cert.issuer != cert.subject and not _is_ca(cert):
-            return (f"{cert.subject.rfc4514_string()} is a server certificate issued by "
-                    f"{cert.issuer.rfc4514_string()}: give that CA's certificate instead")
-    return None
-
-
-def _is_ca(cert: x509.Certificate) -> bool:
-    from cryptography import x509
-    try:
-        return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-    except x509.ExtensionNotFound:
-        return False
-
-
-def _ssl_context(ca_pem: str | None) -> ssl.SSLContext:
-    # create_default_context: CERT_REQUIRED, check_hostname, modern protocols. With cadata it
-    # trusts exactly that bundle; without, the system's default CA paths.
-    if ca_pem is None:
-        return ssl.create_default_context()
-    return ssl.create_default_context(cadata=ca_pem)
 
 
 async def _get(backend: _ChannelBackend, ssl_context: ssl.SSLContext | None, url: str,
@@ -134,10 +97,6 @@ def _describe(backend: _ChannelBackend, e: Exception) -> str:
         return f"connect: {type(root).__name__}" + (f" ({reason})" if reason else "")
     detail = str(e)
     return f"{phase}: {type(e).__name__}" + (f": {detail[:200]}" if detail else "")
-
-
-def _ssl_reason(e: BaseException) -> str:
-    return str(getattr(e, "reason", None) or e) or type(e).__name__
 
 
 class _ChannelBackend(httpcore.AsyncNetworkBackend):

@@ -17,21 +17,13 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
+from .dirs import default_cache_dir
 from .errors import SourceError
 
 if TYPE_CHECKING:
     import pygit2
 
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://|^[^/\s]+@[^:\s]+:")
-
-
-def default_cache_dir() -> Path:
-    """Where URL repos are mirrored: $RECONCILER_CACHE_DIR or the user's cache dir."""
-    env = os.environ.get("RECONCILER_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "reconciler"
 
 
 class Snapshot:

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .dirs import default_state_dir
 from .records import Result
 from .redact import redact, redact_data
 
@@ -59,15 +60,6 @@ CREATE TABLE IF NOT EXISTS controller (
   value TEXT
 );
 """
-
-
-def default_state_dir() -> Path:
-    """$RECONCILER_STATE_DIR, else $XDG_STATE_HOME/reconciler, else ~/.local/state/reconciler."""
-    env = os.environ.get("RECONCILER_STATE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "reconciler"
 
 
 class Store:

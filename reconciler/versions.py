@@ -202,6 +202,6 @@ def cache() -> VersionCache:
     """The process's version cache (loaded once from the state directory)."""
     global _CACHE
     if _CACHE is None:
-        from .status import default_state_dir
+        from .dirs import default_state_dir
         _CACHE = VersionCache(default_state_dir() / "server-versions.json")
     return _CACHE

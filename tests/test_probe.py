@@ -25,7 +25,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from reconciler.probe import check_ca_pem, http_probe
+from reconciler.probe import http_probe
+from reconciler.tls import check_ca_pem
 from reconciler.transport import LocalTransport, SSHTransport
 
 LOOPBACK = "127.0.0.1"
