@@ -46,8 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from reconciler import load, source
-from reconciler.plan import desired_files
+from reconciler.desired import load, source
+from reconciler.plan.planner import desired_files
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 

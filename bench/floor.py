@@ -32,7 +32,7 @@ import time
 import asyncssh
 
 SEP = "@@floor@@"
-# The same cipher preference as reconciler/transport.py (AES-GCM first: far cheaper per packet
+# The same cipher preference as reconciler/host/transport.py (AES-GCM first: far cheaper per packet
 # in asyncssh than its default chacha20-poly1305), so the floor is no slower for want of it.
 CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com",
            "aes256-ctr", "aes192-ctr", "aes128-ctr")

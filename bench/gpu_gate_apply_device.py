@@ -82,11 +82,11 @@ def main() -> int:
 
 
 async def scenarios(gib: float) -> bool:
-    from reconciler.gpu import gpu_facts
+    from reconciler.desired.spec import HealthSpec, HostSpec, ServiceSpec, SSHSpec
+    from reconciler.host.gpu import gpu_facts
+    from reconciler.host.transport import LocalTransport
+    from reconciler.loop.host import reconcile_host
     from reconciler.preflight import load_rules
-    from reconciler.reconcile import reconcile_host
-    from reconciler.spec import HealthSpec, HostSpec, ServiceSpec, SSHSpec
-    from reconciler.transport import LocalTransport
 
     t = LocalTransport("h200")
     rehearsal = bool(os.environ.get("GPU_HOLD_REHEARSAL"))

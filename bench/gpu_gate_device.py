@@ -8,7 +8,7 @@ nvidia-smi; no sshd, systemd, pydantic or asyncssh):
     python3 bench/gpu_gate_device.py --gib 8     # a smaller allocation
     python3 bench/gpu_gate_device.py --dry       # only the "before" facts (any machine)
 
-It runs reconciler.gpu's own code through a local shell, exactly as the reconciler runs it
+It runs reconciler.host.gpu's own code through a local shell, exactly as the reconciler runs it
 through SSH: (1) the gate's facts before; (2) a child python3 that allocates --gib GiB on
 cuda:0 and touches it; (3) polls the gate until the child's PID shows up as a holder, with
 its device nodes and its memory; (4) stops the child through kill_strays(policy="kill") and
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))    # run as a script from anywhere: `reconciler` is at ROOT
 
-from reconciler import gpu  # noqa: E402  (standard library only at run time)
+from reconciler.host import gpu  # noqa: E402  (standard library only at run time)
 
 CHILD = r"""
 import sys, time
@@ -46,7 +46,7 @@ time.sleep(600)
 
 @dataclass(frozen=True)
 class Completed:
-    """Same shape as reconciler.transport.Completed."""
+    """Same shape as reconciler.host.transport.Completed."""
 
     exit_status: int | None
     stdout: str
@@ -54,7 +54,7 @@ class Completed:
 
 
 class LocalShell:
-    """A minimal local transport (reconciler.transport needs asyncssh, which may be absent)."""
+    """A minimal local transport (reconciler.host.transport needs asyncssh, which may be absent)."""
 
     host = "local"
 
@@ -78,7 +78,7 @@ class LocalShell:
 def transport() -> gpu.Runner:
     """reconciler's own LocalTransport when its imports are there, else LocalShell."""
     try:
-        from reconciler.transport import LocalTransport
+        from reconciler.host.transport import LocalTransport
     except ImportError:
         return LocalShell()
     return LocalTransport()

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import asyncssh
 
-from reconciler import load, source
-from reconciler.fleet import reconcile_fleet
-from reconciler.reconcile import ssh_connector
+from reconciler.desired import load, source
+from reconciler.loop.fleet import reconcile_fleet
+from reconciler.loop.host import ssh_connector
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 

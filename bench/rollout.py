@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from reconciler import load, source
-from reconciler.fleet import FleetResult, reconcile_fleet
-from reconciler.reconcile import ssh_connector
+from reconciler.desired import load, source
+from reconciler.loop.fleet import FleetResult, reconcile_fleet
+from reconciler.loop.host import ssh_connector
 from tests import fleet as fleetlib
 from tests.conftest import STANDIN_UNIT, DesiredRepo, fleet_known_hosts
 

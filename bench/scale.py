@@ -44,7 +44,7 @@ from pathlib import Path
 
 from bench.compare import Run, spawn
 from bench.floor import CIPHERS, read_command
-from reconciler.facts import env_path, envfile_path, unit_path
+from reconciler.plan.facts import env_path, envfile_path, unit_path
 from tests import fleet as fleetlib
 from tests.conftest import STANDIN_UNIT, DesiredRepo
 
@@ -114,8 +114,8 @@ async def _floor_warm(spec: dict, rounds: int) -> tuple[float, list[float]]:
 async def _ours_warm(repo: str, state_dir: str, rounds: int, n: int) -> tuple[float, list[float]]:
     from rich.console import Console
 
-    from reconciler.config import ControllerConfig
-    from reconciler.daemon import Daemon
+    from reconciler.controller.config import ControllerConfig
+    from reconciler.controller.daemon import Daemon
     cfg = ControllerConfig(repo=repo, branch="main", state_dir=state_dir, metrics="", web="",
                            identity=str(fleetlib.client_key_path()), notes=False)
     d = Daemon(cfg, interval=3600)

@@ -34,7 +34,8 @@ import asyncssh
 
 from bench import compare, floor
 from bench.compare import machine
-from reconciler import load, session, source, transport
+from reconciler.desired import load, source
+from reconciler.host import session, transport
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo
 

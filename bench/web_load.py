@@ -26,10 +26,10 @@ from types import SimpleNamespace
 
 import pygit2
 
-from reconciler.rollout import GroupKey, RolloutPlan, RolloutResult, plan_waves
-from reconciler.spec import RolloutPolicy
-from reconciler.status import Store
-from reconciler.web.hub import Hub
+from reconciler.controller.store import Store
+from reconciler.controller.web.hub import Hub
+from reconciler.desired.spec import RolloutPolicy
+from reconciler.plan.rollout import GroupKey, RolloutPlan, RolloutResult, plan_waves
 from tests import browser
 
 SERVICES = ("sglang-qwen", "vllm-qwen3-8b")
@@ -153,7 +153,7 @@ async def main() -> None:
     ap.add_argument("--loads", type=int, default=20)
     ap.add_argument("--screenshot", type=Path)
     args = ap.parse_args()
-    from reconciler.web.app import serve_page
+    from reconciler.controller.web.app import serve_page
     with tempfile.TemporaryDirectory(prefix="web-load-") as tmp:
         hub = populate(Path(tmp) / "state", Path(tmp) / "repo", args.hosts)
         page = await serve_page("127.0.0.1:0", hub, Path(tmp) / "state", repo="/srv/git/fleet.git", branch="main")

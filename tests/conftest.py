@@ -20,8 +20,8 @@ from typing import Any
 import pygit2
 import pytest
 
-from reconciler.facts import envfile_path
-from reconciler.plan import parse_env_file
+from reconciler.plan.facts import envfile_path
+from reconciler.plan.planner import parse_env_file
 from tests import fleet as fleetlib
 
 FLEET_SIZE = int(os.environ.get("RECONCILER_TEST_FLEET_SIZE", "10"))

@@ -12,13 +12,13 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from reconciler import cli
-from reconciler.facts import HostFacts
-from reconciler.fleet import FleetResult
-from reconciler.load import MemorySnapshot, load_desired
-from reconciler.plan import Context, plan_host
+from reconciler.desired.load import MemorySnapshot, load_desired
+from reconciler.loop.fleet import FleetResult
+from reconciler.loop.host import HostResult
+from reconciler.loop.report import PhaseView, print_result
+from reconciler.plan.facts import HostFacts
+from reconciler.plan.planner import Context, plan_host
 from reconciler.preflight import check_desired, load_rules
-from reconciler.reconcile import HostResult
-from reconciler.report import PhaseView, print_result
 
 from .test_plan import REV, host, svc
 

@@ -26,8 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # What --help, parsing the arguments or the hooks must not pay for at import.
 HEAVY = ("asyncssh", "cryptography", "starlette", "uvicorn", "prometheus_client", "httpx", "apscheduler",
          "watchfiles", "pydantic", "pygit2", "tomlkit", "rich", "sqlite3", "pyrage", "typer")
-OURS = ("reconciler.load", "reconciler.schema", "reconciler.fleet", "reconciler.reconcile", "reconciler.gate",
-        "reconciler.preflight._rules", "reconciler.daemon", "reconciler.transport", "reconciler.probe")
+OURS = ("reconciler.desired.load", "reconciler.desired.schema", "reconciler.loop.fleet", "reconciler.loop.host",
+        "reconciler.loop.checks", "reconciler.preflight._rules", "reconciler.controller.daemon",
+        "reconciler.host.transport", "reconciler.host.probe")
 
 
 def loaded(code: str, env: dict[str, str] | None = None) -> set[str]:
@@ -57,7 +58,7 @@ def test_importing_the_cli_loads_no_ssh_web_schema_or_ui():
 
 
 def test_the_hooks_entry_point_is_lighter_still():
-    mods = loaded("import reconciler.hooks")
+    mods = loaded("import reconciler.controller.hooks")
     assert heavy(mods) == []
     assert "click" not in mods
     assert heavy(mods, OURS) == []
@@ -113,7 +114,7 @@ def test_a_run_written_to_a_pipe_never_imports_rich(tmp_path):
     env = {"RECONCILER_CACHE_DIR": str(tmp_path / "cache"), "RECONCILER_STATE_DIR": str(tmp_path / "state"),
            "COLUMNS": "120"}
     mods = loaded(code, env)
-    assert "rich" not in mods and "reconciler.report" in mods
+    assert "rich" not in mods and "reconciler.loop.report" in mods
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
                          env={**os.environ, **env}).stdout
     lines = out.splitlines()
@@ -133,7 +134,7 @@ def test_plain_markup_matches_rich(text):
     # The plain console writes what rich would (its markup rules, without the import).
     from rich.markup import escape, render
 
-    from reconciler.report import escape_markup, strip_markup
+    from reconciler.loop.report import escape_markup, strip_markup
     assert escape_markup(text) == escape(text)
     for markup in (escape(text), f"[bold]{escape(text)}[/]"):
         assert strip_markup(markup) == render(markup, emoji=False).plain
@@ -172,12 +173,12 @@ def test_a_new_revision_is_parsed_without_tomlkit_which_still_words_a_syntax_err
     parse, with its line, column and key."""
     repo = small_repo(tmp_path / "desired")
     rev = repo.commit()
-    code = (f"from reconciler import load, source\n"
+    code = (f"from reconciler.desired import load, source\n"
             f"state = load.load_desired(source.snapshot(source.open_repo({str(repo.path)!r}), {rev!r}, 'fleet'))\n"
             f"assert state.hosts['h1'].services['s'].env == {{'A': '1'}}\n")
     mods = loaded(code)
-    assert "reconciler.load" in mods and heavy(mods, ("tomlkit",)) == []
-    from reconciler.load import MemorySnapshot, load_desired
+    assert "reconciler.desired.load" in mods and heavy(mods, ("tomlkit",)) == []
+    from reconciler.desired.load import MemorySnapshot, load_desired
     with pytest.raises(ConfigError) as e:
         load_desired(MemorySnapshot({"fleet.toml": "concurrency = 1\nconcurrency = 2\n"}))
     said = [(p.file, p.message) for p in e.value.problems]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from itertools import pairwise
 
-from reconciler.config import ControllerConfig
-from reconciler.daemon import Daemon
+from reconciler.controller.config import ControllerConfig
+from reconciler.controller.daemon import Daemon
 
 
 def make(tmp_path, **kw) -> Daemon:
@@ -77,8 +77,8 @@ def test_failed_runs_retry_with_back_off(tmp_path):
 
 
 def test_a_hook_failure_is_one_line_with_path_cause_and_fix() -> None:
+    from reconciler.controller.hooks import failure_line
     from reconciler.errors import SourceError
-    from reconciler.hooks import failure_line
 
     e = PermissionError(13, "Permission denied", "/etc/reconciler/config.toml")
     line = failure_line("pre-receive", e)

@@ -18,17 +18,19 @@ from pathlib import Path
 import pygit2
 import pytest
 
-from reconciler import forge, gitnotes, live, redact
-from reconciler.config import load_config
+from reconciler import redact
+from reconciler.controller import forge, gitnotes
+from reconciler.controller.config import load_config
+from reconciler.controller.gitnotes import NoteLine, merge, run_lines
+from reconciler.desired.load import MemorySnapshot, load_desired
 from reconciler.errors import ConfigError
-from reconciler.facts import HostFacts, ServiceFacts
-from reconciler.fleet import FleetResult
-from reconciler.gitnotes import NoteLine, merge, run_lines
-from reconciler.health import Outcome
-from reconciler.load import MemorySnapshot, load_desired
-from reconciler.plan import HostPlan
-from reconciler.reconcile import HostResult, ServiceEvent
-from reconciler.records import HostRecord, Pending, Quarantine, Result, ServiceRecord
+from reconciler.host.health import Outcome
+from reconciler.loop import live
+from reconciler.loop.fleet import FleetResult
+from reconciler.loop.host import HostResult, ServiceEvent
+from reconciler.plan.facts import HostFacts, ServiceFacts
+from reconciler.plan.planner import HostPlan
+from reconciler.plan.records import HostRecord, Pending, Quarantine, Result, ServiceRecord
 
 B = "b" * 40          # the deployed commit
 A = "a" * 40          # the last good one
@@ -359,8 +361,8 @@ def test_live_row_of_an_unreachable_host_says_so() -> None:
 
 
 def test_periodic_runs_post_no_new_forge_statuses(tmp_path: Path) -> None:
-    from reconciler.commitstatus import CommitStatus
-    from reconciler.config import ControllerConfig
+    from reconciler.controller.commitstatus import CommitStatus
+    from reconciler.controller.config import ControllerConfig
     cfg = ControllerConfig(repo=str(tmp_path), notes=False, forge_url="http://127.0.0.1:9/api/v1",
                            forge_repo="ops/fleet", forge_token_env="FORGE_TOKEN_FOR_TEST")
     cs = CommitStatus(cfg)

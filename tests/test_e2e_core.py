@@ -90,7 +90,7 @@ def test_a_host_with_the_env_in_environment_lines_moves_to_the_env_file_without_
     """A host an older reconciler deployed had the env as Environment= lines in the drop-in and
     no env file. The first run after the upgrade moves the files (and reloads), restarts
     nothing, and the process keeps the same env; the next run is in sync."""
-    from reconciler.plan import _legacy_env_dropin
+    from reconciler.plan.planner import _legacy_env_dropin
     h = fleet.hosts[0]
     write_fleet(repo, [h], {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info", "Q": 'a "b" 50% \\ $x'}}})
     repo.commit("v1")
@@ -243,11 +243,11 @@ def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
     # not two).
     import asyncio
 
-    from reconciler import source
-    from reconciler.fleet import reconcile_fleet
-    from reconciler.load import load_desired
-    from reconciler.reconcile import ssh_connector
-    from reconciler.status import Store, expect_changes
+    from reconciler.controller.store import Store, expect_changes
+    from reconciler.desired import source
+    from reconciler.desired.load import load_desired
+    from reconciler.loop.fleet import reconcile_fleet
+    from reconciler.loop.host import ssh_connector
 
     hosts = fleet.hosts[:2]
     write_fleet(repo, hosts, {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info"}}})

@@ -57,7 +57,7 @@ def _verify_with(tmp_path, analyze: str) -> dict[str, list[str]]:
     import os
     import subprocess
 
-    from reconciler.gate import parse_verify, verify_command
+    from reconciler.loop.checks import parse_verify, verify_command
     bindir = tmp_path / "bin"
     bindir.mkdir(parents=True)
     (bindir / "systemd-analyze").write_text(analyze)
@@ -98,7 +98,7 @@ def test_verify_writes_the_units_byte_for_byte_and_reads_any_output(tmp_path):
     import os
     import subprocess
 
-    from reconciler.gate import parse_verify, verify_command
+    from reconciler.loop.checks import parse_verify, verify_command
     bindir, copy = tmp_path / "bin", tmp_path / "copy"
     bindir.mkdir()
     copy.mkdir()
@@ -124,7 +124,7 @@ def test_verify_writes_the_units_byte_for_byte_and_reads_any_output(tmp_path):
 
 
 def test_parse_verify_framing():
-    from reconciler.gate import parse_verify
+    from reconciler.loop.checks import parse_verify
     units = {"s": ("[Service]\nBogus=1\n", None)}
     out = "\n".join(["T O s /tmp/x/reconciler-verify-ab12-s.service:2: Unknown key 'Bogus', ignoring.",
                      "T O s other.service: broken", "other O s /tmp/x/reconciler-verify-1-s.service:1: forged",

@@ -8,14 +8,14 @@ from __future__ import annotations
 import asyncio
 import subprocess
 
-from reconciler.apply import apply_plan
-from reconciler.facts import HostFacts, ServiceFacts
-from reconciler.gate import gpu_waiter
-from reconciler.gpu import Gpu, GpuFacts
-from reconciler.plan import Checks, Context, Kind, plan_host, render_env_dropin, render_env_file
-from reconciler.records import ServiceRecord
-from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
-from reconciler.transport import Completed, LocalTransport
+from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
+from reconciler.host.apply import apply_plan
+from reconciler.host.gpu import Gpu, GpuFacts
+from reconciler.host.transport import Completed, LocalTransport
+from reconciler.loop.checks import gpu_waiter
+from reconciler.plan.facts import HostFacts, ServiceFacts
+from reconciler.plan.planner import Checks, Context, Kind, plan_host, render_env_dropin, render_env_file
+from reconciler.plan.records import ServiceRecord
 
 FAKE_SMI = """#!/bin/sh
 pid=$(cat {state})

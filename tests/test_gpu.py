@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import gpu
 from reconciler.errors import ObserveError
-from reconciler.transport import LocalTransport
+from reconciler.host import gpu
+from reconciler.host.transport import LocalTransport
 
 TOKEN = "tok"
 
@@ -321,8 +321,8 @@ def test_unknown_policy_is_refused():
 def test_gpu_module_needs_only_the_standard_library():
     """bench/gpu_gate_device.py runs on a GPU machine without pydantic or asyncssh."""
     code = ("import sys; sys.modules['asyncssh'] = None; sys.modules['pydantic'] = None\n"
-            "import reconciler.gpu, reconciler.errors\n"
-            "assert 'reconciler.transport' not in sys.modules\n")
+            "import reconciler.host.gpu, reconciler.errors\n"
+            "assert 'reconciler.host.transport' not in sys.modules\n")
     root = Path(__file__).resolve().parent.parent
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
 

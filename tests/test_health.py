@@ -11,11 +11,11 @@ import time
 
 import pytest
 
+from reconciler.desired.spec import HealthSpec
 from reconciler.errors import ConnectError
-from reconciler.health import Entry as E
-from reconciler.health import SystemdWatch, explain, judge_systemd, parse_journal, spawn_failure, watch_service
-from reconciler.spec import HealthSpec
-from reconciler.transport import Completed
+from reconciler.host.health import Entry as E
+from reconciler.host.health import SystemdWatch, explain, judge_systemd, parse_journal, spawn_failure, watch_service
+from reconciler.host.transport import Completed
 
 
 @pytest.mark.parametrize("props,baseline,state,reason", [

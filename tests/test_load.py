@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from reconciler.desired.load import HEADER, MemorySnapshot, dotted, load_desired
+from reconciler.desired.spec import DesiredState
 from reconciler.errors import ConfigError, Problem
-from reconciler.load import HEADER, MemorySnapshot, dotted, load_desired
-from reconciler.spec import DesiredState
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "desired-state"
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAICAdCaxAZ4iUdq6+pd5a/yu2sIc3kEhzg+RQQqCtivEF"

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from reconciler.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
-from reconciler.plan import (
+from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
+from reconciler.plan.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
+from reconciler.plan.planner import (
     ORDER,
     Action,
     Block,
@@ -29,7 +30,7 @@ from reconciler.plan import (
     render_env_dropin,
     render_env_file,
 )
-from reconciler.records import (
+from reconciler.plan.records import (
     INCONCLUSIVE,
     START_LIMIT_HIT,
     Adopted,
@@ -41,7 +42,6 @@ from reconciler.records import (
     Verdict,
     judge,
 )
-from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
 
 REV = "a" * 40        # the revision being applied
 OLD = "b" * 40        # what the host ran before
@@ -741,7 +741,7 @@ def test_a_deploy_arms_a_switch_that_restores_the_verified_version() -> None:
     assert sw is not None and sw.restores == OLD
     h = M.health
     assert sw.window == int(h.startup_timeout + h.stable_for + 60)
-    from reconciler import confirm
+    from reconciler.plan import confirm
     # a transient timer (no unit file, no daemon-reload for it), made only if the controller
     # goes, by the script that also arms it at boot: its window is the switch script's own
     assert '--on-active="${w:-600}"s' in confirm.REARM_TEXT and "flock -w 600 /var/lib/reconciler/.lock" in \
@@ -782,7 +782,7 @@ def test_a_host_with_the_env_as_environment_lines_moves_to_the_env_file_without_
     env file. Where those lines are exactly the desired env, the running process has it already:
     the files move (write both, daemon-reload), nothing restarts. Where they differ, it is an
     env change as any other."""
-    from reconciler.plan import _legacy_env_dropin
+    from reconciler.plan.planner import _legacy_env_dropin
     legacy = replace(on_host(M, verified(M)), env_text=_legacy_env_dropin(M.env), envfile_text=None,
                      dropins={env_path("m"): _legacy_env_dropin(M.env)})
     plan = plan_of((M,), (legacy,))

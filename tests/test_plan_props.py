@@ -18,8 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
-from reconciler.plan import (
+from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
+from reconciler.plan.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
+from reconciler.plan.planner import (
     Action,
     Checks,
     Context,
@@ -33,7 +34,7 @@ from reconciler.plan import (
     render_env_dropin,
     render_env_file,
 )
-from reconciler.records import (
+from reconciler.plan.records import (
     INCONCLUSIVE,
     MAX_UNJUDGED,
     Adopted,
@@ -44,7 +45,6 @@ from reconciler.records import (
     Verdict,
     judge,
 )
-from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
 
 REV = "a" * 40        # the desired revision
 OLD = "b" * 40        # what the host ran before

@@ -7,12 +7,13 @@ import base64
 import json
 from dataclasses import replace
 
-from reconciler import apply, secrets
-from reconciler.confirm import KEPT, Previous, arm
-from reconciler.facts import HostFacts, cred_env_path, cred_path, secrets_path
-from reconciler.plan import Context, Kind, Reason, State, plan_host, render_secrets, secret_files
-from reconciler.records import ServiceRecord
-from reconciler.spec import SecretSpec, ServiceSpec
+from reconciler.desired import secrets
+from reconciler.desired.spec import SecretSpec, ServiceSpec
+from reconciler.host import apply
+from reconciler.plan.confirm import KEPT, Previous, arm
+from reconciler.plan.facts import HostFacts, cred_env_path, cred_path, secrets_path
+from reconciler.plan.planner import Context, Kind, Reason, State, plan_host, render_secrets, secret_files
+from reconciler.plan.records import ServiceRecord
 
 from .test_plan import REV, UNIT, host, on_host, svc, verified
 

@@ -1,4 +1,4 @@
-"""The warm daemon's connection pool (reconciler/pool.py), with transports that only count.
+"""The warm daemon's connection pool (reconciler/host/pool.py), with transports that only count.
 
 The real-host side (a daemon's rounds reuse their connections, and a connection killed on the
 host is replaced) is in tests/test_e2e_push.py."""
@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
+from reconciler.desired.spec import HostSpec, SSHSpec
 from reconciler.errors import ConnectError
-from reconciler.pool import Pool
-from reconciler.spec import HostSpec, SSHSpec
-from reconciler.transport import Completed
+from reconciler.host.pool import Pool
+from reconciler.host.transport import Completed
 
 
 class FakeConn:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from reconciler import preflight as pf
+from reconciler.desired.spec import HostSpec, ModelSpec, ServiceSpec, SSHSpec
 from reconciler.errors import ConfigError, ObserveError
-from reconciler.spec import HostSpec, ModelSpec, ServiceSpec, SSHSpec
-from reconciler.transport import LocalTransport
+from reconciler.host.transport import LocalTransport
 
 MODELS = Path(__file__).resolve().parent / "models"
 INCIDENT_PHRASE = "needs --mamba-scheduler-strategy extra_buffer and SGLANG_ENABLE_SPEC_V2=1"
@@ -740,7 +740,7 @@ def test_probe_reads_versions_then_answers_from_the_stamp(tmp_path: Path):
     an executable found on PATH, odd version strings; then, with the stamps cached, only `stat`."""
     import sys
 
-    from reconciler.versions import Probe, parse_probe, probe_command
+    from reconciler.host.versions import Probe, parse_probe, probe_command
     py = sys.executable
     pkgs = {"p1": "0.5.12", "p2": " 1.0+cu121.post1 ", "p3": "v1.2", "p4": "0.5\n0.6", "p5": "1.0 beta"}
     for mod, v in pkgs.items():
@@ -777,7 +777,7 @@ def test_probe_reads_versions_then_answers_from_the_stamp(tmp_path: Path):
 
 
 def test_parse_probe_payloads():
-    from reconciler.versions import Answer, parse_probe
+    from reconciler.host.versions import Answer, parse_probe
     out = "\n".join(["T V a 1.2. @0.5.12", "T V b 1.2. IDAuNS4xMyAK", "T V c 1.2. =", "T V d - -",
                      "T V e 1.2. @", "T V f 1.2. !!", "U V g 1.2. @1"])
     assert parse_probe(out, "T") == {"a": Answer("0.5.12", "1.2."), "b": Answer("0.5.13", "1.2."),

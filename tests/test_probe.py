@@ -25,9 +25,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from reconciler.probe import http_probe
-from reconciler.tls import check_ca_pem
-from reconciler.transport import LocalTransport, SSHTransport
+from reconciler.desired.tls import check_ca_pem
+from reconciler.host.probe import http_probe
+from reconciler.host.transport import LocalTransport, SSHTransport
 
 LOOPBACK = "127.0.0.1"
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -218,10 +218,10 @@ def test_an_invalid_or_hostless_commit_is_passed_over(tmp_path: Path) -> None:
     """The wave may deploy two older commits; the newer of them is broken: the one before it."""
     import time
 
+    from reconciler.desired.load import load_desired
+    from reconciler.desired.source import snapshot
     from reconciler.errors import ConfigError
-    from reconciler.load import load_desired
     from reconciler.pull._run import PullOptions, _choose
-    from reconciler.source import snapshot
 
     r = pygit2.init_repository(str(tmp_path / "desired.git"), bare=True, initial_head="main")
     files = {"fleet.toml": '[pull]\nwaves = [ { name = "canary", labels = { wave = "canary" } }, '

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from reconciler.desired.load import MemorySnapshot, load_desired
+from reconciler.desired.schema import parse_duration
+from reconciler.desired.spec import PullWave
 from reconciler.errors import ConfigError
-from reconciler.load import MemorySnapshot, load_desired
+from reconciler.plan.records import Result
 from reconciler.pull.schedule import (
     Commit,
     Report,
@@ -20,9 +23,6 @@ from reconciler.pull.schedule import (
     standing_of,
     wave_of,
 )
-from reconciler.records import Result
-from reconciler.schema import parse_duration
-from reconciler.spec import PullWave
 
 NOW = 1_000_000
 MIN = 60

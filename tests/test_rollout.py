@@ -12,13 +12,21 @@ from typing import ClassVar
 
 import pytest
 
+from reconciler.desired.load import MemorySnapshot, load_desired
+from reconciler.desired.spec import DesiredState, NotifySpec, RolloutPolicy
 from reconciler.errors import ConfigError, SourceError
-from reconciler.fleet import merge_result, select_hosts
-from reconciler.load import MemorySnapshot, load_desired
-from reconciler.notify import Notifier, slack_text, where
-from reconciler.reconcile import HostResult, ServiceEvent
-from reconciler.rollout import GroupKey, Halt, natural_key, order_hosts, plan_rollouts, plan_waves, quarantine_cover
-from reconciler.spec import DesiredState, NotifySpec, RolloutPolicy
+from reconciler.host.notify import Notifier, slack_text, where
+from reconciler.loop.fleet import merge_result, select_hosts
+from reconciler.loop.host import HostResult, ServiceEvent
+from reconciler.plan.rollout import (
+    GroupKey,
+    Halt,
+    natural_key,
+    order_hosts,
+    plan_rollouts,
+    plan_waves,
+    quarantine_cover,
+)
 
 # ---- waves ----------------------------------------------------------------------------------
 

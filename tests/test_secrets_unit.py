@@ -15,20 +15,22 @@ from click.testing import CliRunner
 from prometheus_client import generate_latest
 from rich.console import Console
 
-from reconciler import cli, hooks, redact, secrets
+from reconciler import cli, redact
 from reconciler.cli.output import print_json
 from reconciler.cli.run import decrypting
-from reconciler.daemon import _tee
-from reconciler.fleet import FleetResult
-from reconciler.load import MemorySnapshot, load_desired
-from reconciler.metrics import Metrics
-from reconciler.notify import Notifier
+from reconciler.controller import hooks
+from reconciler.controller.daemon import _tee
+from reconciler.controller.metrics import Metrics
+from reconciler.controller.store import Store, remember
+from reconciler.desired import secrets
+from reconciler.desired.load import MemorySnapshot, load_desired
+from reconciler.desired.spec import DesiredState, HostSpec, NotifySpec, SecretSpec, ServiceSpec, SSHSpec
+from reconciler.host.notify import Notifier
+from reconciler.loop.fleet import FleetResult
+from reconciler.loop.host import HostResult
+from reconciler.loop.report import print_diff, print_result
+from reconciler.plan.records import Result
 from reconciler.preflight import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems
-from reconciler.reconcile import HostResult
-from reconciler.records import Result
-from reconciler.report import print_diff, print_result
-from reconciler.spec import DesiredState, HostSpec, NotifySpec, SecretSpec, ServiceSpec, SSHSpec
-from reconciler.status import Store, remember
 from tests.conftest import DesiredRepo
 
 HF = "hf_" + "A1b2C3d4E5f6G7h8I9j0K1l2"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler.health import Outcome
-from reconciler.plan import ServicePlan, State
-from reconciler.reconcile import Event, ServiceEvent, service_result
-from reconciler.records import Result
+from reconciler.host.health import Outcome
+from reconciler.loop.host import Event, ServiceEvent, service_result
+from reconciler.plan.planner import ServicePlan, State
+from reconciler.plan.records import Result
 
 REV = "a" * 40
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import lock
 from reconciler.errors import CommandError
-from reconciler.session import SessionTransport
-from reconciler.transport import Completed
+from reconciler.host import lock
+from reconciler.host.session import SessionTransport
+from reconciler.host.transport import Completed
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -151,10 +151,10 @@ def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(
     """Each command in the session finds the host's clock in RECONCILER_NOW (bash's printf, no
     process), taken when it starts; the apply script's @@now uses it and runs no `date`, which
     it still runs on a channel of its own (no RECONCILER_NOW there)."""
-    from reconciler.apply import _PRELUDE, build_script
-    from reconciler.facts import HostFacts
-    from reconciler.plan import Context, plan_host
-    from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
+    from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
+    from reconciler.host.apply import _PRELUDE, build_script
+    from reconciler.plan.facts import HostFacts
+    from reconciler.plan.planner import Context, plan_host
     h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", "[Service]\nExecStart=/bin/m\n", {})})
     p = plan_host(h, HostFacts(services={}), Context("f" * 40))
     now_line = next(line for line in build_script(p, p.actions, 0).splitlines() if "@@now" in line) + "\n"

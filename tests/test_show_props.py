@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reconciler.facts import SHOW_PROPS, ServiceFacts, parse_show
+from reconciler.plan.facts import SHOW_PROPS, ServiceFacts, parse_show
 
 Props = dict[str, str]
 

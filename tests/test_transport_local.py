@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from reconciler import lock
 from reconciler.errors import CommandError
-from reconciler.transport import LocalTransport
+from reconciler.host import lock
+from reconciler.host.transport import LocalTransport
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -212,9 +212,9 @@ def test_a_look_stands_under_the_lock_until_another_holder_has_had_it(tmp_path: 
     as the look was read and none has taken it since (its count has not moved), the holder reads
     nothing and the look comes back as it was. Once another holder has had the lock, or while
     one holds it as the look is read, the host is read again under the lock."""
-    from reconciler import facts
-    from reconciler.reconcile import lock_and_observe, observe
-    from reconciler.spec import HostSpec, ServiceSpec, SSHSpec
+    from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
+    from reconciler.loop.host import lock_and_observe, observe
+    from reconciler.plan import facts
     for name in ("LOCK", "OWNER", "COUNT"):
         monkeypatch.setattr(lock, name, str(tmp_path / {"LOCK": ".lock", "OWNER": ".lock.owner",
                                                         "COUNT": ".lock.count"}[name]))

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.config import load_config
+from reconciler.controller.config import load_config
+from reconciler.controller.hooks import shim
+from reconciler.desired.trust import RevisionRefused, check_descends, verify_signature
 from reconciler.errors import ConfigError
-from reconciler.hooks import shim
-from reconciler.trust import RevisionRefused, check_descends, verify_signature
 from tests.conftest import DesiredRepo
 
 ROOT = Path(__file__).resolve().parent.parent

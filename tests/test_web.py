@@ -1,4 +1,4 @@
-"""The fleet page (reconciler/web): its view of the store and of a live run, escaping and
+"""The fleet page (reconciler/controller/web): its view of the store and of a live run, escaping and
 redaction, the filters, a host's history, the server-sent events, and the server on a real
 socket. Starlette's TestClient for the app; the browser test on real hosts is test_e2e_web.py."""
 
@@ -16,18 +16,18 @@ import httpx
 import pytest
 
 from reconciler import redact
-from reconciler.config import ControllerConfig
-from reconciler.fleet import FleetResult
-from reconciler.health import Outcome
-from reconciler.plan import Kind
-from reconciler.reconcile import Event, HostResult, ServiceEvent
-from reconciler.records import Result
-from reconciler.rollout import GroupKey, RolloutPlan, RolloutResult, plan_waves
-from reconciler.spec import RolloutPolicy
-from reconciler.status import Store
-from reconciler.web import view
-from reconciler.web.app import GitCommits, allowed_hosts, create_app, parse_address, serve_page
-from reconciler.web.hub import Hub
+from reconciler.controller.config import ControllerConfig
+from reconciler.controller.store import Store
+from reconciler.controller.web import view
+from reconciler.controller.web.app import GitCommits, allowed_hosts, create_app, parse_address, serve_page
+from reconciler.controller.web.hub import Hub
+from reconciler.desired.spec import RolloutPolicy
+from reconciler.host.health import Outcome
+from reconciler.loop.fleet import FleetResult
+from reconciler.loop.host import Event, HostResult, ServiceEvent
+from reconciler.plan.planner import Kind
+from reconciler.plan.records import Result
+from reconciler.plan.rollout import GroupKey, RolloutPlan, RolloutResult, plan_waves
 
 with warnings.catch_warnings():     # starlette 1.x asks for httpx2 in its test client; httpx still works
     warnings.simplefilter("ignore")
@@ -269,7 +269,7 @@ def test_page_server_on_a_real_socket_and_an_address_in_use(state, hub, capsys):
 
 def test_config_and_cold_start():
     assert ControllerConfig().web == "127.0.0.1:9188"
-    code = ("import sys, reconciler.cli, reconciler.daemon; "
+    code = ("import sys, reconciler.cli, reconciler.controller.daemon; "
             "print(sorted(m for m in ('starlette', 'uvicorn', 'jinja2') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"            # only `reconcile watch` with the page on imports them

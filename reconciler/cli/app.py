@@ -124,7 +124,7 @@ def app(ctx: click.Context, repo: str, rev: str | None, path: str, dry_run: bool
 def validate(repo: str, rev: str | None, path: str, as_json: bool, cache_dir: Path | None,
              age_identity: str | None) -> None:
     """Check the desired state at a revision without contacting any host (exit 0 or 1)."""
-    from .. import secrets
+    from ..desired import secrets
     from ..preflight import check_desired, secret_problems
     decrypted = 0
     try:
@@ -170,8 +170,8 @@ def status(as_json: bool, state_dir: Path | None, live: bool, repo: str, rev: st
            age_identity: str | None, cache_dir: Path | None) -> None:
     """The fleet at a glance: host, service, desired and running revision, health, last event;
     from the local state store, or with --live from the hosts' own records."""
-    from ..report import print_status
-    from ..status import Store
+    from ..controller.store import Store
+    from ..loop.report import print_status
     if not live:
         if rev or host or label:
             fail("--rev, --host and --label choose what `status --live` reads from the hosts; without --live, "
@@ -182,9 +182,9 @@ def status(as_json: bool, state_dir: Path | None, live: bool, repo: str, rev: st
         else:
             print_status(console(), rows)
         return
-    from ..fleet import select_hosts
-    from ..live import live_status
-    from ..reconcile import ssh_connector
+    from ..loop.fleet import select_hosts
+    from ..loop.host import ssh_connector
+    from ..loop.live import live_status
     try:
         snap, state = load_revision(repo, rev, path, cache_dir)
         selected = select_hosts(state, list(host) or None, list(label) or None)
@@ -205,8 +205,8 @@ def status(as_json: bool, state_dir: Path | None, live: bool, repo: str, rev: st
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
 def history(host: str, as_json: bool, state_dir: Path | None, limit: int) -> None:
     """Every attempt on one host, newest first: revision, result, reason, journal line, duration."""
-    from ..report import print_history
-    from ..status import Store
+    from ..controller.store import Store
+    from ..loop.report import print_history
     rows = Store(state_dir).history(host, limit)
     if as_json:
         print_json(rows)
@@ -235,8 +235,8 @@ def watch(config: Path | None, repo: str | None, branch: str | None, interval: f
     """Run as a daemon: reconcile on every push (within a second), every interval, and on trigger."""
     import asyncio
 
-    from ..config import load_config
-    from ..daemon import Daemon
+    from ..controller.config import load_config
+    from ..controller.daemon import Daemon
     try:
         cfg = load_config(config)
     except ConfigError as e:
@@ -262,7 +262,7 @@ def watch(config: Path | None, repo: str | None, branch: str | None, interval: f
 def init_repo_cmd(path: Path, branch: str, state_dir: Path | None, stream: bool, shared: str | None,
                   owner: str | None) -> None:
     """Create a bare repo with the pre-receive (validate) and post-receive (deploy) hooks installed."""
-    from ..hooks import init_repo
+    from ..controller.hooks import init_repo
     if path.exists() and any(path.iterdir()):
         fail(f"{path} exists and is not empty")
     try:

@@ -38,7 +38,7 @@ def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
 
 def escape(text: str) -> str:
     """rich's markup escape (rich is imported when something is printed on a terminal, not before)."""
-    from ..report import escape_markup
+    from ..loop.report import escape_markup
     return escape_markup(text)
 
 
@@ -47,7 +47,7 @@ def console(stderr: bool = False) -> Console:
     mid-line wrapping of diffs and journal lines). Everything printed is redacted."""
     # A TextIO as rich types it: Console only writes, flushes and asks isatty/fileno.
     out = cast(TextIO, redact.RedactingWriter(sys.stderr if stderr else sys.stdout))
-    from ..report import PlainConsole, writes_plain
+    from ..loop.report import PlainConsole, writes_plain
     if writes_plain(out):
         return cast("Console", PlainConsole(out, _width()))
     from rich.console import Console
@@ -79,7 +79,7 @@ def fail_input(err: Exception, as_json: bool, where: str) -> NoReturn:
             payload["problems"] = [p.__dict__ for p in err.problems]
         print_json(payload)
     elif isinstance(err, ConfigError):
-        from ..report import print_config_error
+        from ..loop.report import print_config_error
         print_config_error(console(stderr=True), err, where)
     else:
         # one line, never wrapped at the console's width (a log, CI, a hook reads it whole)

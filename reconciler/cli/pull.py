@@ -79,8 +79,8 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
     """Run `reconcile pull` until a local repo's branch stops moving under it (at most 3 runs);
     print each run, record it in the state store, exit with the last run's code."""
 
+    from ..loop.report import PhaseView, print_result
     from ..pull import PullOutcome, pull_once
-    from ..report import PhaseView, print_result
     out = console()
 
     def chosen(outcome: PullOutcome) -> None:
@@ -104,7 +104,7 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
             fail_input(e, as_json, f"{opts.repo}@{opts.rev or 'HEAD'}")
             return
         if outcome.result is not None and not opts.dry_run:
-            from ..status import Store, remember
+            from ..controller.store import Store, remember
             store = Store(state_dir)
             remember(store, outcome.result)
             store.close()
@@ -126,11 +126,11 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
 def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir: Path | None) -> None:
     """`reconcile pull --install`: check that the repo and this host resolve, then write and enable
     the units that run the same command, and say what was installed."""
-    from .. import source
-    from ..load import load_desired
+    from ..desired import source
+    from ..desired.load import load_desired
+    from ..desired.schema import parse_duration
     from ..pull import DEFAULT_DIR, install, render_units, this_host
     from ..pull._git import branch_dir, open_clone
-    from ..schema import parse_duration
     every = parse_duration(interval)
     if every is None or every <= 0:
         fail(f"--interval {interval!r}: expected a duration > 0 like 60s, 5m or 1h")

@@ -12,16 +12,16 @@ from ..errors import ConfigError, SourceError
 from .output import console, escape, fail, fail_input, print_json, run_async, say
 
 if TYPE_CHECKING:
+    from ..desired.source import Snapshot
+    from ..desired.spec import DesiredState
     from ..preflight import RuleSet
-    from ..source import Snapshot
-    from ..spec import DesiredState
 
 
 def load_revision(repo: str, rev: str | None, path: str, cache_dir: Path | None) -> tuple[Snapshot, DesiredState]:
     """The snapshot and desired state at a revision (ConfigError, SourceError: bad input)."""
-    from .. import source
+    from ..desired import source
     snap = source.snapshot(source.open_repo(repo, cache_dir), rev, path)
-    from ..load import load_desired  # pydantic and the schema: once there is a revision to load
+    from ..desired.load import load_desired  # pydantic and the schema: once there is a revision to load
     return snap, load_desired(snap)
 
 
@@ -34,8 +34,8 @@ def decrypting(state: DesiredState, snap: Snapshot, identity: str | None
     """The state with its age secrets decrypted, and render_at doing the same for the revisions a
     rollback renders. A secret that cannot be decrypted (no identity, another key, a damaged
     file) is no error here: its SecretSpec says why, and that service is blocked."""
-    from .. import secrets
-    from ..load import render_at
+    from ..desired import secrets
+    from ..desired.load import render_at
     dec = secrets.Decryptor(secrets.identity_path(identity))
     return (dec.state(state) if has_age(state) else state), dec.render_at(render_at(snap))
 
@@ -64,7 +64,7 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
     change took about 40 ms less CPU in alternated runs (the daemon keeps the default)."""
     import gc
     gc.set_threshold(20_000, 20, 20)
-    from .. import source
+    from ..desired import source
     if notes and source.is_url(repo):
         fail(f"--notes writes to a local repo; {redact.redact(repo)} is a URL (its local mirror is a cache that "
              f"nobody reads). Run it on a clone and push refs/notes/reconciler")
@@ -73,12 +73,12 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
         snap, state = load_revision(repo, rev, path, cache_dir)
     except (ConfigError, SourceError) as e:
         fail_input(e, as_json, where)
-    from ..fleet import reconcile_fleet, select_hosts
+    from ..controller.store import Store, expect_changes, remember, remember_in_sync
+    from ..desired.trust import descends
+    from ..loop.fleet import reconcile_fleet, select_hosts
+    from ..loop.host import ssh_connector
+    from ..loop.report import PhaseView, print_result
     from ..preflight import secret_warnings
-    from ..reconcile import ssh_connector
-    from ..report import PhaseView, print_result
-    from ..status import Store, expect_changes, remember, remember_in_sync
-    from ..trust import descends
     try:
         selected = select_hosts(state, host, label)
     except SourceError as e:
@@ -101,7 +101,7 @@ def converge(*, repo: str = ".", rev: str | None = None, path: str = "", dry_run
         remember_in_sync(store, result)
         store.close()
         if notes:
-            from ..gitnotes import NotesError, record_run
+            from ..controller.gitnotes import NotesError, record_run
             try:
                 record_run(snap.repo, result)
             except NotesError as e:

@@ -31,7 +31,7 @@ def secrets_keygen(out: Path) -> None:
     """Make the controller's age identity (run on the controller); print its public key.
 
     The public key (age1...) goes on stdout alone, what to do next on stderr."""
-    from .. import secrets as age
+    from ..desired import secrets as age
     try:
         public = age.keygen(out)
     except FileExistsError:
@@ -118,9 +118,9 @@ def secrets_encrypt(name: str, repo: Path, out: Path | None, recipient: tuple[st
     printf %s "$HF_TOKEN" | reconcile secrets encrypt HF_TOKEN"""
     import re
 
-    from .. import secrets as age
+    from ..desired import secrets as age
+    from ..desired.schema import ENV_KEY
     from ..preflight import secret_file
-    from ..schema import ENV_KEY
     if not re.match(ENV_KEY, name):
         fail(f"{name!r} is not a valid name: letters, digits and '_', not starting with a digit (the server "
               f"sees it as an environment variable or a credential of that name)")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..errors import Problem
-from ..spec import DesiredState, HostSpec, ServiceSpec
 from ._builtin import BUILTIN_RULES, HostRule, ServiceRule
 from ._command import Command, parse_command
 from ._models import model_info

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..spec import ServiceSpec
+from ..desired.spec import ServiceSpec
 
 Server = Literal["sglang", "vllm"]
 

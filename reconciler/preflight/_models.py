@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..spec import ServiceSpec
+from ..desired.spec import ServiceSpec
 
 if TYPE_CHECKING:
     from ._compiled import ModelEntry

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..desired.spec import ServiceSpec
 from ..errors import ConfigError, Problem
-from ..spec import ServiceSpec
 from ._builtin import BUILTIN_RULES
 from ._command import Command
 from ._compiled import PLACEHOLDER, CompiledFile, Condition, ModelEntry, Require, Rule, Severity, compile_rule_file
@@ -89,7 +89,7 @@ def parse_rule_file(data: bytes, file: str) -> CompiledFile:
         return compile_rule_file(RuleFile.model_validate(raw))
     except ValidationError as e:
         # problems.py (and the desired-state schema it reads) loads only to explain a bad file
-        from ..problems import validation_problems
+        from ..desired.problems import validation_problems
         raise ConfigError(validation_problems(file, RuleFile, e, data=raw)) from None
 
 

@@ -24,16 +24,16 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..errors import Problem
 from ..redact import looks_secret
-from ..spec import DesiredState, HostSpec, ServiceSpec
 
 Read = Callable[[str], bytes | None]
 
 
 def dotted(*parts: object) -> str:
     """problems.dotted, imported when a message needs it (problems.py loads pydantic)."""
-    from ..problems import dotted as key
+    from ..desired.problems import dotted as key
     return key(*parts)
 
 

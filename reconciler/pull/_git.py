@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 
 import pygit2
 
-from .. import source
+from ..desired import source
 from ..errors import ReconcilerError
 from ..redact import redact
 from .schedule import HISTORY, NOTES_PREFIX, Commit, Report

@@ -28,18 +28,19 @@ from typing import Any
 
 import pygit2
 
-from .. import lock, secrets, source
+from ..desired import secrets, source
+from ..desired.load import load_desired, render_at
+from ..desired.spec import DesiredState, HostSpec
+from ..desired.trust import descends
 from ..errors import ConfigError, SourceError
-from ..facts import STATE_DIR
-from ..fleet import FleetResult, reconcile_fleet
-from ..load import load_desired, render_at
+from ..host import lock
+from ..host.transport import LocalTransport, Transport
+from ..loop.fleet import FleetResult, reconcile_fleet
+from ..loop.host import Connector, HostPhase, HostResult
+from ..plan.facts import STATE_DIR
+from ..plan.records import SUPERSEDED, HostRecord
 from ..preflight import load_rules
-from ..reconcile import Connector, HostPhase, HostResult
-from ..records import SUPERSEDED, HostRecord
 from ..redact import redact, redact_data
-from ..spec import DesiredState, HostSpec
-from ..transport import LocalTransport, Transport
-from ..trust import descends
 from . import _git
 from .schedule import (
     PENDING_MARGIN,

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from ..records import Result
-from ..spec import PullWave
+from ..desired.spec import PullWave
+from ..plan.records import Result
 
 NOTES_PREFIX = "refs/notes/reconciler-pull/"
 HISTORY = 500            # first-parent commits read back from the head: candidates and reports

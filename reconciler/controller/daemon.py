@@ -1,0 +1,399 @@
+"""`reconcile watch`: the long-running reconciler.
+
+Level-based, like controller-runtime: a timer (apscheduler, every `interval`), a file watcher on
+the repo's branch ref and a trigger file (watchfiles: a push starts a reconcile within a
+second), and a post-receive hook all only *ask* for a reconcile. One runner task does the work,
+so there are never two reconciles at once; asks that arrive during a run coalesce into one
+more run. A failed run (git unreachable, a host down) retries with back-off.
+
+Connections stay open between runs (pool.py: one per host, re-checked at each lease, retried
+once on a fresh connection when a kept one turns out dead, closed when idle or when the host
+leaves the fleet): a no-change round at the interval costs the host lock and one observation
+per host, so drift is checked every interval at that cost.
+
+SIGTERM: stop asking, cancel the run in flight, close SSH connections. Files on hosts are
+written atomically and the record last, so a killed run leaves every host runnable and the
+next run (after a restart) converges, re-watching services applied but not yet seen healthy.
+
+Each run's output goes to the journal (stdout) and to <state_dir>/runs/<sha>.log; <sha>.exit
+holds the exit code when it ends, for the post-receive hook to stream to the pusher. All of it
+passes through redact first (the values of the secrets decrypted with `age_identity`, and
+token-like patterns, are masked), and so does the pusher's stream, which reads those logs.
+
+Who may read what is set here, never left to the process umask (the unit runs with UMask=0077):
+the run logs and exit files are group-readable (0640, runs/ 0750) so a pusher in the daemon's
+group can stream them; the trigger file is group-writable (0660) so the post-receive hook can
+touch it; the state store stays the daemon's alone (0600).
+
+One push asks twice (the branch ref changes, then the hook touches the trigger): asks for a
+revision that a run has already reconciled are dropped, so a push starts exactly one run. A push
+of a newer revision during a run supersedes it: its health waits end at once without a verdict
+(the older revision is neither last good nor quarantined) and the newer revision runs next.
+
+Any exception in a run is caught, logged with its traceback, counted (reconciler_runs_total
+{result="crash"}) and retried with back-off: the loop never dies quietly. Under systemd
+(Type=notify, WatchdogSec=) the daemon says READY=1 once it serves, and pings the watchdog from
+its event loop: a wedged loop stops the pings and systemd restarts it.
+
+The last applied revision it remembers (a cache: the hosts' own records are the truth, and every
+run checks them) is kept per repo and branch, so a new or re-initialised deploy repo is never
+refused because of another one's history. A
+deploy repo whose branch does not exist yet is a state, "waiting for the first push", not a
+failure: it is said once, and the next push starts the first run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import os
+import signal
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import IO, TextIO, cast
+
+from rich.console import Console
+
+from .. import faults, redact
+from ..desired import load, secrets, source
+from ..desired.load import render_at
+from ..desired.spec import DesiredState
+from ..desired.trust import RevisionRefused, check_descends, descends, verify_signature
+from ..dirs import default_state_dir
+from ..errors import ConfigError, ReconcilerError, SourceError
+from ..host.pool import Pool
+from ..loop.fleet import reconcile_fleet, select_hosts
+from ..loop.host import ssh_connector
+from ..loop.report import PhaseView, print_config_error, print_result
+from ..preflight import RuleSet, load_rules, secret_warnings
+from . import notify_systemd as sd
+from .commitstatus import CommitStatus
+from .config import ControllerConfig
+from .metrics import Metrics
+from .store import Store, remember
+from .web.hub import Hub
+
+BACKOFF_START = 2.0
+RUNS_DIR_MODE = 0o750       # group: pushers stream their deploy's log (post-receive hook)
+RUN_FILE_MODE = 0o640
+TRIGGER_MODE = 0o660        # group: the post-receive hook touches it
+# Asks that only say "the branch moved": dropped when a run already reconciled the branch head.
+PUSH_ASKS = frozenset({"push", "trigger"})
+
+
+def _open_run_file(path: Path, *, append: bool) -> TextIO:
+    """Open a run log or exit file with its mode set explicitly (not from the umask). The
+    caller closes it (a context manager or the run's ExitStack)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), RUN_FILE_MODE)
+    os.fchmod(fd, RUN_FILE_MODE)
+    return open(fd, "a") if append else open(fd, "w")
+
+
+class _Tee(io.TextIOBase):
+    """Write run output to stdout (the journal) and the run's log file at once, redacted."""
+
+    def __init__(self, *files: IO[str]):
+        self.files = files
+
+    def write(self, s: str) -> int:
+        text = redact.redact(s)
+        for f in self.files:
+            f.write(text)
+            f.flush()
+        return len(s)
+
+    def flush(self) -> None:
+        for f in self.files:
+            f.flush()
+
+
+def _tee(*files: IO[str]) -> TextIO:
+    """A _Tee typed as the file rich's Console asks for: Console only writes and flushes it."""
+    return cast(TextIO, _Tee(*files))
+
+
+class Daemon:
+    """Reconciles the fleet whenever asked (timer, push, trigger file), one run at a time."""
+
+    def __init__(self, cfg: ControllerConfig, *, interval: float | None = None):
+        self.cfg = cfg
+        self.state_dir = Path(cfg.state_dir) if cfg.state_dir else default_state_dir()
+        self.runs_dir = self.state_dir / "runs"
+        self.runs_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.runs_dir, RUNS_DIR_MODE)
+        self.ran: str | None = None          # the branch head the last run reconciled
+        self.waiting = False                 # the branch does not exist yet (no push so far)
+        self.running = False
+        self.supersede = asyncio.Event()     # set when a newer revision arrives during a run
+        self.cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
+        self.interval = interval or cfg.interval or 60.0
+        self.wake = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.reasons: list[str] = []
+        self.backoff = BACKOFF_START
+        self.metrics = Metrics()
+        self.console = Console(highlight=False, force_terminal=False, width=160)
+        self.store = Store(self.state_dir)
+        # The fleet page's live feed (web/hub.py: plain data; the web server is imported in serve()).
+        self.hub: Hub | None = Hub() if cfg.web else None
+        self.commit_status = CommitStatus(cfg)   # deploy status on the commit: git notes, forge status
+        # One SSH connection per host kept open between runs (pool.py): a warm no-change round
+        # costs the host lock and one observation per host, not a handshake.
+        self.pool = Pool(ssh_connector(cfg.identity))
+        self._loaded: tuple[str | None, DesiredState, RuleSet] | None = None   # the last tree loaded
+
+    # -- asking ---------------------------------------------------------------------------
+    def ask(self, why: str) -> None:
+        """Ask for a reconcile; asks during a run coalesce into one more run. A push of a newer
+        revision during a run supersedes it (its health waits end now)."""
+        self.reasons.append(why)
+        self.wake.set()
+        if why in PUSH_ASKS and self.running and self.ran is not None:
+            try:
+                newer = self.head() not in (None, self.ran)
+            except (SourceError, OSError):
+                newer = False
+            if newer and not self.supersede.is_set():
+                print(f"reconciler: a newer revision arrived; superseding the run of {self.ran[:7]}", flush=True)
+                self.supersede.set()
+
+    def _watch_paths(self) -> tuple[list[Path], set[str]]:
+        """What to watch: the branch ref of a local repo (and packed-refs), and the trigger file."""
+        paths: list[Path] = []
+        names: set[str] = set()
+        trigger = self.trigger_file()
+        if trigger:
+            trigger.parent.mkdir(parents=True, exist_ok=True)
+            if not trigger.exists():
+                os.close(os.open(trigger, os.O_WRONLY | os.O_CREAT, TRIGGER_MODE))
+            with contextlib.suppress(PermissionError):   # someone else's file: leave its mode alone
+                os.chmod(trigger, TRIGGER_MODE)
+            paths.append(trigger.parent)
+            names.add(str(trigger))
+        if not source.is_url(self.cfg.repo):
+            gitdir = Path(source.open_repo(self.cfg.repo).path)
+            paths.append(gitdir)
+            names |= {str(gitdir / "refs" / "heads" / self.cfg.branch), str(gitdir / "packed-refs")}
+        return paths, names
+
+    def trigger_file(self) -> Path | None:
+        if self.cfg.trigger_file:
+            return Path(self.cfg.trigger_file)
+        if not source.is_url(self.cfg.repo):
+            return Path(source.open_repo(self.cfg.repo).path) / "reconciler.trigger"
+        return None
+
+    async def _watch(self) -> None:
+        from watchfiles import awatch
+        paths, names = self._watch_paths()
+        if not paths:
+            return
+        async for changes in awatch(*paths, watch_filter=lambda _c, p: p in names, debounce=50, step=10,
+                                    stop_event=self.stopping, recursive=True):
+            self.ask("push" if any("refs" in p for _, p in changes) else "trigger")
+
+    # -- running --------------------------------------------------------------------------
+    def _applied_key(self) -> str:
+        repo = self.cfg.repo if source.is_url(self.cfg.repo) else str(Path(self.cfg.repo).resolve())
+        return f"last_applied_revision:{repo}:{self.cfg.branch}"
+
+    def _last_applied(self) -> str | None:
+        return self.store.get_value(self._applied_key())
+
+    def head(self) -> str | None:
+        """The deploy branch's head, or None when the branch does not exist (yet)."""
+        repo = source.open_repo(self.cfg.repo, self.cache_dir)
+        ref = repo.references.get(f"refs/heads/{self.cfg.branch}")
+        return str(ref.resolve().target) if ref is not None else None
+
+    def _already_done(self) -> bool:
+        """True when every pending ask only says "the branch moved" and the last run already
+        reconciled the branch head (a push's ref change and its hook's trigger, one run)."""
+        if not self.reasons or not set(self.reasons) <= PUSH_ASKS or self.ran is None:
+            return False
+        try:
+            return self.head() == self.ran
+        except (SourceError, OSError):
+            return False
+
+    async def run_once(self) -> int:
+        """One reconcile of the whole fleet at the branch head. Returns its exit code."""
+        started = time.monotonic()
+        why = ", ".join(sorted(set(self.reasons))) or "start"
+        self.reasons.clear()
+        rev_name = "unknown"
+        log: TextIO | None = None
+        # The run's log stays open through the except clauses (they write to it too).
+        with contextlib.ExitStack() as closing:
+            try:
+                repo = source.open_repo(self.cfg.repo, self.cache_dir)
+                if repo.references.get(f"refs/heads/{self.cfg.branch}") is None:
+                    if not self.waiting:
+                        print(f"reconciler: waiting for the first push to {self.cfg.branch} of {self.cfg.repo}",
+                              flush=True)
+                    self.waiting = True
+                    self.metrics.waiting.set(1)
+                    return 0
+                self.waiting = False
+                self.metrics.waiting.set(0)
+                snap = source.snapshot(repo, f"refs/heads/{self.cfg.branch}", self.cfg.path)
+                rev_name = snap.revision
+                self.ran = snap.revision
+                log = closing.enter_context(_open_run_file(self.runs_dir / f"{snap.revision}.log", append=True))
+                console = Console(file=_tee(self.console.file, log), highlight=False, force_terminal=False,
+                                  width=160)
+                console.print(f"reconcile {snap.short} ({why})")
+                if not self.cfg.allow_rewind:
+                    check_descends(repo, self._last_applied(), snap.revision)
+                if self.cfg.require_signed:
+                    who = verify_signature(repo, snap.revision,
+                                           self.cfg.allowed_signers or "/etc/reconciler/allowed_signers")
+                    console.print(f"{snap.short}: signed by {who}")
+                state, rules = self._load(snap)
+                # Age secrets decrypted with the controller's identity, at this revision and at any
+                # a rollback renders; one that cannot be decrypted blocks its service (the core).
+                dec = secrets.Decryptor(self.cfg.age_identity)
+                state = dec.state(state)
+                for w in secret_warnings(state, snap.read):
+                    console.print(w, soft_wrap=True, markup=False)
+                view = PhaseView(console, plans=console)    # each host's diff before its health progress
+                # A controller of one shard (config labels): only the hosts carrying its labels.
+                chosen = select_hosts(state, None, self.cfg.labels or None)
+                mine = {n: state.hosts[n] for n in chosen} if chosen is not None else state.hosts
+                self.commit_status.started(snap.revision, len(mine))
+                if self.hub is not None:     # the fleet page
+                    self.hub.run_started(snap.revision, why, mine, repo.path)
+                result = await reconcile_fleet(state, self.pool.connector(), hosts=chosen,
+                                               render_at=dec.render_at(render_at(snap)),
+                                               on_phase=self.hub.tee(view) if self.hub else view,
+                                               on_rollout=self.hub.rollout if self.hub else None,
+                                               rules=rules, lock_wait=self.cfg.lock_wait,
+                                               descends=descends(repo), allow_rewind=self.cfg.allow_rewind,
+                                               supersede=self.supersede)
+                print_result(console, result, shown=view.shown, in_sync_rows=False)
+                await self.pool.retain(mine)             # hosts that left the fleet (or shard), idle ones
+                remember(self.store, result)
+                if self.hub is not None:     # the fleet page: the store has the results now
+                    self.hub.run_finished(result)
+                for w in self.commit_status.finished(repo, result):
+                    console.print(f"warning: {w}", soft_wrap=True, markup=False)
+                self.store.set_value(self._applied_key(), snap.revision)
+                code = result.exit_code()
+                self.metrics.observe_run(result, time.monotonic() - started)
+            except RevisionRefused as e:
+                code = 1
+                self._say(log, f"refused: {e.reason}: {e}")
+                self.metrics.run_failed("refused", time.monotonic() - started)
+            except ConfigError as e:
+                code = 1
+                buf = Console(file=_tee(self.console.file, *([log] if log else [])), highlight=False, width=160)
+                print_config_error(buf, e, rev_name[:7])
+                self.metrics.run_failed("invalid", time.monotonic() - started)
+            except (SourceError, ReconcilerError, OSError) as e:
+                code = 1
+                self._say(log, f"run failed: {type(e).__name__}: {e}")
+                self.commit_status.failed(rev_name, f"{type(e).__name__}: {e}")
+                self.metrics.run_failed("error", time.monotonic() - started)
+        if rev_name != "unknown":
+            with _open_run_file(self.runs_dir / f"{rev_name}.exit", append=False) as f:
+                f.write(f"{code}\n")
+        return code
+
+    def _load(self, snap: source.Snapshot) -> tuple[DesiredState, RuleSet]:
+        """The desired state and rule pack at a snapshot; the same tree as the last run's (every
+        interval run until the next push) is not parsed again."""
+        key = snap.tree_id
+        if key is not None and self._loaded is not None and self._loaded[0] == key:
+            return replace(self._loaded[1], revision=snap.revision), self._loaded[2]
+        state = load.load_desired(snap)
+        rules = load_rules(snap)
+        self._loaded = (key, state, rules)
+        return state, rules
+
+    def _say(self, log: TextIO | None, line: str) -> None:
+        line = redact.redact(line)
+        print(line, flush=True)
+        if log is not None:
+            log.write(line + "\n")
+
+    async def _runner(self) -> None:
+        while not self.stopping.is_set():
+            await self.wake.wait()
+            self.wake.clear()
+            if self.stopping.is_set():
+                break
+            if self._already_done():
+                self.reasons.clear()
+                continue
+            self.supersede.clear()
+            self.running = True
+            started = time.monotonic()
+            try:
+                code = await self.run_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:            # a bug: say it, count it, retry; never end the loop
+                print(redact.redact("reconciler: run crashed:\n" + traceback.format_exc()), flush=True)
+                self.metrics.run_failed("crash", time.monotonic() - started)
+                code = 1
+            finally:
+                self.running = False
+                self.metrics.observe_pool(self.pool.opened, self.pool.reused, len(self.pool))
+            if self.hub is not None:         # the fleet page: the run is over, however it ended
+                self.hub.run_ended(code)
+            if code in (1, 4):
+                # git down, a host unreachable, a refused revision: retry, backing off
+                delay = min(self.backoff, self.interval)
+                self.backoff = min(self.backoff * 2, self.interval)
+                asyncio.get_running_loop().call_later(delay, self.ask, "retry")
+            else:
+                self.backoff = BACKOFF_START
+
+    async def serve(self) -> None:
+        """Run until SIGTERM/SIGINT."""
+        from apscheduler.schedulers.asyncio import AsyncIOScheduler
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        if self.cfg.metrics:
+            host, _, port = self.cfg.metrics.rpartition(":")
+            self.metrics.serve(host or "127.0.0.1", int(port))
+        sched = AsyncIOScheduler(event_loop=loop)
+        sched.add_job(self.ask, "interval", seconds=self.interval, args=["interval"], coalesce=True,
+                      max_instances=1, id="interval")
+        sched.start()
+        print(f"reconciler watching {self.cfg.repo} branch {self.cfg.branch} every {self.interval:.0f}s", flush=True)
+        self.ask("start")
+        runner = asyncio.create_task(self._runner())
+        watcher = asyncio.create_task(self._watch())
+        pinger = asyncio.create_task(self._watchdog())
+        page = None
+        if self.hub is not None:
+            from .web.app import serve_page  # starlette, uvicorn, Jinja2: only when the page is on
+            page = await serve_page(self.cfg.web, self.hub, self.state_dir, repo=self.cfg.repo,
+                                    branch=self.cfg.branch)
+        sd.notify("READY=1\nSTATUS=watching " + self.cfg.repo)
+        await self.stopping.wait()
+        print("reconciler: stopping", flush=True)
+        sd.notify("STOPPING=1")
+        sched.shutdown(wait=False)
+        for task in (runner, watcher, pinger):
+            task.cancel()
+        await asyncio.gather(runner, watcher, pinger, return_exceptions=True)
+        if page is not None and self.hub is not None:
+            await page.stop(self.hub)
+        await self.pool.close()
+        self.store.close()
+
+    async def _watchdog(self) -> None:
+        """Ping systemd's watchdog from the event loop itself: if the loop wedges, pings stop."""
+        every = sd.watchdog_interval()
+        if every is None:
+            return
+        while True:
+            faults.block_loop_if_asked()
+            sd.notify("WATCHDOG=1")
+            await asyncio.sleep(every)

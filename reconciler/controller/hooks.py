@@ -1,0 +1,301 @@
+"""Git hooks for the deploy repo: pre-receive validates, post-receive triggers the daemon.
+
+The hook files themselves (hooks/pre-receive, hooks/post-receive, written by
+`reconcile init-repo`) are two-line shims that call `reconcile-hook <name>`; all logic is here.
+`reconcile-hook` is a console script of its own so a push does not pay for importing the SSH
+and terminal-UI code.
+
+pre-receive: for a push to the deploy branch, refuse (exit 1, reasons shown to the pusher) a
+  branch deletion, a non-fast-forward (a force-push back) unless the push option
+  `reconcile.allow-rewind` is given and allow_rewind is on, an unsigned commit when
+  require_signed is on, and any revision `reconcile validate` rejects (file, key, reason).
+post-receive: touch the daemon's trigger file; with the push option `reconcile.wait` (or git
+  config reconciler.stream=true) stream the daemon's run for the pushed revision, Heroku-style.
+
+What the hooks print passes through redact. The streamed run log is redacted by the daemon as
+it writes it; the stream masks token-like patterns once more, a whole line at a time (the hook
+never decrypts anything, so it knows no secret values).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
+
+from .. import redact
+from ..errors import ConfigError, SourceError
+
+if TYPE_CHECKING:
+    import pygit2
+
+# Imports are where they are used: post-receive (every push) loads pygit2 and nothing of the
+# loader, the schema or the rule pack, which only pre-receive needs (tests/test_cold_start.py).
+
+ZERO = "0" * 40
+
+SHIM = """#!/bin/sh
+# reconciler {name} hook (installed by `reconcile init-repo`): all logic is in `reconcile-hook {name}`.
+exec "$(git config --get reconciler.hook || command -v reconcile-hook)" {name}
+"""
+
+
+def shim(name: str) -> str:
+    """The text of hooks/<name>."""
+    return SHIM.format(name=name)
+
+
+def _git_config(repo: pygit2.Repository, key: str, default: str = "") -> str:
+    try:
+        return str(repo.config[key])
+    except KeyError:
+        return default
+
+
+def _push_options() -> set[str]:
+    n = int(os.environ.get("GIT_PUSH_OPTION_COUNT", "0") or 0)
+    return {os.environ.get(f"GIT_PUSH_OPTION_{i}", "") for i in range(n)}
+
+
+def _updates() -> list[tuple[str, str, str]]:
+    out = []
+    for line in sys.stdin.read().splitlines():
+        parts = line.split()
+        if len(parts) == 3:
+            out.append((parts[0], parts[1], parts[2]))
+    return out
+
+
+def _err(line: str) -> None:
+    print(redact.redact(line), file=sys.stderr)
+
+
+def pre_receive() -> int:
+    """Validate every push to the deploy branch; print reasons to the pusher; 0 accept, 1 reject."""
+    from ..desired import load, source
+    from ..desired.trust import RevisionRefused, verify_signature
+    from ..preflight import check_desired, load_rules
+    from .config import load_config
+    repo = source.open_repo(os.environ.get("GIT_DIR", "."))
+    branch = _git_config(repo, "reconciler.branch", "main")
+    subdir = _git_config(repo, "reconciler.path", "")
+    cfg = load_config()
+    options = _push_options()
+    rejected = False
+    for old, new, ref in _updates():
+        if ref != f"refs/heads/{branch}":
+            continue
+        if new == ZERO:
+            print(f"reconciler: refusing to delete the deploy branch {branch}", file=sys.stderr)
+            rejected = True
+            continue
+        rewind = old != ZERO and not repo.descendant_of(new, old) and new != old
+        if rewind and not (cfg.allow_rewind and "reconcile.allow-rewind" in options):
+            print(f"reconciler: rejected {new[:7]}: it does not descend from {old[:7]} (a force-push back "
+                  f"to an older commit would silently roll the fleet back). Revert with a new commit instead.",
+                  file=sys.stderr)
+            rejected = True
+            continue
+        if cfg.require_signed:
+            try:
+                who = verify_signature(repo, new, cfg.allowed_signers or "/etc/reconciler/allowed_signers")
+                _err(f"reconciler: {new[:7]} signed by {who}")
+            except RevisionRefused as e:
+                _err(f"reconciler: rejected {new[:7]}: {e.reason}: {e}")
+                rejected = True
+                continue
+        try:
+            snap = source.snapshot(repo, new, subdir)
+            state = load.load_desired(snap)
+            problems, warnings = check_desired(state, load_rules(snap), snap.read)
+            for w in warnings:
+                _err(f"reconciler: {w}")
+            if problems:
+                raise ConfigError(problems)
+        except ConfigError as e:
+            print(f"reconciler: rejected {new[:7]}: invalid desired state ({len(e.problems)} problem"
+                  f"{'s' * (len(e.problems) != 1)}):", file=sys.stderr)
+            for p in e.problems:
+                _err(f"  {p}")
+            rejected = True
+            continue
+        except SourceError as e:
+            _err(f"reconciler: rejected {new[:7]}: {e}")
+            rejected = True
+            continue
+        n = sum(len(h.services) for h in state.hosts.values())
+        print(f"reconciler: {new[:7]} valid ({len(state.hosts)} hosts, {n} services)", file=sys.stderr)
+    return 1 if rejected else 0
+
+
+def post_receive() -> int:
+    """Ask the daemon to reconcile now; optionally stream its run for the pushed revision."""
+    from ..desired import source
+    repo = source.open_repo(os.environ.get("GIT_DIR", "."))
+    branch = _git_config(repo, "reconciler.branch", "main")
+    trigger = Path(_git_config(repo, "reconciler.trigger", str(Path(repo.path) / "reconciler.trigger")))
+    stream = "reconcile.wait" in _push_options() or _git_config(repo, "reconciler.stream") == "true"
+    state_dir = _git_config(repo, "reconciler.statedir", "")
+    timeout = float(_git_config(repo, "reconciler.streamtimeout", "1800"))
+    for _old, new, ref in _updates():
+        if ref != f"refs/heads/{branch}" or new == ZERO:
+            continue
+        trigger.touch()
+        os.utime(trigger)
+        print(f"reconciler: deploy of {new[:7]} requested", flush=True)
+        if stream and state_dir:
+            return _stream(Path(state_dir) / "runs", new, timeout)
+    return 0
+
+
+def _stream(runs: Path, rev: str, timeout: float) -> int:
+    """Print the daemon's log for rev as it grows, until its exit file appears: whole lines,
+    redacted (a pattern cut between two reads would not be recognised)."""
+    log, done = runs / f"{rev}.log", runs / f"{rev}.exit"
+    deadline = time.monotonic() + timeout
+    pos = 0
+    partial = ""
+    while time.monotonic() < deadline:
+        if log.exists():
+            with open(log) as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+            lines = (partial + chunk).split("\n")
+            partial = lines.pop()
+            if lines:
+                sys.stdout.write(redact.redact("\n".join(lines) + "\n"))
+                sys.stdout.flush()
+        if done.exists() and (not log.exists() or log.stat().st_size <= pos):
+            if partial:
+                sys.stdout.write(redact.redact(partial) + "\n")
+                sys.stdout.flush()
+            code = done.read_text().strip()
+            print(f"reconciler: {rev[:7]} finished with exit {code}", flush=True)
+            return 0
+        time.sleep(0.2)
+    print(f"reconciler: stopped waiting for {rev[:7]} after {timeout:.0f}s; see `reconcile status`", flush=True)
+    return 0
+
+
+def init_repo(path: Path, *, branch: str = "main", hook_bin: str | None = None,
+              state_dir: str | None = None, stream: bool = False, group: str | None = None,
+              owner: str | None = None) -> list[str]:
+    """Create a bare deploy repo with the hooks installed and configured; returns notes.
+
+    group: share it with that group (the pushing users and the daemon): core.sharedRepository
+    = group, every directory setgid and group-writable, so objects pushed by one user are
+    readable and writable by the others. owner: chown it to that user (as root). As root, the
+    repo is also marked safe in the system git config (git and libgit2 refuse a repo owned by
+    another user otherwise: "dubious ownership"); not as root, the line to run is returned.
+    """
+    import pygit2
+    mode = pygit2.enums.RepositoryInitMode.SHARED_GROUP if group else pygit2.enums.RepositoryInitMode.SHARED_UMASK
+    repo = pygit2.init_repository(str(path), bare=True, initial_head=branch, mode=mode)
+    hooks = Path(repo.path) / "hooks"
+    hooks.mkdir(exist_ok=True)
+    for name in ("pre-receive", "post-receive"):
+        p = hooks / name
+        p.write_text(shim(name))
+        p.chmod(0o755)
+    exe = hook_bin or _hook_bin()
+    repo.config["reconciler.hook"] = exe
+    repo.config["reconciler.branch"] = branch
+    repo.config["receive.advertisePushOptions"] = True
+    # Rewinds are the pre-receive hook's to refuse (it explains why; allow_rewind can permit one),
+    # not git's: a shared init would otherwise turn on git's own blanket refusal.
+    repo.config["receive.denyNonFastForwards"] = False
+    if state_dir:
+        repo.config["reconciler.statedir"] = state_dir
+    if stream:
+        repo.config["reconciler.stream"] = "true"
+    return _share(Path(repo.path), group, owner) if group else []
+
+
+def _share(path: Path, group: str, owner: str | None) -> list[str]:
+    """Give a repo to `group` (and `owner`): group-writable, setgid directories, safe for git."""
+    import grp
+    import pwd
+    notes: list[str] = []
+    gid = grp.getgrnam(group).gr_gid
+    uid = pwd.getpwnam(owner).pw_uid if owner else -1
+    for d, _dirs, files in os.walk(path):
+        os.chown(d, uid, gid)
+        os.chmod(d, 0o2775)
+        for name in files:
+            f = Path(d) / name
+            os.chown(f, uid, gid)
+            os.chmod(f, 0o775 if f.parent.name == "hooks" else 0o664)
+    notes.append(f"shared with group {group}: core.sharedRepository = group, directories setgid and group-writable")
+    line = f"git config --system --add safe.directory {path.resolve().as_posix().rstrip('/')}"
+    if os.geteuid() == 0:
+        have = subprocess.run(["git", "config", "--system", "--get-all", "safe.directory"], capture_output=True,
+                              text=True).stdout.split()
+        if path.resolve().as_posix().rstrip("/") not in have:
+            subprocess.run(line.split(), check=True)
+        notes.append(f"marked safe for every user in the system git config ({line})")
+    else:
+        notes.append(f"as root, mark it safe for the pushing users and the daemon: {line}")
+    return notes
+
+
+def _hook_bin() -> str:
+    """The `reconcile-hook` executable for the shims: the one next to this Python, else PATH."""
+    beside = Path(sys.executable).parent / "reconcile-hook"
+    if beside.exists():
+        return str(beside)
+    found = subprocess.run(["sh", "-c", "command -v reconcile-hook"], capture_output=True, text=True).stdout.strip()
+    return found or "reconcile-hook"
+
+
+def console() -> NoReturn:
+    """The `reconcile-hook` console script: main(), then process.leave() (no interpreter
+    teardown: a push waits for its hooks)."""
+    from ..process import leave
+    leave(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`reconcile-hook pre-receive|post-receive`: the entry point of the git hook shims."""
+    args = sys.argv[1:] if argv is None else argv
+    hooks = {"pre-receive": pre_receive, "post-receive": post_receive}
+    if len(args) != 1 or args[0] not in hooks:
+        print("usage: reconcile-hook pre-receive|post-receive (ref updates on stdin)", file=sys.stderr)
+        return 2
+    try:
+        return hooks[args[0]]()
+    except Exception as e:   # any error is one line for the pusher, never a traceback
+        _err(failure_line(args[0], e))
+        return 1
+
+
+# What to do about a path a hook cannot use, by where it lives.
+_FIXES = (
+    ("/etc/reconciler", "make it readable by the pushing users' group: chgrp reconciler {path} && "
+                        "chmod g+r {path} (the directory: chmod 0750, group reconciler)"),
+    ("runs", "the daemon writes its run logs group-readable (runs/ 0750, logs 0640) from this version on; "
+             "restart it (systemctl restart reconciler) and check that the pushing user is in its group"),
+    ("trigger", "the daemon creates it group-writable (0660) when it starts; restart it and check that the "
+                "pushing user is in its group"),
+)
+
+
+def failure_line(hook: str, e: BaseException) -> str:
+    """One line naming the path, the cause and the fix (pre-receive fails closed on it)."""
+    verdict = "the push was refused" if hook == "pre-receive" else "the push landed"
+    if isinstance(e, ConfigError | SourceError):
+        return f"reconciler: {hook}: {e} ({verdict})"
+    if isinstance(e, OSError):
+        path = e.filename or "?"
+        cause = e.strerror or type(e).__name__
+        fix = next((f.format(path=path) for key, f in _FIXES if key in str(path)),
+                   "check that the pushing user can read it (see systemd/README.md, the pushing users)")
+        return f"reconciler: {hook}: cannot use {path}: {cause}; {verdict}. Fix: {fix}"
+    return f"reconciler: {hook}: failed: {type(e).__name__}: {e} ({verdict})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

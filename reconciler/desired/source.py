@@ -1,0 +1,126 @@
+"""Reading the desired-state repository at a revision, from git objects (pygit2).
+
+The working tree is never read: what is deployed is exactly what a commit holds. `--repo` is a
+local path (working clone or bare repo) or a URL, which is mirrored into a cache directory and
+fetched on every run.
+
+pygit2 is imported when a repository is first opened (a command that opens none, `--help` or
+`status`, never imports it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
+
+from ..dirs import default_cache_dir
+from ..errors import SourceError
+
+if TYPE_CHECKING:
+    import pygit2
+
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://|^[^/\s]+@[^:\s]+:")
+
+
+class Snapshot:
+    """The files of one commit (optionally below a sub-directory), read on demand."""
+
+    def __init__(self, repo: pygit2.Repository, commit: pygit2.Commit, subdir: str = ""):
+        self.repo, self.commit, self.subdir = repo, commit, subdir
+        self.revision = str(commit.id)
+        self._tree: str | None = None
+
+    @property
+    def short(self) -> str:
+        return self.revision[:7]
+
+    @property
+    def tree_id(self) -> str | None:
+        """The id of the tree this snapshot reads (the commit's, or the sub-directory's): a name
+        for its content (the daemon loads a tree it loaded before from memory)."""
+        if self._tree is None:
+            obj = self._entry("")
+            self._tree = str(obj.id) if obj is not None else ""
+        return self._tree or None
+
+    def _entry(self, path: str) -> Any:
+        full = str(PurePosixPath(self.subdir, path)) if self.subdir else path
+        full = full.strip("/")
+        try:
+            return self.commit.tree[full] if full else self.commit.tree
+        except KeyError:
+            return None
+
+    def read(self, path: str) -> bytes | None:
+        """The bytes of a file at this revision, or None when there is no such file."""
+        import pygit2
+        obj = self._entry(path)
+        if obj is None or obj.type != pygit2.GIT_OBJECT_BLOB:
+            return None
+        return bytes(obj.data)
+
+    def list(self, directory: str) -> list[str]:
+        """Names of the files directly inside a directory (sorted; [] when absent)."""
+        import pygit2
+        obj = self._entry(directory) if directory else self._entry("")
+        if obj is None or obj.type != pygit2.GIT_OBJECT_TREE:
+            return []
+        return sorted(e.name for e in obj if e.type == pygit2.GIT_OBJECT_BLOB)
+
+
+def is_url(repo: str) -> bool:
+    return bool(_URL.match(repo)) and not Path(repo).exists()
+
+
+def open_repo(repo: str, cache_dir: Path | None = None, *, also_fetch: Sequence[str] = ()) -> pygit2.Repository:
+    """Open a local repository, or mirror a URL into the cache and fetch it (its branches, and
+    the refspecs in `also_fetch` in the same round trip: pull mode's notes)."""
+    import pygit2
+    if not is_url(repo):
+        path = pygit2.discover_repository(str(Path(repo).resolve()))
+        if path is None:
+            raise SourceError(f"{repo}: not a git repository")
+        r = pygit2.Repository(path)
+        quarantine = os.environ.get("GIT_QUARANTINE_PATH")
+        if quarantine:
+            # Inside a pre-receive hook the pushed objects are still in git's quarantine dir.
+            r.odb.add_disk_alternate(quarantine)
+        return r
+    cache = (cache_dir or default_cache_dir()) / "repos"
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / hashlib.sha256(repo.encode()).hexdigest()[:16]
+    try:
+        if not (dest / "HEAD").exists():
+            r = pygit2.clone_repository(repo, str(dest), bare=True)
+        else:
+            r = pygit2.Repository(str(dest))
+        remote = r.remotes["origin"]
+        remote.fetch(["+refs/heads/*:refs/heads/*", *also_fetch], prune=pygit2.enums.FetchPrune.PRUNE)
+        # Follow the remote's default branch if it has one we know.
+        return r
+    except (pygit2.GitError, KeyError, ValueError) as e:
+        raise SourceError(f"cannot fetch {_redact(repo)}: {e}") from None
+
+
+def _redact(url: str) -> str:
+    """Drop user:password@ from a URL so a token in it never reaches a message."""
+    return re.sub(r"//[^/@]*@", "//***@", url)
+
+
+def snapshot(repo: pygit2.Repository, rev: str | None = None, subdir: str = "") -> Snapshot:
+    """Resolve a revision (default HEAD) to a commit and return its snapshot."""
+    import pygit2
+    spec = rev or "HEAD"
+    try:
+        obj = repo.revparse_single(spec)
+        commit = obj.peel(pygit2.Commit)
+    except (KeyError, ValueError, pygit2.GitError, pygit2.InvalidSpecError) as e:
+        raise SourceError(f"revision {spec!r} not found in {repo.path}: {e}") from None
+    snap = Snapshot(repo, commit, subdir.strip("/"))
+    if subdir and snap._entry("") is None:
+        raise SourceError(f"{subdir!r} does not exist at {snap.short}")
+    return snap

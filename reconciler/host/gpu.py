@@ -1,0 +1,489 @@
+"""The GPU gate before a model server (re)starts: who holds the GPUs, and is their memory free.
+
+Like facts.py, a command plus a pure parser: `gpu_command()` lists the processes that hold
+/dev/nvidia* open (read from /proc, so no fuser is needed) with their systemd unit, and, where
+nvidia-smi exists, each GPU's memory and the compute processes with their memory;
+`parse_gpu()` turns that into `GpuFacts`. A host without nvidia-smi (such as the test fleet)
+gives GpuFacts that say "no GPUs" cleanly.
+
+On top: `gpu_facts(t)`, `wait_released(t, pids=...)` (after a stop, bounded: the old
+processes are gone and the memory is back), `stray_holders(facts, ...)` (holders that are not
+the service's) and `kill_strays(t, holders, policy)` ("report" never kills; "kill" sends
+SIGTERM, then SIGKILL after a grace period).
+
+This module needs nothing outside the standard library: it talks to any object with the shape
+of transport.Transport's `run` (the `Runner` protocol below), so bench/gpu_gate_device.py can
+run it on a GPU machine that has no pydantic or asyncssh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import re
+import secrets
+import shlex
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from ..errors import ObserveError
+from ..shell import ShCommand
+
+
+class Result(Protocol):
+    """What a command returns: transport.Completed has this shape."""
+
+    @property
+    def exit_status(self) -> int | None: ...
+
+    @property
+    def stdout(self) -> str: ...
+
+
+class Runner(Protocol):
+    """The part of transport.Transport the gate uses (SSHTransport and LocalTransport fit)."""
+
+    @property
+    def host(self) -> str: ...
+
+    async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
+                  timeout: float | None = 60.0, what: str = "command") -> Result: ...
+
+
+Policy = Literal["report", "kill"]
+POLICIES: tuple[str, ...] = ("report", "kill")
+
+QUERY_GPU = "nvidia-smi --query-gpu=index,uuid,memory.used,memory.total --format=csv,noheader,nounits"
+QUERY_APPS = ("nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_uuid "
+              "--format=csv,noheader,nounits")
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One GPU as nvidia-smi reports it. Memory in MiB; None where nvidia-smi says [N/A]."""
+
+    index: int
+    used_mib: int | None
+    total_mib: int | None
+    uuid: str = ""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A process holding the GPUs: it has /dev/nvidia* open, or nvidia-smi lists it.
+
+    devices are the /dev/nvidia* nodes it holds open (empty when only nvidia-smi saw it, e.g.
+    a process in another PID namespace); used_mib is its GPU memory summed over GPUs (None when
+    nvidia-smi does not list it); unit is the systemd unit of its cgroup, if any.
+    """
+
+    pid: int
+    comm: str
+    devices: tuple[str, ...] = ()
+    used_mib: int | None = None
+    unit: str | None = None
+    gpus: tuple[int, ...] = ()       # GPU indexes of its compute contexts, per nvidia-smi
+
+    def __str__(self) -> str:
+        mem = f"{self.used_mib} MiB" if self.used_mib is not None else "memory n/a"
+        devs = " ".join(self.devices) or "no /dev/nvidia* fds seen"
+        unit = f", unit {self.unit}" if self.unit else ""
+        on = f" on GPU {','.join(str(g) for g in self.gpus)}" if self.gpus else ""
+        return f"pid {self.pid} ({self.comm}{unit}): {mem}{on}, {devs}"
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """What the gate saw on one host at one moment."""
+
+    has_nvidia_smi: bool
+    gpus: list[Gpu] = field(default_factory=list)
+    holders: list[Holder] = field(default_factory=list)
+    error: str | None = None         # nvidia-smi exists but failed (driver not loaded, ...)
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def observed_gpu_count(self) -> int | None:
+        """The GPU count to give preflight.check_host: None when it could not be observed (no
+        nvidia-smi, as on the test fleet, or nvidia-smi failing), so that GPU-count checks are
+        skipped rather than failing every service against 0 GPUs."""
+        return len(self.gpus) if self.has_nvidia_smi and not self.error else None
+
+    def holder(self, pid: int) -> Holder | None:
+        """The holder with this PID, if it holds the GPUs."""
+        return next((h for h in self.holders if h.pid == pid), None)
+
+    def used_over(self, max_used_mib: int, gpus: set[int] | None = None) -> list[Gpu]:
+        """GPUs (all, or those indexes) whose memory.used is at or above the threshold."""
+        return [g for g in self.gpus if (gpus is None or g.index in gpus)
+                and g.used_mib is not None and g.used_mib >= max_used_mib]
+
+    def summary(self) -> str:
+        """One line for reports: the GPUs with their memory, and who holds them."""
+        if not self.has_nvidia_smi:
+            head = "no GPUs (nvidia-smi not found)"
+        elif self.error:
+            head = f"nvidia-smi failed: {self.error}"
+        elif not self.gpus:
+            head = "no GPUs (nvidia-smi lists none)"
+        else:
+            mem = ", ".join(f"{g.index}: {_mib(g.used_mib)}/{_mib(g.total_mib)} MiB" for g in self.gpus)
+            head = f"{len(self.gpus)} GPU{'s' if len(self.gpus) != 1 else ''} ({mem})"
+        if not self.holders:
+            return f"{head}; no process holds /dev/nvidia*"
+        return f"{head}; held by " + "; ".join(str(h) for h in self.holders)
+
+
+def _mib(v: int | None) -> str:
+    return "?" if v is None else str(v)
+
+
+_SCRIPT = r"""
+T=%(token)s
+nl='
+'
+enc() {  # file -> e: @ and its one line when that is printable ASCII without spaces, else the
+         # file in base64 (no process for the usual comm and cgroup v2); 1 when it cannot be read
+  e= ok= l= m=
+  { ok=1; IFS= read -r l; r=$?; IFS= read -r m; s=$?; } 2>/dev/null < "$1"
+  [ -n "$ok" ] || return 1
+  if [ "$r$s" = 01 ] && [ -z "$m" ]; then
+    case "$l" in ''|*[![:graph:]]*) ;; *) e=@$l; return 0 ;; esac
+  fi
+  e=$(base64 -w0 < "$1" 2>/dev/null)
+  return 0
+}
+printf '%%s BEGIN\n' "$T"
+# One ls over every process's fd directory (no process per fd): "/proc/PID/fd:" headers, then
+# "... N -> /dev/nvidia0" lines. awk keeps, per PID, the distinct /dev/nvidia* targets. Where
+# no such device node exists and there is no nvidia-smi, nothing can hold one: no scan.
+smi=; ! command -v nvidia-smi >/dev/null 2>&1 || smi=1
+set -- %(nodes)s
+if [ -e "$1" ] || [ -L "$1" ] || [ -n "$smi" ]; then
+ls -l /proc/[0-9]*/fd 2>/dev/null | awk -v P=%(arrow)s '
+  /^\/proc\/[0-9]+\/fd:$/ { split($0, a, "/"); pid = a[3]; next }
+  index($0, P) {
+    dev = substr($0, index($0, P) + 4); k = pid " " dev
+    if (!(k in seen)) { seen[k] = 1; devs[pid] = devs[pid] " " dev }
+  }
+  END { for (p in devs) print p devs[p] }' | while read -r pid devs; do
+  enc "/proc/$pid/comm" || continue
+  comm=$e
+  enc "/proc/$pid/cgroup"
+  printf '%%s H %%s %%s %%s %%s\n' "$T" "$pid" "${comm:--}" "${e:--}" "$devs"
+done
+fi
+if [ -n "$smi" ]; then
+  printf '%%s SMI 1\n' "$T"
+  set -f      # nvidia-smi's lines, one by one (IFS: newlines only; empty lines say nothing)
+  out=$(%(query_gpu)s 2>&1); rc=$?
+  IFS=$nl; for l in $out; do printf '%%s G %%s\n' "$T" "$l"; done; unset IFS
+  printf '%%s GRC %%s\n' "$T" "$rc"
+  out=$(%(query_apps)s 2>&1); rc=$?
+  IFS=$nl; for l in $out; do printf '%%s A %%s\n' "$T" "$l"; done; unset IFS
+  printf '%%s ARC %%s\n' "$T" "$rc"
+  # The cgroup of every compute process too: a server's GPU workers may hold no /dev/nvidia*
+  # fd we can see, and only their cgroup ties them to a service. Each PID once.
+  seen=' '
+  IFS=$nl
+  for l in $out; do
+    unset IFS
+    set -- ${l%%%%,*}       # the first field, without the blanks around it
+    IFS=$nl
+    [ $# -eq 1 ] || continue
+    p=$1
+    case "$p" in *[!0-9]*) continue ;; esac
+    case "$seen" in *" $p "*) continue ;; esac
+    seen="$seen$p "
+    enc "/proc/$p/cgroup"
+    printf '%%s C %%s %%s\n' "$T" "$p" "${e:--}"
+  done
+  unset IFS
+  set +f
+else
+  printf '%%s SMI 0\n' "$T"
+fi
+printf '%%s END\n' "$T"
+"""
+
+
+DEVICE_PREFIX = "/dev/nvidia"
+
+
+def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX) -> tuple[ShCommand, str]:
+    """The POSIX sh command that reads the GPU state of a host. Returns (command, token).
+
+    Lists every process with /dev/nvidia* open (pid, comm, cgroup, device nodes) by scanning
+    /proc/*/fd, and where nvidia-smi exists: index, uuid, memory.used, memory.total of each
+    GPU, and pid, process_name, used_memory, gpu_uuid of each compute process. Run it as root
+    to see every process's fds (others' /proc/PID/fd are unreadable). device_prefix is the
+    path prefix of the device nodes (tests point it at a file of their own, since /dev/nvidia*
+    cannot be created on a machine without the driver).
+    """
+    if any(c.isspace() for c in device_prefix) or "\\" in device_prefix:
+        raise ValueError("device_prefix must not contain whitespace or backslashes")
+    token = token or secrets.token_hex(8)
+    script = _SCRIPT % {"token": token, "query_gpu": QUERY_GPU, "query_apps": QUERY_APPS,
+                        "arrow": shlex.quote(" -> " + device_prefix), "nodes": shlex.quote(device_prefix) + "*"}
+    return ShCommand(script, "reconciler-gpu"), token
+
+
+_UNIT = re.compile(r"/([^/\s]+\.(?:service|scope))(?=/|$)")
+
+
+def unit_of_cgroup(text: str) -> str | None:
+    """The systemd unit a process belongs to, from /proc/PID/cgroup (v1 or v2); else None."""
+    found: str | None = None
+    for line in text.splitlines():
+        path = line.split(":", 2)[-1]
+        units = _UNIT.findall(path)
+        if units:
+            found = units[-1]        # the innermost unit (a service, not its slice)
+            if line.startswith("0::"):
+                break                # the unified hierarchy is authoritative
+    return found
+
+
+def _int(v: str) -> int | None:
+    v = v.strip()
+    try:
+        return int(float(v))
+    except ValueError:
+        return None                  # "[N/A]", "[Not Supported]"
+
+
+def _b64(payload: str) -> str:
+    if payload == "-":
+        return ""
+    if payload.startswith("@"):
+        return payload[1:]          # one line of printable ASCII, sent as it is
+    try:
+        return base64.b64decode(payload, validate=True).decode("utf-8", errors="replace")
+    except (binascii.Error, ValueError):
+        raise ValueError("bad base64") from None
+
+
+def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
+    """Parse the output of `gpu_command` into GpuFacts (pure).
+
+    Holders are the union of the /proc scan and nvidia-smi's compute apps, sorted by PID; a
+    PID seen by both gets its devices from /proc and its memory from nvidia-smi.
+    """
+    has_smi = False
+    gpus: list[Gpu] = []
+    procs: dict[int, tuple[str, str | None, tuple[str, ...]]] = {}
+    apps: dict[int, tuple[str, list[int], list[str]]] = {}
+    app_units: dict[int, str | None] = {}
+    errors: list[str] = []
+    gpu_lines: list[str] = []
+    ended = False
+    for line in stdout.splitlines():
+        if not line.startswith(token + " "):
+            continue
+        rest = line[len(token) + 1:]
+        kind, _, payload = rest.partition(" ")
+        if kind == "END":
+            ended = True
+            break
+        if kind == "H":
+            parts = payload.split()
+            if len(parts) < 3 or not parts[0].isdigit():
+                raise ObserveError(host, f"malformed GPU holder line: {line[:80]!r}")
+            try:
+                comm, cgroup = _b64(parts[1]).strip(), _b64(parts[2])
+            except ValueError:
+                raise ObserveError(host, "malformed GPU holder line (bad base64)") from None
+            devices = tuple(sorted(set(parts[3:])))
+            procs[int(parts[0])] = (comm, unit_of_cgroup(cgroup), devices)
+        elif kind == "C":
+            pid_s, _, cg = payload.partition(" ")
+            if pid_s.isdigit():
+                try:
+                    app_units[int(pid_s)] = unit_of_cgroup(_b64(cg.strip() or "-"))
+                except ValueError:
+                    raise ObserveError(host, "malformed GPU cgroup line (bad base64)") from None
+        elif kind == "SMI":
+            has_smi = payload.strip() == "1"
+        elif kind == "G":
+            gpu_lines.append(payload)
+        elif kind == "A":
+            if not payload.strip() or payload.lower().startswith("no running"):
+                continue
+            fields = [f.strip() for f in payload.split(",")]
+            if len(fields) < 3 or not fields[0].isdigit():
+                errors.append(payload.strip())
+                continue
+            # process_name may itself hold commas: pid first, memory and uuid last.
+            pid = int(fields[0])
+            if len(fields) >= 4:
+                name, mem, uuid = ",".join(fields[1:-2]), _int(fields[-2]), fields[-1]
+            else:
+                name, mem, uuid = ",".join(fields[1:-1]), _int(fields[-1]), ""
+            # One line per (process, GPU): a process on several GPUs gets its memory summed.
+            entry = apps.setdefault(pid, (name, [], []))
+            if mem is not None:
+                entry[1].append(mem)
+            if uuid:
+                entry[2].append(uuid)
+        elif kind in ("GRC", "ARC") and payload.strip() != "0":
+            errors.append(f"{'--query-gpu' if kind == 'GRC' else '--query-compute-apps'} "
+                          f"exited {payload.strip()}")
+    if not ended:
+        raise ObserveError(host, "GPU check output ended early (is there a POSIX shell?)")
+    for payload in gpu_lines:
+        fields = [f.strip() for f in payload.split(",")]
+        if len(fields) == 4 and fields[0].isdigit():
+            gpus.append(Gpu(index=int(fields[0]), uuid=fields[1], used_mib=_int(fields[2]),
+                            total_mib=_int(fields[3])))
+        elif len(fields) == 3 and fields[0].isdigit():      # index,memory.used,memory.total
+            gpus.append(Gpu(index=int(fields[0]), used_mib=_int(fields[1]), total_mib=_int(fields[2])))
+        elif payload.strip():
+            errors.insert(0, payload.strip())
+    by_uuid = {g.uuid: g.index for g in gpus if g.uuid}
+    holders: list[Holder] = []
+    for pid in sorted(set(procs) | set(apps)):
+        comm, unit, devices = procs.get(pid, ("", app_units.get(pid), ()))
+        app = apps.get(pid)
+        if app and not comm:
+            comm = app[0].rsplit("/", 1)[-1]
+        holders.append(Holder(
+            pid=pid, comm=comm, devices=devices, used_mib=sum(app[1]) if app and app[1] else None, unit=unit,
+            gpus=tuple(sorted({by_uuid[u] for u in (app[2] if app else []) if u in by_uuid}))))
+    error = "; ".join(errors[:3]) if has_smi and errors else None
+    return GpuFacts(has_nvidia_smi=has_smi, gpus=sorted(gpus, key=lambda g: g.index),
+                    holders=holders, error=error)
+
+
+async def gpu_facts(t: Runner, *, timeout: float = 30.0,
+                    device_prefix: str = DEVICE_PREFIX) -> GpuFacts:
+    """Read and parse the GPU state of the host behind a transport (one command)."""
+    cmd, token = gpu_command(device_prefix=device_prefix)
+    res = await t.run(cmd, timeout=timeout, what="GPU check")
+    return parse_gpu(res.stdout, token, t.host)
+
+
+def released(facts: GpuFacts, *, pids: set[int] | None, max_used_mib: int,
+             gpus: set[int] | None = None) -> bool:
+    """Pure: none of pids holds the GPUs, and memory.used is below the threshold on every GPU
+    (or on the given GPU indexes)."""
+    if pids and any(h.pid in pids for h in facts.holders):
+        return False
+    return not facts.used_over(max_used_mib, gpus)
+
+
+async def wait_released(t: Runner, *, pids: set[int] | None = None, timeout: float,
+                        poll: float = 0.25, max_used_mib: int = 1024,
+                        gpus: set[int] | None = None,
+                        device_prefix: str = DEVICE_PREFIX) -> tuple[bool, GpuFacts, float]:
+    """After a stop: wait (at most timeout seconds) until the GPUs are free again.
+
+    Free: none of pids is still a holder, and memory.used is below max_used_mib on every GPU
+    (or only on the GPU indexes in gpus, when other services keep theirs). Returns (released,
+    the last facts, seconds waited). A host without GPUs is released once the pids are gone.
+    """
+    start = time.monotonic()
+    while True:
+        facts = await gpu_facts(t, timeout=max(5.0, min(30.0, timeout)), device_prefix=device_prefix)
+        waited = time.monotonic() - start
+        if released(facts, pids=pids, max_used_mib=max_used_mib, gpus=gpus):
+            return True, facts, waited
+        if waited >= timeout:
+            return False, facts, waited
+        await asyncio.sleep(min(poll, max(0.0, timeout - waited)))
+
+
+def stray_holders(facts: GpuFacts, service_pids: set[int],
+                  service_units: set[str] | frozenset[str] = frozenset()) -> list[Holder]:
+    """Holders that are not the service's own processes (pure).
+
+    A holder is the service's when its PID is in service_pids or its cgroup belongs to one of
+    service_units (e.g. "sglang-qwen.service"): a server's GPU workers are child processes
+    with PIDs of their own, and only their cgroup ties them to the service.
+    """
+    return [h for h in facts.holders
+            if h.pid not in service_pids and not (h.unit and h.unit in service_units)]
+
+
+@dataclass(frozen=True)
+class KillOutcome:
+    """What kill_strays did to one holder: reported (policy report), terminated (exited after
+    SIGTERM), killed (needed SIGKILL), gone (had exited already, or its PID now belongs to
+    another program), survived (still there after SIGKILL) or failed (the signal could not be
+    sent, e.g. not permitted)."""
+
+    holder: Holder
+    outcome: Literal["reported", "terminated", "killed", "gone", "survived", "failed"]
+
+
+def _alive_script(pids: list[int]) -> str:
+    # A zombie has released its devices: count it as gone.
+    checks = " ".join(str(p) for p in pids)
+    return (f"for p in {checks}; do s=$(sed 's/.*) //' /proc/$p/stat 2>/dev/null | cut -d' ' -f1); "
+            f"[ -n \"$s\" ] && [ \"$s\" != Z ] && echo $p; done; true")
+
+
+async def _alive(t: Runner, pids: list[int]) -> set[int]:
+    if not pids:
+        return set()
+    res = await t.run(_alive_script(pids), timeout=15, what="GPU holder check")
+    return {int(x) for x in res.stdout.split() if x.isdigit()}
+
+
+def _marked(stdout: str, mark: str) -> set[int]:
+    return {int(p) for m, _, p in (line.partition(" ") for line in stdout.splitlines())
+            if m == mark and p.strip().isdigit()}
+
+
+async def kill_strays(t: Runner, holders: list[Holder], policy: str = "report", *,
+                      grace: float = 10.0, poll: float = 0.25) -> list[KillOutcome]:
+    """Deal with stray GPU holders according to the service's policy.
+
+    "report" (the default) never signals anything. "kill" sends SIGTERM, waits up to grace
+    seconds, then SIGKILLs what is left. Before signalling, each PID's comm is checked again,
+    so a PID that was reused by another program in the meantime is left alone.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"unknown stray-process policy {policy!r} (expected one of {', '.join(POLICIES)})")
+    if policy == "report" or not holders:
+        return [KillOutcome(h, "reported") for h in holders]
+    # Signal only a PID whose comm is still the one observed (PIDs get reused).
+    term = "; ".join(
+        f"if [ \"$(cat /proc/{h.pid}/comm 2>/dev/null)\" = {shlex.quote(h.comm)} ]; then "
+        f"if kill -TERM {h.pid} 2>/dev/null; then echo S {h.pid}; else echo F {h.pid}; fi; fi"
+        for h in holders)
+    res = await t.run(term + "; true", timeout=15, what="SIGTERM stray GPU holders")
+    signalled = _marked(res.stdout, "S")
+    failed = _marked(res.stdout, "F")
+    deadline = time.monotonic() + grace
+    alive = await _alive(t, sorted(signalled))
+    while alive and time.monotonic() < deadline:
+        await asyncio.sleep(poll)
+        alive = await _alive(t, sorted(alive))
+    killed: set[int] = set()
+    if alive:
+        res = await t.run("; ".join(f"kill -KILL {p} 2>/dev/null && echo {p}" for p in sorted(alive)) + "; true",
+                          timeout=15, what="SIGKILL stray GPU holders")
+        killed = {int(x) for x in res.stdout.split() if x.isdigit()}
+        end = time.monotonic() + 5.0
+        alive = await _alive(t, sorted(alive))
+        while alive and time.monotonic() < end:
+            await asyncio.sleep(poll)
+            alive = await _alive(t, sorted(alive))
+    out: list[KillOutcome] = []
+    for h in holders:
+        if h.pid in failed:
+            out.append(KillOutcome(h, "failed"))
+        elif h.pid not in signalled:
+            out.append(KillOutcome(h, "gone"))
+        elif h.pid in alive:
+            out.append(KillOutcome(h, "survived"))
+        elif h.pid in killed:
+            out.append(KillOutcome(h, "killed"))
+        else:
+            out.append(KillOutcome(h, "terminated"))
+    return out

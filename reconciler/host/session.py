@@ -1,0 +1,178 @@
+"""One shell per host run: the commands of a locked run go through the lock holder's own shell.
+
+A host run used to open an SSH channel per command: pre-flight, apply, each health reading,
+each verdict. Every channel costs the host's sshd a session and a login shell (`bash -c`),
+and costs the run a round trip to open it. Once the holder (lock.py) holds the lock and has
+read the host, it becomes this loop (bash): it reads frames from the run on its stdin and runs
+each command in the background, so it goes on reading heartbeats while a command runs (a
+model fetch or a GPU wait may take many minutes) and still lets go of the lock IDLE seconds
+after the run went silent.
+
+    R <token> <command bytes> <input bytes, or ->     then the command, then its input
+    D                                                 the last command's end was read
+    K                                                 kill the running command (a time-out)
+    .                                                 heartbeat
+    (empty line, EOF, or IDLE s of silence)           kill any running command, let go
+
+A command's stdout and stderr go to the channel's own streams, each ended by a line with the
+frame's token (and, on stdout, the exit status): nothing is parsed from the command's output,
+and output of another command never passes for it. The command text and its input travel on
+the channel, never on a command line (`ps` would show it to every user), and no file holds
+them. The command runs as it would in its own channel: `sh -c ...` or `sh -s` with its input
+on stdin, in a process group of its own (so a kill reaches all of it).
+
+One command at a time: while one runs (the health watches of several services run at once),
+another goes through a channel of its own, as before. A host without bash, a holder that did
+not come back whole, a command that timed out (killed, its output unread): the session is left
+and every later command has its own channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import shlex
+
+from ..errors import CommandError, ConnectError
+from .transport import Completed, Spawned, StreamSpawned, Transport, checked
+
+END = "@@end:"
+READY = "@@ready"
+
+
+def loop_script(idle: int, last: str = "") -> str:
+    """The holder's command loop (bash: its `read -t` and `read -N` cost no process per frame).
+    Its own stderr (job notices) goes nowhere; fd 4 is the channel's, the commands' stderr; fd 9
+    holds the host lock (lock.py), and no command gets it: one that leaves a process behind
+    does not keep the lock. `last`: what the loop runs as it ends, also on SIGTERM or SIGHUP."""
+    # The group's EXIT trap writes the ends (an `exit` in the command ends it too); with it, the
+    # command is one fork of the group, and its input one more (lastpipe: no subshell for eval)
+    ends = f"trap 'printf \"\\n{END}%s %s\\n\" \"$2\" \"$?\"; printf \"\\n{END}%s\\n\" \"$2\" >&2' EXIT"
+    # The host's clock for the command, from bash's own printf (apply's @@now: no `date`)
+    clock = "printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW"
+    prologue = f"{ends}; {clock}"       # what the command's group runs before the command
+    return f"""exec 4>&2 2>/dev/null
+printf "{READY}\\n" >&4
+set -m; shopt -s lastpipe
+pid=
+stop() {{ [ -z "$pid" ] || kill -TERM -- "-$pid"; pid=; }}
+trap {shlex.quote("stop" + (f"; {last}" if last else ""))} EXIT
+while IFS= read -r -t {idle} line && [ -n "$line" ]; do
+  case $line in
+  R\\ *)
+    set -- $line; cmd= inp=
+    [ "$3" = 0 ] || LC_ALL=C read -r -N "$3" cmd || break
+    case $4 in -|0) ;; *) LC_ALL=C read -r -N "$4" inp || break ;; esac
+    if [ "$4" = - ]; then
+      {{ {prologue}; eval "$cmd" 4>&- 9>&-; }} </dev/null 2>&4 &
+    else
+      {{ {prologue}; printf %s "$inp" | eval "$cmd" 4>&- 9>&-; }} </dev/null 2>&4 &
+    fi
+    pid=$! ;;
+  D) pid= ;;
+  K) stop ;;
+  esac
+done"""
+
+
+class _NotSent(Exception):
+    """The frame could not be written: the command did not start (run it on its own channel)."""
+
+
+class HostSession:
+    """The controller's end of the holder's command loop."""
+
+    def __init__(self, host: str, proc: StreamSpawned):
+        self.host, self.proc = host, proc
+        self.busy = False
+        self.broken = False
+        self._ready = False
+        # A frame's token is this session's, then the command's own: the ends are looked for
+        # by the session's part, the same text for every command (asyncssh compiles a reader's
+        # separator to a regex per call, and Python keeps the ones it compiled last).
+        self._prefix = secrets.token_hex(8) + ":"
+
+    def takes(self, cmd: str, input: str | None) -> bool:
+        """Whether this command can go through the session now (bash reads no NUL byte)."""
+        return not (self.busy or self.broken or "\0" in cmd or (input is not None and "\0" in input))
+
+    async def run(self, cmd: str, *, input: str | None, timeout: float | None, what: str) -> Completed:
+        tok = self._prefix + secrets.token_hex(8)
+        size = len(cmd.encode())
+        more = "-" if input is None else str(len(input.encode()))
+        self.busy = True
+        try:
+            try:
+                self.proc.write(f"R {tok} {size} {more}\n{cmd}{input or ''}")
+            except (OSError, RuntimeError):
+                self.broken = True
+                raise _NotSent() from None
+            try:
+                out, err = await asyncio.wait_for(self._collect(tok), timeout)
+            except TimeoutError:
+                self._abandon()
+                raise CommandError(self.host, what, None, f"timed out after {timeout}s") from None
+            except (asyncio.IncompleteReadError, OSError) as e:    # ConnectionError is an OSError
+                self.broken = True
+                why = "" if isinstance(e, asyncio.IncompleteReadError) or not str(e) else f": {e}"
+                raise ConnectError(self.host, f"connection lost during {what}{why}") from None
+            except BaseException:
+                self._abandon()
+                raise
+        finally:
+            self.busy = False
+        with contextlib.suppress(OSError, RuntimeError):
+            self.proc.write("D\n")
+        body, _, status = out.rpartition(f"\n{END}{tok} ")
+        return Completed(int(status.strip() or 255), body, err)
+
+    async def _collect(self, tok: str) -> tuple[str, str]:
+        if not self._ready:             # whatever the holder wrote to stderr before its loop
+            await self.proc.readuntil(f"{READY}\n", stderr=True)
+            self._ready = True
+        own = tok[len(self._prefix):]
+        out, err = await asyncio.gather(self._until(f"{own} "), self._until(f"{own}\n", stderr=True))
+        return out, err[: -len(f"\n{END}{tok}\n")]
+
+    async def _until(self, own: str, *, stderr: bool = False) -> str:
+        """The stream up to and including the frame's end line: `@@end:`, the session's part of
+        the token, then `own` (the command's part, and what follows it up to the line end: on
+        stdout the exit status). An end line with another token is output like any other."""
+        got = ""
+        while True:
+            got += await self.proc.readuntil(f"\n{END}{self._prefix}", stderr=stderr)
+            got += (line := await self.proc.readuntil("\n", stderr=stderr))
+            if line.startswith(own):
+                return got
+
+    def _abandon(self) -> None:
+        """Kill the running command; its output may still come, so the session is done."""
+        self.broken = True
+        with contextlib.suppress(OSError, RuntimeError):
+            self.proc.write("K\n")
+
+
+class SessionTransport:
+    """A transport whose commands go through the host session when it is free."""
+
+    def __init__(self, t: Transport, session: HostSession):
+        self.t, self.session = t, session
+        self.host = t.host
+
+    async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
+                  timeout: float | None = 60.0, what: str = "command") -> Completed:
+        if self.session.takes(cmd, input):
+            with contextlib.suppress(_NotSent):
+                res = await self.session.run(cmd, input=input, timeout=timeout, what=what)
+                return checked(self.host, res, check, what)
+        return await self.t.run(cmd, input=input, check=check, timeout=timeout, what=what)
+
+    async def open_connection(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await self.t.open_connection(host, port)
+
+    async def spawn(self, cmd: str) -> Spawned:
+        return await self.t.spawn(cmd)
+
+    async def close(self) -> None:
+        await self.t.close()

@@ -1,0 +1,494 @@
+"""Host-side pre-flight: what must hold on the host before a service (re)starts, read in one
+round trip and judged purely, so a bad deploy is refused while the old, working version runs.
+
+For the services a plan starts, and the units it writes:
+  * systemd's own check of every unit about to be written (`systemd-analyze verify` on a copy
+    in a private directory): an unknown key, an invalid value or a missing binary blocks that
+    service (UnitInvalid) before its file replaces a working one;
+  * the rule pack (reconciler/rules) against the command line and environment systemd will
+    really use (the rendered unit plus any drop-in the service allows) and the model's real
+    config.json on the host; model completeness (shards) - a failing rule blocks the service
+    (PreflightFailed);
+  * a missing or incomplete model with `model.fetch` becomes a FETCH action in the plan
+    (announced by a dry run); after it ran, the model is checked again;
+  * the GPUs: on a host with nvidia-smi every start waits until the GPUs it claims are free
+    (`gpu_waiter`, run by the executor between stop and start).
+
+The repo-side half (`preflight.check_desired`) runs in `reconcile validate` and the pre-receive
+hook.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import secrets
+import shlex
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+
+from ..desired.spec import HostSpec, ModelSpec, ServiceSpec
+from ..errors import CommandError
+from ..host.apply import GpuWait
+from ..host.gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, gpu_facts, kill_strays, parse_gpu, wait_released
+from ..host.transport import Transport
+from ..host.versions import cache as versions_cache
+from ..host.versions import parse_probe, probe_command, probe_for
+from ..plan.facts import ENV_DROPIN, HostFacts
+from ..plan.planner import (
+    Block,
+    Checks,
+    HostPlan,
+    foreign_dropins,
+    own_files,
+    render_env_dropin,
+    starting,
+    writing_units,
+)
+from ..preflight import (
+    ModelFacts,
+    RuleSet,
+    check_host,
+    gpu_claim,
+    model_check_command,
+    parse_command,
+    parse_model_check,
+)
+from ..shell import ShCommand, one_sh
+
+# Rules about which GPUs a service claims: only meaningful on a host that has GPUs to claim
+# (a host without nvidia-smi, like the test fleet, reports "no GPUs" and skips them).
+GPU_RULES = frozenset({"gpu-overlap", "tp-exceeds-gpus"})
+MODEL_RULE_SOURCE = "https://huggingface.co/docs/safetensors (sharded checkpoints: model.safetensors.index.json)"
+UNIT_SOURCE = "https://www.freedesktop.org/software/systemd/man/systemd-analyze.html (verify)"
+
+
+@dataclass
+class Preflight:
+    """What the host-side pre-flight found: blocks per service, fetches to run, notes, GPUs."""
+
+    blocked: dict[str, list[Block]] = field(default_factory=dict)
+    fetch: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    models: dict[str, ModelFacts] = field(default_factory=dict)
+    gpu: GpuFacts | None = None
+
+    def checks(self) -> Checks:
+        return Checks(blocked={n: tuple(b) for n, b in self.blocked.items()}, fetch=dict(self.fetch),
+                      gpu_gate=self.gpu is not None and self.gpu.has_nvidia_smi)
+
+    def block(self, service: str, reason: str, message: str) -> None:
+        self.blocked.setdefault(service, []).append(Block(reason, message))
+
+
+Progress = Callable[[str, str, float, float], None]   # service, phase, elapsed, timeout
+
+
+# ---- systemd's own check of a unit ----------------------------------------------------------------
+
+_VERIFY_SCRIPT = r"""
+T=%(token)s
+nl='
+'
+command -v systemd-analyze >/dev/null 2>&1 || { printf '%%s V - -\n' "$T"; printf '%%s END\n' "$T"; exit 0; }
+# stdin, first line: a random directory suffix, then the temp names that get a drop-in directory.
+# One mkdir makes them all (mode 700; the name is on no command line before mkdir runs).
+read -r r dropins || exit 1
+dir=/tmp/reconciler-verify.$r
+set -f
+set -- "$dir"
+for t in $dropins; do set -- "$@" "$dir/$t.service.d"; done
+set +f
+mkdir -m 700 -- "$@" || exit 1
+trap 'rm -rf "$dir"' EXIT
+put() {  # file count: copy count lines of stdin into file, the last without a newline (exact bytes)
+  n=$2
+  { IFS= read -r l; printf '%%s' "$l"
+    while [ "$n" -gt 1 ]; do IFS= read -r l; printf '\n%%s' "$l"; n=$((n - 1)); done; } > "$1"
+}
+while read -r svc tmpname nunit nenv; do
+  put "$dir/$tmpname.service" "$nunit"
+  [ "$nenv" = - ] || put "$dir/$tmpname.service.d/%(dropin)s" "$nenv"
+  # Only this unit's own findings (--recursive-errors=no, systemd 250+: a fifth of the time, and
+  # another unit's fault never blocks this one); an older systemd-analyze checks as it can.
+  out=$(systemd-analyze verify --man=no --recursive-errors=no "$dir/$tmpname.service" 2>&1); rc=$?
+  case "$out" in *recursive-errors*)
+    out=$(systemd-analyze verify --man=no "$dir/$tmpname.service" 2>&1); rc=$? ;;
+  esac
+  # Printable ASCII comes line by line (O); anything else in one base64 payload (B).
+  case "$out" in
+    *[![:print:]"$nl"]*) printf '%%s B %%s %%s\n' "$T" "$svc" "$(printf '%%s' "$out" | base64 -w0)" ;;
+    *) IFS=$nl; set -f
+       for l in $out; do printf '%%s O %%s %%s\n' "$T" "$svc" "$l"; done
+       unset IFS; set +f ;;
+  esac
+  printf '%%s V %%s %%s\n' "$T" "$svc" "$rc"
+done
+printf '%%s END\n' "$T"
+"""
+
+
+def _lines(text: str) -> tuple[int, str]:
+    """A text as the verify script's `put` reads it: how many pieces it has between newlines, and
+    those pieces each on a line of its own (so a missing final newline stays missing)."""
+    pieces = text.split("\n")
+    return len(pieces), "".join(p + "\n" for p in pieces)
+
+
+def verify_command(units: Mapping[str, tuple[str, str | None]], token: str | None = None) -> tuple[ShCommand, str, str]:
+    """The command that has systemd check each unit (service -> (unit text, env drop-in or None))
+    under a throw-away name, so no live drop-in of the real unit is mixed in.
+
+    The unit and drop-in texts come on stdin as plain lines, counted (never on a command line,
+    never decoded by another process); they are written byte for byte by the shell itself.
+    Returns (command, stdin, token)."""
+    token = token or secrets.token_hex(8)
+    names = {name: f"reconciler-verify-{secrets.token_hex(4)}-{name}" for name in units}
+    head = [secrets.token_hex(8)] + [names[n] for n, (_, env) in sorted(units.items()) if env]
+    parts = [" ".join(head) + "\n"]
+    for name, (unit, env) in sorted(units.items()):
+        nunit, unit_lines = _lines(unit)
+        nenv, env_lines = _lines(env) if env else ("-", "")
+        parts.append(f"{name} {names[name]} {nunit} {nenv}\n{unit_lines}{env_lines}")
+    script = _VERIFY_SCRIPT % {"token": token, "dropin": ENV_DROPIN}
+    return ShCommand(script, "reconciler-verify"), "".join(parts), token
+
+
+_LINE_REF = re.compile(r"^(?P<file>/\S+?):(?P<line>\d+): (?P<msg>.*)$")
+
+
+def parse_verify(stdout: str, token: str,
+                 units: Mapping[str, tuple[str, str | None]]) -> tuple[dict[str, list[str]], bool]:
+    """Pure: service -> what systemd objects to in its unit (each with the offending line quoted);
+    and whether systemd-analyze was there at all."""
+    out: dict[str, list[str]] = {}
+    available = True
+    said: dict[str, list[str]] = {}        # service -> systemd-analyze's output lines so far
+    for line in stdout.split("\n"):
+        parts = line.split(" ", 3)
+        if len(parts) < 3 or parts[0] != token:
+            continue
+        kind, name = parts[1], parts[2]
+        if kind == "O" and len(parts) == 4:
+            said.setdefault(name, []).append(parts[3])
+            continue
+        if kind == "B" and len(parts) == 4:
+            said.setdefault(name, []).append(base64.b64decode(parts[3]).decode(errors="replace"))
+            continue
+        if kind != "V" or len(parts) != 4:
+            continue
+        rc = parts[3]
+        if name == "-":
+            available = False
+            continue
+        text = "\n".join(said.pop(name, []))
+        unit, env = units.get(name, ("", None))
+        problems = []
+        for msg in text.splitlines():
+            if "reconciler-verify-" not in msg:
+                continue              # about another unit on the host, not the one we would write
+            m = _LINE_REF.match(msg.strip())
+            if m:
+                src = env if m.group("file").endswith(".conf") else unit
+                lines = (src or "").splitlines()
+                n = int(m.group("line"))
+                quoted = f" (`{lines[n - 1].strip()}`)" if 0 < n <= len(lines) else ""
+                where = f"{ENV_DROPIN} line {n}" if m.group("file").endswith(".conf") else f"line {n}"
+                problems.append(f"{where}: {m.group('msg')}{quoted}")
+            else:
+                problems.append(re.sub(r"reconciler-verify-[0-9a-f]+-", "", msg.strip()))
+        if rc != "0" and not problems:
+            problems.append(f"systemd-analyze verify exited {rc}")
+        if problems:
+            out[name] = problems
+    return out, available
+
+
+# ---- pre-flight ---------------------------------------------------------------------------------
+
+
+def effective_spec(svc: ServiceSpec, facts: HostFacts) -> ServiceSpec:
+    """The service as systemd will run it once applied: the rendered unit plus the drop-ins it
+    allows (every other foreign drop-in is removed by the apply), then our env."""
+    f = facts.services.get(svc.name)
+    if f is None:
+        return svc
+    foreign = foreign_dropins(svc, f)
+    kept = [c for p, c in sorted(f.dropins.items(), key=lambda kv: kv[0].rsplit("/", 1)[-1])
+            if p not in own_files(svc.name) and p not in foreign]
+    if not kept:
+        return svc
+    return replace(svc, unit_text=svc.unit_text + "\n" + "\n".join(kept))
+
+
+async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: HostFacts, rules: RuleSet | None,
+                         *, fetched: Mapping[str, str | None] | None = None) -> Preflight:
+    """Check what the plan starts against the host: units, rules, models, GPUs (one round trip).
+
+    `fetched`: model paths already fetched in this run -> why the fetch failed (None: it ran);
+    their models are judged as they are now, never fetched again.
+    """
+    out = Preflight()
+    targets = starting(plan)
+    units: dict[str, tuple[str, str | None]] = {}
+    for n, u in writing_units(plan).items():
+        target = plan.services[n].target
+        units[n] = (u, render_env_dropin(n) if target is not None and target.spec.env else None)
+    if not targets and not units:
+        return out
+    specs = {n: model_from_command(effective_spec(tg.spec, facts)) for n, tg in targets.items()}
+    paths = sorted({s.model.path for s in specs.values() if s.model})
+    probes = [p for n, s in sorted(specs.items()) if (p := probe_for(n, parse_command(s))) is not None] \
+        if rules is not None and any(r.versions for r in rules.rules) else []
+    cache = versions_cache()
+    cmds: list[ShCommand] = []
+    stdin = None
+    vtok = mtok = gtok = ptok = ""
+    if units:
+        vcmd, stdin, vtok = verify_command(units)
+        cmds.append(vcmd)
+    if paths:
+        mcmd, mtok = model_check_command(paths)
+        cmds.append(mcmd)
+    if targets:
+        gcmd, gtok = gpu_command()
+        cmds.append(gcmd)
+    if probes:
+        pcmd, ptok = probe_command(probes, cache.stamps(host.name))
+        cmds.append(pcmd)
+    res = await t.run(one_sh(cmds, "reconciler-preflight"), input=stdin, check=True, timeout=120, what="pre-flight")
+    versions: dict[str, str | None] = {}
+    if probes:
+        versions = cache.resolve(host.name, probes, parse_probe(res.stdout, ptok))
+        cache.save()
+        for p in probes:
+            if versions.get(p.service) is None:
+                out.warnings.append(f"{p.service}: the installed {p.module} version could not be read with "
+                                    f"{p.executable}: rules bound to versions apply as for any version")
+    if units:
+        problems, available = parse_verify(res.stdout, vtok, units)
+        if not available:
+            out.warnings.append("systemd-analyze not found: units not verified before writing")
+        for name, lines in problems.items():
+            out.block(name, "UnitInvalid", f"{name}: systemd rejects the unit: " + "; ".join(lines)
+                      + f" (source: {UNIT_SOURCE})")
+    if targets:
+        out.gpu = parse_gpu(res.stdout, gtok, host.name)
+    out.models = parse_model_check(res.stdout, mtok, host.name) if paths else {}
+    _judge_models(out, specs, fetched or {})
+    if rules is not None and targets:
+        # A rollback target passed health here: a rule pack that changed since must not keep
+        # the fleet from going back to it (systemd's check and the model check still apply).
+        fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
+        _judge_rules(out, host, fresh, rules, versions)
+    if out.gpu is not None and out.gpu.has_nvidia_smi:
+        _judge_strays(out, out.gpu, specs, facts, host)
+    return out
+
+
+def gpu_indexes(h: Holder) -> set[int]:
+    """The GPUs a holder is known to use: nvidia-smi's compute contexts, /dev/nvidiaN fds."""
+    idx = set(h.gpus)
+    for d in h.devices:
+        tail = d[len(DEVICE_PREFIX):]
+        if d.startswith(DEVICE_PREFIX) and tail.isdigit():
+            idx.add(int(tail))
+    return idx
+
+
+def strays_on(gpu: GpuFacts, claimed: set[int] | None, *, own_unit: str, own_pids: set[int],
+              managed: set[str]) -> list[Holder]:
+    """Compute processes on the GPUs a service claims that are neither its own (by PID or
+    cgroup) nor another managed service's. Only processes nvidia-smi lists with GPU memory
+    count: a daemon that merely holds /dev/nvidia* open (nvidia-persistenced, an exporter) is
+    no stray."""
+    out = []
+    for h in gpu.holders:
+        if h.pid in own_pids or h.unit == own_unit or (h.unit is not None and h.unit in managed):
+            continue
+        if h.used_mib is None:
+            continue
+        idx = gpu_indexes(h)
+        if claimed is None or idx & claimed:
+            out.append(h)
+    return out
+
+
+def _judge_strays(out: Preflight, gpu: GpuFacts, specs: Mapping[str, ServiceSpec], facts: HostFacts,
+                  host: HostSpec) -> None:
+    """Before anything stops: a stray on a service's claimed GPUs blocks its deploy (policy
+    "report"), or is noted for the kill after the stop (policy "kill")."""
+    managed = {f"{n}.service" for n in host.services} | {f"{n}.service" for n in facts.inventory}
+    for name, svc in sorted(specs.items()):
+        f = facts.services.get(name)
+        pid = int((f.props.get("ExecMainPID", "0") if f else "0") or 0)
+        strays = strays_on(gpu, _claimed_gpus(svc, gpu), own_unit=f"{name}.service", own_pids={pid} - {0},
+                           managed=managed - {f"{name}.service"})
+        if not strays:
+            continue
+        what = "; ".join(str(s) for s in strays)
+        if svc.gpu_policy == "kill":
+            out.warnings.append(f"{name}: stray GPU holder(s) on its GPUs, killed after the stop "
+                                f"(gpu_policy = \"kill\"): {what}")
+        else:
+            out.block(name, "GpuBusy", f"{name}: its GPUs are held by a process that is not a managed service: "
+                                       f"{what}. Nothing was stopped. Fix: stop it, or set gpu_policy = \"kill\"")
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def model_from_command(svc: ServiceSpec) -> ServiceSpec:
+    """A service without a [model] table, with the model its server's own arguments name
+    (`--model-path`, vLLM's positional or `--model`): an absolute path, or a hub id looked up
+    in the Hugging Face cache the unit points at. So every model rule and the completeness
+    check run on what the server will load, declared or not."""
+    if svc.model is not None:
+        return svc
+    cmd = parse_command(svc)
+    m = cmd.model
+    if not m:
+        return svc
+    if m.startswith("/"):
+        return replace(svc, model=ModelSpec(id=cmd.value("--served-model-name") or m, path=m))
+    if _HUB_ID.match(m):
+        hub = cmd.env.get("HF_HUB_CACHE") or cmd.env.get("HF_HOME", "/root/.cache/huggingface") + "/hub"
+        return replace(svc, model=ModelSpec(id=m, path=f"{hub}/models--{m.replace('/', '--')}/snapshots/*"))
+    return svc
+
+
+def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Mapping[str, str | None]) -> None:
+    for name, svc in sorted(specs.items()):
+        m = svc.model
+        facts = out.models.get(m.path) if m else None
+        if m is None or facts is None:
+            continue
+        if "*" in m.path and not facts.exists:
+            out.warnings.append(f"{name}: {m.id} is not in the Hugging Face cache ({m.path}): the server "
+                                f"downloads it at start, so it is checked only once it is there")
+            continue
+        if fetched.get(m.path):
+            out.block(name, "ModelFetchFailed", f"{name}: {fetched[m.path]}")
+            continue
+        if facts.complete:
+            continue
+        if m.fetch and m.path not in fetched:
+            out.fetch[name] = f"fetch {m.id} into {m.path} first ({m.fetch})"
+            out.models.pop(m.path)       # judged after the fetch, not now
+            continue
+        out.block(name, "PreflightFailed",
+                  f"{name}: model-incomplete: {m.path}: {', '.join(facts.problems())}. "
+                  f"Fix: finish the download (or set model.fetch) before deploying (source: {MODEL_RULE_SOURCE})")
+
+
+def _judge_rules(out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec], rules: RuleSet,
+                 versions: Mapping[str, str | None]) -> None:
+    configs = {p: m.config for p, m in out.models.items() if m.config is not None}
+    gpu = out.gpu or GpuFacts(has_nvidia_smi=False)
+    no_gpus = not gpu.has_nvidia_smi
+    if no_gpus:
+        out.warnings.append(f"{gpu.summary()}: GPU rules ({', '.join(sorted(GPU_RULES))}) skipped")
+    judged = replace(host, services={**host.services, **specs})
+    for f in check_host(judged, rules=rules, model_configs=configs, gpu_count=gpu.observed_gpu_count,
+                        versions=versions):
+        if f.service not in specs or (no_gpus and f.rule_id in GPU_RULES):
+            continue
+        if f.blocking:
+            out.block(f.service, "PreflightFailed", str(f))
+        else:
+            out.warnings.append(str(f))
+
+
+async def fetch_model(t: Transport, service: str, model: ModelSpec, facts: ModelFacts | None,
+                      on_phase: Progress | None = None) -> str | None:
+    """Run model.fetch on the host (before anything is stopped). Returns why it failed, or None.
+
+    Checks free disk space first when the size is known (model.size_gb, or the index's
+    total_size), then runs the command in the model directory with model.fetch_timeout.
+    """
+    need = model.size_gb * 1e9 if model.size_gb else (facts.total_size if facts else None)
+    free = facts.free_bytes if facts else None
+    if need and free is not None and free < need:
+        return (f"model-fetch: not enough disk for {model.id} at {model.path}: needs {need / 1e9:.1f} GB, "
+                f"{free / 1e9:.1f} GB free")
+    cmd = f"mkdir -p {shlex.quote(model.path)} && cd {shlex.quote(model.path)} && {model.fetch}"
+    started = time.monotonic()
+
+    async def tick() -> None:
+        while True:
+            if on_phase:
+                on_phase(service, f"fetching {model.id}", time.monotonic() - started, model.fetch_timeout)
+            await asyncio.sleep(1.0)
+    ticker = asyncio.create_task(tick())
+    try:
+        res = await t.run(cmd, timeout=model.fetch_timeout, what=f"fetch {model.id}")
+    except CommandError as e:
+        return f"model-fetch: {model.fetch!r} did not finish within {model.fetch_timeout:.0f}s: {e.stderr}"
+    finally:
+        ticker.cancel()
+    if not res.ok:
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        return f"model-fetch: {model.fetch!r} failed (exit {res.exit_status}): {' / '.join(tail)}"
+    return None
+
+
+# ---- the GPU gate -------------------------------------------------------------------------------
+
+
+def _claimed_gpus(svc: ServiceSpec | None, gpu: GpuFacts) -> set[int] | None:
+    """GPU indexes a service claims (CUDA_VISIBLE_DEVICES ids or uuids), or None for all."""
+    if svc is None:
+        return None
+    claim = gpu_claim(parse_command(svc))
+    if claim is None:
+        return None
+    out: set[int] = set()
+    for c in claim:
+        if c.isdigit():
+            out.add(int(c))
+        else:
+            out |= {g.index for g in gpu.gpus if g.uuid == c}
+    return out or None
+
+
+def gpu_waiter(t: Transport, plan: HostPlan, facts: HostFacts, gpu: GpuFacts, notes: list[str],
+               *, timeout: float = 120.0) -> GpuWait:
+    """The executor's wait before a start on a GPU host: the old processes gone and the claimed
+    GPUs' memory free (bounded). A stray on the claimed GPUs is reported, and killed only when
+    the service's gpu_policy says "kill" (never a process on other GPUs, never another managed
+    service). None when free, else why not."""
+    managed = set(plan.services) | facts.inventory
+
+    async def wait(name: str) -> str | None:
+        f = facts.services.get(name)
+        pid = int((f.props.get("ExecMainPID", "0") if f else "0") or 0)
+        pids = {pid} if pid else set()
+        sp = plan.services.get(name)
+        svc = sp.target.spec if sp is not None and sp.target is not None else None
+        policy = svc.gpu_policy if svc else "report"
+        gpus = _claimed_gpus(svc, gpu)
+        own = {f"{n}.service" for n in managed - {name}}
+        if policy == "kill":
+            # Strays were seen before the stop (pre-flight): kill them now, not after a timeout.
+            await _kill(name, await gpu_facts(t), gpus, pids, own)
+        ok, after, waited = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
+        strays = strays_on(after, gpus, own_unit=f"{name}.service", own_pids=pids, managed=own)
+        for s in strays:
+            notes.append(f"{name}: stray GPU holder pid {s.pid} ({s.comm}, {s.used_mib} MiB)")
+        if not ok and strays and policy == "kill":
+            await _kill(name, after, gpus, pids, own)
+            ok, after, more = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
+            waited += more
+        if ok:
+            notes.append(f"{name}: GPUs free for the start (waited {waited:.1f}s)")
+            return None
+        return f"GPUs still busy {waited:.0f}s after stopping {name}: {after.summary()} (stray-process policy {policy})"
+
+    async def _kill(name: str, facts_now: GpuFacts, gpus: set[int] | None, pids: set[int], own: set[str]) -> None:
+        strays = strays_on(facts_now, gpus, own_unit=f"{name}.service", own_pids=pids, managed=own)
+        for o in await kill_strays(t, strays, "kill"):
+            notes.append(f"{name}: stray pid {o.holder.pid} ({o.holder.comm}) on its GPUs: {o.outcome}")
+
+    return wait

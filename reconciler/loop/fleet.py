@@ -1,0 +1,457 @@
+"""The fleet: every host surveyed and planned first, then converged, with the hosts that share a
+service definition rolled out in waves (canary first, at most max_unavailable at once, halting
+at the first failure). Each host's own work is reconcile.reconcile_host.
+
+The fleet run (reconcile_fleet) in passes, never two at once on one host:
+
+    survey      connect, observe, plan every selected host (what a dry-run shows); a host with
+                anything to do is then locked and observed again under its lock
+    quarantine  a group whose rollout halted earlier stays halted (rollout.quarantine_cover)
+    waves       rollout.plan_rollouts: per group, which hosts restart together
+    free pass   every host converges, leaving its waved services to the waves (deferred)
+    wave pass   per group, wave by wave: the wave's hosts converge that one service; a failure
+                halts the group and quarantines the change on every host it left untouched
+
+One host failing never stops the others: every host ends with a HostResult.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..desired.spec import DesiredState, HostSpec
+from ..desired.trust import rewind_problem
+from ..errors import HostError, ReconcilerError, SourceError
+from ..host import lock
+from ..host.transport import Transport
+from ..plan.planner import Kind, starting
+from ..plan.records import Quarantine, Result, halt_where
+from ..plan.rollout import Halt, RolloutResult, Wave, group_members, natural_key, plan_rollouts, quarantine_cover
+from .host import (
+    Connector,
+    Event,
+    HostPhase,
+    HostResult,
+    RenderAt,
+    Rules,
+    lock_and_observe,
+    merge_plans,
+    reconcile_host,
+    running_after,
+)
+
+if TYPE_CHECKING:     # imported where used: webhooks only with [notify], the schema only for --label
+    from ..host.notify import Notifier
+
+# Whether a revision descends from another: True, False, or None (the other is not in the repo).
+Descends = Callable[[str, str], "bool | None"]
+# Told of each rollout's progress (the daemon's fleet page): "start", "wave" (its hosts restart
+# now: waves_done + 1), "done", "halted", "superseded", with the rollout as it stands.
+RolloutWatch = Callable[[str, RolloutResult], None]
+
+
+@dataclass
+class FleetResult:
+    revision: str
+    dry_run: bool
+    hosts: list[HostResult] = field(default_factory=list)
+    rollouts: list[RolloutResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)     # e.g. a webhook that did not answer
+
+    @property
+    def failed(self) -> list[HostResult]:
+        return [h for h in self.hosts if h.status is Result.FAILED]
+
+    def exit_code(self) -> int:
+        """0 converged/in sync, 2 dry-run found changes, 3 rolled back / on last good, 4 failed."""
+        code = max((Result(h.status).exit_code for h in self.hosts), default=0)
+        if code == 2 and not self.dry_run:
+            return 0
+        return code
+
+    def to_json(self) -> dict[str, object]:
+        return {"revision": self.revision, "short": self.revision[:7], "dry_run": self.dry_run,
+                "exit_code": self.exit_code(), "hosts": [h.to_json() for h in self.hosts],
+                "rollouts": [r.to_json() for r in self.rollouts], "warnings": self.warnings}
+
+
+def merge_result(into: HostResult, r: HostResult) -> None:
+    """Fold one pass's result into a host's result: the worst status wins; failures add up."""
+    into.events.extend(r.events)
+    into.notes.extend(n for n in r.notes if n not in into.notes)
+    into.plan = merge_plans(into.plan, r.plan)
+    into.running.update({k: v for k, v in r.running.items() if v is not None or k not in into.running})
+    into.facts = r.facts or into.facts
+    into.seconds += r.seconds
+    into.worsen(Result(r.status), r.reason, r.message)
+
+
+def restarting(r: HostResult) -> set[str]:
+    """Services a surveyed host would restart or start with their desired version (not those
+    swapped for last good, which are repairs, not a rollout)."""
+    if r.plan is None:
+        return set()
+    return {n for n, tg in starting(r.plan).items() if not tg.rollback}
+
+
+def writes(r: HostResult) -> bool:
+    """Whether a host's surveyed plan would write anything there (a hold alone does not)."""
+    return r.plan is not None and any(a.kind is not Kind.HOLD for a in r.plan.actions)
+
+
+class _FleetRun:
+    """One fleet run: the open connections, the per-host results and locks, the rollouts."""
+
+    def __init__(self, state: DesiredState, connect: Connector, *, dry_run: bool, concurrency: int,
+                 selected: list[str] | None, render_at: RenderAt | None, retry: bool,
+                 on_phase: HostPhase | None, notifier: Notifier | None, rules: Rules = None,
+                 lock_wait: float = lock.WAIT, descends: Descends | None = None, allow_rewind: bool = False,
+                 supersede: asyncio.Event | None = None, on_rollout: RolloutWatch | None = None,
+                 expect_changes: frozenset[str] = frozenset()):
+        self.state, self.connect, self.dry_run, self.rules = state, connect, dry_run, rules
+        self.expect_changes = expect_changes
+        self.on_rollout = on_rollout
+        self.render_at, self.retry, self.on_phase, self.notifier = render_at, retry, on_phase, notifier
+        self.sem = asyncio.Semaphore(concurrency)
+        self.hosts = [h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
+                      if selected is None or n in selected]
+        self.transports: dict[str, Transport] = {}
+        self.locks: dict[str, lock.HostLock] = {}
+        self.lock_wait = lock_wait
+        self.descends, self.allow_rewind, self.supersede = descends, allow_rewind, supersede
+        self.results: dict[str, HostResult] = {}
+        self.passes = {h.name: asyncio.Lock() for h in self.hosts}
+        self.fleet_q: dict[str, dict[str, Quarantine]] = {}   # host -> service -> fleet-wide quarantine
+        self.passed: set[str] = set()                      # hosts whose result is a pass's, not the survey's
+
+    async def run(self) -> FleetResult:
+        rollouts: list[RolloutResult] = []
+        try:
+            await asyncio.gather(*(self._survey(h) for h in self.hosts))
+            if not self.retry:
+                await self._apply_halts()
+            restarts = {n: restarting(r) for n, r in self.results.items()}
+            rollouts = [RolloutResult(p) for p in plan_rollouts(self.state, restarts)]
+            if not self.dry_run:
+                waved: dict[str, set[str]] = {}
+                for ro in rollouts:
+                    for h in ro.plan.pending:
+                        waved.setdefault(h, set()).add(ro.plan.group.service)
+                await asyncio.gather(
+                    *(self._pass(h, hold=frozenset(waved.get(h.name, ())), fresh=False)
+                      for h in self.hosts if h.name in self.transports),
+                    *(self._rollout(ro) for ro in rollouts))
+        finally:
+            await asyncio.gather(*(held.release() for held in self.locks.values()))
+            await asyncio.gather(*(self._close(t) for t in self.transports.values()))
+        res = FleetResult(self.state.revision, self.dry_run, [self.results[h.name] for h in self.hosts],
+                          rollouts)
+        if self.notifier is not None:
+            await asyncio.to_thread(self.notifier.close)
+            res.warnings.extend(self.notifier.failures)
+        return res
+
+    @staticmethod
+    async def _close(t: Transport) -> None:
+        with contextlib.suppress(Exception):   # a connection that already broke has nothing left to close
+            await t.close()
+
+    # -- survey --
+
+    async def _survey(self, h: HostSpec) -> None:
+        """Connect, observe and plan one host (a dry-run pass); keep the connection open."""
+        async with self.sem:
+            t0 = time.monotonic()
+            try:
+                t = await self.connect(h)
+            except ReconcilerError as e:
+                reason = e.reason if isinstance(e, HostError) else "Failed"
+                message = e.message if isinstance(e, HostError) else str(e)
+                self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=reason,
+                                                  message=message, seconds=time.monotonic() - t0)
+                return
+            self.transports[h.name] = t
+            # A dry run shows this plan, pre-flight included; a real run's first look only
+            # decides whether the host needs its lock (pre-flight runs on the look under it).
+            # A host expected to change (last left in sync with another revision) is locked at
+            # once: its first look would only say what is expected.
+            ahead = not self.dry_run and h.name in self.expect_changes
+            r = None if ahead else await reconcile_host(h, self.state.revision, self.connect, dry_run=True,
+                                                        render_at=self.render_at, retry=self.retry, transport=t,
+                                                        rules=self.rules, check=self.dry_run)
+            if r is None or (not self.dry_run and writes(r)):
+                # One reconcile of a host at a time: a host with anything to do is locked, then
+                # observed again under the lock where another run may have changed it since the
+                # look above (one held the lock then, or has taken it since: the lock's holder
+                # knows by its count, and reads the host in the same round trip), and planned
+                # from that; the lock is held until the last verdict. A host in sync is read,
+                # never locked: a no-change round costs one observation per host.
+                try:
+                    held, locked = await lock_and_observe(t, h, self.lock_wait, look=r.facts if r else None)
+                except HostError as e:
+                    self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
+                                                      message=e.message, seconds=time.monotonic() - t0)
+                    self.transports.pop(h.name, None)
+                    await self._close(t)
+                    return
+                # From here on, the host's commands go through the holder's shell (session.py)
+                self.locks[h.name], t = held, held.over(t)
+                self.transports[h.name] = t
+                r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True,
+                                         render_at=self.render_at, retry=self.retry, transport=t, rules=self.rules,
+                                         facts=locked)
+                r.seconds = time.monotonic() - t0
+            self.results[h.name] = r
+            applied = r.facts.record.applied_revision if r.facts and r.facts.record else None
+            if applied and self.descends is not None and not self.allow_rewind:
+                problem = rewind_problem(self.state.revision, applied, self.descends(self.state.revision, applied),
+                                         f"host {h.name}")
+                if problem:
+                    # The host is the truth about what runs there: a rewind changes nothing on it.
+                    self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason="NotDescendant",
+                                                      message=problem, seconds=r.seconds, facts=r.facts)
+            if self.results[h.name].plan is None and self.results[h.name].status is Result.FAILED:
+                # It could not even be observed: report it, and leave it out of every pass.
+                self.transports.pop(h.name, None)
+                await self._close(t)
+
+    def _unlocked(self, h: HostSpec) -> bool:
+        """A host surveyed in sync and so never locked: no pass may write to it."""
+        return not self.dry_run and h.name not in self.locks
+
+    async def _apply_halts(self) -> None:
+        """Keep halted rollouts halted: extend each group's live halt to members that hold no
+        record of it (rollout.quarantine_cover), and re-plan those members with it."""
+        for key, members in group_members(self.state).items():
+            svc = key.service
+            desired, halts = {}, []
+            for h in members:
+                r = self.results.get(h)
+                if r is None or r.facts is None:
+                    continue
+                want = self.state.hosts[h].services[svc].content_hash()
+                f = r.facts.services.get(svc)
+                q = f.record.quarantine if f is not None and f.record is not None else None
+                if q is not None and q.hash == want:
+                    halts.append(Halt(h, q.to_json()))
+                elif svc in restarting(r):
+                    desired[h] = want
+            if not halts or not desired:
+                continue
+            for h, cover in quarantine_cover(key, desired, halts, self.state.revision, self._hash_at).items():
+                fq = Quarantine.from_json(cover)
+                if fq is not None:
+                    self.fleet_q.setdefault(h, {})[svc] = fq
+        for name, qs in self.fleet_q.items():
+            if name not in self.transports:
+                continue        # refused or unreachable: nothing is planned there
+            host, old = self.state.hosts[name], self.results[name]
+            r = await reconcile_host(host, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
+                                     retry=self.retry, quarantine=qs, transport=self.transports[name],
+                                     facts=old.facts, rules=self.rules, checked=old.checked)
+            r.seconds += old.seconds
+            self.results[name] = r
+
+    def _hash_at(self, revision: str, host: str, service: str) -> str | None:
+        state = self.render_at(revision) if self.render_at is not None else None
+        h = state.hosts.get(host) if state is not None else None
+        spec = h.services.get(service) if h is not None else None
+        return spec.content_hash() if spec is not None else None
+
+    # -- passes --
+
+    async def _pass(self, h: HostSpec, *, hold: frozenset[str], fresh: bool,
+                    quarantine: Mapping[str, Quarantine] | None = None) -> HostResult:
+        """One converge pass on one host, never two at once on it; folded into its result."""
+        async with self.passes[h.name]:
+            async with self.sem:
+                t = self.transports[h.name]
+                before = self.results[h.name]
+                qs = {**self.fleet_q.get(h.name, {}), **(quarantine or {})}
+                # A host surveyed in sync was never locked: it is planned again from the survey's
+                # look and never written to (only hosts with something to do are locked).
+                unlocked = self._unlocked(h)
+                r = await reconcile_host(h, self.state.revision, self.connect, dry_run=unlocked,
+                                         render_at=self.render_at, retry=self.retry, on_phase=self.on_phase,
+                                         hold=hold, quarantine=qs, transport=t,
+                                         facts=None if fresh and not unlocked else before.facts,
+                                         rules=self.rules, supersede=self.supersede, checked=before.checked)
+                if unlocked and r.plan is not None and r.facts is not None:
+                    r.running = {n: running_after(r.plan, r.facts, n) for n in h.services}
+            if h.name not in self.passed:
+                # The survey's result was a plan, not an outcome: the first pass replaces it.
+                self.passed.add(h.name)
+                r.seconds += before.seconds
+                self.results[h.name] = r
+            else:
+                merge_result(before, r)
+            self._notify_failures(h.name, r)
+            return r
+
+    def _notify_failures(self, host: str, r: HostResult) -> None:
+        if self.notifier is None:
+            return
+        for i, e in enumerate(r.events):
+            if e.action == Event.ROLLBACK or e.outcome is None or e.outcome.healthy:
+                continue
+            rb = next((x for x in r.events[i + 1:] if x.service == e.service and x.action == Event.ROLLBACK), None)
+            ok = rb is not None and rb.outcome is not None and rb.outcome.healthy
+            self.notifier.send("rollback", host=host, service=e.service, revision=e.revision, short=e.revision[:7],
+                               reason=e.outcome.reason, message=e.outcome.message, journal_line=e.outcome.quote,
+                               result="rolled-back" if ok else "failed",
+                               rolled_back_to=rb.revision if rb is not None and ok else None)
+
+    # -- rollouts --
+
+    async def _rollout(self, ro: RolloutResult) -> None:
+        """Run one group's waves; halt at the first wave with a failure."""
+        p, t0 = ro.plan, time.monotonic()
+        svc = p.group.service
+        ro.status = "running"
+        self._send("rollout.start", ro, hosts=list(p.pending), waves=[w.to_json() for w in p.waves])
+        self._tell("start", ro)
+        by_name = {h.name: h for h in self.hosts}
+        for wave in p.waves:
+            if self.supersede is not None and self.supersede.is_set():
+                ro.status = "superseded"      # a newer revision rolls out instead
+                ro.seconds = time.monotonic() - t0
+                self._tell("superseded", ro)
+                return
+            self._tell("wave", ro)
+            others = {h: frozenset(by_name[h].services) - {svc} for h in wave.hosts}
+            results = await asyncio.gather(*(self._pass(by_name[h], hold=others[h], fresh=True) for h in wave.hosts))
+            failed: list[tuple[str, str, str, str | None]] = []     # host, reason, message, quote
+            for h, r in zip(wave.hosts, results, strict=True):
+                bad = next((e.outcome for e in r.events if e.service == svc and e.action == Event.DEPLOY
+                            and e.outcome is not None and not e.outcome.healthy), None)
+                if bad is not None:
+                    failed.append((h, bad.reason, bad.message, bad.quote))
+                elif r.status is Result.FAILED and r.plan is None:
+                    ro.skipped += (h,)       # not observed: nothing was changed there, nothing to judge
+                elif r.status is Result.FAILED:
+                    failed.append((h, r.reason or "Failed", r.message or "", None))
+            ro.waves_done = wave.number
+            if failed:
+                await self._halt(ro, wave, failed)
+                ro.seconds = time.monotonic() - t0
+                self._tell("halted", ro)
+                return
+        ro.status = "done"
+        ro.seconds = time.monotonic() - t0
+        self._send("rollout.finish", ro, hosts=list(p.pending), seconds=round(ro.seconds, 2))
+        self._tell("done", ro)
+
+    async def _halt(self, ro: RolloutResult, wave: Wave, failed: list[tuple[str, str, str, str | None]]) -> None:
+        """Stop the group: quarantine this revision's content of the service on the failed hosts
+        (marking where it halted) and on every host of the later waves, which stay untouched."""
+        p, svc, rev = ro.plan, ro.plan.group.service, self.state.revision
+        host, reason, message, quote = failed[0]
+        ro.status, ro.halted_at, ro.halted_wave = "halted", host, wave.number
+        ro.reason, ro.message, ro.quote = reason, message, quote
+        ro.untouched = p.after(wave)
+        by_name = {h.name: h for h in self.hosts}
+        where = halt_where(host, wave.canary, wave.number)
+        left = f"{len(ro.untouched)} host{'s' * (len(ro.untouched) != 1)} left untouched"
+
+        async def mark(name: str, is_failed: bool) -> None:
+            spec = by_name[name]
+            q = Quarantine(hash=spec.services[svc].content_hash(), revision=rev,
+                           reason=reason if is_failed else "RolloutHalted", quote=quote, at=int(time.time()),
+                           halted_at=host, canary=wave.canary, wave=wave.number, cause=reason)
+            hold = frozenset(spec.services) - {svc}
+            r = await self._pass(spec, hold=hold, fresh=True, quarantine={svc: q})
+            res = self.results[name]
+            if is_failed:
+                res.message = (res.message + "; " if res.message else "") + f"rollout halted here, {left}"
+            elif r.status is Result.QUARANTINED and r.message and res.message and r.message in res.message:
+                # Say it in the rollout's words; the journal line is in the event (status shows
+                # it as the quote), not repeated here. Other services' messages stay.
+                res.reason = "RolloutHalted" if res.reason in ("Quarantined", None) else res.reason
+                res.message = res.message.replace(
+                    r.message, f"{svc}: rollout halted at {where}: {reason}; not restarted, "
+                               f"still running {str(res.running.get(svc) or '?')[:7]}")
+
+        await asyncio.gather(*(mark(h, True) for h, *_ in failed), *(mark(h, False) for h in ro.untouched))
+        self._send("rollout.halt", ro, host=host, wave=wave.number, in_canary=wave.canary, reason=reason,
+                   message=message, journal_line=quote, untouched=list(ro.untouched),
+                   failed=[h for h, *_ in failed])
+
+    def _tell(self, event: str, ro: RolloutResult) -> None:
+        if self.on_rollout is not None:
+            self.on_rollout(event, ro)
+
+    def _send(self, event: str, ro: RolloutResult, **fields: object) -> None:
+        if self.notifier is not None:
+            p = ro.plan
+            self.notifier.send(event, service=p.group.service, definition=p.group.definition,
+                               revision=self.state.revision, short=self.state.revision[:7],
+                               policy={"canary": p.policy.canary, "max_unavailable": p.policy.max_unavailable,
+                                       "bound": p.bound}, **fields)
+
+
+async def reconcile_fleet(state: DesiredState, connect: Connector, *, dry_run: bool = False,
+                          concurrency: int | None = None, hosts: list[str] | None = None,
+                          render_at: RenderAt | None = None, retry: bool = False,
+                          on_phase: HostPhase | None = None, notifier: Notifier | None = None,
+                          rules: Rules = None, lock_wait: float = lock.WAIT,
+                          descends: Descends | None = None, allow_rewind: bool = False,
+                          supersede: asyncio.Event | None = None,
+                          on_rollout: RolloutWatch | None = None,
+                          expect_changes: frozenset[str] = frozenset()) -> FleetResult:
+    """Reconcile every selected host (at most `concurrency` at once), rolling shared services
+    out in waves; with dry_run, only survey and plan them (the waves included).
+
+    hosts: the selected host names (None: all). notifier: where rollout events go (default:
+    fleet.toml [notify], never on a dry run). rules: the pre-flight rule pack (None: no pre-flight).
+    lock_wait: how long to wait for another run's lock on a host before reporting it Locked.
+    descends: tells whether the revision descends from the one a host records as applied; a
+    host where it does not is refused (NotDescendant, exit 4) unless allow_rewind. supersede:
+    set when a newer revision arrives (the daemon): health waits end, no new wave starts.
+    on_rollout: told of each rollout's start, waves and end (the daemon's fleet page).
+    expect_changes: hosts that are locked at once, without a first look (status.expect_changes).
+    """
+    if notifier is None and not dry_run and state.settings.notify is not None:
+        from ..host.notify import Notifier
+        notifier = Notifier(state.settings.notify)
+    run = _FleetRun(state, connect, dry_run=dry_run, concurrency=concurrency or state.settings.concurrency,
+                    selected=hosts, render_at=render_at, retry=retry, on_phase=on_phase, notifier=notifier,
+                    rules=rules, lock_wait=lock_wait, descends=descends, allow_rewind=allow_rewind,
+                    supersede=supersede, on_rollout=on_rollout, expect_changes=expect_changes)
+    return await run.run()
+
+
+def select_hosts(state: DesiredState, names: list[str] | None, labels: list[str] | None) -> list[str] | None:
+    """The hosts a run is limited to: any of `names` (--host) and, of those, the ones carrying
+    every label KEY=VALUE (--label, repeatable: AND). None: no selector, every host.
+
+    Raises SourceError (exit 1, nothing applied) for an unknown name, a malformed label or a
+    selection that matches no host, so a typo never turns into "nothing to do".
+    """
+    if not names and not labels:
+        return None
+    from ..desired.schema import LABEL
+    unknown = sorted(set(names or []) - set(state.hosts))
+    if unknown:
+        raise SourceError(f"unknown host(s) {', '.join(unknown)} at {state.short} "
+                          f"(known: {', '.join(sorted(state.hosts, key=natural_key))})")
+    wanted: dict[str, str] = {}
+    for item in labels or []:
+        key, sep, value = item.partition("=")
+        if not sep or not LABEL.match(key) or not LABEL.match(value):
+            raise SourceError(f"--label expects KEY=VALUE (letters, digits, '_', '.', '-'), got {item!r}")
+        if wanted.get(key, value) != value:
+            raise SourceError(f"--label {key}= given twice with different values: no host can match both")
+        wanted[key] = value
+    chosen = [n for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
+              if (not names or n in names) and all(h.labels.get(k) == v for k, v in wanted.items())]
+    if not chosen:
+        have = sorted({f"{k}={v}" for h in state.hosts.values() for k, v in h.labels.items()})
+        raise SourceError(f"no host matches {' '.join('--label ' + k + '=' + v for k, v in wanted.items())}"
+                          + (f" among {', '.join(sorted(names or []))}" if names else "")
+                          + f" at {state.short} (labels in use: {', '.join(have) or 'none'})")
+    return chosen

@@ -1,0 +1,172 @@
+"""`reconcile status --live`: the fleet as the hosts' own records say, from any machine.
+
+The local store (status.py) is the controller's memory and is empty anywhere else; the truth is
+on each host: /var/lib/reconciler/services/<name>.json and host.json (records.py). This reads
+them over SSH, every selected host at once, with facts.observe_command and no secret files (the
+one part of an observation that writes: the host's hash key), so it writes nothing and takes no
+lock. It never waits for a running reconcile, and never changes what one sees.
+
+The rows have the state store's shape (host, service, desired_rev, running_rev, health,
+last_event, quote, updated_at: report.print_status prints both), plus what only a host knows:
+systemd's ActiveState and SubState, the revision its files hold, the last good revision, the
+pending deploy and the quarantine, each as its record has it.
+
+`host_rows` is pure: a host's facts and its desired services at the revision -> rows. A host
+that cannot be reached or read is one row (service "*") that says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from ..desired.spec import DesiredState, HostSpec, ServiceSpec
+from ..errors import HostError, ReconcilerError
+from ..plan.facts import HostFacts, ServiceFacts, observe_command, parse_observation
+from ..plan.planner import live_quarantine
+from ..plan.records import ServiceRecord
+from ..plan.rollout import natural_key
+from .host import Connector
+
+RUNNING = ("active", "activating", "reloading", "refreshing")
+
+
+def desired_hash(spec: ServiceSpec | None) -> str | None:
+    """The content hash the host's record holds once this service is applied; None when it
+    cannot be known here (not desired, or an age secret that was not decrypted)."""
+    if spec is None or any(s.source == "age" and not s.digest for s in spec.secrets):
+        return None
+    return spec.content_hash()
+
+
+def _running_rev(rec: ServiceRecord, active: str) -> str | None:
+    if active not in RUNNING:
+        return None
+    if rec.pending is not None and rec.pending.started:
+        return rec.pending.revision
+    return rec.revision
+
+
+def _health(rec: ServiceRecord, f: ServiceFacts) -> str:
+    active, sub = f.props.get("ActiveState", ""), f.props.get("SubState", "")
+    if rec.pending is not None:
+        return "pending"
+    if active == "failed" or sub == "auto-restart":
+        return "unhealthy"
+    if active == "activating":
+        return "starting"
+    if active not in RUNNING:
+        return "stopped"
+    return "healthy" if rec.verified else "unverified"
+
+
+def _event(name: str, host: str, rec: ServiceRecord, f: ServiceFacts, spec: ServiceSpec | None,
+           revision: str) -> tuple[str, str | None]:
+    """The service's state in words, from its record (and the journal line of a quarantine)."""
+    rev7 = revision[:7]
+    if rec.corrupt:
+        return "failed: the record is unreadable (the next run treats the service as unknown)", None
+    if spec is None:
+        return f"not in the desired state at {rev7}: stopped and removed by the next run", None
+    if rec.pending is not None:
+        p = rec.pending
+        what = f"{p.revision[:7]}{' (rollback)' if p.rollback else ''}"
+        if p.blocked:
+            return f"pending: {what} not started: {p.blocked}", None
+        return f"pending: {what} {'started' if p.started else 'being applied'}, no verdict yet", None
+    want = desired_hash(spec)
+    q = live_quarantine(rec.quarantine, None, want) if want is not None else rec.quarantine
+    if q is not None:
+        running = f.props.get("ActiveState", "") in RUNNING
+        why = q.why(host)
+        if q.rollback_failed:
+            return (f"failed: desired {q.revision[:7]} quarantined ({why}); its rollback failed too: "
+                    f"left stopped"), q.quote
+        if running and rec.last_good_revision and rec.hash == rec.last_good_hash:
+            return (f"quarantined: desired {q.revision[:7]} quarantined ({why}), running "
+                    f"{rec.last_good_revision[:7]}"), q.quote
+        left = "left as it is" if q.halted_at and q.halted_at != host else "left stopped"
+        return f"quarantined: desired {q.revision[:7]} quarantined ({why}); {left}", q.quote
+    runs = (rec.revision or "?")[:7]
+    if want is None:
+        return f"runs {runs} (whether {rev7} changes it needs the age identity)", None
+    if rec.hash != want:
+        return f"out-of-sync: runs {runs}; {rev7} changes it", None
+    return ("in-sync" if rec.verified else f"in-sync: {runs} applied, no health verdict yet"), None
+
+
+def host_rows(host: HostSpec, facts: HostFacts, revision: str) -> list[dict[str, Any]]:
+    """PURE: one row per service desired at `revision` or in the host's inventory."""
+    rows = []
+    applied = facts.record.applied_revision if facts.record else None
+    applied_at = facts.record.applied_at if facts.record else 0
+    for name in sorted(set(host.services) | facts.inventory):
+        f = facts.services.get(name) or ServiceFacts(name)
+        spec = host.services.get(name)
+        rec = f.record
+        active, sub = f.props.get("ActiveState") or None, f.props.get("SubState") or None
+        row: dict[str, Any] = {"host": host.name, "service": name, "desired_rev": revision,
+                               "address": host.ssh.address, "active_state": active, "sub_state": sub,
+                               "applied_rev": applied}
+        if rec is None:
+            foreign = f.foreign_path()
+            event = (f"foreign: {foreign} was not installed by the reconciler" if foreign
+                     else "not deployed")
+            row.update(running_rev=None, health="foreign" if foreign else None, last_event=event, quote=None,
+                       updated_at=None, record_rev=None, last_good_rev=None, pending=None, quarantine=None)
+        else:
+            event, quote = _event(name, host.name, rec, f, spec, revision)
+            times = [t for t in (applied_at, rec.pending.at if rec.pending else 0,
+                                 rec.quarantine.at if rec.quarantine else 0) if t]
+            row.update(running_rev=_running_rev(rec, active or ""), health=_health(rec, f), last_event=event,
+                       quote=quote, updated_at=max(times) if times else None, record_rev=rec.revision,
+                       last_good_rev=rec.last_good_revision,
+                       pending=rec.pending.to_json() if rec.pending else None,
+                       quarantine=rec.quarantine.to_json() if rec.quarantine else None)
+        rows.append(row)
+    return rows
+
+
+def failed_row(host: HostSpec, revision: str, reason: str, message: str) -> dict[str, Any]:
+    """PURE: the one row of a host that could not be read: it says why."""
+    event = f"unreachable: {message}" if reason == "Unreachable" else f"failed: {reason}: {message}"
+    return {"host": host.name, "service": "*", "desired_rev": revision, "running_rev": None, "health": "unknown",
+            "last_event": event, "quote": None, "updated_at": None, "address": host.ssh.address,
+            "active_state": None, "sub_state": None, "applied_rev": None, "record_rev": None,
+            "last_good_rev": None, "pending": None, "quarantine": None}
+
+
+async def read_host(host: HostSpec, connect: Connector, revision: str, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """One host's rows: connect, read its records and systemd's view in one command, close."""
+    try:
+        t = await connect(host)
+    except HostError as e:
+        return [failed_row(host, revision, e.reason, e.message)]
+    except ReconcilerError as e:
+        return [failed_row(host, revision, "Failed", str(e))]
+    try:
+        cmd, token = observe_command(list(host.services))      # no secret files: nothing is written
+        res = await t.run(cmd, check=True, timeout=timeout, what="status")
+        facts = parse_observation(res.stdout, token, host.name)
+    except HostError as e:
+        return [failed_row(host, revision, "ObserveFailed" if e.reason == "CommandFailed" else e.reason, e.message)]
+    finally:
+        with contextlib.suppress(Exception):    # a connection that already broke has nothing left to close
+            await t.close()
+    return host_rows(host, facts, revision)
+
+
+async def live_status(state: DesiredState, connect: Connector, *, hosts: list[str] | None = None,
+                      concurrency: int | None = None) -> list[dict[str, Any]]:
+    """Rows for every selected host (None: all), read at most `concurrency` hosts at once."""
+    sem = asyncio.Semaphore(concurrency or state.settings.concurrency)
+    chosen = [h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
+              if hosts is None or n in hosts]
+
+    async def one(h: HostSpec) -> list[dict[str, Any]]:
+        async with sem:
+            return await read_host(h, connect, state.revision)
+
+    per_host = await asyncio.gather(*(one(h) for h in chosen))
+    return [row for rows in per_host for row in rows]

@@ -1,0 +1,216 @@
+"""PURE: rolling a change out over the hosts that share a service definition, in waves.
+
+No I/O, no clock, no globals: the fleet run (fleet.py) observes and plans every host first, then
+asks this module which hosts restart together, and in which order.
+
+A **rollout group** is one service name on every host whose service comes from the same shared
+definition (``use = "<definition>"``): ``(service, definition)``. Only hosts whose plan for that
+service restarts (or starts) it take part in its waves; a group with fewer than two such hosts
+needs no waves (a change that touches one host is just applied there). Services without a shared
+definition have no group and are never waved.
+
+Waves, for the pending hosts of one group and its policy (spec.RolloutPolicy):
+
+  * order: hosts labelled ``canary = "true"`` first, then the rest, each in natural name order
+    (``gpu-2`` before ``gpu-10``) - deterministic, so a dry-run shows exactly what will happen;
+  * the first ``canary`` hosts of that order form the canary wave(s); the others follow;
+  * every wave has at most ``bound`` hosts, where bound = max_unavailable as a count of the
+    hosts that run the service (the whole group, selected or not; a percentage is rounded down,
+    but at least 1). More canaries than the bound are split into several canary waves.
+
+The executor runs a wave's hosts concurrently and waits for every one to be healthy (or rolled
+back) before the next wave starts, so at most ``bound`` hosts are down at once. A failed wave
+halts the group: see ``quarantine_cover`` for how the halt reaches hosts that never restarted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ..desired.spec import DesiredState, RolloutPolicy
+
+CANARY_LABEL = ("canary", "true")
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """One rollout group: a service name and the shared definition it comes from."""
+
+    service: str
+    definition: str
+
+    def __str__(self) -> str:
+        return f"{self.service} (services/{self.definition}.toml)"
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Hosts that restart together; the next wave waits until all of them are healthy."""
+
+    number: int                  # 1-based
+    hosts: tuple[str, ...]
+    canary: bool = False
+
+    def to_json(self) -> dict[str, object]:
+        return {"number": self.number, "canary": self.canary, "hosts": list(self.hosts)}
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """The waves of one group at one revision."""
+
+    group: GroupKey
+    policy: RolloutPolicy
+    members: tuple[str, ...]     # every host in the desired state that runs this group's service
+    pending: tuple[str, ...]     # the selected hosts whose plan restarts it, in wave order
+    bound: int                   # max_unavailable as a number of hosts
+    waves: tuple[Wave, ...]
+
+    def wave_of(self, host: str) -> Wave | None:
+        return next((w for w in self.waves if host in w.hosts), None)
+
+    def after(self, wave: Wave) -> tuple[str, ...]:
+        """The hosts of every wave after `wave`: what a halt there leaves untouched."""
+        return tuple(h for w in self.waves if w.number > wave.number for h in w.hosts)
+
+    def to_json(self) -> dict[str, object]:
+        return {"service": self.group.service, "definition": self.group.definition,
+                "canary": self.policy.canary, "max_unavailable": self.policy.max_unavailable,
+                "bound": self.bound, "members": list(self.members), "pending": list(self.pending),
+                "waves": [w.to_json() for w in self.waves]}
+
+
+@dataclass
+class RolloutResult:
+    """What became of one planned rollout (filled in by the executor)."""
+
+    plan: RolloutPlan
+    status: str = "planned"      # planned | running | done | halted
+    waves_done: int = 0
+    halted_at: str | None = None          # the host whose failure stopped the rollout
+    halted_wave: int | None = None
+    reason: str | None = None             # CamelCase: CrashLoop, StartTimeout, ApplyFailed ...
+    message: str | None = None
+    quote: str | None = None              # the journal line that explains it
+    untouched: tuple[str, ...] = ()       # pending hosts that were never restarted
+    skipped: tuple[str, ...] = ()         # wave hosts that failed before anything changed
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {**self.plan.to_json(), "status": self.status, "waves_done": self.waves_done,
+                "halted": None if self.halted_at is None else {
+                    "host": self.halted_at, "wave": self.halted_wave, "reason": self.reason,
+                    "message": self.message, "quote": self.quote},
+                "untouched": list(self.untouched), "skipped": list(self.skipped),
+                "seconds": round(self.seconds, 2)}
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple[tuple[int, int, str], ...]:
+    """Sort key for host names: digit runs compare as numbers, so gpu-2 comes before gpu-10."""
+    return tuple((0, int(p), p) if p.isdigit() else (1, 0, p) for p in _DIGITS.split(name) if p)
+
+
+def order_hosts(hosts: Iterable[str], labels: Mapping[str, Mapping[str, str]]) -> list[str]:
+    """Canary candidates first: hosts labelled canary = "true", then the others; natural order."""
+    key, value = CANARY_LABEL
+    return sorted(hosts, key=lambda h: (labels.get(h, {}).get(key) != value, natural_key(h)))
+
+
+def plan_waves(pending: Collection[str], labels: Mapping[str, Mapping[str, str]], policy: RolloutPolicy,
+               members: int) -> tuple[Wave, ...]:
+    """The waves for the pending hosts of one group (no waves for fewer than two hosts)."""
+    if len(pending) < 2:
+        return ()
+    bound = policy.bound(max(members, len(pending)))
+    ordered = order_hosts(pending, labels)
+    canaries, rest = ordered[:policy.canary], ordered[policy.canary:]
+    waves: list[Wave] = []
+    for chunk_of, is_canary in ((canaries, True), (rest, False)):
+        for i in range(0, len(chunk_of), bound):
+            waves.append(Wave(len(waves) + 1, tuple(chunk_of[i:i + bound]), is_canary))
+    return tuple(waves)
+
+
+def group_members(state: DesiredState) -> dict[GroupKey, tuple[str, ...]]:
+    """Every rollout group of the desired state and its hosts (natural order)."""
+    groups: dict[GroupKey, list[str]] = {}
+    for name, host in state.hosts.items():
+        for svc in host.services.values():
+            if svc.definition is not None:
+                groups.setdefault(GroupKey(svc.name, svc.definition), []).append(name)
+    return {k: tuple(sorted(v, key=natural_key)) for k, v in sorted(groups.items(), key=lambda kv: str(kv[0]))}
+
+
+def plan_rollouts(state: DesiredState, restarts: Mapping[str, Collection[str]]) -> list[RolloutPlan]:
+    """The rollout plan of every group that has at least two hosts to restart.
+
+    restarts: host -> the services its plan restarts or starts with the desired version (the
+    executor leaves out hosts it could not observe or did not select, and services it swaps for
+    their last good version). The group's size for a percentage counts every member, selected
+    or not: "25%" of the hosts that run the service is the same number whatever the selection.
+    """
+    labels = {n: h.labels for n, h in state.hosts.items()}
+    plans = []
+    for key, members in group_members(state).items():
+        pending = [h for h in members if key.service in restarts.get(h, ())
+                   and state.hosts[h].services[key.service].definition == key.definition]
+        policy = state.hosts[members[0]].services[key.service].rollout   # one per group (load checks it)
+        waves = plan_waves(pending, labels, policy, len(members))
+        if waves:
+            plans.append(RolloutPlan(key, policy, members, tuple(h for w in waves for h in w.hosts),
+                                     policy.bound(len(members)), waves))
+    return plans
+
+
+# Reads a host's rendered content hash for a service at another revision (None: not there).
+HashAt = Callable[[str, str, str], str | None]          # (revision, host, service) -> hash
+
+
+@dataclass(frozen=True)
+class Halt:
+    """A live quarantine found on one member's record (its hash is the member's desired hash
+    now). It stops the group when it carries `halted_at`: it was written when a waved rollout
+    halted, on the host that failed and on every host the rollout left untouched."""
+
+    host: str
+    record: Mapping[str, object] = field(hash=False, compare=False)
+
+
+def quarantine_cover(group: GroupKey, desired_hashes: Mapping[str, str], halts: Iterable[Halt],
+                     revision: str, hash_at: HashAt) -> dict[str, dict[str, object]]:
+    """Which members the group's halt covers, and the quarantine each of them gets.
+
+    A halt lives in the service records of the hosts (the failed host's own quarantine, and the
+    one the executor writes on every host the halted rollout left untouched), so another
+    controller or a fresh checkout sees it. A member that holds no such record (it was
+    unreachable or not selected when the rollout halted) is covered when its own rendering of
+    the service is the same now as at the halted revision: the same change, for this host, as
+    the one that failed. Per-host rendering differs ({host.address} ...), so this compares each
+    host with itself, never one host's hash with another's. A commit that changes this host's
+    rendering lifts it; a commit that touches only other files does not.
+
+    desired_hashes: member -> its desired content hash now, for the members that would restart
+    without this (the executor passes only those). Returns member -> quarantine record.
+    """
+    out: dict[str, dict[str, object]] = {}
+    for halt in sorted(halts, key=lambda h: natural_key(h.host)):
+        q = halt.record
+        rev = q.get("revision")
+        # Only a failure inside a waved rollout stops the group; a host that failed a change of
+        # its own (no waves) quarantines that change on itself alone.
+        if not isinstance(rev, str) or not q.get("halted_at"):
+            continue
+        for host, want in sorted(desired_hashes.items()):
+            if host == halt.host or host in out:
+                continue
+            then = want if rev == revision else hash_at(rev, host, group.service)
+            if then == want:
+                out[host] = {"hash": want, "revision": rev, "reason": "RolloutHalted",
+                             "halted_at": q.get("halted_at") or halt.host,
+                             "cause": q.get("cause") or q.get("reason"), "quote": q.get("quote")}
+    return out
