@@ -1,10 +1,8 @@
 """The rule pack as the checks read it: plain frozen dataclasses, no pydantic.
 
 _schema (pydantic) validates a rule file once, with file and key in every message; what it
-accepted is compiled into these (`compile_rule_file`), which the checks evaluate and the load
-cache keeps with a loaded revision. So a run that reads its revision from the cache evaluates
-the rule pack without importing pydantic or building the schema (about 0.1 s of a converging
-run's start).
+accepted is compiled into these (`_schema.compile_rule_file`), which the checks evaluate: the
+checks never see pydantic's models, and this module imports nothing of the schema.
 """
 
 from __future__ import annotations
@@ -13,10 +11,7 @@ import operator
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:
-    from . import _schema
+from typing import Literal
 
 Severity = Literal["error", "warning"]
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
@@ -131,23 +126,3 @@ class CompiledFile:
     rule: tuple[Rule, ...]
     model: tuple[ModelEntry, ...]
     disable: tuple[str, ...]
-
-
-def _condition(c: _schema.Condition) -> Condition:
-    return Condition(flag_any=tuple(c.flag_any), flag_none=tuple(c.flag_none), flags=dict(c.flags),
-                     flags_not=dict(c.flags_not), env_any=tuple(c.env_any), env=dict(c.env),
-                     env_not=dict(c.env_not), model=tuple(c.model), architecture=tuple(c.architecture),
-                     model_type=tuple(c.model_type), model_id=tuple(c.model_id))
-
-
-def compile_rule_file(f: _schema.RuleFile) -> CompiledFile:
-    """What a validated rule file says, as the checks read it."""
-    rules = tuple(Rule(id=r.id, server=r.server, message=r.message, fix=r.fix, source=r.source,
-                       severity=r.severity, when=_condition(r.when),
-                       unless=_condition(r.unless) if r.unless is not None else None,
-                       require=Require(flags=dict(r.require.flags), env=dict(r.require.env))
-                       if r.require is not None else None,
-                       versions=r.versions, unknown_version=r.unknown_version) for r in f.rule)
-    models = tuple(ModelEntry(traits=tuple(m.traits), ids=tuple(m.ids), architectures=tuple(m.architectures),
-                              model_types=tuple(m.model_types), note=m.note) for m in f.model)
-    return CompiledFile(rules, models, tuple(f.disable))

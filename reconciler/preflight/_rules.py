@@ -16,7 +16,7 @@ from ..desired.spec import ServiceSpec
 from ..errors import ConfigError, Problem
 from ._builtin import BUILTIN_RULES
 from ._command import Command
-from ._compiled import PLACEHOLDER, CompiledFile, Condition, ModelEntry, Require, Rule, Severity, compile_rule_file
+from ._compiled import PLACEHOLDER, CompiledFile, Condition, ModelEntry, Require, Rule, Severity
 from ._models import ModelInfo, glob_any
 
 RULES_DIR = "rules"          # in the desired-state repo, and in the reconciler package
@@ -78,7 +78,7 @@ def parse_rule_file(data: bytes, file: str) -> CompiledFile:
 
     from pydantic import ValidationError
 
-    from ._schema import RuleFile
+    from ._schema import RuleFile, compile_rule_file
     try:
         raw = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError:

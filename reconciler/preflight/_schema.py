@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from ..errors import describe
+from . import _compiled as compiled
 from ._compiled import PLACEHOLDER, Severity
 
 _RULE_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,79}$")
@@ -152,3 +153,23 @@ class RuleFile(_Strict):
     rule: list[Rule] = []
     model: list[ModelEntry] = []
     disable: list[RuleId] = []
+
+
+def _condition(c: Condition) -> compiled.Condition:
+    return compiled.Condition(flag_any=tuple(c.flag_any), flag_none=tuple(c.flag_none), flags=dict(c.flags),
+                     flags_not=dict(c.flags_not), env_any=tuple(c.env_any), env=dict(c.env),
+                     env_not=dict(c.env_not), model=tuple(c.model), architecture=tuple(c.architecture),
+                     model_type=tuple(c.model_type), model_id=tuple(c.model_id))
+
+
+def compile_rule_file(f: RuleFile) -> compiled.CompiledFile:
+    """What a validated rule file says, as the checks read it."""
+    rules = tuple(compiled.Rule(id=r.id, server=r.server, message=r.message, fix=r.fix, source=r.source,
+                       severity=r.severity, when=_condition(r.when),
+                       unless=_condition(r.unless) if r.unless is not None else None,
+                       require=compiled.Require(flags=dict(r.require.flags), env=dict(r.require.env))
+                       if r.require is not None else None,
+                       versions=r.versions, unknown_version=r.unknown_version) for r in f.rule)
+    models = tuple(compiled.ModelEntry(traits=tuple(m.traits), ids=tuple(m.ids), architectures=tuple(m.architectures),
+                              model_types=tuple(m.model_types), note=m.note) for m in f.model)
+    return compiled.CompiledFile(rules, models, tuple(f.disable))
