@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import pygit2
 
 # Imports are where they are used: post-receive (every push) loads pygit2 and nothing of the
-# loader, the schema or the rule pack, which only pre-receive needs (tests/test_cold_start.py).
+# loader, the schema or the rule pack, which only pre-receive needs (tests/cli/test_cold_start.py).
 
 ZERO = "0" * 40
 

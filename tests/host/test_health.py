@@ -1,6 +1,6 @@
 """Pure health judges: systemd states (../shared/SYSTEMD.md) and the journal line picker; the
 watches of one host sharing one `systemctl show` per tick (over a scripted fake transport; the
-real thing is in tests/test_e2e_health.py)."""
+real thing is in tests/e2e/test_e2e_health.py)."""
 
 from __future__ import annotations
 

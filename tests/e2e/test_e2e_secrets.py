@@ -26,7 +26,7 @@ import pytest
 
 from tests import fleet as fleetlib
 from tests.conftest import ROOT, DesiredRepo, write_fleet
-from tests.test_e2e_push import Deploy
+from tests.e2e.test_e2e_push import Deploy
 
 pytestmark = pytest.mark.fleet
 

@@ -19,8 +19,7 @@ from reconciler.loop.report import PhaseView, print_result
 from reconciler.plan.facts import HostFacts
 from reconciler.plan.planner import Context, plan_host
 from reconciler.preflight import check_desired, load_rules
-
-from .test_plan import REV, host, svc
+from tests.plan.test_plan import REV, host, svc
 
 
 @pytest.mark.parametrize("command", [[], ["validate"], ["status"], ["watch"], ["init-repo"], ["secrets", "encrypt"]])

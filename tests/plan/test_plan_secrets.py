@@ -14,8 +14,7 @@ from reconciler.plan.confirm import KEPT, Previous, arm
 from reconciler.plan.facts import HostFacts, cred_env_path, cred_path, secrets_path
 from reconciler.plan.planner import Context, Kind, Reason, State, plan_host, render_secrets, secret_files
 from reconciler.plan.records import ServiceRecord
-
-from .test_plan import REV, UNIT, host, on_host, svc, verified
+from tests.plan.test_plan import REV, UNIT, host, on_host, svc, verified
 
 CANARY = b"canary-7f3a9c1e5b"
 DIGEST = "d" * 32

@@ -323,12 +323,12 @@ def test_gpu_module_needs_only_the_standard_library():
     code = ("import sys; sys.modules['asyncssh'] = None; sys.modules['pydantic'] = None\n"
             "import reconciler.host.gpu, reconciler.errors\n"
             "assert 'reconciler.host.transport' not in sys.modules\n")
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
 
 
 def test_bench_script_dry_run_without_third_party_packages():
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     code = ("import sys, runpy; sys.modules['asyncssh'] = None; sys.modules['pydantic'] = None\n"
             "sys.argv = ['gpu_gate_device.py', '--dry']\n"
             "runpy.run_path('bench/gpu_gate_device.py', run_name='__main__')\n")

@@ -2,7 +2,7 @@
 with pygit2 (compare-and-swap, shared-repo modes), the forge's commit-status payloads and its
 sender against a fake forge on 127.0.0.1, the controller config, and the rows of
 `status --live` from a host's facts. No test hosts: the end-to-end tests are in
-tests/test_e2e_deploy_status.py."""
+tests/e2e/test_e2e_deploy_status.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 One reconcile of a host at a time; an older revision is refused by what the host records as
 applied; a controller that dies during the health wait leaves the host to its dead-man's switch;
 a push during a health wait supersedes it; the daemon's loop survives any exception. (The cut,
-blackholed and killed connections at each step of an apply are in tests/test_e2e_faults.py.)
+blackholed and killed connections at each step of an apply are in tests/e2e/test_e2e_faults.py.)
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 
 from tests import fleet as fleetlib
 from tests.conftest import ROOT, run_cli, run_json, wait_for, write_fleet
-from tests.test_e2e_push import Deploy, git
+from tests.e2e.test_e2e_push import Deploy, git
 
 pytestmark = pytest.mark.fleet
 

@@ -12,7 +12,7 @@ from reconciler.desired.trust import RevisionRefused, check_descends, verify_sig
 from reconciler.errors import ConfigError
 from tests.conftest import DesiredRepo
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_descendant_check(tmp_path):

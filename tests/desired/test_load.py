@@ -10,7 +10,7 @@ from reconciler.desired.load import HEADER, MemorySnapshot, dotted, load_desired
 from reconciler.desired.spec import DesiredState
 from reconciler.errors import ConfigError, Problem
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "desired-state"
+EXAMPLE = Path(__file__).resolve().parents[2] / "desired-state"
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAICAdCaxAZ4iUdq6+pd5a/yu2sIc3kEhzg+RQQqCtivEF"
 
 UNIT = """\

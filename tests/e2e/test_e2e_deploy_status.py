@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, SPEC_FLAGS, run_cli, run_json, write_fleet
-from tests.test_e2e_push import Deploy, git
+from tests.e2e.test_e2e_push import Deploy, git
 
 pytestmark = pytest.mark.fleet
 

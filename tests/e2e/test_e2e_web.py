@@ -24,8 +24,8 @@ import pytest
 
 from tests import browser
 from tests.conftest import ROOT, wait_for
-from tests.test_e2e_push import Deploy, free_port
-from tests.test_e2e_rollout import INCIDENT_LINE, SERVICE, SPEC_FLAGS, write_shared
+from tests.e2e.test_e2e_push import Deploy, free_port
+from tests.e2e.test_e2e_rollout import INCIDENT_LINE, SERVICE, SPEC_FLAGS, write_shared
 
 pytestmark = pytest.mark.fleet
 RESULTS = ROOT / "bench" / "results"

@@ -15,7 +15,7 @@ itself and never reaches the second host, whose run names the canary's failure; 
 status --live` (over SSH, from the host records) shows both hosts.
 
 The reconciler is installed on the hosts from the working tree with the project's wheelhouse,
-without network access, as the install test does (tests/test_e2e_install.py).
+without network access, as the install test does (tests/e2e/test_e2e_install.py).
 
 The test hosts share this machine's cgroup tree, so the two hosts' reconciler-pull.service share
 one cgroup path: now and then a start fails there with status 219/CGROUP (never on a real host).

@@ -1,7 +1,7 @@
 """The warm daemon's connection pool (reconciler/host/pool.py), with transports that only count.
 
 The real-host side (a daemon's rounds reuse their connections, and a connection killed on the
-host is replaced) is in tests/test_e2e_push.py."""
+host is replaced) is in tests/e2e/test_e2e_push.py."""
 
 from __future__ import annotations
 

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 
 from reconciler.errors import ConfigError
+from tests.conftest import DesiredRepo
 
-from .conftest import DesiredRepo
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # What --help, parsing the arguments or the hooks must not pay for at import.
 HEAVY = ("asyncssh", "cryptography", "starlette", "uvicorn", "prometheus_client", "httpx", "apscheduler",

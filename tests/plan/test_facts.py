@@ -392,7 +392,7 @@ def test_a_restart_waits_briefly_for_its_job_and_a_job_that_ran_and_failed_is_th
     failure (the watch judges the unit, as after a queued job); systemctl refusing the request
     is. Without timeout(1) the request is queued (--no-block). Run by sh with a fake systemctl."""
     from reconciler.host.apply import _PRELUDE
-    from tests.test_plan import OLD, on_host, plan_of, svc, verified
+    from tests.plan.test_plan import OLD, on_host, plan_of, svc, verified
     was = svc(env={"A": "1"})
     p = plan_of((svc(env={"A": "2"}),), (on_host(was, verified(was, OLD)),))
     restart = next(i for i, a in enumerate(p.actions) if a.kind is Kind.RESTART)

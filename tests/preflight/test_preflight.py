@@ -16,7 +16,7 @@ from reconciler.desired.spec import HostSpec, ModelSpec, ServiceSpec, SSHSpec
 from reconciler.errors import ConfigError, ObserveError
 from reconciler.host.transport import LocalTransport
 
-MODELS = Path(__file__).resolve().parent / "models"
+MODELS = Path(__file__).resolve().parents[1] / "models"
 INCIDENT_PHRASE = "needs --mamba-scheduler-strategy extra_buffer and SGLANG_ENABLE_SPEC_V2=1"
 # The flags the operator added in the incident (shared/context/incident.md).
 INCIDENT_FLAGS = ("--speculative-algo NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
@@ -72,7 +72,7 @@ class Snap:
 
 
 def test_parse_the_shipped_units_rendered():
-    root = Path(__file__).resolve().parent.parent / "desired-state/units"
+    root = Path(__file__).resolve().parents[2] / "desired-state/units"
     values = {"{model.path}": "/models/M", "{model.id}": "Org/M", "{host.address}": "127.0.0.2",
               "{vars.port}": "30000", "{vars.tp}": "4", "{service.name}": "s"}
     for unit, server, tp_flag in (("sglang.service", "sglang", "--tp"), ("vllm.service", "vllm", "-tp")):
