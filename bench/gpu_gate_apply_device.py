@@ -82,10 +82,12 @@ def main() -> int:
 
 
 async def scenarios(gib: float) -> bool:
-    from reconciler.desired.spec import HealthSpec, HostSpec, ServiceSpec, SSHSpec
+    from reconciler.desired.spec import DesiredState, HealthSpec, HostSpec, ServiceSpec, SSHSpec
     from reconciler.host.gpu import gpu_facts
     from reconciler.host.transport import LocalTransport
     from reconciler.loop.host import reconcile_host
+    from reconciler.loop.options import RunOptions
+    from reconciler.loop.revision import Revision
     from reconciler.preflight import load_rules
 
     t = LocalTransport("h200")
@@ -106,8 +108,9 @@ async def scenarios(gib: float) -> bool:
 
     async def deploy(step: str, tag: str, policy: str = "report"):  # type: ignore[no-untyped-def]
         started = time.monotonic()
-        r = await reconcile_host(host(tag, policy), tag.ljust(40, "0"), connect=None, dry_run=False,  # type: ignore[arg-type]
-                                 transport=t, rules=rules)
+        spec = host(tag, policy)
+        rev = Revision(DesiredState(tag.ljust(40, "0"), {spec.name: spec}), rules=lambda: rules)
+        r = await reconcile_host(spec, rev, RunOptions(), transport=t)
         wall = time.monotonic() - started
         plan = [a.describe() for a in (r.plan.actions if r.plan else ()) if a.kind.value in
                 ("stop", "wait-gpus", "start", "restart")]

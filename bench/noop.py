@@ -23,8 +23,10 @@ from pathlib import Path
 import asyncssh
 
 from reconciler.desired import load, source
-from reconciler.loop.fleet import reconcile_fleet
+from reconciler.loop.fleet import run_fleet
 from reconciler.loop.host import ssh_connector
+from reconciler.loop.options import RunIO, RunOptions
+from reconciler.loop.revision import Revision
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 
@@ -44,7 +46,7 @@ async def floor(hosts: list[fleetlib.Host], known_hosts: Path, key: Path) -> flo
 
 async def noop_run(state, key: Path) -> float:
     t0 = time.perf_counter()
-    res = await reconcile_fleet(state, ssh_connector(str(key)), concurrency=64)
+    res = await run_fleet(Revision(state), RunOptions(concurrency=64), RunIO(connect=ssh_connector(str(key))))
     dt = time.perf_counter() - t0
     bad = [r for r in res.hosts if r.status != "in-sync"]
     if bad:
@@ -70,7 +72,8 @@ def main() -> None:
                 write_fleet(repo, sub)
                 repo.commit()
                 state = load.load_desired(source.snapshot(repo.repo))
-                first = asyncio.run(reconcile_fleet(state, ssh_connector(str(key)), concurrency=64))
+                first = asyncio.run(run_fleet(Revision(state), RunOptions(concurrency=64),
+                                              RunIO(connect=ssh_connector(str(key)))))
                 assert all(r.status in ("converged", "in-sync") for r in first.hosts), first.to_json()
                 floors, runs = [], []
                 for _ in range(args.rounds):

@@ -24,8 +24,11 @@ import time
 from pathlib import Path
 
 from reconciler.desired import load, source
-from reconciler.loop.fleet import FleetResult, reconcile_fleet
+from reconciler.loop.fleet import run_fleet
 from reconciler.loop.host import ssh_connector
+from reconciler.loop.options import RunIO, RunOptions
+from reconciler.loop.results import FleetResult
+from reconciler.loop.revision import Revision
 from tests import fleet as fleetlib
 from tests.conftest import STANDIN_UNIT, DesiredRepo, fleet_known_hosts
 
@@ -55,7 +58,7 @@ def write(repo: DesiredRepo, hosts: list[fleetlib.Host], *, rollout: str, genera
 def run_once(repo: DesiredRepo, key: Path) -> tuple[float, FleetResult]:
     state = load.load_desired(source.snapshot(repo.repo))
     t0 = time.perf_counter()
-    res = asyncio.run(reconcile_fleet(state, ssh_connector(str(key)), concurrency=64))
+    res = asyncio.run(run_fleet(Revision(state), RunOptions(concurrency=64), RunIO(connect=ssh_connector(str(key)))))
     dt = time.perf_counter() - t0
     bad = [(r.host, r.status, r.message) for r in res.hosts if r.status != "converged"]
     if bad:

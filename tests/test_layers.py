@@ -13,7 +13,7 @@ LINT = [sys.executable, "-c", "import sys; from importlinter.cli import lint_imp
 
 
 def lint(package_parent: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*LINT, "--config", str(ROOT / "pyproject.toml"), "--no-cache"], capture_output=True,
+    return subprocess.run([*LINT, str(ROOT / "pyproject.toml"), "--no-cache"], capture_output=True,
                           text=True, cwd=package_parent, env={"PYTHONPATH": str(package_parent), "PATH": "/usr/bin"},
                           timeout=120)
 

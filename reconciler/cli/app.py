@@ -16,8 +16,9 @@ from pathlib import Path
 import click
 
 from ..errors import ConfigError, SourceError
+from ..loop.options import RunOptions, confirm_margin_from
 from .output import console, escape, fail, fail_input, print_json, run_async
-from .run import converge, decrypting, has_age, load_revision, rules_of
+from .run import converge, opened
 
 PATH = click.Path(path_type=Path)
 
@@ -107,10 +108,10 @@ def app(ctx: click.Context, repo: str, rev: str | None, path: str, dry_run: bool
         state_dir: Path | None, notes: bool) -> None:
     if ctx.invoked_subcommand is not None:
         return
-    converge(repo=repo, rev=rev, path=path, dry_run=dry_run, as_json=as_json, identity=identity,
-             concurrency=concurrency, host=list(host) or None, label=list(label) or None, retry=retry,
-             allow_rewind=allow_rewind, lock_wait=lock_wait, age_identity=age_identity, cache_dir=cache_dir,
-             state_dir=state_dir, notes=notes)
+    opts = RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir, hosts=host, labels=label, dry_run=dry_run,
+                      retry=retry, allow_rewind=allow_rewind, lock_wait=lock_wait, concurrency=concurrency,
+                      identity=identity, age_identity=age_identity, confirm_margin=confirm_margin_from())
+    converge(opts, as_json=as_json, state_dir=state_dir, notes=notes)
 
 
 @app.command()
@@ -125,13 +126,17 @@ def validate(repo: str, rev: str | None, path: str, as_json: bool, cache_dir: Pa
              age_identity: str | None) -> None:
     """Check the desired state at a revision without contacting any host (exit 0 or 1)."""
     from ..desired import secrets
-    from ..preflight import check_desired, secret_problems
+    from ..desired.load import load_desired
+    from ..loop.revision import snapshot_of
+    from ..preflight import check_desired, load_rules, secret_problems
     decrypted = 0
     try:
-        snap, state = load_revision(repo, rev, path, cache_dir)
-        problems, warnings = check_desired(state, rules_of(snap)(), snap.read)
+        snap = snapshot_of(RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir))
+        state = load_desired(snap)
+        problems, warnings = check_desired(state, load_rules(snap), snap.read)
         identity = secrets.identity_path(age_identity)
-        if identity and has_age(state):
+        if identity and any(s.source == "age" for h in state.hosts.values() for svc in h.services.values()
+                            for s in svc.secrets):
             state = secrets.Decryptor(identity).state(state)
             problems.extend(secret_problems(state, snap.read))
             decrypted = len({s.path for h in state.hosts.values() for svc in h.services.values()
@@ -182,16 +187,12 @@ def status(as_json: bool, state_dir: Path | None, live: bool, repo: str, rev: st
         else:
             print_status(console(), rows)
         return
-    from ..loop.fleet import select_hosts
-    from ..loop.host import ssh_connector
-    from ..loop.live import live_status
-    try:
-        snap, state = load_revision(repo, rev, path, cache_dir)
-        selected = select_hosts(state, list(host) or None, list(label) or None)
-    except (ConfigError, SourceError) as e:
-        fail_input(e, as_json, f"{repo}@{rev or 'HEAD'}")
-    state, _render = decrypting(state, snap, age_identity)
-    rows = run_async(live_status(state, ssh_connector(identity), hosts=selected, concurrency=concurrency))
+    from ..loop.fleet import run_fleet
+    from ..loop.live import rows_of
+    opts = RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir, hosts=host, labels=label, look=True,
+                      concurrency=concurrency, identity=identity, age_identity=age_identity)
+    snap, revision = opened(opts, as_json)
+    rows = rows_of(run_async(run_fleet(revision, opts)), revision.state)
     if as_json:
         print_json(rows)
     else:

@@ -22,7 +22,7 @@ from . import forge, gitnotes
 from .config import ControllerConfig
 
 if TYPE_CHECKING:
-    from ..loop.fleet import FleetResult
+    from ..loop.results import FleetResult
 
 REMEMBERED = 10_000       # (commit, context) -> what was posted, for skipping restatements
 

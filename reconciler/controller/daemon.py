@@ -58,16 +58,17 @@ from typing import IO, TextIO, cast
 from rich.console import Console
 
 from .. import faults, redact
-from ..desired import load, secrets, source
-from ..desired.load import render_at
+from ..desired import load, source
 from ..desired.spec import DesiredState
-from ..desired.trust import RevisionRefused, check_descends, descends, verify_signature
+from ..desired.trust import RevisionRefused, check_descends, verify_signature
 from ..dirs import default_state_dir
 from ..errors import ConfigError, ReconcilerError, SourceError
 from ..host.pool import Pool
-from ..loop.fleet import reconcile_fleet, select_hosts
+from ..loop.fleet import run_fleet, selected
 from ..loop.host import ssh_connector
+from ..loop.options import RunIO, RunOptions, confirm_margin_from
 from ..loop.report import PhaseView, print_config_error, print_result
+from ..loop.revision import open_revision
 from ..preflight import RuleSet, load_rules, secret_warnings
 from . import notify_systemd as sd
 from .commitstatus import CommitStatus
@@ -252,27 +253,23 @@ class Daemon:
                     who = verify_signature(repo, snap.revision,
                                            self.cfg.allowed_signers or "/etc/reconciler/allowed_signers")
                     console.print(f"{snap.short}: signed by {who}")
+                opts = self.run_options()
                 state, rules = self._load(snap)
                 # Age secrets decrypted with the controller's identity, at this revision and at any
                 # a rollback renders; one that cannot be decrypted blocks its service (the core).
-                dec = secrets.Decryptor(self.cfg.age_identity)
-                state = dec.state(state)
-                for w in secret_warnings(state, snap.read):
+                rev = open_revision(snap, opts, state=state, rules=rules)
+                for w in secret_warnings(rev.state, snap.read):
                     console.print(w, soft_wrap=True, markup=False)
                 view = PhaseView(console, plans=console)    # each host's diff before its health progress
                 # A controller of one shard (config labels): only the hosts carrying its labels.
-                chosen = select_hosts(state, None, self.cfg.labels or None)
-                mine = {n: state.hosts[n] for n in chosen} if chosen is not None else state.hosts
+                mine = selected(rev.state, opts)
                 self.commit_status.started(snap.revision, len(mine))
                 if self.hub is not None:     # the fleet page
                     self.hub.run_started(snap.revision, why, mine, repo.path)
-                result = await reconcile_fleet(state, self.pool.connector(), hosts=chosen,
-                                               render_at=dec.render_at(render_at(snap)),
-                                               on_phase=self.hub.tee(view) if self.hub else view,
-                                               on_rollout=self.hub.rollout if self.hub else None,
-                                               rules=rules, lock_wait=self.cfg.lock_wait,
-                                               descends=descends(repo), allow_rewind=self.cfg.allow_rewind,
-                                               supersede=self.supersede)
+                run_io = RunIO(connect=self.pool.connector(), on_phase=self.hub.tee(view) if self.hub else view,
+                               on_planned=view.planned, on_rollout=self.hub.rollout if self.hub else None,
+                               supersede=self.supersede)
+                result = await run_fleet(rev, opts, run_io)
                 print_result(console, result, shown=view.shown, in_sync_rows=False)
                 await self.pool.retain(mine)             # hosts that left the fleet (or shard), idle ones
                 remember(self.store, result)
@@ -301,6 +298,13 @@ class Daemon:
             with _open_run_file(self.runs_dir / f"{rev_name}.exit", append=False) as f:
                 f.write(f"{code}\n")
         return code
+
+    def run_options(self) -> RunOptions:
+        """What the daemon's runs do: its config's shard, waits and keys (RunOptions)."""
+        return RunOptions(repo=self.cfg.repo, cache_dir=self.cache_dir, labels=tuple(self.cfg.labels or ()),
+                          lock_wait=self.cfg.lock_wait, allow_rewind=self.cfg.allow_rewind,
+                          identity=self.cfg.identity, age_identity=self.cfg.age_identity,
+                          confirm_margin=confirm_margin_from())
 
     def _load(self, snap: source.Snapshot) -> tuple[DesiredState, RuleSet]:
         """The desired state and rule pack at a snapshot; the same tree as the last run's (every

@@ -44,7 +44,7 @@ from ..plan.records import Result
 from .gitnotes import host_detail, one_line
 
 if TYPE_CHECKING:
-    from ..loop.fleet import FleetResult
+    from ..loop.results import FleetResult
 
 DESCRIPTION_MAX = 140            # GitHub's limit on a status description
 MAX_PENDING = 500

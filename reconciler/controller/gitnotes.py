@@ -47,8 +47,7 @@ from ..plan.rollout import natural_key
 from ..redact import redact
 
 if TYPE_CHECKING:
-    from ..loop.fleet import FleetResult
-    from ..loop.host import HostResult, ServiceEvent
+    from ..loop.results import FleetResult, HostResult, ServiceEvent
 
 NOTES_REF = "refs/notes/reconciler"
 LIVE_AGAIN = "live-again"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from ..loop.fleet import FleetResult
+from ..loop.results import FleetResult
 from ..plan.planner import State
 from ..redact import redact
 

@@ -25,8 +25,7 @@ from ..plan.records import Result
 from ..redact import redact, redact_data
 
 if TYPE_CHECKING:
-    from ..loop.fleet import FleetResult
-    from ..loop.host import HostResult
+    from ..loop.results import FleetResult, HostResult
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS attempts (

@@ -20,9 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any
 
 from ..desired.spec import DesiredState, HostSpec
 from ..desired.trust import rewind_problem
@@ -32,63 +31,10 @@ from ..host.transport import Transport
 from ..plan.planner import Kind, starting
 from ..plan.records import Quarantine, Result, halt_where
 from ..plan.rollout import Halt, RolloutResult, Wave, group_members, natural_key, plan_rollouts, quarantine_cover
-from .host import (
-    Connector,
-    Event,
-    HostPhase,
-    HostResult,
-    RenderAt,
-    Rules,
-    lock_and_observe,
-    merge_plans,
-    reconcile_host,
-    running_after,
-)
-
-if TYPE_CHECKING:     # imported where used: webhooks only with [notify], the schema only for --label
-    from ..host.notify import Notifier
-
-# Whether a revision descends from another: True, False, or None (the other is not in the repo).
-Descends = Callable[[str, str], "bool | None"]
-# Told of each rollout's progress (the daemon's fleet page): "start", "wave" (its hosts restart
-# now: waves_done + 1), "done", "halted", "superseded", with the rollout as it stands.
-RolloutWatch = Callable[[str, RolloutResult], None]
-
-
-@dataclass
-class FleetResult:
-    revision: str
-    dry_run: bool
-    hosts: list[HostResult] = field(default_factory=list)
-    rollouts: list[RolloutResult] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)     # e.g. a webhook that did not answer
-
-    @property
-    def failed(self) -> list[HostResult]:
-        return [h for h in self.hosts if h.status is Result.FAILED]
-
-    def exit_code(self) -> int:
-        """0 converged/in sync, 2 dry-run found changes, 3 rolled back / on last good, 4 failed."""
-        code = max((Result(h.status).exit_code for h in self.hosts), default=0)
-        if code == 2 and not self.dry_run:
-            return 0
-        return code
-
-    def to_json(self) -> dict[str, object]:
-        return {"revision": self.revision, "short": self.revision[:7], "dry_run": self.dry_run,
-                "exit_code": self.exit_code(), "hosts": [h.to_json() for h in self.hosts],
-                "rollouts": [r.to_json() for r in self.rollouts], "warnings": self.warnings}
-
-
-def merge_result(into: HostResult, r: HostResult) -> None:
-    """Fold one pass's result into a host's result: the worst status wins; failures add up."""
-    into.events.extend(r.events)
-    into.notes.extend(n for n in r.notes if n not in into.notes)
-    into.plan = merge_plans(into.plan, r.plan)
-    into.running.update({k: v for k, v in r.running.items() if v is not None or k not in into.running})
-    into.facts = r.facts or into.facts
-    into.seconds += r.seconds
-    into.worsen(Result(r.status), r.reason, r.message)
+from .host import lock_and_observe, observe, reconcile_host, ssh_connector
+from .options import RunIO, RunOptions
+from .results import Event, FleetResult, HostResult, merge_result, running_after
+from .revision import Revision
 
 
 def restarting(r: HostResult) -> set[str]:
@@ -107,27 +53,26 @@ def writes(r: HostResult) -> bool:
 class _FleetRun:
     """One fleet run: the open connections, the per-host results and locks, the rollouts."""
 
-    def __init__(self, state: DesiredState, connect: Connector, *, dry_run: bool, concurrency: int,
-                 selected: list[str] | None, render_at: RenderAt | None, retry: bool,
-                 on_phase: HostPhase | None, notifier: Notifier | None, rules: Rules = None,
-                 lock_wait: float = lock.WAIT, descends: Descends | None = None, allow_rewind: bool = False,
-                 supersede: asyncio.Event | None = None, on_rollout: RolloutWatch | None = None,
-                 expect_changes: frozenset[str] = frozenset()):
-        self.state, self.connect, self.dry_run, self.rules = state, connect, dry_run, rules
-        self.expect_changes = expect_changes
-        self.on_rollout = on_rollout
-        self.render_at, self.retry, self.on_phase, self.notifier = render_at, retry, on_phase, notifier
-        self.sem = asyncio.Semaphore(concurrency)
-        self.hosts = [h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
-                      if selected is None or n in selected]
+    def __init__(self, rev: Revision, opts: RunOptions, io: RunIO, hosts: list[HostSpec]):
+        self.rev, self.opts, self.io = rev, opts, io
+        self.state, self.dry_run, self.retry = rev.state, opts.dry_run, opts.retry
+        self.connect = io.connect or ssh_connector(opts.identity)
+        self.sem = asyncio.Semaphore(opts.concurrency or rev.state.settings.concurrency)
+        self.hosts = hosts
         self.transports: dict[str, Transport] = {}
         self.locks: dict[str, lock.HostLock] = {}
-        self.lock_wait = lock_wait
-        self.descends, self.allow_rewind, self.supersede = descends, allow_rewind, supersede
         self.results: dict[str, HostResult] = {}
         self.passes = {h.name: asyncio.Lock() for h in self.hosts}
         self.fleet_q: dict[str, dict[str, Quarantine]] = {}   # host -> service -> fleet-wide quarantine
         self.passed: set[str] = set()                      # hosts whose result is a pass's, not the survey's
+        self.notifier = io.notifier
+        if self.notifier is None and not opts.dry_run and rev.state.settings.notify is not None:
+            from ..host.notify import Notifier
+            self.notifier = Notifier(rev.state.settings.notify)
+
+    async def host_pass(self, h: HostSpec, **kw: Any) -> HostResult:
+        """reconcile_host for one of this run's passes: this run's revision, options and io."""
+        return await reconcile_host(h, self.rev, self.opts, self.io, **kw)
 
     async def run(self) -> FleetResult:
         rollouts: list[RolloutResult] = []
@@ -180,10 +125,8 @@ class _FleetRun:
             # decides whether the host needs its lock (pre-flight runs on the look under it).
             # A host expected to change (last left in sync with another revision) is locked at
             # once: its first look would only say what is expected.
-            ahead = not self.dry_run and h.name in self.expect_changes
-            r = None if ahead else await reconcile_host(h, self.state.revision, self.connect, dry_run=True,
-                                                        render_at=self.render_at, retry=self.retry, transport=t,
-                                                        rules=self.rules, check=self.dry_run)
+            ahead = not self.dry_run and h.name in self.io.expect_changes
+            r = None if ahead else await self.host_pass(h, dry_run=True, transport=t, check=self.dry_run)
             if r is None or (not self.dry_run and writes(r)):
                 # One reconcile of a host at a time: a host with anything to do is locked, then
                 # observed again under the lock where another run may have changed it since the
@@ -192,7 +135,7 @@ class _FleetRun:
                 # from that; the lock is held until the last verdict. A host in sync is read,
                 # never locked: a no-change round costs one observation per host.
                 try:
-                    held, locked = await lock_and_observe(t, h, self.lock_wait, look=r.facts if r else None)
+                    held, locked = await lock_and_observe(t, h, self.opts.lock_wait, look=r.facts if r else None)
                 except HostError as e:
                     self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
                                                       message=e.message, seconds=time.monotonic() - t0)
@@ -202,15 +145,13 @@ class _FleetRun:
                 # From here on, the host's commands go through the holder's shell (session.py)
                 self.locks[h.name], t = held, held.over(t)
                 self.transports[h.name] = t
-                r = await reconcile_host(h, self.state.revision, self.connect, dry_run=True,
-                                         render_at=self.render_at, retry=self.retry, transport=t, rules=self.rules,
-                                         facts=locked)
+                r = await self.host_pass(h, dry_run=True, transport=t, facts=locked)
                 r.seconds = time.monotonic() - t0
             self.results[h.name] = r
             applied = r.facts.record.applied_revision if r.facts and r.facts.record else None
-            if applied and self.descends is not None and not self.allow_rewind:
-                problem = rewind_problem(self.state.revision, applied, self.descends(self.state.revision, applied),
-                                         f"host {h.name}")
+            if applied and self.rev.descends is not None and not self.opts.allow_rewind:
+                problem = rewind_problem(self.state.revision, applied,
+                                         self.rev.descends(self.state.revision, applied), f"host {h.name}")
                 if problem:
                     # The host is the truth about what runs there: a rewind changes nothing on it.
                     self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason="NotDescendant",
@@ -251,14 +192,13 @@ class _FleetRun:
             if name not in self.transports:
                 continue        # refused or unreachable: nothing is planned there
             host, old = self.state.hosts[name], self.results[name]
-            r = await reconcile_host(host, self.state.revision, self.connect, dry_run=True, render_at=self.render_at,
-                                     retry=self.retry, quarantine=qs, transport=self.transports[name],
-                                     facts=old.facts, rules=self.rules, checked=old.checked)
+            r = await self.host_pass(host, dry_run=True, quarantine=qs, transport=self.transports[name],
+                                     facts=old.facts, checked=old.checked)
             r.seconds += old.seconds
             self.results[name] = r
 
     def _hash_at(self, revision: str, host: str, service: str) -> str | None:
-        state = self.render_at(revision) if self.render_at is not None else None
+        state = self.rev.render_at(revision) if self.rev.render_at is not None else None
         h = state.hosts.get(host) if state is not None else None
         spec = h.services.get(service) if h is not None else None
         return spec.content_hash() if spec is not None else None
@@ -276,11 +216,9 @@ class _FleetRun:
                 # A host surveyed in sync was never locked: it is planned again from the survey's
                 # look and never written to (only hosts with something to do are locked).
                 unlocked = self._unlocked(h)
-                r = await reconcile_host(h, self.state.revision, self.connect, dry_run=unlocked,
-                                         render_at=self.render_at, retry=self.retry, on_phase=self.on_phase,
-                                         hold=hold, quarantine=qs, transport=t,
+                r = await self.host_pass(h, dry_run=unlocked, hold=hold, quarantine=qs, transport=t,
                                          facts=None if fresh and not unlocked else before.facts,
-                                         rules=self.rules, supersede=self.supersede, checked=before.checked)
+                                         checked=before.checked)
                 if unlocked and r.plan is not None and r.facts is not None:
                     r.running = {n: running_after(r.plan, r.facts, n) for n in h.services}
             if h.name not in self.passed:
@@ -317,7 +255,7 @@ class _FleetRun:
         self._tell("start", ro)
         by_name = {h.name: h for h in self.hosts}
         for wave in p.waves:
-            if self.supersede is not None and self.supersede.is_set():
+            if self.io.supersede is not None and self.io.supersede.is_set():
                 ro.status = "superseded"      # a newer revision rolls out instead
                 ro.seconds = time.monotonic() - t0
                 self._tell("superseded", ro)
@@ -382,8 +320,8 @@ class _FleetRun:
                    failed=[h for h, *_ in failed])
 
     def _tell(self, event: str, ro: RolloutResult) -> None:
-        if self.on_rollout is not None:
-            self.on_rollout(event, ro)
+        if self.io.on_rollout is not None:
+            self.io.on_rollout(event, ro)
 
     def _send(self, event: str, ro: RolloutResult, **fields: object) -> None:
         if self.notifier is not None:
@@ -394,35 +332,56 @@ class _FleetRun:
                                        "bound": p.bound}, **fields)
 
 
-async def reconcile_fleet(state: DesiredState, connect: Connector, *, dry_run: bool = False,
-                          concurrency: int | None = None, hosts: list[str] | None = None,
-                          render_at: RenderAt | None = None, retry: bool = False,
-                          on_phase: HostPhase | None = None, notifier: Notifier | None = None,
-                          rules: Rules = None, lock_wait: float = lock.WAIT,
-                          descends: Descends | None = None, allow_rewind: bool = False,
-                          supersede: asyncio.Event | None = None,
-                          on_rollout: RolloutWatch | None = None,
-                          expect_changes: frozenset[str] = frozenset()) -> FleetResult:
-    """Reconcile every selected host (at most `concurrency` at once), rolling shared services
-    out in waves; with dry_run, only survey and plan them (the waves included).
+async def run_fleet(rev: Revision, opts: RunOptions, io: RunIO = RunIO()) -> FleetResult:
+    """The one fleet run every door calls (the CLI, `status --live`, the daemon, pull mode):
+    reconcile every selected host (at most `opts.concurrency` at once), rolling shared services
+    out in waves; with `opts.dry_run`, only survey and plan them (the waves included); with
+    `opts.look`, only read each host's records (no plan, no lock, nothing written).
 
-    hosts: the selected host names (None: all). notifier: where rollout events go (default:
-    fleet.toml [notify], never on a dry run). rules: the pre-flight rule pack (None: no pre-flight).
-    lock_wait: how long to wait for another run's lock on a host before reporting it Locked.
-    descends: tells whether the revision descends from the one a host records as applied; a
-    host where it does not is refused (NotDescendant, exit 4) unless allow_rewind. supersede:
-    set when a newer revision arrives (the daemon): health waits end, no new wave starts.
-    on_rollout: told of each rollout's start, waves and end (the daemon's fleet page).
-    expect_changes: hosts that are locked at once, without a first look (status.expect_changes).
+    Raises SourceError for a host selection that matches nothing (before any host is contacted).
     """
-    if notifier is None and not dry_run and state.settings.notify is not None:
-        from ..host.notify import Notifier
-        notifier = Notifier(state.settings.notify)
-    run = _FleetRun(state, connect, dry_run=dry_run, concurrency=concurrency or state.settings.concurrency,
-                    selected=hosts, render_at=render_at, retry=retry, on_phase=on_phase, notifier=notifier,
-                    rules=rules, lock_wait=lock_wait, descends=descends, allow_rewind=allow_rewind,
-                    supersede=supersede, on_rollout=on_rollout, expect_changes=expect_changes)
-    return await run.run()
+    hosts = list(selected(rev.state, opts).values())
+    if opts.look:
+        return await _look(rev, opts, io, hosts)
+    return await _FleetRun(rev, opts, io, hosts).run()
+
+
+async def _look(rev: Revision, opts: RunOptions, io: RunIO, hosts: list[HostSpec]) -> FleetResult:
+    """Read every host's records and systemd's state, read-only: the observation without the
+    keyed hashes of secret files (the one part that writes: the host's key), no lock."""
+    connect = io.connect or ssh_connector(opts.identity)
+    sem = asyncio.Semaphore(opts.concurrency or rev.state.settings.concurrency)
+
+    async def one(h: HostSpec) -> HostResult:
+        t0 = time.monotonic()
+        async with sem:
+            try:
+                t = await connect(h)
+            except ReconcilerError as e:
+                return _unreachable(h, e, t0)
+            try:
+                facts = await observe(t, h, secrets=False)
+            except ReconcilerError as e:
+                return _unreachable(h, e, t0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await t.close()
+        return HostResult(h.name, h.ssh.address, facts=facts, seconds=time.monotonic() - t0)
+    return FleetResult(rev.revision, True, list(await asyncio.gather(*(one(h) for h in hosts))))
+
+
+def _unreachable(h: HostSpec, e: ReconcilerError, t0: float) -> HostResult:
+    reason = e.reason if isinstance(e, HostError) else "Failed"
+    message = e.message if isinstance(e, HostError) else str(e)
+    return HostResult(h.name, h.ssh.address, Result.FAILED, reason=reason, message=message,
+                      seconds=time.monotonic() - t0)
+
+
+def selected(state: DesiredState, opts: RunOptions) -> dict[str, HostSpec]:
+    """The hosts a run is limited to, in natural order (every host without --host or --label)."""
+    names = select_hosts(state, list(opts.hosts) or None, list(opts.labels) or None)
+    return {n: h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
+            if names is None or n in names}
 
 
 def select_hosts(state: DesiredState, names: list[str] | None, labels: list[str] | None) -> list[str] | None:

@@ -20,19 +20,17 @@ One host failing never stops the others: every host ends with a HostResult.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
-from typing import TYPE_CHECKING, TypeAlias
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from .. import faults
-from ..desired.spec import DesiredState, HostSpec, ServiceSpec
+from ..desired.spec import HostSpec, ServiceSpec
 from ..errors import CommandError, HostError, ReconcilerError
 from ..host import lock
 from ..host.apply import Applied, apply_plan, write_record
-from ..host.health import Outcome, Phase, SystemdWatch, watch_service
+from ..host.health import Phase, SystemdWatch, watch_service
 from ..host.transport import SSHTransport, Transport
 from ..plan.facts import HostFacts, observe_command, parse_observation
 from ..plan.planner import (
@@ -40,99 +38,19 @@ from ..plan.planner import (
     Context,
     HostPlan,
     Kind,
-    Reason,
-    ServicePlan,
-    State,
     needs_last_good,
     plan_host,
     secret_files,
 )
-from ..plan.records import NO_VERDICT, SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
+from ..plan.records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
+from .options import Connector, RunIO, RunOptions
+from .results import Event, HostResult, ServiceEvent, fold, merge_plans, running_after
+from .revision import Revision
 
 if TYPE_CHECKING:     # gate.py (pre-flight, the rule pack, the GPU gate) loads when a plan starts something
-    from ..preflight import RuleSet
     from .checks import Preflight
 
-Connector = Callable[[HostSpec], Awaitable[Transport]]
-# Renders the desired state at another revision (for rollback); None when it cannot.
-RenderAt = Callable[[str], DesiredState | None]
-HostPhase = Callable[[str, str, str, float, float], None]   # host, service, phase, elapsed, timeout
-# The pre-flight rule pack, or a function that loads it on first use (a run that starts nothing
-# never parses it).
-Rules: TypeAlias = "RuleSet | Callable[[], RuleSet] | None"
-
 MAX_ROUNDS = 6
-
-
-class Event(StrEnum):
-    """What happened to one service in a run (reports, the store, metrics)."""
-
-    DEPLOY = "deploy"            # the desired version was started and judged
-    ROLLBACK = "rollback"        # the last good version was started in its place and judged
-    REVERIFY = "reverify"        # a version without a verdict was watched again and judged
-    QUARANTINED = "quarantined"  # the desired version is quarantined; the last good runs (or is left as is)
-    HELD = "held"                # quarantined with nothing to run: left stopped
-    BLOCKED = "blocked"          # pre-flight or systemd refused it; nothing was written
-    FOREIGN = "foreign"          # a unit the reconciler did not install: left untouched
-
-
-@dataclass
-class ServiceEvent:
-    """What happened to one service in this run (for reports, status and history)."""
-
-    service: str
-    action: str                     # an Event
-    revision: str
-    content_hash: str
-    outcome: Outcome | None = None
-    note: str = ""
-    quote: str | None = None        # for quarantined/held: the journal line recorded at the failure
-
-    def to_json(self) -> dict[str, object]:
-        return {"service": self.service, "action": str(self.action), "revision": self.revision,
-                "content_hash": self.content_hash, "note": self.note, "quote": self.quote,
-                "outcome": self.outcome.to_json() if self.outcome else None}
-
-
-@dataclass
-class HostResult:
-    """The outcome for one host: the worst of its services (records.Result ranks them)."""
-
-    host: str
-    address: str
-    status: Result = Result.IN_SYNC
-    plan: HostPlan | None = None
-    reason: str | None = None          # CamelCase, for failures
-    message: str | None = None
-    seconds: float = 0.0
-    events: list[ServiceEvent] = field(default_factory=list)
-    running: dict[str, str | None] = field(default_factory=dict)   # service -> revision running
-    facts: HostFacts | None = field(default=None, repr=False, compare=False)   # what the plan saw
-    notes: list[str] = field(default_factory=list)      # pre-flight warnings, GPU gate notes
-    checked: Preflight | None = field(default=None, repr=False, compare=False)   # the last pre-flight
-
-    def worsen(self, status: Result, reason: str | None = None, message: str | None = None) -> None:
-        """Keep the worst status; messages of equally bad failures add up."""
-        status = Result(status)
-        if status.rank > Result(self.status).rank:
-            self.status, self.reason, self.message = status, reason, message
-        elif status == self.status and message and status.rank >= Result.QUARANTINED.rank:
-            self.reason = self.reason or reason
-            if message != self.message and (not self.message or message not in self.message):
-                self.message = f"{self.message}; {message}" if self.message else message
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "host": self.host, "address": self.address, "status": str(self.status),
-            "reason": self.reason, "message": self.message, "seconds": round(self.seconds, 3),
-            "summary": self.plan.summary() if self.plan else None,
-            "actions": [a.to_json() for a in self.plan.actions if a.kind not in (Kind.INTENT, Kind.RECORD)]
-            if self.plan else [],
-            "states": {n: str(s) for n, s in self.plan.states.items()} if self.plan else {},
-            "events": [e.to_json() for e in self.events],
-            "notes": self.notes,
-            "running": self.running,
-        }
 
 
 def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0) -> Connector:
@@ -142,14 +60,16 @@ def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0) ->
     return connect
 
 
-def observation(host: HostSpec) -> tuple[str, str]:
-    """The command that reads everything the planner needs from the host, and its token."""
-    return observe_command(list(host.services), secret_files=secret_files(host))
+def observation(host: HostSpec, *, secrets: bool = True) -> tuple[str, str]:
+    """The command that reads everything the planner needs from the host, and its token.
+    `secrets=False`: without the keyed hashes of secret files (the one part that may write on
+    the host: its hash key, made on first use), for a read-only look."""
+    return observe_command(list(host.services), secret_files=secret_files(host) if secrets else None)
 
 
-async def observe(t: Transport, host: HostSpec) -> HostFacts:
+async def observe(t: Transport, host: HostSpec, *, secrets: bool = True) -> HostFacts:
     """Read everything the planner needs from the host, in one round trip."""
-    cmd, token = observation(host)
+    cmd, token = observation(host, secrets=secrets)
     res = await t.run(cmd, check=True, timeout=30, what="observe")
     return parse_observation(res.stdout, token, host.name)
 
@@ -178,111 +98,31 @@ async def lock_and_observe(t: Transport, host: HostSpec, wait: float,
 
 # ---- results ------------------------------------------------------------------------------------
 
-_STATE_EVENT = {State.QUARANTINED: Event.QUARANTINED, State.HALTED: Event.QUARANTINED,
-                State.QUARANTINED_NO_GOOD: Event.HELD, State.ROLLBACK_FAILED: Event.HELD,
-                State.BLOCKED: Event.BLOCKED, State.FOREIGN: Event.FOREIGN, State.INCONCLUSIVE: Event.HELD}
-
-
-def confirm_margin() -> float | None:
-    """Seconds the dead-man's switch adds to a deploy's start-up timeout and stable_for before it
-    fires: $RECONCILER_CONFIRM_MARGIN (default 60; "off" disarms the switch altogether)."""
-    raw = os.environ.get("RECONCILER_CONFIRM_MARGIN", "").strip().lower()
-    if raw == "off":
-        return None
-    try:
-        return max(0.0, float(raw)) if raw else 60.0
-    except ValueError:
-        return 60.0
-
-
-def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
-                   changes: bool) -> tuple[Result, str | None, str | None]:
-    """PURE: what one service's run comes to (result, reason, message), from its state and the
-    verdicts of this run. The one place that turns verdicts into a host's result."""
-    judged = [e for e in events if e.outcome is not None and e.outcome.reason not in NO_VERDICT]
-    failed = next((e for e in judged if e.action != Event.ROLLBACK and e.outcome and not e.outcome.healthy), None)
-    rollback = next((e for e in judged if e.action == Event.ROLLBACK), None)
-    if failed is not None:
-        return _after_failure(sp, failed, rollback)
-    if rollback is not None and rollback.outcome is not None:
-        if rollback.outcome.healthy:
-            return Result.ROLLED_BACK, "RolledBack", f"{sp.name}: {sp.note or 'running the last good version'}"
-        return (Result.FAILED, "RollbackFailed",
-                f"{sp.name}: last good {rollback.revision[:7]} failed too: {rollback.outcome.message}")
-    last = next((e.outcome for e in reversed(events) if e.outcome is not None), None)
-    if last is not None and last.reason in NO_VERDICT - {SUPERSEDED} and sp.state is not State.INCONCLUSIVE:
-        # the run ended on a watch without a verdict (its rounds ran out): not done
-        return Result.FAILED, last.reason, f"{sp.name}: {last.message}"
-    if sp.result.rank >= Result.QUARANTINED.rank:
-        return sp.result, sp.reason or None, f"{sp.name}: {sp.note}" if sp.note else sp.name
-    if dry_run and changes:
-        return Result.WOULD_CHANGE, None, None
-    return sp.result if changes else Result.IN_SYNC, None, None
-
-
-def _after_failure(sp: ServicePlan, failed: ServiceEvent,
-                   rollback: ServiceEvent | None) -> tuple[Result, str | None, str | None]:
-    """A deploy (or re-verify) failed in this run: rolled back, rollback failed, or nothing to
-    roll back to."""
-    o = failed.outcome
-    assert o is not None
-    head = f"{sp.name}: {o.reason}: {o.quote or o.message}"
-    rb = rollback.outcome if rollback is not None else None
-    if rollback is not None and rb is not None:
-        if rb.healthy:
-            return Result.ROLLED_BACK, "RolledBack", f"{head}; rolled back to {rollback.revision[:7]}"
-        return (Result.FAILED, "RollbackFailed",
-                f"{head}; rollback to {rollback.revision[:7]} failed too: {rb.quote or rb.message}")
-    if sp.state is State.QUARANTINED_NO_GOOD and "first deploy failed" in sp.note:
-        return Result.FAILED, "FirstDeployFailed", f"{head}; first deploy failed; service left stopped"
-    return Result.FAILED, "RollbackFailed", f"{head}; {sp.note or 'no rollback possible'}"
-
-
-def _fold(result: HostResult, plan: HostPlan, dry_run: bool) -> None:
-    """Fold every service of the final plan, with this run's events, into the host's result."""
-    for name, sp in sorted(plan.services.items()):
-        evs = [e for e in result.events if e.service == name]
-        if sp.state in _STATE_EVENT and not any(e.outcome is not None for e in evs):
-            result.events.append(ServiceEvent(name, _STATE_EVENT[sp.state], plan.revision, "", note=sp.note,
-                                              quote=sp.quote))
-        changes = any(a.service == name and a.kind.mutating for a in plan.actions) or any(
-            e.outcome is not None for e in evs)
-        status, reason, message = service_result(sp, evs, dry_run, changes)
-        result.worsen(status, reason, message)
-    if not dry_run and plan.dropped_records and result.status is Result.IN_SYNC:
-        result.status = Result.CONVERGED
-    if result.status is Result.IN_SYNC and any(a.reason is Reason.STALE_TEMP for a in plan.actions):
-        # a killed run's temp files: changes of the host's own, with no service
-        result.status = Result.WOULD_CHANGE if dry_run else Result.CONVERGED
-
-
 # ---- one host -----------------------------------------------------------------------------------
 
 
 class _HostRun:
-    """One host's run: the open transport, the desired state, and what the rounds found."""
+    """One host's run: the open transport, the revision, the run's options, and what the rounds found."""
 
-    def __init__(self, host: HostSpec, revision: str, t: Transport, result: HostResult, *,
-                 render_at: RenderAt | None, retry: bool, deferred: frozenset[str],
-                 fleet_quarantine: Mapping[str, Quarantine], rules: Rules,
-                 on_phase: HostPhase | None, supersede: asyncio.Event | None = None,
+    def __init__(self, host: HostSpec, rev: Revision, opts: RunOptions, io: RunIO, t: Transport,
+                 result: HostResult, *, deferred: frozenset[str], fleet_quarantine: Mapping[str, Quarantine],
                  check: bool = True, reuse: Preflight | None = None):
-        self.host, self.revision, self.t, self.result = host, revision, t, result
+        self.host, self.rev, self.opts, self.io, self.t, self.result = host, rev, opts, io, t, result
+        self.revision = rev.revision
         self.check, self.reuse = check, reuse
-        self.render_at, self.retry, self.deferred = render_at, retry, deferred
+        self.retry, self.deferred = opts.retry, deferred
         self.fleet_q = {n: q for n, q in fleet_quarantine.items() if n in host.services and n not in deferred}
-        self.rules, self.on_phase, self.supersede = rules, on_phase, supersede
         self.preflight: Preflight | None = None
         self.facts: HostFacts | None = None
         self.systemd = SystemdWatch(t)      # every health watch on this host: one round trip per tick
 
     def _context(self, facts: HostFacts, pf: Preflight | None = None) -> Context:
         ctx = Context(self.revision, fleet_quarantine=self.fleet_q, deferred=self.deferred, retry=self.retry,
-                      confirm_margin=confirm_margin())
+                      confirm_margin=self.opts.confirm_margin)
         wanted = needs_last_good(self.host, facts, ctx)
         last_good: dict[str, ServiceSpec | None] = {}
         for name, rev in wanted.items():
-            state = self.render_at(rev) if self.render_at is not None else None
+            state = self.rev.render_at(rev) if self.rev.render_at is not None else None
             h = state.hosts.get(self.host.name) if state is not None else None
             last_good[name] = h.services.get(name) if h is not None else None
         return replace(ctx, last_good=last_good, checks=pf.checks() if pf is not None else ctx.checks)
@@ -299,7 +139,7 @@ class _HostRun:
             pf, self.reuse = self.reuse, None
         else:
             from .checks import preflight_host
-            rules = self.rules() if callable(self.rules) else self.rules
+            rules = self.rev.rules() if self.rev.rules is not None else None
             pf = await preflight_host(self.t, self.host, plan, facts, rules, fetched=fetched)
         self.preflight = self.result.checked = pf
         self.result.notes.extend(w for w in pf.warnings if w not in self.result.notes)
@@ -307,8 +147,8 @@ class _HostRun:
 
     def _progress(self) -> Phase:
         def cb(service: str, phase: str, elapsed: float, timeout: float) -> None:
-            if self.on_phase:
-                self.on_phase(self.host.name, service, phase, elapsed, timeout)
+            if self.io.on_phase:
+                self.io.on_phase(self.host.name, service, phase, elapsed, timeout)
         return cb
 
     async def fetch(self, plan: HostPlan, facts: HostFacts) -> HostPlan:
@@ -367,7 +207,7 @@ class _HostRun:
                                   since_epoch=since, on_phase=self._progress(),
                                   baseline_invocation=w.baseline_invocation,
                                   baseline_active_enter=w.baseline_active_enter,
-                                  start_error=failure.message if failure else None, cancel=self.supersede,
+                                  start_error=failure.message if failure else None, cancel=self.io.supersede,
                                   systemd=self.systemd)
         kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
         self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
@@ -408,50 +248,47 @@ class _HostRun:
         return (f.record if f is not None else None) or ServiceRecord()
 
 
-async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, dry_run: bool,
-                         render_at: RenderAt | None = None, retry: bool = False,
-                         on_phase: HostPhase | None = None, hold: frozenset[str] = frozenset(),
+async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: RunIO = RunIO(), *,
+                         dry_run: bool | None = None, hold: frozenset[str] = frozenset(),
                          quarantine: Mapping[str, Quarantine] | None = None, transport: Transport | None = None,
-                         facts: HostFacts | None = None, rules: Rules = None,
-                         supersede: asyncio.Event | None = None, check: bool = True,
+                         facts: HostFacts | None = None, check: bool = True,
                          checked: Preflight | None = None) -> HostResult:
-    """Converge one host (or, with dry_run, only plan it). Never raises for host failures.
+    """Converge one host to `rev` (or, dry run, only plan it). Never raises for host failures.
 
-    For the fleet's passes: `hold` names services another pass converges (a rollout wave);
-    `quarantine` adds fleet-wide quarantines (service -> a halted rollout) that act like recorded
-    ones and are written into the host's records; `transport` reuses an open connection (the
-    caller closes it); `facts` skips the first observation. `rules`: the pre-flight rule pack (or
-    a function that loads it, called when pre-flight first runs).
-    `supersede`: set when a newer revision arrives; health waits then end without a verdict.
-    `check=False` plans without the host-side pre-flight (a first look that only decides
-    whether the host needs its lock); `checked` is a pre-flight already run on these `facts`.
+    `dry_run`: this pass only plans (default: the run's own `opts.dry_run`). For the fleet's
+    passes: `hold` names services another pass converges (a rollout wave); `quarantine` adds
+    fleet-wide quarantines (service -> a halted rollout) that act like recorded ones and are
+    written into the host's records; `transport` reuses an open connection (the caller closes
+    it); `facts` skips the first observation. `check=False` plans without the host-side
+    pre-flight (a first look that only decides whether the host needs its lock); `checked` is a
+    pre-flight already run on these `facts`.
     """
+    dry_run = opts.dry_run if dry_run is None else dry_run
     started = time.monotonic()
     result = HostResult(host.name, host.ssh.address)
     if facts is None:
         checked = None          # a pre-flight is reused only with the facts it was run on
     t: Transport | None = transport
     held: lock.HostLock | None = None
+    connect = io.connect or ssh_connector(opts.identity)
     try:
         if t is None:
             t = await connect(host)
             if not dry_run:
-                held, locked = await lock_and_observe(t, host, lock.WAIT)
+                held, locked = await lock_and_observe(t, host, opts.lock_wait)
                 t = held.over(t)        # the run's commands through the holder's shell
                 facts = facts or locked
         if facts is None:
             facts = await observe(t, host)
         result.facts = facts
-        run = _HostRun(host, revision, t, result, render_at=render_at, retry=retry, deferred=hold,
-                       fleet_quarantine=quarantine or {}, rules=rules, on_phase=on_phase, supersede=supersede,
+        run = _HostRun(host, rev, opts, io, t, result, deferred=hold, fleet_quarantine=quarantine or {},
                        check=check, reuse=checked)
         plan = await run.plan(facts)
         result.plan = plan
         if not dry_run:
-            # An observer that prints plans (report.PhaseView) shows this one before it is applied.
-            planned = getattr(on_phase, "planned", None)
-            if planned is not None and plan.changes:
-                planned(result)
+            # The door's report shows this plan before it is applied (report.PhaseView).
+            if io.on_planned is not None and plan.changes:
+                io.on_planned(result)
             for rnd in range(MAX_ROUNDS):
                 if rnd:
                     run.retry = False     # --retry is one more try: the first round's, not every round's
@@ -465,7 +302,7 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
                     result.plan = plan if rnd == 0 else merge_plans(result.plan, plan)
                 if await run.execute(plan, facts):
                     break
-        _fold(result, plan, dry_run)
+        fold(result, plan, dry_run)
         if not dry_run:
             result.running = {n: running_after(plan, facts, n) for n in host.services}
     except HostError as e:
@@ -483,28 +320,3 @@ async def reconcile_host(host: HostSpec, revision: str, connect: Connector, *, d
     return result
 
 
-def running_after(plan: HostPlan, facts: HostFacts, name: str) -> str | None:
-    """The revision a service runs after this run (as far as the last plan knows)."""
-    sp = plan.services.get(name)
-    if sp is None or sp.state in (State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED, State.FOREIGN):
-        return None
-    if sp.target is not None:
-        return sp.target.revision
-    f = facts.services.get(name)
-    return f.record.revision if f is not None and f.record is not None else None
-
-
-def merge_plans(a: HostPlan | None, b: HostPlan | None) -> HostPlan | None:
-    """Two plans on one host as one (several rounds or passes, for reports): actions in the order
-    they ran; a service's plan is the later one, unless that one deferred it to another pass."""
-    if a is None or b is None:
-        return a or b
-    services = dict(a.services)
-    for name, sp in b.services.items():
-        if sp.state is not State.DEFERRED or name not in services:
-            services[name] = sp
-    # Every pass ends by recording the revision: one such line says it.
-    actions = a.actions + tuple(x for x in b.actions if not (x.kind is Kind.RECORD and x.service is None and
-                                                             any(y.kind is Kind.RECORD and y.service is None
-                                                                 for y in a.actions)))
-    return HostPlan(a.host, b.revision, actions, services, a.dropped_records + b.dropped_records)

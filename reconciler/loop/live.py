@@ -17,17 +17,13 @@ that cannot be reached or read is one row (service "*") that says why.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from typing import Any
 
 from ..desired.spec import DesiredState, HostSpec, ServiceSpec
-from ..errors import HostError, ReconcilerError
-from ..plan.facts import HostFacts, ServiceFacts, observe_command, parse_observation
+from ..plan.facts import HostFacts, ServiceFacts
 from ..plan.planner import live_quarantine
 from ..plan.records import ServiceRecord
-from ..plan.rollout import natural_key
-from .host import Connector
+from .results import FleetResult
 
 RUNNING = ("active", "activating", "reloading", "refreshing")
 
@@ -137,36 +133,15 @@ def failed_row(host: HostSpec, revision: str, reason: str, message: str) -> dict
             "last_good_rev": None, "pending": None, "quarantine": None}
 
 
-async def read_host(host: HostSpec, connect: Connector, revision: str, timeout: float = 30.0) -> list[dict[str, Any]]:
-    """One host's rows: connect, read its records and systemd's view in one command, close."""
-    try:
-        t = await connect(host)
-    except HostError as e:
-        return [failed_row(host, revision, e.reason, e.message)]
-    except ReconcilerError as e:
-        return [failed_row(host, revision, "Failed", str(e))]
-    try:
-        cmd, token = observe_command(list(host.services))      # no secret files: nothing is written
-        res = await t.run(cmd, check=True, timeout=timeout, what="status")
-        facts = parse_observation(res.stdout, token, host.name)
-    except HostError as e:
-        return [failed_row(host, revision, "ObserveFailed" if e.reason == "CommandFailed" else e.reason, e.message)]
-    finally:
-        with contextlib.suppress(Exception):    # a connection that already broke has nothing left to close
-            await t.close()
-    return host_rows(host, facts, revision)
-
-
-async def live_status(state: DesiredState, connect: Connector, *, hosts: list[str] | None = None,
-                      concurrency: int | None = None) -> list[dict[str, Any]]:
-    """Rows for every selected host (None: all), read at most `concurrency` hosts at once."""
-    sem = asyncio.Semaphore(concurrency or state.settings.concurrency)
-    chosen = [h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
-              if hosts is None or n in hosts]
-
-    async def one(h: HostSpec) -> list[dict[str, Any]]:
-        async with sem:
-            return await read_host(h, connect, state.revision)
-
-    per_host = await asyncio.gather(*(one(h) for h in chosen))
-    return [row for rows in per_host for row in rows]
+def rows_of(result: FleetResult, state: DesiredState) -> list[dict[str, Any]]:
+    """PURE: the rows of a look at the fleet (fleet.run_fleet with RunOptions.look): each host's
+    rows from its facts, or the one row that says why it could not be read."""
+    out: list[dict[str, Any]] = []
+    for r in result.hosts:
+        host = state.hosts[r.host]
+        if r.facts is None:
+            reason = "ObserveFailed" if r.reason == "CommandFailed" else r.reason or "Failed"
+            out.append(failed_row(host, result.revision, reason, r.message or ""))
+        else:
+            out.extend(host_rows(host, r.facts, result.revision))
+    return out

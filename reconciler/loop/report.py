@@ -22,8 +22,7 @@ if TYPE_CHECKING:
 from ..errors import ConfigError
 from ..plan.records import Result
 from ..redact import redact
-from .fleet import FleetResult
-from .host import HostResult
+from .results import FleetResult, HostResult
 
 
 def _t(text: object, plain: bool = False) -> str:

@@ -28,18 +28,18 @@ from typing import Any
 
 import pygit2
 
-from ..desired import secrets, source
-from ..desired.load import load_desired, render_at
+from ..desired import source
+from ..desired.load import load_desired
 from ..desired.spec import DesiredState, HostSpec
-from ..desired.trust import descends
 from ..errors import ConfigError, SourceError
 from ..host import lock
 from ..host.transport import LocalTransport, Transport
-from ..loop.fleet import FleetResult, reconcile_fleet
-from ..loop.host import Connector, HostPhase, HostResult
+from ..loop.fleet import run_fleet
+from ..loop.options import Connector, HostPhase, RunIO, RunOptions, confirm_margin_from
+from ..loop.results import FleetResult, HostResult
+from ..loop.revision import open_revision
 from ..plan.facts import STATE_DIR
 from ..plan.records import SUPERSEDED, HostRecord
-from ..preflight import load_rules
 from ..redact import redact, redact_data
 from . import _git
 from .schedule import (
@@ -75,6 +75,12 @@ class PullOptions:
     lock_wait: float = lock.WAIT
     dry_run: bool = False
     publish: bool = True
+
+    def run_options(self, host: str) -> RunOptions:
+        """The run on this host: the one fleet run, limited to it."""
+        return RunOptions(repo=self.repo, rev=self.rev, path=self.path, hosts=(host,), dry_run=self.dry_run,
+                          retry=self.retry, allow_rewind=self.allow_rewind, lock_wait=self.lock_wait,
+                          age_identity=self.age_identity, confirm_margin=confirm_margin_from())
 
 
 @dataclass
@@ -231,12 +237,8 @@ async def _reconcile(out: PullOutcome, repo: pygit2.Repository, loaded: tuple[so
         pending = Report(name, rev, Standing.PENDING, wave=out.wave or "", at=now,
                          until=now + int(_deadline(host, opts.lock_wait)))
         _say(out, repo, pending, push=not local)
-    dec = secrets.Decryptor(secrets.identity_path(opts.age_identity))
-    target = dec.state(target) if _has_age(target) else target
-    out.result = await reconcile_fleet(target, connect, dry_run=opts.dry_run, hosts=[name],
-                                       render_at=dec.render_at(render_at(snap)), retry=opts.retry,
-                                       on_phase=on_phase, rules=load_rules(snap), lock_wait=opts.lock_wait,
-                                       descends=descends(repo), allow_rewind=opts.allow_rewind)
+    run = opts.run_options(name)
+    out.result = await run_fleet(open_revision(snap, run, state=target), run, RunIO(connect=connect, on_phase=on_phase))
     r = out.result.hosts[0]
     failed = next((e.outcome for e in r.events if e.outcome is not None and not e.outcome.healthy
                    and e.outcome.reason != SUPERSEDED), None)

@@ -13,9 +13,8 @@ from rich.console import Console
 
 from reconciler import cli
 from reconciler.desired.load import MemorySnapshot, load_desired
-from reconciler.loop.fleet import FleetResult
-from reconciler.loop.host import HostResult
 from reconciler.loop.report import PhaseView, print_result
+from reconciler.loop.results import FleetResult, HostResult
 from reconciler.plan.facts import HostFacts
 from reconciler.plan.planner import Context, plan_host
 from reconciler.preflight import check_desired, load_rules

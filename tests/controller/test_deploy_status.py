@@ -26,8 +26,7 @@ from reconciler.desired.load import MemorySnapshot, load_desired
 from reconciler.errors import ConfigError
 from reconciler.host.health import Outcome
 from reconciler.loop import live
-from reconciler.loop.fleet import FleetResult
-from reconciler.loop.host import HostResult, ServiceEvent
+from reconciler.loop.results import FleetResult, HostResult, ServiceEvent
 from reconciler.plan.facts import HostFacts, ServiceFacts
 from reconciler.plan.planner import HostPlan
 from reconciler.plan.records import HostRecord, Pending, Quarantine, Result, ServiceRecord

@@ -23,8 +23,7 @@ from reconciler.controller.web.app import GitCommits, allowed_hosts, create_app,
 from reconciler.controller.web.hub import Hub
 from reconciler.desired.spec import RolloutPolicy
 from reconciler.host.health import Outcome
-from reconciler.loop.fleet import FleetResult
-from reconciler.loop.host import Event, HostResult, ServiceEvent
+from reconciler.loop.results import Event, FleetResult, HostResult, ServiceEvent
 from reconciler.plan.planner import Kind
 from reconciler.plan.records import Result
 from reconciler.plan.rollout import GroupKey, RolloutPlan, RolloutResult, plan_waves

@@ -17,7 +17,6 @@ from rich.console import Console
 
 from reconciler import cli, redact
 from reconciler.cli.output import print_json
-from reconciler.cli.run import decrypting
 from reconciler.controller import hooks
 from reconciler.controller.daemon import _tee
 from reconciler.controller.metrics import Metrics
@@ -26,9 +25,10 @@ from reconciler.desired import secrets
 from reconciler.desired.load import MemorySnapshot, load_desired
 from reconciler.desired.spec import DesiredState, HostSpec, NotifySpec, SecretSpec, ServiceSpec, SSHSpec
 from reconciler.host.notify import Notifier
-from reconciler.loop.fleet import FleetResult
-from reconciler.loop.host import HostResult
+from reconciler.loop.options import RunOptions
 from reconciler.loop.report import print_diff, print_result
+from reconciler.loop.results import FleetResult, HostResult
+from reconciler.loop.revision import open_revision
 from reconciler.plan.records import Result
 from reconciler.preflight import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems
 from tests.conftest import DesiredRepo
@@ -451,8 +451,8 @@ def test_metrics_labels_are_redacted() -> None:
 def test_no_identity_is_needed_without_age_secrets(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("RECONCILER_AGE_IDENTITY", raising=False)
     state = state_with(SecretSpec("HF_TOKEN", "file", "/etc/credstore/hf"))
-    decrypted, _render = decrypting(state, MemorySnapshot({}), None)    # type: ignore[arg-type]
-    assert decrypted is state
+    rev = open_revision(MemorySnapshot({}), RunOptions(), state=state)    # type: ignore[arg-type]
+    assert rev.state is state
 
 
 def test_a_secret_expanded_on_the_command_line_is_a_warning() -> None:

@@ -244,10 +244,10 @@ def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
     import asyncio
 
     from reconciler.controller.store import Store, expect_changes
-    from reconciler.desired import source
-    from reconciler.desired.load import load_desired
-    from reconciler.loop.fleet import reconcile_fleet
+    from reconciler.loop.fleet import run_fleet
     from reconciler.loop.host import ssh_connector
+    from reconciler.loop.options import RunIO, RunOptions
+    from reconciler.loop.revision import load_revision
 
     hosts = fleet.hosts[:2]
     write_fleet(repo, hosts, {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info"}}})
@@ -256,7 +256,9 @@ def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
     connect = ssh_connector(str(fleetlib.client_key_path()))
 
     def run_recorded() -> tuple[dict[str, str], dict[str, list[str]], frozenset[str]]:
-        state = load_desired(source.snapshot(source.open_repo(str(repo.path))))
+        opts = RunOptions(repo=str(repo.path))
+        _snap, rev = load_revision(opts)
+        state = rev.state
         store = Store()
         expect = expect_changes(store.in_sync(), state.revision, state.hosts)
         store.close()
@@ -276,7 +278,7 @@ def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
             t.run, t.spawn = rec_run, rec_spawn
             return t
 
-        res = asyncio.run(reconcile_fleet(state, recording, expect_changes=expect))
+        res = asyncio.run(run_fleet(rev, opts, RunIO(connect=recording, expect_changes=expect)))
         return {r.host: str(r.status) for r in res.hosts}, seen, expect
 
     statuses, seen, expect = run_recorded()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from reconciler.host.health import Outcome
-from reconciler.loop.host import Event, ServiceEvent, service_result
+from reconciler.loop.results import Event, ServiceEvent, service_result
 from reconciler.plan.planner import ServicePlan, State
 from reconciler.plan.records import Result
 

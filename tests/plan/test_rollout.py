@@ -16,8 +16,8 @@ from reconciler.desired.load import MemorySnapshot, load_desired
 from reconciler.desired.spec import DesiredState, NotifySpec, RolloutPolicy
 from reconciler.errors import ConfigError, SourceError
 from reconciler.host.notify import Notifier, slack_text, where
-from reconciler.loop.fleet import merge_result, select_hosts
-from reconciler.loop.host import HostResult, ServiceEvent
+from reconciler.loop.fleet import select_hosts
+from reconciler.loop.results import HostResult, ServiceEvent, merge_result
 from reconciler.plan.rollout import (
     GroupKey,
     Halt,

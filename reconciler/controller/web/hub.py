@@ -28,8 +28,7 @@ from ...redact import redact
 
 if TYPE_CHECKING:
     from ...desired.spec import HostSpec
-    from ...loop.fleet import FleetResult
-    from ...loop.host import HostResult
+    from ...loop.results import FleetResult, HostResult
     from ...plan.rollout import RolloutResult
 
 SECTIONS = ("live", "grid", "commits")
@@ -174,7 +173,7 @@ class Hub:
     @_guarded
     def run_finished(self, result: FleetResult) -> None:
         """The run's results (also in the store by now): final phases, journal lines, host outcomes."""
-        from ...loop.host import Event
+        from ...loop.results import Event
         with self.lock:
             run = self.run
             if run is None:

@@ -1,0 +1,221 @@
+"""What a run comes to: per service (events, with the health outcome), per host, for the fleet.
+
+PURE: the results and the one place that turns a run's verdicts into a host's result
+(`service_result`, `fold`), and how passes over one host add up (`merge_result`, `merge_plans`).
+`records.Result` ranks them; the CLI's exit code, the store, the metrics and the report read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from ..plan.planner import HostPlan, Kind, Reason, ServicePlan, State
+from ..plan.records import NO_VERDICT, SUPERSEDED, Result
+from ..plan.rollout import RolloutResult
+
+if TYPE_CHECKING:
+    from ..host.health import Outcome
+    from ..plan.facts import HostFacts
+    from .checks import Preflight
+
+
+class Event(StrEnum):
+    """What happened to one service in a run (reports, the store, metrics)."""
+
+    DEPLOY = "deploy"            # the desired version was started and judged
+    ROLLBACK = "rollback"        # the last good version was started in its place and judged
+    REVERIFY = "reverify"        # a version without a verdict was watched again and judged
+    QUARANTINED = "quarantined"  # the desired version is quarantined; the last good runs (or is left as is)
+    HELD = "held"                # quarantined with nothing to run: left stopped
+    BLOCKED = "blocked"          # pre-flight or systemd refused it; nothing was written
+    FOREIGN = "foreign"          # a unit the reconciler did not install: left untouched
+
+
+@dataclass
+class ServiceEvent:
+    """What happened to one service in this run (for reports, status and history)."""
+
+    service: str
+    action: str                     # an Event
+    revision: str
+    content_hash: str
+    outcome: Outcome | None = None
+    note: str = ""
+    quote: str | None = None        # for quarantined/held: the journal line recorded at the failure
+
+    def to_json(self) -> dict[str, object]:
+        return {"service": self.service, "action": str(self.action), "revision": self.revision,
+                "content_hash": self.content_hash, "note": self.note, "quote": self.quote,
+                "outcome": self.outcome.to_json() if self.outcome else None}
+
+
+@dataclass
+class HostResult:
+    """The outcome for one host: the worst of its services (records.Result ranks them)."""
+
+    host: str
+    address: str
+    status: Result = Result.IN_SYNC
+    plan: HostPlan | None = None
+    reason: str | None = None          # CamelCase, for failures
+    message: str | None = None
+    seconds: float = 0.0
+    events: list[ServiceEvent] = field(default_factory=list)
+    running: dict[str, str | None] = field(default_factory=dict)   # service -> revision running
+    facts: HostFacts | None = field(default=None, repr=False, compare=False)   # what the plan saw
+    notes: list[str] = field(default_factory=list)      # pre-flight warnings, GPU gate notes
+    checked: Preflight | None = field(default=None, repr=False, compare=False)   # the last pre-flight
+
+    def worsen(self, status: Result, reason: str | None = None, message: str | None = None) -> None:
+        """Keep the worst status; messages of equally bad failures add up."""
+        status = Result(status)
+        if status.rank > Result(self.status).rank:
+            self.status, self.reason, self.message = status, reason, message
+        elif status == self.status and message and status.rank >= Result.QUARANTINED.rank:
+            self.reason = self.reason or reason
+            if message != self.message and (not self.message or message not in self.message):
+                self.message = f"{self.message}; {message}" if self.message else message
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "host": self.host, "address": self.address, "status": str(self.status),
+            "reason": self.reason, "message": self.message, "seconds": round(self.seconds, 3),
+            "summary": self.plan.summary() if self.plan else None,
+            "actions": [a.to_json() for a in self.plan.actions if a.kind not in (Kind.INTENT, Kind.RECORD)]
+            if self.plan else [],
+            "states": {n: str(s) for n, s in self.plan.states.items()} if self.plan else {},
+            "events": [e.to_json() for e in self.events],
+            "notes": self.notes,
+            "running": self.running,
+        }
+
+
+@dataclass
+class FleetResult:
+    revision: str
+    dry_run: bool
+    hosts: list[HostResult] = field(default_factory=list)
+    rollouts: list[RolloutResult] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)     # e.g. a webhook that did not answer
+
+    @property
+    def failed(self) -> list[HostResult]:
+        return [h for h in self.hosts if h.status is Result.FAILED]
+
+    def exit_code(self) -> int:
+        """0 converged/in sync, 2 dry-run found changes, 3 rolled back / on last good, 4 failed."""
+        code = max((Result(h.status).exit_code for h in self.hosts), default=0)
+        if code == 2 and not self.dry_run:
+            return 0
+        return code
+
+    def to_json(self) -> dict[str, object]:
+        return {"revision": self.revision, "short": self.revision[:7], "dry_run": self.dry_run,
+                "exit_code": self.exit_code(), "hosts": [h.to_json() for h in self.hosts],
+                "rollouts": [r.to_json() for r in self.rollouts], "warnings": self.warnings}
+
+
+def merge_result(into: HostResult, r: HostResult) -> None:
+    """Fold one pass's result into a host's result: the worst status wins; failures add up."""
+    into.events.extend(r.events)
+    into.notes.extend(n for n in r.notes if n not in into.notes)
+    into.plan = merge_plans(into.plan, r.plan)
+    into.running.update({k: v for k, v in r.running.items() if v is not None or k not in into.running})
+    into.facts = r.facts or into.facts
+    into.seconds += r.seconds
+    into.worsen(Result(r.status), r.reason, r.message)
+
+
+_STATE_EVENT = {State.QUARANTINED: Event.QUARANTINED, State.HALTED: Event.QUARANTINED,
+                State.QUARANTINED_NO_GOOD: Event.HELD, State.ROLLBACK_FAILED: Event.HELD,
+                State.BLOCKED: Event.BLOCKED, State.FOREIGN: Event.FOREIGN, State.INCONCLUSIVE: Event.HELD}
+
+
+def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
+                   changes: bool) -> tuple[Result, str | None, str | None]:
+    """PURE: what one service's run comes to (result, reason, message), from its state and the
+    verdicts of this run. The one place that turns verdicts into a host's result."""
+    judged = [e for e in events if e.outcome is not None and e.outcome.reason not in NO_VERDICT]
+    failed = next((e for e in judged if e.action != Event.ROLLBACK and e.outcome and not e.outcome.healthy), None)
+    rollback = next((e for e in judged if e.action == Event.ROLLBACK), None)
+    if failed is not None:
+        return _after_failure(sp, failed, rollback)
+    if rollback is not None and rollback.outcome is not None:
+        if rollback.outcome.healthy:
+            return Result.ROLLED_BACK, "RolledBack", f"{sp.name}: {sp.note or 'running the last good version'}"
+        return (Result.FAILED, "RollbackFailed",
+                f"{sp.name}: last good {rollback.revision[:7]} failed too: {rollback.outcome.message}")
+    last = next((e.outcome for e in reversed(events) if e.outcome is not None), None)
+    if last is not None and last.reason in NO_VERDICT - {SUPERSEDED} and sp.state is not State.INCONCLUSIVE:
+        # the run ended on a watch without a verdict (its rounds ran out): not done
+        return Result.FAILED, last.reason, f"{sp.name}: {last.message}"
+    if sp.result.rank >= Result.QUARANTINED.rank:
+        return sp.result, sp.reason or None, f"{sp.name}: {sp.note}" if sp.note else sp.name
+    if dry_run and changes:
+        return Result.WOULD_CHANGE, None, None
+    return sp.result if changes else Result.IN_SYNC, None, None
+
+
+def _after_failure(sp: ServicePlan, failed: ServiceEvent,
+                   rollback: ServiceEvent | None) -> tuple[Result, str | None, str | None]:
+    """A deploy (or re-verify) failed in this run: rolled back, rollback failed, or nothing to
+    roll back to."""
+    o = failed.outcome
+    assert o is not None
+    head = f"{sp.name}: {o.reason}: {o.quote or o.message}"
+    rb = rollback.outcome if rollback is not None else None
+    if rollback is not None and rb is not None:
+        if rb.healthy:
+            return Result.ROLLED_BACK, "RolledBack", f"{head}; rolled back to {rollback.revision[:7]}"
+        return (Result.FAILED, "RollbackFailed",
+                f"{head}; rollback to {rollback.revision[:7]} failed too: {rb.quote or rb.message}")
+    if sp.state is State.QUARANTINED_NO_GOOD and "first deploy failed" in sp.note:
+        return Result.FAILED, "FirstDeployFailed", f"{head}; first deploy failed; service left stopped"
+    return Result.FAILED, "RollbackFailed", f"{head}; {sp.note or 'no rollback possible'}"
+
+
+def fold(result: HostResult, plan: HostPlan, dry_run: bool) -> None:
+    """Fold every service of the final plan, with this run's events, into the host's result."""
+    for name, sp in sorted(plan.services.items()):
+        evs = [e for e in result.events if e.service == name]
+        if sp.state in _STATE_EVENT and not any(e.outcome is not None for e in evs):
+            result.events.append(ServiceEvent(name, _STATE_EVENT[sp.state], plan.revision, "", note=sp.note,
+                                              quote=sp.quote))
+        changes = any(a.service == name and a.kind.mutating for a in plan.actions) or any(
+            e.outcome is not None for e in evs)
+        status, reason, message = service_result(sp, evs, dry_run, changes)
+        result.worsen(status, reason, message)
+    if not dry_run and plan.dropped_records and result.status is Result.IN_SYNC:
+        result.status = Result.CONVERGED
+    if result.status is Result.IN_SYNC and any(a.reason is Reason.STALE_TEMP for a in plan.actions):
+        # a killed run's temp files: changes of the host's own, with no service
+        result.status = Result.WOULD_CHANGE if dry_run else Result.CONVERGED
+
+
+def running_after(plan: HostPlan, facts: HostFacts, name: str) -> str | None:
+    """The revision a service runs after this run (as far as the last plan knows)."""
+    sp = plan.services.get(name)
+    if sp is None or sp.state in (State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED, State.FOREIGN):
+        return None
+    if sp.target is not None:
+        return sp.target.revision
+    f = facts.services.get(name)
+    return f.record.revision if f is not None and f.record is not None else None
+
+
+def merge_plans(a: HostPlan | None, b: HostPlan | None) -> HostPlan | None:
+    """Two plans on one host as one (several rounds or passes, for reports): actions in the order
+    they ran; a service's plan is the later one, unless that one deferred it to another pass."""
+    if a is None or b is None:
+        return a or b
+    services = dict(a.services)
+    for name, sp in b.services.items():
+        if sp.state is not State.DEFERRED or name not in services:
+            services[name] = sp
+    # Every pass ends by recording the revision: one such line says it.
+    actions = a.actions + tuple(x for x in b.actions if not (x.kind is Kind.RECORD and x.service is None and
+                                                             any(y.kind is Kind.RECORD and y.service is None
+                                                                 for y in a.actions)))
+    return HostPlan(a.host, b.revision, actions, services, a.dropped_records + b.dropped_records)
