@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from reconciler.desired import load, source
-from reconciler.plan.planner import desired_files
+from reconciler.plan.files import desired_files
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 

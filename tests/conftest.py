@@ -21,7 +21,7 @@ import pygit2
 import pytest
 
 from reconciler.plan.facts import envfile_path
-from reconciler.plan.planner import parse_env_file
+from reconciler.plan.files import parse_env_file
 from tests import fleet as fleetlib
 
 FLEET_SIZE = int(os.environ.get("RECONCILER_TEST_FLEET_SIZE", "10"))

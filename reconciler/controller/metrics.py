@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from ..loop.results import FleetResult
-from ..plan.planner import State
+from ..plan.model import State
 from ..redact import redact
 
 # Health of a service that this run did not (re)start, from its state: in sync means verified

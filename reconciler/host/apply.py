@@ -53,7 +53,7 @@ from ..plan.facts import (
     parse_show,
     record_path,
 )
-from ..plan.planner import ORDER, Action, HostPlan, Kind, Reason
+from ..plan.model import ORDER, Action, HostPlan, Kind, Reason
 from ..plan.records import HostRecord, ServiceRecord
 from .health import WATCH_PROPS
 from .transport import Transport

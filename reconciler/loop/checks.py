@@ -36,17 +36,10 @@ from ..host.gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, gpu_facts, 
 from ..host.transport import Transport
 from ..host.versions import cache as versions_cache
 from ..host.versions import parse_probe, probe_command, probe_for
+from ..plan.actions import starting, writing_units
 from ..plan.facts import ENV_DROPIN, HostFacts
-from ..plan.planner import (
-    Block,
-    Checks,
-    HostPlan,
-    foreign_dropins,
-    own_files,
-    render_env_dropin,
-    starting,
-    writing_units,
-)
+from ..plan.files import foreign_dropins, own_files, render_env_dropin
+from ..plan.model import Block, Checks, HostPlan
 from ..preflight import (
     ModelFacts,
     RuleSet,

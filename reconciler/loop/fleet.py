@@ -28,7 +28,8 @@ from ..desired.trust import rewind_problem
 from ..errors import HostError, ReconcilerError, SourceError
 from ..host import lock
 from ..host.transport import Transport
-from ..plan.planner import Kind, starting
+from ..plan.actions import starting
+from ..plan.model import Kind
 from ..plan.records import Quarantine, Result, halt_where
 from ..plan.rollout import Halt, RolloutResult, Wave, group_members, natural_key, plan_rollouts, quarantine_cover
 from .host import lock_and_observe, observe, reconcile_host, ssh_connector

@@ -32,17 +32,12 @@ from ..host import lock
 from ..host.apply import Applied, apply_plan, write_record
 from ..host.health import Phase, SystemdWatch, watch_service
 from ..host.transport import SSHTransport, Transport
+from ..plan.actions import plan_host
 from ..plan.facts import HostFacts, observe_command, parse_observation
-from ..plan.planner import (
-    Action,
-    Context,
-    HostPlan,
-    Kind,
-    needs_last_good,
-    plan_host,
-    secret_files,
-)
+from ..plan.files import secret_files
+from ..plan.model import Action, Context, HostPlan, Kind
 from ..plan.records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
+from ..plan.state import needs_last_good
 from .options import Connector, RunIO, RunOptions
 from .results import Event, HostResult, ServiceEvent, fold, merge_plans, running_after
 from .revision import Revision

@@ -21,8 +21,8 @@ from typing import Any
 
 from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..plan.facts import HostFacts, ServiceFacts
-from ..plan.planner import live_quarantine
 from ..plan.records import ServiceRecord
+from ..plan.state import live_quarantine
 from .results import FleetResult
 
 RUNNING = ("active", "activating", "reloading", "refreshing")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from ..plan.planner import HostPlan, Kind, Reason, ServicePlan, State
+from ..plan.model import HostPlan, Kind, Reason, ServicePlan, State
 from ..plan.records import NO_VERDICT, SUPERSEDED, Result
 from ..plan.rollout import RolloutResult
 

@@ -15,8 +15,9 @@ from reconciler import cli
 from reconciler.desired.load import MemorySnapshot, load_desired
 from reconciler.loop.report import PhaseView, print_result
 from reconciler.loop.results import FleetResult, HostResult
+from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import HostFacts
-from reconciler.plan.planner import Context, plan_host
+from reconciler.plan.model import Context
 from reconciler.preflight import check_desired, load_rules
 from tests.plan.test_plan import REV, host, svc
 

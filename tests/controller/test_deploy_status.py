@@ -28,7 +28,7 @@ from reconciler.host.health import Outcome
 from reconciler.loop import live
 from reconciler.loop.results import FleetResult, HostResult, ServiceEvent
 from reconciler.plan.facts import HostFacts, ServiceFacts
-from reconciler.plan.planner import HostPlan
+from reconciler.plan.model import HostPlan
 from reconciler.plan.records import HostRecord, Pending, Quarantine, Result, ServiceRecord
 
 B = "b" * 40          # the deployed commit

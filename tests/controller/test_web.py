@@ -24,7 +24,7 @@ from reconciler.controller.web.hub import Hub
 from reconciler.desired.spec import RolloutPolicy
 from reconciler.host.health import Outcome
 from reconciler.loop.results import Event, FleetResult, HostResult, ServiceEvent
-from reconciler.plan.planner import Kind
+from reconciler.plan.model import Kind
 from reconciler.plan.records import Result
 from reconciler.plan.rollout import GroupKey, RolloutPlan, RolloutResult, plan_waves
 

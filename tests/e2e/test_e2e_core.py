@@ -90,7 +90,7 @@ def test_a_host_with_the_env_in_environment_lines_moves_to_the_env_file_without_
     """A host an older reconciler deployed had the env as Environment= lines in the drop-in and
     no env file. The first run after the upgrade moves the files (and reloads), restarts
     nothing, and the process keeps the same env; the next run is in sync."""
-    from reconciler.plan.planner import _legacy_env_dropin
+    from reconciler.plan.files import legacy_env_dropin as _legacy_env_dropin
     h = fleet.hosts[0]
     write_fleet(repo, [h], {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info", "Q": 'a "b" 50% \\ $x'}}})
     repo.commit("v1")

@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 
 from reconciler.desired import load, source
-from reconciler.plan.planner import desired_files
+from reconciler.plan.files import desired_files
 from tests import fleet as fleetlib
 from tests.conftest import FLEET_FIRST, FLEET_PREFIX, FLEET_SIZE, ROOT, DesiredRepo, Fleet, run_cli, run_json, wait_for
 from tests.proxy import Proxy

@@ -153,8 +153,9 @@ def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(
     it still runs on a channel of its own (no RECONCILER_NOW there)."""
     from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
     from reconciler.host.apply import _PRELUDE, build_script
+    from reconciler.plan.actions import plan_host
     from reconciler.plan.facts import HostFacts
-    from reconciler.plan.planner import Context, plan_host
+    from reconciler.plan.model import Context
     h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", "[Service]\nExecStart=/bin/m\n", {})})
     p = plan_host(h, HostFacts(services={}), Context("f" * 40))
     now_line = next(line for line in build_script(p, p.actions, 0).splitlines() if "@@now" in line) + "\n"

@@ -13,8 +13,10 @@ from reconciler.host.apply import apply_plan
 from reconciler.host.gpu import Gpu, GpuFacts
 from reconciler.host.transport import Completed, LocalTransport
 from reconciler.loop.checks import gpu_waiter
+from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import HostFacts, ServiceFacts
-from reconciler.plan.planner import Checks, Context, Kind, plan_host, render_env_dropin, render_env_file
+from reconciler.plan.files import render_env_dropin, render_env_file
+from reconciler.plan.model import Checks, Context, Kind
 from reconciler.plan.records import ServiceRecord
 
 FAKE_SMI = """#!/bin/sh

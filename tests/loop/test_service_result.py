@@ -7,7 +7,7 @@ import pytest
 
 from reconciler.host.health import Outcome
 from reconciler.loop.results import Event, ServiceEvent, service_result
-from reconciler.plan.planner import ServicePlan, State
+from reconciler.plan.model import ServicePlan, State
 from reconciler.plan.records import Result
 
 REV = "a" * 40

@@ -15,8 +15,9 @@ from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.errors import CommandError, ObserveError
 from reconciler.host.apply import apply_plan, build_script, parse_results, write_record
 from reconciler.host.transport import Completed
+from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import ENV_DROPIN, HostFacts, ServiceFacts, observe_command, parse_observation, parse_show
-from reconciler.plan.planner import Context, Kind, plan_host
+from reconciler.plan.model import Context, Kind
 from reconciler.plan.records import ServiceRecord
 
 # Captured on a test host (systemd 252): two units in one `systemctl show` call.

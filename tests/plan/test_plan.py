@@ -12,24 +12,10 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
+from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
-from reconciler.plan.planner import (
-    ORDER,
-    Action,
-    Block,
-    Checks,
-    Context,
-    HostPlan,
-    Kind,
-    Reason,
-    State,
-    Watch,
-    mask_secrets,
-    parse_env_file,
-    plan_host,
-    render_env_dropin,
-    render_env_file,
-)
+from reconciler.plan.files import mask_secrets, parse_env_file, render_env_dropin, render_env_file
+from reconciler.plan.model import ORDER, Action, Block, Checks, Context, HostPlan, Kind, Reason, State, Watch
 from reconciler.plan.records import (
     INCONCLUSIVE,
     START_LIMIT_HIT,
@@ -782,7 +768,7 @@ def test_a_host_with_the_env_as_environment_lines_moves_to_the_env_file_without_
     env file. Where those lines are exactly the desired env, the running process has it already:
     the files move (write both, daemon-reload), nothing restarts. Where they differ, it is an
     env change as any other."""
-    from reconciler.plan.planner import _legacy_env_dropin
+    from reconciler.plan.files import legacy_env_dropin as _legacy_env_dropin
     legacy = replace(on_host(M, verified(M)), env_text=_legacy_env_dropin(M.env), envfile_text=None,
                      dropins={env_path("m"): _legacy_env_dropin(M.env)})
     plan = plan_of((M,), (legacy,))

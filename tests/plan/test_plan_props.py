@@ -19,21 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
+from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
-from reconciler.plan.planner import (
-    Action,
-    Checks,
-    Context,
-    HostPlan,
-    Kind,
-    Reason,
-    State,
-    desired_files,
-    needs_last_good,
-    plan_host,
-    render_env_dropin,
-    render_env_file,
-)
+from reconciler.plan.files import desired_files, render_env_dropin, render_env_file
+from reconciler.plan.model import Action, Checks, Context, HostPlan, Kind, Reason, State
 from reconciler.plan.records import (
     INCONCLUSIVE,
     MAX_UNJUDGED,
@@ -45,6 +34,7 @@ from reconciler.plan.records import (
     Verdict,
     judge,
 )
+from reconciler.plan.state import needs_last_good
 
 REV = "a" * 40        # the desired revision
 OLD = "b" * 40        # what the host ran before

@@ -10,9 +10,11 @@ from dataclasses import replace
 from reconciler.desired import secrets
 from reconciler.desired.spec import SecretSpec, ServiceSpec
 from reconciler.host import apply
+from reconciler.plan.actions import plan_host
 from reconciler.plan.confirm import KEPT, Previous, arm
 from reconciler.plan.facts import HostFacts, cred_env_path, cred_path, secrets_path
-from reconciler.plan.planner import Context, Kind, Reason, State, plan_host, render_secrets, secret_files
+from reconciler.plan.files import render_secrets, secret_files
+from reconciler.plan.model import Context, Kind, Reason, State
 from reconciler.plan.records import ServiceRecord
 from tests.plan.test_plan import REV, UNIT, host, on_host, svc, verified
 

@@ -146,7 +146,7 @@ class Hub:
     def planned(self, r: HostResult) -> None:
         """A host's plan is about to be applied: what it (re)starts is "deploying" until its health
         wait reports."""
-        from ...plan.planner import starting
+        from ...plan.actions import starting
         with self.lock:
             if self.run is None or r.plan is None:
                 return
