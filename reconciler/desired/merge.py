@@ -1,0 +1,89 @@
+"""A service's layers merged into one table, every value remembering the file and key that set it.
+
+Lowest layer first: fleet.toml [health]/[rollout] < services/<def>.toml < the host's table.
+env, vars, model, health, rollout and secrets merge key by key; unit and unit_file replace each
+other as a pair. A value keeps where it was set (At) because a problem found later, after
+rendering or when a file it names is read, must name the file and key the user wrote it in,
+which for a shared definition is not the host's file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import schema
+from .problems import dotted
+from .spec import RolloutPolicy
+
+
+@dataclass(frozen=True)
+class At:
+    """Where a value was set: a repo file and the dotted key inside it."""
+
+    file: str
+    key: str
+
+
+@dataclass
+class Merged:
+    """One service after merging its layers; every value remembers where it was set."""
+
+    unit: tuple[str, At] | None = None        # inline unit text
+    unit_file: tuple[str, At] | None = None   # repo path of the unit file
+    conflict: bool = False                    # a layer set both unit and unit_file
+    env: dict[str, tuple[str, At]] = field(default_factory=dict)
+    vars: dict[str, tuple[str, At]] = field(default_factory=dict)
+    model: dict[str, tuple[str | float, At]] = field(default_factory=dict)  # fetch_timeout, size_gb: float
+    health: dict[str, tuple[Any, At]] = field(default_factory=dict)
+    rollout: dict[str, tuple[Any, At]] = field(default_factory=dict)
+    gpu_policy: str = "report"
+    adopt: bool = False
+    allow_dropins: tuple[str, ...] = ()
+    secrets: dict[str, tuple[schema.SecretRef, At]] = field(default_factory=dict)
+
+    def add_rollout(self, table: schema.RolloutTable | None, file: str, prefix: tuple[str, ...]) -> None:
+        if table is None:
+            return
+        for name, value in table.model_dump(exclude_none=True).items():
+            self.rollout[name] = (value, At(file, dotted(*prefix, "rollout", name)))
+
+    def policy(self) -> RolloutPolicy:
+        return RolloutPolicy(**{k: v for k, (v, _) in self.rollout.items()})
+
+    def add_health(self, table: schema.HealthTable | None, file: str, prefix: tuple[str, ...]) -> None:
+        if table is None:
+            return
+        for name, value in table.model_dump(exclude_none=True).items():
+            self.health[name] = (value, At(file, dotted(*prefix, "health", name)))
+
+    def add_layer(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
+        """Merge a definition or a host's service table over what is here."""
+        self._add_unit(table, file, prefix)
+        for k, v in table.env.items():
+            self.env[k] = (v, At(file, dotted(*prefix, "env", k)))
+        for k, v in table.vars.items():
+            self.vars[k] = (v, At(file, dotted(*prefix, "vars", k)))
+        if table.model is not None:
+            for k, v in table.model.model_dump(exclude_none=True).items():
+                self.model[k] = (v, At(file, dotted(*prefix, "model", k)))
+        self.add_health(table.health, file, prefix)
+        if table.gpu_policy is not None:
+            self.gpu_policy = table.gpu_policy
+        if table.adopt is not None:
+            self.adopt = table.adopt
+        if table.allow_dropins is not None:
+            self.allow_dropins = tuple(table.allow_dropins)
+        for k, ref in table.secrets.items():
+            self.secrets[k] = (ref, At(file, dotted(*prefix, "secrets", k)))
+        self.add_rollout(table.rollout, file, prefix)
+
+    def _add_unit(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
+        if table.unit is not None and table.unit_file is not None:
+            self.conflict = True
+        if table.unit is not None or table.unit_file is not None:
+            # The pair is replaced as a whole: a host's unit_file clears the definition's unit.
+            self.unit = (table.unit, At(file, dotted(*prefix, "unit"))) if table.unit is not None else None
+            self.unit_file = (
+                (table.unit_file, At(file, dotted(*prefix, "unit_file"))) if table.unit_file is not None else None
+            )
