@@ -1,4 +1,9 @@
-"""Shell commands the reconciler sends to hosts: `sh -c SCRIPT NAME ARGS...`, kept with their parts.
+"""Shell commands the reconciler sends to hosts: `sh -c SCRIPT NAME ARGS...`, kept with their parts,
+and the programs they run, which are real shell files: reconciler/sh/*.sh.
+
+Every program that runs on a host is a file in reconciler/sh/ (shellcheck-clean: tests/test_sh.py),
+read once (`program`). Its constants are shell variables with defaults at the top, which the
+Python side's constants are tested to equal; its variable parts are positional parameters.
 
 `ShCommand` is the command line itself (a str, run as it is), and it keeps its script and
 arguments, so that several can run in one sh (`one_sh`): each in a subshell of its own (its
@@ -9,8 +14,11 @@ checks were four `sh` processes.
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 from collections.abc import Sequence
+from functools import cache
+from importlib import resources
 
 
 class ShCommand(str):
@@ -37,3 +45,14 @@ def one_sh(commands: Sequence[ShCommand], name: str = "sh") -> ShCommand:
     if len(commands) == 1:
         return commands[0]
     return ShCommand("\n".join(c.subshell() for c in commands), name)
+
+
+@cache
+def program(name: str) -> str:
+    """The text of reconciler/sh/<name>.sh (package data)."""
+    return resources.files("reconciler").joinpath("sh", f"{name}.sh").read_text()
+
+
+def digest(text: str) -> str:
+    """A program's content name: the first 16 hex digits of its SHA-256 (installed by content)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -19,8 +19,6 @@ run it on a GPU machine that has no pydantic or asyncssh.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import re
 import secrets
 import shlex
@@ -28,7 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from .. import shell
 from ..errors import ObserveError
+from ..frames import Frame, decode, frames, malformed
 from ..shell import ShCommand
 
 
@@ -55,9 +55,12 @@ class Runner(Protocol):
 Policy = Literal["report", "kill"]
 POLICIES: tuple[str, ...] = ("report", "kill")
 
-QUERY_GPU = "nvidia-smi --query-gpu=index,uuid,memory.used,memory.total --format=csv,noheader,nounits"
-QUERY_APPS = ("nvidia-smi --query-compute-apps=pid,process_name,used_memory,gpu_uuid "
-              "--format=csv,noheader,nounits")
+# What gpu.sh asks nvidia-smi (its constants of the same names: tests/test_host_programs.py)
+GPU_FIELDS = "index,uuid,memory.used,memory.total"
+APP_FIELDS = "pid,process_name,used_memory,gpu_uuid"
+SMI_FORMAT = "csv,noheader,nounits"
+QUERY_GPU = f"nvidia-smi --query-gpu={GPU_FIELDS} --format={SMI_FORMAT}"
+QUERY_APPS = f"nvidia-smi --query-compute-apps={APP_FIELDS} --format={SMI_FORMAT}"
 
 
 @dataclass(frozen=True)
@@ -143,80 +146,12 @@ def _mib(v: int | None) -> str:
     return "?" if v is None else str(v)
 
 
-_SCRIPT = r"""
-T=%(token)s
-nl='
-'
-enc() {  # file -> e: @ and its one line when that is printable ASCII without spaces, else the
-         # file in base64 (no process for the usual comm and cgroup v2); 1 when it cannot be read
-  e= ok= l= m=
-  { ok=1; IFS= read -r l; r=$?; IFS= read -r m; s=$?; } 2>/dev/null < "$1"
-  [ -n "$ok" ] || return 1
-  if [ "$r$s" = 01 ] && [ -z "$m" ]; then
-    case "$l" in ''|*[![:graph:]]*) ;; *) e=@$l; return 0 ;; esac
-  fi
-  e=$(base64 -w0 < "$1" 2>/dev/null)
-  return 0
-}
-printf '%%s BEGIN\n' "$T"
-# One ls over every process's fd directory (no process per fd): "/proc/PID/fd:" headers, then
-# "... N -> /dev/nvidia0" lines. awk keeps, per PID, the distinct /dev/nvidia* targets. Where
-# no such device node exists and there is no nvidia-smi, nothing can hold one: no scan.
-smi=; ! command -v nvidia-smi >/dev/null 2>&1 || smi=1
-set -- %(nodes)s
-if [ -e "$1" ] || [ -L "$1" ] || [ -n "$smi" ]; then
-ls -l /proc/[0-9]*/fd 2>/dev/null | awk -v P=%(arrow)s '
-  /^\/proc\/[0-9]+\/fd:$/ { split($0, a, "/"); pid = a[3]; next }
-  index($0, P) {
-    dev = substr($0, index($0, P) + 4); k = pid " " dev
-    if (!(k in seen)) { seen[k] = 1; devs[pid] = devs[pid] " " dev }
-  }
-  END { for (p in devs) print p devs[p] }' | while read -r pid devs; do
-  enc "/proc/$pid/comm" || continue
-  comm=$e
-  enc "/proc/$pid/cgroup"
-  printf '%%s H %%s %%s %%s %%s\n' "$T" "$pid" "${comm:--}" "${e:--}" "$devs"
-done
-fi
-if [ -n "$smi" ]; then
-  printf '%%s SMI 1\n' "$T"
-  set -f      # nvidia-smi's lines, one by one (IFS: newlines only; empty lines say nothing)
-  out=$(%(query_gpu)s 2>&1); rc=$?
-  IFS=$nl; for l in $out; do printf '%%s G %%s\n' "$T" "$l"; done; unset IFS
-  printf '%%s GRC %%s\n' "$T" "$rc"
-  out=$(%(query_apps)s 2>&1); rc=$?
-  IFS=$nl; for l in $out; do printf '%%s A %%s\n' "$T" "$l"; done; unset IFS
-  printf '%%s ARC %%s\n' "$T" "$rc"
-  # The cgroup of every compute process too: a server's GPU workers may hold no /dev/nvidia*
-  # fd we can see, and only their cgroup ties them to a service. Each PID once.
-  seen=' '
-  IFS=$nl
-  for l in $out; do
-    unset IFS
-    set -- ${l%%%%,*}       # the first field, without the blanks around it
-    IFS=$nl
-    [ $# -eq 1 ] || continue
-    p=$1
-    case "$p" in *[!0-9]*) continue ;; esac
-    case "$seen" in *" $p "*) continue ;; esac
-    seen="$seen$p "
-    enc "/proc/$p/cgroup"
-    printf '%%s C %%s %%s\n' "$T" "$p" "${e:--}"
-  done
-  unset IFS
-  set +f
-else
-  printf '%%s SMI 0\n' "$T"
-fi
-printf '%%s END\n' "$T"
-"""
-
-
 DEVICE_PREFIX = "/dev/nvidia"
 
 
 def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX) -> tuple[ShCommand, str]:
-    """The POSIX sh command that reads the GPU state of a host. Returns (command, token).
+    """The POSIX sh command that reads the GPU state of a host (reconciler/sh/gpu.sh). Returns
+    (command, token).
 
     Lists every process with /dev/nvidia* open (pid, comm, cgroup, device nodes) by scanning
     /proc/*/fd, and where nvidia-smi exists: index, uuid, memory.used, memory.total of each
@@ -228,9 +163,7 @@ def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX)
     if any(c.isspace() for c in device_prefix) or "\\" in device_prefix:
         raise ValueError("device_prefix must not contain whitespace or backslashes")
     token = token or secrets.token_hex(8)
-    script = _SCRIPT % {"token": token, "query_gpu": QUERY_GPU, "query_apps": QUERY_APPS,
-                        "arrow": shlex.quote(" -> " + device_prefix), "nodes": shlex.quote(device_prefix) + "*"}
-    return ShCommand(script, "reconciler-gpu"), token
+    return ShCommand(shell.program("gpu"), "reconciler-gpu", [token, device_prefix]), token
 
 
 _UNIT = re.compile(r"/([^/\s]+\.(?:service|scope))(?=/|$)")
@@ -257,15 +190,119 @@ def _int(v: str) -> int | None:
         return None                  # "[N/A]", "[Not Supported]"
 
 
-def _b64(payload: str) -> str:
-    if payload == "-":
-        return ""
-    if payload.startswith("@"):
-        return payload[1:]          # one line of printable ASCII, sent as it is
-    try:
-        return base64.b64decode(payload, validate=True).decode("utf-8", errors="replace")
-    except (binascii.Error, ValueError):
-        raise ValueError("bad base64") from None
+def _text(payload: str) -> str:
+    """A comm or cgroup as gpu.sh sends it: - (unreadable), @text, or base64."""
+    return "" if payload == "-" else decode(payload)
+
+
+_EARLY = "GPU check output ended early (is there a POSIX shell?)"
+
+
+class _GpuReading:
+    """parse_gpu's reading of the records: a handler per kind.
+
+    H a process holding a device node (pid, comm, cgroup, nodes); C a compute process's
+    cgroup; SMI whether nvidia-smi exists; G and A nvidia-smi's lines (GPUs, compute apps)
+    and GRC and ARC its exit statuses. Other kinds (BEGIN) say nothing.
+    """
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.has_smi = False
+        self.procs: dict[int, tuple[str, str | None, tuple[str, ...]]] = {}
+        self.apps: dict[int, tuple[str, list[int], list[str]]] = {}
+        self.app_units: dict[int, str | None] = {}
+        self.errors: list[str] = []
+        self.gpu_lines: list[str] = []
+
+    def read(self, f: Frame) -> None:
+        handler = {"H": self.holder, "C": self.cgroup, "SMI": self.smi, "G": self.gpu, "A": self.app,
+                   "GRC": self.status, "ARC": self.status}.get(f.kind)
+        if handler is not None:
+            handler(f)
+
+    def holder(self, f: Frame) -> None:
+        parts = f.payload.split()
+        if len(parts) < 3 or not parts[0].isdigit():
+            raise malformed(self.host, "GPU holder", f)
+        try:
+            comm, cgroup = _text(parts[1]).strip(), _text(parts[2])
+        except ValueError:
+            raise ObserveError(self.host, "malformed GPU holder line (bad base64)") from None
+        self.procs[int(parts[0])] = (comm, unit_of_cgroup(cgroup), tuple(sorted(set(parts[3:]))))
+
+    def cgroup(self, f: Frame) -> None:
+        pid, _, cg = f.payload.partition(" ")
+        if not pid.isdigit():
+            return
+        try:
+            self.app_units[int(pid)] = unit_of_cgroup(_text(cg.strip() or "-"))
+        except ValueError:
+            raise ObserveError(self.host, "malformed GPU cgroup line (bad base64)") from None
+
+    def smi(self, f: Frame) -> None:
+        self.has_smi = f.payload.strip() == "1"
+
+    def gpu(self, f: Frame) -> None:
+        self.gpu_lines.append(f.payload)
+
+    def app(self, f: Frame) -> None:
+        """One line per (process, GPU): a process on several GPUs gets its memory summed."""
+        payload = f.payload
+        if not payload.strip() or payload.lower().startswith("no running"):
+            return
+        fields = [x.strip() for x in payload.split(",")]
+        if len(fields) < 3 or not fields[0].isdigit():
+            self.errors.append(payload.strip())
+            return
+        # process_name may itself hold commas: pid first, memory and uuid last.
+        if len(fields) >= 4:
+            name, mem, uuid = ",".join(fields[1:-2]), _int(fields[-2]), fields[-1]
+        else:
+            name, mem, uuid = ",".join(fields[1:-1]), _int(fields[-1]), ""
+        entry = self.apps.setdefault(int(fields[0]), (name, [], []))
+        if mem is not None:
+            entry[1].append(mem)
+        if uuid:
+            entry[2].append(uuid)
+
+    def status(self, f: Frame) -> None:
+        if f.payload.strip() != "0":
+            query = "--query-gpu" if f.kind == "GRC" else "--query-compute-apps"
+            self.errors.append(f"{query} exited {f.payload.strip()}")
+
+    def gpus(self) -> list[Gpu]:
+        """nvidia-smi's GPU lines (index,uuid,used,total or index,used,total); any other line
+        is its error message, first among the errors."""
+        gpus: list[Gpu] = []
+        for payload in self.gpu_lines:
+            fields = [x.strip() for x in payload.split(",")]
+            if len(fields) == 4 and fields[0].isdigit():
+                gpus.append(Gpu(index=int(fields[0]), uuid=fields[1], used_mib=_int(fields[2]),
+                                total_mib=_int(fields[3])))
+            elif len(fields) == 3 and fields[0].isdigit():
+                gpus.append(Gpu(index=int(fields[0]), used_mib=_int(fields[1]), total_mib=_int(fields[2])))
+            elif payload.strip():
+                self.errors.insert(0, payload.strip())
+        return sorted(gpus, key=lambda g: g.index)
+
+    def holders(self, gpus: list[Gpu]) -> list[Holder]:
+        """The /proc scan and nvidia-smi's compute apps, by PID: devices from /proc, memory and
+        GPUs from nvidia-smi."""
+        by_uuid = {g.uuid: g.index for g in gpus if g.uuid}
+        out: list[Holder] = []
+        for pid in sorted(set(self.procs) | set(self.apps)):
+            comm, unit, devices = self.procs.get(pid, ("", self.app_units.get(pid), ()))
+            name, mems, uuids = self.apps.get(pid, ("", [], []))
+            out.append(Holder(pid=pid, comm=comm or name.rsplit("/", 1)[-1], devices=devices,
+                              used_mib=sum(mems) if mems else None, unit=unit,
+                              gpus=tuple(sorted({by_uuid[u] for u in uuids if u in by_uuid}))))
+        return out
+
+    def facts(self) -> GpuFacts:
+        gpus = self.gpus()
+        error = "; ".join(self.errors[:3]) if self.has_smi and self.errors else None
+        return GpuFacts(has_nvidia_smi=self.has_smi, gpus=gpus, holders=self.holders(gpus), error=error)
 
 
 def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
@@ -274,89 +311,10 @@ def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
     Holders are the union of the /proc scan and nvidia-smi's compute apps, sorted by PID; a
     PID seen by both gets its devices from /proc and its memory from nvidia-smi.
     """
-    has_smi = False
-    gpus: list[Gpu] = []
-    procs: dict[int, tuple[str, str | None, tuple[str, ...]]] = {}
-    apps: dict[int, tuple[str, list[int], list[str]]] = {}
-    app_units: dict[int, str | None] = {}
-    errors: list[str] = []
-    gpu_lines: list[str] = []
-    ended = False
-    for line in stdout.splitlines():
-        if not line.startswith(token + " "):
-            continue
-        rest = line[len(token) + 1:]
-        kind, _, payload = rest.partition(" ")
-        if kind == "END":
-            ended = True
-            break
-        if kind == "H":
-            parts = payload.split()
-            if len(parts) < 3 or not parts[0].isdigit():
-                raise ObserveError(host, f"malformed GPU holder line: {line[:80]!r}")
-            try:
-                comm, cgroup = _b64(parts[1]).strip(), _b64(parts[2])
-            except ValueError:
-                raise ObserveError(host, "malformed GPU holder line (bad base64)") from None
-            devices = tuple(sorted(set(parts[3:])))
-            procs[int(parts[0])] = (comm, unit_of_cgroup(cgroup), devices)
-        elif kind == "C":
-            pid_s, _, cg = payload.partition(" ")
-            if pid_s.isdigit():
-                try:
-                    app_units[int(pid_s)] = unit_of_cgroup(_b64(cg.strip() or "-"))
-                except ValueError:
-                    raise ObserveError(host, "malformed GPU cgroup line (bad base64)") from None
-        elif kind == "SMI":
-            has_smi = payload.strip() == "1"
-        elif kind == "G":
-            gpu_lines.append(payload)
-        elif kind == "A":
-            if not payload.strip() or payload.lower().startswith("no running"):
-                continue
-            fields = [f.strip() for f in payload.split(",")]
-            if len(fields) < 3 or not fields[0].isdigit():
-                errors.append(payload.strip())
-                continue
-            # process_name may itself hold commas: pid first, memory and uuid last.
-            pid = int(fields[0])
-            if len(fields) >= 4:
-                name, mem, uuid = ",".join(fields[1:-2]), _int(fields[-2]), fields[-1]
-            else:
-                name, mem, uuid = ",".join(fields[1:-1]), _int(fields[-1]), ""
-            # One line per (process, GPU): a process on several GPUs gets its memory summed.
-            entry = apps.setdefault(pid, (name, [], []))
-            if mem is not None:
-                entry[1].append(mem)
-            if uuid:
-                entry[2].append(uuid)
-        elif kind in ("GRC", "ARC") and payload.strip() != "0":
-            errors.append(f"{'--query-gpu' if kind == 'GRC' else '--query-compute-apps'} "
-                          f"exited {payload.strip()}")
-    if not ended:
-        raise ObserveError(host, "GPU check output ended early (is there a POSIX shell?)")
-    for payload in gpu_lines:
-        fields = [f.strip() for f in payload.split(",")]
-        if len(fields) == 4 and fields[0].isdigit():
-            gpus.append(Gpu(index=int(fields[0]), uuid=fields[1], used_mib=_int(fields[2]),
-                            total_mib=_int(fields[3])))
-        elif len(fields) == 3 and fields[0].isdigit():      # index,memory.used,memory.total
-            gpus.append(Gpu(index=int(fields[0]), used_mib=_int(fields[1]), total_mib=_int(fields[2])))
-        elif payload.strip():
-            errors.insert(0, payload.strip())
-    by_uuid = {g.uuid: g.index for g in gpus if g.uuid}
-    holders: list[Holder] = []
-    for pid in sorted(set(procs) | set(apps)):
-        comm, unit, devices = procs.get(pid, ("", app_units.get(pid), ()))
-        app = apps.get(pid)
-        if app and not comm:
-            comm = app[0].rsplit("/", 1)[-1]
-        holders.append(Holder(
-            pid=pid, comm=comm, devices=devices, used_mib=sum(app[1]) if app and app[1] else None, unit=unit,
-            gpus=tuple(sorted({by_uuid[u] for u in (app[2] if app else []) if u in by_uuid}))))
-    error = "; ".join(errors[:3]) if has_smi and errors else None
-    return GpuFacts(has_nvidia_smi=has_smi, gpus=sorted(gpus, key=lambda g: g.index),
-                    holders=holders, error=error)
+    reading = _GpuReading(host)
+    for f in frames(stdout, token, host, early=_EARLY):
+        reading.read(f)
+    return reading.facts()
 
 
 async def gpu_facts(t: Runner, *, timeout: float = 30.0,

@@ -1,9 +1,11 @@
 """One reconcile of a host at a time, across processes and controllers: a lock on the host.
 
-The lock is `flock` on /var/lib/reconciler/.lock, held by a process the run starts on the host
-over its own SSH connection and keeps for the whole host run, from observe to verdict. It
-ends, and the lock with it, when the run closes it, when the connection drops (the process
-reads EOF), or when the controller goes silent: the run writes a heartbeat line every few
+The lock is `flock` on /var/lib/reconciler/.lock, held by a program the run starts on the host
+(reconciler/sh/holder.sh, with its command loop session.sh: real shell files, installed once per
+host by content under /var/lib/reconciler/bin and started by path, so the command line holds
+nothing but paths and short words) over its own SSH connection and keeps for the whole host
+run, from observe to verdict. It ends, and the lock with it, when the run closes it, when the
+connection drops (the process reads EOF), or when the controller goes silent: the run writes a heartbeat line every few
 seconds, and the holder gives up after IDLE seconds without one (a controller that was
 partitioned away, whose connection the host has not noticed yet, never blocks later runs
 for long). While it holds the lock it keeps who it is in /var/lib/reconciler/.lock.owner, so
@@ -25,17 +27,18 @@ says LOCKED ... same and skips the observation: one `systemctl show` fewer per h
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 import shlex
 import socket
 import time
 
+from .. import shell
 from ..errors import HostError
-from ..plan.confirm import arm_pending
-from ..plan.facts import LOCK, LOCK_COUNT, LOCK_OWNER, STATE_DIR, count_holder
+from ..plan.facts import LOCK, LOCK_COUNT, LOCK_OWNER, STATE_DIR
 from ..shell import ShCommand
-from .session import HostSession, SessionTransport, loop_script
+from .session import HostSession, SessionTransport
 from .transport import Spawned, StreamSpawned, Transport
 
 OWNER = LOCK_OWNER
@@ -51,40 +54,51 @@ class LockedError(HostError):
     reason = "Locked"
 
 
-def holder_command(wait: float, owner: str, then: str = "", since: str | None = None) -> str:
-    """The shell that takes the lock (waiting at most `wait` s), counts itself (COUNT), says
-    LOCKED (`LOCKED bash` where bash runs its loop; `... same` when the count was still
-    `since`), runs `then` unless it said same (a command whose output the run reads under the
-    lock: its observation, in the same round trip), and keeps the lock while heartbeats
-    arrive; it prints BUSY and the owner's line when the wait runs out.
+BIN = f"{STATE_DIR}/bin"      # the holder's programs, by content (root's own directory)
 
-    Where bash exists, the holder then runs the run's commands too (session.py: one shell for
-    the whole host run, no SSH channel per command) and reads the heartbeats with bash's
-    `read -t`; a host without bash reads each heartbeat with `timeout head` (two processes
-    every HEARTBEAT seconds), and the run opens a channel per command."""
-    # An sh command (the observation) runs as a subshell of the holder's own sh, not a new sh
-    run = then.subshell() if isinstance(then, ShCommand) else then
-    first = f"[ -n \"$s\" ] || {{ {run}; }} </dev/null 2>/dev/null; " if then else ""
-    same = f"[ \"$g\" != {since} ] || s=same; " if since is not None and since.isdigit() else ""
-    # As it lets go, the holder empties the owner file and arms the dead-man's switch of every
-    # deploy that got no verdict (confirm.arm_pending: none, and no process, after a verdict):
-    # the controller went (EOF), was killed or cut off (a signal, or silence for IDLE seconds).
-    last = f": > {OWNER}; {arm_pending()}"
-    plain = (f"trap {shlex.quote(last + '; exit 129')} HUP TERM PIPE; "
-             f"while line=$(timeout {IDLE} head -n 1) && [ -n \"$line\" ]; do :; done; {last}")
-    loop = shlex.quote(loop_script(IDLE, last))
-    # The login shell holds the lock itself (flock on its fd 9) and, where it is bash, runs the
-    # loop too: two processes (the shell, flock) where `flock FILE sh -c ...` then `bash -c`
-    # took four. The owner file is emptied, not removed, when it lets go (no `rm` process): a
-    # look reads an empty one as no holder.
-    keep = (f"{count_holder(COUNT)}; s=; {same}"
-            f"printf '%s\\n' {shlex.quote(owner)} > {OWNER}; b=; command -v bash >/dev/null 2>&1 && b=bash; "
-            f"echo LOCKED $b $s; {first}"
-            f"if [ -z \"$b\" ]; then {plain}; elif [ -n \"${{BASH_VERSION:-}}\" ]; then eval {loop}; "
-            f"else bash -c {loop}; fi; : > {OWNER}")
-    return (f"{{ [ -d {STATE_DIR} ] || mkdir -p {STATE_DIR}; }} && exec 9>>{LOCK} && "
-            f"if flock -w {int(wait)} 9; then {keep}; "
-            f"else echo BUSY; cat {OWNER} 2>/dev/null; fi")
+
+def installed_as(text: str) -> str:
+    """Where a program lives on the host once installed: named by its content."""
+    return f"{BIN}/{shell.digest(text)}.sh"
+
+
+def holder_command(wait: float, owner: str, then: ShCommand | None = None, since: str | None = None) -> str:
+    """The command line that starts the installed holder (reconciler/sh/holder.sh) with its
+    arguments, in bash where the host has it (the holder then runs the run's command loop,
+    session.sh, in its own shell), else in sh; it says MISSING where the holder (or `then`'s
+    program) is not installed yet. `then`: a program the holder runs once it holds the lock (the
+    observation under the lock, in the same round trip), its own program installed by content
+    too. Nothing but paths and short words on the command line (`ps` shows no program)."""
+    holder, session = installed_as(shell.program("holder")), installed_as(shell.program("session"))
+    want = [holder, session] + ([installed_as(then.script)] if then is not None else [])
+    args = [str(int(wait)), since if since is not None and since.isdigit() else "", owner, session]
+    if then is not None:
+        args += [installed_as(then.script), *then.args]
+    words = " ".join(shlex.quote(a) for a in args)
+    present = " && ".join(f"[ -f {shlex.quote(w)} ]" for w in want)
+    return (f"if {present}; then if command -v bash >/dev/null 2>&1; then exec bash {shlex.quote(holder)} {words}; "
+            f"else exec sh {shlex.quote(holder)} {words}; fi; else echo MISSING; fi")
+
+
+def install_script(programs: list[str]) -> str:
+    """sh that installs programs by content under BIN (root-only, each written atomically) and
+    removes the ones no longer used (an older release's)."""
+    keep = " ".join(shlex.quote(shell.digest(text) + ".sh") for text in programs)
+    lines = ["set -e", "umask 077", f"mkdir -p {BIN}", f"chmod 0700 {BIN}",
+             f'for f in {BIN}/*.sh; do [ -e "$f" ] || continue; case " {keep} " in *" ${{f##*/}} "*) ;; '
+             f'*) rm -f "$f" ;; esac; done']
+    for text in programs:
+        blob = base64.b64encode(text.encode()).decode()
+        lines.append(f't=$(mktemp {BIN}/.reconciler-tmp.XXXXXX); printf %s {blob} | base64 -d > "$t"; '
+                     f'mv -f "$t" {shlex.quote(installed_as(text))}')
+    return "\n".join(lines) + "\n"
+
+
+async def install(t: Transport, then: ShCommand | None = None) -> None:
+    """Install the holder, its command loop and `then`'s program on the host (the first run of
+    a release on a host: one round trip more)."""
+    programs = [shell.program("holder"), shell.program("session")] + ([then.script] if then is not None else [])
+    await t.run("sh -s", input=install_script(programs), check=True, timeout=30, what="install the lock holder")
 
 
 def owner_line() -> str:
@@ -125,20 +139,24 @@ class HostLock:
             await self.proc.close()
 
 
-async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[str, str] | None = None,
+async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[ShCommand, str] | None = None,
                   then_timeout: float = 30.0, since: str | None = None) -> HostLock:
     """Take the host's lock, waiting at most `wait` seconds; raise LockedError when another
     run keeps it that long.
 
-    then: (command, last line) to run on the host once the lock is held, its output read up to
+    then: (program, last line) to run on the host once the lock is held, its output read up to
     and including that line (HostLock.output; None if it did not come within then_timeout).
     since: the lock's count as a look saw it; when it has not moved, `then` is not run
-    (HostLock.same)."""
-    proc = await t.spawn(holder_command(wait, owner_line(), then[0] if then else "", since))
-    try:
-        first = await asyncio.wait_for(proc.readline(), wait + 15)
-    except TimeoutError:
-        first = ""
+    (HostLock.same). The holder's programs are installed first where they are missing."""
+    program_then = then[0] if then is not None else None
+    command = holder_command(wait, owner_line(), program_then, since)
+    proc = await t.spawn(command)
+    first = await _first_line(proc, wait)
+    if first.strip() == "MISSING":
+        await proc.close()
+        await install(t, program_then)
+        proc = await t.spawn(command)
+        first = await _first_line(proc, wait)
     words = first.split()       # LOCKED [bash] [same]: bash runs the session loop; same: see since
     if words[:1] == ["LOCKED"]:
         output = None
@@ -160,6 +178,13 @@ async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[str, str] | N
     holder = f" (held by {who})" if who else ""
     raise LockedError(t.host, f"another reconcile holds {LOCK} on this host{holder}; waited {wait:.0f}s, "
                               f"changed nothing here")
+
+
+async def _first_line(proc: Spawned, wait: float) -> str:
+    try:
+        return await asyncio.wait_for(proc.readline(), wait + 15)
+    except TimeoutError:
+        return ""
 
 
 async def _read_through(proc: Spawned, last: str) -> str | None:

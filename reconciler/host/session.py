@@ -1,4 +1,5 @@
-"""One shell per host run: the commands of a locked run go through the lock holder's own shell.
+"""One shell per host run: the commands of a locked run go through the lock holder's own shell
+(its command loop is reconciler/sh/session.sh; this is the controller's end of it).
 
 A host run used to open an SSH channel per command: pre-flight, apply, each health reading,
 each verdict. Every channel costs the host's sshd a session and a login shell (`bash -c`),
@@ -32,48 +33,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import shlex
 
 from ..errors import CommandError, ConnectError
 from .transport import Completed, Spawned, StreamSpawned, Transport, checked
 
 END = "@@end:"
 READY = "@@ready"
-
-
-def loop_script(idle: int, last: str = "") -> str:
-    """The holder's command loop (bash: its `read -t` and `read -N` cost no process per frame).
-    Its own stderr (job notices) goes nowhere; fd 4 is the channel's, the commands' stderr; fd 9
-    holds the host lock (lock.py), and no command gets it: one that leaves a process behind
-    does not keep the lock. `last`: what the loop runs as it ends, also on SIGTERM or SIGHUP."""
-    # The group's EXIT trap writes the ends (an `exit` in the command ends it too); with it, the
-    # command is one fork of the group, and its input one more (lastpipe: no subshell for eval)
-    ends = f"trap 'printf \"\\n{END}%s %s\\n\" \"$2\" \"$?\"; printf \"\\n{END}%s\\n\" \"$2\" >&2' EXIT"
-    # The host's clock for the command, from bash's own printf (apply's @@now: no `date`)
-    clock = "printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW"
-    prologue = f"{ends}; {clock}"       # what the command's group runs before the command
-    return f"""exec 4>&2 2>/dev/null
-printf "{READY}\\n" >&4
-set -m; shopt -s lastpipe
-pid=
-stop() {{ [ -z "$pid" ] || kill -TERM -- "-$pid"; pid=; }}
-trap {shlex.quote("stop" + (f"; {last}" if last else ""))} EXIT
-while IFS= read -r -t {idle} line && [ -n "$line" ]; do
-  case $line in
-  R\\ *)
-    set -- $line; cmd= inp=
-    [ "$3" = 0 ] || LC_ALL=C read -r -N "$3" cmd || break
-    case $4 in -|0) ;; *) LC_ALL=C read -r -N "$4" inp || break ;; esac
-    if [ "$4" = - ]; then
-      {{ {prologue}; eval "$cmd" 4>&- 9>&-; }} </dev/null 2>&4 &
-    else
-      {{ {prologue}; printf %s "$inp" | eval "$cmd" 4>&- 9>&-; }} </dev/null 2>&4 &
-    fi
-    pid=$! ;;
-  D) pid= ;;
-  K) stop ;;
-  esac
-done"""
 
 
 class _NotSent(Exception):

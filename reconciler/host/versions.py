@@ -22,62 +22,16 @@ import json
 import os
 import re
 import secrets
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import shell
+from ..frames import frames
 from ..preflight import Command
 from ..shell import ShCommand
 
 _PYTHON = re.compile(r"^python[0-9.]*$")
-
-# Runs on the host: the version of the package named in argv[1].
-_PROBE_PY = (
-    "import sys\n"
-    "try:\n"
-    "    from importlib.metadata import version\n"
-    "    print(version(sys.argv[1]))\n"
-    "except Exception:\n"
-    "    import importlib\n"
-    "    print(getattr(importlib.import_module(sys.argv[1]), '__version__', ''))\n")
-
-_SCRIPT = r"""
-T=%(token)s
-nl='
-'
-probe() {  # name executable module pythonpath cached-stamp
-  exe=$2
-  unknown() { printf '%%s V %%s - -\n' "$T" "$1"; }
-  case "$exe" in /*) ;; *) exe=$(command -v "$exe" 2>/dev/null) || { unknown "$1"; return; } ;; esac
-  py=$exe
-  line=
-  { IFS= read -r line < "$exe"; } 2>/dev/null     # the first line: a shebang names the interpreter
-  case "$line" in '#!'*)
-    line=${line#??}; line=${line#"${line%%%%[![:space:]]*}"}
-    case "$line" in *python*) py=$line ;; esac ;;
-  esac
-  first=${py%%%% *}
-  if [ "$first" = /usr/bin/env ]; then
-    second=${py#* }; first=$(command -v "${second%%%% *}" 2>/dev/null) || first=/nonexistent
-  fi
-  case "$first" in */*) bin=${first%%/*} ;; *) bin=. ;; esac
-  pp=$4 ppdirs=       # PYTHONPATH with each ':' a space (then split like the rest)
-  while :; do case "$pp" in *:*) ppdirs="$ppdirs${pp%%%%:*} "; pp=${pp#*:} ;; *) ppdirs=$ppdirs$pp; break ;; esac; done
-  dirs="$first ${bin:-/}/../lib/python3*/site-packages /usr/local/lib/python3*/dist-packages"
-  dirs="$dirs /usr/lib/python3/dist-packages $ppdirs"
-  stamp=$(stat -L --printf '%%Y.' $dirs 2>/dev/null)
-  [ -x "$first" ] || { unknown "$1"; return; }
-  if [ "$stamp" = "$5" ]; then printf '%%s V %%s %%s =\n' "$T" "$1" "$stamp"; return; fi
-  out=$(cd / && PYTHONPATH="$4" timeout 60 $py -c "$P" "$3" 2>/dev/null; printf x)
-  out=${out%%x}; out=${out%%"$nl"}; v=${out##*"$nl"}     # the last line, as tail -n 1 gives it
-  case "$v" in
-    [0-9]*[!0-9A-Za-z.+!-]*|[!0-9]*|'') v=$(printf '%%s' "$v" | base64 -w0) ;;
-    *) v=@$v ;;          # a version as it is (the parser's own pattern): no base64 process
-  esac
-  printf '%%s V %%s %%s %%s\n' "$T" "$1" "$stamp" "$v"
-}
-"""
 
 
 @dataclass(frozen=True)
@@ -109,12 +63,11 @@ def probe_for(service: str, cmd: Command) -> Probe | None:
 
 def probe_command(probes: list[Probe], cached: Mapping[str, str], token: str | None = None) -> tuple[ShCommand, str]:
     """The shell that reads every probe's version (or only its stamp, when `cached` has the
-    stamp seen last time for its key). Returns (command, token)."""
+    stamp seen last time for its key): reconciler/sh/versions.sh. Returns (command, token)."""
     token = token or secrets.token_hex(8)
-    calls = [" ".join(shlex.quote(x) for x in ("probe", p.service, p.executable, p.module, p.pythonpath,
-                                                cached.get(p.key, ""))) for p in probes]
-    script = (_SCRIPT % {"token": token}) + f"P={shlex.quote(_PROBE_PY)}\n" + "\n".join(calls) + "\n"
-    return ShCommand(script, "reconciler-probe"), token
+    args = [token, *(x for p in probes for x in (p.service, p.executable, p.module, p.pythonpath,
+                                                 cached.get(p.key, "")))]
+    return ShCommand(shell.program("versions"), "reconciler-probe", args), token
 
 
 @dataclass(frozen=True)
@@ -126,27 +79,34 @@ class Answer:
     cached: bool = False
 
 
+_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]*$")
+
+
+def _answer(stamp: str, payload: str) -> Answer:
+    """A V record's answer: its stamp (- unknown), and "=" (unchanged since the cached answer),
+    the version as it is (@, the host found it matches _VERSION) or in base64."""
+    if stamp == "-":
+        return Answer(None, None)
+    if payload == "=":
+        return Answer(None, stamp, cached=True)
+    if payload.startswith("@"):
+        text = payload[1:]
+    else:
+        try:
+            text = base64.b64decode(payload).decode(errors="replace").strip()
+        except ValueError:
+            text = ""
+    return Answer(text if _VERSION.match(text) else None, stamp)
+
+
 def parse_probe(stdout: str, token: str) -> dict[str, Answer]:
-    """Service -> answer (pure). "=" means: unchanged since the cached answer."""
+    """Service -> answer (pure): each "V SERVICE STAMP PAYLOAD" record (an answer cut short
+    lacks the services it did not reach: their versions are unknown)."""
     out: dict[str, Answer] = {}
-    for line in stdout.splitlines():
-        parts = line.split(" ")
-        if len(parts) != 5 or parts[0] != token or parts[1] != "V":
-            continue
-        _, _, name, stamp, payload = parts
-        if stamp == "-":
-            out[name] = Answer(None, None)
-        elif payload == "=":
-            out[name] = Answer(None, stamp, cached=True)
-        else:
-            if payload.startswith("@"):
-                text = payload[1:]        # sent as it is: the host found it matches the pattern below
-            else:
-                try:
-                    text = base64.b64decode(payload).decode(errors="replace").strip()
-                except ValueError:
-                    text = ""
-            out[name] = Answer(text if re.match(r"^[0-9][0-9A-Za-z.+!-]*$", text) else None, stamp)
+    for f in frames(stdout, token):
+        fields = f.fields()
+        if f.kind == "V" and len(fields) == 3:
+            out[fields[0]] = _answer(fields[1], fields[2])
     return out
 
 

@@ -29,13 +29,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+from .. import shell
 from ..desired.spec import HostSpec, ModelSpec, ServiceSpec
 from ..errors import CommandError
+from ..frames import Frame, frames
 from ..host.apply import GpuWait
 from ..host.gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, gpu_facts, kill_strays, parse_gpu, wait_released
 from ..host.transport import Transport
+from ..host.versions import Probe, parse_probe, probe_command, probe_for
 from ..host.versions import cache as versions_cache
-from ..host.versions import parse_probe, probe_command, probe_for
 from ..plan.actions import starting, writing_units
 from ..plan.facts import ENV_DROPIN, HostFacts
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
@@ -81,48 +83,6 @@ Progress = Callable[[str, str, float, float], None]   # service, phase, elapsed,
 
 # ---- systemd's own check of a unit ----------------------------------------------------------------
 
-_VERIFY_SCRIPT = r"""
-T=%(token)s
-nl='
-'
-command -v systemd-analyze >/dev/null 2>&1 || { printf '%%s V - -\n' "$T"; printf '%%s END\n' "$T"; exit 0; }
-# stdin, first line: a random directory suffix, then the temp names that get a drop-in directory.
-# One mkdir makes them all (mode 700; the name is on no command line before mkdir runs).
-read -r r dropins || exit 1
-dir=/tmp/reconciler-verify.$r
-set -f
-set -- "$dir"
-for t in $dropins; do set -- "$@" "$dir/$t.service.d"; done
-set +f
-mkdir -m 700 -- "$@" || exit 1
-trap 'rm -rf "$dir"' EXIT
-put() {  # file count: copy count lines of stdin into file, the last without a newline (exact bytes)
-  n=$2
-  { IFS= read -r l; printf '%%s' "$l"
-    while [ "$n" -gt 1 ]; do IFS= read -r l; printf '\n%%s' "$l"; n=$((n - 1)); done; } > "$1"
-}
-while read -r svc tmpname nunit nenv; do
-  put "$dir/$tmpname.service" "$nunit"
-  [ "$nenv" = - ] || put "$dir/$tmpname.service.d/%(dropin)s" "$nenv"
-  # Only this unit's own findings (--recursive-errors=no, systemd 250+: a fifth of the time, and
-  # another unit's fault never blocks this one); an older systemd-analyze checks as it can.
-  out=$(systemd-analyze verify --man=no --recursive-errors=no "$dir/$tmpname.service" 2>&1); rc=$?
-  case "$out" in *recursive-errors*)
-    out=$(systemd-analyze verify --man=no "$dir/$tmpname.service" 2>&1); rc=$? ;;
-  esac
-  # Printable ASCII comes line by line (O); anything else in one base64 payload (B).
-  case "$out" in
-    *[![:print:]"$nl"]*) printf '%%s B %%s %%s\n' "$T" "$svc" "$(printf '%%s' "$out" | base64 -w0)" ;;
-    *) IFS=$nl; set -f
-       for l in $out; do printf '%%s O %%s %%s\n' "$T" "$svc" "$l"; done
-       unset IFS; set +f ;;
-  esac
-  printf '%%s V %%s %%s\n' "$T" "$svc" "$rc"
-done
-printf '%%s END\n' "$T"
-"""
-
-
 def _lines(text: str) -> tuple[int, str]:
     """A text as the verify script's `put` reads it: how many pieces it has between newlines, and
     those pieces each on a line of its own (so a missing final newline stays missing)."""
@@ -132,7 +92,7 @@ def _lines(text: str) -> tuple[int, str]:
 
 def verify_command(units: Mapping[str, tuple[str, str | None]], token: str | None = None) -> tuple[ShCommand, str, str]:
     """The command that has systemd check each unit (service -> (unit text, env drop-in or None))
-    under a throw-away name, so no live drop-in of the real unit is mixed in.
+    under a throw-away name, so no live drop-in of the real unit is mixed in: reconciler/sh/verify.sh.
 
     The unit and drop-in texts come on stdin as plain lines, counted (never on a command line,
     never decoded by another process); they are written byte for byte by the shell itself.
@@ -145,58 +105,71 @@ def verify_command(units: Mapping[str, tuple[str, str | None]], token: str | Non
         nunit, unit_lines = _lines(unit)
         nenv, env_lines = _lines(env) if env else ("-", "")
         parts.append(f"{name} {names[name]} {nunit} {nenv}\n{unit_lines}{env_lines}")
-    script = _VERIFY_SCRIPT % {"token": token, "dropin": ENV_DROPIN}
-    return ShCommand(script, "reconciler-verify"), "".join(parts), token
+    return ShCommand(shell.program("verify"), "reconciler-verify", [token]), "".join(parts), token
 
 
 _LINE_REF = re.compile(r"^(?P<file>/\S+?):(?P<line>\d+): (?P<msg>.*)$")
+
+
+def _problem(msg: str, unit: str, env: str | None) -> str | None:
+    """One line of systemd-analyze's about the unit we would write (None: about another unit on
+    the host), with the offending line quoted where it names one."""
+    if "reconciler-verify-" not in msg:
+        return None
+    m = _LINE_REF.match(msg.strip())
+    if not m:
+        return re.sub(r"reconciler-verify-[0-9a-f]+-", "", msg.strip())
+    dropin = m.group("file").endswith(".conf")
+    lines = ((env if dropin else unit) or "").splitlines()
+    n = int(m.group("line"))
+    quoted = f" (`{lines[n - 1].strip()}`)" if 0 < n <= len(lines) else ""
+    where = f"{ENV_DROPIN} line {n}" if dropin else f"line {n}"
+    return f"{where}: {m.group('msg')}{quoted}"
+
+
+class _Verdicts:
+    """parse_verify's reading of the records: O a line of systemd-analyze's output, B all of it
+    in base64, V its exit status for a service (`V - -`: there is no systemd-analyze)."""
+
+    def __init__(self, units: Mapping[str, tuple[str, str | None]]) -> None:
+        self.units = units
+        self.out: dict[str, list[str]] = {}
+        self.available = True
+        self.said: dict[str, list[str]] = {}        # service -> systemd-analyze's output lines so far
+
+    def read(self, f: Frame) -> None:
+        fields = f.fields(2)
+        if len(fields) != 2:
+            return
+        name, rest = fields
+        if f.kind == "O":
+            self.said.setdefault(name, []).append(rest)
+        elif f.kind == "B":
+            self.said.setdefault(name, []).append(base64.b64decode(rest).decode(errors="replace"))
+        elif f.kind == "V":
+            self.verdict(name, rest)
+
+    def verdict(self, name: str, rc: str) -> None:
+        if name == "-":
+            self.available = False
+            return
+        unit, env = self.units.get(name, ("", None))
+        said = "\n".join(self.said.pop(name, []))
+        problems = [p for msg in said.splitlines() if (p := _problem(msg, unit, env)) is not None]
+        if rc != "0" and not problems:
+            problems.append(f"systemd-analyze verify exited {rc}")
+        if problems:
+            self.out[name] = problems
 
 
 def parse_verify(stdout: str, token: str,
                  units: Mapping[str, tuple[str, str | None]]) -> tuple[dict[str, list[str]], bool]:
     """Pure: service -> what systemd objects to in its unit (each with the offending line quoted);
     and whether systemd-analyze was there at all."""
-    out: dict[str, list[str]] = {}
-    available = True
-    said: dict[str, list[str]] = {}        # service -> systemd-analyze's output lines so far
-    for line in stdout.split("\n"):
-        parts = line.split(" ", 3)
-        if len(parts) < 3 or parts[0] != token:
-            continue
-        kind, name = parts[1], parts[2]
-        if kind == "O" and len(parts) == 4:
-            said.setdefault(name, []).append(parts[3])
-            continue
-        if kind == "B" and len(parts) == 4:
-            said.setdefault(name, []).append(base64.b64decode(parts[3]).decode(errors="replace"))
-            continue
-        if kind != "V" or len(parts) != 4:
-            continue
-        rc = parts[3]
-        if name == "-":
-            available = False
-            continue
-        text = "\n".join(said.pop(name, []))
-        unit, env = units.get(name, ("", None))
-        problems = []
-        for msg in text.splitlines():
-            if "reconciler-verify-" not in msg:
-                continue              # about another unit on the host, not the one we would write
-            m = _LINE_REF.match(msg.strip())
-            if m:
-                src = env if m.group("file").endswith(".conf") else unit
-                lines = (src or "").splitlines()
-                n = int(m.group("line"))
-                quoted = f" (`{lines[n - 1].strip()}`)" if 0 < n <= len(lines) else ""
-                where = f"{ENV_DROPIN} line {n}" if m.group("file").endswith(".conf") else f"line {n}"
-                problems.append(f"{where}: {m.group('msg')}{quoted}")
-            else:
-                problems.append(re.sub(r"reconciler-verify-[0-9a-f]+-", "", msg.strip()))
-        if rc != "0" and not problems:
-            problems.append(f"systemd-analyze verify exited {rc}")
-        if problems:
-            out[name] = problems
-    return out, available
+    verdicts = _Verdicts(units)
+    for f in frames(stdout, token):
+        verdicts.read(f)
+    return verdicts.out, verdicts.available
 
 
 # ---- pre-flight ---------------------------------------------------------------------------------
@@ -216,6 +189,78 @@ def effective_spec(svc: ServiceSpec, facts: HostFacts) -> ServiceSpec:
     return replace(svc, unit_text=svc.unit_text + "\n" + "\n".join(kept))
 
 
+def _units(plan: HostPlan) -> dict[str, tuple[str, str | None]]:
+    """The units the plan writes, each with its env drop-in (None when it has no env)."""
+    units: dict[str, tuple[str, str | None]] = {}
+    for n, u in writing_units(plan).items():
+        target = plan.services[n].target
+        units[n] = (u, render_env_dropin(n) if target is not None and target.spec.env else None)
+    return units
+
+
+def _probes(specs: Mapping[str, ServiceSpec], rules: RuleSet | None) -> list[Probe]:
+    """The server versions to read: only where a rule is bound to versions."""
+    if rules is None or not any(r.versions for r in rules.rules):
+        return []
+    return [p for n, s in sorted(specs.items()) if (p := probe_for(n, parse_command(s))) is not None]
+
+
+def _batch(units: Mapping[str, tuple[str, str | None]], paths: list[str], gpu: bool, probes: list[Probe],
+           stamps: Mapping[str, str]) -> tuple[ShCommand, str | None, dict[str, str]]:
+    """Every fact the pre-flight reads, as one sh (one round trip, one process: one_sh): the
+    command, its stdin (the units to verify), and the token each fact's parser reads by."""
+    facts: dict[str, tuple[ShCommand, str]] = {}
+    stdin = None
+    if units:
+        cmd, stdin, token = verify_command(units)
+        facts["verify"] = (cmd, token)
+    if paths:
+        facts["model"] = model_check_command(paths)
+    if gpu:
+        facts["gpu"] = gpu_command()
+    if probes:
+        facts["versions"] = probe_command(probes, stamps)
+    tokens = {fact: token for fact, (_, token) in facts.items()}
+    return one_sh([cmd for cmd, _ in facts.values()], "reconciler-preflight"), stdin, tokens
+
+
+def _read_versions(out: Preflight, host: HostSpec, probes: list[Probe], stdout: str,
+                   token: str) -> dict[str, str | None]:
+    """The server version of each probed service (None: unknown), through the cache."""
+    cache = versions_cache()
+    versions = cache.resolve(host.name, probes, parse_probe(stdout, token))
+    cache.save()
+    for p in probes:
+        if versions.get(p.service) is None:
+            out.warnings.append(f"{p.service}: the installed {p.module} version could not be read with "
+                                f"{p.executable}: rules bound to versions apply as for any version")
+    return versions
+
+
+def _read_units(out: Preflight, units: Mapping[str, tuple[str, str | None]], stdout: str, token: str) -> None:
+    """systemd's verdict on each unit: a unit it rejects blocks its service (UnitInvalid)."""
+    problems, available = parse_verify(stdout, token, units)
+    if not available:
+        out.warnings.append("systemd-analyze not found: units not verified before writing")
+    for name, lines in problems.items():
+        out.block(name, "UnitInvalid", f"{name}: systemd rejects the unit: " + "; ".join(lines)
+                  + f" (source: {UNIT_SOURCE})")
+
+
+async def _read(t: Transport, out: Preflight, host: HostSpec, units: Mapping[str, tuple[str, str | None]],
+                paths: list[str], gpu: bool, probes: list[Probe]) -> dict[str, str | None]:
+    """Read every fact in one round trip and parse each into `out`; the probed server versions."""
+    cmd, stdin, tokens = _batch(units, paths, gpu, probes, versions_cache().stamps(host.name) if probes else {})
+    res = await t.run(cmd, input=stdin, check=True, timeout=120, what="pre-flight")
+    versions = _read_versions(out, host, probes, res.stdout, tokens["versions"]) if probes else {}
+    if units:
+        _read_units(out, units, res.stdout, tokens["verify"])
+    if gpu:
+        out.gpu = parse_gpu(res.stdout, tokens["gpu"], host.name)
+    out.models = parse_model_check(res.stdout, tokens["model"], host.name) if paths else {}
+    return versions
+
+
 async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: HostFacts, rules: RuleSet | None,
                          *, fetched: Mapping[str, str | None] | None = None) -> Preflight:
     """Check what the plan starts against the host: units, rules, models, GPUs (one round trip).
@@ -225,51 +270,12 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     """
     out = Preflight()
     targets = starting(plan)
-    units: dict[str, tuple[str, str | None]] = {}
-    for n, u in writing_units(plan).items():
-        target = plan.services[n].target
-        units[n] = (u, render_env_dropin(n) if target is not None and target.spec.env else None)
+    units = _units(plan)
     if not targets and not units:
         return out
     specs = {n: model_from_command(effective_spec(tg.spec, facts)) for n, tg in targets.items()}
     paths = sorted({s.model.path for s in specs.values() if s.model})
-    probes = [p for n, s in sorted(specs.items()) if (p := probe_for(n, parse_command(s))) is not None] \
-        if rules is not None and any(r.versions for r in rules.rules) else []
-    cache = versions_cache()
-    cmds: list[ShCommand] = []
-    stdin = None
-    vtok = mtok = gtok = ptok = ""
-    if units:
-        vcmd, stdin, vtok = verify_command(units)
-        cmds.append(vcmd)
-    if paths:
-        mcmd, mtok = model_check_command(paths)
-        cmds.append(mcmd)
-    if targets:
-        gcmd, gtok = gpu_command()
-        cmds.append(gcmd)
-    if probes:
-        pcmd, ptok = probe_command(probes, cache.stamps(host.name))
-        cmds.append(pcmd)
-    res = await t.run(one_sh(cmds, "reconciler-preflight"), input=stdin, check=True, timeout=120, what="pre-flight")
-    versions: dict[str, str | None] = {}
-    if probes:
-        versions = cache.resolve(host.name, probes, parse_probe(res.stdout, ptok))
-        cache.save()
-        for p in probes:
-            if versions.get(p.service) is None:
-                out.warnings.append(f"{p.service}: the installed {p.module} version could not be read with "
-                                    f"{p.executable}: rules bound to versions apply as for any version")
-    if units:
-        problems, available = parse_verify(res.stdout, vtok, units)
-        if not available:
-            out.warnings.append("systemd-analyze not found: units not verified before writing")
-        for name, lines in problems.items():
-            out.block(name, "UnitInvalid", f"{name}: systemd rejects the unit: " + "; ".join(lines)
-                      + f" (source: {UNIT_SOURCE})")
-    if targets:
-        out.gpu = parse_gpu(res.stdout, gtok, host.name)
-    out.models = parse_model_check(res.stdout, mtok, host.name) if paths else {}
+    versions = await _read(t, out, host, units, paths, bool(targets), _probes(specs, rules))
     _judge_models(out, specs, fetched or {})
     if rules is not None and targets:
         # A rollback target passed health here: a rule pack that changed since must not keep

@@ -38,6 +38,7 @@ from ..plan.files import secret_files
 from ..plan.model import Action, Context, HostPlan, Kind
 from ..plan.records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
+from ..shell import ShCommand
 from .options import Connector, RunIO, RunOptions
 from .results import Event, HostResult, ServiceEvent, fold, merge_plans, running_after
 from .revision import Revision
@@ -55,7 +56,7 @@ def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0) ->
     return connect
 
 
-def observation(host: HostSpec, *, secrets: bool = True) -> tuple[str, str]:
+def observation(host: HostSpec, *, secrets: bool = True) -> tuple[ShCommand, str]:
     """The command that reads everything the planner needs from the host, and its token.
     `secrets=False`: without the keyed hashes of secret files (the one part that may write on
     the host: its hash key, made on first use), for a read-only look."""

@@ -15,7 +15,7 @@ is written, so arming it needs no daemon-reload, and an env-only deploy needs no
 
 The timer is made when the controller goes, not before every start: the run's host lock holder
 (lock.py), the process that lives exactly as long as the controller's hold on the host, arms
-every switch whose script is still there as it lets go (`arm_pending`): after the verdict that
+every switch whose script is still there as it lets go (reconciler/sh/holder.sh): after the verdict that
 is none, so a deploy that is confirmed costs no systemd-run and no stop (two systemd clients,
 about 40 ms of the host's CPU). A controller killed, cut off or silent for the lock's idle time
 ends the holder (EOF, a signal, or its read timing out), and its last act arms the switch, the
@@ -35,10 +35,10 @@ import base64
 import shlex
 from dataclasses import dataclass
 
+from .. import shell
 from .facts import (
     CONFIRM_SUBDIR,
     CREDSTORE,
-    LOCK,
     LOCK_COUNT,
     LOCK_OWNER,
     STATE_DIR,
@@ -74,16 +74,6 @@ def paths(service: str) -> tuple[str, str, str]:
     return script_path(service), f"{UNIT_DIR}/{name}.service", f"{UNIT_DIR}/{name}.timer"
 
 
-def _run(unit: str, window: str, script: str, description: str) -> str:
-    """The `systemd-run` that arms one switch: a transient timer (gone once it fired or is
-    stopped) and the service it starts (--collect: gone after it ran, even when it failed), so
-    the next arm finds neither. The service takes the host lock, then runs the script if it is
-    still there. Arguments are shell words (quoted, or variables of the re-arm script)."""
-    return (f"systemd-run --quiet --collect --unit={unit} --description={description} "
-            f"--on-active={window}s --timer-property=AccuracySec=1s --timer-property=RemainAfterElapse=no "
-            f"-p Type=oneshot /usr/bin/flock -w 600 {LOCK} /bin/sh -c \"[ ! -f {script} ] || exec /bin/sh {script}\"")
-
-
 TRANSIENT = "/run/systemd/transient"     # where systemd keeps a transient unit while it is loaded
 
 
@@ -97,34 +87,7 @@ def stop_if_armed(service: str) -> str:
             f"then systemctl stop --no-block {name}.timer {name}.service >/dev/null 2>&1 || :; fi")
 
 
-def arm_pending() -> str:
-    """Shell the host lock's holder runs as it lets go (lock.py): where a switch's script is still
-    there (no verdict came), arm them all by the re-arm script, windows from now; nothing, and
-    no process, where none is. Signals that end a session are ignored meanwhile, so the
-    systemd-run it starts is not cut short by the session's own end; its output goes nowhere
-    (the controller's channel may be gone)."""
-    return (f"p=; for s in {CONFIRM_DIR}/*.sh; do [ ! -f \"$s\" ] || p=1; done; "
-            f"if [ -n \"$p\" ] && [ -f {REARM_SCRIPT} ]; then trap '' HUP TERM INT PIPE; "
-            f"/bin/sh {REARM_SCRIPT} 'armed as the controller went' </dev/null >/dev/null 2>&1; fi")
-
-
-# Run at boot by REARM_UNIT, and by the lock's holder as it lets go (arm_pending): a switch whose
-# script is still there was pending when the host went down or the controller went; arm it
-# (window from its script's "# window=" line, counted from now). $1: why, for the description.
-_REARM_RUN = _run('"reconciler-confirm-$n"', '"${w:-600}"', '$s',
-                  '"reconciler: dead-man' + "'" + 's switch of $n ($why)"')
-REARM_TEXT = f"""#!/bin/sh
-# reconciler: arm every dead-man's switch still pending (their timers are transient), at boot
-# and when the controller went.
-why=${{1:-armed again at boot}}
-for s in {STATE_DIR}/{CONFIRM_SUBDIR}/*.sh; do
-  [ -f "$s" ] || continue
-  n=${{s##*/}}; n=${{n%.sh}}
-  w=$(sed -n 's/^# window=\\([0-9][0-9]*\\)$/\\1/p' "$s" | head -n 1)
-  {_REARM_RUN}
-done
-true
-"""
+REARM_TEXT = shell.program("rearm")
 REARM_UNIT_TEXT = (f"[Unit]\nDescription=reconciler: arm again the dead-man's switches a reboot cut short\n\n"
                    f"[Service]\nType=oneshot\nExecStart=/bin/sh {REARM_SCRIPT}\n\n"
                    f"[Install]\nWantedBy=multi-user.target\n")

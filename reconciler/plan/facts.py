@@ -1,24 +1,25 @@
 """What we read from a host: one batched shell command, and a pure parser of its output.
 
-Like pyinfra's facts: `observe_command(names)` builds the command, `parse_observation(out)`
-turns its output into `HostFacts`. One SSH round trip reads, for every desired or inventoried
-service: the unit file, every drop-in systemd would apply to it (ours and anyone else's, in
-/etc, /run and the `system.control` directories), `systemctl show` properties and the
-reconciler's own record on the host (/var/lib/reconciler, typed in records.py), and, for the
-files that hold secrets (a referenced file, or the reconciler's own credstore), whether each is
-there and a keyed hash of its content: never the content. The key is the host's own
-(/var/lib/reconciler/secret.key, 0600, made on first use), so the hash of a low-entropy secret
-cannot be reversed by whoever reads a record, and it is the same whichever controller asks.
+Like pyinfra's facts: `observe_command(names)` builds the command (the program
+reconciler/sh/observe.sh), `parse_observation(out)` turns its output into `HostFacts`. One SSH
+round trip reads, for every desired or inventoried service: the unit file, every drop-in
+systemd would apply to it (ours and anyone else's, in /etc, /run and the `system.control`
+directories), `systemctl show` properties and the reconciler's own record on the host
+(/var/lib/reconciler, typed in records.py), and, for the files that hold secrets (a referenced
+file, or the reconciler's own credstore), whether each is there and a keyed hash of its
+content: never the content. The key is the host's own (/var/lib/reconciler/secret.key, 0600,
+made on first use), so the hash of a low-entropy secret cannot be reversed by whoever reads a
+record, and it is the same whichever controller asks.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import secrets
 from dataclasses import dataclass, field
 
+from .. import shell
 from ..errors import ObserveError
+from ..frames import Frame, decode, frames, malformed, raw_section
 from ..shell import ShCommand
 from .records import HostRecord, ServiceRecord
 
@@ -83,10 +84,6 @@ CONFIRM_SUBDIR = "confirm"     # where an armed dead-man's switch keeps its scri
 LOCK_OWNER = f"{STATE_DIR}/.lock.owner"
 LOCK_COUNT = f"{STATE_DIR}/.lock.count"
 
-
-# The lock's files and the switches' directory, by their names in STATE_DIR (the observation's $D)
-_LOCK_NAMES = {"lock": LOCK.rsplit("/", 1)[1], "owner": LOCK_OWNER.rsplit("/", 1)[1],
-               "count": LOCK_COUNT.rsplit("/", 1)[1], "confirm": CONFIRM_SUBDIR}
 
 
 def count_holder(count: str) -> str:
@@ -175,95 +172,19 @@ class HostFacts:
         return {n for n, s in self.services.items() if s.managed}
 
 
-_SCRIPT = r"""
-T=%(token)s
-D=%(state)s
-# The lock's count: 0 where the lock was never taken, - where it cannot be trusted: a holder
-# has the lock (its owner file says who), an armed dead-man's switch may fire at any moment, or
-# the lock was taken but its count is gone (a holder could not write it).
-g=-
-if [ -f "$D/%(count)s" ]; then read -r g < "$D/%(count)s" || :; elif [ ! -e "$D/%(lock)s" ]; then g=0; fi
-[ ! -s "$D/%(owner)s" ] || g=-
-for f in "$D"/%(confirm)s/*.sh; do [ ! -e "$f" ] || g=-; done
-printf '%%s G %%s\n' "$T" "${g:--}"
-for f in %(unit_dir)s/.reconciler-tmp.* %(unit_dir)s/*.service.d/.reconciler-tmp.* %(env_dir)s/.reconciler-tmp.* \
-         "$D"/.reconciler-tmp.* "$D"/*/.reconciler-tmp.* "$D"/credstore/*/.reconciler-tmp.*; do
-  [ -e "$f" ] || [ -L "$f" ] || continue
-  printf '%%s T %%s\n' "$T" "$(printf '%%s' "$f" | base64 -w0)"
-done
-names=" "
-while [ $# -gt 0 ]; do [ "$1" = -- ] && { shift; break; }; names="$names$1 "; shift; done
-if [ $# -gt 0 ]; then
-  # files that hold secrets ("$@"): a keyed hash of each, never the content
-  K="$D/secret.key"
-  if [ ! -s "$K" ]; then
-    mkdir -p "$D" && chmod 0700 "$D" && (umask 077; head -c 32 /dev/urandom | base64 > "$K.tmp" && mv -f "$K.tmp" "$K")
-  fi
-  for f in "$@"; do
-    h=-; [ -f "$f" ] && h=$(cat "$K" "$f" | sha256sum | cut -c1-32)
-    printf '%%s K %%s %%s\n' "$T" "$(printf '%%s' "$f" | base64 -w0)" "$h"
-  done
-fi
-emit() {  # kind name path: each line of the file after "$T kind name L ", a last line without its
-  # newline as P, then F; or "-" when there is no such file. Builtins only: no process per file.
-  if [ -f "$3" ]; then
-    l=
-    while IFS= read -r l; do printf '%%s %%s %%s L %%s\n' "$T" "$1" "$2" "$l"; done < "$3"
-    [ -z "$l" ] || printf '%%s %%s %%s P %%s\n' "$T" "$1" "$2" "$l"
-    printf '%%s %%s %%s F\n' "$T" "$1" "$2"
-  else printf '%%s %%s %%s -\n' "$T" "$1" "$2"; fi
-}
-NL='
-'
-
-for f in "$D"/services/*.json; do
-  [ -e "$f" ] || continue
-  n=${f##*/}; n=${n%%.json}
-  case "$names" in *" $n "*) ;; *) names="$names$n ";; esac
-done
-emit H - "$D/host.json"
-units=""
-for n in $names; do
-  u=%(unit_dir)s/$n.service
-  emit R "$n" "$D/services/$n.json"
-  emit U "$n" "$u"
-  emit E "$n" "$u.d/%(dropin)s"
-  emit V "$n" "%(env_dir)s/$n.env"
-  for d in %(dropin_dirs)s; do
-    for f in "$d/$n.service.d/"*.conf; do
-      [ -f "$f" ] || continue
-      case "$f" in
-        *"$NL"*) printf '%%s D %%s B %%s\n' "$T" "$n" "$(printf '%%s' "$f" | base64 -w0)" ;;
-        *) printf '%%s D %%s N %%s\n' "$T" "$n" "$f" ;;
-      esac
-      emit D "$n" "$f"
-    done
-  done
-  units="$units $n.service"
-done
-if [ -n "$units" ]; then
-  # last, and as it is (no base64 process): everything up to the END line is systemctl's
-  printf '%%s S -\n' "$T"; systemctl show -p %(props)s $units; echo
-fi
-printf '%%s END\n' "$T"
-"""
-
-
 def observe_command(desired: list[str], token: str | None = None,
                     secret_files: list[str] | None = None) -> tuple[ShCommand, str]:
-    """The shell command that reads everything about these services (and the inventory), and
-    the keyed hash of each file in `secret_files`.
+    """The command that reads everything about these services (and the inventory), and the
+    keyed hash of each file in `secret_files`: reconciler/sh/observe.sh, whose constants are
+    this module's (tests/test_host_programs.py).
 
     Returns (command, token); the token frames the output so no file content can forge it.
     """
     token = token or secrets.token_hex(8)
-    script = _SCRIPT % {"token": token, "state": STATE_DIR, **_LOCK_NAMES, "unit_dir": UNIT_DIR,
-                        "env_dir": ENV_DIR, "dropin": ENV_DROPIN, "props": SHOW_PROPS,
-                        "dropin_dirs": " ".join(DROPIN_DIRS)}
-    args = sorted(desired)
+    args = [token, *sorted(desired)]
     if secret_files:
         args += ["--", *sorted(set(secret_files))]
-    return ShCommand(script, "reconciler-observe", args), token
+    return ShCommand(shell.program("observe"), "reconciler-observe", args), token
 
 
 def parse_show(text: str) -> dict[str, dict[str, str]]:
@@ -283,13 +204,90 @@ def parse_show(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
-def _decode(field_: str) -> str | None:
-    if field_ == "-":
-        return None
-    try:
-        return base64.b64decode(field_, validate=True).decode("utf-8", errors="replace")
-    except (binascii.Error, ValueError):
-        raise ObserveError("?", "malformed observation output (bad base64)") from None
+_EARLY = "observation output ended early (is this a systemd host with a POSIX shell?)"
+_FILE_KINDS = frozenset("HRUEVD")   # host record, record, unit, env drop-in, env file, drop-in
+
+
+class _Observation:
+    """parse_observation's reading of the records: a handler per kind.
+
+    G the lock's count; T a stale temp file; K a secret file's keyed hash; and files, line by
+    line: `KIND NAME L|P TEXT` (a line, a last line without newline), then `KIND NAME F` (the
+    file ends) or `KIND NAME -` (no such file); a drop-in's path comes first (`D NAME N|B PATH`).
+    """
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.files: dict[str, dict[str, str | None]] = {}
+        self.dropins: dict[str, dict[str, str]] = {}
+        self.host_record: HostRecord | None = None
+        self.secret_files: dict[str, str | None] = {}
+        self.lock_count: str | None = None
+        self.temps: list[str] = []
+        self.lines: dict[tuple[str, str], list[str]] = {}
+        self.dropin_path: dict[str, str | None] = {}
+
+    def decode(self, field_: str) -> str | None:
+        if field_ == "-":
+            return None
+        try:
+            return decode(field_, plain=False)
+        except ValueError:
+            raise ObserveError(self.host, "malformed observation output (bad base64)") from None
+
+    def read(self, f: Frame) -> None:
+        fields = f.fields(3)
+        if f.kind == "G" and len(fields) == 1:
+            self.lock_count = fields[0] if fields[0].isdigit() else None
+        elif f.kind == "T" and len(fields) == 1:
+            temp = self.decode(fields[0])
+            if temp:
+                self.temps.append(temp)
+        elif f.kind == "K" and len(fields) == 2:
+            path = self.decode(fields[0])
+            if path:
+                self.secret_files[path] = None if fields[1] == "-" else fields[1]
+        elif f.kind in _FILE_KINDS and len(fields) >= 2:
+            self.file(f, fields[0], fields[1], fields[2] if len(fields) == 3 else "")
+        else:
+            raise malformed(self.host, "observation", f)
+
+    def file(self, f: Frame, name: str, op: str, rest: str) -> None:
+        if op in ("L", "P"):
+            self.lines.setdefault((f.kind, name), []).append(rest + "\n" if op == "L" else rest)
+        elif f.kind == "D" and op in ("N", "B"):
+            self.dropin_path[name] = rest if op == "N" else self.decode(rest)
+        elif op in ("F", "-"):
+            self.whole(f.kind, name, "".join(self.lines.pop((f.kind, name), [])) if op == "F" else None)
+        else:
+            raise malformed(self.host, "observation", f)
+
+    def whole(self, kind: str, name: str, text: str | None) -> None:
+        """A file read to its end (text), or found absent (None)."""
+        if kind == "H":
+            self.host_record = HostRecord.parse(text) if text is not None else None
+        elif kind == "D":
+            path = self.dropin_path.pop(name, None)
+            if path:
+                self.dropins.setdefault(name, {})[path] = text or ""
+        else:
+            self.files.setdefault(name, {})[kind] = text
+
+    def facts(self, show: dict[str, dict[str, str]]) -> HostFacts:
+        services = {}
+        for name, f in self.files.items():
+            rec_text = f.get("R")
+            services[name] = ServiceFacts(
+                name=name,
+                unit_text=f.get("U"),
+                env_text=f.get("E"),
+                envfile_text=f.get("V"),
+                record=ServiceRecord.parse(rec_text) if rec_text is not None else None,
+                props=show.get(f"{name}.service", {}),
+                dropins=self.dropins.get(name, {}),
+            )
+        return HostFacts(services=services, record=self.host_record, secret_files=self.secret_files,
+                         lock_count=self.lock_count, stale_temps=tuple(sorted(self.temps)))
 
 
 def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
@@ -297,83 +295,11 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
 
     A record that is not valid JSON is read as a corrupt record: the service stays in the
     inventory (so it is never mistaken for a foreign unit), and nothing in it is trusted.
+    `systemctl show` comes last, as it is, between the `S -` line and the END line (the token,
+    random per observation, cannot occur in it).
     """
-    files: dict[str, dict[str, str | None]] = {}
-    dropins: dict[str, dict[str, str]] = {}
-    host_record: HostRecord | None = None
-    show: dict[str, dict[str, str]] = {}
-    secret_files: dict[str, str | None] = {}
-    lock_count: str | None = None
-    temps: list[str] = []
-    ended = False
-    # `systemctl show` comes last, unencoded, between the "S -" line and the END line (the
-    # token, random per observation, cannot occur in it).
-    head, mark, rest = stdout.partition(f"{token} S -\n")
-    if mark:
-        shown, end, _ = rest.rpartition(f"\n{token} END\n")
-        if not end:
-            raise ObserveError(host, "observation output ended early (is this a systemd host with a POSIX shell?)")
-        show = parse_show(shown)
-        stdout = head + f"{token} END\n"
-    lines: dict[tuple[str, str], list[str]] = {}
-    dropin_path: dict[str, str | None] = {}
-    for line in stdout.split("\n"):   # not splitlines(): a file's line may hold \r, \x0c or \u2028
-        parts = line.split(" ", 4)
-        if len(parts) < 2 or parts[0] != token:
-            continue
-        kind = parts[1]
-        if kind == "END":
-            ended = True
-            continue
-        if kind == "G" and len(parts) == 3:
-            lock_count = parts[2] if parts[2].isdigit() else None
-            continue
-        if kind == "T" and len(parts) == 3:
-            temp = _decode(parts[2])
-            if temp:
-                temps.append(temp)
-            continue
-        if kind == "K" and len(parts) == 4:
-            path = _decode(parts[2])
-            if path:
-                secret_files[path] = None if parts[3] == "-" else parts[3]
-            continue
-        if len(parts) < 4 or kind not in ("H", "R", "U", "E", "V", "D"):
-            raise ObserveError(host, f"malformed observation line: {line[:80]!r}")
-        name, op, rest = parts[2], parts[3], parts[4] if len(parts) == 5 else ""
-        if op == "L":
-            lines.setdefault((kind, name), []).append(rest + "\n")
-            continue
-        if op == "P":
-            lines.setdefault((kind, name), []).append(rest)
-            continue
-        if kind == "D" and op in ("N", "B"):
-            dropin_path[name] = rest if op == "N" else _decode(rest)
-            continue
-        if op not in ("F", "-"):
-            raise ObserveError(host, f"malformed observation line: {line[:80]!r}")
-        text = "".join(lines.pop((kind, name), [])) if op == "F" else None
-        if kind == "H":
-            host_record = HostRecord.parse(text) if text is not None else None
-        elif kind == "D":
-            path = dropin_path.pop(name, None)
-            if path:
-                dropins.setdefault(name, {})[path] = text or ""
-        else:
-            files.setdefault(name, {})[kind] = text
-    if not ended:
-        raise ObserveError(host, "observation output ended early (is this a systemd host with a POSIX shell?)")
-    services = {}
-    for name, f in files.items():
-        rec_text = f.get("R")
-        services[name] = ServiceFacts(
-            name=name,
-            unit_text=f.get("U"),
-            env_text=f.get("E"),
-            envfile_text=f.get("V"),
-            record=ServiceRecord.parse(rec_text) if rec_text is not None else None,
-            props=show.get(f"{name}.service", {}),
-            dropins=dropins.get(name, {}),
-        )
-    return HostFacts(services=services, record=host_record, secret_files=secret_files, lock_count=lock_count,
-                     stale_temps=tuple(sorted(temps)))
+    records, shown = raw_section(stdout, token, "S -", host, _EARLY)
+    reading = _Observation(host)
+    for f in frames(records, token, host, early=_EARLY):
+        reading.read(f)
+    return reading.facts(parse_show(shown) if shown is not None else {})

@@ -15,98 +15,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import shell
 from ..errors import ObserveError
+from ..frames import Frame, frames
 from ..shell import ShCommand
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 
-_MODEL_SCRIPT = r"""
-T=%(token)s
-nl='
-'
-# One file's size: stat, else wc (only when the one stat in weights() does not line up).
-size() { stat -L -c %%s -- "$1" 2>/dev/null || wc -c < "$1" 2>/dev/null | tr -d ' '; }
-name() {  # a name as an S line carries it: @ and the name when printable ASCII without spaces, else base64
-  case "$1" in ''|*[![:graph:]]*) n=$(printf '%%s' "$1" | base64 -w0) ;; *) n=@$1 ;; esac
-}
-weights() {  # dir: one S line per weight file (its size, or - when unreadable), in glob order
-  d=$1; set --; ex=
-  for w in "$d"/*.safetensors "$d"/*/*.safetensors "$d"/*.bin "$d"/*.gguf; do
-    if [ -e "$w" ]; then ex=${ex}1; elif [ -L "$w" ]; then ex=${ex}0; else continue; fi
-    set -- "$@" "$w"
-  done
-  [ $# -gt 0 ] || return 0
-  # One stat for every file that exists ("SIZE NAME" lines, a dangling link gives none). Each
-  # line must be "SIZE $w" for the next existing file; when not (a name with a newline, a file
-  # that went or came meanwhile) every file is sized on its own, as size() does.
-  all=; case "$ex" in *1*) all=$(stat -L -c '%%s %%n' -- "$@" 2>/dev/null) ;; esac
-  rest=$all; e=$ex; ok=1
-  for w in "$@"; do
-    case "$e" in 1*)
-      case "$rest" in *"$nl"*) l=${rest%%%%"$nl"*}; rest=${rest#*"$nl"} ;; *) l=$rest; rest= ;; esac
-      s=${l%%%% *}
-      case "$s" in ''|*[!0-9]*) ok= ;; esac
-      [ "$l" = "$s $w" ] || ok= ;;
-    esac
-    e=${e#?}
-  done
-  [ -z "$rest" ] || ok=
-  rest=$all
-  for w in "$@"; do
-    if [ -z "$ok" ]; then
-      s=$(size "$w") || s=-
-      [ -n "$s" ] || s=-
-    else
-      case "$ex" in
-        1*) case "$rest" in *"$nl"*) l=${rest%%%%"$nl"*}; rest=${rest#*"$nl"} ;; *) l=$rest; rest= ;; esac
-            s=${l%%%% *} ;;
-        *) s=- ;;
-      esac
-    fi
-    ex=${ex#?}
-    name "${w#"$d"/}"
-    printf '%%s S %%s %%s\n' "$T" "$s" "$n"
-  done
-}
-free() {  # path: the free KiB of its file system (df's "Available"), or nothing
-  a=$(df -Pk -- "$1" 2>/dev/null)
-  case "$a" in
-    *"$nl"*) a=${a#*"$nl"}; a=${a%%%%"$nl"*}; set -f; set -- $a; set +f; a=$4 ;;
-    *) a= ;;
-  esac
-}
-while [ $# -gt 1 ]; do        # pairs: the path in base64 (for the P line), the path
-  enc=$1; p=$2; shift 2
-  printf '%%s P %%s\n' "$T" "$enc"
-  d=$p
-  case "$p" in *"*"*)   # a pattern (a Hugging Face cache's snapshots/*): its last directory
-    for g in $p; do [ -d "$g" ] && d=$g; done ;;
-  esac
-  if [ -d "$d" ]; then
-    printf '%%s D 1\n' "$T"
-    for f in config.json model.safetensors.index.json; do
-      if [ -f "$d/$f" ]; then
-        printf '%%s F %%s %%s\n' "$T" "$f" "$(base64 -w0 < "$d/$f")-"
-      fi
-    done
-    weights "$d"
-  else
-    printf '%%s D 0\n' "$T"
-  fi
-  q=$d        # the nearest existing directory (dirname's steps, by parameter expansion)
-  while [ ! -d "$q" ] && [ "$q" != / ] && [ "$q" != . ]; do
-    case "$q" in */*) q=${q%%/*}; [ -n "$q" ] || q=/ ;; *) q=. ;; esac
-  done
-  free "$q"
-  printf '%%s A %%s\n' "$T" "$a"
-done
-printf '%%s END\n' "$T"
-"""
-
-
 def model_check_command(paths: list[str], token: str | None = None) -> tuple[ShCommand, str]:
-    """The POSIX sh command that reads what a completeness check needs, for each model dir.
+    """The POSIX sh command that reads what a completeness check needs, for each model dir
+    (reconciler/sh/model-check.sh).
 
     Per path (a path with `*` is a pattern: its last matching directory is read, as for a
     Hugging Face cache's snapshots/*): whether it is a directory, config.json and model.safetensors.index.json
@@ -118,9 +37,8 @@ def model_check_command(paths: list[str], token: str | None = None) -> tuple[ShC
     (command, token); the token frames the output.
     """
     token = token or secrets.token_hex(8)
-    script = _MODEL_SCRIPT % {"token": token}
-    args = [x for p in paths for x in (base64.b64encode(p.encode()).decode(), p)]
-    return ShCommand(script, "reconciler-model-check", args), token
+    args = [token, *(x for p in paths for x in (base64.b64encode(p.encode()).decode(), p))]
+    return ShCommand(shell.program("model-check"), "reconciler-model-check", args), token
 
 
 @dataclass(frozen=True)
@@ -157,6 +75,9 @@ class ModelFacts:
     def complete(self) -> bool:
         """Whether the model is usable: nothing missing, empty or invalid."""
         return not self.problems()
+
+
+_EARLY = "model check output ended early (is there a POSIX shell?)"
 
 
 def _b64text(payload: str, host: str) -> str:
@@ -216,45 +137,57 @@ def _finish(path: str, exists: bool, raw: dict[str, str], sizes: dict[str, int |
                       free_bytes=free_kb * 1024 if free_kb is not None else None)
 
 
+_ARITY = {"D": 1, "F": 2, "S": 2}     # fields of each kind after P (A: any)
+
+
+class _ModelReading:
+    """parse_model_check's reading of the records: a handler per kind.
+
+    P starts a path (its name in base64), then: D whether it is a directory, F a JSON file
+    (config.json, the index: base64 and a '-'), S a weight file's size (or -) and name, A the
+    free KiB of its file system.
+    """
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.out: dict[str, ModelFacts] = {}
+        self.current: str | None = None
+        self.exists = False
+        self.raw: dict[str, str] = {}
+        self.sizes: dict[str, int | None] = {}
+        self.free_kb: int | None = None
+
+    def start(self, path: str) -> None:
+        self.flush()
+        self.current, self.exists, self.raw, self.sizes, self.free_kb = path, False, {}, {}, None
+
+    def flush(self) -> None:
+        if self.current is not None:
+            self.out[self.current] = _finish(self.current, self.exists, self.raw, self.sizes, self.free_kb)
+
+    def read(self, f: Frame) -> None:
+        fields = f.line.split(" ")[2:]
+        if f.kind == "P" and len(fields) == 1:
+            self.start(_b64text(fields[0], self.host))
+        elif self.current is None or not (f.kind == "A" or _ARITY.get(f.kind) == len(fields)):
+            raise ObserveError(self.host, f"malformed model check line: {f.line[:80]!r}")
+        elif f.kind == "D":
+            self.exists = fields[0] == "1"
+        elif f.kind == "F":
+            # The payload ends with '-' so that an empty file still gives a field.
+            name, payload = fields
+            self.raw[name] = _b64text(payload[:-1], self.host) if payload != "-" else ""
+        elif f.kind == "S":
+            size, name = fields
+            self.sizes[_b64text(name, self.host)] = int(size) if size.isdigit() else None
+        else:
+            self.free_kb = int(fields[0]) if len(fields) == 1 and fields[0].isdigit() else None
+
+
 def parse_model_check(stdout: str, token: str, host: str = "?") -> dict[str, ModelFacts]:
     """Parse the output of `model_check_command` into {path: ModelFacts} (pure)."""
-    out: dict[str, ModelFacts] = {}
-    current: str | None = None
-    exists = False
-    raw: dict[str, str] = {}
-    sizes: dict[str, int | None] = {}
-    free_kb: int | None = None
-    ended = False
-
-    def flush() -> None:
-        if current is not None:
-            out[current] = _finish(current, exists, raw, sizes, free_kb)
-
-    for line in stdout.splitlines():
-        parts = line.split(" ")
-        if len(parts) < 2 or parts[0] != token:
-            continue
-        kind = parts[1]
-        if kind == "END":
-            ended = True
-            break
-        if kind == "P" and len(parts) == 3:
-            flush()
-            current, exists, raw, sizes, free_kb = _b64text(parts[2], host), False, {}, {}, None
-        elif current is None:
-            raise ObserveError(host, f"malformed model check line: {line[:80]!r}")
-        elif kind == "D" and len(parts) == 3:
-            exists = parts[2] == "1"
-        elif kind == "F" and len(parts) == 4:
-            # The payload ends with '-' so that an empty file still gives a field.
-            raw[parts[2]] = _b64text(parts[3][:-1], host) if parts[3] != "-" else ""
-        elif kind == "S" and len(parts) == 4:
-            sizes[_b64text(parts[3], host)] = int(parts[2]) if parts[2].isdigit() else None
-        elif kind == "A":
-            free_kb = int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else None
-        else:
-            raise ObserveError(host, f"malformed model check line: {line[:80]!r}")
-    if not ended:
-        raise ObserveError(host, "model check output ended early (is there a POSIX shell?)")
-    flush()
-    return out
+    reading = _ModelReading(host)
+    for f in frames(stdout, token, host, early=_EARLY):
+        reading.read(f)
+    reading.flush()
+    return reading.out

@@ -296,39 +296,3 @@ def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
         # through the lock holder's shell: no SSH channel of its own (session.py)
         assert seen[h.name] == ["lock"], seen
     assert "LOG_LEVEL=debug" in fleet.environment(hosts[1], "model-a")
-
-
-def test_a_new_commits_run_connects_while_it_loads_but_never_with_changed_ssh_settings(fleet, repo, monkeypatch):
-    """A run at a new commit connects to the hosts of the state the repo loaded last while its
-    child loads the commit, and goes on over those connections; a host whose SSH settings the
-    commit changes gets a connection of its own, with the new settings, and the early one is
-    closed unused."""
-    def logins(h: fleetlib.Host) -> int:       # sshd's logins so far, this look's own included
-        return int(fleet.ssh(h, "journalctl --no-pager -o cat _COMM=sshd | grep -c '^Accepted publickey' || true"))
-
-    good, moved = fleet.hosts[0], fleet.hosts[1]
-    write_fleet(repo, [good, moved])
-    repo.commit()
-    run_cli("--repo", str(repo.path), check_codes=(0,))       # the state this repo loaded last
-    # The next commit changes the env on both hosts and pins another key for one of them; its
-    # load takes a second (a big repo, a slow disk): time to connect meanwhile.
-    write_fleet(repo, [good, moved], {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "debug"}}})
-    other = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl"
-    text = (repo.path / f"hosts/{moved.name}.toml").read_text()
-    pinned = f'address = "{moved.address}"\nssh = {{ host_key = "{other}" }}'
-    repo.write(f"hosts/{moved.name}.toml", text.replace(f'address = "{moved.address}"', pinned, 1))
-    repo.commit()
-    before = {h.name: logins(h) for h in (good, moved)}
-    monkeypatch.setenv("RECONCILER_FAULT", "slow-load")
-    monkeypatch.setenv("RECONCILER_FAULT_PAUSE", "1")
-    code, out = run_json("--repo", str(repo.path), check_codes=(4,))
-    # One login each (the look below is the other): made while the commit loaded, with the last
-    # state's settings. The good host's run went on over it.
-    assert {h.name: logins(h) - before[h.name] for h in (good, moved)} == {good.name: 2, moved.name: 2}
-    res = {r["host"]: r for r in out["hosts"]}
-    assert res[good.name]["status"] == "converged"
-    assert "LOG_LEVEL=debug" in fleet.environment(good, "model-a")
-    # The moved host's key no longer matches what the commit pins: the run's own connection is
-    # refused (before it logs in), though the early one had logged in.
-    assert res[moved.name]["reason"] == "HostKeyUnverified", res[moved.name]
-    assert "LOG_LEVEL=debug" not in fleet.environment(moved, "model-a")

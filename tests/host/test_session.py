@@ -1,10 +1,10 @@
 """The host session (session.py): the lock holder's own shell runs the run's commands.
 
-The real holder command (lock.holder_command) runs here under /bin/sh with its lock and owner
-files in a temp dir, its stdin, stdout and stderr pipes standing in for the SSH channel's:
-commands with and without input keep their output, stderr and exit status apart; a command
-that times out is killed with all it started and the session is left; a busy session sends
-the next command to a channel of its own; heartbeats keep the holder while a long command
+The real holder (reconciler/sh/holder.sh, installed by lock.install as on a host) runs here
+under /bin/sh with its lock and owner files in a temp dir, its stdin, stdout and stderr pipes
+standing in for the SSH channel's: commands with and without input keep their output, stderr
+and exit status apart; a command that times out is killed with all it started and the session
+is left; a busy session sends the next command to a channel of its own; heartbeats keep the holder while a long command
 runs, silence ends both; no command line on the machine shows a command's input."""
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from reconciler.errors import CommandError
 from reconciler.host import lock
 from reconciler.host.session import SessionTransport
 from reconciler.host.transport import Completed
+from reconciler.shell import ShCommand
+from tests.host.programs import local_programs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -80,15 +82,16 @@ class _Channels:
 
 @pytest.fixture
 def locked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
-    monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
-    monkeypatch.setattr(lock, "COUNT", str(tmp_path / ".lock.count"))
-    monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
+    """A host (its state directory in tmp_path) where an earlier run installed the holder."""
+    local_programs(monkeypatch, tmp_path)
+    asyncio.run(lock.install(_Channels(), SEEN[0]))
     return tmp_path
 
 
-async def _session(then: tuple[str, str] | None = ("echo seen; echo END", "END")) -> tuple[
-        _Channels, lock.HostLock, SessionTransport]:
+SEEN = (ShCommand("echo seen; echo END", "test-then"), "END")
+
+
+async def _session(then: tuple[ShCommand, str] | None = SEEN) -> tuple[_Channels, lock.HostLock, SessionTransport]:
     ch = _Channels()
     held = await lock.acquire(ch, wait=1, then=then)  # type: ignore[arg-type]
     t = held.over(ch)  # type: ignore[arg-type]
@@ -214,7 +217,7 @@ def test_a_busy_session_sends_the_next_command_to_its_own_channel(locked: Path) 
 
 def test_heartbeats_hold_the_lock_through_a_long_command_and_silence_ends_both(
         locked: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lock, "IDLE", 1)
+    local_programs(monkeypatch, locked, idle=1)
     monkeypatch.setattr(lock, "HEARTBEAT", 0.3)
 
     async def go() -> None:
@@ -297,3 +300,30 @@ def test_the_output_under_the_lock_is_read_through_its_last_line_and_no_further(
     # the last line's text at the end of another line is not the end
     assert asyncio.run(through("a T END\nb\nT END\nnext\n")) == ("a T END\nb\nT END\n", "next\n")
     assert asyncio.run(through("a\nb\n")) == (None, "")           # the output ended before it
+
+
+def test_the_first_run_on_a_host_installs_the_holder_by_content_and_later_ones_find_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing on the command line but paths: the holder, its loop and the first command's
+    program are files under the state directory, named by their content; the first run
+    installs them (one round trip more), every later run starts them as they are, and a new
+    release's programs replace the old ones."""
+    local_programs(monkeypatch, tmp_path)
+
+    async def go() -> None:
+        ch = _Channels()
+        held = await lock.acquire(ch, wait=1, then=SEEN)  # type: ignore[arg-type]
+        assert held.output == "seen\nEND\n" and ch.ran == ["install the lock holder"]
+        await held.release()
+        held = await lock.acquire(ch, wait=1, then=SEEN)  # type: ignore[arg-type]
+        assert held.output == "seen\nEND\n" and ch.ran == ["install the lock holder"]
+        await held.release()
+        progs = sorted(p.name for p in (tmp_path / "progs").iterdir())
+        assert len(progs) == 3 and all(len(p) == len("0123456789abcdef.sh") for p in progs)
+        assert (tmp_path / "progs").stat().st_mode & 0o777 == 0o700
+        other = (ShCommand("echo other; echo END", "test-then"), "END")
+        held = await lock.acquire(ch, wait=1, then=other)  # type: ignore[arg-type]
+        assert held.output == "other\nEND\n" and ch.ran == ["install the lock holder"] * 2
+        await held.release()
+        assert len(list((tmp_path / "progs").iterdir())) == 3      # the first command's old program went
+    asyncio.run(go())

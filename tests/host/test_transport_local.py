@@ -18,6 +18,8 @@ import pytest
 from reconciler.errors import CommandError
 from reconciler.host import lock
 from reconciler.host.transport import LocalTransport
+from reconciler.shell import ShCommand
+from tests.host.programs import local_programs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -115,10 +117,7 @@ def test_spawn_lines_in_and_out() -> None:
 
 def test_the_host_lock_through_a_local_transport(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two runs on one host: the second waits, then reports Locked with who holds it; released, it is free."""
-    monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
-    monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
-    monkeypatch.setattr(lock, "COUNT", str(tmp_path / ".lock.count"))
-    monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
+    local_programs(monkeypatch, tmp_path)
 
     async def go() -> str:
         t = LocalTransport("h1")
@@ -140,22 +139,20 @@ def test_the_lock_runs_a_command_under_itself_and_hands_back_its_output(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """lock_and_observe's half: the holder runs the command only once it holds the lock (a
     second run's command never runs while the first holds it), and its output comes back whole."""
-    monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
-    monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
-    monkeypatch.setattr(lock, "COUNT", str(tmp_path / ".lock.count"))
-    monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
+    local_programs(monkeypatch, tmp_path)
     marker = tmp_path / "ran"
 
     async def go() -> tuple[str | None, bool, str | None, str | None]:
         t = LocalTransport("h1")
-        held = await lock.acquire(t, wait=1, then=("printf 'a b\\n\\nc\\n'; echo T END; echo after", "T END"))
+        first = ShCommand("printf 'a b\\n\\nc\\n'; echo T END; echo after")
+        held = await lock.acquire(t, wait=1, then=(first, "T END"))
         try:
             with pytest.raises(lock.LockedError):
-                await lock.acquire(t, wait=0.5, then=(f"touch {marker}; echo T END", "T END"))
+                await lock.acquire(t, wait=0.5, then=(ShCommand(f"touch {marker}; echo T END"), "T END"))
             ran_while_held = marker.exists()
         finally:
             await held.release()
-        cut = await lock.acquire(t, wait=1, then=("echo partial", "T END"), then_timeout=2)
+        cut = await lock.acquire(t, wait=1, then=(ShCommand("echo partial"), "T END"), then_timeout=2)
         await cut.release()
         plain = await lock.acquire(t, wait=1)
         await plain.release()
@@ -173,14 +170,11 @@ def test_the_holder_keeps_the_lock_while_heartbeats_come_and_lets_go_when_they_s
     """A controller gone silent (partitioned away) never blocks the host for long: the holder
     lets go IDLE seconds after the last heartbeat, with bash's `read -t` or, on a host without
     bash, `timeout head`. While heartbeats come, it holds on past IDLE."""
-    monkeypatch.setattr(lock, "LOCK", str(tmp_path / ".lock"))
-    monkeypatch.setattr(lock, "OWNER", str(tmp_path / ".lock.owner"))
-    monkeypatch.setattr(lock, "COUNT", str(tmp_path / ".lock.count"))
-    monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
-    monkeypatch.setattr(lock, "IDLE", 1)
+    local_programs(monkeypatch, tmp_path, idle=1)
+    asyncio.run(lock.install(LocalTransport("h1")))       # as an earlier run left the host
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("sh", "flock", "head", "mkdir", "cat", "rm", *(("bash",) if with_bash else ())):
+    for tool in ("sh", "flock", "head", "mkdir", "cat", "rm", "kill", *(("bash",) if with_bash else ())):
         (bin_dir / tool).symlink_to(shutil.which(tool) or tool)
     marker = tmp_path / "timeout-ran"          # `timeout`, noting that it ran
     (bin_dir / "timeout").write_text(f"#!/bin/sh\n: > {marker}\nexec {shutil.which('timeout')} \"$@\"\n")
@@ -215,10 +209,7 @@ def test_a_look_stands_under_the_lock_until_another_holder_has_had_it(tmp_path: 
     from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
     from reconciler.loop.host import lock_and_observe, observe
     from reconciler.plan import facts
-    for name in ("LOCK", "OWNER", "COUNT"):
-        monkeypatch.setattr(lock, name, str(tmp_path / {"LOCK": ".lock", "OWNER": ".lock.owner",
-                                                        "COUNT": ".lock.count"}[name]))
-    monkeypatch.setattr(lock, "STATE_DIR", str(tmp_path))
+    local_programs(monkeypatch, tmp_path)
     monkeypatch.setattr(facts, "STATE_DIR", str(tmp_path))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import re
+import shlex
 import stat
 import subprocess
 import time
 
 import pytest
 
+from reconciler import shell
 from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.errors import CommandError, ObserveError
 from reconciler.host.apply import apply_plan, build_script, parse_results, write_record
 from reconciler.host.transport import Completed
 from reconciler.plan.actions import plan_host
-from reconciler.plan.facts import ENV_DROPIN, HostFacts, ServiceFacts, observe_command, parse_observation, parse_show
+from reconciler.plan.facts import HostFacts, ServiceFacts, observe_command, parse_observation, parse_show
 from reconciler.plan.model import Context, Kind
 from reconciler.plan.records import ServiceRecord
+from reconciler.shell import program
 
 # Captured on a test host (systemd 252): two units in one `systemctl show` call.
 SHOW = """Id=crashy.service
@@ -86,7 +90,6 @@ def test_the_observation_reads_files_exactly_with_no_process_per_file(tmp_path):
     exactly its bytes: spaces, tabs, backslashes, %, a carriage return or form feed inside a
     line, a last line without newline, an empty file, text that looks like the framing; and a
     drop-in whose name has a space."""
-    from reconciler.plan import facts
     state, units, dropins = tmp_path / "state", tmp_path / "units", tmp_path / "run"
     (state / "services").mkdir(parents=True)
     units.mkdir()
@@ -100,11 +103,14 @@ def test_the_observation_reads_files_exactly_with_no_process_per_file(tmp_path):
     (dropins / "m.service.d/my drop in.conf").write_text("[Service]\nNice=5\n")
     (tmp_path / "env").mkdir()
     (tmp_path / "env/m.env").write_text('A="1 $x"\nB="2"')
-    script = facts._SCRIPT % {"token": "tok", "state": str(state), **facts._LOCK_NAMES, "unit_dir": str(units),
-                              "env_dir": str(tmp_path / "env"), "dropin": ENV_DROPIN, "props": "Id",
-                              "dropin_dirs": str(dropins)}
-    script = script.replace("systemctl show -p Id $units", "printf 'Id=m.service\\n'")
-    r = subprocess.run(["sh", "-c", script, "observe", "m", "gone"], capture_output=True, timeout=10)
+    script = with_constants(program("observe"), D=str(state), UNIT_DIR=str(units),
+                            ENV_DIR=str(tmp_path / "env"), DROPIN_DIRS=str(dropins))
+    bindir = tmp_path / "bin"          # systemctl shows the one unit
+    bindir.mkdir()
+    (bindir / "systemctl").write_text("#!/bin/sh\nprintf 'Id=m.service\\n'\n")
+    (bindir / "systemctl").chmod(0o755)
+    r = subprocess.run(["sh", "-c", script, "observe", "tok", "m", "gone"], capture_output=True, timeout=10,
+                       env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
     assert r.returncode == 0, r.stderr
     f = parse_observation(r.stdout.decode(), "tok")
     m = f.services["m"]
@@ -112,6 +118,15 @@ def test_the_observation_reads_files_exactly_with_no_process_per_file(tmp_path):
     assert m.envfile_text == 'A="1 $x"\nB="2"' and f.services["gone"].envfile_text is None
     assert m.dropins == {f"{dropins}/m.service.d/my drop in.conf": "[Service]\nNice=5\n"}
     assert f.services["gone"].unit_text is None and f.record is None and f.services["m"].props["Id"] == "m.service"
+
+
+def with_constants(text: str, **values: str) -> str:
+    """A program with some of its constants (the `NAME=value` lines at its top) set otherwise."""
+    for name, value in values.items():
+        line = f"{name}={shlex.quote(value)}"
+        text, n = re.subn(rf"^{name}=.*$", lambda _, line=line: line, text, count=1, flags=re.M)
+        assert n == 1, name
+    return text
 
 
 def test_observe_command_quotes_names():
@@ -277,8 +292,9 @@ def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
     """A deploy arms no timer: its step installs, once per host, the unit and script that arm
     pending switches (at boot, and for the lock's holder), and stops a timer an earlier
     controller's holder left loaded, only where one is (a builtin test: no process otherwise).
-    The holder's last act (confirm.arm_pending) arms each switch whose script is still there by
-    that script, its window from the script, and runs nothing when none is. Run by sh, with a
+    The lock holder's last act (reconciler/sh/holder.sh, as it lets go) arms each switch whose
+    script is still there by that script, its window from the script, and runs nothing when
+    none is. Run by sh, with a
     fake systemd-run and systemctl that log their calls, in a scratch root."""
     from reconciler.host.apply import _PRELUDE, _fatal
     from reconciler.plan import confirm
@@ -289,10 +305,11 @@ def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
     # the step, its paths moved under the scratch root
     paths = sorted({confirm.REARM_PATH, confirm.REARM_LINK, confirm.REARM_SCRIPT, confirm.REARM_LINK.rsplit("/", 1)[0],
                     confirm.REARM_PATH.rsplit("/", 1)[0], confirm.REARM_SCRIPT.rsplit("/", 1)[0],
-                    confirm.CONFIRM_DIR, confirm.TRANSIENT}, key=len, reverse=True)
+                    confirm.CONFIRM_DIR, confirm.TRANSIENT, confirm.STATE_DIR}, key=len, reverse=True)
     moved = re.compile("|".join(map(re.escape, paths)))
     step = moved.sub(lambda m: f"{root}{m.group(0)}", _fatal(arm, p, 0))
-    last = moved.sub(lambda m: f"{root}{m.group(0)}", confirm.arm_pending())
+    holder = tmp_path / "holder.sh"          # the lock holder, its state directory under root
+    holder.write_text(moved.sub(lambda m: f"{root}{m.group(0)}", shell.program("holder")))
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for tool in ("systemd-run", "systemctl"):
@@ -302,9 +319,11 @@ def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
     transient.mkdir(parents=True)
     log = tmp_path / "log"
 
-    def run(script: str) -> list[str]:
+    def run(script: str | None) -> list[str]:
+        """The script by sh; None: the holder, its controller gone at once (EOF), as it lets go."""
         log.unlink(missing_ok=True)
-        r = subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, timeout=10,
+        argv = ["sh", "-s"] if script is not None else ["sh", str(holder), "1", "", "test owner", "/nonexistent"]
+        r = subprocess.run(argv, input=script or "", capture_output=True, text=True, timeout=10,
                            env={"PATH": f"{bindir}:/usr/bin:/bin", "LOG": str(log)})
         assert r.returncode == 0, r.stdout + r.stderr
         return log.read_text().splitlines() if log.exists() else []
@@ -327,12 +346,12 @@ def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
     (transient / "reconciler-confirm-m.timer").unlink()
 
     # the holder lets go after a verdict: no script, nothing armed, no process
-    assert run(last) == []
+    assert run(None) == []
     # ... and with a deploy that got none: its switch armed, the window from its script
     pending = root / confirm.script_path("m")[1:]
     pending.parent.mkdir(parents=True, exist_ok=True)
     pending.write_text("#!/bin/sh\n# window=77\n")
-    armed = run(last)
+    armed = run(None)
     assert len(armed) == 1 and armed[0].startswith("systemd-run --quiet --collect --unit=reconciler-confirm-m "), armed
     assert "--on-active=77s" in armed[0] and "(armed as the controller went)" in armed[0]
     assert f"{root}{confirm.script_path('m')}" in armed[0]

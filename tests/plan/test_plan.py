@@ -730,8 +730,8 @@ def test_a_deploy_arms_a_switch_that_restores_the_verified_version() -> None:
     from reconciler.plan import confirm
     # a transient timer (no unit file, no daemon-reload for it), made only if the controller
     # goes, by the script that also arms it at boot: its window is the switch script's own
-    assert '--on-active="${w:-600}"s' in confirm.REARM_TEXT and "flock -w 600 /var/lib/reconciler/.lock" in \
-        confirm.REARM_TEXT
+    assert '--on-active="${w:-600}s"' in confirm.REARM_TEXT and 'flock -w 600 "$LOCK"' in confirm.REARM_TEXT
+    assert "LOCK=$D/.lock\n" in confirm.REARM_TEXT
     assert f"# window={sw.window}\n" in sw.script         # what the re-arm reads
     # the script puts the verified files back, restarts, and records the new version quarantined
     assert "systemctl restart m.service" in sw.script and '"NotConfirmed"' not in sw.script  # (base64 inside)

@@ -1,0 +1,80 @@
+#!/bin/sh
+# Who holds the GPUs, and is their memory free (reconciler/host/gpu.py: gpu_command runs this,
+# parse_gpu reads it).
+#
+#   gpu.sh TOKEN DEVICE_PREFIX
+#
+# Every process with a DEVICE_PREFIX* node (/dev/nvidia*) open, from /proc (no fuser): its pid,
+# comm, cgroup and nodes; and where nvidia-smi exists, each GPU's memory and the compute
+# processes with theirs. Each record is a line "TOKEN KIND ...", the last "TOKEN END".
+GPU_FIELDS=index,uuid,memory.used,memory.total
+APP_FIELDS=pid,process_name,used_memory,gpu_uuid
+SMI_FORMAT=csv,noheader,nounits
+
+T=$1 PREFIX=$2
+nl='
+'
+enc() {  # file -> e: @ and its one line when that is printable ASCII without spaces, else the
+         # file in base64 (no process for the usual comm and cgroup v2); 1 when it cannot be read
+  e='' ok='' l='' m=''
+  { ok=1; IFS= read -r l; r=$?; IFS= read -r m; s=$?; } 2>/dev/null < "$1"
+  [ -n "$ok" ] || return 1
+  if [ "$r$s" = 01 ] && [ -z "$m" ]; then
+    case "$l" in ''|*[![:graph:]]*) ;; *) e=@$l; return 0 ;; esac
+  fi
+  e=$(base64 -w0 < "$1" 2>/dev/null)
+  return 0
+}
+printf '%s BEGIN\n' "$T"
+# One ls over every process's fd directory (no process per fd): "/proc/PID/fd:" headers, then
+# "... N -> /dev/nvidia0" lines. awk keeps, per PID, the distinct /dev/nvidia* targets. Where
+# no such device node exists and there is no nvidia-smi, nothing can hold one: no scan.
+smi=; ! command -v nvidia-smi >/dev/null 2>&1 || smi=1
+set -- "$PREFIX"*
+if [ -e "$1" ] || [ -L "$1" ] || [ -n "$smi" ]; then
+# shellcheck disable=SC2012 # one ls for every fd of every process, read only for its link targets
+ls -l /proc/[0-9]*/fd 2>/dev/null | awk -v P=" -> $PREFIX" '
+  /^\/proc\/[0-9]+\/fd:$/ { split($0, a, "/"); pid = a[3]; next }
+  index($0, P) {
+    dev = substr($0, index($0, P) + 4); k = pid " " dev
+    if (!(k in seen)) { seen[k] = 1; devs[pid] = devs[pid] " " dev }
+  }
+  END { for (p in devs) print p devs[p] }' | while read -r pid devs; do
+  enc "/proc/$pid/comm" || continue
+  comm=$e
+  enc "/proc/$pid/cgroup"
+  printf '%s H %s %s %s %s\n' "$T" "$pid" "${comm:--}" "${e:--}" "$devs"
+done
+fi
+if [ -n "$smi" ]; then
+  printf '%s SMI 1\n' "$T"
+  set -f      # nvidia-smi's lines, one by one (IFS: newlines only; empty lines say nothing)
+  out=$(nvidia-smi --query-gpu="$GPU_FIELDS" --format="$SMI_FORMAT" 2>&1); rc=$?
+  IFS=$nl; for l in $out; do printf '%s G %s\n' "$T" "$l"; done; unset IFS
+  printf '%s GRC %s\n' "$T" "$rc"
+  out=$(nvidia-smi --query-compute-apps="$APP_FIELDS" --format="$SMI_FORMAT" 2>&1); rc=$?
+  IFS=$nl; for l in $out; do printf '%s A %s\n' "$T" "$l"; done; unset IFS
+  printf '%s ARC %s\n' "$T" "$rc"
+  # The cgroup of every compute process too: a server's GPU workers may hold no /dev/nvidia*
+  # fd we can see, and only their cgroup ties them to a service. Each PID once.
+  seen=' '
+  IFS=$nl
+  for l in $out; do
+    unset IFS
+    # shellcheck disable=SC2086 # split on purpose: the first field, without the blanks around it
+    set -- ${l%%,*}
+    IFS=$nl
+    [ $# -eq 1 ] || continue
+    p=$1
+    case "$p" in *[!0-9]*) continue ;; esac
+    case "$seen" in *" $p "*) continue ;; esac
+    seen="$seen$p "
+    enc "/proc/$p/cgroup"
+    printf '%s C %s %s\n' "$T" "$p" "${e:--}"
+  done
+  unset IFS
+  set +f
+else
+  printf '%s SMI 0\n' "$T"
+fi
+printf '%s END\n' "$T"

@@ -1,0 +1,96 @@
+#!/bin/sh
+# What a model directory holds (reconciler/preflight/_hostcheck.py: model_check_command runs
+# this, parse_model_check reads it). POSIX sh, no python on the host.
+#
+#   model-check.sh TOKEN [PATH_BASE64 PATH]...
+#
+# Per PATH (one with `*` is a pattern: its last matching directory, as a Hugging Face cache's
+# snapshots/*): whether it is a directory, CONFIG_FILE and INDEX_FILE in base64, the size of
+# every weight file (one stat for all) and the free space of its file system (one df). A name
+# of printable ASCII without spaces comes as it is (@name), any other in base64. Each record
+# is a line "TOKEN KIND ...", the last "TOKEN END".
+CONFIG_FILE=config.json
+INDEX_FILE=model.safetensors.index.json
+
+T=$1
+shift
+nl='
+'
+# One file's size: stat, else wc (only when the one stat in weights() does not line up).
+size() { stat -L -c %s -- "$1" 2>/dev/null || wc -c < "$1" 2>/dev/null | tr -d ' '; }
+name() {  # a name as an S line carries it: @ and the name when printable ASCII without spaces, else base64
+  case "$1" in ''|*[![:graph:]]*) n=$(printf '%s' "$1" | base64 -w0) ;; *) n=@$1 ;; esac
+}
+weights() {  # dir: one S line per weight file (its size, or - when unreadable), in glob order
+  d=$1; set --; ex=
+  for w in "$d"/*.safetensors "$d"/*/*.safetensors "$d"/*.bin "$d"/*.gguf; do
+    if [ -e "$w" ]; then ex=${ex}1; elif [ -L "$w" ]; then ex=${ex}0; else continue; fi
+    set -- "$@" "$w"
+  done
+  [ $# -gt 0 ] || return 0
+  # One stat for every file that exists ("SIZE NAME" lines, a dangling link gives none). Each
+  # line must be "SIZE $w" for the next existing file; when not (a name with a newline, a file
+  # that went or came meanwhile) every file is sized on its own, as size() does.
+  all=; case "$ex" in *1*) all=$(stat -L -c '%s %n' -- "$@" 2>/dev/null) ;; esac
+  rest=$all; e=$ex; ok=1
+  for w in "$@"; do
+    case "$e" in 1*)
+      case "$rest" in *"$nl"*) l=${rest%%"$nl"*}; rest=${rest#*"$nl"} ;; *) l=$rest; rest= ;; esac
+      s=${l%% *}
+      case "$s" in ''|*[!0-9]*) ok= ;; esac
+      [ "$l" = "$s $w" ] || ok= ;;
+    esac
+    e=${e#?}
+  done
+  [ -z "$rest" ] || ok=
+  rest=$all
+  for w in "$@"; do
+    if [ -z "$ok" ]; then
+      s=$(size "$w") || s=-
+      [ -n "$s" ] || s=-
+    else
+      case "$ex" in
+        1*) case "$rest" in *"$nl"*) l=${rest%%"$nl"*}; rest=${rest#*"$nl"} ;; *) l=$rest; rest= ;; esac
+            s=${l%% *} ;;
+        *) s=- ;;
+      esac
+    fi
+    ex=${ex#?}
+    name "${w#"$d"/}"
+    printf '%s S %s %s\n' "$T" "$s" "$n"
+  done
+}
+free() {  # path: the free KiB of its file system (df's "Available"), or nothing
+  a=$(df -Pk -- "$1" 2>/dev/null)
+  # shellcheck disable=SC2086 # df's second line split into its fields on purpose (set -f: no glob)
+  case "$a" in
+    *"$nl"*) a=${a#*"$nl"}; a=${a%%"$nl"*}; set -f; set -- $a; set +f; a=$4 ;;
+    *) a= ;;
+  esac
+}
+while [ $# -gt 1 ]; do        # pairs: the path in base64 (for the P line), the path
+  enc=$1; p=$2; shift 2
+  printf '%s P %s\n' "$T" "$enc"
+  d=$p
+  case "$p" in *"*"*)   # a pattern (a Hugging Face cache's snapshots/*): its last directory
+    for g in $p; do [ -d "$g" ] && d=$g; done ;;
+  esac
+  if [ -d "$d" ]; then
+    printf '%s D 1\n' "$T"
+    for f in "$CONFIG_FILE" "$INDEX_FILE"; do
+      if [ -f "$d/$f" ]; then
+        printf '%s F %s %s\n' "$T" "$f" "$(base64 -w0 < "$d/$f")-"
+      fi
+    done
+    weights "$d"
+  else
+    printf '%s D 0\n' "$T"
+  fi
+  q=$d        # the nearest existing directory (dirname's steps, by parameter expansion)
+  while [ ! -d "$q" ] && [ "$q" != / ] && [ "$q" != . ]; do
+    case "$q" in */*) q=${q%/*}; [ -n "$q" ] || q=/ ;; *) q=. ;; esac
+  done
+  free "$q"
+  printf '%s A %s\n' "$T" "$a"
+done
+printf '%s END\n' "$T"

@@ -1,0 +1,54 @@
+# shellcheck shell=bash
+# reconciler: the command loop of a run's host lock holder (host/session.py), in bash: `read -t`
+# and `read -N` cost no process per frame. Sourced by holder.sh once it holds the lock, in the
+# same shell (fd 9 holds the lock; no command gets it: one that leaves a process behind does not
+# keep the lock). Frames from the run on stdin:
+#
+#   R <token> <command bytes> <input bytes, or -> then the command, then its input
+#   D                                             the last command's end was read
+#   K                                             kill the running command (a time-out)
+#   .                                             heartbeat
+#   (empty line, EOF, or $IDLE s of silence)      kill any running command, let go
+#
+# A command's stdout and stderr go to the channel's own streams, each ended by a line with the
+# frame's token (on stdout with the exit status). The command text and its input come on the
+# channel, never on a command line, and no file holds them. Each runs in the background in a
+# process group of its own (so a kill reaches all of it), while the loop goes on reading
+# heartbeats. Needs from holder.sh: IDLE (seconds), let_go (what it runs as it ends).
+# shellcheck disable=SC2154  # IDLE is set by holder.sh, which sources this file
+
+END=@@end:
+exec 4>&2 2>/dev/null
+printf '@@ready\n' >&4
+set -m
+shopt -s lastpipe
+pid=
+stop() { [ -z "$pid" ] || kill -TERM -- "-$pid"; pid=; }
+trap 'stop; let_go' EXIT
+while IFS= read -r -t "$IDLE" line && [ -n "$line" ]; do
+  case $line in
+  R\ *)
+    read -r _ tok size more <<< "$line"
+    cmd='' inp=''
+    [ "$size" = 0 ] || LC_ALL=C read -r -N "$size" cmd || break
+    case $more in -|0) ;; *) LC_ALL=C read -r -N "$more" inp || break ;; esac
+    # The group's EXIT trap writes the ends (an `exit` in the command ends it too); the host's
+    # clock for the command from bash's own printf (apply's @@now: no `date` process).
+    if [ "$more" = - ]; then
+      {
+        trap 'printf "\n%s%s %s\n" "$END" "$tok" "$?"; printf "\n%s%s\n" "$END" "$tok" >&2' EXIT
+        printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
+        eval "$cmd" 4>&- 9>&-
+      } </dev/null 2>&4 &
+    else
+      {
+        trap 'printf "\n%s%s %s\n" "$END" "$tok" "$?"; printf "\n%s%s\n" "$END" "$tok" >&2' EXIT
+        printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
+        printf %s "$inp" | eval "$cmd" 4>&- 9>&-
+      } </dev/null 2>&4 &
+    fi
+    pid=$! ;;
+  D) pid= ;;
+  K) stop ;;
+  esac
+done

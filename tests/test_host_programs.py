@@ -1,0 +1,173 @@
+"""The programs that read a host (reconciler/sh/*.sh), each a fact's command next to its pure
+parser: their constants are the Python side's, and each runs on its own under sh on this
+machine, its answer read by its parser. Batched with one_sh, as the pre-flight runs them, each
+parser still finds its own answer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reconciler.host import gpu, versions
+from reconciler.loop import checks
+from reconciler.plan import facts
+from reconciler.preflight import _hostcheck
+from reconciler.shell import ShCommand, one_sh, program
+
+SH = Path(__file__).resolve().parents[1] / "reconciler" / "sh"
+_ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=")
+
+
+def constants(name: str) -> dict[str, str]:
+    """The `NAME=value` lines at the top of a program (after its comments), each value as sh
+    reads it (quotes, and $NAME of an earlier one)."""
+    lines = program(name).split("\n")
+    head: list[str] = []
+    names: list[str] = []
+    open_quote = False
+    for line in lines[1:]:
+        if open_quote:                     # a single-quoted value over several lines
+            head.append(line)
+            open_quote = line.count("'") % 2 == 0
+            continue
+        m = _ASSIGNMENT.match(line)
+        if m:
+            names.append(m.group(1))
+            head.append(line)
+            open_quote = line.count("'") % 2 == 1
+        elif line.startswith("#"):
+            continue
+        else:
+            break
+    script = "\n".join(head) + "\n" + "".join(f'printf "%s\\0" "${n}"\n' for n in names)
+    res = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10, check=True)
+    return dict(zip(names, res.stdout.split("\0")[:-1], strict=True))
+
+
+EXPECTED = {
+    "observe": {"D": facts.STATE_DIR, "LOCK": facts.LOCK, "COUNT": facts.LOCK_COUNT, "OWNER": facts.LOCK_OWNER,
+                "CONFIRM": f"{facts.STATE_DIR}/{facts.CONFIRM_SUBDIR}", "UNIT_DIR": facts.UNIT_DIR,
+                "ENV_DIR": facts.ENV_DIR, "ENV_DROPIN": facts.ENV_DROPIN, "DROPIN_DIRS": " ".join(facts.DROPIN_DIRS),
+                "SHOW_PROPS": facts.SHOW_PROPS},
+    "gpu": {"GPU_FIELDS": gpu.GPU_FIELDS, "APP_FIELDS": gpu.APP_FIELDS, "SMI_FORMAT": gpu.SMI_FORMAT},
+    "model-check": {"CONFIG_FILE": _hostcheck.CONFIG_FILE, "INDEX_FILE": _hostcheck.INDEX_FILE},
+    "verify": {"ENV_DROPIN": facts.ENV_DROPIN},
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_programs_constants_are_the_python_sides(name: str):
+    assert constants(name) == EXPECTED[name]
+
+
+def test_the_version_probe_is_the_programs_own_and_reads_a_version():
+    """versions.sh's one constant is the python it runs on a host: no Python twin, so it is run."""
+    probe = constants("versions")
+    assert list(probe) == ["PROBE_PY"]
+    res = subprocess.run([sys.executable, "-c", probe["PROBE_PY"], "pytest"], capture_output=True, text=True,
+                         timeout=30, check=True)
+    assert res.stdout.strip() == pytest.__version__
+
+
+def test_each_fact_runs_its_program_with_the_token_first():
+    cases = [(facts.observe_command(["a"])[0], "observe"), (gpu.gpu_command()[0], "gpu"),
+             (_hostcheck.model_check_command(["/m"])[0], "model-check"),
+             (checks.verify_command({"a": ("[Unit]\n", None)})[0], "verify"),
+             (versions.probe_command([versions.Probe("a", "python3", "sglang")], {})[0], "versions")]
+    for cmd, name in cases:
+        assert isinstance(cmd, ShCommand) and cmd.script == program(name) and cmd.script.startswith("#!/bin/sh\n")
+        assert re.fullmatch(r"[0-9a-f]{16}", cmd.args[0]), (name, cmd.args)
+        assert "%(" not in cmd.script
+
+
+def run(cmd: ShCommand, name: str | None = None, *, stdin: str | None = None, path: str | None = None) -> str:
+    """The program's file itself run by sh with the command's arguments (name), else the
+    command line as a host runs it."""
+    argv = ["/bin/sh", str(SH / f"{name}.sh"), *cmd.args] if name else ["/bin/sh", "-c", cmd]
+    res = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": path} if path is not None else None)
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_observe_a_service_that_does_not_exist():
+    """Read-only (no secret files): on this machine, whatever it runs, the service is absent."""
+    cmd, token = facts.observe_command(["reconciler-test-no-such-service"])
+    f = facts.parse_observation(run(cmd, "observe"), token, "here")
+    s = f.services["reconciler-test-no-such-service"]
+    assert (s.unit_text, s.env_text, s.envfile_text, s.record, s.dropins) == (None, None, None, None, {})
+    assert not s.managed and not s.running and s.foreign_path() is None
+
+
+def test_observe_hashes_secret_files_with_a_key_of_the_hosts_own(tmp_path: Path):
+    state = tmp_path / "state"
+    (tmp_path / "secret").write_text("s3cret")
+    cmd, token = facts.observe_command([], secret_files=[str(tmp_path / "secret"), str(tmp_path / "gone")])
+    script = cmd.script.replace(f"\nD={facts.STATE_DIR}\n", f"\nD={state}\n", 1)
+    f = facts.parse_observation(run(ShCommand(script, "reconciler-observe", cmd.args)), token)
+    assert re.fullmatch(r"[0-9a-f]{32}", f.secret_files[str(tmp_path / "secret")] or "")
+    assert f.secret_files[str(tmp_path / "gone")] is None and f.services == {}
+    assert (state / "secret.key").stat().st_mode & 0o077 == 0 and f.lock_count == "0"
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi", path="/usr/bin:/bin") is not None, reason="nvidia-smi is here")
+def test_gpu_without_nvidia_smi_or_a_device_node(tmp_path: Path):
+    cmd, token = gpu.gpu_command(device_prefix=str(tmp_path / "nvidia"))
+    out = run(cmd, "gpu", path="/usr/bin:/bin")
+    assert out.startswith(f"{token} BEGIN\n") and out.endswith(f"{token} END\n")
+    facts_ = gpu.parse_gpu(out, token, "here")
+    assert facts_.summary() == "no GPUs (nvidia-smi not found); no process holds /dev/nvidia*"
+
+
+def test_model_check_of_a_model_and_of_a_missing_one(tmp_path: Path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["X"]}))
+    (model / "model.safetensors").write_bytes(b"x" * 8)
+    cmd, token = _hostcheck.model_check_command([str(model), str(tmp_path / "gone")])
+    got = _hostcheck.parse_model_check(run(cmd, "model-check"), token, "here")
+    assert got[str(model)].complete and got[str(model)].files == {"model.safetensors": 8}
+    assert got[str(tmp_path / "gone")].problems() == [f"model directory {tmp_path / 'gone'} missing"]
+
+
+def test_verify_without_systemd_analyze(tmp_path: Path):
+    units = {"a": ("[Service]\nExecStart=/bin/true\n", None)}
+    cmd, stdin, token = checks.verify_command(units)
+    assert checks.parse_verify(run(cmd, "verify", stdin=stdin, path=str(tmp_path)), token, units) == ({}, False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_versions_with_no_server_installed():
+    probes = [versions.Probe("here", sys.executable, "sglang"), versions.Probe("gone", "/no/such/python3", "sglang")]
+    cmd, token = versions.probe_command(probes, {})
+    out = run(cmd, "versions")
+    answers = versions.parse_probe(out, token)
+    assert out.endswith(f"{token} END\n")
+    assert answers["here"].version is None and answers["here"].stamp and not answers["here"].cached
+    assert answers["gone"] == versions.Answer(None, None)
+
+
+def test_the_preflights_programs_in_one_sh_each_read_by_its_parser(tmp_path: Path):
+    """As pre-flight batches them (one_sh: one sh, each program a subshell): the units on stdin
+    still reach verify.sh, and each parser finds its own answer by its token."""
+    units = {"a": ("[Service]\nExecStart=/bin/true\n", None)}
+    vcmd, stdin, vtok = checks.verify_command(units)
+    mcmd, mtok = _hostcheck.model_check_command([str(tmp_path)])
+    gcmd, gtok = gpu.gpu_command(device_prefix=str(tmp_path / "nvidia"))
+    pcmd, ptok = versions.probe_command([versions.Probe("gone", "/no/such/python3", "sglang")], {})
+    out = run(one_sh([vcmd, mcmd, gcmd, pcmd], "reconciler-preflight"), stdin=stdin)
+    problems, _ = checks.parse_verify(out, vtok, units)
+    assert problems == {}
+    assert _hostcheck.parse_model_check(out, mtok)[str(tmp_path)].exists
+    assert gpu.parse_gpu(out, gtok).holders == []
+    assert versions.parse_probe(out, ptok) == {"gone": versions.Answer(None, None)}
+
+
