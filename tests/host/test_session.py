@@ -155,7 +155,8 @@ def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(
     process), taken when it starts; the apply script's @@now uses it and runs no `date`, which
     it still runs on a channel of its own (no RECONCILER_NOW there)."""
     from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
-    from reconciler.host.apply import _PRELUDE, build_script
+    from reconciler.host.script import PRELUDE as _PRELUDE
+    from reconciler.host.script import build_script
     from reconciler.plan.actions import plan_host
     from reconciler.plan.facts import HostFacts
     from reconciler.plan.model import Context

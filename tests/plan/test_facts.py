@@ -16,7 +16,8 @@ import pytest
 from reconciler import shell
 from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.errors import CommandError, ObserveError
-from reconciler.host.apply import apply_plan, build_script, parse_results, write_record
+from reconciler.host.apply import apply_plan, parse_results, write_record
+from reconciler.host.script import build_script
 from reconciler.host.transport import Completed
 from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import HostFacts, ServiceFacts, observe_command, parse_observation, parse_show
@@ -174,7 +175,8 @@ def test_script_records_intent_then_writes_atomically_then_reloads_once_then_rec
 def test_atomic_write_in_the_hosts_shell_keeps_content_and_modes_and_leaves_no_temp(tmp_path):
     """The prelude's atomic_write, run by sh: exact bytes, the mode asked for (a 0600 file is
     never created readable by others), no temp file left behind, and a failure stops the script."""
-    from reconciler.host.apply import _PRELUDE, _write
+    from reconciler.host.script import PRELUDE as _PRELUDE
+    from reconciler.host.script import _write
     body = "\n".join([_write(f"{tmp_path}/new/dir/a.conf", "x=1\n\u00e9\n") + " || fatal 1 $?",
                       _write(f"{tmp_path}/secret", "s3cret", "0600") + " || fatal 2 $?",
                       _write(f"{tmp_path}/run.sh", "#!/bin/sh\n", "0700") + " || fatal 3 $?",
@@ -195,7 +197,8 @@ def test_a_batch_of_writes_in_the_hosts_shell_fsyncs_once_renames_each_and_names
     """Consecutive file steps go as one batch (one fsync of all temps, a rename each, one fsync
     of the directories): exact bytes and modes, no temp left, and a step that cannot write stops
     the script with its own step number before anything of the batch is renamed."""
-    from reconciler.host.apply import _PRELUDE, _batch
+    from reconciler.host.script import PRELUDE as _PRELUDE
+    from reconciler.host.script import _batch
     ok = _batch([(3, "", [(f"{tmp_path}/a/x.conf", "x='1'\n\u00e9 $HOME `id`\n", "0644")]),
                  (4, f"rm -f {tmp_path}/gone", [(f"{tmp_path}/b/run.sh", "#!/bin/sh\n", "0700"),
                                                (f"{tmp_path}/a/y.conf", "", "0644")])], 0)[0]
@@ -296,7 +299,8 @@ def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
     script is still there by that script, its window from the script, and runs nothing when
     none is. Run by sh, with a
     fake systemd-run and systemctl that log their calls, in a scratch root."""
-    from reconciler.host.apply import _PRELUDE, _fatal
+    from reconciler.host.script import PRELUDE as _PRELUDE
+    from reconciler.host.script import _fatal
     from reconciler.plan import confirm
     h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", INSTALLED.format("m"), {"A": "1"})})
     p = plan_host(h, HostFacts(services={}), Context("f" * 40, confirm_margin=60.0))
@@ -364,7 +368,7 @@ def test_a_new_service_is_enabled_and_started_by_one_systemctl_and_a_failure_nam
     fewer per new service). When that fails, each step runs again by itself, so
     a failure is reported by the step it belongs to, as without the pairing. The script's
     steps run by sh with a fake systemctl that logs its calls and fails the verbs it is told to."""
-    from reconciler.host.apply import _PRELUDE
+    from reconciler.host.script import PRELUDE as _PRELUDE
     h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", INSTALLED.format("m"), {"A": "1"}),
                                               "n": ServiceSpec("n", INSTALLED.format("n"), {})})
     new = {n: ServiceFacts(n, props={"LoadState": "not-found", "ActiveState": "inactive"}) for n in "mn"}
@@ -411,7 +415,7 @@ def test_a_restart_waits_briefly_for_its_job_and_a_job_that_ran_and_failed_is_th
     longer one running (timeout ends only the client). A job that ran and failed is no step
     failure (the watch judges the unit, as after a queued job); systemctl refusing the request
     is. Without timeout(1) the request is queued (--no-block). Run by sh with a fake systemctl."""
-    from reconciler.host.apply import _PRELUDE
+    from reconciler.host.script import PRELUDE as _PRELUDE
     from tests.plan.test_plan import OLD, on_host, plan_of, svc, verified
     was = svc(env={"A": "1"})
     p = plan_of((svc(env={"A": "2"}),), (on_host(was, verified(was, OLD)),))

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from reconciler.desired import secrets
 from reconciler.desired.spec import SecretSpec, ServiceSpec
-from reconciler.host import apply
+from reconciler.host import script
 from reconciler.plan.actions import plan_host
 from reconciler.plan.confirm import KEPT, Previous, arm
 from reconciler.plan.facts import HostFacts, cred_env_path, cred_path, secrets_path
@@ -138,7 +138,7 @@ def test_secrets_dropped_from_git_are_removed():
     assert (Kind.REMOVE.value, Reason.ENV_CHANGED.value) in kinds(plan)
     sec = next(a for a in plan.actions if a.kind is Kind.SECRETS)
     assert sec.secrets == () and sec.detail == "secret API_KEY removed"
-    assert "rm -f /var/lib/reconciler/credstore/m.env" in apply._secrets("m", ())
+    assert "rm -f /var/lib/reconciler/credstore/m.env" in script._secrets("m", ())
 
 
 def test_orphan_deletes_its_credstore():
@@ -147,7 +147,7 @@ def test_orphan_deletes_its_credstore():
     plan = plan_host(host(), facts, Context(REV))
     sec = next(a for a in plan.actions if a.kind is Kind.SECRETS)
     assert sec.reason is Reason.REMOVED
-    assert "rm -rf /var/lib/reconciler/credstore/m /var/lib/reconciler/credstore/m.env" in apply._fatal(
+    assert "rm -rf /var/lib/reconciler/credstore/m /var/lib/reconciler/credstore/m.env" in script._fatal(
         sec, plan, 0)
 
 
@@ -164,14 +164,14 @@ def test_no_value_in_plan_output_record_or_script_argv(monkeypatch):
     shown = json.dumps([a.to_json() for a in plan.actions]) + repr(plan) + "".join(a.describe() for a in plan.actions)
     shown += "".join(a.record.dumps() for a in plan.actions if a.record is not None)
     assert CANARY.decode() not in shown
-    script = apply.build_script(plan, plan.actions, 0)
-    assert CANARY.decode() not in script      # base64 on the script's stdin, never in clear or in argv
-    assert "atomic_write /var/lib/reconciler/credstore/m/API_KEY 0600" in script
+    text = script.build_script(plan, plan.actions, 0)
+    assert CANARY.decode() not in text        # base64 on the script's stdin, never in clear or in argv
+    assert "atomic_write /var/lib/reconciler/credstore/m/API_KEY 0600" in text
 
 
 def test_value_not_decrypted_fails_the_step_by_name():
     s = with_secrets(replace(AGE, digest="0" * 32))
-    line = apply._secrets("m", s.secrets)
+    line = script._secrets("m", s.secrets)
     assert "secret API_KEY was not decrypted by this controller" in line and line.endswith("false")
 
 
