@@ -12,6 +12,11 @@ included, as a user runs it:
   floor        python -m bench.floor SPEC      bare asyncssh (bench/floor.py): one connection per
                                                host, one batched read, the minimal fix
   reconcile    python -m reconciler --repo R --concurrency N    the real CLI
+  baseline     the same command from another checkout (--baseline DIR, e.g. a git worktree of
+               an older revision), in the same rounds: what a change to the code costs or saves
+
+A fourth scenario, `help` (`reconcile --help`; its floor is the interpreter's own start,
+`python -c pass`), is the cost of starting the command at all.
 
 Both take every host at once; health is systemd's alone with stable_for = 0 (the figure is the
 reconcile itself, not a model's load time); peak memory is each process's own maximum RSS
@@ -54,8 +59,9 @@ from tests.conftest import DesiredRepo, write_fleet
 FIRST = int(os.environ.get("RECONCILER_BENCH_FIRST", "40"))
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "bench"
-SCENARIOS = ("no-change", "converge", "env-change")
-TITLES = {"no-change": "no change", "converge": "converge from nothing", "env-change": "one env change everywhere"}
+SCENARIOS = ("help", "no-change", "converge", "env-change")
+TITLES = {"help": "reconcile --help",
+          "no-change": "no change", "converge": "converge from nothing", "env-change": "one env change everywhere"}
 # Fresh hosts: fleetlib's reset, then wait until the stand-in has let go of its port.
 RESET = fleetlib.RESET_SCRIPT + ("for i in $(seq 100); do pgrep -f sglang.launch_server >/dev/null || break; "
                                  "sleep 0.05; done\n")
@@ -91,15 +97,16 @@ def machine() -> tuple[float, int]:
 class Cell:
     floor: list[Run] = field(default_factory=list)
     ours: list[Run] = field(default_factory=list)
+    base: list[Run] = field(default_factory=list)     # the baseline checkout's CLI, when asked
 
 
-def spawn(cmd: list[str], env: dict[str, str], expect: str) -> Run:
+def spawn(cmd: list[str], env: dict[str, str], expect: str, cwd: Path = ROOT) -> Run:
     """Run a command to its end; its own peak RSS and CPU come from wait4. `expect` must be in
     its last line of output (what it says it did), else the benchmark stops with its output."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         m0, f0 = machine()
         t0 = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)
         _, status, ru = os.wait4(p.pid, 0)
         seconds = time.perf_counter() - t0
         m1, f1 = machine()
@@ -115,8 +122,8 @@ def spawn(cmd: list[str], env: dict[str, str], expect: str) -> Run:
 
 
 class Bench:
-    def __init__(self, hosts: list[fleetlib.Host], tmp: Path):
-        self.hosts, self.tmp = hosts, tmp
+    def __init__(self, hosts: list[fleetlib.Host], tmp: Path, baseline: Path | None = None):
+        self.hosts, self.tmp, self.baseline = hosts, tmp, baseline
         self.key = str(fleetlib.client_key_path())
         self.kh = fleetlib.write_known_hosts(hosts, tmp / "known_hosts")
         env = {**os.environ, "RECONCILER_IDENTITY": self.key, "RECONCILER_STATE_DIR": str(tmp / "state"),
@@ -133,9 +140,25 @@ class Bench:
                     extra={})
         repo.commit(f"BENCH_VALUE={value}")
 
-    def ours(self, repo: DesiredRepo, n: int, expect: str) -> Run:
+    def ours(self, repo: DesiredRepo, n: int, expect: str, where: Path = ROOT) -> Run:
+        """This checkout's CLI (or, `where`, another checkout's: its code first on the path)."""
+        env = self.env if where == ROOT else {**self.env, "PYTHONPATH": str(where)}
         return spawn([sys.executable, "-m", "reconciler", "--repo", str(repo.path), "--concurrency", str(n)],
-                     self.env, f"{n} {expect}")
+                     env, f"{n} {expect}", cwd=where)
+
+    def both(self, cell: Cell, repo: DesiredRepo, n: int, expect: str) -> None:
+        """One timed run of ours, and of the baseline's where there is one (alternated)."""
+        cell.ours.append(self.ours(repo, n, expect))
+        if self.baseline is not None:
+            cell.base.append(self.ours(repo, n, expect, self.baseline))
+
+    def help(self, cell: Cell) -> None:
+        """`reconcile --help` (and the baseline's), next to the interpreter's own start."""
+        cell.floor.append(spawn([sys.executable, "-c", "pass"], self.env, ""))
+        cell.ours.append(spawn([sys.executable, "-m", "reconciler", "--help"], self.env, ""))
+        if self.baseline is not None:
+            cell.base.append(spawn([sys.executable, "-m", "reconciler", "--help"],
+                                   {**self.env, "PYTHONPATH": str(self.baseline)}, "", cwd=self.baseline))
 
     def floor(self, repo: DesiredRepo, hosts: list[fleetlib.Host], value: int, expect: str) -> Run:
         """The floor converging `hosts` to the repo's unit with env BENCH_VALUE=value."""
@@ -168,6 +191,9 @@ class Bench:
                                      "hosts": []}))
         spawn([sys.executable, "-m", "bench.floor", str(empty)], self.env, "")
         spawn([sys.executable, "-m", "reconciler", "--help"], self.env, "")
+        if self.baseline is not None:
+            spawn([sys.executable, "-m", "reconciler", "--help"], {**self.env, "PYTHONPATH": str(self.baseline)}, "",
+                  cwd=self.baseline)
 
     def size(self, n: int, rounds: int, scenarios: list[str]) -> dict[str, Cell]:
         hosts = self.hosts[:n]
@@ -176,16 +202,21 @@ class Bench:
         self.value += 1
         self.desired(repo, hosts, self.value)
         self.reset(hosts)
+        for _ in range(rounds if "help" in cells else 0):
+            self.help(cells["help"])
         for _ in range(rounds if "converge" in cells else 0):
             self.reset(hosts)
             cells["converge"].floor.append(self.floor(repo, hosts, self.value, "converged"))
             self.reset(hosts)
             cells["converge"].ours.append(self.ours(repo, n, "converged"))
+            if self.baseline is not None:
+                self.reset(hosts)
+                cells["converge"].base.append(self.ours(repo, n, "converged", self.baseline))
         if "converge" not in cells:
             self.ours(repo, n, "converged")
         for _ in range(rounds if "no-change" in cells else 0):
             cells["no-change"].floor.append(self.floor(repo, hosts, self.value, "in-sync"))
-            cells["no-change"].ours.append(self.ours(repo, n, "in-sync"))
+            self.both(cells["no-change"], repo, n, "in-sync")
         for _ in range(rounds if "env-change" in cells else 0):
             self.value += 1
             self.desired(repo, hosts, self.value)
@@ -208,21 +239,31 @@ def med(runs: list[Run], attr: str) -> float:
     return statistics.median(getattr(r, attr) for r in runs)
 
 
-def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool) -> str:
+def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool, baseline: str | None = None) -> str:
     sizes = sorted(results)
     scenarios = [s for s in SCENARIOS if s in results[sizes[0]]]
     out = []
     if draft:
         out.append("DRAFT: taken on a busy 2-core machine (other test suites running); not the figures to quote.\n")
     out.append(f"median of {rounds} round{'s' * (rounds != 1)}; whole processes, Python start-up included; "
-               f"all hosts at once; systemd-only health, stable_for = 0\n")
+               f"all hosts at once; systemd-only health, stable_for = 0"
+               + (f"; baseline: {baseline}" if baseline else "") + "\n")
     out.append(f"{'scenario':<28}{'hosts':>6}{'floor s':>10}{'reconcile s':>13}{'ratio':>8}"
-               f"{'CPU s floor/ours':>19}{'peak RSS MB floor/ours':>25}{'machine CPU s':>17}{'processes':>15}")
+               + (f"{'baseline s':>12}{'ratio':>8}" if baseline else "")
+               + f"{'CPU s floor/ours':>19}{'peak RSS MB floor/ours':>25}{'machine CPU s':>17}{'processes':>15}")
     for s in scenarios:
         for n in sizes:
+            if s == "help" and n != sizes[0]:
+                continue            # the same at every size
             c = results[n][s]
             f, o = med(c.floor, "seconds"), med(c.ours, "seconds")
-            out.append(f"{TITLES[s]:<28}{n:>6}{f:>10.2f}{o:>13.2f}{o / f:>7.2f}x"
+            base = ""
+            if baseline and c.base:
+                b = med(c.base, "seconds")
+                base = f"{b:>12.2f}{b / f:>7.2f}x"
+            elif baseline:
+                base = f"{'-':>12}{'':>8}"
+            out.append(f"{TITLES[s]:<28}{n if s != 'help' else '-':>6}{f:>10.2f}{o:>13.2f}{o / f:>7.2f}x{base}"
                        f"{med(c.floor, 'cpu'):>10.2f} / {med(c.ours, 'cpu'):<6.2f}"
                        f"{max(r.rss_mb for r in c.floor):>14.0f} / {max(r.rss_mb for r in c.ours):<6.0f}"
                        f"{med(c.floor, 'machine_cpu'):>9.2f} / {med(c.ours, 'machine_cpu'):<6.2f}"
@@ -231,13 +272,15 @@ def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool) -> str
     label = " / ".join(str(n) for n in sizes)
     out.append("| scenario | floor | reconcile | goal |\n|---|---|---|---|")
     for s in scenarios:
+        if s == "help":
+            continue
         floors = " / ".join(f"{med(results[n][s].floor, 'seconds'):.2f}" for n in sizes)
         ratios = " / ".join(f"{med(results[n][s].ours, 'seconds') / med(results[n][s].floor, 'seconds'):.2f}"
                             for n in sizes)
         out.append(f"| {TITLES[s]}, {label} hosts | {floors} s | {ratios}x | <= 1.3x |")
     big = sizes[-1]
-    peak_f = max(r.rss_mb for c in results[big].values() for r in c.floor)
-    peak_o = max(r.rss_mb for c in results[big].values() for r in c.ours)
+    peak_f = max(r.rss_mb for k, c in results[big].items() if k != "help" for r in c.floor)
+    peak_o = max(r.rss_mb for k, c in results[big].items() if k != "help" for r in c.ours)
     out.append(f"\n(Peak memory at {big} host{'s' * (big != 1)}: floor {peak_f:.0f} MB, reconcile {peak_o:.0f} MB.)")
     return "\n".join(out)
 
@@ -248,20 +291,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     ap.add_argument("--draft", action="store_true", help="Mark the output as a draft (a busy machine).")
+    ap.add_argument("--baseline", type=Path, metavar="DIR",
+                    help="Another checkout (e.g. `git worktree add --detach DIR REV`) whose CLI runs beside ours.")
     args = ap.parse_args()
     fleetlib.build()
     hosts = fleetlib.up(max(args.sizes), first=FIRST, prefix="cmp")
     results: dict[int, dict[str, Cell]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            bench = Bench(hosts, Path(tmp))
+            bench = Bench(hosts, Path(tmp), args.baseline.resolve() if args.baseline else None)
             bench.warm_up()
             for n in sorted(args.sizes):
                 results[n] = bench.size(n, args.rounds, args.scenarios)
                 print(f"{n} host{'s' * (n != 1)}: done", file=sys.stderr, flush=True)
     finally:
         fleetlib.down(hosts)
-    print(report(results, args.rounds, args.draft))
+    rev = None
+    if args.baseline:
+        rev = subprocess.run(["git", "-C", str(args.baseline), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip() or str(args.baseline)
+    print(report(results, args.rounds, args.draft, rev))
 
 
 if __name__ == "__main__":
