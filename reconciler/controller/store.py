@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..dirs import default_state_dir
+from ..loop.live import record_health
 from ..plan.records import Result
 from ..redact import redact, redact_data
 
@@ -188,13 +189,17 @@ _HEALTH_OF_EVENT = {"held": "stopped", "blocked": "blocked", "foreign": "foreign
 
 
 def service_health(r: HostResult, service: str) -> str | None:
-    """What a run says about one service's health; None: not checked, keep what the store knew."""
+    """What a run says about one service's health: its verdict in this run, else what the host's
+    own record and systemd said when the run read the host (the same words as `status --live`:
+    a service deployed healthy by another controller, or before this store existed, is healthy
+    here too); None: not known, keep what the store knew."""
     if r.status == Result.FAILED and not r.plan:
         return "unknown"
     evs = [e for e in r.events if e.service == service]
     last = evs[-1] if evs else None
     if last is None:
-        return None
+        f = r.facts.services.get(service) if r.facts is not None else None
+        return record_health(f.record, f) if f is not None and f.record is not None else None
     if last.outcome is not None:
         return "healthy" if last.outcome.healthy else "unhealthy"
     return _HEALTH_OF_EVENT.get(str(last.action))

@@ -44,7 +44,7 @@ def _running_rev(rec: ServiceRecord, active: str) -> str | None:
     return rec.revision
 
 
-def _health(rec: ServiceRecord, f: ServiceFacts) -> str:
+def record_health(rec: ServiceRecord, f: ServiceFacts) -> str:
     active, sub = f.props.get("ActiveState", ""), f.props.get("SubState", "")
     if rec.pending is not None:
         return "pending"
@@ -115,7 +115,7 @@ def host_rows(host: HostSpec, facts: HostFacts, revision: str) -> list[dict[str,
             event, quote = _event(name, host.name, rec, f, spec, revision)
             times = [t for t in (applied_at, rec.pending.at if rec.pending else 0,
                                  rec.quarantine.at if rec.quarantine else 0) if t]
-            row.update(running_rev=_running_rev(rec, active or ""), health=_health(rec, f), last_event=event,
+            row.update(running_rev=_running_rev(rec, active or ""), health=record_health(rec, f), last_event=event,
                        quote=quote, updated_at=max(times) if times else None, record_rev=rec.revision,
                        last_good_rev=rec.last_good_revision,
                        pending=rec.pending.to_json() if rec.pending else None,
