@@ -18,7 +18,7 @@ import click
 from ..errors import ConfigError, SourceError
 from ..loop.options import RunOptions, confirm_margin_from
 from .output import console, escape, fail, fail_input, print_json, run_async
-from .run import converge, opened
+from .run import converge, opened, trust_policy
 
 PATH = click.Path(path_type=Path)
 
@@ -101,16 +101,25 @@ def lock_wait_opt(f):  # type: ignore[no-untyped-def]
 @click.option("--notes", is_flag=True, help="Record the outcome as git notes (refs/notes/reconciler) on the "
                                             "deployed commit in --repo, a local repo, as the daemon does on its "
                                             "deploy repo (not on a dry run).")
+@click.option("--require-signed", is_flag=True, help="Deploy only a revision signed by a key in --allowed-signers "
+                                                     "(default /etc/reconciler/allowed_signers); rollback targets too. "
+                                                     "As root, require_signed in config.toml applies as well.")
+@click.option("--allowed-signers", metavar="FILE", help="An ssh allowed_signers file (ssh-keygen -Y verify); implies "
+                                                        "--require-signed.")
+@click.option("--allow-insecure-transport", is_flag=True, help="Fetch a URL over http:// or git:// (plaintext: "
+                                                               "whoever is on the path chooses what deploys).")
 @click.pass_context
 def app(ctx: click.Context, repo: str, rev: str | None, path: str, dry_run: bool, as_json: bool,
         identity: str | None, concurrency: int | None, host: tuple[str, ...], label: tuple[str, ...], retry: bool,
         allow_rewind: bool, lock_wait: float, age_identity: str | None, cache_dir: Path | None,
-        state_dir: Path | None, notes: bool) -> None:
+        state_dir: Path | None, notes: bool, require_signed: bool, allowed_signers: str | None,
+        allow_insecure_transport: bool) -> None:
     if ctx.invoked_subcommand is not None:
         return
+    trust = trust_policy(require_signed, allowed_signers, allow_insecure_transport, as_json=as_json)
     opts = RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir, hosts=host, labels=label, dry_run=dry_run,
                       retry=retry, allow_rewind=allow_rewind, lock_wait=lock_wait, concurrency=concurrency,
-                      identity=identity, age_identity=age_identity, confirm_margin=confirm_margin_from())
+                      identity=identity, age_identity=age_identity, confirm_margin=confirm_margin_from(), trust=trust)
     converge(opts, as_json=as_json, state_dir=state_dir, notes=notes)
 
 

@@ -1,5 +1,9 @@
 """`reconcile pull`: a host reconciles itself from its clone of the desired-state repo (pull
-mode: no controller; rollout waves from fleet.toml [pull]), and `--install` makes that a timer."""
+mode: no controller; rollout waves from fleet.toml [pull]), and `--install` makes that a timer.
+
+A run (and an install) says whom it trusts: `--allowed-signers FILE` (only commits signed by a
+key in that file deploy) or, on purpose, `--allow-unsigned`; plaintext URLs (http://, git://)
+only with `--allow-insecure-transport`."""
 
 from __future__ import annotations
 
@@ -9,8 +13,10 @@ from typing import TYPE_CHECKING
 
 import click
 
+from ..desired.trust import RevisionRefused, TrustPolicy
 from ..errors import ConfigError, SourceError
 from .output import console, fail, fail_input, print_json, run_async, say
+from .run import refused
 
 if TYPE_CHECKING:
     from ..pull import PullOptions
@@ -51,9 +57,17 @@ PATH = click.Path(path_type=Path)
 @click.option("--splay", metavar="DURATION", help="With --install: a random extra delay before each run, up to this "
                                                   "(default: a tenth of the interval; spreads a large fleet's "
                                                   "fetches).")
+@click.option("--allowed-signers", type=PATH, metavar="FILE",
+              help="An ssh allowed_signers file on this host: only commits signed by one of its keys deploy "
+                   "(required unless --allow-unsigned).")
+@click.option("--allow-unsigned", is_flag=True, help="Deploy unsigned commits: whoever can write the repo is then root "
+                                                     "on this host (every run says so).")
+@click.option("--allow-insecure-transport", is_flag=True, help="Fetch over http:// or git:// (plaintext: whoever is "
+                                                               "on the path chooses what deploys).")
 def pull(repo: str, rev: str | None, path: str, host: str | None, workdir: Path | None, dry_run: bool,
          as_json: bool, retry: bool, allow_rewind: bool, lock_wait: float, publish: bool, age_identity: str | None,
-         state_dir: Path | None, install: bool, uninstall: bool, interval: str, splay: str | None) -> None:
+         state_dir: Path | None, install: bool, uninstall: bool, interval: str, splay: str | None,
+         allowed_signers: Path | None, allow_unsigned: bool, allow_insecure_transport: bool) -> None:
     """Reconcile this host against itself from its clone of the desired-state repo (pull mode: no
     controller; rollout waves from fleet.toml [pull]). Run it on the host, as root."""
     from .. import pull as pull_mode
@@ -68,11 +82,26 @@ def pull(repo: str, rev: str | None, path: str, host: str | None, workdir: Path 
         return
     opts = pull_mode.PullOptions(repo=repo, rev=rev, path=path, host=host, workdir=workdir or pull_mode.DEFAULT_DIR,
                                  age_identity=age_identity, retry=retry, allow_rewind=allow_rewind,
-                                 lock_wait=lock_wait, dry_run=dry_run, publish=publish)
+                                 lock_wait=lock_wait, dry_run=dry_run, publish=publish,
+                                 trust=_trust(allowed_signers, allow_unsigned, allow_insecure_transport))
     if install:
         _pull_install(opts, interval, splay, state_dir)
         return
     _pull_run(opts, as_json, state_dir)
+
+
+def _trust(allowed_signers: Path | None, allow_unsigned: bool, insecure: bool) -> TrustPolicy:
+    """The host's trust policy from the flags: a signers file, or unsigned revisions on purpose."""
+    if allowed_signers is not None and allow_unsigned:
+        fail("--allowed-signers and --allow-unsigned: choose one")
+    if allowed_signers is None and not allow_unsigned:
+        fail("--allowed-signers FILE is required: an ssh allowed_signers file on this host, so that only commits "
+             "signed by one of its keys deploy (whoever can write the repo, or sits on the path to it, is otherwise "
+             "root on this host); or pass --allow-unsigned to accept unsigned commits on purpose")
+    origin = "--allowed-signers" if allowed_signers is not None else "--allow-unsigned"
+    return TrustPolicy.of(require_signed=allowed_signers is not None,
+                          allowed_signers=allowed_signers.absolute() if allowed_signers is not None else None,
+                          insecure_transport=insecure, origin=origin)
 
 
 def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
@@ -88,7 +117,8 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
             return
         c = outcome.choice
         wave = f" (wave {outcome.wave})" if outcome.wave else ""
-        say(f"pull {outcome.host}{wave}: head {outcome.head[:7]}, reconciling "
+        trust = f"signed by {outcome.signer}" if outcome.signer else opts.trust_line()
+        say(f"pull {outcome.host}{wave}: head {outcome.head[:7]} ({trust}), reconciling "
              f"{c.revision[:7] if c.revision else 'nothing'}: {c.why}")
         for skip in c.skipped[:3]:
             say(f"  not {skip.revision[:7]}: {skip.why}")
@@ -103,6 +133,8 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
         except (ConfigError, SourceError) as e:
             fail_input(e, as_json, f"{opts.repo}@{opts.rev or 'HEAD'}")
             return
+        except RevisionRefused as e:     # nothing was changed
+            refused(e, as_json)
         if outcome.result is not None and not opts.dry_run:
             from ..controller.store import Store, remember
             store = Store(state_dir)
@@ -123,13 +155,50 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
     raise SystemExit(outcome.exit_code() if outcome is not None else 1)
 
 
+def _unit_argv(opts: PullOptions, repo: str, name: str, state_dir: Path | None) -> list[str]:
+    """The command the service runs: this very one, with these options (paths absolute: the unit
+    runs in /), its trust policy included."""
+    from ..pull import DEFAULT_DIR
+    argv = [sys.executable, "-m", "reconciler", "pull", "--repo", repo, "--host", name]
+    # the unit runs in /: paths as absolute ones
+    for flag, value in (("--rev", opts.rev), ("--path", opts.path),
+                        ("--age-identity", str(Path(opts.age_identity).resolve()) if opts.age_identity else None),
+                        ("--state-dir", str(state_dir.resolve()) if state_dir else None),
+                        ("--allowed-signers", opts.trust.allowed_signers[0] if opts.trust.require_signed else None)):
+        if value:
+            argv += [flag, value]
+    if not opts.trust.require_signed:
+        argv.append("--allow-unsigned")
+    if opts.trust.insecure_transport:
+        argv.append("--allow-insecure-transport")
+    if opts.workdir != DEFAULT_DIR:
+        argv += ["--dir", str(opts.workdir.resolve())]
+    if opts.lock_wait != 30.0:
+        argv += ["--lock-wait", f"{opts.lock_wait:g}"]
+    if not opts.publish:
+        argv.append("--no-publish")
+    return argv
+
+
+def _check_interpreter() -> None:
+    """Exit 1 when the interpreter, its venv or this package could be changed by a user other
+    than root: the unit would run that code as root."""
+    from ..pull._units import untrusted_paths
+    code = (sys.executable, sys.prefix, str(Path(__file__).resolve().parents[1]))    # the interpreter, its venv, us
+    bad = untrusted_paths(code)
+    if bad is not None:
+        fail(f"the unit would run {sys.executable} as root, but {bad} can be changed by someone other than root: "
+             f"install the reconciler where only root can write (a venv under /opt made by root) and run --install "
+             f"with its python")
+
+
 def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir: Path | None) -> None:
     """`reconcile pull --install`: check that the repo and this host resolve, then write and enable
     the units that run the same command, and say what was installed."""
     from ..desired import source
     from ..desired.load import load_desired
     from ..desired.schema import parse_duration
-    from ..pull import DEFAULT_DIR, install, render_units, this_host
+    from ..pull import install, render_units, this_host
     from ..pull._git import branch_dir, open_clone
     every = parse_duration(interval)
     if every is None or every <= 0:
@@ -138,31 +207,23 @@ def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir
     if spread is None:
         fail(f"--splay {splay!r}: expected a duration like 5s or 2m")
     repo = opts.repo if source.is_url(opts.repo) else str(Path(opts.repo).resolve())
-    from ..redact import looks_secret
-    if source.is_url(repo) and looks_secret(repo):
-        # the URL would be in the unit file and in `systemctl show`, which every local user reads
-        fail("--repo: the URL carries a password or token; it would be readable by every local user in the "
-              "unit file. Give the host a read-only deploy key or a git credential helper instead")
+    try:
+        opts.check_source()          # a plaintext URL, or one with a token, is refused before anything else
+    except RevisionRefused as e:
+        refused(e, False)
+    _check_interpreter()
     try:
         clone = open_clone(repo, opts.workdir)
-        state = load_desired(source.snapshot(clone, opts.rev, opts.path))
+        head = source.snapshot(clone, opts.rev, opts.path)
+        signer = opts.trust.verify(clone, head.revision)
+        state = load_desired(head)
         name = this_host(state, opts.host)
     except (ConfigError, SourceError) as e:
         fail_input(e, False, f"{repo}@{opts.rev or 'HEAD'}")
         return
-    argv = [sys.executable, "-m", "reconciler", "pull", "--repo", repo, "--host", name]
-    # the unit runs in /: paths as absolute ones
-    for flag, value in (("--rev", opts.rev), ("--path", opts.path),
-                        ("--age-identity", str(Path(opts.age_identity).resolve()) if opts.age_identity else None),
-                        ("--state-dir", str(state_dir.resolve()) if state_dir else None)):
-        if value:
-            argv += [flag, value]
-    if opts.workdir != DEFAULT_DIR:
-        argv += ["--dir", str(opts.workdir.resolve())]
-    if opts.lock_wait != 30.0:
-        argv += ["--lock-wait", f"{opts.lock_wait:g}"]
-    if not opts.publish:
-        argv.append("--no-publish")
+    except RevisionRefused as e:
+        refused(e, False)
+    argv = _unit_argv(opts, repo, name, state_dir)
     watch = None if source.is_url(repo) else branch_dir(clone, opts.rev)
     units = render_units(argv, interval=every, splay=spread, watch=watch)
     try:
@@ -171,6 +232,7 @@ def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir
         fail(str(e))
     say(f"pull mode for {name} from {repo}:")
     say(f"  runs: {' '.join(argv)}")
+    say(f"  trusts: {opts.trust_line()}" + (f" (the head {head.short} is signed by {signer})" if signer else ""))
     say(f"  every {interval} (plus up to {spread:g}s at random) and soon after boot"
          + (f"; at once when {watch} changes" if watch else ""))
     for line in lines:

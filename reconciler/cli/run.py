@@ -1,12 +1,20 @@
 """The `reconcile` run: build the run's options, open the revision, call the one fleet run
-(`loop.fleet.run_fleet`), record, print, exit with the run's code."""
+(`loop.fleet.run_fleet`), record, print, exit with the run's code.
+
+What may deploy (desired/trust.py TrustPolicy) comes from the flags (--require-signed,
+--allowed-signers, --allow-insecure-transport) and, for a run as root on a host that has the
+controller's config, from that config too: the stricter of both. So `reconcile --repo
+/srv/git/fleet.git` as root on the control host deploys only what the daemon would.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from .. import redact
+from ..desired.trust import RevisionRefused, TrustPolicy
 from ..errors import ConfigError, SourceError
 from ..loop.options import RunIO, RunOptions
 from .output import console, escape, fail, fail_input, print_json, run_async, say
@@ -15,9 +23,46 @@ if TYPE_CHECKING:
     from ..desired.source import Snapshot
     from ..loop.revision import Revision
 
+CONFIG = "/etc/reconciler/config.toml"
+
+
+def config_file() -> Path:
+    """The controller's config as controller/config.py finds it ($RECONCILER_CONFIG, else
+    /etc/reconciler/config.toml), named here so that a run on a host without one never imports
+    the config's schema (pydantic)."""
+    return Path(os.environ.get("RECONCILER_CONFIG") or CONFIG)
+
+
+def trust_policy(require_signed: bool, allowed_signers: str | None, insecure_transport: bool, *,
+                 as_json: bool = False, euid: int | None = None) -> TrustPolicy:
+    """The run's trust policy: the flags', merged (the stricter of both) with the controller's
+    config when run as root and the config exists; an invalid config exits 1 naming file and key."""
+    signed = require_signed or allowed_signers is not None
+    flags = TrustPolicy.of(require_signed=signed, allowed_signers=allowed_signers,
+                           insecure_transport=insecure_transport,
+                           origin="--allowed-signers" if allowed_signers else "--require-signed" if signed else "")
+    path = config_file()
+    if (os.geteuid() if euid is None else euid) != 0 or not path.exists():
+        return flags
+    from ..controller.config import load_config
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:
+        fail_input(e, as_json, str(path))
+    return flags.merged(cfg.trust_policy(f"{path} (a run as root)"))
+
+
+def refused(e: RevisionRefused, as_json: bool) -> NoReturn:
+    """The trust policy refused the revision (or the repo's URL): one line, or --json; exit 1."""
+    if as_json:
+        print_json({"error": "RevisionRefused", "reason": e.reason, "message": str(e)})
+        raise SystemExit(1)
+    fail(f"refused ({e.reason}): {e}")
+
 
 def opened(opts: RunOptions, as_json: bool) -> tuple[Snapshot, Revision]:
-    """The revision the options name, opened for a run; bad input exits 1 naming file and key."""
+    """The revision the options name, opened for a run (verified under the run's trust policy);
+    bad input exits 1 naming file and key, a refused revision exits 1 saying why."""
     from ..loop.fleet import selected
     from ..loop.revision import load_revision
     try:
@@ -25,6 +70,8 @@ def opened(opts: RunOptions, as_json: bool) -> tuple[Snapshot, Revision]:
         selected(rev.state, opts)          # a --host or --label that matches nothing: before any host
     except (ConfigError, SourceError) as e:
         fail_input(e, as_json, f"{opts.repo}@{opts.rev or 'HEAD'}")
+    except RevisionRefused as e:
+        refused(e, as_json)
     return snap, rev
 
 
@@ -41,7 +88,13 @@ def converge(opts: RunOptions, *, as_json: bool = False, state_dir: Path | None 
     if notes and source.is_url(opts.repo):
         fail(f"--notes writes to a local repo; {redact.redact(opts.repo)} is a URL (its local mirror is a cache "
              f"that nobody reads). Run it on a clone and push refs/notes/reconciler")
+    try:
+        opts.trust.check_url(opts.repo)      # before anything is fetched
+    except RevisionRefused as e:
+        refused(e, as_json)
     snap, rev = opened(opts, as_json)
+    if rev.signer is not None:
+        say(f"{snap.short}: signed by {rev.signer}")
     from ..controller.store import Store, expect_changes, remember, remember_in_sync
     from ..loop.fleet import run_fleet, selected
     from ..loop.report import PhaseView, print_result
@@ -66,6 +119,8 @@ def converge(opts: RunOptions, *, as_json: bool = False, state_dir: Path | None 
                 record_run(snap.repo, result)
             except NotesError as e:
                 say(f"warning: deploy notes not written: {e}")
+    for r, why in rev.refused.items():       # rollback targets the trust policy refused
+        say(f"refused to roll back to {r[:7]}: {why}")
     if as_json:
         print_json(result.to_json())
     else:

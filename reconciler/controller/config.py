@@ -16,6 +16,7 @@
     lock_wait = 30                       # seconds to wait for another run's lock on a host (then: Locked)
     require_signed = false               # only deploy commits signed by a key in allowed_signers
     allowed_signers = "/etc/reconciler/allowed_signers"   # ssh-keygen -Y verify format
+    allow_insecure_transport = false     # fetch a repo URL over http:// or git:// (plaintext: refused by default)
     age_identity = "/etc/reconciler/age.key"  # decrypts the repo's age secrets (reconcile secrets keygen)
     notes = true                         # record each run's outcome as git notes (refs/notes/reconciler)
     forge_url = ""                       # commit statuses on a forge: API base (https://api.github.com, or
@@ -30,7 +31,8 @@
 
 Every key can be overridden by an environment variable RECONCILER_<KEY> (e.g.
 RECONCILER_REPO, RECONCILER_INTERVAL). Signing policy lives here, on the control host, and not
-in the desired-state repo, so a push cannot switch it off. So does the age identity that
+in the desired-state repo, so a push cannot switch it off; the daemon, the git hooks and
+`reconcile` run as root all read it (desired/trust.py TrustPolicy). So does the age identity that
 decrypts the repo's secrets: the repo holds only what is encrypted to its public key. And so do
 the forge's address and token: a push cannot send the token anywhere else.
 """
@@ -44,6 +46,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from ..desired.trust import TrustPolicy
 from ..errors import ConfigError, Problem
 
 DEFAULT_PATH = Path("/etc/reconciler/config.toml")
@@ -68,6 +71,7 @@ class ControllerConfig(BaseModel):
     require_signed: bool = False
     lock_wait: float = 30.0
     allowed_signers: str | None = None
+    allow_insecure_transport: bool = False
     age_identity: str | None = None
     notes: bool = True
     forge_url: str | None = None
@@ -114,6 +118,12 @@ class ControllerConfig(BaseModel):
             raise ValueError("forge_url is set: give the token as exactly one of forge_token_file (a file) or "
                              "forge_token_env (the name of an environment variable), never in the config itself")
         return self
+
+    def trust_policy(self, origin: str = "the controller's config.toml") -> TrustPolicy:
+        """require_signed, allowed_signers and allow_insecure_transport as the policy every
+        door reads."""
+        return TrustPolicy.of(require_signed=self.require_signed, allowed_signers=self.allowed_signers,
+                              insecure_transport=self.allow_insecure_transport, origin=origin)
 
 
 def config_path() -> Path:

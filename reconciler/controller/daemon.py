@@ -60,7 +60,7 @@ from rich.console import Console
 from .. import faults, redact
 from ..desired import load, source
 from ..desired.spec import DesiredState
-from ..desired.trust import RevisionRefused, check_descends, verify_signature
+from ..desired.trust import RevisionRefused, check_descends
 from ..dirs import default_state_dir
 from ..errors import ConfigError, ReconcilerError, SourceError
 from ..host.pool import Pool
@@ -230,6 +230,8 @@ class Daemon:
         # The run's log stays open through the except clauses (they write to it too).
         with contextlib.ExitStack() as closing:
             try:
+                opts = self.run_options()
+                opts.trust.check_url(self.cfg.repo)      # before anything is fetched
                 repo = source.open_repo(self.cfg.repo, self.cache_dir)
                 if repo.references.get(f"refs/heads/{self.cfg.branch}") is None:
                     if not self.waiting:
@@ -249,11 +251,9 @@ class Daemon:
                 console.print(f"reconcile {snap.short} ({why})")
                 if not self.cfg.allow_rewind:
                     check_descends(repo, self._last_applied(), snap.revision)
-                if self.cfg.require_signed:
-                    who = verify_signature(repo, snap.revision,
-                                           self.cfg.allowed_signers or "/etc/reconciler/allowed_signers")
+                who = opts.trust.verify(repo, snap.revision)     # before its tree is read (open_revision: again)
+                if who is not None:
                     console.print(f"{snap.short}: signed by {who}")
-                opts = self.run_options()
                 state, rules = self._load(snap)
                 # Age secrets decrypted with the controller's identity, at this revision and at any
                 # a rollback renders; one that cannot be decrypted blocks its service (the core).
@@ -271,6 +271,8 @@ class Daemon:
                                supersede=self.supersede)
                 result = await run_fleet(rev, opts, run_io)
                 print_result(console, result, shown=view.shown, in_sync_rows=False)
+                for r, why in rev.refused.items():       # rollback targets the signing policy refused
+                    console.print(f"refused to roll back to {r[:7]}: {why}", soft_wrap=True, markup=False)
                 await self.pool.retain(mine)             # hosts that left the fleet (or shard), idle ones
                 remember(self.store, result)
                 if self.hub is not None:     # the fleet page: the store has the results now
@@ -304,7 +306,7 @@ class Daemon:
         return RunOptions(repo=self.cfg.repo, cache_dir=self.cache_dir, labels=tuple(self.cfg.labels or ()),
                           lock_wait=self.cfg.lock_wait, allow_rewind=self.cfg.allow_rewind,
                           identity=self.cfg.identity, age_identity=self.cfg.age_identity,
-                          confirm_margin=confirm_margin_from())
+                          confirm_margin=confirm_margin_from(), trust=self.cfg.trust_policy())
 
     def _load(self, snap: source.Snapshot) -> tuple[DesiredState, RuleSet]:
         """The desired state and rule pack at a snapshot; the same tree as the last run's (every

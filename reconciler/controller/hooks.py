@@ -76,13 +76,14 @@ def _err(line: str) -> None:
 def pre_receive() -> int:
     """Validate every push to the deploy branch; print reasons to the pusher; 0 accept, 1 reject."""
     from ..desired import load, source
-    from ..desired.trust import RevisionRefused, verify_signature
+    from ..desired.trust import RevisionRefused
     from ..preflight import check_desired, load_rules
     from .config import load_config
     repo = source.open_repo(os.environ.get("GIT_DIR", "."))
     branch = _git_config(repo, "reconciler.branch", "main")
     subdir = _git_config(repo, "reconciler.path", "")
     cfg = load_config()
+    trust = cfg.trust_policy()
     options = _push_options()
     rejected = False
     for old, new, ref in _updates():
@@ -99,14 +100,14 @@ def pre_receive() -> int:
                   file=sys.stderr)
             rejected = True
             continue
-        if cfg.require_signed:
-            try:
-                who = verify_signature(repo, new, cfg.allowed_signers or "/etc/reconciler/allowed_signers")
-                _err(f"reconciler: {new[:7]} signed by {who}")
-            except RevisionRefused as e:
-                _err(f"reconciler: rejected {new[:7]}: {e.reason}: {e}")
-                rejected = True
-                continue
+        try:
+            who = trust.verify(repo, new)
+        except RevisionRefused as e:
+            _err(f"reconciler: rejected {new[:7]}: {e.reason}: {e}")
+            rejected = True
+            continue
+        if who is not None:
+            _err(f"reconciler: {new[:7]} signed by {who}")
         try:
             snap = source.snapshot(repo, new, subdir)
             state = load.load_desired(snap)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from ..desired.trust import TrustPolicy
 
 if TYPE_CHECKING:
     from ..desired.spec import HostSpec
@@ -51,6 +53,9 @@ class RunOptions:
     age_identity: str | None = None   # the age identity that decrypts the revision's secrets
     # seconds the dead-man's switch adds to start-up timeout + stable_for (None: no switch)
     confirm_margin: float | None = CONFIRM_MARGIN
+    # what may deploy: signed revisions only (and by whom), plaintext URLs or not; the revision a
+    # run opens and every revision a rollback renders are verified under it (revision.py)
+    trust: TrustPolicy = field(default_factory=TrustPolicy)
 
 
 def confirm_margin_from(environ: Mapping[str, str] = os.environ) -> float | None:

@@ -1,16 +1,19 @@
 """A revision ready to run: one way for every door to open it.
 
-`open_revision(snapshot, opts)` loads the desired state (`desired.load.load_desired`, or a state
-the caller already loaded from the same tree), decrypts its age secrets with the run's
-identity, and gives the run what it asks of the repository: the state at another revision for
-a rollback (decrypted too), the pre-flight rule pack (parsed on first use: a run that starts
-nothing never parses it), and whether one revision descends from another.
+`open_revision(snapshot, opts)` verifies the revision under the run's trust policy
+(`opts.trust`: signed by an allowed key, when the door requires it), loads the desired state
+(`desired.load.load_desired`, or a state the caller already loaded from the same tree),
+decrypts its age secrets with the run's identity, and gives the run what it asks of the
+repository: the state at another revision for a rollback (verified under the same policy, then
+decrypted: a revision a host's record names is no more trusted than a tip), the pre-flight rule
+pack (parsed on first use: a run that starts nothing never parses it), and whether one revision
+descends from another.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -34,6 +37,9 @@ class Revision:
     render_at: RenderAt | None = None             # the state at another revision (rollbacks)
     rules: Callable[[], RuleSet] | None = None    # the pre-flight rule pack (None: no pre-flight)
     descends: Descends | None = None              # None: no rewind check
+    signer: str | None = None                     # who signed it (None: the policy asks no signature)
+    # rollback targets the trust policy refused (revision -> why), filled as the run renders them
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def revision(self) -> str:
@@ -42,12 +48,14 @@ class Revision:
 
 def open_revision(snap: Snapshot, opts: RunOptions, *, state: DesiredState | None = None,
                   rules: RuleSet | None = None) -> Revision:
-    """The revision at `snap`, ready for `fleet.run_fleet` (ConfigError, SourceError: bad input).
+    """The revision at `snap`, ready for `fleet.run_fleet` (ConfigError, SourceError: bad input;
+    RevisionRefused: the trust policy does not let it deploy).
 
     `state`, `rules`: what the caller already loaded from this snapshot's tree (the daemon's
     memo of the last tree), so they are not parsed again."""
     from ..desired import secrets
     from ..desired.load import load_desired, render_at  # pydantic and the schema: with a revision to load
+    signer = opts.trust.verify(snap.repo, snap.revision) if opts.trust.require_signed else None
     if state is None:
         state = load_desired(snap)
     dec = secrets.Decryptor(secrets.identity_path(opts.age_identity))
@@ -65,7 +73,11 @@ def open_revision(snap: Snapshot, opts: RunOptions, *, state: DesiredState | Non
         from ..desired.trust import descends as check
         return check(snap.repo)(target, applied)
 
-    return Revision(state, dec.render_at(render_at(snap)), rule_pack, descends)
+    refused: dict[str, str] = {}
+    rollback = render_at(snap)
+    if opts.trust.require_signed:
+        rollback = opts.trust.render_at(snap.repo, rollback, refused)
+    return Revision(state, dec.render_at(rollback), rule_pack, descends, signer, refused)
 
 
 def snapshot_of(opts: RunOptions) -> Snapshot:

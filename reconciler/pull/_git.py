@@ -1,11 +1,11 @@
 """Pull mode's git edge (pygit2): the host's clone of the desired-state repo, the branch's
 history, and the reports hosts leave for later waves as git notes.
 
-A URL is mirrored under the pull directory (/var/lib/reconciler/pull/repos/<hash>) and fetched
-on every run, its branches and every host's notes ref in one round trip; a local path (a bare
-repo or a clone on the host) is read where it is. A host writes only its own notes ref,
-refs/notes/reconciler-pull/<host>: into the local repo, or pushed to the URL's remote, so
-hosts never race for a ref.
+A URL is mirrored under the pull directory (/var/lib/reconciler/pull/repos/<hash>, 0700) and
+fetched on every run (with network time-outs), its branches and every host's notes ref in one
+round trip; a local path (a bare repo or a clone on the host) is read where it is. A host writes
+only its own notes ref, refs/notes/reconciler-pull/<host>: into the local repo, or pushed to the
+URL's remote, so hosts never race for a ref.
 """
 
 from __future__ import annotations
@@ -26,9 +26,22 @@ class PublishError(ReconcilerError):
     """A report could not be written or pushed (the run itself is not affected)."""
 
 
+# libgit2's network time-outs, in milliseconds: a stalled server fails the fetch (the run says
+# so, and the timer tries again) instead of holding the run, and the host lock, for ever.
+CONNECT_TIMEOUT_MS = 30_000
+SERVER_TIMEOUT_MS = 60_000
+MIRROR_MODE = 0o700        # the mirror holds every host's desired state: root's alone
+
+
 def open_clone(repo: str, workdir: Path) -> pygit2.Repository:
     """The host's clone: a local repo as it is, or a URL mirrored under `workdir` and fetched
-    (branches and the hosts' notes)."""
+    (branches and the hosts' notes), in directories only root can read, with network time-outs."""
+    if source.is_url(repo):
+        mirrors = workdir / "repos"
+        mirrors.mkdir(mode=MIRROR_MODE, parents=True, exist_ok=True)
+        os.chmod(mirrors, MIRROR_MODE)        # one made by an older version: 0755
+        pygit2.settings.server_connect_timeout = CONNECT_TIMEOUT_MS
+        pygit2.settings.server_timeout = SERVER_TIMEOUT_MS
     return source.open_repo(repo, workdir, also_fetch=(f"+{NOTES_PREFIX}*:{NOTES_PREFIX}*",))
 
 

@@ -14,6 +14,12 @@
 
 Age secrets decrypt only with an identity on the host (--age-identity): without one, a service
 with an age secret is blocked (SecretUndecryptable), as on a controller without its key.
+
+Trust (desired/trust.py TrustPolicy, from the command line): the repo's URL must not be
+plaintext (http://, git://) unless allowed, nor carry a credential; the branch head must be
+signed by a key in the host's --allowed-signers file (else the run refuses, nothing changes),
+and so must the revision the wave chooses (an unsigned one is passed over) and any revision a
+rollback renders. With --allow-unsigned every run says that unsigned revisions are accepted.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import pygit2
 from ..desired import source
 from ..desired.load import load_desired
 from ..desired.spec import DesiredState, HostSpec
+from ..desired.trust import RevisionRefused, TrustPolicy, shown_url, url_credentials
 from ..errors import ConfigError, SourceError
 from ..host import lock
 from ..host.transport import LocalTransport, Transport
@@ -75,12 +82,31 @@ class PullOptions:
     lock_wait: float = lock.WAIT
     dry_run: bool = False
     publish: bool = True
+    trust: TrustPolicy = field(default_factory=TrustPolicy)    # --allowed-signers / --allow-unsigned, transport
 
     def run_options(self, host: str) -> RunOptions:
         """The run on this host: the one fleet run, limited to it."""
         return RunOptions(repo=self.repo, rev=self.rev, path=self.path, hosts=(host,), dry_run=self.dry_run,
                           retry=self.retry, allow_rewind=self.allow_rewind, lock_wait=self.lock_wait,
-                          age_identity=self.age_identity, confirm_margin=confirm_margin_from())
+                          age_identity=self.age_identity, confirm_margin=confirm_margin_from(), trust=self.trust)
+
+    def check_source(self) -> None:
+        """Refuse (RevisionRefused) a repo URL that is plaintext (unless allowed) or carries a
+        credential (it would be in the units, in `ps` and in `systemctl show`, which every
+        local user reads), before anything is fetched."""
+        self.trust.check_url(self.repo)
+        creds = url_credentials(self.repo)
+        if creds is not None:
+            raise RevisionRefused("CredentialsInUrl", f"--repo {shown_url(self.repo)}: the URL carries {creds}; it "
+                                  "would be readable by every local user (units, ps, systemctl show). Give the host a "
+                                  "read-only deploy key or a git credential helper instead")
+
+    def trust_line(self) -> str:
+        """What this run's trust policy lets deploy, in words (every run says it)."""
+        if self.trust.require_signed:
+            return self.trust.describe()
+        return ("unsigned revisions are accepted (--allow-unsigned): whoever can write the repo is root on this "
+                "host")
 
 
 @dataclass
@@ -95,6 +121,7 @@ class PullOutcome:
     reported: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     moved: bool = False            # a local repo's branch moved during the run: run again
+    signer: str | None = None      # who signed the head (None: the run accepts unsigned revisions)
 
     def exit_code(self) -> int:
         return self.result.exit_code() if self.result is not None else 0
@@ -103,7 +130,8 @@ class PullOutcome:
         return redact_data({
             "host": self.host, "head": self.head, "wave": self.wave, "target": self.choice.revision,
             "why": self.choice.why, "skipped": [{"revision": s.revision, "why": s.why} for s in self.choice.skipped],
-            "reported": self.reported, "warnings": self.warnings, "exit_code": self.exit_code(),
+            "signer": self.signer, "reported": self.reported, "warnings": self.warnings,
+            "exit_code": self.exit_code(),
             "result": self.result.to_json() if self.result is not None else None})
 
 
@@ -172,6 +200,14 @@ def _choose(repo: pygit2.Repository, head: source.Snapshot, state: DesiredState,
         if rev is None or rev in loaded:
             return choice, wave, loaded
         try:
+            opts.trust.verify(repo, rev)
+        except RevisionRefused as e:
+            if rev == applied:         # never older than the applied revision: nothing may deploy
+                return Choice(None, f"staying put: the applied revision {rev[:7]} is refused ({e.reason}: {e})",
+                              choice.skipped), wave, loaded
+            unusable[rev] = f"refused ({e.reason}: {e})"
+            continue
+        try:
             snap = source.snapshot(repo, rev, opts.path)
             at = load_desired(snap)
         except (ConfigError, SourceError) as e:
@@ -196,8 +232,10 @@ async def pull_once(opts: PullOptions, *, on_phase: HostPhase | None = None, con
     (nothing applied); a host failure is in the outcome's result, as for any run. on_choice is
     told what the run chose before it reconciles (a deploy may then take minutes)."""
     local = not source.is_url(opts.repo)
+    opts.check_source()
     repo = _git.open_clone(opts.repo, opts.workdir)
     head = source.snapshot(repo, opts.rev, opts.path)
+    signer = opts.trust.verify(repo, head.revision)     # an unsigned head: refused, before its tree is read
     state = load_desired(head)
     name = this_host(state, opts.host)
     connect = connect or local_connector()
@@ -208,7 +246,9 @@ async def pull_once(opts: PullOptions, *, on_phase: HostPhase | None = None, con
         await probe.close()
     choice, wave, loaded = _choose(repo, head, state, name, applied, opts)
     waves = state.settings.pull_waves
-    out = PullOutcome(name, head.revision, waves[wave].name if wave is not None else None, choice)
+    out = PullOutcome(name, head.revision, waves[wave].name if wave is not None else None, choice, signer=signer)
+    if not opts.trust.require_signed:
+        out.warnings.append(opts.trust_line())
     if on_choice is not None:
         on_choice(out)
     if choice.revision is not None:
@@ -238,7 +278,9 @@ async def _reconcile(out: PullOutcome, repo: pygit2.Repository, loaded: tuple[so
                          until=now + int(_deadline(host, opts.lock_wait)))
         _say(out, repo, pending, push=not local)
     run = opts.run_options(name)
-    out.result = await run_fleet(open_revision(snap, run, state=target), run, RunIO(connect=connect, on_phase=on_phase))
+    opened = open_revision(snap, run, state=target)
+    out.result = await run_fleet(opened, run, RunIO(connect=connect, on_phase=on_phase))
+    out.warnings.extend(f"refused to roll back to {r[:7]}: {why}" for r, why in opened.refused.items())
     r = out.result.hosts[0]
     failed = next((e.outcome for e in r.events if e.outcome is not None and not e.outcome.healthy
                    and e.outcome.reason != SUPERSEDED), None)

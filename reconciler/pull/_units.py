@@ -8,6 +8,11 @@ enables them, `--uninstall` removes them.
 
 `render_units` is pure; `install` and `uninstall` write /etc/systemd/system and run systemctl
 here (they run on the host itself, as root), and say what they did, line by line.
+
+The units are root's alone (0600: systemd reads them as root; the command line names the repo,
+the signers file and the age identity), and the service is sandboxed as far as a run allows
+(SANDBOX). `untrusted_paths` refuses an interpreter or package that another user could change
+before it is made the ExecStart= of a root service.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 SERVICE = "reconciler-pull.service"
@@ -25,6 +31,44 @@ PATH = "reconciler-pull.path"
 UNITS = (SERVICE, TIMER, PATH)
 UNIT_DIR = Path("/etc/systemd/system")
 HEADER = "# Written by `reconcile pull --install`; `reconcile pull --uninstall` removes it.\n"
+
+UNIT_MODE = 0o600
+# Where a run keeps its own files under the sandbox (home directories are read-only there).
+STATE = "/var/lib/reconciler/pull/state"
+CACHE = "/var/cache/reconciler-pull"
+
+# What `reconcile pull` needs, and so what the sandbox leaves it: it runs systemctl and
+# systemd-run (PID 1 does the work, over its socket); it writes units and drop-ins under
+# /etc/systemd/system, env files and credentials under /etc/reconciler and /var/lib/reconciler,
+# its mirror, state and cache; it reads /proc of the processes holding GPUs (the GPU gate: other
+# users' too, hence CAP_SYS_PTRACE) and opens /dev/nvidia* through nvidia-smi (so no
+# PrivateDevices= and no ProtectClock=, whose device rule closes every other device); and it runs
+# the services' model fetch commands, which write their model paths anywhere but /usr, /boot
+# and home directories, and may read a token there (ProtectHome=read-only, not yes). Their /tmp
+# is private: a model path under /tmp does not work in pull mode.
+SANDBOX = """\
+NoNewPrivileges=yes
+ProtectSystem=yes
+ProtectHome=read-only
+PrivateTmp=yes
+PrivateMounts=yes
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectKernelLogs=yes
+ProtectControlGroups=yes
+ProtectHostname=yes
+RestrictSUIDSGID=yes
+RestrictRealtime=yes
+RestrictNamespaces=yes
+LockPersonality=yes
+KeyringMode=private
+SystemCallArchitectures=native
+SystemCallFilter=@system-service
+SystemCallErrorNumber=EPERM
+RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6 AF_NETLINK
+CapabilityBoundingSet=CAP_CHOWN CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_FSETID CAP_KILL CAP_SETUID \
+CAP_SETGID CAP_SYS_PTRACE
+"""
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
 
@@ -60,7 +104,12 @@ def render_units(argv: Sequence[str], *, interval: float, splay: float, watch: s
             "[Service]\nType=oneshot\n"
             f"ExecStart={command}\n"
             "# A deploy waits for its services' health: a big model may take many minutes to load.\n"
+            "# Each step has a time-out of its own (the git fetch: a minute of silence).\n"
             "TimeoutStartSec=infinity\n"
+            f"Environment=RECONCILER_STATE_DIR={STATE} RECONCILER_CACHE_DIR={CACHE}\n"
+            f"CacheDirectory={CACHE.removeprefix('/var/cache/')}\nCacheDirectoryMode=0700\n"
+            "# Sandboxed as far as a run allows (reconciler/pull/_units.py says what it needs).\n"
+            + SANDBOX
         ),
         TIMER: (
             f"{HEADER}[Unit]\n"
@@ -96,10 +145,33 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def _write(path: Path, text: str) -> None:
+    """Write a unit root-only from its first byte (never readable by others, even for a moment)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, UNIT_MODE)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), UNIT_MODE)
+        f.write(text)
     tmp.replace(path)
+
+
+def untrusted_paths(paths: Iterable[str], *, lstat: Callable[[str], os.stat_result] = os.lstat) -> str | None:
+    """The first of `paths` (the interpreter, its prefix, the package), or of the directories
+    above them (as given and as resolved), that a user other than root owns or that group or
+    others may write; None when every one is root's. A root service must run only code that
+    only root can change."""
+    for given in paths:
+        chain = {Path(os.path.abspath(given)), Path(os.path.realpath(given))}
+        for p in sorted({q for c in chain for q in (c, *c.parents)}):
+            try:
+                st = lstat(str(p))
+            except OSError as e:
+                return f"{p} ({e.strerror or e})"
+            writable = st.st_mode & 0o022 and not stat.S_ISLNK(st.st_mode)
+            if st.st_uid != 0 or writable:
+                return f"{p} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
 
 
 def install(units: dict[str, str], *, unit_dir: Path = UNIT_DIR, run: Run = _run) -> list[str]:
@@ -113,7 +185,11 @@ def install(units: dict[str, str], *, unit_dir: Path = UNIT_DIR, run: Run = _run
         path = unit_dir / name
         old = path.read_text() if path.exists() else None
         if old == text:
-            said.append(f"{path}: unchanged")
+            if stat.S_IMODE(path.stat().st_mode) != UNIT_MODE:     # written by an older version: 0644
+                os.chmod(path, UNIT_MODE)
+                said.append(f"{path}: unchanged, made root-only ({UNIT_MODE:04o})")
+            else:
+                said.append(f"{path}: unchanged")
             continue
         _write(path, text)
         changed.append(name)

@@ -120,3 +120,34 @@ def test_an_exception_in_a_run_is_logged_counted_and_retried(tmp_path, capsys):
     assert calls == 2 and "run crashed" in out and "KeyError: 'a bug'" in out and "Traceback" in out
     crashes = d.metrics.registry.get_sample_value("reconciler_runs_total", {"result": "crash"})
     assert crashes == 1.0
+
+
+def test_the_daemon_deploys_only_what_its_signing_policy_allows(tmp_path, capsys):
+    """require_signed in the config: an unsigned head (written past the pre-receive hook, as a
+    group member with a shell could) is refused before any host; signed, the run goes on to the
+    host (none listens there: exit 4). A plaintext URL is refused before it is fetched."""
+    from tests import signing
+    from tests.conftest import DesiredRepo
+    r = DesiredRepo(tmp_path / "r")
+    r.write("fleet.toml", "")
+    r.write("units/m.service", "[Service]\nExecStart=/usr/bin/server\n")
+    r.write("hosts/a.toml", 'address = "127.0.0.9"\n[services.m]\nunit_file = "units/m.service"\n')
+    head = signing.commit(r.path, "unsigned")
+    key = signing.keypair(tmp_path)
+    signers = signing.allowed_signers(tmp_path / "allowed_signers", key)
+    d = Daemon(ControllerConfig(repo=str(r.path), state_dir=str(tmp_path / "state"), metrics="", web="",
+                                require_signed=True, allowed_signers=str(signers)), interval=60)
+    assert asyncio.run(d.run_once()) == 1
+    log = (tmp_path / "state" / "runs" / f"{head}.log").read_text()
+    assert f"refused: Unsigned: commit {head[:7]} is not signed" in log and "127.0.0.9" not in log
+    assert d.pool.opened == 0 and d.store.status() == []
+    assert d.metrics.registry.get_sample_value("reconciler_runs_total", {"result": "refused"}) == 1.0
+    signing.git(r.path, "commit", "-q", "--amend", "--no-edit", "-S", key=key)
+    signed = signing.git(r.path, "rev-parse", "HEAD").strip()
+    assert asyncio.run(d.run_once()) == 4
+    assert f"{signed[:7]}: signed by {signing.PRINCIPAL}" in (tmp_path / "state" / "runs" / f"{signed}.log").read_text()
+    capsys.readouterr()
+    plain = Daemon(ControllerConfig(repo="http://127.0.0.1:9/fleet.git", state_dir=str(tmp_path / "s2"), metrics="",
+                                    web="", cache_dir=str(tmp_path / "cache")), interval=60)
+    assert asyncio.run(plain.run_once()) == 1
+    assert "refused: InsecureTransport" in capsys.readouterr().out and not (tmp_path / "cache").exists()

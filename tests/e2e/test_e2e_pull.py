@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from tests import conftest
+from tests import conftest, signing
 from tests import fleet as fleetlib
 from tests.conftest import ROOT, DesiredRepo, Fleet, run_json, write_fleet
 
@@ -161,19 +161,24 @@ def test_pull_mode_two_hosts_waves_and_a_rollback_with_no_controller(fleet: Flee
     c1 = push(repo, served, "first")
 
     # Each host installs its own pull units: the canary from the repo on it, the other from the URL.
+    # Unsigned commits, and git:// for the second host, on purpose (test_pull_trusts_only_... is
+    # the signed path): every run says so.
     said = fleet.ssh(canary, f"cd / && {RECONCILE} pull --install --repo {REPO} --host {canary.name} "
-                             f"--interval 5s 2>&1")
+                             f"--interval 5s --allow-unsigned 2>&1")
     assert f"at once when {REPO}/refs/heads changes" in said and "reconciler-pull.path: written" in said, said
+    plain = "--allow-unsigned --allow-insecure-transport"
     said = fleet.ssh(early, f"cd / && {RECONCILE} pull --install --repo {served} --host {early.name} "
-                            f"--interval 2s 2>&1")
+                            f"--interval 2s {plain} 2>&1")
     assert "reconciler-pull.timer: written" in said and "reconciler-pull.path" not in said, said
+    assert "trusts: unsigned revisions are accepted (--allow-unsigned)" in said, said
     again = fleet.ssh(early, f"cd / && {RECONCILE} pull --install --repo {served} --host {early.name} "
-                             f"--interval 2s 2>&1")
+                             f"--interval 2s {plain} 2>&1")
     assert "reconciler-pull.timer: unchanged" in again and "reconciler-pull.service: unchanged" in again, again
     for h in hosts:
         assert fleet.ssh(h, "systemctl is-enabled reconciler-pull.timer").strip() == "enabled"
 
     wait_for(f"{c1[:7]} on both hosts", lambda: runs(fleet, canary, c1) and runs(fleet, early, c1))
+    assert f"head {c1[:7]} (unsigned revisions are accepted (--allow-unsigned)" in journal(fleet, early)
 
     # A good change: live on the canary within seconds of the push (its path unit), on the
     # second host only once the commit is AFTER seconds old and the canary reported it healthy.
@@ -233,3 +238,70 @@ def test_pull_mode_two_hosts_waves_and_a_rollback_with_no_controller(fleet: Flee
     assert "/etc/systemd/system/reconciler-pull.timer: removed" in said, said
     assert fleet.ssh(early, "ls /etc/systemd/system/reconciler-pull.* 2>/dev/null | wc -l").strip() == "0"
     assert fleet.ssh(early, "systemctl is-active reconciler-pull.timer", check=False).strip() == "inactive"
+
+
+SIGNERS = "/etc/reconciler/allowed_signers"
+
+
+def push_as(repo: DesiredRepo, url: str, message: str, key=None) -> str:
+    """Commit (signed with `key`, else unsigned) and push it to the served repo."""
+    rev = signing.commit(repo.path, message, key)
+    res = subprocess.run(["git", "-C", str(repo.path), "push", "-q", url, "HEAD:refs/heads/main"], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    return rev
+
+
+def exposure(fleet: Fleet, h: fleetlib.Host, unit: str) -> float:
+    """systemd-analyze's overall exposure of a unit file on the host (0 best, 10 worst)."""
+    line = fleet.ssh(h, f"systemd-analyze security --offline=yes {unit} 2>&1 | tail -1")
+    return float(line.split(":")[1].split()[0])
+
+
+@pytest.mark.timeout(240)
+def test_pull_trusts_only_signed_commits_over_a_secure_transport(fleet: Fleet, hosts, served: str, repo, tmp_path):
+    """H3: a host in pull mode deploys only what its allowed_signers file trusts. An unsigned head
+    (a run, an install, a commit pushed on top of a deployed one) and a plaintext URL are
+    refused, and the host is left as it was; a signed head installs sandboxed, root-only units
+    and deploys."""
+    canary = hosts[0]
+    key = signing.keypair(tmp_path)
+    _ssh_in(fleet, canary, f"install -d -m 0755 /etc/reconciler && umask 022 && cat > {SIGNERS}",
+            signing.allowed_signers(tmp_path / "allowed_signers", key).read_bytes())
+    write_fleet(repo, [canary], {"model-a": {"port": 30000, "env": {"V": "1"}, "health": {"stable_for": 1}}})
+    unsigned = push_as(repo, served, "unsigned")
+    pull = f"cd / && {RECONCILE} pull --host {canary.name}"
+
+    def refused(args: str) -> str:
+        out = fleet.ssh(canary, f"{pull} {args} 2>&1; echo rc=$?")
+        assert out.rstrip().endswith("rc=1"), out
+        return out
+
+    assert f"refused (Unsigned): commit {unsigned[:7]} is not signed" in refused(f"--repo {REPO} "
+                                                                               f"--allowed-signers {SIGNERS}")
+    assert "--allowed-signers FILE is required" in refused(f"--repo {REPO}")
+    assert "refused (InsecureTransport)" in refused(f"--repo {served} --allowed-signers {SIGNERS}")
+    assert "refused (Unsigned)" in refused(f"--repo {REPO} --allowed-signers {SIGNERS} --install --interval 5s")
+    assert fleet.no_records(canary) and not fleet.exists(canary, "/etc/systemd/system/model-a.service")
+    assert not fleet.exists(canary, "/etc/systemd/system/reconciler-pull.service")
+    assert not fleet.exists(canary, "/var/lib/reconciler/pull/repos")      # nothing fetched over git://
+
+    write_fleet(repo, [canary], {"model-a": {"port": 30000, "env": {"V": "2"}, "health": {"stable_for": 1}}})
+    signed = push_as(repo, served, "signed", key)
+    said = fleet.ssh(canary, f"{pull} --repo {REPO} --allowed-signers {SIGNERS} --install --interval 5s 2>&1")
+    assert (f"trusts: only revisions signed by a key in {SIGNERS} deploy (the head {signed[:7]} is signed by "
+            f"{signing.PRINCIPAL})") in said, said
+    wait_for(f"{signed[:7]} on the canary", lambda: runs(fleet, canary, signed), 60)
+    assert f"head {signed[:7]} (signed by {signing.PRINCIPAL})" in journal(fleet, canary)
+    unit = "/etc/systemd/system/reconciler-pull.service"
+    assert fleet.ssh(canary, f"stat -c '%a %U' {unit} /etc/systemd/system/reconciler-pull.timer").split() == \
+        ["600", "root", "600", "root"]
+    score = exposure(fleet, canary, unit)
+    print(f"\n--- systemd-analyze security --offline=yes {unit}: {score}")
+    assert score < 4.0
+
+    # an unsigned commit on top: the path unit starts a run at once; refused; the host stays put
+    write_fleet(repo, [canary], {"model-a": {"port": 30000, "env": {"V": "3"}, "health": {"stable_for": 1}}})
+    bad = push_as(repo, served, "unsigned on top")
+    wait_for("the run that refuses it", lambda: f"refused (Unsigned): commit {bad[:7]}" in journal(fleet, canary), 30)
+    assert runs(fleet, canary, signed) and "V=2" in fleet.environment(canary, "model-a")

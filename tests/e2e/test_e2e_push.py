@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import fleet as fleetlib
-from tests.conftest import ROOT, SPEC_FLAGS, DesiredRepo, write_fleet
+from tests.conftest import ROOT, SPEC_FLAGS, DesiredRepo, run_cli, write_fleet
 
 pytestmark = pytest.mark.fleet
 
@@ -201,24 +201,43 @@ def test_force_push_back_is_refused(fleet, deploy):
     assert git(deploy.bare, "rev-parse", "main").stdout.strip() == c2
 
 
-@pytest.mark.timeout(60)
-def test_unsigned_commit_refused_when_signing_required(fleet, deploy, tmp_path):
+@pytest.mark.timeout(120)
+def test_an_unsigned_commit_is_refused_at_every_door_of_the_controller(fleet, deploy, tmp_path, monkeypatch):
+    """require_signed in config.toml: an unsigned commit is refused by pre-receive, by the daemon
+    when it lands past the hook (a ref written by a group member with a shell, M5), and by
+    `reconcile` run as root without a flag (M6); the host is never touched. Signed, it deploys."""
+    from tests import signing
+    assert os.geteuid() == 0          # the test hosts need root: so does "as root" here
     h = fleet.hosts[0]
-    key = tmp_path / "signer"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
-    signers = tmp_path / "allowed_signers"
-    signers.write_text(f"dev@example.invalid {key.with_suffix('.pub').read_text()}")
+    key = signing.keypair(tmp_path)
+    signers = signing.allowed_signers(tmp_path / "allowed_signers", key)
     (tmp_path / "config.toml").write_text(f'require_signed = true\nallowed_signers = "{signers}"\n')
     deploy.write([h])
-    deploy.commit("unsigned")
+    deploy.start()
+    unsigned = signing.commit(deploy.clone, "unsigned")
+    # 1. pre-receive
     res = deploy.push(check=False)
-    assert res.returncode != 0 and "Unsigned" in res.stderr
-    git(deploy.clone, "commit", "-q", "--amend", "--no-edit", "-S", "--no-verify",
-        env={"GIT_CONFIG_COUNT": "2", "GIT_CONFIG_KEY_0": "gpg.format", "GIT_CONFIG_VALUE_0": "ssh",
-             "GIT_CONFIG_KEY_1": "user.signingkey", "GIT_CONFIG_VALUE_1": str(key)})
-    res = deploy.push(check=False)
-    assert res.returncode == 0, res.stderr
-    assert "signed by dev@example.invalid" in res.stderr
+    assert res.returncode != 0 and f"rejected {unsigned[:7]}: Unsigned" in res.stderr, res.stderr
+    # 2. the daemon: the ref written straight into the deploy repo (no hook runs), then the trigger
+    git(deploy.bare, "fetch", "-q", str(deploy.clone), "main:main")
+    (deploy.bare / "reconciler.trigger").touch()
+    assert deploy.wait_exit_file(unsigned) == 1
+    log = (deploy.state / "runs" / f"{unsigned}.log").read_text()
+    assert f"refused: Unsigned: commit {unsigned[:7]} is not signed" in log, log
+    # 3. reconcile as root, no flag: the controller's config applies
+    monkeypatch.setenv("RECONCILER_CONFIG", str(tmp_path / "config.toml"))
+    res = run_cli("--repo", str(deploy.bare), check_codes=(1,))
+    assert f"refused (Unsigned): commit {unsigned[:7]} is not signed" in res.stderr, res.stderr
+    assert fleet.no_records(h) and not fleet.exists(h, "/etc/systemd/system/model-a.service")
+    # a signed commit on top (the tip is what deploys): accepted by the hook, deployed by the
+    # daemon, in sync for reconcile as root
+    signed = signing.commit(deploy.clone, "signed", key)
+    res = deploy.push("-o", "reconcile.wait", check=False)
+    assert res.returncode == 0 and f"{signed[:7]} signed by {signing.PRINCIPAL}" in res.stderr, res.stderr
+    assert deploy.wait_exit_file(signed) == 0
+    assert fleet.show(h, "model-a", "ActiveState")["ActiveState"] == "active"
+    res = run_cli("--repo", str(deploy.bare), check_codes=(0,))
+    assert f"{signed[:7]}: signed by {signing.PRINCIPAL}" in res.stderr
 
 
 @pytest.mark.timeout(90)

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from tests import fleet as fleetlib
-from tests.conftest import ROOT, run_cli, run_json, wait_for, write_fleet
+from tests import signing
+from tests.conftest import ROOT, STANDIN_UNIT, run_cli, run_json, wait_for, write_fleet
 from tests.e2e.test_e2e_push import Deploy, git
 
 pytestmark = pytest.mark.fleet
@@ -203,3 +204,38 @@ def test_a_fresh_deploy_repo_is_not_refused_by_another_repos_history(fleet, tmp_
         assert "NotDescendant" not in new.daemon_log()
     finally:
         new.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_rollback_to_an_unsigned_last_good_is_refused(fleet, repo, tmp_path):
+    """A host's record names an unsigned revision as its last good (deployed before signing was
+    required, or written by a compromised host): under the signing policy a failed deploy is
+    not rolled back to it (the service is left stopped, and the run says why); without the
+    policy the same host rolls back to it."""
+    h = fleet.hosts[0]
+    key = signing.keypair(tmp_path)
+    signers = signing.allowed_signers(tmp_path / "allowed_signers", key)
+    write_fleet(repo, [h], {"model-a": svc(V="1")})
+    c1 = signing.commit(repo.path, "good, unsigned")
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    assert record(fleet, h)["last_good_revision"] == c1
+    write_fleet(repo, [h], {"model-a": svc(V="2")})
+    repo.write("units/standin.service", STANDIN_UNIT.replace(
+        "[Service]\n", '[Service]\nExecStartPre=/bin/sh -c "echo precheck failed >&2; exit 3"\n', 1))
+    c2 = signing.commit(repo.path, "bad, signed", key)
+    code, out = run_json("--repo", str(repo.path), "--allowed-signers", str(signers), check_codes=(4,))
+    r = next(x for x in out["hosts"] if x["host"] == h.name)
+    assert r["events"][0]["action"] == "deploy" and r["events"][0]["outcome"]["reason"] == "StartFailed"
+    assert "rollback" not in [e["action"] for e in r["events"]], r["events"]
+    assert r["states"]["model-a"] == "QuarantinedNoLastGood" and r["reason"] == "RollbackFailed", r
+    assert f"last good {c1[:7]} cannot be rendered: left stopped" in r["message"], r["message"]
+    rec = record(fleet, h)
+    assert rec["quarantine"]["revision"] == c2 and rec["last_good_revision"] == c1
+    assert fleet.show(h, "model-a", "ActiveState")["ActiveState"] in ("inactive", "failed")
+    res = run_cli("--repo", str(repo.path), "--allowed-signers", str(signers), check_codes=(4,))
+    assert f"refused to roll back to {c1[:7]}: Unsigned: commit {c1[:7]} is not signed" in res.stderr, res.stderr
+    assert f"last good {c1[:7]} cannot be rendered" in res.stdout
+    # the control: no signing policy, the same host rolls back to c1
+    run_cli("--repo", str(repo.path), check_codes=(3,))
+    assert fleet.show(h, "model-a", "ActiveState")["ActiveState"] == "active"
+    assert "V=1" in fleet.environment(h, "model-a")

@@ -163,7 +163,7 @@ def test_install_is_idempotent_and_uninstall_removes(tmp_path: Path) -> None:
     assert said[:3] == [f"{tmp_path / n}: written" for n in units]
     assert sc.calls == ["daemon-reload", f"enable --now {TIMER} {PATH}", f"restart {TIMER} {PATH}",
                         f"start --no-block {SERVICE}"]
-    assert (tmp_path / SERVICE).read_text() == units[SERVICE] and (tmp_path / SERVICE).stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / SERVICE).read_text() == units[SERVICE] and (tmp_path / SERVICE).stat().st_mode & 0o777 == 0o600
     # again: nothing written, no reload, no restart (the run is started once more)
     sc.calls.clear()
     said = install(units, unit_dir=tmp_path, run=sc)
