@@ -363,8 +363,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         if self.cfg.metrics:
-            host, _, port = self.cfg.metrics.rpartition(":")
-            self.metrics.serve(host or "127.0.0.1", int(port))
+            self.metrics.serve(self.cfg.metrics)     # a port it cannot listen on is said; the daemon goes on
         sched = AsyncIOScheduler(event_loop=loop)
         sched.add_job(self.ask, "interval", seconds=self.interval, args=["interval"], coalesce=True,
                       max_instances=1, id="interval")

@@ -1,14 +1,18 @@
 """Where the daemon's page and metrics listen: loopback unless the config says so in so many
-words (review L8)."""
+words (review L8), and a port someone else holds never keeps the daemon from starting (L2)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pygit2
 import pytest
 
 from reconciler.controller.config import (
@@ -101,3 +105,46 @@ def test_the_log_line_of_a_public_bind_and_of_a_squatted_port():
         "this port reach it, not this daemon")
     assert is_loopback("127.1.2.3") and not is_loopback("::ffff:127.0.0.1") and not is_loopback("localhost.")
     assert parse_address("[::1]:0") == ("::1", 0)
+
+
+@contextlib.contextmanager
+def squatter():
+    """A port on 127.0.0.1 that another process (here: this test) listens on first."""
+    s = socket.create_server(("127.0.0.1", 0))
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_daemon_says_ready_when_someone_else_holds_both_ports(tmp_path, monkeypatch, capsys):
+    """Review L2: a local user who binds the metrics port first must not crash-loop the daemon."""
+    from reconciler.controller.daemon import Daemon
+    pygit2.init_repository(str(tmp_path / "repo.git"), bare=True)
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+
+    async def main(metrics: int, web: int) -> str:
+        cfg = ControllerConfig(repo=str(tmp_path / "repo.git"), state_dir=str(tmp_path / "state"),
+                               metrics=f"127.0.0.1:{metrics}", web=f"127.0.0.1:{web}")
+        d = Daemon(cfg, interval=60)
+        serving = asyncio.create_task(d.serve())
+        loop = asyncio.get_running_loop()
+        try:
+            ready = (await asyncio.wait_for(loop.sock_recv(notify, 4096), 30)).decode()
+        finally:
+            d.stopping.set()
+            await asyncio.wait_for(serving, 30)
+        return ready
+
+    with squatter() as metrics, squatter() as web:
+        ready = asyncio.run(main(metrics, web))
+    notify.close()
+    out = capsys.readouterr().out
+    assert ready.startswith("READY=1")
+    assert f"metrics off: cannot listen on 127.0.0.1:{metrics}: Address already in use" in out
+    assert f"fleet page off: cannot listen on 127.0.0.1:{web}: Address already in use" in out
