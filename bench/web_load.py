@@ -6,7 +6,7 @@ A state store is filled as the daemon would leave it after weeks of deploys (30 
 services each, ten attempts per host, some rolled back with their journal line, one host
 unreachable), a real git repo gives the commit subjects, and the hub holds a rollout in
 progress (waves, phases with health clocks). The page is served the way `reconcile watch`
-serves it (web/app.py's serve_page: uvicorn in an asyncio loop, on 127.0.0.1) and loaded by
+serves it (web/server.py's serve_page: uvicorn in an asyncio loop, on 127.0.0.1) and loaded by
 Debian's chromium through chromium-driver (Selenium): time to first byte and full load from
 the browser's Navigation Timing, first (cold) load and the median / p95 of the next ones, plus
 the server's own time for the HTML over plain HTTP. Loopback only; bounded in count and time.
@@ -77,7 +77,7 @@ async def main() -> None:
     ap.add_argument("--loads", type=int, default=20)
     ap.add_argument("--screenshot", type=Path)
     args = ap.parse_args()
-    from reconciler.controller.web.app import serve_page
+    from reconciler.controller.web.server import serve_page
     with tempfile.TemporaryDirectory(prefix="web-load-") as tmp:
         hub = populate(Path(tmp) / "state", Path(tmp) / "repo", args.hosts)
         page = await serve_page("127.0.0.1:0", hub, Path(tmp) / "state", repo="/srv/git/fleet.git", branch="main")

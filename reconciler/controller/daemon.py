@@ -375,7 +375,7 @@ class Daemon:
         pinger = asyncio.create_task(self._watchdog())
         page = None
         if self.hub is not None:
-            from .web.app import serve_page  # starlette, uvicorn, Jinja2: only when the page is on
+            from .web.server import serve_page  # starlette, uvicorn, Jinja2: only when the page is on
             page = await serve_page(self.cfg.web, self.hub, self.state_dir, repo=self.cfg.repo,
                                     branch=self.cfg.branch)
         sd.notify("READY=1\nSTATUS=watching " + self.cfg.repo)
