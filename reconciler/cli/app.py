@@ -234,8 +234,10 @@ def history(host: str, as_json: bool, state_dir: Path | None, limit: int) -> Non
 @click.option("--age-identity", metavar="KEYFILE", help="Override config: the age identity that decrypts the "
                                                         "repo's secrets.")
 @click.option("--state-dir", type=PATH, metavar="DIR", help="Override config: the state directory.")
-@click.option("--metrics", metavar="HOST:PORT", help="The Prometheus endpoint, '' = off.")
-@click.option("--web", metavar="HOST:PORT", help="The read-only fleet page, '' = off (default 127.0.0.1:9188).")
+@click.option("--metrics", metavar="HOST:PORT", help="The Prometheus endpoint, '' = off. Not loopback only with "
+                                                    "metrics_public = true in the config.")
+@click.option("--web", metavar="HOST:PORT", help="The read-only fleet page, '' = off (default 127.0.0.1:9188). Not "
+                                                "loopback only with web_public = true in the config.")
 @click.option("--label", "-l", multiple=True, metavar="KEY=VALUE",
               help="Override config: only hosts with this label (repeatable: all must match), for several "
                    "controllers that share a fleet.")
@@ -247,15 +249,14 @@ def watch(config: Path | None, repo: str | None, branch: str | None, interval: f
 
     from ..controller.config import load_config
     from ..controller.daemon import Daemon
-    try:
-        cfg = load_config(config)
-    except ConfigError as e:
-        fail_input(e, False, str(config or "config"))
     overrides = {k: v for k, v in dict(repo=repo, branch=branch, identity=identity, age_identity=age_identity,
                                        state_dir=str(state_dir) if state_dir else None, metrics=metrics,
                                        web=web, labels=list(label) or None).items()
                  if v is not None}
-    cfg = cfg.model_copy(update=overrides)
+    try:
+        cfg = load_config(config, overrides)
+    except ConfigError as e:
+        fail_input(e, False, str(config or "config"))
     asyncio.run(Daemon(cfg, interval=interval).serve())
 
 

@@ -12,6 +12,9 @@
     trigger_file = ""                    # touched by the post-receive hook (default: <repo>/reconciler.trigger)
     metrics = "127.0.0.1:9187"           # Prometheus endpoint ("" = off)
     web = "127.0.0.1:9188"               # the read-only fleet page ("" = off); loopback: open it through ssh -L
+    metrics_public = false               # allow a non-loopback `metrics` (e.g. "0.0.0.0:9187")
+    web_public = false                   # allow a non-loopback `web`: the page is then served to the network
+                                         #   with no login and over plain HTTP (said in the log at start)
     allow_rewind = false                 # deploy a revision that does not descend from the last applied
     lock_wait = 30                       # seconds to wait for another run's lock on a host (then: Locked)
     require_signed = false               # only deploy commits signed by a key in allowed_signers
@@ -35,21 +38,67 @@ in the desired-state repo, so a push cannot switch it off; the daemon, the git h
 `reconcile` run as root all read it (desired/trust.py TrustPolicy). So does the age identity that
 decrypts the repo's secrets: the repo holds only what is encrypted to its public key. And so do
 the forge's address and token: a push cannot send the token anywhere else.
+
+`web` and `metrics` listen on loopback unless the config says otherwise in so many words
+(`web_public`, `metrics_public`): neither has a login or TLS, so a bind to every interface by
+mistake would publish the fleet's hosts, labels and journal lines. The same check holds for the
+`--web`/`--metrics` options of `reconcile watch` (load_config's overrides).
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..desired.trust import TrustPolicy
 from ..errors import ConfigError, Problem
 
 DEFAULT_PATH = Path("/etc/reconciler/config.toml")
+SERVED = {"web": "the fleet page", "metrics": "the Prometheus metrics"}
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """host:port, [v6]:port or :port (loopback) -> (host, port). ValueError says what is wrong."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"{address!r}: expected host:port, e.g. 127.0.0.1:9188")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def cannot_listen(address: str, e: Exception) -> str:
+    """Why a server could not listen on `address`, in words for the log. A port already in use
+    is said as what it may be: another local process that got there first (and that whoever
+    opens a tunnel to the port now talks to)."""
+    if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+        return (f"cannot listen on {address}: {e.strerror}: another process listens there, and tunnels to "
+                f"this port reach it, not this daemon")
+    why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return f"cannot listen on {address}: {why}"
+
+
+def public_note(key: str, host: str) -> str:
+    """What the start-up log line adds when `key` (web, metrics) listens beyond loopback: the
+    config allowed it (<key>_public), and whoever reads the log should know what it means."""
+    if is_loopback(host):
+        return ""
+    return f" (PUBLIC: {key}_public = true; open to the network, with no login and over plain HTTP)"
+
+
+def is_loopback(host: str) -> bool:
+    """True for a loopback address (127.0.0.0/8, ::1) or the name localhost: only local users reach it."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ControllerConfig(BaseModel):
@@ -65,6 +114,9 @@ class ControllerConfig(BaseModel):
     cache_dir: str | None = None
     interval: float | None = None
     trigger_file: str | None = None
+    # Before metrics and web: their validator reads these (pydantic validates in this order).
+    metrics_public: bool = False
+    web_public: bool = False
     metrics: str = "127.0.0.1:9187"
     web: str = "127.0.0.1:9188"
     allow_rewind: bool = False
@@ -88,6 +140,21 @@ class ControllerConfig(BaseModel):
         """A list, or (from RECONCILER_LABELS) one string of KEY=VALUE items split by commas."""
         if isinstance(v, str):
             return [x.strip() for x in v.replace(" ", ",").split(",") if x.strip()]
+        return v
+
+    @field_validator("metrics", "web")
+    @classmethod
+    def _bind(cls, v: str, info: ValidationInfo) -> str:
+        """A host:port to listen on ("" = off); not loopback only when <key>_public says so: neither
+        server has a login or TLS."""
+        if not v:
+            return v
+        host, _ = parse_address(v)
+        key = str(info.field_name)
+        if not is_loopback(host) and not info.data.get(f"{key}_public"):
+            raise ValueError(f"{v!r} is not a loopback address: {SERVED[key]} would be served to the network, "
+                             f"with no login and over plain HTTP; set {key}_public = true in the controller "
+                             f"config if that is what you want (or reach it through ssh -L)")
         return v
 
     @field_validator("forge_url", "forge_target_url")
@@ -130,21 +197,33 @@ def config_path() -> Path:
     return Path(os.environ.get("RECONCILER_CONFIG") or DEFAULT_PATH)
 
 
-def load_config(path: Path | None = None) -> ControllerConfig:
-    """Read the config file (absent = defaults), then apply RECONCILER_* overrides."""
+def load_config(path: Path | None = None, overrides: Mapping[str, object] | None = None) -> ControllerConfig:
+    """Read the config file (absent = defaults), apply RECONCILER_* overrides, then the command
+    line's (`reconcile watch --web ...`), and validate the result once: an override meets the same
+    rules as the file. A problem names where its value came from: the option, the environment
+    variable, or the file and key."""
     p = path or config_path()
-    data: dict = {}
+    data: dict[str, object] = {}
     if p.exists():
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError([Problem(str(p), "", f"TOML syntax error: {e}")]) from None
+    origin: dict[str, tuple[str, str]] = {}
     for key in ControllerConfig.model_fields:
         env = os.environ.get(f"RECONCILER_{key.upper()}")
         if env is not None and env != "":
             data[key] = env
+            origin[key] = ("environment", f"RECONCILER_{key.upper()}")
+    for key, value in (overrides or {}).items():
+        data[key] = value
+        origin[key] = ("command line", "--label" if key == "labels" else "--" + key.replace("_", "-"))
     try:
         return ControllerConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError([Problem(str(p), ".".join(str(x) for x in err["loc"]), err["msg"])
-                           for err in e.errors()]) from None
+        problems = []
+        for err in e.errors():
+            key = ".".join(str(x) for x in err["loc"])
+            where, name = origin.get(key.split(".", 1)[0], (str(p), key))
+            problems.append(Problem(where, name, err["msg"]))
+        raise ConfigError(problems) from None

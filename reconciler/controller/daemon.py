@@ -365,8 +365,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
         if self.cfg.metrics:
-            host, _, port = self.cfg.metrics.rpartition(":")
-            self.metrics.serve(host or "127.0.0.1", int(port))
+            self.metrics.serve(self.cfg.metrics)     # a port it cannot listen on is said; the daemon goes on
         sched = AsyncIOScheduler(event_loop=loop)
         sched.add_job(self.ask, "interval", seconds=self.interval, args=["interval"], coalesce=True,
                       max_instances=1, id="interval")
@@ -378,7 +377,7 @@ class Daemon:
         pinger = asyncio.create_task(self._watchdog())
         page = None
         if self.hub is not None:
-            from .web.app import serve_page  # starlette, uvicorn, Jinja2: only when the page is on
+            from .web.server import serve_page  # starlette, uvicorn, Jinja2: only when the page is on
             page = await serve_page(self.cfg.web, self.hub, self.state_dir, repo=self.cfg.repo,
                                     branch=self.cfg.branch)
         sd.notify("READY=1\nSTATUS=watching " + self.cfg.repo)

@@ -1,14 +1,87 @@
 """Prometheus metrics of the daemon (prometheus-client): runs and durations, per-host health,
 rollbacks, the last applied revision, drift found. Served on 127.0.0.1 by default. Label values
-pass through redact (they are names and revisions, but nothing printed bypasses it)."""
+pass through redact (they are names and revisions, but nothing printed bypasses it).
+
+The endpoint is prometheus-client's WSGI app on a bounded server of our own (prometheus-client's
+start_http_server starts a thread per connection with no timeout, so idle sockets would pile up
+threads and file descriptors in the daemon's process): at most MAX_SCRAPES requests at once (more
+are answered 503 at once), and a client that takes SCRAPE_TIMEOUT to send its request or to read
+the answer is dropped. A port it cannot listen on (taken by someone else, a bad address) is said
+once and the daemon goes on without metrics: it must never keep the daemon from starting.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import socket
+import sys
+import threading
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from ..loop.results import FleetResult
 from ..plan.model import State
 from ..redact import redact
+from .config import cannot_listen, parse_address, public_note
+
+MAX_SCRAPES = 8             # requests served at once: Prometheus asks one at a time
+SCRAPE_TIMEOUT = 10.0       # seconds a client may take to send its request or to read the answer
+BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n"
+        b"Connection: close\r\nRetry-After: 5\r\n\r\nbusy\n")
+
+
+class _Quiet(WSGIRequestHandler):
+    """No access log; the socket times out (an idle or slow client is dropped, its thread ends)."""
+
+    timeout = SCRAPE_TIMEOUT
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Nothing: a scrape every 15 s would fill the journal."""
+
+
+class MetricsServer(ThreadingMixIn, WSGIServer):
+    """A thread per request, at most MAX_SCRAPES at once; the next one gets 503 and is closed."""
+
+    daemon_threads = True
+    request_queue_size = 64         # the listen backlog (socketserver's 5 drops connects under a burst)
+
+    def __init__(self, address: tuple[str, int], handler: type[WSGIRequestHandler]):
+        self.slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.settimeout(1.0)
+                request.sendall(BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:           # no thread could start: the slot is free again
+            self.slots.release()
+            self.shutdown_request(request)
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out or went away is not an error of ours: no traceback for it."""
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
+
+
+class MetricsServer6(MetricsServer):
+    address_family = socket.AF_INET6
+
 
 # Health of a service that this run did not (re)start, from its state: in sync means verified
 # healthy here; quarantined runs its last good; held ones are stopped.
@@ -47,8 +120,26 @@ class Metrics:
 
     _seen: tuple[int, int] = (0, 0)
 
-    def serve(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+    server: MetricsServer | None = None
+
+    def serve(self, address: str) -> MetricsServer | None:
+        """Serve the metrics on `address` (host:port) from a thread. A port taken by someone else
+        or a bad address is said once and the metrics stay off (the daemon goes on, and still
+        starts: a local user who binds the port first must not be able to crash-loop it)."""
+        try:
+            host, port = parse_address(address)
+            cls = MetricsServer6 if ":" in host else MetricsServer
+            server = make_server(host, port, make_wsgi_app(self.registry), cls, handler_class=_Quiet)
+        except (ValueError, OSError) as e:
+            print(redact(f"reconciler: metrics off: {cannot_listen(address, e)}"), flush=True)
+            return None
+        assert isinstance(server, MetricsServer)
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+        shown = f"[{host}]" if ":" in host else host
+        url = f"http://{shown}:{server.server_address[1]}/metrics"
+        print(f"reconciler: metrics on {url}{public_note('metrics', host)}", flush=True)
+        self.server = server
+        return server
 
     def observe_run(self, res: FleetResult, seconds: float) -> None:
         code = res.exit_code()

@@ -16,11 +16,12 @@ import httpx
 import pytest
 
 from reconciler import redact
-from reconciler.controller.config import ControllerConfig
+from reconciler.controller.config import ControllerConfig, parse_address
 from reconciler.controller.store import Store
 from reconciler.controller.web import view
-from reconciler.controller.web.app import GitCommits, allowed_hosts, create_app, parse_address, serve_page
+from reconciler.controller.web.app import GitCommits, allowed_hosts, create_app
 from reconciler.controller.web.hub import Hub
+from reconciler.controller.web.server import serve_page
 from reconciler.desired.spec import RolloutPolicy
 from reconciler.host.health import Outcome
 from reconciler.loop.results import Event, FleetResult, HostResult, ServiceEvent

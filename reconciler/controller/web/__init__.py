@@ -2,8 +2,11 @@
 
     hub.py     what the running fleet run is doing, fed by the daemon (no web imports: cheap)
     view.py    PURE: store rows + the hub's snapshot -> the page's model (grid, rollout, commits)
-    app.py     the ASGI app (starlette) and its server (uvicorn, in the daemon's event loop);
-               imported only when the page is on, so other `reconcile` runs never load them
+    app.py     the ASGI app (starlette): the routes, rendered in a thread of their own
+    stream.py  the event streams: one render per change shared by all, a cap, what was refused
+    server.py  uvicorn in the daemon's event loop, with limits on connections, idle and slow
+               clients; app, stream and server are imported only when the page is on, so other
+               `reconcile` runs never load them
     templates/ server-rendered HTML (Jinja2, autoescaped);  static/ the CSS and a little JS
 
 Read-only: GET routes only, no form changes anything. Loopback by default (`web` in the

@@ -10,7 +10,10 @@ no other `reconcile` run loads starlette, uvicorn or Jinja2.
 
 Read-only: there is no other method and no route that changes anything. The data comes from the
 state store (a connection per request: the store is SQLite, and the daemon writes it) and the
-hub; every model passes through redact (view.redacted) and Jinja2 escapes it. A Host header
+hub; every model passes through redact (view.redacted) and Jinja2 escapes it. Rendering (the
+store's read, the view, Jinja2) runs in the page's own thread, one render at a time, never on the
+daemon's loop; the event streams share one render per change (stream.py), and the server limits
+connections and drops idle or slow clients (server.py). A Host header
 other than the loopback names is refused while the page listens on loopback (a DNS-rebinding
 page in the operator's browser cannot read it), and the responses forbid framing and scripts
 from anywhere else.
@@ -20,31 +23,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
-import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ...redact import redact
+from ..config import is_loopback
 from ..store import Store
 from . import view
 from .hub import SECTIONS, Hub, Snapshot
+from .stream import MAX_STREAMS, Refusals, SharedEvents, Streams
 from .view import CommitInfo, Commits
 
-KEEPALIVE = 15.0        # seconds between comments on an idle event stream (proxies, dead peers)
-MIN_GAP = 0.25          # at most four renders a second per stream while a rollout reports phases
 HEADERS = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"),
            (b"x-frame-options", b"DENY"),
            (b"content-security-policy", b"default-src 'self'; frame-ancestors 'none'; base-uri 'none'; "
@@ -103,13 +104,16 @@ class _SecurityHeaders:
 
 
 class Page:
-    """Renders the page and its sections from the store, the hub and the repo."""
+    """Renders the page and its sections from the store, the hub and the repo: in `executor` (one
+    thread: one render at a time, and the repo's pygit2 handle is only ever used there)."""
 
-    def __init__(self, hub: Hub, state_dir: Path, commits: Commits, *, repo: str, branch: str):
-        self.hub, self.state_dir, self.commits = hub, state_dir, commits
+    def __init__(self, hub: Hub, state_dir: Path, commits: Commits, *, repo: str, branch: str,
+                 executor: Executor, refusals: Refusals, max_streams: int = MAX_STREAMS):
+        self.hub, self.state_dir, self.commits, self.executor = hub, state_dir, commits, executor
         self.about = {"repo": repo, "branch": branch}
         self.env = jinja2.Environment(loader=jinja2.PackageLoader("reconciler.controller.web", "templates"),
                                       autoescape=True, trim_blocks=True, lstrip_blocks=True)
+        self.streams = Streams(hub, SharedEvents(hub, self.sections, executor), refusals, cap=max_streams)
 
     def rows(self) -> list[dict[str, Any]]:
         store = Store(self.state_dir)
@@ -135,14 +139,28 @@ class Page:
     def render(self, template: str, model: dict[str, Any]) -> str:
         return self.env.get_template(template).render(**model)
 
+    def sections(self, snap: Snapshot, sections: tuple[str, ...]) -> dict[str, str]:
+        """The HTML of `sections` at `snap` (what the event streams send), from one model."""
+        m = self.model(snap, sections)
+        return {s: self.render(f"_{s}.html", m) for s in sections}
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
     async def index(self, request: Request) -> Response:
         label, q = request.query_params.get("label", ""), request.query_params.get("q", "")
+        return HTMLResponse(await self._off_loop(self._index, label, q))
+
+    def _index(self, label: str, q: str) -> str:
         m = self.model(self.hub.snapshot(), SECTIONS, label=label, q=q)
         m.update(view.redacted({"label": label, "q": q}))
-        return HTMLResponse(self.render("index.html", m))
+        return self.render("index.html", m)
 
     async def host(self, request: Request) -> Response:
-        name = request.path_params["name"]
+        html, found = await self._off_loop(self._host, request.path_params["name"])
+        return HTMLResponse(html, status_code=200 if found else 404)
+
+    def _host(self, name: str) -> tuple[str, bool]:
         snap = self.hub.snapshot()
         store = Store(self.state_dir)
         try:
@@ -150,10 +168,9 @@ class Page:
         finally:
             store.close()
         if not attempts and name not in snap.fleet and not any(r["host"] == name for r in rows):
-            m = view.redacted({"about": self.about, "name": name})
-            return HTMLResponse(self.render("missing.html", m), status_code=404)
+            return self.render("missing.html", view.redacted({"about": self.about, "name": name})), False
         m = view.redacted({"about": self.about, "h": view.history(name, attempts, rows, snap, self.commits)})
-        return HTMLResponse(self.render("host.html", m))
+        return self.render("host.html", m), True
 
     async def events(self, request: Request) -> Response:
         """Server-sent events: one event per section (live, grid, commits) whose version moved
@@ -162,105 +179,31 @@ class Page:
         for s in SECTIONS:
             with contextlib.suppress(ValueError):
                 seen[s] = int(request.query_params.get(s, ""))
-
-        async def stream() -> AsyncIterator[str]:
-            nonlocal seen
-            yield "retry: 2000\n\n"
-            while not self.hub.closed:
-                snap = self.hub.snapshot()
-                changed = tuple(s for s in SECTIONS if snap.versions[s] != seen.get(s))
-                if not changed:
-                    await self.hub.wait(seen, KEEPALIVE)
-                    if self.hub.snapshot().versions == seen:
-                        yield ": idle\n\n"
-                    continue
-                m = self.model(snap, changed)
-                for s in changed:
-                    yield sse(s, self.render(f"_{s}.html", m), snap.versions[s])
-                seen = snap.versions
-                await asyncio.sleep(MIN_GAP)
-
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"cache-control": "no-store", "x-accel-buffering": "no"})
-
-
-def sse(event: str, html: str, version: int) -> str:
-    """One server-sent event: its name, an id, and the section's HTML (rendered from a redacted
-    model, like the page) as data lines."""
-    data = "".join(f"data: {line}\n" for line in html.splitlines() or [""])
-    return f"event: {event}\nid: {version}\n{data}\n"
+        return self.streams.response(seen)
 
 
 def allowed_hosts(bind: str) -> list[str]:
     """The Host header names the page answers: the loopback names while it listens on loopback."""
-    try:
-        loopback = ipaddress.ip_address(bind.strip("[]")).is_loopback
-    except ValueError:
-        loopback = bind == "localhost"
-    if not loopback:
+    if not is_loopback(bind.strip("[]")):
         return ["*"]
     named = f"[{bind}]" if ":" in bind and not bind.startswith("[") else bind
     return sorted({*LOOPBACK_NAMES, named})
 
 
 def create_app(hub: Hub, state_dir: Path, *, repo: str = "", branch: str = "", commits: Commits | None = None,
-               bind: str = "127.0.0.1") -> Starlette:
+               bind: str = "127.0.0.1", executor: Executor | None = None, refusals: Refusals | None = None,
+               max_streams: int = MAX_STREAMS) -> Starlette:
     """The page's ASGI app. commits: the subject and time of a revision (default: the repo the
-    hub names, via pygit2). bind: the address it listens on (which Host headers it answers)."""
-    page = Page(hub, state_dir, commits or GitCommits(lambda: hub.repo_path), repo=repo, branch=branch)
+    hub names, via pygit2). bind: the address it listens on (which Host headers it answers).
+    executor: where pages are rendered (default: a thread of its own); refusals: where what the
+    page turns away is counted and said; max_streams: the cap on open event streams."""
+    page = Page(hub, state_dir, commits or GitCommits(lambda: hub.repo_path), repo=repo, branch=branch,
+                executor=executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleet-page"),
+                refusals=refusals or Refusals(), max_streams=max_streams)
     static = StaticFiles(packages=[("reconciler.controller.web", "static")])
-    return Starlette(
+    app = Starlette(
         routes=[Route("/", page.index), Route("/hosts/{name}", page.host), Route("/events", page.events),
                 Mount("/static", app=static, name="static")],
         middleware=[Middleware(_SecurityHeaders), Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(bind))])
-
-
-class _Server(uvicorn.Server):
-    """uvicorn inside the daemon's loop: the daemon owns SIGTERM and SIGINT, not the server."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[no-untyped-def]
-        yield
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """host:port, [v6]:port or :port (loopback) -> (host, port). ValueError names what is wrong."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"web = {address!r}: expected host:port, e.g. 127.0.0.1:9188")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
-class PageServer:
-    """The page listening on its socket, served by a task in the daemon's loop."""
-
-    def __init__(self, server: _Server, task: asyncio.Task[None], url: str):
-        self.server, self.task, self.url = server, task, url
-
-    async def stop(self, hub: Hub) -> None:
-        hub.close()                      # event streams end, so the shutdown waits for nothing
-        self.server.should_exit = True
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await asyncio.wait_for(self.task, 5)
-
-
-async def serve_page(address: str, hub: Hub, state_dir: Path, *, repo: str = "", branch: str = "") -> PageServer | None:
-    """Listen on `address` and serve the page from the running loop. A page that cannot listen
-    (address in use, bad address) is said once and left off: deploys never wait on it."""
-    try:
-        host, port = parse_address(address)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, port), family=family)
-    except (ValueError, OSError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        print(redact(f"reconciler: fleet page off: cannot listen on {address}: {why}"), flush=True)
-        return None
-    app = create_app(hub, state_dir, repo=repo, branch=branch, bind=host)
-    config = uvicorn.Config(app, lifespan="off", http="h11", ws="none", log_config=None, access_log=False,
-                            server_header=False, proxy_headers=False, timeout_graceful_shutdown=2)
-    server = _Server(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{sock.getsockname()[1]}/"
-    print(f"reconciler: fleet page on {url}", flush=True)
-    return PageServer(server, task, url)
+    app.state.page = page
+    return app

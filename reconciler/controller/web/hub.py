@@ -226,15 +226,27 @@ class Hub:
             return Snapshot(copy.deepcopy(self.fleet), copy.deepcopy(self.run), copy.deepcopy(self.last_rollout_run),
                             self.repo_path, dict(self.versions), self.clock(), self.wall())
 
+    def current_versions(self) -> dict[str, int]:
+        """The sections' versions now: what an event stream compares with what it sent (cheap, no
+        copy of the fleet: every stream asks at every wake-up)."""
+        with self.lock:
+            return dict(self.versions)
+
     async def wait(self, seen: Mapping[str, int], timeout: float) -> None:
         """Return when a section's version differs from `seen`, the hub closes, or after timeout."""
         ev = asyncio.Event()
+        waiter = (asyncio.get_running_loop(), ev)
         with self.lock:
             if self.closed or any(self.versions[s] != seen.get(s) for s in SECTIONS):
                 return
-            self._waiters.append((asyncio.get_running_loop(), ev))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), timeout)
+            self._waiters.append(waiter)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), timeout)
+        finally:
+            with self.lock:             # timed out (or cancelled): no stale entry waits for the next bump
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
 
     def _bump(self, *sections: str) -> None:
         with self.lock:

@@ -76,11 +76,25 @@
     conn.textContent = text;
     conn.className = "conn " + (on ? "on" : "off");
   }
-  if (url && window.EventSource) {
-    const source = new EventSource(url);
-    document.body.dataset.updates = "0";
+  // The versions this page shows: what a new stream asks to be brought up from.
+  const initial = new URLSearchParams(url ? url.split("?")[1] || "" : "");
+  function eventsUrl() {
+    return "/events?" + SECTIONS.map(function (name) {
+      const el = document.getElementById(name);
+      const v = el && el.dataset.version ? el.dataset.version : initial.get(name) || "";
+      return name + "=" + encodeURIComponent(v);
+    }).join("&");
+  }
+  function connect() {
+    const source = new EventSource(eventsUrl());
     source.onopen = function () { say("live", true); };
-    source.onerror = function () { say("reconnecting…", false); };
+    source.onerror = function () {
+      if (source.readyState !== EventSource.CLOSED) { say("reconnecting…", false); return; }
+      // Refused (503: the daemon caps its live viewers) or an answer that is not a stream: the
+      // browser gives up on its own; try again in a while, jittered so viewers do not return at once.
+      say("not live (too many viewers?): retrying in 30 s", false);
+      setTimeout(connect, 30000 + Math.random() * 10000);
+    };
     SECTIONS.forEach(function (name) {
       source.addEventListener(name, function (ev) {
         const el = document.getElementById(name);
@@ -92,5 +106,9 @@
         document.body.dataset.updates = String(parseInt(document.body.dataset.updates, 10) + 1);
       });
     });
+  }
+  if (url && window.EventSource) {
+    document.body.dataset.updates = "0";
+    connect();
   }
 })();
