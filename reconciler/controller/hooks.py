@@ -143,12 +143,31 @@ def post_receive() -> int:
     for _old, new, ref in _updates():
         if ref != f"refs/heads/{branch}" or new == ZERO:
             continue
-        trigger.touch()
-        os.utime(trigger)
+        if not _touch(trigger):
+            print(f"reconciler: {new[:7]} landed; the daemon's trigger {trigger} does not exist (the daemon is not "
+                  f"running, or has not started yet): it deploys when the daemon sees the branch", flush=True)
+            return 0
         print(f"reconciler: deploy of {new[:7]} requested", flush=True)
         if stream and state_dir:
             return _stream(Path(state_dir) / "runs", new, timeout)
     return 0
+
+
+def _touch(trigger: Path) -> bool:
+    """Bump the trigger's time (the daemon watches it); False when it does not exist.
+
+    Never created here (the daemon makes it, its own, at start: one made by a pusher would be
+    the pusher's, and the daemon would leave it alone) and never through a symlink (O_NOFOLLOW:
+    ELOOP, which failure_line reports); the time is set on the opened descriptor."""
+    try:
+        fd = os.open(trigger, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        os.utime(fd)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _stream(runs: Path, rev: str, timeout: float) -> int:
@@ -278,8 +297,8 @@ _FIXES = (
                         "chmod g+r {path} (the directory: chmod 0750, group reconciler)"),
     ("runs", "the daemon writes its run logs group-readable (runs/ 0750, logs 0640) from this version on; "
              "restart it (systemctl restart reconciler) and check that the pushing user is in its group"),
-    ("trigger", "the daemon creates it group-writable (0660) when it starts; restart it and check that the "
-                "pushing user is in its group"),
+    ("trigger", "the daemon creates it group-writable (0660) when it starts, and refuses a symlink there (its "
+                "journal says why); restart it and check that the pushing user is in its group"),
 )
 
 
