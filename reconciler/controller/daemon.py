@@ -54,7 +54,7 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, TextIO, cast
+from typing import IO, TYPE_CHECKING, TextIO, cast
 
 from rich.console import Console
 
@@ -77,6 +77,9 @@ from .config import ControllerConfig
 from .metrics import Metrics
 from .store import Store, remember
 from .web.hub import Hub
+
+if TYPE_CHECKING:
+    import pygit2
 
 BACKOFF_START = 2.0
 RUNS_DIR_MODE = 0o750       # group: pushers stream their deploy's log (post-receive hook)
@@ -199,6 +202,8 @@ class Daemon:
         # costs the host lock and one observation per host, not a handshake.
         self.pool = Pool(ssh_connector(cfg.identity))
         self._loaded: tuple[str | None, DesiredState, RuleSet] | None = None   # the last tree loaded
+        self._git = asyncio.Lock()                 # one open or fetch of the repo at a time (_head)
+        self._checks: set[asyncio.Task[None]] = set()   # ask()'s supersede checks in flight
 
     # -- asking ---------------------------------------------------------------------------
     def ask(self, why: str) -> None:
@@ -207,13 +212,20 @@ class Daemon:
         self.reasons.append(why)
         self.wake.set()
         if why in PUSH_ASKS and self.running and self.ran is not None:
-            try:
-                newer = self.head() not in (None, self.ran)
-            except (SourceError, OSError):
-                newer = False
-            if newer and not self.supersede.is_set():
-                print(f"reconciler: a newer revision arrived; superseding the run of {self.ran[:7]}", flush=True)
-                self.supersede.set()
+            # Reading the head of a URL repo is a fetch: a task of its own, off the event loop.
+            check = asyncio.get_running_loop().create_task(self._supersede_if_newer(self.ran))
+            self._checks.add(check)
+            check.add_done_callback(self._checks.discard)
+
+    async def _supersede_if_newer(self, ran: str) -> None:
+        """Supersede the run of `ran` when the branch head is newer (and that run still runs)."""
+        try:
+            head = await self._head()
+        except (SourceError, OSError):
+            return
+        if head not in (None, ran) and self.running and self.ran == ran and not self.supersede.is_set():
+            print(f"reconciler: a newer revision arrived; superseding the run of {ran[:7]}", flush=True)
+            self.supersede.set()
 
     def _watch_paths(self) -> tuple[list[Path], set[str]]:
         """What to watch: the branch ref of a local repo (and packed-refs), and the trigger file
@@ -262,18 +274,31 @@ class Daemon:
         return self.store.get_value(self._applied_key())
 
     def head(self) -> str | None:
-        """The deploy branch's head, or None when the branch does not exist (yet)."""
+        """The deploy branch's head, or None when the branch does not exist (yet). Blocking (a URL
+        repo is fetched): the loop calls it through _head."""
         repo = source.open_repo(self.cfg.repo, self.cache_dir)
         ref = repo.references.get(f"refs/heads/{self.cfg.branch}")
         return str(ref.resolve().target) if ref is not None else None
 
-    def _already_done(self) -> bool:
+    async def _head(self) -> str | None:
+        """head() in a thread, one git access at a time: a stalled remote never freezes the loop
+        (the watchdog, the hosts' lock heartbeats, the page), and two fetches never race for
+        the mirror's lock files."""
+        async with self._git:
+            return await asyncio.to_thread(self.head)
+
+    async def _open_repo(self) -> pygit2.Repository:
+        """source.open_repo (a fetch for a URL repo) in a thread, like _head."""
+        async with self._git:
+            return await asyncio.to_thread(source.open_repo, self.cfg.repo, self.cache_dir)
+
+    async def _already_done(self) -> bool:
         """True when every pending ask only says "the branch moved" and the last run already
         reconciled the branch head (a push's ref change and its hook's trigger, one run)."""
         if not self.reasons or not set(self.reasons) <= PUSH_ASKS or self.ran is None:
             return False
         try:
-            return self.head() == self.ran
+            return await self._head() == self.ran
         except (SourceError, OSError):
             return False
 
@@ -287,7 +312,7 @@ class Daemon:
         # The run's log stays open through the except clauses (they write to it too).
         with contextlib.ExitStack() as closing:
             try:
-                repo = source.open_repo(self.cfg.repo, self.cache_dir)
+                repo = await self._open_repo()
                 if repo.references.get(f"refs/heads/{self.cfg.branch}") is None:
                     if not self.waiting:
                         print(f"reconciler: waiting for the first push to {self.cfg.branch} of {self.cfg.repo}",
@@ -386,7 +411,7 @@ class Daemon:
             self.wake.clear()
             if self.stopping.is_set():
                 break
-            if self._already_done():
+            if await self._already_done():
                 self.reasons.clear()
                 continue
             self.supersede.clear()
