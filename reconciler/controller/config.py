@@ -27,16 +27,21 @@
     forge_timeout = 5                    # seconds per request
     labels = []                          # only hosts carrying every KEY=VALUE here (a shard of the
                                          #   fleet: ["shard=a"]); env: RECONCILER_LABELS="shard=a,gpu=h200"
+    webhook_allow = []                   # non-public networks fleet.toml's [notify] webhook may reach
+                                         #   (["10.20.0.0/16"]); loopback, private, link-local: refused
+                                         #   otherwise. env: RECONCILER_WEBHOOK_ALLOW="10.20.0.0/16,..."
 
 Every key can be overridden by an environment variable RECONCILER_<KEY> (e.g.
 RECONCILER_REPO, RECONCILER_INTERVAL). Signing policy lives here, on the control host, and not
 in the desired-state repo, so a push cannot switch it off. So does the age identity that
 decrypts the repo's secrets: the repo holds only what is encrypted to its public key. And so do
-the forge's address and token: a push cannot send the token anywhere else.
+the forge's address and token: a push cannot send the token anywhere else. And so do the networks
+a pushed webhook URL may reach besides public addresses (webhook_allow, host/notify.py).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from pathlib import Path
@@ -77,13 +82,26 @@ class ControllerConfig(BaseModel):
     forge_target_url: str | None = None
     forge_timeout: float = 5.0
     labels: list[str] = []
+    webhook_allow: list[str] = []
 
-    @field_validator("labels", mode="before")
+    @field_validator("labels", "webhook_allow", mode="before")
     @classmethod
     def _label_list(cls, v: object) -> object:
-        """A list, or (from RECONCILER_LABELS) one string of KEY=VALUE items split by commas."""
+        """A list, or (from RECONCILER_LABELS, RECONCILER_WEBHOOK_ALLOW) one string of items split
+        by commas."""
         if isinstance(v, str):
             return [x.strip() for x in v.replace(" ", ",").split(",") if x.strip()]
+        return v
+
+    @field_validator("webhook_allow")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        """Each item an address or a CIDR network (10.20.0.0/16, fd00::/8)."""
+        for item in v:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not a network: an address or CIDR, like 10.20.0.0/16") from None
         return v
 
     @field_validator("forge_url", "forge_target_url")

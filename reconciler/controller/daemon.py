@@ -64,6 +64,7 @@ from ..desired.spec import DesiredState
 from ..desired.trust import RevisionRefused, check_descends, verify_signature
 from ..dirs import default_state_dir
 from ..errors import ConfigError, ReconcilerError, SourceError
+from ..host import notify
 from ..host.pool import Pool
 from ..loop.fleet import run_fleet, selected
 from ..loop.host import ssh_connector
@@ -203,6 +204,8 @@ class Daemon:
         self.pool = Pool(ssh_connector(cfg.identity))
         self._loaded: tuple[str | None, DesiredState, RuleSet] | None = None   # the last tree loaded
         self._git = asyncio.Lock()                 # one open or fetch of the repo at a time (_head)
+        if cfg.webhook_allow:                      # where fleet.toml's webhook may go: this config says
+            notify.allow(cfg.webhook_allow)        # (none: $RECONCILER_WEBHOOK_ALLOW, already in cfg)
         self._checks: set[asyncio.Task[None]] = set()   # ask()'s supersede checks in flight
 
     # -- asking ---------------------------------------------------------------------------
