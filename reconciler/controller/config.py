@@ -27,6 +27,8 @@
     forge_timeout = 5                    # seconds per request
     labels = []                          # only hosts carrying every KEY=VALUE here (a shard of the
                                          #   fleet: ["shard=a"]); env: RECONCILER_LABELS="shard=a,gpu=h200"
+    notes_pushers = []                   # users who may push refs/notes/reconciler* (pull-mode hosts' own
+                                         #   account; the pre-receive hook refuses everyone else)
     webhook_allow = []                   # non-public networks fleet.toml's [notify] webhook may reach
                                          #   (["10.20.0.0/16"]); loopback, private, link-local: refused
                                          #   otherwise. env: RECONCILER_WEBHOOK_ALLOW="10.20.0.0/16,..."
@@ -82,13 +84,14 @@ class ControllerConfig(BaseModel):
     forge_target_url: str | None = None
     forge_timeout: float = 5.0
     labels: list[str] = []
+    notes_pushers: list[str] = []
     webhook_allow: list[str] = []
 
-    @field_validator("labels", "webhook_allow", mode="before")
+    @field_validator("labels", "notes_pushers", "webhook_allow", mode="before")
     @classmethod
     def _label_list(cls, v: object) -> object:
-        """A list, or (from RECONCILER_LABELS, RECONCILER_WEBHOOK_ALLOW) one string of items split
-        by commas."""
+        """A list, or (from RECONCILER_LABELS, _NOTES_PUSHERS, _WEBHOOK_ALLOW) one string of items
+        split by commas."""
         if isinstance(v, str):
             return [x.strip() for x in v.replace(" ", ",").split(",") if x.strip()]
         return v

@@ -9,6 +9,11 @@ pre-receive: for a push to the deploy branch, refuse (exit 1, reasons shown to t
   branch deletion, a non-fast-forward (a force-push back) unless the push option
   `reconcile.allow-rewind` is given and allow_rewind is on, an unsigned commit when
   require_signed is on, and any revision `reconcile validate` rejects (file, key, reason).
+  Refuse any update of the deploy status notes, refs/notes/reconciler* (the daemon writes
+  refs/notes/reconciler in place; pull-mode hosts push refs/notes/reconciler-pull/<host>), unless
+  the pushing user is in the controller config's notes_pushers: a forged note would show a
+  deploy that never happened, or clear a wave for a commit a canary failed. Every other ref
+  (other branches, tags) is accepted as it is: nothing deploys from it.
 post-receive: touch the daemon's trigger file; with the push option `reconcile.wait` (or git
   config reconciler.stream=true) stream the daemon's run for the pushed revision, Heroku-style.
 
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
 # loader, the schema or the rule pack, which only pre-receive needs (tests/cli/test_cold_start.py).
 
 ZERO = "0" * 40
+NOTES = "refs/notes/reconciler"     # the prefix of every deploy status notes ref (the daemon's, pull hosts')
 
 SHIM = """#!/bin/sh
 # reconciler {name} hook (installed by `reconcile init-repo`): all logic is in `reconcile-hook {name}`.
@@ -86,6 +92,12 @@ def pre_receive() -> int:
     options = _push_options()
     rejected = False
     for old, new, ref in _updates():
+        if ref.startswith(NOTES) and _pusher() not in cfg.notes_pushers:
+            print(f"reconciler: rejected {ref}: deploy status notes are written by the daemon, and pushed only by "
+                  f"the users in notes_pushers of the controller's config (pull-mode hosts), not {_pusher()}",
+                  file=sys.stderr)
+            rejected = True
+            continue
         if ref != f"refs/heads/{branch}":
             continue
         if new == ZERO:
@@ -129,6 +141,15 @@ def pre_receive() -> int:
         n = sum(len(h.services) for h in state.hosts.values())
         print(f"reconciler: {new[:7]} valid ({len(state.hosts)} hosts, {n} services)", file=sys.stderr)
     return 1 if rejected else 0
+
+
+def _pusher() -> str:
+    """The pushing user's name (the hook runs as that user), or its uid."""
+    import pwd
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
 
 
 def post_receive() -> int:
