@@ -226,11 +226,10 @@ def init_repo(path: Path, *, branch: str = "main", hook_bin: str | None = None,
               owner: str | None = None) -> list[str]:
     """Create a bare deploy repo with the hooks installed and configured; returns notes.
 
-    group: share it with that group (the pushing users and the daemon): core.sharedRepository
-    = group, every directory setgid and group-writable, so objects pushed by one user are
-    readable and writable by the others. owner: chown it to that user (as root). As root, the
-    repo is also marked safe in the system git config (git and libgit2 refuse a repo owned by
-    another user otherwise: "dubious ownership"); not as root, the line to run is returned.
+    group: share it with that group (the pushing users and the daemon), see _share: the group
+    may write git's objects and refs (core.sharedRepository = group, setgid directories) and
+    nothing else. owner: the daemon's user (as root): the repo's directory, objects, refs and
+    trigger file are its; config and hooks stay root's.
     """
     import pygit2
     mode = pygit2.enums.RepositoryInitMode.SHARED_GROUP if group else pygit2.enums.RepositoryInitMode.SHARED_UMASK
@@ -252,34 +251,60 @@ def init_repo(path: Path, *, branch: str = "main", hook_bin: str | None = None,
         repo.config["reconciler.statedir"] = state_dir
     if stream:
         repo.config["reconciler.stream"] = "true"
+    if group:
+        # A pusher cannot write the repo's own directory (gc.pid, packed-refs): no gc after a
+        # push; the repo's owner runs `git gc` now and then.
+        repo.config["receive.autogc"] = False
     return _share(Path(repo.path), group, owner) if group else []
 
 
+# What the group may write in a shared repo: git's objects and refs (a push, the daemon's notes)
+# and, in the repo's own directory, new files (a push's HEAD.lock) but none of another user's.
+GROUP_WRITES = ("objects", "refs")
+TRIGGER = "reconciler.trigger"
+
+
 def _share(path: Path, group: str, owner: str | None) -> list[str]:
-    """Give a repo to `group` (and `owner`): group-writable, setgid directories, safe for git."""
+    """Give a repo to `group` and `owner` (the daemon's user): the pushing users and the daemon
+    write its objects and refs (directories 2775, setgid), and nothing of the rest: `config`,
+    `HEAD`, `description`, `hooks/` and `info/` are the admin's (who runs this: root), not
+    group-writable (0644, 0755, directories 2755), and the repo's own directory is sticky (3775:
+    a push must create HEAD.lock there, but no group member can rename or delete a file it does
+    not own), so no group member can change what git runs there (a hook, core.pager) or replace
+    the daemon's trigger file, made here (`owner`'s, group-writable for the post-receive hook).
+
+    No git config is changed: the daemon owns the directory, so its git trusts it; each pushing
+    user trusts it in their own git config (the note says how); nobody's system-wide, and not
+    root's: whoever can write the directory (the daemon, a group member with a shell) could
+    make the git of a user who trusts it run a command (CVE-2022-24765)."""
     import grp
     import pwd
-    notes: list[str] = []
     gid = grp.getgrnam(group).gr_gid
-    uid = pwd.getpwnam(owner).pw_uid if owner else -1
-    for d, _dirs, files in os.walk(path):
-        os.chown(d, uid, gid)
-        os.chmod(d, 0o2775)
+    admin = os.geteuid()
+    uid = pwd.getpwnam(owner).pw_uid if owner else admin
+    root = path.resolve()
+    for d, _dirs, files in os.walk(root):
+        here = Path(d)
+        data = here != root and here.relative_to(root).parts[0] in GROUP_WRITES
+        os.chown(here, uid if data or here == root else admin, gid, follow_symlinks=False)
+        os.chmod(here, 0o3775 if here == root else 0o2775 if data else 0o2755)
         for name in files:
-            f = Path(d) / name
-            os.chown(f, uid, gid)
-            os.chmod(f, 0o775 if f.parent.name == "hooks" else 0o664)
-    notes.append(f"shared with group {group}: core.sharedRepository = group, directories setgid and group-writable")
-    line = f"git config --system --add safe.directory {path.resolve().as_posix().rstrip('/')}"
-    if os.geteuid() == 0:
-        have = subprocess.run(["git", "config", "--system", "--get-all", "safe.directory"], capture_output=True,
-                              text=True).stdout.split()
-        if path.resolve().as_posix().rstrip("/") not in have:
-            subprocess.run(line.split(), check=True)
-        notes.append(f"marked safe for every user in the system git config ({line})")
-    else:
-        notes.append(f"as root, mark it safe for the pushing users and the daemon: {line}")
-    return notes
+            f = here / name
+            os.chown(f, uid if data else admin, gid, follow_symlinks=False)
+            os.chmod(f, 0o664 if data else 0o755 if here.name == "hooks" else 0o644)
+    fd = os.open(root / TRIGGER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+    try:
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, 0o660)
+    finally:
+        os.close(fd)
+    me, them = pwd.getpwuid(admin).pw_name, owner or pwd.getpwuid(admin).pw_name
+    safe = f"git config --global --add safe.directory {root.as_posix()}"
+    return [f"shared with group {group}: objects/ and refs/ group-writable (setgid); config, HEAD and hooks "
+            f"{me}'s and not group-writable; the directory {them}'s, sticky; {TRIGGER} {them}'s, group-writable",
+            f"each pushing user trusts it in their own git config (never the system's): runuser -u USER -- {safe}",
+            f"other users' git refuses it (\"dubious ownership\"); to look at it: runuser -u {them} -- git -C "
+            f"{root.as_posix()} log"]
 
 
 def _hook_bin() -> str:
