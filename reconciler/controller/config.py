@@ -34,7 +34,10 @@
                                          #   otherwise. env: RECONCILER_WEBHOOK_ALLOW="10.20.0.0/16,..."
 
 Every key can be overridden by an environment variable RECONCILER_<KEY> (e.g.
-RECONCILER_REPO, RECONCILER_INTERVAL). Signing policy lives here, on the control host, and not
+RECONCILER_REPO, RECONCILER_INTERVAL). Under systemd, the keys may come as credentials
+(LoadCredential=id_ed25519:... and age.key:..., see systemd/reconciler.service): a credential of
+that name in $CREDENTIALS_DIRECTORY is used instead of the identity (age_identity) path, so the
+files in /etc/reconciler can stay root's alone. Signing policy lives here, on the control host, and not
 in the desired-state repo, so a push cannot switch it off. So does the age identity that
 decrypts the repo's secrets: the repo holds only what is encrypted to its public key. And so do
 the forge's address and token: a push cannot send the token anywhere else. And so do the networks
@@ -54,6 +57,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from ..errors import ConfigError, Problem
 
 DEFAULT_PATH = Path("/etc/reconciler/config.toml")
+# systemd credentials (LoadCredential=) that stand in for a key's path: (config key, credential name)
+CREDENTIALS = (("identity", "id_ed25519"), ("age_identity", "age.key"))
 
 
 class ControllerConfig(BaseModel):
@@ -142,7 +147,8 @@ def config_path() -> Path:
 
 
 def load_config(path: Path | None = None) -> ControllerConfig:
-    """Read the config file (absent = defaults), then apply RECONCILER_* overrides."""
+    """Read the config file (absent = defaults), then apply RECONCILER_* overrides, then the
+    keys systemd passed as credentials."""
     p = path or config_path()
     data: dict = {}
     if p.exists():
@@ -154,6 +160,10 @@ def load_config(path: Path | None = None) -> ControllerConfig:
         env = os.environ.get(f"RECONCILER_{key.upper()}")
         if env is not None and env != "":
             data[key] = env
+    creds = os.environ.get("CREDENTIALS_DIRECTORY")
+    for key, name in CREDENTIALS if creds else ():
+        if (Path(creds or "") / name).is_file():
+            data[key] = str(Path(creds or "") / name)
     try:
         return ControllerConfig.model_validate(data)
     except ValidationError as e:
