@@ -146,6 +146,14 @@ def config_path() -> Path:
     return Path(os.environ.get("RECONCILER_CONFIG") or DEFAULT_PATH)
 
 
+def _credentials() -> dict[str, str]:
+    """The keys systemd passed as credentials ($CREDENTIALS_DIRECTORY), as config values."""
+    creds = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not creds:
+        return {}
+    return {key: str(Path(creds) / name) for key, name in CREDENTIALS if (Path(creds) / name).is_file()}
+
+
 def load_config(path: Path | None = None) -> ControllerConfig:
     """Read the config file (absent = defaults), then apply RECONCILER_* overrides, then the
     keys systemd passed as credentials."""
@@ -160,10 +168,7 @@ def load_config(path: Path | None = None) -> ControllerConfig:
         env = os.environ.get(f"RECONCILER_{key.upper()}")
         if env is not None and env != "":
             data[key] = env
-    creds = os.environ.get("CREDENTIALS_DIRECTORY")
-    for key, name in CREDENTIALS if creds else ():
-        if (Path(creds or "") / name).is_file():
-            data[key] = str(Path(creds or "") / name)
+    data.update(_credentials())
     try:
         return ControllerConfig.model_validate(data)
     except ValidationError as e:

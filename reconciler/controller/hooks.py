@@ -90,14 +90,9 @@ def pre_receive() -> int:
     subdir = _git_config(repo, "reconciler.path", "")
     cfg = load_config()
     options = _push_options()
-    rejected = False
-    for old, new, ref in _updates():
-        if ref.startswith(NOTES) and _pusher() not in cfg.notes_pushers:
-            print(f"reconciler: rejected {ref}: deploy status notes are written by the daemon, and pushed only by "
-                  f"the users in notes_pushers of the controller's config (pull-mode hosts), not {_pusher()}",
-                  file=sys.stderr)
-            rejected = True
-            continue
+    updates = _updates()
+    rejected = _refuse_notes(updates, cfg.notes_pushers)
+    for old, new, ref in updates:
         if ref != f"refs/heads/{branch}":
             continue
         if new == ZERO:
@@ -141,6 +136,17 @@ def pre_receive() -> int:
         n = sum(len(h.services) for h in state.hosts.values())
         print(f"reconciler: {new[:7]} valid ({len(state.hosts)} hosts, {n} services)", file=sys.stderr)
     return 1 if rejected else 0
+
+
+def _refuse_notes(updates: list[tuple[str, str, str]], allowed: list[str]) -> bool:
+    """Say why each update of a deploy status notes ref is refused (a pusher not in
+    notes_pushers); True when there was one."""
+    refused = [ref for _old, _new, ref in updates if ref.startswith(NOTES)] if _pusher() not in allowed else []
+    for ref in refused:
+        print(f"reconciler: rejected {ref}: deploy status notes are written by the daemon, and pushed only by "
+              f"the users in notes_pushers of the controller's config (pull-mode hosts), not {_pusher()}",
+              file=sys.stderr)
+    return bool(refused)
 
 
 def _pusher() -> str:
