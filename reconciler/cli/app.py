@@ -267,9 +267,11 @@ def watch(config: Path | None, repo: str | None, branch: str | None, interval: f
               help="The daemon's state dir, for streaming results to the pusher.")
 @click.option("--stream", is_flag=True, help="Always stream the deploy's outcome to the pusher.")
 @click.option("--shared", metavar="GROUP", help="Share the repo with GROUP (the pushing users and the daemon): "
-                                                "group-writable, setgid, core.sharedRepository=group; as root also "
-                                                "marked safe.directory in the system git config.")
-@click.option("--owner", metavar="USER", help="With --shared, as root: chown to USER.")
+                                                "its objects/ and refs/ group-writable and setgid "
+                                                "(core.sharedRepository=group); config, hooks and the directory "
+                                                "stay yours.")
+@click.option("--owner", metavar="USER", help="With --shared, as root: the daemon's user, owner of objects/, refs/ "
+                                              "and the trigger file; marked safe.directory in USER's git config.")
 def init_repo_cmd(path: Path, branch: str, state_dir: Path | None, stream: bool, shared: str | None,
                   owner: str | None) -> None:
     """Create a bare repo with the pre-receive (validate) and post-receive (deploy) hooks installed."""

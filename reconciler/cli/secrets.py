@@ -62,8 +62,10 @@ def _user_exists(name: str) -> bool:
     return True
 
 
-def _recipients(path: Path) -> list[str]:
-    """The age public keys in a recipients file: one a line, # comments and blank lines allowed."""
+def _recipients(path: Path) -> list[tuple[str, str]]:
+    """The age public keys in a recipients file, each with its comment: one a line, # comments
+    and blank lines allowed; a key's comment is the one on its line, else the comment line right
+    above it ("" when none)."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -72,13 +74,17 @@ def _recipients(path: Path) -> list[str]:
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror}")
     keys = []
+    above = ""
     for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
+        line, _, comment = raw.partition("#")
+        line = line.strip()
         if not line:
+            above = comment.strip() if raw.strip() else ""
             continue
         if not _is_recipient(line):
             fail(f"{path}: line {n}: expected an age public key (age1...), one a line")
-        keys.append(line)
+        keys.append((line, comment.strip() or above))
+        above = ""
     if not keys:
         fail(f"no recipients: {path} holds no age public key (age1...)")
     return keys
@@ -125,8 +131,8 @@ def secrets_encrypt(name: str, repo: Path, out: Path | None, recipient: tuple[st
         fail(f"{name!r} is not a valid name: letters, digits and '_', not starting with a digit (the server "
               f"sees it as an environment variable or a credential of that name)")
     if recipient:
-        keys = [r.strip() for r in recipient]
-        for k in keys:
+        keys = [(r.strip(), "--recipient") for r in recipient]
+        for k, _ in keys:
             if not _is_recipient(k):
                 fail(f"--recipient {k!r}: not an age public key (age1...)")
     else:
@@ -136,7 +142,7 @@ def secrets_encrypt(name: str, repo: Path, out: Path | None, recipient: tuple[st
         fail(f"{name}: the value is empty (nothing on stdin, or only whitespace); pipe it in: "
               f"printf %s \"$VALUE\" | reconcile secrets encrypt {name}")
     redact.register(value)
-    armored = age.encrypt(value, keys)
+    armored = age.encrypt(value, [k for k, _ in keys])
     target = out if out is not None else repo / secret_file(name)
     replaced = target.exists()
     try:
@@ -151,6 +157,11 @@ def secrets_encrypt(name: str, repo: Path, out: Path | None, recipient: tuple[st
     except ValueError:
         rel = str(target)
     keys_text = f"{len(keys)} key{'s' * (len(keys) != 1)}"
+    # Every key, by name: whoever holds one's identity can decrypt the value, and the recipients
+    # file is the repo's (a pusher can add a key to it).
+    say(f"{name} is encrypted to {keys_text}; whoever holds one of their identities can decrypt it:")
+    for key, comment in keys:
+        say(f"  {key}" + (f"  ({comment})" if comment else "  (no comment: whose is it?)"))
     if replaced:
         say(f"replaced {target}: {name}, encrypted to {keys_text}. Commit and push it: the services that use "
              f"{name} restart with the new value.")

@@ -31,6 +31,11 @@
     forge_timeout = 5                    # seconds per request
     labels = []                          # only hosts carrying every KEY=VALUE here (a shard of the
                                          #   fleet: ["shard=a"]); env: RECONCILER_LABELS="shard=a,gpu=h200"
+    notes_pushers = []                   # users who may push refs/notes/reconciler* (pull-mode hosts' own
+                                         #   account; the pre-receive hook refuses everyone else)
+    webhook_allow = []                   # non-public networks fleet.toml's [notify] webhook may reach
+                                         #   (["10.20.0.0/16"]); loopback, private, link-local: refused
+                                         #   otherwise. env: RECONCILER_WEBHOOK_ALLOW="10.20.0.0/16,..."
 
 Every key can be overridden by an environment variable RECONCILER_<KEY> (e.g.
 RECONCILER_REPO, RECONCILER_INTERVAL). Signing policy lives here, on the control host, and not
@@ -43,6 +48,12 @@ the forge's address and token: a push cannot send the token anywhere else.
 (`web_public`, `metrics_public`): neither has a login or TLS, so a bind to every interface by
 mistake would publish the fleet's hosts, labels and journal lines. The same check holds for the
 `--web`/`--metrics` options of `reconcile watch` (load_config's overrides).
+
+Under systemd, the keys may come as credentials (LoadCredential=id_ed25519:... and
+age.key:..., see systemd/reconciler.service): a credential of that name in
+$CREDENTIALS_DIRECTORY is used instead of the identity (age_identity) path, so the files in
+/etc/reconciler can stay root's alone. The networks a pushed webhook URL may reach besides public
+addresses (webhook_allow, host/notify.py) are set here too.
 """
 
 from __future__ import annotations
@@ -99,6 +110,8 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+# systemd credentials (LoadCredential=) that stand in for a key's path: (config key, credential name)
+CREDENTIALS = (("identity", "id_ed25519"), ("age_identity", "age.key"))
 
 
 class ControllerConfig(BaseModel):
@@ -133,11 +146,14 @@ class ControllerConfig(BaseModel):
     forge_target_url: str | None = None
     forge_timeout: float = 5.0
     labels: list[str] = []
+    notes_pushers: list[str] = []
+    webhook_allow: list[str] = []
 
-    @field_validator("labels", mode="before")
+    @field_validator("labels", "notes_pushers", "webhook_allow", mode="before")
     @classmethod
     def _label_list(cls, v: object) -> object:
-        """A list, or (from RECONCILER_LABELS) one string of KEY=VALUE items split by commas."""
+        """A list, or (from RECONCILER_LABELS, _NOTES_PUSHERS, _WEBHOOK_ALLOW) one string of items
+        split by commas."""
         if isinstance(v, str):
             return [x.strip() for x in v.replace(" ", ",").split(",") if x.strip()]
         return v
@@ -155,6 +171,17 @@ class ControllerConfig(BaseModel):
             raise ValueError(f"{v!r} is not a loopback address: {SERVED[key]} would be served to the network, "
                              f"with no login and over plain HTTP; set {key}_public = true in the controller "
                              f"config if that is what you want (or reach it through ssh -L)")
+        return v
+
+    @field_validator("webhook_allow")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        """Each item an address or a CIDR network (10.20.0.0/16, fd00::/8)."""
+        for item in v:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError:
+                raise ValueError(f"{item!r} is not a network: an address or CIDR, like 10.20.0.0/16") from None
         return v
 
     @field_validator("forge_url", "forge_target_url")
@@ -197,11 +224,19 @@ def config_path() -> Path:
     return Path(os.environ.get("RECONCILER_CONFIG") or DEFAULT_PATH)
 
 
+def _credentials() -> dict[str, str]:
+    """The keys systemd passed as credentials ($CREDENTIALS_DIRECTORY), as config values."""
+    creds = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not creds:
+        return {}
+    return {key: str(Path(creds) / name) for key, name in CREDENTIALS if (Path(creds) / name).is_file()}
+
+
 def load_config(path: Path | None = None, overrides: Mapping[str, object] | None = None) -> ControllerConfig:
-    """Read the config file (absent = defaults), apply RECONCILER_* overrides, then the command
-    line's (`reconcile watch --web ...`), and validate the result once: an override meets the same
-    rules as the file. A problem names where its value came from: the option, the environment
-    variable, or the file and key."""
+    """Read the config file (absent = defaults), apply RECONCILER_* overrides, the keys systemd
+    passed as credentials, then the command line's (`reconcile watch --web ...`), and validate the
+    result once: an override meets the same rules as the file. A problem names where its value
+    came from: the option, the environment variable, or the file and key."""
     p = path or config_path()
     data: dict[str, object] = {}
     if p.exists():
@@ -215,6 +250,7 @@ def load_config(path: Path | None = None, overrides: Mapping[str, object] | None
         if env is not None and env != "":
             data[key] = env
             origin[key] = ("environment", f"RECONCILER_{key.upper()}")
+    data.update(_credentials())
     for key, value in (overrides or {}).items():
         data[key] = value
         origin[key] = ("command line", "--label" if key == "labels" else "--" + key.replace("_", "-"))

@@ -49,11 +49,12 @@ import contextlib
 import io
 import os
 import signal
+import stat
 import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, TextIO, cast
+from typing import IO, TYPE_CHECKING, TextIO, cast
 
 from rich.console import Console
 
@@ -63,6 +64,7 @@ from ..desired.spec import DesiredState
 from ..desired.trust import RevisionRefused, check_descends
 from ..dirs import default_state_dir
 from ..errors import ConfigError, ReconcilerError, SourceError
+from ..host import notify
 from ..host.pool import Pool
 from ..loop.fleet import run_fleet, selected
 from ..loop.host import ssh_connector
@@ -76,6 +78,9 @@ from .config import ControllerConfig
 from .metrics import Metrics
 from .store import Store, remember
 from .web.hub import Hub
+
+if TYPE_CHECKING:
+    import pygit2
 
 BACKOFF_START = 2.0
 RUNS_DIR_MODE = 0o750       # group: pushers stream their deploy's log (post-receive hook)
@@ -91,6 +96,59 @@ def _open_run_file(path: Path, *, append: bool) -> TextIO:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), RUN_FILE_MODE)
     os.fchmod(fd, RUN_FILE_MODE)
     return open(fd, "a") if append else open(fd, "w")
+
+
+def _prepare_trigger(path: Path) -> str | None:
+    """Make the trigger file ready for the post-receive hook: the daemon's own regular file, mode
+    TRIGGER_MODE. Returns None when it is, else why it is not used (and nothing was changed).
+
+    Its directory may be writable by others (a deploy repo shared with the pushing users'
+    group), who could leave a symlink or a hard link there to have the daemon create or chmod a
+    file of its choosing. So nothing here acts on a path that may lead elsewhere: a new file is
+    created with O_EXCL | O_NOFOLLOW; an existing one must be a regular file (lstat) and is
+    opened with O_NOFOLLOW, and only that descriptor is judged (fstat: the same inode, one link)
+    and changed (fchmod, and only when it is ours). A regular file of another user (made by an
+    admin) is watched as it is, its mode left alone."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, TRIGGER_MODE)
+    except FileExistsError:
+        fd = -1
+    except OSError as e:
+        return (f"cannot create it ({e.strerror}); make it the daemon's: install -m 0660 -o {_me()} "
+                f"/dev/null {path}")
+    try:
+        if fd < 0:
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                return "it is a symbolic link (it would make the daemon change the file it points to); remove it"
+            if not stat.S_ISREG(st.st_mode):
+                return "it is not a regular file; remove it"
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            except OSError as e:
+                return f"cannot open it ({e.strerror}); remove it"
+            opened = os.fstat(fd)
+            if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(opened.st_mode):
+                return "it was replaced while the daemon looked at it; remove it"
+            if opened.st_uid != os.geteuid():
+                return None                 # an admin's file: watched as it is
+            if opened.st_nlink != 1:
+                return (f"it has {opened.st_nlink} hard links (a chmod would change the other names too); "
+                        f"remove it")
+        os.fchmod(fd, TRIGGER_MODE)
+        return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _me() -> str:
+    """The daemon's user name (for a fix to show), or its uid."""
+    import pwd
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
 
 
 class _Tee(io.TextIOBase):
@@ -145,6 +203,10 @@ class Daemon:
         # costs the host lock and one observation per host, not a handshake.
         self.pool = Pool(ssh_connector(cfg.identity))
         self._loaded: tuple[str | None, DesiredState, RuleSet] | None = None   # the last tree loaded
+        self._git = asyncio.Lock()                 # one open or fetch of the repo at a time (_head)
+        if cfg.webhook_allow:                      # where fleet.toml's webhook may go: this config says
+            notify.allow(cfg.webhook_allow)        # (none: $RECONCILER_WEBHOOK_ALLOW, already in cfg)
+        self._checks: set[asyncio.Task[None]] = set()   # ask()'s supersede checks in flight
 
     # -- asking ---------------------------------------------------------------------------
     def ask(self, why: str) -> None:
@@ -153,27 +215,37 @@ class Daemon:
         self.reasons.append(why)
         self.wake.set()
         if why in PUSH_ASKS and self.running and self.ran is not None:
-            try:
-                newer = self.head() not in (None, self.ran)
-            except (SourceError, OSError):
-                newer = False
-            if newer and not self.supersede.is_set():
-                print(f"reconciler: a newer revision arrived; superseding the run of {self.ran[:7]}", flush=True)
-                self.supersede.set()
+            # Reading the head of a URL repo is a fetch: a task of its own, off the event loop.
+            check = asyncio.get_running_loop().create_task(self._supersede_if_newer(self.ran))
+            self._checks.add(check)
+            check.add_done_callback(self._checks.discard)
+
+    async def _supersede_if_newer(self, ran: str) -> None:
+        """Supersede the run of `ran` when the branch head is newer (and that run still runs)."""
+        try:
+            head = await self._head()
+        except (SourceError, OSError):
+            return
+        if head not in (None, ran) and self.running and self.ran == ran and not self.supersede.is_set():
+            print(f"reconciler: a newer revision arrived; superseding the run of {ran[:7]}", flush=True)
+            self.supersede.set()
 
     def _watch_paths(self) -> tuple[list[Path], set[str]]:
-        """What to watch: the branch ref of a local repo (and packed-refs), and the trigger file."""
+        """What to watch: the branch ref of a local repo (and packed-refs), and the trigger file
+        (when it is safe to use: see _prepare_trigger; a refused one is said, and pushes are then
+        seen through the branch ref alone)."""
         paths: list[Path] = []
         names: set[str] = set()
         trigger = self.trigger_file()
         if trigger:
             trigger.parent.mkdir(parents=True, exist_ok=True)
-            if not trigger.exists():
-                os.close(os.open(trigger, os.O_WRONLY | os.O_CREAT, TRIGGER_MODE))
-            with contextlib.suppress(PermissionError):   # someone else's file: leave its mode alone
-                os.chmod(trigger, TRIGGER_MODE)
-            paths.append(trigger.parent)
-            names.add(str(trigger))
+            refused = _prepare_trigger(trigger)
+            if refused:
+                print(redact.redact(f"reconciler: not using the trigger file {trigger}: {refused}; pushes are "
+                                    f"seen through the branch ref only"), flush=True)
+            else:
+                paths.append(trigger.parent)
+                names.add(str(trigger))
         if not source.is_url(self.cfg.repo):
             gitdir = Path(source.open_repo(self.cfg.repo).path)
             paths.append(gitdir)
@@ -205,18 +277,31 @@ class Daemon:
         return self.store.get_value(self._applied_key())
 
     def head(self) -> str | None:
-        """The deploy branch's head, or None when the branch does not exist (yet)."""
+        """The deploy branch's head, or None when the branch does not exist (yet). Blocking (a URL
+        repo is fetched): the loop calls it through _head."""
         repo = source.open_repo(self.cfg.repo, self.cache_dir)
         ref = repo.references.get(f"refs/heads/{self.cfg.branch}")
         return str(ref.resolve().target) if ref is not None else None
 
-    def _already_done(self) -> bool:
+    async def _head(self) -> str | None:
+        """head() in a thread, one git access at a time: a stalled remote never freezes the loop
+        (the watchdog, the hosts' lock heartbeats, the page), and two fetches never race for
+        the mirror's lock files."""
+        async with self._git:
+            return await asyncio.to_thread(self.head)
+
+    async def _open_repo(self) -> pygit2.Repository:
+        """source.open_repo (a fetch for a URL repo) in a thread, like _head."""
+        async with self._git:
+            return await asyncio.to_thread(source.open_repo, self.cfg.repo, self.cache_dir)
+
+    async def _already_done(self) -> bool:
         """True when every pending ask only says "the branch moved" and the last run already
         reconciled the branch head (a push's ref change and its hook's trigger, one run)."""
         if not self.reasons or not set(self.reasons) <= PUSH_ASKS or self.ran is None:
             return False
         try:
-            return self.head() == self.ran
+            return await self._head() == self.ran
         except (SourceError, OSError):
             return False
 
@@ -232,7 +317,7 @@ class Daemon:
             try:
                 opts = self.run_options()
                 opts.trust.check_url(self.cfg.repo)      # before anything is fetched
-                repo = source.open_repo(self.cfg.repo, self.cache_dir)
+                repo = await self._open_repo()
                 if repo.references.get(f"refs/heads/{self.cfg.branch}") is None:
                     if not self.waiting:
                         print(f"reconciler: waiting for the first push to {self.cfg.branch} of {self.cfg.repo}",
@@ -331,7 +416,7 @@ class Daemon:
             self.wake.clear()
             if self.stopping.is_set():
                 break
-            if self._already_done():
+            if await self._already_done():
                 self.reasons.clear()
                 continue
             self.supersede.clear()

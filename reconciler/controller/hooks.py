@@ -9,6 +9,11 @@ pre-receive: for a push to the deploy branch, refuse (exit 1, reasons shown to t
   branch deletion, a non-fast-forward (a force-push back) unless the push option
   `reconcile.allow-rewind` is given and allow_rewind is on, an unsigned commit when
   require_signed is on, and any revision `reconcile validate` rejects (file, key, reason).
+  Refuse any update of the deploy status notes, refs/notes/reconciler* (the daemon writes
+  refs/notes/reconciler in place; pull-mode hosts push refs/notes/reconciler-pull/<host>), unless
+  the pushing user is in the controller config's notes_pushers: a forged note would show a
+  deploy that never happened, or clear a wave for a commit a canary failed. Every other ref
+  (other branches, tags) is accepted as it is: nothing deploys from it.
 post-receive: touch the daemon's trigger file; with the push option `reconcile.wait` (or git
   config reconciler.stream=true) stream the daemon's run for the pushed revision, Heroku-style.
 
@@ -36,6 +41,7 @@ if TYPE_CHECKING:
 # loader, the schema or the rule pack, which only pre-receive needs (tests/cli/test_cold_start.py).
 
 ZERO = "0" * 40
+NOTES = "refs/notes/reconciler"     # the prefix of every deploy status notes ref (the daemon's, pull hosts')
 
 SHIM = """#!/bin/sh
 # reconciler {name} hook (installed by `reconcile init-repo`): all logic is in `reconcile-hook {name}`.
@@ -85,8 +91,9 @@ def pre_receive() -> int:
     cfg = load_config()
     trust = cfg.trust_policy()
     options = _push_options()
-    rejected = False
-    for old, new, ref in _updates():
+    updates = _updates()
+    rejected = _refuse_notes(updates, cfg.notes_pushers)
+    for old, new, ref in updates:
         if ref != f"refs/heads/{branch}":
             continue
         if new == ZERO:
@@ -132,6 +139,26 @@ def pre_receive() -> int:
     return 1 if rejected else 0
 
 
+def _refuse_notes(updates: list[tuple[str, str, str]], allowed: list[str]) -> bool:
+    """Say why each update of a deploy status notes ref is refused (a pusher not in
+    notes_pushers); True when there was one."""
+    refused = [ref for _old, _new, ref in updates if ref.startswith(NOTES)] if _pusher() not in allowed else []
+    for ref in refused:
+        print(f"reconciler: rejected {ref}: deploy status notes are written by the daemon, and pushed only by "
+              f"the users in notes_pushers of the controller's config (pull-mode hosts), not {_pusher()}",
+              file=sys.stderr)
+    return bool(refused)
+
+
+def _pusher() -> str:
+    """The pushing user's name (the hook runs as that user), or its uid."""
+    import pwd
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
+
+
 def post_receive() -> int:
     """Ask the daemon to reconcile now; optionally stream its run for the pushed revision."""
     from ..desired import source
@@ -144,12 +171,31 @@ def post_receive() -> int:
     for _old, new, ref in _updates():
         if ref != f"refs/heads/{branch}" or new == ZERO:
             continue
-        trigger.touch()
-        os.utime(trigger)
+        if not _touch(trigger):
+            print(f"reconciler: {new[:7]} landed; the daemon's trigger {trigger} does not exist (the daemon is not "
+                  f"running, or has not started yet): it deploys when the daemon sees the branch", flush=True)
+            return 0
         print(f"reconciler: deploy of {new[:7]} requested", flush=True)
         if stream and state_dir:
             return _stream(Path(state_dir) / "runs", new, timeout)
     return 0
+
+
+def _touch(trigger: Path) -> bool:
+    """Bump the trigger's time (the daemon watches it); False when it does not exist.
+
+    Never created here (the daemon makes it, its own, at start: one made by a pusher would be
+    the pusher's, and the daemon would leave it alone) and never through a symlink (O_NOFOLLOW:
+    ELOOP, which failure_line reports); the time is set on the opened descriptor."""
+    try:
+        fd = os.open(trigger, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        os.utime(fd)
+    finally:
+        os.close(fd)
+    return True
 
 
 def _stream(runs: Path, rev: str, timeout: float) -> int:
@@ -187,11 +233,10 @@ def init_repo(path: Path, *, branch: str = "main", hook_bin: str | None = None,
               owner: str | None = None) -> list[str]:
     """Create a bare deploy repo with the hooks installed and configured; returns notes.
 
-    group: share it with that group (the pushing users and the daemon): core.sharedRepository
-    = group, every directory setgid and group-writable, so objects pushed by one user are
-    readable and writable by the others. owner: chown it to that user (as root). As root, the
-    repo is also marked safe in the system git config (git and libgit2 refuse a repo owned by
-    another user otherwise: "dubious ownership"); not as root, the line to run is returned.
+    group: share it with that group (the pushing users and the daemon), see _share: the group
+    may write git's objects and refs (core.sharedRepository = group, setgid directories) and
+    nothing else. owner: the daemon's user (as root): the repo's directory, objects, refs and
+    trigger file are its; config and hooks stay root's.
     """
     import pygit2
     mode = pygit2.enums.RepositoryInitMode.SHARED_GROUP if group else pygit2.enums.RepositoryInitMode.SHARED_UMASK
@@ -213,34 +258,60 @@ def init_repo(path: Path, *, branch: str = "main", hook_bin: str | None = None,
         repo.config["reconciler.statedir"] = state_dir
     if stream:
         repo.config["reconciler.stream"] = "true"
+    if group:
+        # A pusher cannot write the repo's own directory (gc.pid, packed-refs): no gc after a
+        # push; the repo's owner runs `git gc` now and then.
+        repo.config["receive.autogc"] = False
     return _share(Path(repo.path), group, owner) if group else []
 
 
+# What the group may write in a shared repo: git's objects and refs (a push, the daemon's notes)
+# and, in the repo's own directory, new files (a push's HEAD.lock) but none of another user's.
+GROUP_WRITES = ("objects", "refs")
+TRIGGER = "reconciler.trigger"
+
+
 def _share(path: Path, group: str, owner: str | None) -> list[str]:
-    """Give a repo to `group` (and `owner`): group-writable, setgid directories, safe for git."""
+    """Give a repo to `group` and `owner` (the daemon's user): the pushing users and the daemon
+    write its objects and refs (directories 2775, setgid), and nothing of the rest: `config`,
+    `HEAD`, `description`, `hooks/` and `info/` are the admin's (who runs this: root), not
+    group-writable (0644, 0755, directories 2755), and the repo's own directory is sticky (3775:
+    a push must create HEAD.lock there, but no group member can rename or delete a file it does
+    not own), so no group member can change what git runs there (a hook, core.pager) or replace
+    the daemon's trigger file, made here (`owner`'s, group-writable for the post-receive hook).
+
+    No git config is changed: the daemon owns the directory, so its git trusts it; each pushing
+    user trusts it in their own git config (the note says how); nobody's system-wide, and not
+    root's: whoever can write the directory (the daemon, a group member with a shell) could
+    make the git of a user who trusts it run a command (CVE-2022-24765)."""
     import grp
     import pwd
-    notes: list[str] = []
     gid = grp.getgrnam(group).gr_gid
-    uid = pwd.getpwnam(owner).pw_uid if owner else -1
-    for d, _dirs, files in os.walk(path):
-        os.chown(d, uid, gid)
-        os.chmod(d, 0o2775)
+    admin = os.geteuid()
+    uid = pwd.getpwnam(owner).pw_uid if owner else admin
+    root = path.resolve()
+    for d, _dirs, files in os.walk(root):
+        here = Path(d)
+        data = here != root and here.relative_to(root).parts[0] in GROUP_WRITES
+        os.chown(here, uid if data or here == root else admin, gid, follow_symlinks=False)
+        os.chmod(here, 0o3775 if here == root else 0o2775 if data else 0o2755)
         for name in files:
-            f = Path(d) / name
-            os.chown(f, uid, gid)
-            os.chmod(f, 0o775 if f.parent.name == "hooks" else 0o664)
-    notes.append(f"shared with group {group}: core.sharedRepository = group, directories setgid and group-writable")
-    line = f"git config --system --add safe.directory {path.resolve().as_posix().rstrip('/')}"
-    if os.geteuid() == 0:
-        have = subprocess.run(["git", "config", "--system", "--get-all", "safe.directory"], capture_output=True,
-                              text=True).stdout.split()
-        if path.resolve().as_posix().rstrip("/") not in have:
-            subprocess.run(line.split(), check=True)
-        notes.append(f"marked safe for every user in the system git config ({line})")
-    else:
-        notes.append(f"as root, mark it safe for the pushing users and the daemon: {line}")
-    return notes
+            f = here / name
+            os.chown(f, uid if data else admin, gid, follow_symlinks=False)
+            os.chmod(f, 0o664 if data else 0o755 if here.name == "hooks" else 0o644)
+    fd = os.open(root / TRIGGER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+    try:
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, 0o660)
+    finally:
+        os.close(fd)
+    me, them = pwd.getpwuid(admin).pw_name, owner or pwd.getpwuid(admin).pw_name
+    safe = f"git config --global --add safe.directory {root.as_posix()}"
+    return [f"shared with group {group}: objects/ and refs/ group-writable (setgid); config, HEAD and hooks "
+            f"{me}'s and not group-writable; the directory {them}'s, sticky; {TRIGGER} {them}'s, group-writable",
+            f"each pushing user trusts it in their own git config (never the system's): runuser -u USER -- {safe}",
+            f"other users' git refuses it (\"dubious ownership\"); to look at it: runuser -u {them} -- git -C "
+            f"{root.as_posix()} log"]
 
 
 def _hook_bin() -> str:
@@ -279,8 +350,8 @@ _FIXES = (
                         "chmod g+r {path} (the directory: chmod 0750, group reconciler)"),
     ("runs", "the daemon writes its run logs group-readable (runs/ 0750, logs 0640) from this version on; "
              "restart it (systemctl restart reconciler) and check that the pushing user is in its group"),
-    ("trigger", "the daemon creates it group-writable (0660) when it starts; restart it and check that the "
-                "pushing user is in its group"),
+    ("trigger", "the daemon creates it group-writable (0660) when it starts, and refuses a symlink there (its "
+                "journal says why); restart it and check that the pushing user is in its group"),
 )
 
 

@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     import pygit2
 
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://|^[^/\s]+@[^:\s]+:")
+# libgit2's network timeouts for a URL repo's fetch (milliseconds; its default is none): a
+# remote that accepts and then stalls fails the fetch, never hangs its caller (the daemon's
+# thread for it, a pull run) for ever. Set only where the process has not chosen its own.
+CONNECT_TIMEOUT_MS = 15_000
+SERVER_TIMEOUT_MS = 60_000
 
 
 class Snapshot:
@@ -90,6 +95,7 @@ def open_repo(repo: str, cache_dir: Path | None = None, *, also_fetch: Sequence[
             # Inside a pre-receive hook the pushed objects are still in git's quarantine dir.
             r.odb.add_disk_alternate(quarantine)
         return r
+    _network_timeouts(pygit2)
     cache = (cache_dir or default_cache_dir()) / "repos"
     cache.mkdir(parents=True, exist_ok=True)
     dest = cache / hashlib.sha256(repo.encode()).hexdigest()[:16]
@@ -104,6 +110,15 @@ def open_repo(repo: str, cache_dir: Path | None = None, *, also_fetch: Sequence[
         return r
     except (pygit2.GitError, KeyError, ValueError) as e:
         raise SourceError(f"cannot fetch {_redact(repo)}: {e}") from None
+
+
+def _network_timeouts(pygit2: Any) -> None:
+    """Bound libgit2's connect and each read or write on a remote (HTTP(S) and git://)."""
+    settings = pygit2.settings
+    if not settings.server_connect_timeout:
+        settings.server_connect_timeout = CONNECT_TIMEOUT_MS
+    if not settings.server_timeout:
+        settings.server_timeout = SERVER_TIMEOUT_MS
 
 
 def _redact(url: str) -> str:

@@ -16,19 +16,32 @@ Every failure is logged as a warning and listed in the run's result.
 The webhook URL may carry a token (Slack's does): warnings name only its scheme, host and port.
 Every event is redacted when it is queued (the values of the secrets the controller decrypted,
 and token-like patterns, masked in every field), and so is every warning.
+
+The URL is chosen by whoever can push (fleet.toml), the request comes from the control host: so
+it goes only where the controller's own config lets it. A target address that is not public
+(loopback, private, link-local, shared, reserved, multicast: anything `ipaddress` says is not
+global) is refused unless its network is in the controller's `webhook_allow` (config.toml, or
+$RECONCILER_WEBHOOK_ALLOW for the `reconcile` command), checked on the addresses the name
+resolves to, and the connection goes to the checked address itself (no second lookup to rebind).
+No redirect is followed, no proxy is used, and of the answer only the status code is shown (a
+warning never carries text the target chose).
 """
 
 from __future__ import annotations
 
+import base64
+import http.client
+import ipaddress
 import json
 import logging
+import os
 import queue
+import socket
+import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
-from urllib.parse import urlsplit
+from collections.abc import Callable, Iterable
+from urllib.parse import unquote, urlsplit
 
 from ..desired.spec import NotifySpec
 from ..redact import redact, redact_data
@@ -38,6 +51,100 @@ log = logging.getLogger("reconciler.host.notify")
 EVENTS = ("rollout.start", "rollout.finish", "rollout.halt", "rollback")
 
 Post = Callable[[str, bytes, float], None]     # (url, body, timeout); raises on failure
+ALLOW_ENV = "RECONCILER_WEBHOOK_ALLOW"           # the `reconcile` command's webhook_allow
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+_allowed: tuple[Network, ...] | None = None      # set by the daemon from its config (allow())
+
+
+class WebhookRefused(OSError):
+    """The webhook's address is not public and not allowed by the controller's config."""
+
+
+class WebhookStatus(Exception):
+    """The webhook answered with a status other than 2xx (a redirect included: never followed)."""
+
+    def __init__(self, code: int):
+        super().__init__(f"HTTP {code}")
+        self.code = code
+
+
+def networks(items: Iterable[str]) -> tuple[Network, ...]:
+    """Networks from CIDR strings ("10.1.0.0/16", "127.0.0.1", "fd00::/8"); ValueError names a bad one."""
+    out = []
+    for item in items:
+        try:
+            out.append(ipaddress.ip_network(item.strip(), strict=False))
+        except ValueError:
+            raise ValueError(f"{item!r} is not a network (an address or CIDR, like 10.1.0.0/16)") from None
+    return tuple(out)
+
+
+def allow(items: Iterable[str] | None) -> None:
+    """The non-public networks webhooks may reach: the controller's config (`webhook_allow`).
+    None: back to $RECONCILER_WEBHOOK_ALLOW (the `reconcile` command's)."""
+    global _allowed
+    _allowed = None if items is None else networks(items)
+
+
+def allowed() -> tuple[Network, ...]:
+    """The networks allow() set, else those of $RECONCILER_WEBHOOK_ALLOW (comma or space separated)."""
+    if _allowed is not None:
+        return _allowed
+    return networks(os.environ.get(ALLOW_ENV, "").replace(",", " ").split())
+
+
+def check_address(address: str) -> None:
+    """Raise WebhookRefused unless the address is public or in an allowed network."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_global and not ip.is_multicast:
+        return
+    if any(ip in net for net in allowed()):
+        return
+    kind = next((k for k, yes in (("loopback", ip.is_loopback), ("link-local", ip.is_link_local),
+                                  ("multicast", ip.is_multicast), ("private", ip.is_private)) if yes), "not public")
+    raise WebhookRefused(f"{ip} is a {kind} address; a webhook reaches it only when the controller's config "
+                         f"allows its network (webhook_allow, or ${ALLOW_ENV} for `reconcile`)")
+
+
+def _connect_checked(address: tuple[str, int], timeout: float | None = None,
+                     source_address: tuple[str, int] | None = None, **_kw: object) -> socket.socket:
+    """socket.create_connection, to an address check_address passed: every address the name
+    resolves to is checked (one refused refuses the webhook), then one of them is connected."""
+    host, port = address
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    for info in infos:
+        check_address(str(info[4][0]))
+    error: OSError = OSError(f"{host}: no address")
+    for family, kind, proto, _name, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            if source_address:
+                sock.bind(source_address)
+            sock.connect(sockaddr)
+            return sock
+        except OSError as e:
+            sock.close()
+            error = e
+    raise error
+
+
+class _HTTP(http.client.HTTPConnection):
+    """http.client's connection, connecting only where check_address lets it."""
+
+    def __init__(self, host: str, port: int | None, timeout: float):
+        super().__init__(host, port, timeout=timeout)
+        self._create_connection = _connect_checked
+
+
+class _HTTPS(http.client.HTTPSConnection):
+    """The same over TLS (the default context: the certificate and the host name are checked)."""
+
+    def __init__(self, host: str, port: int | None, timeout: float):
+        super().__init__(host, port, timeout=timeout)
+        self._create_connection = _connect_checked
 
 
 def where(url: str) -> str:
@@ -50,12 +157,33 @@ def where(url: str) -> str:
 
 
 def http_post(url: str, body: bytes, timeout: float) -> None:
-    """POST a JSON body; raise unless the answer is 2xx."""
-    req = urllib.request.Request(url, data=body, method="POST",
-                                 headers={"Content-Type": "application/json", "User-Agent": "reconciler"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:   # http(s) only: the schema checks the scheme
-        if not 200 <= resp.status < 300:
-            raise urllib.error.HTTPError(url, resp.status, resp.reason, resp.headers, None)
+    """POST a JSON body to a checked address (_connect_checked); raise WebhookStatus unless the
+    answer is 2xx (a redirect is not followed), WebhookRefused for a target not allowed."""
+    u = urlsplit(url)                     # http(s) only: the schema checks the scheme
+    conn = (_HTTPS if u.scheme == "https" else _HTTP)(u.hostname or "", u.port, timeout=timeout)
+    headers = {"Content-Type": "application/json", "User-Agent": "reconciler"}
+    if u.username is not None:
+        pair = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
+        headers["Authorization"] = "Basic " + base64.b64encode(pair).decode()
+    try:
+        conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body=body, headers=headers)
+        status = conn.getresponse().status
+    finally:
+        conn.close()
+    if not 200 <= status < 300:
+        raise WebhookStatus(status)
+
+
+def failure(e: BaseException) -> str:
+    """Why a request failed, in words the controller chose: the status code of an answer, the
+    kind of a malformed one, never text the target sent (a reason phrase, a status line)."""
+    if isinstance(e, WebhookStatus):
+        return str(e)
+    if isinstance(e, http.client.HTTPException):
+        return f"{type(e).__name__} (the answer is not shown)"
+    if isinstance(e, ssl.SSLError):
+        return f"{type(e).__name__}: {e.reason or 'TLS failed'}"
+    return f"{type(e).__name__}: {e}"
 
 
 def slack_text(p: dict) -> str:
@@ -127,12 +255,8 @@ class Notifier:
             try:
                 self._post(self.spec.webhook, self.body(payload), self.spec.timeout)
                 self.sent += 1
-            except urllib.error.HTTPError as e:
-                self._warn(f"webhook {where(self.spec.webhook)}: {payload['event']} not delivered: "
-                           f"HTTP {e.code} {e.reason}")
             except Exception as e:   # any failure of the webhook is only a warning
-                self._warn(f"webhook {where(self.spec.webhook)}: {payload['event']} not delivered: "
-                           f"{type(e).__name__}: {getattr(e, 'reason', None) or e}")
+                self._warn(f"webhook {where(self.spec.webhook)}: {payload['event']} not delivered: {failure(e)}")
 
     def _warn(self, msg: str) -> None:
         msg = redact(msg)

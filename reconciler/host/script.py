@@ -39,6 +39,7 @@ REMOVED_DIR = f"{STATE_DIR}/removed"
 # a restart that is done by then (a quick stop, a Type=simple start) needs no poll of the watch
 # after the script's own reading; a slower one adds at most this much before the watch begins.
 JOB_WAIT = 1.0
+RECORD_MODE = "0600"    # root's alone: records quote a failed server's journal lines; only root reads them
 
 # The functions every apply script starts with: reconciler/sh/apply.sh.
 PRELUDE = shell.program("apply")
@@ -68,7 +69,7 @@ def _record_text(rec: ServiceRecord, now: int) -> str:
 
 
 def record_step(name: str, rec: ServiceRecord, now: int) -> str:
-    return _write(record_path(name), _record_text(rec, now))
+    return _write(record_path(name), _record_text(rec, now), RECORD_MODE)
 
 
 def _files(a: Action, plan: HostPlan, now: int) -> tuple[str, list[tuple[str, str, str]]] | None:
@@ -77,10 +78,10 @@ def _files(a: Action, plan: HostPlan, now: int) -> tuple[str, list[tuple[str, st
     q = shlex.quote
     if a.kind in (Kind.INTENT, Kind.RECORD) and a.service:
         assert a.record is not None
-        return "", [(record_path(a.service), _record_text(a.record, now), "0644")]
+        return "", [(record_path(a.service), _record_text(a.record, now), RECORD_MODE)]
     if a.kind is Kind.RECORD:
         pre = " && ".join(f"rm -f {q(record_path(n))}; rm -rf {q(adopted_copy(n, ''))}" for n in plan.dropped_records)
-        return pre, [(HOST_RECORD, HostRecord(plan.revision, now).dumps(), "0644")]
+        return pre, [(HOST_RECORD, HostRecord(plan.revision, now).dumps(), RECORD_MODE)]
     if a.kind is Kind.WRITE:
         assert a.path is not None and a.content is not None
         # the env file is root's alone (systemd reads it as root); others can no longer read the

@@ -16,9 +16,12 @@ daemon's metrics listen on the control host's own loopback address instead of 12
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import shutil
+import socket
 import subprocess
 import time
 import urllib.request
@@ -113,6 +116,77 @@ def wait_for(what: str, check, timeout: float = 60) -> None:  # type: ignore[no-
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def forwarded(ssh: list[str], target: str) -> tuple[bytes, str]:
+    """Ask for a local port forward to `target` through the control host (ssh -N -L), then ask
+    the forwarded port for the metrics: what came back, and what ssh said."""
+    port = free_port()
+    proc = subprocess.Popen([*ssh, "-N", "-L", f"127.0.0.1:{port}:{target}"], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    got = b""
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise AssertionError("ssh -L never listened") from None
+                time.sleep(0.2)
+        with conn, contextlib.suppress(ConnectionResetError):   # a refused forward: ssh closes or resets it
+            conn.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            while chunk := conn.recv(65536):
+                got += chunk
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    return got, err.decode(errors="replace")
+
+
+def try_as_the_pusher(control: Control, ws: Path, env: dict[str, str]) -> None:
+    """The `git` user, as a pusher would try it: a port forward through the control host (a
+    control first: root's forward works), and, as if it had a shell, a symlink planted where the
+    trigger is and the repo's config, hooks and directory changed. Then a pushed deploy status
+    note. Every one refused."""
+    root_ssh = [*fleetlib.ssh_base(CONTROL, control.known_hosts)[:-1], f"root@{CONTROL}"]
+    got, _ = forwarded(root_ssh, METRICS)
+    assert got.split(b"\r\n", 1)[0].endswith(b" 200 OK") and b"reconciler_" in got, got[:200]
+    git_ssh = [*control.git_ssh().split(), f"git@{CONTROL}"]
+    got, said = forwarded(git_ssh, METRICS)
+    assert got == b"" and "administratively prohibited" in said, (got[:200], said)
+
+    trigger = "/srv/git/fleet.git/reconciler.trigger"
+    assert control.root("runuser -u git -- git config --global --get-all safe.directory").stdout.split() == [
+        "/srv/git/fleet.git"]
+    tries = {"plant the trigger": (f"ln -sfn /var/lib/reconciler-controller/state.db {trigger}",
+                                   "Operation not permitted"),        # the directory is sticky
+             "edit config": ("printf '[core]\\n\\tpager = touch /tmp/pwned\\n' >> /srv/git/fleet.git/config",
+                             "Permission denied"),
+             "replace config": ("t=$(mktemp) && cp /srv/git/fleet.git/config $t && mv -f $t /srv/git/fleet.git/config",
+                                "Operation not permitted"),
+             "edit a hook": ("echo 'touch /tmp/pwned' >> /srv/git/fleet.git/hooks/post-receive", "Permission denied"),
+             "add a hook": ("echo 'touch /tmp/pwned' > /srv/git/fleet.git/hooks/update", "Permission denied"),
+             "swap the repo": ("mv /srv/git/fleet.git /srv/git/old.git", "Permission denied")}
+    for what, (cmd, error) in tries.items():
+        res = control.root(f"runuser -u git -- sh -c {shlex.quote(cmd)}", check=False)
+        assert res.returncode != 0 and error in res.stderr, (what, res.stdout, res.stderr)
+    after = control.root(f"stat -c '%F %a %U' {trigger}; grep -c pager /srv/git/fleet.git/config; "
+                         "ls /srv/git /srv/git/fleet.git/hooks", check=False).stdout.split("\n")
+    assert after[:2] == ["regular empty file 660 reconciler", "0"], after
+    assert "old.git" not in after and "update" not in after, after
+
+    res = subprocess.run(["git", "push", "deploy", "+HEAD:refs/notes/reconciler"], cwd=ws, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "rejected refs/notes/reconciler: deploy status notes are written by the " \
+        "daemon" in res.stderr, res.stderr
+
+
 @pytest.mark.timeout(600)
 def test_the_runbook_installs_a_working_controller(fleet, control: Control, tmp_path: Path):
     gpu = fleet.hosts[0]
@@ -132,16 +206,25 @@ def test_the_runbook_installs_a_working_controller(fleet, control: Control, tmp_
     assert j.count("waiting for the first push") == 1 and "run failed" not in j and "Traceback" not in j, j
     assert "reconciler_waiting_for_first_push 1.0" in metrics()
     modes = control.root("stat -c '%a %U:%G %n' /etc/reconciler /etc/reconciler/config.toml "
-                         "/etc/reconciler/id_ed25519 /srv/git/fleet.git /srv/git/fleet.git/reconciler.trigger "
+                         "/etc/reconciler/id_ed25519 /srv/git /srv/git/fleet.git /srv/git/fleet.git/config "
+                         "/srv/git/fleet.git/hooks /srv/git/fleet.git/hooks/pre-receive "
+                         "/srv/git/fleet.git/reconciler.trigger "
                          "/var/lib/reconciler-controller /var/lib/reconciler-controller/runs "
                          "/var/lib/reconciler-controller/state.db").stdout.split("\n")
-    assert modes[:8] == [
+    assert modes[:12] == [
         "750 root:reconciler /etc/reconciler", "640 root:reconciler /etc/reconciler/config.toml",
-        "600 reconciler:reconciler /etc/reconciler/id_ed25519", "2775 reconciler:reconciler /srv/git/fleet.git",
+        "600 root:root /etc/reconciler/id_ed25519", "755 root:root /srv/git",
+        "3775 reconciler:reconciler /srv/git/fleet.git", "644 root:reconciler /srv/git/fleet.git/config",
+        "2755 root:reconciler /srv/git/fleet.git/hooks", "755 root:reconciler /srv/git/fleet.git/hooks/pre-receive",
         "660 reconciler:reconciler /srv/git/fleet.git/reconciler.trigger",
         "750 reconciler:reconciler /var/lib/reconciler-controller",
         "750 reconciler:reconciler /var/lib/reconciler-controller/runs",
         "600 reconciler:reconciler /var/lib/reconciler-controller/state.db"], modes
+    # The repo is trusted per user: the daemon owns it, the git user says so in its own git config
+    # (below); never system-wide, and not by root.
+    trusted = control.root("git config --system --get-all safe.directory; echo system=$?; "
+                           "git config --global --get-all safe.directory; echo root=$?").stdout.split()
+    assert trusted == ["system=1", "root=1"], trusted
 
     # The GPU host enrolls the controller's key (copied over, as scp would) and shows its fingerprint.
     pub = control.root("cat /etc/reconciler/id_ed25519.pub").stdout
@@ -183,6 +266,9 @@ def test_the_runbook_installs_a_working_controller(fleet, control: Control, tmp_
     closed = control.root("find /srv/git/fleet.git/objects /srv/git/fleet.git/refs -type d ! -perm -2070").stdout
     assert closed.strip() == "", closed
 
+    # What a pusher tries beyond pushing (the 2026-12-02 review, M1, M5, H2, L11), all refused.
+    try_as_the_pusher(control, ws.path, env)
+
     # A push that waits streams the deploy into its own output, as the pushing user.
     write_fleet(ws, [gpu], {"model-a": {"port": 30000, "env": {"STANDIN_LOAD_SECONDS": "0.5", "LOG_LEVEL": "debug"}}})
     subprocess.run(["git", "checkout", "HEAD", "--", "known_hosts"], cwd=ws.path, check=True)  # as enrolled
@@ -213,6 +299,17 @@ def test_the_runbook_installs_a_working_controller(fleet, control: Control, tmp_
     assert res.returncode != 0 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
     assert ("pre-receive: cannot use /etc/reconciler/config.toml: Permission denied; the push was refused. "
             "Fix: make it readable by the pushing users' group") in lines[0], lines
+
+    # A symlink left where the trigger is (by root here: no group member can) is refused at the
+    # daemon's start, and the file it points to keeps its mode and content.
+    trigger = "/srv/git/fleet.git/reconciler.trigger"
+    victim = "/var/lib/reconciler-controller/victim"
+    control.root(f"install -m 0600 -o reconciler -g reconciler /dev/null {victim} && echo kept > {victim} && "
+                 f"mv {trigger} {trigger}.saved && ln -s {victim} {trigger} && systemctl restart reconciler")
+    wait_for("the daemon to refuse the symlinked trigger", lambda: f"not using the trigger file {trigger}: it is a "
+             "symbolic link" in control.journal(), 30)
+    assert control.root(f"stat -c '%a %U' {victim}; cat {victim}").stdout.split() == ["600", "reconciler", "kept"]
+    control.root(f"rm {trigger} {victim} && mv {trigger}.saved {trigger}")
 
     # The daemon survives a restart and reports the fleet in sync at once.
     control.root("systemctl restart reconciler")

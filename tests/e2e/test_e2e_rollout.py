@@ -141,7 +141,8 @@ class _Hook(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def webhook() -> Iterator[tuple[str, list[dict]]]:
+def webhook(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, list[dict]]]:
+    monkeypatch.setenv("RECONCILER_WEBHOOK_ALLOW", "127.0.0.1/32")   # `reconcile` may reach a loopback webhook
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
     server.events = []  # type: ignore[attr-defined]
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -254,7 +254,8 @@ def test_a_pushed_deploy_that_leaks_its_token_is_masked_in_every_output(fleet, t
     values = canaries()
     d = Deploy(tmp_path)
     sec = Secrets(tmp_path, d.clone)
-    (tmp_path / "config.toml").write_text(f'age_identity = "{sec.key}"\n')
+    # the webhook listens on loopback: the daemon's config allows it (fleet.toml alone cannot)
+    (tmp_path / "config.toml").write_text(f'age_identity = "{sec.key}"\nwebhook_allow = ["127.0.0.1/32"]\n')
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     Hook.bodies = []

@@ -15,7 +15,7 @@ import pytest
 from reconciler.desired.load import MemorySnapshot, load_desired
 from reconciler.desired.spec import DesiredState, NotifySpec, RolloutPolicy
 from reconciler.errors import ConfigError, SourceError
-from reconciler.host.notify import Notifier, slack_text, where
+from reconciler.host.notify import ALLOW_ENV, Notifier, slack_text, where
 from reconciler.loop.fleet import select_hosts
 from reconciler.loop.results import HostResult, ServiceEvent, merge_result
 from reconciler.plan.rollout import (
@@ -282,7 +282,8 @@ class _Hook(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def hook() -> Iterator[tuple[str, type[_Hook]]]:
+def hook(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, type[_Hook]]]:
+    monkeypatch.setenv(ALLOW_ENV, "127.0.0.1/32")     # a loopback webhook, allowed as the controller's config would
     handler = type("Hook", (_Hook,), {"received": [], "status": 200, "delay": 0.0})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

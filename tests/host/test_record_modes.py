@@ -1,0 +1,60 @@
+"""L13 of the 2026-12-02 review: the host records (they quote a failed server's journal lines)
+are written 0600, root's alone, by a deploy's script and by a verdict alike."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shlex
+import stat
+import subprocess
+
+from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
+from reconciler.host.apply import _PRELUDE, build_script, write_record
+from reconciler.host.transport import Completed
+from reconciler.plan.actions import plan_host
+from reconciler.plan.facts import HOST_RECORD, HostFacts, record_path
+from reconciler.plan.model import Context
+from reconciler.plan.records import ServiceRecord
+
+UNIT = "[Service]\nExecStart=/bin/{}\n\n[Install]\nWantedBy=multi-user.target\n"
+RECORDS = (re.escape(HOST_RECORD), re.escape(record_path("m")))
+# A record written by a script: staged (a batch) or written by itself, with its mode.
+WRITTEN = re.compile(rf"(?:stage|atomic_text|atomic_write) ({'|'.join(RECORDS)}) (\d+) ")
+
+
+class Recorder:
+    """A transport that records the script it is given and answers that it ran."""
+
+    host = "h1"
+
+    def __init__(self) -> None:
+        self.scripts: list[str] = []
+
+    async def run(self, cmd: str, *, input: str | None = None, **_kw: object) -> Completed:
+        self.scripts.append(input or "")
+        return Completed(0, "", "")
+
+
+def test_a_deploy_writes_every_record_0600():
+    h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", UNIT.format("m"), {"A": "1"})})
+    plan = plan_host(h, HostFacts(services={}), Context("f" * 40))
+    written = WRITTEN.findall(build_script(plan, plan.actions, 0))
+    assert {p for p, _ in written} == {HOST_RECORD, record_path("m")}, written   # the intent, the record, the host's
+    assert len(written) >= 3 and {m for _, m in written} == {"0600"}, written
+
+
+def test_a_verdict_writes_its_record_0600():
+    t = Recorder()
+    asyncio.run(write_record(t, "m", ServiceRecord(hash="h", revision="f" * 40)))   # type: ignore[arg-type]
+    assert WRITTEN.findall(t.scripts[0]) == [(record_path("m"), "0600")]
+
+
+def test_mode_0600_makes_a_file_nobody_else_can_read(tmp_path):
+    """What the script's atomic_text does with that mode, run by sh under the script's umask 022."""
+    path = tmp_path / "services" / "m.json"
+    script = f"{_PRELUDE}\natomic_text {shlex.quote(str(path))} 0600 {shlex.quote('{}')} || exit 9\n"
+    res = subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, timeout=10)
+    assert res.returncode == 0, res.stderr
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
