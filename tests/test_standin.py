@@ -93,7 +93,6 @@ class Standin:
                 env=clean_env(**env), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=err,
             )
-        self.started = time.monotonic()
 
     @property
     def stderr(self) -> str:
@@ -109,15 +108,15 @@ class Standin:
                 raise AssertionError(f"did not say {text!r} within {timeout}s:\n{self.stderr}")
             time.sleep(0.02)
 
-    def wait_healthy(self, timeout: float = 8) -> float:
-        """Poll /health until it answers; return seconds since start."""
+    def wait_healthy(self, timeout: float = 8) -> None:
+        """Poll /health until it answers (the port listens only once it has loaded)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"exited {self.proc.returncode} before healthy:\n{self.stderr}")
             try:
                 get(self.port, "/health")
-                return time.monotonic() - self.started
+                return
             except OSError:
                 time.sleep(0.05)
         raise AssertionError(f"not healthy after {timeout}s:\n{self.stderr}")

@@ -22,6 +22,7 @@ from reconciler.host import lock
 from reconciler.host.session import SessionTransport
 from reconciler.host.transport import Completed
 from reconciler.shell import ShCommand
+from tests.host.procs import running, wait_gone
 from tests.host.programs import local_programs
 
 pytestmark = pytest.mark.timeout(30)
@@ -78,14 +79,6 @@ class _Channels:
 
     async def close(self) -> None:
         return None
-
-
-def _running(pid: int) -> bool:
-    """The process exists and is no zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.fixture
@@ -198,14 +191,8 @@ def test_a_timed_out_command_is_killed_whole_and_the_session_left(locked: Path) 
         ch, held, t = await _session()
         mark = locked / "child"
         with pytest.raises(CommandError, match="timed out"):
-            await t.run(f"sh -c 'sleep 3 & echo $! > {mark}; wait'", timeout=0.5, what="apply")
-        pid = int(mark.read_text())
-        for _ in range(50):                            # its child too: the command's process group
-            if not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the timed-out command's child still runs")
+            await t.run(f"sh -c 'sleep 60 & echo $! > {mark}; wait'", timeout=0.5, what="apply")
+        assert wait_gone(int(mark.read_text()))        # its child too: the command's process group
         r = await t.run("echo own channel", what="after")
         assert r.stdout == "own channel\n" and ch.ran == ["after"]
         await held.release()
@@ -243,16 +230,12 @@ def test_heartbeats_hold_the_lock_through_a_long_command_and_silence_ends_both(
         os.mkfifo(ready)
         run = asyncio.create_task(t.run(f"sh -c 'echo $$ > {ready}; exec sleep 20'", timeout=30))
         pid = int(await asyncio.wait_for(asyncio.to_thread(ready.read_text), 10))
-        assert _running(pid)
+        assert running(pid)
         held.beat.cancel()                               # the run goes silent
         holder = held.proc.proc                          # type: ignore[attr-defined]
         await asyncio.wait_for(holder.wait(), 10)        # it lets go by itself (its stdin still open)...
         assert owner.read_text() == ""                   # ...emptying the owner file...
-        for _ in range(100):                             # ...and the command under it is killed
-            if not _running(pid):
-                break
-            await asyncio.sleep(0.02)
-        assert not _running(pid)
+        assert wait_gone(pid)                            # ...and the command under it is killed
         run.cancel()
         await asyncio.gather(run, return_exceptions=True)
         await held.release()

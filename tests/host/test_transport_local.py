@@ -19,6 +19,7 @@ from reconciler.errors import CommandError
 from reconciler.host import lock
 from reconciler.host.transport import LocalTransport
 from reconciler.shell import ShCommand
+from tests.host.procs import wait_gone
 from tests.host.programs import local_programs
 
 pytestmark = pytest.mark.timeout(30)
@@ -43,42 +44,26 @@ def test_check_raises_with_host_and_what() -> None:
     assert "nope" in str(e.value)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-
-
 def test_a_timeout_kills_the_command_and_what_it_started(tmp_path: Path) -> None:
     pidfile = tmp_path / "child"
     with pytest.raises(CommandError, match=r"timed out after 0\.5s"):     # the timeout, not the command, ended it
         run(LocalTransport().run(f"sleep 100 & echo $! > {pidfile}; wait", timeout=0.5))
-    child = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(child)
+    assert wait_gone(int(pidfile.read_text()))       # what it started, too
 
 
 def test_a_cancelled_command_is_killed(tmp_path: Path) -> None:
-    pidfile = tmp_path / "pid"
+    pidfile = tmp_path / "pid"          # a FIFO: the command says its PID once it runs
+    os.mkfifo(pidfile)
 
-    async def go() -> None:
+    async def go() -> int:
         task = asyncio.create_task(LocalTransport().run(f"echo $$ > {pidfile}; sleep 100"))
-        while not pidfile.exists() or not pidfile.read_text().strip():
-            await asyncio.sleep(0.02)
+        pid = int(await asyncio.wait_for(asyncio.to_thread(pidfile.read_text), 10))
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        return pid
 
-    run(go())
-    pid = int(pidfile.read_text())
-    deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(pid)
+    assert wait_gone(run(go()))
 
 
 def test_open_connection_reaches_a_local_server() -> None:
