@@ -7,7 +7,6 @@ import asyncio
 import base64
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -366,11 +365,11 @@ def test_no_device_node_and_no_nvidia_smi_skips_the_proc_scan(tmp_path: Path):
 
     assert run() == [] and not marker.exists()
     (tmp_path / "nvidia0").write_text("")
-    held = subprocess.Popen([sys.executable, "-c", f"import time; f = open({prefix + '0'!r}); time.sleep(60)"])
+    held = subprocess.Popen([sys.executable, "-c", f"import time; f = open({prefix + '0'!r}); "
+                             "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 5
-        while not any(h.pid == held.pid for h in run()):
-            assert time.monotonic() < deadline, "the holder was not found"
+        assert held.stdout is not None and held.stdout.readline() == "ready\n"     # it holds the node now
+        assert any(h.pid == held.pid for h in run()), "the holder was not found"
         assert marker.exists()
     finally:
         held.kill()
