@@ -291,8 +291,8 @@ class _Hook(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def hook() -> Iterator[tuple[str, type[_Hook]]]:
-    handler = type("Hook", (_Hook,), {"received": [], "status": 200, "gate": None, "arrived": threading.Event(),
-                                      "answered": threading.Event()})
+    handler: type[_Hook] = type("Hook", (_Hook,), {"received": [], "status": 200, "gate": None,
+                                                   "arrived": threading.Event(), "answered": threading.Event()})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     # shutdown() waits for serve_forever's next look at its flag: a short poll, a short wait
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
