@@ -59,6 +59,7 @@ from typing import IO, TYPE_CHECKING, TextIO, cast
 from rich.console import Console
 
 from .. import faults, redact
+from ..clock import REAL, Clock
 from ..desired import load, source
 from ..desired.spec import DesiredState
 from ..desired.trust import RevisionRefused, check_descends
@@ -175,9 +176,11 @@ def _tee(*files: IO[str]) -> TextIO:
 
 
 class Daemon:
-    """Reconciles the fleet whenever asked (timer, push, trigger file), one run at a time."""
+    """Reconciles the fleet whenever asked (timer, push, trigger file), one run at a time.
 
-    def __init__(self, cfg: ControllerConfig, *, interval: float | None = None):
+    `clock`: what the retry back-off waits on (the machine's; a test's virtual one)."""
+
+    def __init__(self, cfg: ControllerConfig, *, interval: float | None = None, clock: Clock = REAL):
         self.cfg = cfg
         self.state_dir = Path(cfg.state_dir) if cfg.state_dir else default_state_dir()
         self.runs_dir = self.state_dir / "runs"
@@ -193,6 +196,8 @@ class Daemon:
         self.stopping = asyncio.Event()
         self.reasons: list[str] = []
         self.backoff = BACKOFF_START
+        self.clock = clock
+        self._retries: set[asyncio.Task[None]] = set()    # back-offs under way (held: the loop keeps weak refs)
         self.metrics = Metrics()
         self.console = Console(highlight=False, force_terminal=False, width=160)
         self.store = Store(self.state_dir)
@@ -439,9 +444,17 @@ class Daemon:
                 # git down, a host unreachable, a refused revision: retry, backing off
                 delay = min(self.backoff, self.interval)
                 self.backoff = min(self.backoff * 2, self.interval)
-                asyncio.get_running_loop().call_later(delay, self.ask, "retry")
+                retry = asyncio.create_task(self._retry_after(delay))
+                self._retries.add(retry)
+                retry.add_done_callback(self._retries.discard)
             else:
                 self.backoff = BACKOFF_START
+
+    async def _retry_after(self, delay: float) -> None:
+        """Ask for a run again `delay` seconds after a failed one (on the daemon's clock, so a
+        test sees the back-off without waiting it out)."""
+        await self.clock.sleep(delay)
+        self.ask("retry")
 
     async def serve(self) -> None:
         """Run until SIGTERM/SIGINT."""

@@ -18,15 +18,14 @@ run it on a GPU machine that has no pydantic or asyncssh.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import secrets
 import shlex
-import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from .. import shell
+from ..clock import REAL, Clock
 from ..errors import ObserveError
 from ..frames import Frame, decode, frames, malformed
 from ..shell import ShCommand
@@ -336,23 +335,24 @@ def released(facts: GpuFacts, *, pids: set[int] | None, max_used_mib: int,
 
 async def wait_released(t: Runner, *, pids: set[int] | None = None, timeout: float,
                         poll: float = 0.25, max_used_mib: int = 1024,
-                        gpus: set[int] | None = None,
-                        device_prefix: str = DEVICE_PREFIX) -> tuple[bool, GpuFacts, float]:
+                        gpus: set[int] | None = None, device_prefix: str = DEVICE_PREFIX,
+                        clock: Clock = REAL) -> tuple[bool, GpuFacts, float]:
     """After a stop: wait (at most timeout seconds) until the GPUs are free again.
 
     Free: none of pids is still a holder, and memory.used is below max_used_mib on every GPU
     (or only on the GPU indexes in gpus, when other services keep theirs). Returns (released,
     the last facts, seconds waited). A host without GPUs is released once the pids are gone.
+    `clock`: what the polls and the timeout are measured on (a test's virtual one).
     """
-    start = time.monotonic()
+    start = clock.now()
     while True:
         facts = await gpu_facts(t, timeout=max(5.0, min(30.0, timeout)), device_prefix=device_prefix)
-        waited = time.monotonic() - start
+        waited = clock.now() - start
         if released(facts, pids=pids, max_used_mib=max_used_mib, gpus=gpus):
             return True, facts, waited
         if waited >= timeout:
             return False, facts, waited
-        await asyncio.sleep(min(poll, max(0.0, timeout - waited)))
+        await clock.sleep(min(poll, max(0.0, timeout - waited)))
 
 
 def stray_holders(facts: GpuFacts, service_pids: set[int],
@@ -398,12 +398,13 @@ def _marked(stdout: str, mark: str) -> set[int]:
 
 
 async def kill_strays(t: Runner, holders: list[Holder], policy: str = "report", *,
-                      grace: float = 10.0, poll: float = 0.25) -> list[KillOutcome]:
+                      grace: float = 10.0, poll: float = 0.25, clock: Clock = REAL) -> list[KillOutcome]:
     """Deal with stray GPU holders according to the service's policy.
 
     "report" (the default) never signals anything. "kill" sends SIGTERM, waits up to grace
     seconds, then SIGKILLs what is left. Before signalling, each PID's comm is checked again,
-    so a PID that was reused by another program in the meantime is left alone.
+    so a PID that was reused by another program in the meantime is left alone. `clock`: what
+    grace and the polls are measured on (a test's virtual one).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown stray-process policy {policy!r} (expected one of {', '.join(POLICIES)})")
@@ -417,20 +418,20 @@ async def kill_strays(t: Runner, holders: list[Holder], policy: str = "report", 
     res = await t.run(term + "; true", timeout=15, what="SIGTERM stray GPU holders")
     signalled = _marked(res.stdout, "S")
     failed = _marked(res.stdout, "F")
-    deadline = time.monotonic() + grace
+    deadline = clock.now() + grace
     alive = await _alive(t, sorted(signalled))
-    while alive and time.monotonic() < deadline:
-        await asyncio.sleep(poll)
+    while alive and clock.now() < deadline:
+        await clock.sleep(poll)
         alive = await _alive(t, sorted(alive))
     killed: set[int] = set()
     if alive:
         res = await t.run("; ".join(f"kill -KILL {p} 2>/dev/null && echo {p}" for p in sorted(alive)) + "; true",
                           timeout=15, what="SIGKILL stray GPU holders")
         killed = {int(x) for x in res.stdout.split() if x.isdigit()}
-        end = time.monotonic() + 5.0
+        end = clock.now() + 5.0
         alive = await _alive(t, sorted(alive))
-        while alive and time.monotonic() < end:
-            await asyncio.sleep(poll)
+        while alive and clock.now() < end:
+            await clock.sleep(poll)
             alive = await _alive(t, sorted(alive))
     out: list[KillOutcome] = []
     for h in holders:

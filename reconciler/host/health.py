@@ -18,10 +18,10 @@ import asyncio
 import json
 import re
 import shlex
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..clock import REAL, Clock
 from ..desired.spec import HealthSpec
 from ..plan.facts import parse_show
 from ..plan.records import INCONCLUSIVE, NO_VERDICT, START_LIMIT_HIT, SUPERSEDED
@@ -241,11 +241,11 @@ class SystemdWatch:
     asked since with one `systemctl show` of all their units. A watch that is busy in between
     (an HTTP probe) gets the next tick's reading, so readings stay `poll` apart as with a poll
     of its own. A failed round trip fails every reading of that tick, as it would have failed
-    each watch's own.
+    each watch's own. `clock` paces the ticks (the machine's; a test's virtual one).
     """
 
-    def __init__(self, t: Transport, poll: float = SYSTEMD_POLL):
-        self.t, self.poll = t, poll
+    def __init__(self, t: Transport, poll: float = SYSTEMD_POLL, clock: Clock = REAL):
+        self.t, self.poll, self.clock = t, poll, clock
         self._asked: dict[str, list[asyncio.Future[dict[str, str]]]] = {}
         self._ticker: asyncio.Task[None] | None = None
         self._last = float("-inf")
@@ -253,9 +253,9 @@ class SystemdWatch:
         self._seeded: dict[str, dict[str, str]] = {}
 
     def seed(self, shown: dict[str, dict[str, str]], at: float) -> None:
-        """A reading taken elsewhere (the apply script's last command, at time.monotonic() `at`)
-        counts as a tick: each of its units' next read gets it at once, and the next tick keeps
-        the usual gap after it."""
+        """A reading taken elsewhere (the apply script's last command, at `at` on this watch's
+        clock: time.monotonic() for the real one) counts as a tick: each of its units' next read
+        gets it at once, and the next tick keeps the usual gap after it."""
         self._seeded = dict(shown)          # an older apply's reading is never handed out
         if shown:
             self._last, self._ticks = at, max(self._ticks, 1)
@@ -277,12 +277,12 @@ class SystemdWatch:
             while self._asked:
                 gap = min(self.poll, SYSTEMD_RAMP[self._ticks - 1]) if 0 < self._ticks <= len(SYSTEMD_RAMP) \
                     else self.poll
-                await asyncio.sleep(max(0.0, self._last + gap - time.monotonic()))
+                await self.clock.sleep(max(0.0, self._last + gap - self.clock.now()))
                 asked, self._asked = self._asked, {}
                 units = sorted(u for u, futs in asked.items() if any(not f.done() for f in futs))
                 if not units:
                     continue
-                self._last = time.monotonic()
+                self._last = self.clock.now()
                 self._ticks += 1
                 try:
                     res = await self._show(units)
@@ -322,7 +322,8 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
                         since_epoch: float, on_phase: Phase | None = None,
                         systemd_poll: float = SYSTEMD_POLL, baseline_invocation: str = "",
                         baseline_active_enter: str = "", start_error: str | None = None,
-                        cancel: asyncio.Event | None = None, systemd: SystemdWatch | None = None) -> Outcome:
+                        cancel: asyncio.Event | None = None, systemd: SystemdWatch | None = None,
+                        clock: Clock | None = None) -> Outcome:
     """Watch a service after a (re)start until healthy and stable, or failed.
 
     Healthy = systemd running, the HTTP check (if any) answered as expected, and nothing crashed
@@ -330,18 +331,22 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
     refused the start itself (its message): that is a StartFailed verdict at once. `cancel`: set
     when a newer revision arrives; the watch then ends at once with the verdict Superseded.
     `systemd`: the host's shared SystemdWatch (one round trip per tick for all its watches);
-    None: one of its own, polling every `systemd_poll` seconds.
+    None: one of its own, polling every `systemd_poll` seconds. `clock`: what startup_timeout,
+    stable_for and the HTTP interval are measured on (None: the shared watch's, else the
+    machine's), so a test times a watch without waiting for it.
     """
     unit = f"{name}.service"
-    systemd = systemd if systemd is not None else SystemdWatch(t, systemd_poll)
-    t0 = time.monotonic()
+    if systemd is None:
+        systemd = SystemdWatch(t, systemd_poll, clock if clock is not None else REAL)
+    clock = clock if clock is not None else systemd.clock
+    t0 = clock.now()
     first_ok: float | None = None
     next_http = 0.0
     phase = "starting"
 
     def report(p: str) -> None:
         if on_phase:
-            on_phase(name, p, time.monotonic() - t0, health.startup_timeout)
+            on_phase(name, p, clock.now() - t0, health.startup_timeout)
 
     async def fail(reason: str, message: str, props: dict[str, str] | None = None) -> Outcome:
         res = await t.run(journal_command(unit, since_epoch), timeout=20, what="journal")
@@ -353,7 +358,7 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
             if why is not None:
                 reason, message = INCONCLUSIVE, f"no verdict: {why} ({message})"
         report(f"failed: {reason}" if reason not in NO_VERDICT else f"no verdict: {reason}")
-        return Outcome(name, False, reason, message, quote, [e.message for e in lines][-40:], time.monotonic() - t0)
+        return Outcome(name, False, reason, message, quote, [e.message for e in lines][-40:], clock.now() - t0)
 
     report(phase)
     if start_error is not None:
@@ -366,8 +371,8 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
         if props is None:
             report("superseded")
             return Outcome(name, False, SUPERSEDED, "a newer revision arrived during the health wait",
-                           seconds=time.monotonic() - t0)
-        now = time.monotonic()
+                           seconds=clock.now() - t0)
+        now = clock.now()
         v = judge_systemd(props, baseline_restarts, baseline_invocation=baseline_invocation,
                           baseline_active_enter=baseline_active_enter)
         if v.state == "refused":

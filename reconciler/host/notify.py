@@ -236,9 +236,9 @@ class Notifier:
             return
         self._queue.put(None)
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        if self._thread.is_alive():     # the end marker just queued is no event
             self._warn(f"webhook {where(self.spec.webhook)} still busy after {timeout:.0f}s; "
-                       f"{self._queue.qsize()} event(s) dropped")
+                       f"{self._queue.qsize() - 1} event(s) dropped")
 
     def body(self, payload: dict) -> bytes:
         """The request body in the configured format, redacted."""

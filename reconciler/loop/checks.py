@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from .. import shell
+from ..clock import REAL, Clock
 from ..desired.spec import HostSpec, ModelSpec, ServiceSpec
 from ..errors import CommandError
 from ..frames import Frame, frames
@@ -453,11 +454,11 @@ def _claimed_gpus(svc: ServiceSpec | None, gpu: GpuFacts) -> set[int] | None:
 
 
 def gpu_waiter(t: Transport, plan: HostPlan, facts: HostFacts, gpu: GpuFacts, notes: list[str],
-               *, timeout: float = 120.0) -> GpuWait:
+               *, timeout: float = 120.0, clock: Clock = REAL) -> GpuWait:
     """The executor's wait before a start on a GPU host: the old processes gone and the claimed
     GPUs' memory free (bounded). A stray on the claimed GPUs is reported, and killed only when
     the service's gpu_policy says "kill" (never a process on other GPUs, never another managed
-    service). None when free, else why not."""
+    service). None when free, else why not. `clock`: what the waits are measured on."""
     managed = set(plan.services) | facts.inventory
 
     async def wait(name: str) -> str | None:
@@ -472,13 +473,13 @@ def gpu_waiter(t: Transport, plan: HostPlan, facts: HostFacts, gpu: GpuFacts, no
         if policy == "kill":
             # Strays were seen before the stop (pre-flight): kill them now, not after a timeout.
             await _kill(name, await gpu_facts(t), gpus, pids, own)
-        ok, after, waited = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
+        ok, after, waited = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus, clock=clock)
         strays = strays_on(after, gpus, own_unit=f"{name}.service", own_pids=pids, managed=own)
         for s in strays:
             notes.append(f"{name}: stray GPU holder pid {s.pid} ({s.comm}, {s.used_mib} MiB)")
         if not ok and strays and policy == "kill":
             await _kill(name, after, gpus, pids, own)
-            ok, after, more = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus)
+            ok, after, more = await wait_released(t, pids=pids, timeout=timeout, gpus=gpus, clock=clock)
             waited += more
         if ok:
             notes.append(f"{name}: GPUs free for the start (waited {waited:.1f}s)")
@@ -487,7 +488,7 @@ def gpu_waiter(t: Transport, plan: HostPlan, facts: HostFacts, gpu: GpuFacts, no
 
     async def _kill(name: str, facts_now: GpuFacts, gpus: set[int] | None, pids: set[int], own: set[str]) -> None:
         strays = strays_on(facts_now, gpus, own_unit=f"{name}.service", own_pids=pids, managed=own)
-        for o in await kill_strays(t, strays, "kill"):
+        for o in await kill_strays(t, strays, "kill", clock=clock):
             notes.append(f"{name}: stray pid {o.holder.pid} ({o.holder.comm}) on its GPUs: {o.outcome}")
 
     return wait

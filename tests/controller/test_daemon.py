@@ -1,17 +1,24 @@
-"""The daemon's loop without hosts: asks coalesce, one run at a time, back-off after failures."""
+"""The daemon's loop without hosts: asks coalesce, one run at a time, back-off after failures (on a
+virtual clock, tests/clock.py: the back-off is seen, not waited out)."""
 
 from __future__ import annotations
 
 import asyncio
-from itertools import pairwise
 
 from reconciler.controller.config import ControllerConfig
-from reconciler.controller.daemon import Daemon
+from reconciler.controller.daemon import BACKOFF_START, Daemon
+from tests.clock import FakeClock
 
 
-def make(tmp_path, **kw) -> Daemon:
+def make(tmp_path, clock: FakeClock | None = None, **kw) -> Daemon:
     cfg = ControllerConfig(repo=str(tmp_path / "nope.git"), state_dir=str(tmp_path / "state"), metrics="", **kw)
-    return Daemon(cfg, interval=60)
+    return Daemon(cfg, interval=60, clock=clock if clock is not None else FakeClock())
+
+
+async def stop(d: Daemon, runner: asyncio.Task[None]) -> None:
+    d.stopping.set()
+    d.wake.set()
+    await asyncio.wait_for(runner, 5)
 
 
 def test_unreadable_repo_is_a_failed_run_not_a_crash(tmp_path, capsys):
@@ -22,58 +29,61 @@ def test_unreadable_repo_is_a_failed_run_not_a_crash(tmp_path, capsys):
 
 
 def test_asks_during_a_run_coalesce_into_one_more_run(tmp_path):
-    d = make(tmp_path)
-    runs: list[float] = []
+    clock = FakeClock()
+    d = make(tmp_path, clock)
+    events: list[str] = []
     active = 0
     overlap = False
+    in_flight = asyncio.Event()
+    release = asyncio.Event()
 
     async def fake_run_once() -> int:
         nonlocal active, overlap
         active += 1
         overlap |= active > 1
-        runs.append(asyncio.get_running_loop().time())
-        await asyncio.sleep(0.2)
+        events.append(f"run {len(events) + 1} ({len(d.reasons)} asks)")
+        d.reasons.clear()                  # as run_once does
+        in_flight.set()
+        await release.wait()
         active -= 1
         return 0
 
     async def scenario() -> None:
         d.run_once = fake_run_once  # type: ignore[method-assign]
-        task = asyncio.create_task(d._runner())
+        runner = asyncio.create_task(d._runner())
         d.ask("push")
-        await asyncio.sleep(0.05)          # first run in flight
+        await in_flight.wait()             # the first run is in flight
         for _ in range(5):
             d.ask("push")                  # five pushes during it
-        await asyncio.sleep(0.6)
-        d.stopping.set()
-        d.wake.set()
-        await asyncio.wait_for(task, 2)
+        release.set()
+        await clock.sleep(3600)            # virtual: returns once the runner has nothing left to do
+        await stop(d, runner)
 
     asyncio.run(scenario())
-    assert len(runs) == 2 and not overlap
+    assert events == ["run 1 (1 asks)", "run 2 (5 asks)"] and not overlap
 
 
 def test_failed_runs_retry_with_back_off(tmp_path):
-    d = make(tmp_path)
-    d.backoff = 0.05                   # start small so the test takes well under a second
+    clock = FakeClock()
+    d = make(tmp_path, clock)
     times: list[float] = []
 
     async def failing() -> int:
-        times.append(asyncio.get_running_loop().time())
+        times.append(clock.elapsed())
         return 4                       # a host failed
 
     async def scenario() -> None:
         d.run_once = failing  # type: ignore[method-assign]
-        task = asyncio.create_task(d._runner())
+        runner = asyncio.create_task(d._runner())
         d.ask("start")
-        await asyncio.sleep(0.5)
-        d.stopping.set()
-        d.wake.set()
-        await asyncio.wait_for(task, 2)
+        await clock.sleep(200)          # virtual seconds
+        await stop(d, runner)
 
     asyncio.run(scenario())
-    gaps = [b - a for a, b in pairwise(times)]
-    assert len(times) >= 3                       # retried without any new ask
-    assert all(g2 > g1 for g1, g2 in pairwise(gaps))   # each wait longer than the last
+    # retried without any new ask, each wait twice the last (from BACKOFF_START), up to the interval
+    assert BACKOFF_START == 2.0 and d.interval == 60
+    assert times == [0, 2, 6, 14, 30, 62, 122, 182]
+    assert d.backoff == 60
 
 
 def test_a_hook_failure_is_one_line_with_path_cause_and_fix() -> None:
@@ -95,29 +105,29 @@ def test_a_hook_failure_is_one_line_with_path_cause_and_fix() -> None:
 
 def test_an_exception_in_a_run_is_logged_counted_and_retried(tmp_path, capsys):
     """A bug in a run must not end the loop while the process and its metrics stay up."""
-    d = make(tmp_path)
-    d.backoff = 0.05
-    calls = 0
+    clock = FakeClock()
+    d = make(tmp_path, clock)
+    calls: list[tuple[float, list[str]]] = []
 
     async def crashing_then_fine() -> int:
-        nonlocal calls
-        calls += 1
-        if calls == 1:
+        calls.append((clock.elapsed(), list(d.reasons)))
+        d.reasons.clear()                  # as run_once does
+        if len(calls) == 1:
             raise KeyError("a bug")
         return 0
 
     async def scenario() -> None:
         d.run_once = crashing_then_fine  # type: ignore[method-assign]
-        task = asyncio.create_task(d._runner())
+        runner = asyncio.create_task(d._runner())
         d.ask("start")
-        await asyncio.sleep(0.5)       # the crash, then the retry after the back-off
-        d.stopping.set()
-        d.wake.set()
-        await asyncio.wait_for(task, 2)
+        await clock.sleep(3600)        # virtual: the crash, then the retry after the back-off
+        await stop(d, runner)
 
     asyncio.run(scenario())
     out = capsys.readouterr().out
-    assert calls == 2 and "run crashed" in out and "KeyError: 'a bug'" in out and "Traceback" in out
+    assert calls == [(0, ["start"]), (BACKOFF_START, ["retry"])]      # retried once, after the back-off
+    assert d.backoff == BACKOFF_START                                 # the good run reset it
+    assert "run crashed" in out and "KeyError: 'a bug'" in out and "Traceback" in out
     crashes = d.metrics.registry.get_sample_value("reconciler_runs_total", {"result": "crash"})
     assert crashes == 1.0
 

@@ -11,7 +11,6 @@ import json
 import os
 import stat
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -218,17 +217,24 @@ def test_forge_payloads_have_the_commit_status_shape() -> None:
 
 
 class _Forge(http.server.BaseHTTPRequestHandler):
+    """A forge that records each status; with the server's `gate` set to an Event it holds each
+    request until the test sets it (or 10 s pass). `arrived`: a request came; `answered`: one
+    was answered."""
+
     def do_POST(self) -> None:
         srv = self.server
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         srv.got.append((self.path, self.headers["Authorization"], body))  # type: ignore[attr-defined]
-        time.sleep(srv.delay)  # type: ignore[attr-defined]
+        srv.arrived.set()  # type: ignore[attr-defined]
+        if srv.gate is not None:  # type: ignore[attr-defined]
+            srv.gate.wait(10)  # type: ignore[attr-defined]
         try:
             self.send_response(srv.code)  # type: ignore[attr-defined]
             self.end_headers()
             self.wfile.write(b"{}")
         except OSError:            # the client gave up on a slow forge (its timeout): that is the point
             pass
+        srv.answered.set()  # type: ignore[attr-defined]
 
     def log_message(self, *args: object) -> None:
         pass
@@ -237,9 +243,13 @@ class _Forge(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def fake_forge() -> Iterator[http.server.ThreadingHTTPServer]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Forge)
-    server.got, server.delay, server.code = [], 0.0, 201  # type: ignore[attr-defined]
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.got, server.gate, server.code = [], None, 201  # type: ignore[attr-defined]
+    server.arrived, server.answered = threading.Event(), threading.Event()  # type: ignore[attr-defined]
+    # shutdown() waits for serve_forever's next look at its flag: a short poll, a short wait
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     yield server
+    if server.gate is not None:  # type: ignore[attr-defined]
+        server.gate.set()  # type: ignore[attr-defined]
     server.shutdown()
 
 
@@ -266,19 +276,34 @@ def test_statuses_reach_a_forge_with_the_token_in_the_header_only(fake_forge, tm
 
 def test_a_slow_or_failing_forge_never_holds_up_the_caller(fake_forge, monkeypatch, capsys) -> None:
     monkeypatch.setenv("FORGE_TOKEN_FOR_TEST", "t0ken-value-1234")
-    fake_forge.delay, fake_forge.code = 2.0, 500
+    fake_forge.gate, fake_forge.code = threading.Event(), 500      # the forge holds each request, then fails it
     spec = forge.ForgeSpec(f"http://127.0.0.1:{fake_forge.server_address[1]}", "ops/fleet",
-                           token_env="FORGE_TOKEN_FOR_TEST", timeout=0.5)
+                           token_env="FORGE_TOKEN_FOR_TEST", timeout=30)
     sender = forge.ForgeStatus(spec)
-    t0 = time.monotonic()
-    for i in range(50):                              # fifty runs' worth while the forge hangs
+    sender.send(B, forge.payload("failure", "reconciler/gpu-0", "x"))
+    assert fake_forge.arrived.wait(10)                 # the first status is at the forge, which holds it
+    for i in range(1, 50):                             # fifty runs' worth while the forge hangs
         sender.send(B, forge.payload("failure", f"reconciler/gpu-{i % 5}", "x"))
-    assert time.monotonic() - t0 < 0.5               # send never waits for the forge
+    assert not fake_forge.answered.is_set()           # every send returned while the forge held the first
+    fake_forge.gate.set()
     assert sender.wait_idle(30)
-    assert len(fake_forge.got) <= 6                  # the newest per context, not fifty requests
+    assert len(fake_forge.got) == 6                    # the first, then the newest per context: not fifty
+    assert sorted(g[2]["context"] for g in fake_forge.got[1:]) == [f"reconciler/gpu-{i}" for i in range(5)]
     err = capsys.readouterr().err
-    assert "not delivered" in err and "t0ken-value-1234" not in err
+    assert "not delivered" in err and "HTTP 500" in err and "t0ken-value-1234" not in err
     assert "http://127.0.0.1:" in sender.failures[0] and "/repos/" not in sender.failures[0]
+
+
+def test_a_forge_slower_than_the_timeout_is_a_warning(fake_forge, monkeypatch) -> None:
+    monkeypatch.setenv("FORGE_TOKEN_FOR_TEST", "t0ken-value-1234")
+    fake_forge.gate = threading.Event()                # never answers while the client waits
+    spec = forge.ForgeSpec(f"http://127.0.0.1:{fake_forge.server_address[1]}", "ops/fleet",
+                           token_env="FORGE_TOKEN_FOR_TEST", timeout=0.1)
+    sender = forge.ForgeStatus(spec)
+    sender.send(B, forge.started(B, 1))
+    assert sender.wait_idle(30)                        # the client's own timeout ended the request
+    assert not fake_forge.answered.is_set() and sender.sent == 0
+    assert len(sender.failures) == 1 and "not delivered" in sender.failures[0] and "timed out" in sender.failures[0]
 
 
 def test_a_missing_token_is_a_warning_naming_the_file(tmp_path) -> None:

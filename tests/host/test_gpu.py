@@ -7,7 +7,6 @@ import asyncio
 import base64
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from reconciler.errors import ObserveError
 from reconciler.host import gpu
 from reconciler.host.transport import LocalTransport
+from tests.clock import FakeClock
 
 TOKEN = "tok"
 
@@ -204,8 +204,9 @@ def test_gpu_facts_on_a_machine_without_gpus():
     facts = asyncio.run(gpu.gpu_facts(LocalTransport()))
     assert not facts.has_nvidia_smi and facts.gpus == [] and facts.error is None
     assert facts.summary().startswith("no GPUs (nvidia-smi not found)")
-    ok, after, waited = asyncio.run(gpu.wait_released(LocalTransport(), pids={1}, timeout=5))
-    assert ok and after.gpus == [] and waited < 5
+    clock = FakeClock()
+    ok, after, waited = asyncio.run(gpu.wait_released(LocalTransport(), pids={1}, timeout=5, clock=clock))
+    assert ok and after.gpus == [] and waited == 0 and clock.slept == []     # released at the first look
 
 
 class Holding:
@@ -259,21 +260,23 @@ def test_report_policy_never_kills_and_kill_policy_terminates(holding):
     strays = gpu.stray_holders(h.facts(), service_pids=set())
     outcome = asyncio.run(gpu.kill_strays(LocalTransport(), strays, "report"))
     assert [o.outcome for o in outcome] == ["reported"] and h.proc.poll() is None
-    outcome = asyncio.run(gpu.kill_strays(LocalTransport(), strays, "kill", grace=5))
+    # virtual grace (tests/clock.py): polls cost no wait; many of them give the process time to go
+    outcome = asyncio.run(gpu.kill_strays(LocalTransport(), strays, "kill", grace=5, poll=0.01, clock=FakeClock()))
     assert [o.outcome for o in outcome] == ["terminated"]
     assert h.proc.wait(timeout=5) == -15
     ok, facts, _ = asyncio.run(gpu.wait_released(
-        LocalTransport(), pids={h.proc.pid}, timeout=5, device_prefix=h.prefix))
+        LocalTransport(), pids={h.proc.pid}, timeout=5, device_prefix=h.prefix, clock=FakeClock()))
     assert ok and facts.holders == []
 
 
 def test_kill_policy_escalates_to_sigkill(holding):
     h = holding(ignore_term=True)
     strays = gpu.stray_holders(h.facts(), service_pids=set())
-    t0 = time.monotonic()
-    outcome = asyncio.run(gpu.kill_strays(LocalTransport(), strays, "kill", grace=0.5, poll=0.1))
+    clock = FakeClock()
+    outcome = asyncio.run(gpu.kill_strays(LocalTransport(), strays, "kill", grace=0.5, poll=0.125, clock=clock))
     assert [o.outcome for o in outcome] == ["killed"]
-    assert h.proc.wait(timeout=5) == -9 and time.monotonic() - t0 < 5
+    assert h.proc.wait(timeout=5) == -9
+    assert clock.slept[:4] == [0.125] * 4 and clock.elapsed() >= 0.5    # SIGKILL only once the grace was out
 
 
 def test_kill_leaves_a_reused_pid_alone(holding):
@@ -291,26 +294,32 @@ def test_the_service_itself_is_not_a_stray(holding):
 
 def test_wait_released_times_out_while_held(holding):
     h = holding()
+    clock = FakeClock()
     ok, facts, waited = asyncio.run(gpu.wait_released(
-        LocalTransport(), pids={h.proc.pid}, timeout=0.6, poll=0.1, device_prefix=h.prefix))
-    assert not ok and facts.holder(h.proc.pid) is not None and 0.6 <= waited < 5
+        LocalTransport(), pids={h.proc.pid}, timeout=0.5, poll=0.125, device_prefix=h.prefix, clock=clock))
+    assert not ok and facts.holder(h.proc.pid) is not None
+    assert waited == 0.5 and clock.slept == [0.125] * 4         # five looks, the last at the timeout
 
 
 def test_wait_released_sees_the_release(holding):
     h = holding()
+    clock = FakeClock()
+    stopped: list[float] = []
 
     async def scenario() -> tuple[bool, float]:
         async def stop_later() -> None:
-            await asyncio.sleep(0.5)
+            await clock.sleep(0.5)
             h.proc.terminate()
+            h.proc.wait(timeout=5)          # gone before the next look (the loop waits with it)
+            stopped.append(clock.elapsed())
         stopper = asyncio.ensure_future(stop_later())
         ok, _, waited = await gpu.wait_released(LocalTransport(), pids={h.proc.pid}, timeout=10,
-                                                poll=0.1, device_prefix=h.prefix)
+                                                poll=0.125, device_prefix=h.prefix, clock=clock)
         await stopper
         return ok, waited
 
     ok, waited = asyncio.run(scenario())
-    assert ok and 0.4 <= waited < 5
+    assert stopped == [0.5] and ok and waited == 0.5       # seen at the first look after the stop
 
 
 def test_unknown_policy_is_refused():
@@ -356,11 +365,11 @@ def test_no_device_node_and_no_nvidia_smi_skips_the_proc_scan(tmp_path: Path):
 
     assert run() == [] and not marker.exists()
     (tmp_path / "nvidia0").write_text("")
-    held = subprocess.Popen([sys.executable, "-c", f"import time; f = open({prefix + '0'!r}); time.sleep(60)"])
+    held = subprocess.Popen([sys.executable, "-c", f"import time; f = open({prefix + '0'!r}); "
+                             "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 5
-        while not any(h.pid == held.pid for h in run()):
-            assert time.monotonic() < deadline, "the holder was not found"
+        assert held.stdout is not None and held.stdout.readline() == "ready\n"     # it holds the node now
+        assert any(h.pid == held.pid for h in run()), "the holder was not found"
         assert marker.exists()
     finally:
         held.kill()

@@ -7,15 +7,23 @@ from __future__ import annotations
 import asyncio
 import json
 import shlex
-import time
 
 import pytest
 
 from reconciler.desired.spec import HealthSpec
 from reconciler.errors import ConnectError
+from reconciler.host.health import (
+    SYSTEMD_RAMP,
+    SystemdWatch,
+    explain,
+    judge_systemd,
+    parse_journal,
+    spawn_failure,
+    watch_service,
+)
 from reconciler.host.health import Entry as E
-from reconciler.host.health import SystemdWatch, explain, judge_systemd, parse_journal, spawn_failure, watch_service
 from reconciler.host.transport import Completed
+from tests.clock import FakeClock
 
 
 @pytest.mark.parametrize("props,baseline,state,reason", [
@@ -189,8 +197,12 @@ def test_a_crash_is_a_verdict_only_with_evidence_that_the_service_failed(props, 
 
 
 # ---- one round trip per host per tick ----------------------------------------------------------
+# On a virtual clock (tests/clock.py): the ticks, round trips and time-outs pass at once and the
+# same way on every run, so the tests count round trips and read their virtual times exactly
+# (the times are binary fractions: sums of them are exact).
 
-POLL = 0.05
+POLL = 1 / 16                  # the tick
+RTT = 1 / 128                  # one round trip to the host
 RUNNING = {"LoadState": "loaded", "ActiveState": "active", "SubState": "running", "NRestarts": "0",
            "InvocationID": "new", "ActiveEnterTimestampMonotonic": "5"}
 CRASHING = {**RUNNING, "ActiveState": "activating", "SubState": "auto-restart", "NRestarts": "1",
@@ -199,26 +211,29 @@ CRASHING = {**RUNNING, "ActiveState": "activating", "SubState": "auto-restart", 
 
 class ScriptedHost:
     """A fake transport: `systemctl show` answers each unit from a script of readings (the n-th
-    call that names it gets reading n, the last one repeats); journalctl answers one line."""
+    call that names it gets reading n, the last one repeats); journalctl answers one line. Each
+    round trip takes RTT on the clock; `shows` has each `systemctl show`'s virtual time (when
+    its answer came) and units."""
 
     host = "h1"
 
     def __init__(self, script: dict[str, list[dict[str, str]]], fail: bool = False,
-                 journal: list[dict[str, str]] | None = None):
+                 journal: list[dict[str, str]] | None = None, clock: FakeClock | None = None):
         self.script, self.fail = script, fail
+        self.clock = clock if clock is not None else FakeClock()
         self.journal = journal if journal is not None else [{"MESSAGE": "boom: needs --flag x", "_PID": "9"}]
         self.shows: list[tuple[float, list[str]]] = []
         self.seen: dict[str, int] = {}
 
     async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
-        await asyncio.sleep(0.005)                  # a round trip
+        await self.clock.sleep(RTT)
         if cmd.startswith("journalctl"):
             return Completed(0, "".join(json.dumps(e) + "\n" for e in self.journal), "")
         assert cmd.startswith("systemctl show -p ")
         if self.fail:
             raise ConnectError(self.host, "connection lost")
         units = shlex.split(cmd)[4:]                  # systemctl show -p PROPS UNIT...
-        self.shows.append((time.monotonic(), units))
+        self.shows.append((self.clock.elapsed(), units))
         blocks = []
         for u in units:
             n = self.seen.get(u, 0)
@@ -231,40 +246,40 @@ class ScriptedHost:
 
 def watch_all(t, names, health, *, shared=True):
     async def main():
-        systemd = SystemdWatch(t, POLL) if shared else None
+        systemd = SystemdWatch(t, POLL, t.clock) if shared else None
         return await asyncio.gather(*(watch_service(t, n, health, baseline_restarts=0, since_epoch=0,
                                                     baseline_invocation="old", systemd_poll=POLL,
-                                                    systemd=systemd) for n in names))
+                                                    systemd=systemd, clock=t.clock) for n in names))
     return asyncio.run(main())
 
 
 def test_the_watches_of_one_host_share_one_systemctl_show_per_tick():
     names = ["a", "b", "c", "d"]
     t = ScriptedHost({"a": [RUNNING], "b": [RUNNING], "c": [RUNNING], "d": [RUNNING]})
-    out = watch_all(t, names, HealthSpec(stable_for=0.3, startup_timeout=5))
+    out = watch_all(t, names, HealthSpec(stable_for=6 * POLL, startup_timeout=5))
     assert [o.reason for o in out] == ["Healthy"] * 4
-    # every round trip reads all four units: about stable_for / POLL of them, not four times that
+    # every round trip reads all four units: the first reading, then one per tick of stable_for
     assert all(units == [f"{n}.service" for n in names] for _, units in t.shows)
-    assert 5 <= len(t.shows) <= 10, len(t.shows)
-    gaps = [b - a for (a, _), (b, _) in zip(t.shows, t.shows[1:], strict=False)]
-    assert min(gaps) >= POLL * 0.9            # paced as a watch of its own would be
+    assert [at for at, _ in t.shows] == [RTT + i * POLL for i in range(7)]   # paced as a watch of its own
+    assert all(o.seconds == RTT + 6 * POLL for o in out)
 
     alone = ScriptedHost({"a": [RUNNING], "b": [RUNNING], "c": [RUNNING], "d": [RUNNING]})
-    watch_all(alone, names, HealthSpec(stable_for=0.3, startup_timeout=5), shared=False)
-    assert len(alone.shows) >= 4 * 5 and all(len(units) == 1 for _, units in alone.shows)
+    watch_all(alone, names, HealthSpec(stable_for=6 * POLL, startup_timeout=5), shared=False)
+    assert len(alone.shows) == 4 * 7 and all(len(units) == 1 for _, units in alone.shows)
 
 
 def test_a_crash_is_caught_at_the_first_tick_that_shows_it_and_the_others_go_on():
     # b runs, then crash-loops from its third reading on; a and c stay healthy
     t = ScriptedHost({"a": [RUNNING], "b": [RUNNING, RUNNING, CRASHING], "c": [RUNNING]})
-    out = watch_all(t, ["a", "b", "c"], HealthSpec(stable_for=0.4, startup_timeout=5))
+    out = watch_all(t, ["a", "b", "c"], HealthSpec(stable_for=8 * POLL, startup_timeout=5))
     by = {o.service: o for o in out}
     assert by["b"].reason == "Unstable" and by["b"].quote == "boom: needs --flag x"
     assert by["a"].healthy and by["c"].healthy
     assert t.seen["b.service"] == 3              # no reading after the crash showed
     crash_at = t.shows[2][0]
-    assert by["b"].seconds <= crash_at - t.shows[0][0] + POLL + 0.1
+    assert by["b"].seconds == crash_at + RTT     # the verdict: the journal's round trip after that reading
     assert all(units == ["a.service", "c.service"] for _, units in t.shows[3:])   # b is no longer read
+    assert len(t.shows) == 9 and by["a"].seconds == by["c"].seconds == RTT + 8 * POLL
 
 
 def test_a_failed_round_trip_fails_every_watch_of_that_tick():
@@ -273,21 +288,38 @@ def test_a_failed_round_trip_fails_every_watch_of_that_tick():
         watch_all(t, ["a", "b"], HealthSpec(stable_for=1, startup_timeout=5))
 
 
+def test_a_watch_that_never_runs_times_out_at_its_startup_timeout():
+    starting = {**RUNNING, "ActiveState": "activating", "SubState": "start"}
+    t = ScriptedHost({"a": [starting]})
+    (out,) = watch_all(t, ["a"], HealthSpec(stable_for=0, startup_timeout=30))
+    assert out.reason == "StartTimeout" and "within startup_timeout=30s" in out.message
+    # read every tick until the first reading at or past 30 s, then the journal: no real wait
+    assert t.shows[-1][0] == RTT + 480 * POLL and len(t.shows) == 481
+    assert out.seconds == t.shows[-1][0] + RTT
+
+
 def test_a_newer_revision_ends_every_shared_watch_at_once():
+    clock = FakeClock()
+    events: list[tuple[float, str]] = []
+
     async def main():
-        t = ScriptedHost({"a": [{**RUNNING, "InvocationID": "old"}], "b": [{**RUNNING, "InvocationID": "old"}]})
+        t = ScriptedHost({"a": [{**RUNNING, "InvocationID": "old"}], "b": [{**RUNNING, "InvocationID": "old"}]},
+                         clock=clock)
         cancel = asyncio.Event()
-        systemd = SystemdWatch(t, 10.0)          # a long tick: the watches wait on it
+        systemd = SystemdWatch(t, 10.0, clock)          # a long tick: the watches wait on it
         watches = asyncio.gather(*(watch_service(t, n, HealthSpec(startup_timeout=60), baseline_restarts=0,
                                                  since_epoch=0, baseline_invocation="old", cancel=cancel,
                                                  systemd=systemd) for n in "ab"))
-        await asyncio.sleep(0.1)
-        t0 = time.monotonic()
+        await clock.sleep(1.0)          # the first reading and the ramp's came; the next tick is 10 s away
+        events.append((clock.elapsed(), "newer revision"))
         cancel.set()
         out = await watches
-        return out, time.monotonic() - t0, len(t.shows)
-    out, took, shows = asyncio.run(main())
-    assert [o.reason for o in out] == ["Superseded", "Superseded"] and took < 0.5 and shows == 1
+        events.append((clock.elapsed(), "watches ended"))
+        return out, len(t.shows)
+    out, shows = asyncio.run(main())
+    assert [o.reason for o in out] == ["Superseded", "Superseded"] and shows == 1 + len(SYSTEMD_RAMP)
+    assert events == [(1.0, "newer revision"), (1.0, "watches ended")]    # no tick waited for
+    assert all(o.seconds == 1.0 for o in out)
 
 
 @pytest.mark.parametrize("stable_for,phases", [
@@ -301,7 +333,7 @@ def test_the_phases_a_watch_reports(stable_for, phases):
         t = ScriptedHost({"a": [RUNNING]})
         return await watch_service(t, "a", HealthSpec(stable_for=stable_for, startup_timeout=5), baseline_restarts=0,
                                    since_epoch=0, baseline_invocation="old", systemd_poll=POLL,
-                                   on_phase=lambda _n, p, _e, _t: seen.append(p))
+                                   on_phase=lambda _n, p, _e, _t: seen.append(p), clock=t.clock)
     assert asyncio.run(main()).reason == "Healthy"
     assert seen == phases
 

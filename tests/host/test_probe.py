@@ -12,7 +12,6 @@ import datetime
 import ipaddress
 import socket
 import ssl
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -95,7 +94,6 @@ def test_chunked_body_is_reassembled():
         for part in (b'{"status":', b' "ok", ', b'"model": "qwen"}'):
             writer.write(b"%x\r\n%s\r\n" % (len(part), part))
             await writer.drain()
-            await asyncio.sleep(0.01)
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
@@ -116,10 +114,8 @@ def test_huge_body_read_is_bounded():
             await writer.drain()   # blocks once the probe stops reading
             sent += len(block)
 
-    t0 = time.monotonic()
     status, body = probe("http://127.0.0.1:{port}/", endless, max_body=1000, timeout=2.0)
-    assert (status, body) == (200, "x" * 1000)
-    assert time.monotonic() - t0 < 2.0
+    assert (status, body) == (200, "x" * 1000)   # at max_body, not at the timeout (that would be ReadTimeout)
     assert sent < 64 << 20      # the probe hung up; only socket buffers' worth went out
 
 
@@ -134,9 +130,7 @@ def test_server_that_never_answers_times_out():
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await asyncio.Event().wait()
 
-    t0 = time.monotonic()
-    assert probe("http://127.0.0.1:{port}/health", silent, timeout=0.3) == (None, "read: ReadTimeout")
-    assert time.monotonic() - t0 < 2.0
+    assert probe("http://127.0.0.1:{port}/health", silent, timeout=0.2) == (None, "read: ReadTimeout")
 
 
 def test_server_that_hangs_up_is_a_read_error():

@@ -22,6 +22,7 @@ from reconciler.host import lock
 from reconciler.host.session import SessionTransport
 from reconciler.host.transport import Completed
 from reconciler.shell import ShCommand
+from tests.host.procs import running, wait_gone
 from tests.host.programs import local_programs
 
 pytestmark = pytest.mark.timeout(30)
@@ -175,9 +176,10 @@ def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(
         assert r.exit_status == 0, r.stderr
         clock = float(r.stdout.split("@@now ", 1)[1].split()[0])
         assert t0 - 2 <= clock <= time.time() + 1            # the session's clock, not the fake date
-        await asyncio.sleep(1.1)
-        r = await t.run("echo $RECONCILER_NOW")
-        assert int(r.stdout) >= clock + 1                   # taken anew for each command
+        # taken anew for each command: once the host's clock is past that second, a command says so
+        while (now := int((await t.run("echo $RECONCILER_NOW")).stdout)) <= clock and time.time() < clock + 10:
+            await asyncio.sleep(0.05)                       # (a poll of the host's clock, not a fixed wait)
+        assert now >= clock + 1
         await held.release()
         # on a channel of its own, the script asks `date`
         own = await ch.run("sh -s", input=f"PATH={fake}:$PATH\n" + _PRELUDE + now_line)
@@ -189,14 +191,8 @@ def test_a_timed_out_command_is_killed_whole_and_the_session_left(locked: Path) 
         ch, held, t = await _session()
         mark = locked / "child"
         with pytest.raises(CommandError, match="timed out"):
-            await t.run(f"sh -c 'sleep 3 & echo $! > {mark}; wait'", timeout=0.5, what="apply")
-        pid = int(mark.read_text())
-        for _ in range(50):                            # its child too: the command's process group
-            if not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the timed-out command's child still runs")
+            await t.run(f"sh -c 'sleep 60 & echo $! > {mark}; wait'", timeout=0.5, what="apply")
+        assert wait_gone(int(mark.read_text()))        # its child too: the command's process group
         r = await t.run("echo own channel", what="after")
         assert r.stdout == "own channel\n" and ch.ran == ["after"]
         await held.release()
@@ -206,9 +202,12 @@ def test_a_timed_out_command_is_killed_whole_and_the_session_left(locked: Path) 
 def test_a_busy_session_sends_the_next_command_to_its_own_channel(locked: Path) -> None:
     async def go() -> None:
         ch, held, t = await _session(then=None)
-        slow, quick = await asyncio.gather(t.run("sleep 0.5; echo slow", what="slow"),
-                                           t.run("echo quick", what="quick"))
-        assert (slow.stdout, quick.stdout) == ("slow\n", "quick\n")
+        handoff = locked / "handoff"        # a FIFO: the slow command waits for the quick one's word
+        os.mkfifo(handoff)
+        slow, quick = await asyncio.wait_for(asyncio.gather(
+            t.run(f"read -r word < {handoff}; echo slow $word", what="slow"),
+            t.run(f"echo quick; echo go > {handoff}", what="quick")), 10)   # queued behind slow, it never ends
+        assert (slow.stdout, quick.stdout) == ("slow go\n", "quick\n")
         assert ch.ran == ["quick"]
         assert (await t.run("echo again", what="again")).stdout == "again\n"
         assert ch.ran == ["quick"]
@@ -223,26 +222,21 @@ def test_heartbeats_hold_the_lock_through_a_long_command_and_silence_ends_both(
 
     async def go() -> None:
         ch, held, t = await _session()
-        r = await t.run("sleep 2; echo done", timeout=10)   # longer than IDLE: the heartbeats go on
+        r = await t.run("sleep 1.5; echo done", timeout=10)   # longer than IDLE: the heartbeats go on
         assert r.stdout == "done\n"
         owner = locked / ".lock.owner"
         assert owner.read_text().strip()                 # says who holds it
-        mark = locked / "long"
-        run = asyncio.create_task(t.run(f"echo $$ > {mark}; exec sleep 20", timeout=30))
-        for _ in range(40):
-            if mark.exists() and mark.read_text().strip():
-                break
-            await asyncio.sleep(0.05)
-        pid = int(mark.read_text())
+        ready = locked / "long"                          # a FIFO: the command says its PID once it runs
+        os.mkfifo(ready)
+        run = asyncio.create_task(t.run(f"sh -c 'echo $$ > {ready}; exec sleep 20'", timeout=30))
+        pid = int(await asyncio.wait_for(asyncio.to_thread(ready.read_text), 10))
+        assert running(pid)
         held.beat.cancel()                               # the run goes silent
-        t0 = time.monotonic()
-        while owner.read_text() and time.monotonic() - t0 < 5:
-            await asyncio.sleep(0.1)
-        assert owner.read_text() == ""                    # let go after IDLE...
-        assert 0.5 < time.monotonic() - t0 < 4
-        await asyncio.sleep(0.2)
-        assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-        run.cancel()                                      # ...and the command under it was killed
+        holder = held.proc.proc                          # type: ignore[attr-defined]
+        await asyncio.wait_for(holder.wait(), 10)        # it lets go by itself (its stdin still open)...
+        assert owner.read_text() == ""                   # ...emptying the owner file...
+        assert wait_gone(pid)                            # ...and the command under it is killed
+        run.cancel()
         await asyncio.gather(run, return_exceptions=True)
         await held.release()
     asyncio.run(go())
@@ -253,14 +247,19 @@ def test_no_command_line_shows_a_command_or_its_input(locked: Path) -> None:
 
     async def go() -> None:
         ch, held, t = await _session()
-        task = asyncio.create_task(t.run(f"sh -c 'read -r v; sleep 1; echo ${{#v}}' # {secret}", input=secret + "\n"))
-        await asyncio.sleep(0.5)
+        ready, gate = locked / "ready", locked / "gate"   # FIFOs: it says it has its input, then waits
+        os.mkfifo(ready)
+        os.mkfifo(gate)
+        task = asyncio.create_task(t.run(f"sh -c 'read -r v; : > {ready}; read -r _ < {gate}; echo ${{#v}}' "
+                                         f"# {secret}", input=secret + "\n"))
+        await asyncio.wait_for(asyncio.to_thread(ready.read_text), 10)    # the command runs, holding its input
         seen = []
         for p in Path("/proc").iterdir():
             if p.name.isdigit():
                 with contextlib.suppress(OSError):
                     seen.append((p / "cmdline").read_bytes())
         assert not any(secret.encode() in c for c in seen)
+        gate.write_text("go\n")
         assert (await task).stdout == f"{len(secret)}\n"
         await held.release()
     asyncio.run(go())

@@ -18,6 +18,7 @@ from reconciler.plan.facts import HostFacts, ServiceFacts
 from reconciler.plan.files import render_env_dropin, render_env_file
 from reconciler.plan.model import Checks, Context, Kind
 from reconciler.plan.records import ServiceRecord
+from tests.clock import FakeClock
 
 FAKE_SMI = """#!/bin/sh
 pid=$(cat {state})
@@ -42,8 +43,7 @@ class GpuHost(LocalTransport):
             self.log.append(("apply", input))
             if "u_stop m.service" in input:
                 self.old.terminate()
-                await asyncio.sleep(0.3)      # the process takes a moment to exit and free the GPU
-                self.old.wait()
+                self.old.wait()               # gone (and the GPU free) once the stop returns
             return Completed(0, "@@now 1\n", "")
         self.log.append(("read", cmd[:40]))
         return await super().run(f"export PATH={self.path}:$PATH; {cmd}", input=input, check=check,
@@ -67,9 +67,11 @@ def gpu_host_setup(tmp_path, holder_pid: int, old_pid: int, unit: str):
     return str(smi.parent), host, facts, plan, gpu
 
 
-def gated(t, plan, facts, gpu, timeout):
+def gated(t, plan, facts, gpu, timeout, clock):
+    """Apply the plan with the GPU gate waiting on `clock` (virtual: its polls and timeout cost no time)."""
     notes: list[str] = []
-    applied = asyncio.run(apply_plan(t, plan, now=0, gpu_wait=gpu_waiter(t, plan, facts, gpu, notes, timeout=timeout)))
+    waiter = gpu_waiter(t, plan, facts, gpu, notes, timeout=timeout, clock=clock)
+    applied = asyncio.run(apply_plan(t, plan, now=0, gpu_wait=waiter))
     return applied, notes
 
 
@@ -78,8 +80,9 @@ def test_restart_on_a_gpu_host_waits_for_release_before_start(tmp_path):
     unit = "[Service]\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /m --tp-size 1\n"
     path, _, facts, plan, gpu = gpu_host_setup(tmp_path, old.pid, old.pid, unit)
     t = GpuHost(old, path)
+    clock = FakeClock()
     try:
-        applied, notes = gated(t, plan, facts, gpu, 10)
+        applied, notes = gated(t, plan, facts, gpu, 10, clock)
     finally:
         if old.poll() is None:
             old.kill()
@@ -92,6 +95,7 @@ def test_restart_on_a_gpu_host_waits_for_release_before_start(tmp_path):
     assert kinds[-1] == "apply" and "u_start 1.00 m.service" in t.log[-1][1]
     assert "read" in kinds[1:-1]                      # the gate polled between stop and start
     assert applied.skipped == {} and any("GPUs free" in n for n in notes)
+    assert clock.slept == []                          # free at the first look after the stop
 
 
 def test_gpus_that_stay_busy_keep_the_service_from_starting(tmp_path):
@@ -100,14 +104,16 @@ def test_gpus_that_stay_busy_keep_the_service_from_starting(tmp_path):
     unit = "[Service]\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /m\n"
     path, _, facts, plan, gpu = gpu_host_setup(tmp_path, stray.pid, old.pid, unit)
     t = GpuHost(old, path)
+    clock = FakeClock()
     try:
-        applied, notes = gated(t, plan, facts, gpu, 1.5)
+        applied, notes = gated(t, plan, facts, gpu, 0.5, clock)
         stray_alive = stray.poll() is None
     finally:
         for p in (old, stray):
             if p.poll() is None:
                 p.kill()
     assert "m" in applied.skipped and "busy" in applied.skipped["m"]
+    assert clock.elapsed() == 0.5                      # it gave up at its timeout (virtual seconds)
     assert any(f"stray GPU holder pid {stray.pid}" in n for n in notes)
     assert stray_alive                                 # policy "report": reported, never killed
     assert "u_start 1.00 m.service" not in t.log[-1][1]

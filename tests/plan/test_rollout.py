@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.server
 import json
 import threading
-import time
 from collections.abc import Iterator
 from typing import ClassVar
 
@@ -266,16 +265,25 @@ def test_select_hosts_by_name_and_label() -> None:
 
 
 class _Hook(http.server.BaseHTTPRequestHandler):
+    """A webhook that records each event; with `gate` set to an Event, it holds each request
+    until the test sets it (or 10 s pass). `arrived`: a request came; `answered`: one was answered."""
+
     received: ClassVar[list[dict[str, object]]] = []
     status = 200
-    delay = 0.0
+    gate: ClassVar[threading.Event | None] = None
+    arrived: ClassVar[threading.Event] = threading.Event()
+    answered: ClassVar[threading.Event] = threading.Event()
 
     def do_POST(self) -> None:  # http.server's naming
         body = self.rfile.read(int(self.headers["Content-Length"]))
-        time.sleep(type(self).delay)
+        type(self).arrived.set()
+        gate = type(self).gate
+        if gate is not None:
+            gate.wait(10)
         type(self).received.append(json.loads(body))
         self.send_response(type(self).status)
         self.end_headers()
+        type(self).answered.set()
 
     def log_message(self, *args: object) -> None:
         pass
@@ -284,10 +292,14 @@ class _Hook(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def hook(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, type[_Hook]]]:
     monkeypatch.setenv(ALLOW_ENV, "127.0.0.1/32")     # a loopback webhook, allowed as the controller's config would
-    handler = type("Hook", (_Hook,), {"received": [], "status": 200, "delay": 0.0})
+    handler: type[_Hook] = type("Hook", (_Hook,), {"received": [], "status": 200, "gate": None,
+                                                   "arrived": threading.Event(), "answered": threading.Event()})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # shutdown() waits for serve_forever's next look at its flag: a short poll, a short wait
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/hooks/T0/SECRET", handler
+    if handler.gate is not None:
+        handler.gate.set()
     server.shutdown()
 
 
@@ -313,11 +325,11 @@ def test_slack_shape(hook) -> None:
 
 def test_failing_or_slow_webhook_never_blocks(hook) -> None:
     url, handler = hook
-    handler.status = 500
+    handler.status, handler.gate = 500, threading.Event()      # the webhook holds the request
     n = Notifier(NotifySpec(url))
-    t0 = time.monotonic()
     n.send("rollout.finish", service="m")
-    assert time.monotonic() - t0 < 0.1           # send never waits on the network
+    assert not handler.answered.is_set()         # send returned before the webhook answered: it never waits
+    handler.gate.set()
     n.close(5)
     assert len(n.failures) == 1 and "500" in n.failures[0]
     assert "SECRET" not in n.failures[0] and where(url) in n.failures[0]
@@ -327,13 +339,16 @@ def test_failing_or_slow_webhook_never_blocks(hook) -> None:
     closed.close(5)
     assert closed.failures and "not delivered" in closed.failures[0]
     # a webhook slower than the wait at the end: the run goes on; the event is dropped
-    handler.status, handler.delay = 200, 3.0
+    handler.status, handler.gate = 200, threading.Event()
+    handler.arrived.clear()
+    handler.answered.clear()
     slow = Notifier(NotifySpec(url, timeout=10))
     slow.send("rollout.start", service="m")
     slow.send("rollout.finish", service="m")
-    t0 = time.monotonic()
-    slow.close(0.5)
-    assert time.monotonic() - t0 < 1.5 and "still busy" in slow.failures[-1]
+    assert handler.arrived.wait(10)              # the first is at the webhook, which holds it
+    slow.close(0)                                # the wait at the end, spent
+    assert not handler.answered.is_set()         # close returned while the webhook still held it
+    assert "still busy" in slow.failures[-1] and "1 event(s) dropped" in slow.failures[-1]
 
 
 def test_slack_text_for_each_event() -> None:
