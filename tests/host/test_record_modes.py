@@ -11,7 +11,9 @@ import stat
 import subprocess
 
 from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
-from reconciler.host.apply import _PRELUDE, build_script, write_record
+from reconciler.host.apply import write_record
+from reconciler.host.script import PRELUDE as _PRELUDE
+from reconciler.host.script import build_script
 from reconciler.host.transport import Completed
 from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import HOST_RECORD, HostFacts, record_path
