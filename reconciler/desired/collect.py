@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import Problem
+from ..redact import redact
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,9 @@ class Problems:
         return bool(self._found)
 
     def result(self) -> list[Problem]:
-        return [Problem(f, k, m + _uses_text(uses)) for (f, k, m), uses in self._found.items()]
+        """The problems, each redacted (file, key and message): a ConfigError is printed, sent
+        to the pusher and stored, and a value a validator showed may hold a token."""
+        return [Problem(redact(f), redact(k), redact(m + _uses_text(uses))) for (f, k, m), uses in self._found.items()]
 
 
 def _uses_text(uses: list[Use]) -> str:
