@@ -24,8 +24,9 @@ What is masked:
   password holding `/` or `@` is masked whole (a URL with a port and an `@` in its path,
   `http://h:5000/img@sha256:...`, is masked too: showing too little beats leaking).
 * The value of a `key=value` setting (or a JSON `"key": "value"`, or `--flag value`) whose key
-  ends in password, passwd, passphrase, secret, token, api_key or the like, unless the value is a
-  `$VARIABLE` or a `{placeholder}`.
+  ends in password, passwd, passphrase, secret, token, _key, credentials, auth, bearer or dsn,
+  unless the value is a `$VARIABLE` or a `{placeholder}` (max_tokens=, a name that only contains
+  one of them, is left alone: server logs are full of those).
 
 `redact_data` never rewrites the keys of a mapping: keys are names (hosts, services, env
 names, fields of a JSON document), and a consumer of --json relies on them.
@@ -85,8 +86,7 @@ TOKEN_KINDS: tuple[_Kind, ...] = (
 # Matched on the text lowercased (ASCII only, so that every position stays where it was): the
 # same pattern case-insensitive is ten times slower, and runs on every line printed.
 _SETTING_KIND = "a password or token setting"
-_SECRET_KEY = (r"(?:passw(?:or)?d|passphrase|secret|token|api[_-]?key|apikey|access[_-]?key|private[_-]?key"
-               r"|credentials?)")
+_SECRET_KEY = r"(?:passw(?:or)?d|passphrase|secret|token|apikey|(?<=[_-])key|credentials?|auth|bearer|dsn)"
 _SETTING = re.compile(
     rf"(?:(?<=-){_SECRET_KEY}(?P<flag>[ \t]+)"
     rf"|{_SECRET_KEY}(?P<head>[\"']?[ \t]*=[ \t]*[\"']?|[\"'][ \t]*:[ \t]*[\"']))"

@@ -46,6 +46,10 @@ JWT = "eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.SflKxwRJ
     ("login failed: password=" + "hunter2", "login failed: password=***", "a password or token setting"),
     ('{"db_password": "' + 'x9-Yz8!", "n": 1}', '{"db_password": "***", "n": 1}', "a password or token setting"),
     ("server --api-key " + "k3y-value --port 1", "server --api-key *** --port 1", "a password or token setting"),
+    ("OPENAI_KEY=" + "abc12345 SENTRY_DSN=https://k3y@o.example/1", "OPENAI_KEY=*** SENTRY_DSN=***",
+     "a password or token setting"),
+    ("DATABASE_URL=" + "postgres://u:pw@db/x auth=" + "let-me-in bearer: x",
+     "DATABASE_URL=postgres://u:***@db/x auth=*** bearer: x", "a URL with a password"),
 ])
 def test_token_formats_are_masked_and_named(text: str, expected: str, kind: str) -> None:
     assert redact.redact(text) == expected
@@ -63,6 +67,7 @@ def test_token_formats_are_masked_and_named(text: str, expected: str, kind: str)
     "Invalid token: please log in again",
     "seconds=3 second=4",
     "tokenizer_mode=auto",
+    "monkey=banana keyring=default",
 ])
 def test_ordinary_text_is_left_alone(text: str) -> None:
     assert redact.redact(text) == text
@@ -72,8 +77,8 @@ def test_ordinary_text_is_left_alone(text: str) -> None:
 def test_a_url_password_is_everything_up_to_the_last_at() -> None:
     """A password holding '/' (one base64 character in 32) or '@' is masked whole, never its tail."""
     for password in ("Zm9v/YmFy+cXV4", "p@ss@word", "a/b@c/d"):
-        out = redact.redact(f'DATABASE_URL="postgres://app:{password}@db:5432/app"')
-        assert out == 'DATABASE_URL="postgres://app:***@db:5432/app"'
+        out = redact.redact(f"connecting to postgres://app:{password}@db:5432/app now")
+        assert out == "connecting to postgres://app:***@db:5432/app now"
 
 
 # ---- registered values --------------------------------------------------------------------------
