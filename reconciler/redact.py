@@ -41,6 +41,7 @@ from __future__ import annotations
 import io
 import re
 import unicodedata
+from collections.abc import Iterable
 from typing import IO, Any
 
 MASK = "***"
@@ -48,14 +49,18 @@ _MIN = 4              # shorter values are too likely to be ordinary text to be 
 _MIN_WORD = 8         # a plain word of letters shorter than this is not masked by value
 _MIN_NUMBER = 6       # a number of digits shorter than this is not masked by value
 
-# The registered values (each stripped). Tests may add to and discard from it: the pattern
-# below is rebuilt whenever the set differs from the one it was built from.
+# The registered values (each stripped). Tests may add to and discard from it: the registry
+# of matchers (_Registry, below) is made again whenever the set differs from its own.
 _values: set[str] = set()
-_built: tuple[frozenset[str], re.Pattern[str] | None] = (frozenset(), None)
+_Matcher = tuple[tuple[str, ...], re.Pattern[str]]
+_matchers: dict[str, _Matcher] = {}          # made once per value
 
 # Not a plain word: a run of up to 15 lowercase letters (or a capitalized word) is English or an
 # identifier (hf_transfer, "Bearer credentials"), not a random credential.
 _NOT_A_WORD = r"(?![a-z]{1,15}(?![\w.~+/=-])|[A-Z][a-z]{1,14}(?![\w.~+/=-]))"
+
+# A quote around a key or a value, escaped too: JSON inside an env file's "..." is \"key\": \"value\".
+_QUOTE = r"(?:\\?[\"'])"
 
 # (what it is, pattern, hints). A named group `head` is kept: only what follows it is masked.
 # A pattern runs only on text that holds one of its hints (lowercase, looked for in the text
@@ -64,18 +69,19 @@ _Kind = tuple[str, re.Pattern[str], tuple[str, ...]]
 TOKEN_KINDS: tuple[_Kind, ...] = (
     ("a Hugging Face token", re.compile(rf"\bhf_{_NOT_A_WORD}[A-Za-z0-9]{{8,}}"), ("hf_",)),
     ("an API key (sk-...)", re.compile(r"\bsk-[A-Za-z0-9_-]{16,}"), ("sk-",)),
-    ("a GitHub token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})"), ("gh",)),
+    ("a GitHub token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,})"),
+     ("gh", "github_pat_")),
     ("a GitLab token", re.compile(r"\bglpat-[A-Za-z0-9_.-]{16,}"), ("glpat-",)),
     ("a Slack token", re.compile(r"\bxox[abposre]-[A-Za-z0-9-]{10,}"), ("xox",)),
     ("an AWS access key id", re.compile(r"\b(?:AKIA|ASIA|AROA|AIDA)[A-Z0-9]{16}\b"), ("akia", "asia", "aroa", "aida")),
     ("an AWS secret key", re.compile(
-        r"(?P<head>(?i:aws_?secret_?(?:access_?)?key)[\"']?[ \t]*[:=][ \t]*[\"']?)"
+        rf"(?P<head>(?i:aws_?secret_?(?:access_?)?key){_QUOTE}?[ \t]*[:=][ \t]*{_QUOTE}?)"
         r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])"), ("aws",)),
     ("a JWT", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}(?:\.[A-Za-z0-9_-]+)+\.?"), ("eyj",)),
     ("a bearer token", re.compile(rf"(?P<head>\b(?i:bearer)[ \t]+){_NOT_A_WORD}[A-Za-z0-9._~+/-]{{8,}}=*"),
      ("bearer",)),
     ("an Authorization header", re.compile(
-        r"(?P<head>\b(?i:(?:proxy-)?authorization)[\"']?[ \t]*[:=][ \t]*[\"']?"
+        rf"(?P<head>\b(?i:(?:proxy-)?authorization){_QUOTE}?[ \t]*[:=][ \t]*{_QUOTE}?"
         r"(?:(?i:basic|bearer|token|digest)[ \t]+)?)(?!(?i:basic|bearer|token|digest)\b)[^\s\"',;]{4,}"),
      ("authorization",)),
     # The password of a URL: up to the last `@` of the word (it may hold `/` and `@` itself).
@@ -89,7 +95,7 @@ _SETTING_KIND = "a password or token setting"
 _SECRET_KEY = r"(?:passw(?:or)?d|passphrase|secret|token|apikey|(?<=[_-])key|credentials?|auth|bearer|dsn)"
 _SETTING = re.compile(
     rf"(?:(?<=-){_SECRET_KEY}(?P<flag>[ \t]+)"
-    rf"|{_SECRET_KEY}(?P<head>[\"']?[ \t]*=[ \t]*[\"']?|[\"'][ \t]*:[ \t]*[\"']))"
+    rf"|{_SECRET_KEY}(?P<head>{_QUOTE}?[ \t]*=[ \t]*{_QUOTE}?|{_QUOTE}[ \t]*:[ \t]*{_QUOTE}))"
     r"(?![$%{-])[^\s\"',;&]{4,}")
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
@@ -125,18 +131,61 @@ def register(value: str | bytes) -> None:
             _values.add(part.strip())
 
 
-def _value_pattern() -> re.Pattern[str] | None:
-    """One pattern for every registered value (longest first, so that a value that starts
-    another one never hides the rest of it), rebuilt when the registry changed."""
+def _matcher(value: str) -> _Matcher:
+    """How one registered value is found: a pattern for its forms (NFC and NFD, as registered
+    and casefolded, since "ß".upper() is "SS", which IGNORECASE alone misses; any run of
+    whitespace for each of its runs), and hints, a piece of each form casefolded, one of which
+    a text casefolded holds wherever the pattern matches it."""
+    forms = {unicodedata.normalize(nf, x) for nf in ("NFC", "NFD") for x in (value, value.casefold())}
+    alternatives = sorted({r"\s+".join(re.escape(piece) for piece in f.split()) for f in forms}, key=lambda a: -len(a))
+    hints = tuple({max(f.split(), key=len).casefold() for f in forms})
+    return hints, re.compile("|".join(alternatives), re.IGNORECASE)
+
+
+class _Registry:
+    """The matchers of the registered values, longest value first (so that a value that holds
+    another is masked whole), and an index from the first three characters of each hint to the
+    matchers that have it: with hundreds of values (a long-running daemon's every secret), a
+    line costs a lookup per character instead of a substring test per value."""
+
+    DIRECT = 64          # up to this many hints, a substring test each is cheaper than the index
+
+    def __init__(self, values: frozenset[str]):
+        self.values = values
+        for v in values - _matchers.keys():
+            _matchers[v] = _matcher(v)
+        self.matchers = [_matchers[v] for v in sorted(values, key=lambda v: (-len(v), v))]
+        self.short: set[int] = set()             # matchers with a hint shorter than 3
+        self.index: dict[str, set[int]] = {}
+        for i, (hints, _pattern) in enumerate(self.matchers):
+            for h in hints:
+                if len(h) < 3:
+                    self.short.add(i)
+                else:
+                    self.index.setdefault(h[:3], set()).add(i)
+        self.direct = sum(len(hints) for hints, _p in self.matchers) <= self.DIRECT
+
+    def candidates(self, folded: str) -> list[_Matcher]:
+        """The matchers whose hint the casefolded text holds."""
+        if self.direct:
+            chosen: Iterable[int] = range(len(self.matchers))
+        else:
+            found = set(self.short)
+            for i in range(len(folded) - 2):
+                found.update(self.index.get(folded[i:i + 3], ()))
+            chosen = sorted(found)
+        return [m for m in (self.matchers[i] for i in chosen) if any(h in folded for h in m[0])]
+
+
+_built = _Registry(frozenset())
+
+
+def _registry() -> _Registry:
+    """The registry's matchers, made again when the registered values changed."""
     global _built
-    if _built[0] != _values:
-        alternatives: set[str] = set()
-        for v in _values:
-            for form in {unicodedata.normalize("NFC", v), unicodedata.normalize("NFD", v)}:
-                alternatives.add(r"\s+".join(re.escape(piece) for piece in form.split()))
-        ordered = sorted(alternatives, key=lambda a: (-len(a), a))
-        _built = (frozenset(_values), re.compile("|".join(ordered), re.IGNORECASE) if ordered else None)
-    return _built[1]
+    if _built.values != _values:
+        _built = _Registry(frozenset(_values))
+    return _built
 
 
 def looks_secret(value: str) -> str | None:
@@ -179,9 +228,12 @@ def redact(text: str) -> str:
     """The text with every registered value and every token-like pattern masked."""
     if not text:
         return text
-    values = _value_pattern()
-    if values is not None:
-        text = values.sub(MASK, text)
+    registry = _registry()
+    if registry.matchers:
+        # A regex only for the values whose hint the text holds: one pattern of every value,
+        # case-insensitive, costs a millisecond a line with a thousand values registered.
+        for _hints, pattern in registry.candidates(text.casefold()):
+            text = pattern.sub(MASK, text)
     low = _lower(text)
     for _what, p, hints in TOKEN_KINDS:
         if any(h in low for h in hints):

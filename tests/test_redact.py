@@ -148,3 +148,17 @@ def test_control_characters_are_shown_as_escapes_but_newline_and_tab() -> None:
     raw = "a\x1b]0;pwned\x07b\x1b[2Jc\td\ne\rf\x7fg\x9bh\x00i"
     assert redact.escape_controls(raw) == "a\\x1b]0;pwned\\x07b\\x1b[2Jc\td\ne\\x0df\\x7fg\\x9bh\\x00i"
     assert redact.escape_controls("plain ü text\n") == "plain ü text\n"
+
+
+def test_with_hundreds_of_values_registered_each_is_still_found() -> None:
+    """Past a few dozen values the registry looks hints up by their first characters (a daemon
+    registers every secret it ever decrypted): the same values are masked either way."""
+    many = [f"Many-{i:03d}-{pysecrets.token_hex(6)}" for i in range(150)]
+    for v in many:
+        redact.register(v)
+    longer = many[7] + "-and-more"
+    redact.register(longer)
+    assert not redact._registry().direct
+    assert redact.redact(f"a {many[42].upper()} b {longer} c {many[7]} d") == "a *** b *** c *** d"
+    assert redact.redact(f"x {unicodedata.normalize('NFD', 'é')} {many[0][:-1]}") == (
+        f"x {unicodedata.normalize('NFD', 'é')} {many[0][:-1]}")
