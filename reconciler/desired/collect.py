@@ -8,6 +8,7 @@ affects (a unit file used by 500 hosts gives one line, not 500), not one line pe
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ..errors import Problem
@@ -41,8 +42,15 @@ class Problems:
 
     def result(self) -> list[Problem]:
         """The problems, each redacted (file, key and message): a ConfigError is printed, sent
-        to the pusher and stored, and a value a validator showed may hold a token."""
-        return [Problem(redact(f), redact(k), redact(m + _uses_text(uses))) for (f, k, m), uses in self._found.items()]
+        to the pusher and stored, and a value a validator showed may hold a token. A file name
+        with a control character in it (`hosts/gpu9\n.toml`) is quoted, its newline escaped:
+        it must not start a line of its own in the report."""
+        return [Problem(redact(_quoted(f)), redact(k), redact(m + _uses_text(uses)))
+                for (f, k, m), uses in self._found.items()]
+
+
+def _quoted(file: str) -> str:
+    return json.dumps(file, ensure_ascii=False) if any(c < " " or c == "\x7f" for c in file) else file
 
 
 def _uses_text(uses: list[Use]) -> str:

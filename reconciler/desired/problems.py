@@ -37,7 +37,9 @@ def dotted(*parts: object) -> str:
 
 
 def _key(part: str) -> str:
-    return part if _BARE_KEY.fullmatch(part) else json.dumps(part)
+    # Non-ASCII as it is (readable, and a registered secret in a key is still recognized and
+    # masked); control characters escaped by JSON.
+    return part if _BARE_KEY.fullmatch(part) else json.dumps(part, ensure_ascii=False)
 
 
 def key_path(loc: Sequence[int | str]) -> tuple[str, ...]:
