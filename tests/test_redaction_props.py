@@ -90,7 +90,8 @@ def tokens(draw: st.DrawFn) -> Secret:
     elif kind == "slack":
         value = "xox" + draw(st.sampled_from("abp")) + "-" + draw(chars(ALNUM + "-", 9, 50)) + digit
     elif kind == "aws_id":
-        value = draw(st.sampled_from(["AKIA", "ASIA"])) + draw(chars(string.ascii_uppercase + string.digits, 15, 15)) + digit
+        upper = string.ascii_uppercase + string.digits
+        value = draw(st.sampled_from(["AKIA", "ASIA"])) + draw(chars(upper, 15, 15)) + digit
     elif kind == "jwt":
         value = ("eyJ" + draw(chars(B64URL, 8, 40)) + "." + draw(chars(B64URL, 8, 80)) + digit + "."
                  + draw(chars(B64URL, 0, 43)))
@@ -193,10 +194,12 @@ def test_no_secret_survives_into_json_output(secret: Secret, padding: str) -> No
 def test_no_secret_survives_into_a_git_note(secret: Secret, padding: str) -> None:
     """Anywhere around the 300-character cut, and with its spaces flattened."""
     quote = f"{padding} {secret.text}\tafter"
+    failed = Outcome("sglang", False, "CrashLoop", "x", quote)
     r = HostResult("gpu-1", "127.0.0.5", Result.ROLLED_BACK, plan=HostPlan("gpu-1", REV, (), {}), reason="RolledBack",
                    message=f"sglang: CrashLoop: {quote}",
-                   events=[ServiceEvent("sglang", "deploy", REV, "h2", Outcome("sglang", False, "CrashLoop", "x", quote)),
-                           ServiceEvent("sglang", "quarantined", REV, "", note=f"{padding}:{secret.text}", quote=quote)])
+                   events=[ServiceEvent("sglang", "deploy", REV, "h2", failed),
+                           ServiceEvent("sglang", "quarantined", REV, "", note=f"{padding}:{secret.text}",
+                                        quote=quote)])
     note = gitnotes.merge(None, gitnotes.run_lines(FleetResult(REV, False, [r]), 1_795_000_000)[REV])
     assert_hidden(secret, note)
 
