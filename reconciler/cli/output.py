@@ -37,9 +37,11 @@ def run_async(coro: Coroutine[Any, Any, _T]) -> _T:
 
 
 def escape(text: str) -> str:
-    """rich's markup escape (rich is imported when something is printed on a terminal, not before)."""
+    """rich's markup escape (rich is imported when something is printed on a terminal, not
+    before), with control characters shown as escapes (`\x1b`): the text may come from a repo,
+    a host or an error, and must not drive the terminal."""
     from ..loop.report import escape_markup
-    return escape_markup(text)
+    return escape_markup(redact.escape_controls(text))
 
 
 def console(stderr: bool = False) -> Console:
@@ -88,8 +90,9 @@ def fail_input(err: Exception, as_json: bool, where: str) -> NoReturn:
 
 
 def say(text: str) -> None:
-    """A plain line on stderr (no markup: `[services.m.secrets]` is text), redacted."""
-    console(stderr=True).print(text, markup=False, soft_wrap=True)
+    """A plain line on stderr (no markup: `[services.m.secrets]` is text), redacted, control
+    characters shown as escapes."""
+    console(stderr=True).print(redact.escape_controls(text), markup=False, soft_wrap=True)
 
 
 def fail(message: str) -> NoReturn:
@@ -107,5 +110,5 @@ def guarded(run: Callable[[], object]) -> None:
         sys.exit(130)
     except Exception:
         import traceback
-        sys.stderr.write(redact.redact(traceback.format_exc()))
+        sys.stderr.write(redact.escape_controls(redact.redact(traceback.format_exc())))
         sys.exit(1)

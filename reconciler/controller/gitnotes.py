@@ -26,7 +26,7 @@ Objects and refs are written with the modes `core.sharedRepository` asks for (li
 ignores it), so a daemon running with UMask=0077 never leaves directories in a shared deploy repo
 that the pushing users cannot write.
 
-Everything in a note goes through redact.redact first.
+Everything in a note goes through redact.redact first, before it is flattened or cut (one_line).
 """
 
 from __future__ import annotations
@@ -107,8 +107,10 @@ def utc(epoch: float) -> str:
 
 
 def one_line(text: str | None, limit: int = QUOTE_MAX) -> str:
-    """A text on one line (a note has one line per host), cut at `limit` characters."""
-    flat = " ".join((text or "").split())
+    """A text on one line (a note has one line per host), cut at `limit` characters. Redacted
+    first, on the text as it came: a token cut in half, or a secret whose spaces were
+    flattened, would no longer be recognized once cut or flattened."""
+    flat = " ".join(redact(text or "").split())
     return flat if len(flat) <= limit else flat[:limit - 1] + "…"
 
 

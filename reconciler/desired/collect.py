@@ -8,9 +8,11 @@ affects (a unit file used by 500 hosts gives one line, not 500), not one line pe
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ..errors import Problem
+from ..redact import redact
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,16 @@ class Problems:
         return bool(self._found)
 
     def result(self) -> list[Problem]:
-        return [Problem(f, k, m + _uses_text(uses)) for (f, k, m), uses in self._found.items()]
+        """The problems, each redacted (file, key and message): a ConfigError is printed, sent
+        to the pusher and stored, and a value a validator showed may hold a token. A file name
+        with a control character in it (`hosts/gpu9\n.toml`) is quoted, its newline escaped:
+        it must not start a line of its own in the report."""
+        return [Problem(redact(_quoted(f)), redact(k), redact(m + _uses_text(uses)))
+                for (f, k, m), uses in self._found.items()]
+
+
+def _quoted(file: str) -> str:
+    return json.dumps(file, ensure_ascii=False) if any(c < " " or c == "\x7f" for c in file) else file
 
 
 def _uses_text(uses: list[Use]) -> str:

@@ -144,7 +144,7 @@ class _Loader:
         return definitions
 
     def _load_definition(self, name: str, path: str) -> schema.ServiceDefinition | None:
-        if not schema.SERVICE_NAME.match(name):
+        if not schema.SERVICE_NAME.fullmatch(name):
             self.problems.add(
                 path, "", f"invalid definition name {name!r}: use letters, digits, '_' and '-' (no dots)"
             )
@@ -187,7 +187,7 @@ class _Loader:
         services: ServiceLoader,
         endpoints: dict[tuple[str, int], str],
     ) -> HostSpec | None:
-        if not schema.HOST_NAME.match(name):
+        if not schema.HOST_NAME.fullmatch(name):
             self.problems.add(
                 path,
                 "",

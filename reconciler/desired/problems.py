@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..errors import Problem, kind_of
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+\Z")
 _DICT_KEY = "[key]"      # pydantic's last loc entry when the error is about a key, not its value
 
 # (the model of a table, a key) -> the message for that key when it is unknown there: for a
@@ -37,7 +37,9 @@ def dotted(*parts: object) -> str:
 
 
 def _key(part: str) -> str:
-    return part if _BARE_KEY.match(part) else json.dumps(part)
+    # Non-ASCII as it is (readable, and a registered secret in a key is still recognized and
+    # masked); control characters escaped by JSON.
+    return part if _BARE_KEY.fullmatch(part) else json.dumps(part, ensure_ascii=False)
 
 
 def key_path(loc: Sequence[int | str]) -> tuple[str, ...]:

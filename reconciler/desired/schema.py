@@ -25,16 +25,19 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator
 from pydantic_core import PydanticCustomError
 
 from ..errors import describe, kind_of
+from ..redact import redact
 
-SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}$")
-HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-VAR_NAME = re.compile(r"^[A-Za-z0-9_]+$")  # what the {vars.<name>} placeholder can spell
-LABEL = re.compile(r"^[A-Za-z0-9_.-]+$")
-USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
-_HOSTNAME_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
-_KEY_TYPE = re.compile(r"^[a-z0-9][a-z0-9@.-]*$")
-_BASE64 = re.compile(r"^[A-Za-z0-9+/]+={0,2}$")
+# `\Z`, never `$`: `$` matches before a final newline too ("svc\n" would pass), and callers
+# elsewhere use these with .match.
+SERVICE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,99}\Z")
+HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+VAR_NAME = re.compile(r"^[A-Za-z0-9_]+\Z")  # what the {vars.<name>} placeholder can spell
+LABEL = re.compile(r"^[A-Za-z0-9_.-]+\Z")
+USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")
+_HOSTNAME_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\Z")
+_KEY_TYPE = re.compile(r"^[a-z0-9][a-z0-9@.-]*\Z")
+_BASE64 = re.compile(r"^[A-Za-z0-9+/]+={0,2}\Z")
 # Control characters other than tab: a newline in a value would let it escape its line in
 # the unit file or the env file.
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -42,7 +45,9 @@ _WHITESPACE_OR_CONTROL = re.compile(r"[\s\x00-\x1f\x7f]")
 
 
 def _fail(expected: str, value: object, *, secret: bool = False, hint: str = "") -> PydanticCustomError:
-    got = kind_of(value) if secret else describe(value)
+    # A value that is shown is redacted before describe() cuts it: a token cut short would no
+    # longer be recognized (a URL's password in a health URL, a token in a model.fetch line).
+    got = kind_of(value) if secret else describe(redact(value) if isinstance(value, str) else value)
     # No context dict: the message is final, so braces in a value are never re-interpreted.
     return PydanticCustomError("expected", f"expected {expected}, got {got}{hint}")
 
@@ -93,13 +98,13 @@ def _max_unavailable(value: Any) -> int | str:
             return value
         raise _fail(expected, value)
     if isinstance(value, str):
-        m = _PERCENT.match(value)
+        m = _PERCENT.fullmatch(value)
         if m and 1 <= int(m.group(1)) <= 100:
             return f"{int(m.group(1))}%"
     raise _fail(expected, value)
 
 
-_PERCENT = re.compile(r"^([0-9]{1,3})%$")
+_PERCENT = re.compile(r"^([0-9]{1,3})%\Z")
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]+)?)(d|h|m|s)")
 _DURATION_UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
 
@@ -148,7 +153,7 @@ Duration = Annotated[float, _checked(_duration)]
 
 def _pattern(regex: re.Pattern[str], expected: str) -> PlainValidator:
     def check(value: Any) -> str:
-        if not isinstance(value, str) or not regex.match(value):
+        if not isinstance(value, str) or not regex.fullmatch(value):
             raise _fail(expected, value)
         return value
 
@@ -205,7 +210,7 @@ def _address(value: Any) -> str:
     except ValueError:
         pass
     labels = value.rstrip(".").split(".") if len(value) <= 253 else []
-    if not labels or not all(_HOSTNAME_LABEL.match(label) for label in labels):
+    if not labels or not all(_HOSTNAME_LABEL.fullmatch(label) for label in labels):
         raise _fail(expected, value)
     if labels[-1].isdigit():  # "127.0.0.999" is a broken IP address, not a hostname
         raise _fail(expected, value)
@@ -225,7 +230,7 @@ def _repo_path(value: Any) -> str:
 def host_key_problem(line: str) -> str | None:
     """Why a public key line like "ssh-ed25519 AAAA... [comment]" is malformed, or None."""
     fields = line.split()
-    if len(fields) < 2 or not _KEY_TYPE.match(fields[0]) or not _BASE64.match(fields[1]):
+    if len(fields) < 2 or not _KEY_TYPE.fullmatch(fields[0]) or not _BASE64.fullmatch(fields[1]):
         return "it is not '<key type> <base64 key>'"
     try:
         blob = base64.b64decode(fields[1], validate=True)
@@ -284,26 +289,38 @@ def _boolean(value: Any) -> bool:
     return value
 
 
-_DROPIN = re.compile(r"^(/(etc|run)/systemd/[A-Za-z0-9_.@/-]+/)?[A-Za-z0-9_.@-]+\.conf$")
+_DROPIN = re.compile(r"^(/(etc|run)/systemd/[A-Za-z0-9_.@/-]+/)?[A-Za-z0-9_.@-]+\.conf\Z")
 
 
 def _dropin(value: Any) -> str:
     expected = ("a drop-in file name like '10-numa.conf', or its absolute path under /etc/systemd or "
                 "/run/systemd")
-    if not isinstance(value, str) or not _DROPIN.match(value) or "/../" in value:
+    if not isinstance(value, str) or not _DROPIN.fullmatch(value) or "/../" in value:
         raise _fail(expected, value)
     return value
 
 
-ServiceName = Annotated[
-    str,
-    _pattern(
-        SERVICE_NAME,
-        "a service name: letters, digits, '_' and '-', starting with a letter or digit, at most "
-        "100 characters (no dots, no '@', no '.service' suffix)",
-    ),
-]
-DefinitionName = ServiceName
+_SERVICE_NAME_TEXT = ("a service name: letters, digits, '_' and '-', starting with a letter or digit, at most "
+                      "100 characters (no dots, no '@', no '.service' suffix)")
+# The reconciler's own units on a host (reconciler-confirm-<service>, reconciler-rearm-switches,
+# reconciler-pull ...): a service of such a name would be stopped or deleted by them.
+RESERVED_PREFIX = "reconciler-"
+
+
+def _service_name(value: Any) -> str:
+    if not isinstance(value, str) or not SERVICE_NAME.fullmatch(value):
+        raise _fail(_SERVICE_NAME_TEXT, value)
+    if value.lower().startswith(RESERVED_PREFIX):
+        raise PydanticCustomError(
+            "expected", f"{describe(value)} starts with {RESERVED_PREFIX!r}: names starting with it are reserved for "
+            "the reconciler's own units on the host (reconciler-confirm-<service>, reconciler-rearm-switches, "
+            "reconciler-pull); rename the service")
+    return value
+
+
+ServiceName = Annotated[str, _checked(_service_name)]
+# A shared definition's name (services/<name>.toml) is never a unit's name: not reserved.
+DefinitionName = Annotated[str, _pattern(SERVICE_NAME, _SERVICE_NAME_TEXT)]
 EnvKey = Annotated[
     str, _pattern(ENV_KEY, "an environment variable name: letters, digits and '_', not starting with a digit")
 ]

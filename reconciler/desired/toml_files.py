@@ -5,11 +5,16 @@ with the line and column; a file that parses but does not match its schema gives
 bad key, and is validated again without those keys so that the rest of it (a host's other
 services, say) is still checked in the same run. A stray non-.toml file in a TOML folder is a
 problem too, so that a mistyped extension never silently does nothing.
+
+Limits, so that a crafted file is a problem of that file and never a traceback, a stalled hook
+or a daemon that crashes on every run: a file over MAX_FILE_BYTES, the files of a revision over
+MAX_REPO_BYTES together, and a file nested deeper than MAX_DEPTH (tomllib recurses per level
+and raises RecursionError; pydantic and our own walks recurse too) are not used; tomlkit, a
+tenth of tomllib's speed, words a syntax error only for a file up to MAX_FALLBACK_BYTES.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 import tomllib
 from typing import Any, TypeVar
@@ -25,6 +30,12 @@ T = TypeVar("T", bound=BaseModel)
 
 _PARSE_POSITION = re.compile(r" at line \d+ col \d+$")
 
+MAX_FILE_BYTES = 1 << 20          # one TOML file: a host file is a few KiB
+MAX_REPO_BYTES = 32 << 20         # every TOML file of a revision together (thousands of hosts)
+MAX_FALLBACK_BYTES = 256 << 10    # tomlkit (about 1.8 s per MiB) only words errors of files up to this
+MAX_DEPTH = 32                    # tables and arrays inside each other; the schema needs 6
+_TOO_DEEP: dict[str, Any] = {}    # what a parser that ran out of stack gives (tested by identity)
+
 # Keys that belong elsewhere: say where, rather than list the keys allowed here.
 _HINTS: Hints = {
     (schema.HostSSH, "known_hosts"): "unknown key: known_hosts is fleet-wide, set it under [ssh] in fleet.toml",
@@ -39,8 +50,13 @@ class TomlFiles:
     def __init__(self, snap: SnapshotLike, problems: Problems):
         self.snap = snap
         self.problems = problems
+        self.total = 0                 # bytes of TOML read so far in this load
 
     def parse(self, file: str, data: bytes) -> dict[str, Any] | None:
+        """The parsed file, or None with a problem naming it (not UTF-8, too big, nested too
+        deep, a syntax error with its line and column)."""
+        if not self._within_limits(file, data):
+            return None
         try:
             text = data.decode("utf-8-sig")
         except UnicodeDecodeError as e:
@@ -49,20 +65,50 @@ class TomlFiles:
         # The standard library's parser first (a tenth of tomlkit's time, and no tomlkit import:
         # every new revision is parsed whole, a 1,000-host repo is 1,000 files); tomlkit only
         # when it fails, for its message: the line, column and key of the fault.
-        with contextlib.suppress(tomllib.TOMLDecodeError):
-            return tomllib.loads(text)
+        try:
+            parsed: dict[str, Any] | None = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            parsed = self._fallback(file, text, e)
+        except (RecursionError, MemoryError):
+            parsed = _TOO_DEEP
+        if parsed is _TOO_DEEP or (parsed is not None and _depth(parsed) > MAX_DEPTH):
+            self.problems.add(file, "", f"tables or arrays nested more than {MAX_DEPTH} deep: not a "
+                                        "desired-state file; it was not read")
+            return None
+        return parsed
+
+    def _within_limits(self, file: str, data: bytes) -> bool:
+        self.total += len(data)
+        if len(data) > MAX_FILE_BYTES:
+            self.problems.add(file, "", f"the file is {len(data):,} bytes: a TOML file may be at most "
+                                        f"{MAX_FILE_BYTES:,} bytes (1 MiB); it was not read")
+            return False
+        if self.total > MAX_REPO_BYTES:
+            if self.total - len(data) <= MAX_REPO_BYTES:     # said once, at the file that crossed it
+                self.problems.add(file, "", f"the TOML files of this revision are over {MAX_REPO_BYTES:,} "
+                                            "bytes (32 MiB) together from this file on; it and the files "
+                                            "after it were not read")
+            return False
+        return True
+
+    def _fallback(self, file: str, text: str, error: tomllib.TOMLDecodeError) -> dict[str, Any] | None:
+        """What tomlkit makes of a file tomllib refused: its words for the error (line, column,
+        key), or the file when it takes it after all (a corner of the spec where they differ)."""
+        if len(text) > MAX_FALLBACK_BYTES:       # tomllib's own words: tomlkit would take seconds
+            self.problems.add(file, "", f"TOML syntax error: {error}")
+            return None
         import tomlkit
         import tomlkit.exceptions
         try:
-            parsed = tomlkit.parse(text).unwrap()
+            return dict(tomlkit.parse(text).unwrap())
         except tomlkit.exceptions.ParseError as e:
             why = _PARSE_POSITION.sub("", str(e))
             self.problems.add(file, "", f"TOML syntax error at line {e.line}, column {e.col}: {why}")
-            return None
         except (tomlkit.exceptions.TOMLKitError, ValueError) as e:
             self.problems.add(file, "", f"TOML syntax error: {e}")
-            return None
-        return dict(parsed)
+        except (RecursionError, MemoryError):
+            return _TOO_DEEP
+        return None
 
     def validate(self, file: str, model: type[T], data: bytes) -> tuple[T | None, set[tuple[str, ...]]]:
         """Parse and validate one file; report its problems.
@@ -98,6 +144,21 @@ class TomlFiles:
             elif not (name.startswith(".") or name.upper().startswith("README")):
                 self.problems.add(path, "", f"not a .toml file: {directory}/ holds only <{what}>.toml files")
         return found
+
+
+def _depth(data: Any) -> int:
+    """How deep tables and arrays nest in parsed TOML (a table of scalars is 1), without
+    recursion; stops counting past MAX_DEPTH."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, level = stack.pop()
+        deepest = max(deepest, level)
+        if level > MAX_DEPTH:
+            break
+        children = value.values() if isinstance(value, dict) else value
+        stack += [(child, level + 1) for child in children if isinstance(child, dict | list)]
+    return deepest
 
 
 def under(path: tuple[str, ...], bad: set[tuple[str, ...]]) -> bool:

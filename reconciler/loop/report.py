@@ -5,7 +5,9 @@ Printing only; all content comes from the plan and the results. Plain text when 
 Every text that comes from a run (diffs, messages, notes, journal quotes, store rows) is
 redacted here, before rich lays it out: a table cell cut to its width or a wrapped line would
 otherwise hide a secret from the redacting writer under the console (cli.py, daemon.py), which
-masks whatever is left.
+masks whatever is left. Its control characters are shown as escapes (`\x1b`), never written raw:
+a journal line, a host record or a commit subject must not drive the operator's terminal (and the
+daemon's run log, written from here, is what `git push -o reconcile.wait` streams).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ if TYPE_CHECKING:
 
 from ..errors import ConfigError
 from ..plan.records import Result
-from ..redact import redact
+from ..redact import escape_controls, redact
 from .results import FleetResult, HostResult
 
 
 def _t(text: object, plain: bool = False) -> str:
-    """Text from a run, redacted (and escaped for rich markup, unless `plain`)."""
-    return redact(str(text)) if plain else escape_markup(redact(str(text)))
+    """Text from a run, redacted, its control characters made visible (a journal line's ESC
+    must not drive the terminal it is shown on), and escaped for rich markup unless `plain`."""
+    safe = escape_controls(redact(str(text)))
+    return safe if plain else escape_markup(safe)
 
 
 # rich's markup tags, with the backslashes before them (rich.markup's own pattern)
@@ -81,7 +85,7 @@ class PlainConsole:
     def print(self, *objects: Any, sep: str = " ", end: str = "\n", markup: bool | None = None,
               highlight: bool | None = None, soft_wrap: bool | None = None) -> None:
         if all(isinstance(o, str) for o in objects):
-            text = sep.join(objects)
+            text = escape_controls(sep.join(objects))     # a log or a pipe may end on a terminal
             self.file.write((text if markup is False else strip_markup(text)) + end)
             return
         from rich.console import Console

@@ -9,6 +9,7 @@ import re
 from collections.abc import Mapping
 
 from ..desired.spec import HostSpec, ServiceSpec
+from ..redact import MASK, redact, secret_name
 from .facts import (
     UNIT_DIR,
     ServiceFacts,
@@ -23,7 +24,6 @@ from .model import Block
 from .records import ServiceRecord
 
 ENV_HEADER = "# Managed by reconciler from git; edits on this host are reverted.\n"
-_SECRETISH = re.compile(r"TOKEN|SECRET|PASSW|API_?KEY|PRIVATE|CREDENTIAL", re.I)
 
 
 def render_env_dropin(service: str) -> str:
@@ -188,23 +188,38 @@ def describe_secret_changes(changes: tuple[tuple[str, str], ...]) -> str:
     return "secret " + ", ".join(f"{n} {what}" for n, what in changes)
 
 
+# A line of a diff that sets something: [sign] NAME=rest (an env file's line, a unit's directive).
+_SETTING_LINE = re.compile(r'^(?P<sign>[-+ ]?)(?P<name>[A-Za-z_][A-Za-z0-9_]*)=(?P<rest>.*)$', re.M)
+# Each NAME= of an Environment= line: at its start, or after a space or a quote.
+_ASSIGNMENT = re.compile(r'(?:^|(?<=[\s"\']))([A-Za-z_][A-Za-z0-9_]*)=')
+
+
 def mask_secrets(text: str) -> str:
-    """Hide values of secret-looking variables (…TOKEN, …SECRET, …PASSWORD) in a diff."""
-    def repl(m: re.Match[str]) -> str:   # an env file's NAME="value", or an Environment="NAME=value" line
-        sign, environment, name = m.groups()
-        if not _SECRETISH.search(name):
+    """Hide the values of secret-named variables (redact.secret_name: ...TOKEN, ...PASSWORD,
+    *_KEY, *_DSN, DATABASE_URL ...) in a diff, whatever the values look like: an env file's
+    NAME="value" line, or an Environment= line, where every NAME= is judged (not only the
+    first): from the first secret one on, the rest of the line is masked."""
+    def repl(m: re.Match[str]) -> str:
+        sign, name, rest = m.group("sign"), m.group("name"), m.group("rest")
+        if name != "Environment":
+            return f'{sign}{name}="{MASK}"' if secret_name(name) else m.group(0)
+        first = next((a for a in _ASSIGNMENT.finditer(rest) if secret_name(a.group(1))), None)
+        if first is None:
             return m.group(0)
-        return f'{sign}{environment}{name}=***"' if environment else f'{sign}{name}="***"'
-    return re.sub(r'^([-+ ]?)(Environment="?)?([A-Za-z_][A-Za-z0-9_]*)=.*$', repl, text, flags=re.M)
+        closing = '"' if rest.startswith('"') else ""
+        return f"{sign}{name}={rest[:first.end()]}{MASK}{closing}"
+    return _SETTING_LINE.sub(repl, text)
 
 
 def unified_diff(path: str, old: str | None, new: str | None, host: str, short_rev: str) -> str:
-    """A unified diff of one file, host version -> revision version, secrets masked."""
+    """A unified diff of one file, host version -> revision version, secrets masked: by the
+    variable's name (mask_secrets), and every registered value and token-like text (redact),
+    so that the diff is safe wherever it goes (--json, the journal, the push stream)."""
     diff = difflib.unified_diff(
         (old or "").splitlines(keepends=True), (new or "").splitlines(keepends=True),
         fromfile=f"{host}:{path}" if old is not None else "/dev/null",
         tofile=f"{short_rev}:{path}" if new is not None else "/dev/null")
-    return mask_secrets("".join(line if line.endswith("\n") else line + "\n" for line in diff))
+    return redact(mask_secrets("".join(line if line.endswith("\n") else line + "\n" for line in diff)))
 
 
 def has_install(unit_text: str) -> bool:

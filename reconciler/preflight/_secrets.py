@@ -1,7 +1,8 @@
 """Secrets in the desired state, judged without a host (pure, given a way to read repo files).
 
-* `env_secret_warnings`: a literal in `env` that looks like a secret (a Hugging Face token, an
-  sk- API key, a GitHub token, a URL with a password: `redact.looks_secret`) is a warning that
+* `env_secret_warnings`: a literal in `env` that looks like a secret (any format the redactor
+  masks: a Hugging Face, OpenAI, GitHub, GitLab or Slack token, an AWS key, a JWT, a URL with a
+  password, a password= setting: `redact.looks_secret`) is a warning that
   names the file and key where it is set and points to the service's `secrets` table. Env is
   written as `Environment=` lines, which every local user on the host can read (`systemctl
   show`). The warning never holds the value.
@@ -55,7 +56,7 @@ class _Origins:
             data = self.read(path) if self.read is not None else None
             try:
                 self.parsed[path] = tomllib.loads(data.decode()) if data is not None else {}
-            except (UnicodeDecodeError, tomllib.TOMLDecodeError):
+            except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):   # the loader said why
                 self.parsed[path] = {}
         return self.parsed[path]
 

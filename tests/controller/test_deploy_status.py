@@ -126,6 +126,26 @@ def test_lines_that_are_not_ours_are_kept_and_text_is_one_line_and_redacted() ->
     assert len(text.splitlines()) == 2
 
 
+def test_a_note_is_redacted_before_it_is_cut_or_flattened() -> None:
+    """Review M3: a token straddling the 300-character cut, or a registered value with a tab or
+    two spaces in it, must not leak a prefix or come out re-spaced and unrecognized."""
+    token = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWx"
+    value = "pa  ss\tword-" + "2026-Xq9"
+    redact.register(value)
+    r = rolled_back("gpu-1")
+    quote = "x" * (gitnotes.QUOTE_MAX - 15) + f" {token} and {value} after"
+    r.events[0].outcome = Outcome("sglang", False, "CrashLoop", "x", quote)
+    text = merge(None, run_lines(FleetResult(B, False, [r]), NOW)[B])
+    assert "hf_AbCd" not in text                      # no prefix of the token
+    assert "pa ss word" not in text and "2026-Xq9" not in text
+    assert '"' + "x" * (gitnotes.QUOTE_MAX - 15) + " ***" in text
+    assert gitnotes.one_line(f"a {value}") == "a ***"
+    near_cut = "Zq9-vT3-" + "secret-value-77"          # a registered value the cut would halve
+    redact.register(near_cut)
+    cut = gitnotes.one_line("y" * (gitnotes.QUOTE_MAX - 12) + " " + near_cut)
+    assert "Zq9" not in cut and cut == "y" * (gitnotes.QUOTE_MAX - 12) + " ***"
+
+
 # ---- writing notes ------------------------------------------------------------------------------
 
 

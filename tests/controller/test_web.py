@@ -304,8 +304,9 @@ def test_bookkeeping_bug_never_reaches_the_run(hub, capsys):
 
 
 def test_a_secret_that_is_a_field_name_masks_text_but_not_the_page_structure(client):
-    """A registered value that happens to be a word of the view model ("second") is masked in
-    text, and the page's fields (each attempt's duration under the key "seconds") still show."""
+    """A registered value that happens to be a word of the view model ("second") masks nothing
+    (a plain word shorter than 8 letters never is: redact.maskable), and the page's fields (each
+    attempt's duration under the key "seconds") still show."""
     from reconciler import redact
     redact.register("second")
     try:

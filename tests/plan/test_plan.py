@@ -684,9 +684,34 @@ def test_env_is_rendered_sorted_under_a_header_in_a_file_the_drop_in_names() -> 
     ('+Environment="aws_secret_access=1"', '+Environment="aws_secret_access=***"'),
     ('+Environment="LOG=info"', '+Environment="LOG=info"'),
     ("+ExecStart=/bin/server --token=abc", "+ExecStart=/bin/server --token=abc"),
+    # review M3: names the old rule missed, and every NAME= of an Environment= line judged
+    ('+OPENAI_KEY="plain"', '+OPENAI_KEY="***"'),
+    ('+SENTRY_DSN="https://k@o.example/1"', '+SENTRY_DSN="***"'),
+    ('-DATABASE_URL="postgres://app:Zm9v/YmFy@db/app"', '-DATABASE_URL="***"'),
+    (' AUTH="let-me-in"', ' AUTH="***"'),
+    ('+BEARER="abc"', '+BEARER="***"'),
+    ("+Environment=A=1 DB_PASSWORD=x C=3", "+Environment=A=1 DB_PASSWORD=***"),
+    ('+Environment="A=1" "OPENAI_KEY=x"', '+Environment="A=1" "OPENAI_KEY=***"'),
+    ('+Environment="OPTS=--v DB_PASSWORD=y"', '+Environment="OPTS=--v DB_PASSWORD=***"'),
+    ('+Environment="A=1" "B=2"', '+Environment="A=1" "B=2"'),
+    ('+LOG="info"', '+LOG="info"'),
 ])
 def test_secrets_masked_in_diffs(line: str, masked: str) -> None:
     assert mask_secrets(line + "\n") == masked + "\n"
+
+
+def test_a_diff_masks_token_formats_and_registered_values_whatever_the_name() -> None:
+    """unified_diff is safe on its own: a value under an ordinary name (a URL password, a token, a
+    decrypted secret) is masked too, not only the values of secret-looking names."""
+    from reconciler import redact
+    from reconciler.plan.files import unified_diff
+    value = "reg1stered-" + "Q7w8e9r0"
+    redact.register(value)
+    new = render_env_file({"URL": "postgres://app:Zm9v/YmFy@db/app", "ARGS": "--hf hf_" + "Ab12Cd34Ef",
+                           "MSG": f"x {value}"})
+    diff = unified_diff("/etc/x.env", None, new, "gpu-1", "abcdef1")
+    assert 'URL="postgres://app:***@db/app"' in diff and 'ARGS="--hf ***"' in diff and 'MSG="x ***"' in diff
+    assert "Zm9v" not in diff and "Ab12Cd34Ef" not in diff and value not in diff
 
 
 def test_an_orphan_is_kept_while_the_service_that_replaces_it_is_blocked() -> None:
