@@ -62,6 +62,11 @@ _NOT_A_WORD = r"(?![a-z]{1,15}(?![\w.~+/=-])|[A-Z][a-z]{1,14}(?![\w.~+/=-]))"
 # A quote around a key or a value, escaped too: JSON inside an env file's "..." is \"key\": \"value\".
 _QUOTE = r"(?:\\?[\"'])"
 
+# A character of a value: not a space, a quote or a separator; a backslash only with the
+# character it escapes, so a match never ends on the `\` of an escaped closing quote (masking
+# `x\` of `KEY=\"x\"` in JSON text would leave the quote bare and the document broken).
+_VALUE = r"(?:[^\s\"',;&\\]|\\[^\s\"'])"
+
 # (what it is, pattern, hints). A named group `head` is kept: only what follows it is masked.
 # A pattern runs only on text that holds one of its hints (lowercase, looked for in the text
 # lowercased): a substring test costs a tenth of a regex scan, and most lines hold none.
@@ -75,14 +80,15 @@ TOKEN_KINDS: tuple[_Kind, ...] = (
     ("a Slack token", re.compile(r"\bxox[abposre]-[A-Za-z0-9-]{10,}"), ("xox",)),
     ("an AWS access key id", re.compile(r"\b(?:AKIA|ASIA|AROA|AIDA)[A-Z0-9]{16}\b"), ("akia", "asia", "aroa", "aida")),
     ("an AWS secret key", re.compile(
-        rf"(?P<head>(?i:aws_?secret_?(?:access_?)?key){_QUOTE}?[ \t]*[:=][ \t]*{_QUOTE}?)"
+        rf"(?P<head>(?i:aws_?secret_?(?:access_?)?key){_QUOTE}?[ \t]*[:=][ \t]*(?:{_QUOTE}[ \t]*)?)"
         r"[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+])"), ("aws",)),
     ("a JWT", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}(?:\.[A-Za-z0-9_-]+)+\.?"), ("eyj",)),
     ("a bearer token", re.compile(rf"(?P<head>\b(?i:bearer)[ \t]+){_NOT_A_WORD}[A-Za-z0-9._~+/-]{{8,}}=*"),
      ("bearer",)),
     ("an Authorization header", re.compile(
         rf"(?P<head>\b(?i:(?:proxy-)?authorization){_QUOTE}?[ \t]*[:=][ \t]*{_QUOTE}?"
-        r"(?:(?i:basic|bearer|token|digest)[ \t]+)?)(?!(?i:basic|bearer|token|digest)\b)[^\s\"',;]{4,}"),
+        r"(?:(?i:basic|bearer|token|digest)[ \t]+)?)(?!(?i:basic|bearer|token|digest)\b)"
+        rf"{_VALUE}{{4,}}"),
      ("authorization",)),
     # The password of a URL: up to the last `@` of the word (it may hold `/` and `@` itself).
     ("a URL with a password", re.compile(r"(?P<head>\b[a-z][a-z0-9+.-]*://[^\s/:@]*:)\S+(?=@)", re.I), ("://",)),
@@ -95,8 +101,8 @@ _SETTING_KIND = "a password or token setting"
 _SECRET_KEY = r"(?:passw(?:or)?d|passphrase|secret|token|apikey|(?<=[_-])key|credentials?|auth|bearer|dsn)"
 _SETTING = re.compile(
     rf"(?:(?<=-){_SECRET_KEY}(?P<flag>[ \t]+)"
-    rf"|{_SECRET_KEY}(?P<head>{_QUOTE}?[ \t]*=[ \t]*{_QUOTE}?|{_QUOTE}[ \t]*:[ \t]*{_QUOTE}))"
-    r"(?![$%{-])[^\s\"',;&]{4,}")
+    rf"|{_SECRET_KEY}(?P<head>{_QUOTE}?[ \t]*=[ \t]*(?:{_QUOTE}[ \t]*)?|{_QUOTE}[ \t]*:[ \t]*{_QUOTE}[ \t]*))"
+    rf"(?![$%{{-]){_VALUE}{{4,}}")
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 
 # An environment variable whose name says it holds a secret (its value is masked in diffs,

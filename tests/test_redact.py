@@ -130,6 +130,19 @@ def test_redact_data_masks_values_and_never_rewrites_keys() -> None:
 # ---- secret env names ---------------------------------------------------------------------------
 
 
+def test_json_text_redacted_again_stays_json() -> None:
+    """--json redacts each string, then the serialized text once more: a masked value inside an
+    escaped quote (LoadCredential=\\"id:/path\\" in a diff) keeps the backslash of the quote that
+    closes it, so the document still parses (CI failure of 2026-12-02: `\\"***"` broke it)."""
+    import json
+    data = {"diff": '+LoadCredential="db_url:/etc/credstore/db"\n+X=1\n',
+            "env": 'DB_PASSWORD="a\\b\\"', "header": 'Authorization: "Basic QWxhZGRpbjpvcGVu"'}
+    text = redact.redact(json.dumps(redact.redact_data(data)))
+    assert json.loads(text) == {"diff": '+LoadCredential="***"\n+X=1\n', "env": 'DB_PASSWORD="***"',
+                                "header": 'Authorization: "Basic ***"'}
+    assert redact.redact('token=abc\\def; next') == "token=***; next"
+
+
 @pytest.mark.parametrize(("name", "secret"), [
     ("HF_TOKEN", True), ("DB_PASSWORD", True), ("OPENAI_KEY", True), ("OPENAI_API_KEY", True),
     ("SENTRY_DSN", True), ("DATABASE_URL", True), ("REDIS_URL", True), ("AUTH", True), ("BEARER", True),

@@ -184,7 +184,8 @@ def test_no_secret_survives_into_json_output(secret: Secret, padding: str) -> No
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         print_json({"hosts": [{"message": f"failed: {padding} {secret.text}", "quote": secret.text,
-                               "journal": [padding, secret.text]}], "n": 1})
+                               "journal": [padding, secret.text],
+                               "diff": '+' + secret.text.replace("=", '="', 1) + '"\n'}], "n": 1})
     assert_hidden(secret, buf.getvalue())
     assert json.loads(buf.getvalue())["n"] == 1
 
