@@ -125,7 +125,10 @@ def test_a_root_dry_run_loads_nothing_from_another_users_cache(tmp_path):
     given = (sys.prefix, sys.base_prefix, str(ROOT), str(repo.path), str(tmp_path / "hostkey"))
     system = ("/etc/", "/usr/", "/lib", "/proc/", "/sys/", "/dev/")
     fresh = re.compile(rf"{re.escape(tempfile.gettempdir())}(/\w+)?")     # tempfile's probe, gcc's output
-    opened = [e.removeprefix("open ") for e in events if e.startswith("open ")]
+    # a relative path is the run's working directory, the checkout (`python -m` puts it on
+    # sys.path; pydantic's plugin loader reads the entry points of every distribution there,
+    # the checkout's own reconciler.egg-info where `pip install -e` made one)
+    opened = [os.path.join(ROOT, e.removeprefix("open ")) for e in events if e.startswith("open ")]
     elsewhere = [p for p in opened if not p.startswith(given + system) and not fresh.fullmatch(p)
                  and not p.endswith(".__path_hook__")]
     assert elsewhere == [], elsewhere
