@@ -49,7 +49,6 @@ import contextlib
 import io
 import os
 import signal
-import stat
 import time
 import traceback
 from dataclasses import replace
@@ -78,6 +77,7 @@ from .commitstatus import CommitStatus
 from .config import ControllerConfig
 from .metrics import Metrics
 from .store import Store, remember
+from .trigger import prepare_trigger
 from .web.hub import Hub
 
 if TYPE_CHECKING:
@@ -86,7 +86,6 @@ if TYPE_CHECKING:
 BACKOFF_START = 2.0
 RUNS_DIR_MODE = 0o750       # group: pushers stream their deploy's log (post-receive hook)
 RUN_FILE_MODE = 0o640
-TRIGGER_MODE = 0o660        # group: the post-receive hook touches it
 # Asks that only say "the branch moved": dropped when a run already reconciled the branch head.
 PUSH_ASKS = frozenset({"push", "trigger"})
 
@@ -97,59 +96,6 @@ def _open_run_file(path: Path, *, append: bool) -> TextIO:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), RUN_FILE_MODE)
     os.fchmod(fd, RUN_FILE_MODE)
     return open(fd, "a") if append else open(fd, "w")
-
-
-def _prepare_trigger(path: Path) -> str | None:
-    """Make the trigger file ready for the post-receive hook: the daemon's own regular file, mode
-    TRIGGER_MODE. Returns None when it is, else why it is not used (and nothing was changed).
-
-    Its directory may be writable by others (a deploy repo shared with the pushing users'
-    group), who could leave a symlink or a hard link there to have the daemon create or chmod a
-    file of its choosing. So nothing here acts on a path that may lead elsewhere: a new file is
-    created with O_EXCL | O_NOFOLLOW; an existing one must be a regular file (lstat) and is
-    opened with O_NOFOLLOW, and only that descriptor is judged (fstat: the same inode, one link)
-    and changed (fchmod, and only when it is ours). A regular file of another user (made by an
-    admin) is watched as it is, its mode left alone."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, TRIGGER_MODE)
-    except FileExistsError:
-        fd = -1
-    except OSError as e:
-        return (f"cannot create it ({e.strerror}); make it the daemon's: install -m 0660 -o {_me()} "
-                f"/dev/null {path}")
-    try:
-        if fd < 0:
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode):
-                return "it is a symbolic link (it would make the daemon change the file it points to); remove it"
-            if not stat.S_ISREG(st.st_mode):
-                return "it is not a regular file; remove it"
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-            except OSError as e:
-                return f"cannot open it ({e.strerror}); remove it"
-            opened = os.fstat(fd)
-            if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(opened.st_mode):
-                return "it was replaced while the daemon looked at it; remove it"
-            if opened.st_uid != os.geteuid():
-                return None                 # an admin's file: watched as it is
-            if opened.st_nlink != 1:
-                return (f"it has {opened.st_nlink} hard links (a chmod would change the other names too); "
-                        f"remove it")
-        os.fchmod(fd, TRIGGER_MODE)
-        return None
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
-def _me() -> str:
-    """The daemon's user name (for a fix to show), or its uid."""
-    import pwd
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        return str(os.geteuid())
 
 
 class _Tee(io.TextIOBase):
@@ -237,14 +183,14 @@ class Daemon:
 
     def _watch_paths(self) -> tuple[list[Path], set[str]]:
         """What to watch: the branch ref of a local repo (and packed-refs), and the trigger file
-        (when it is safe to use: see _prepare_trigger; a refused one is said, and pushes are then
+        (when it is safe to use: see trigger.prepare_trigger; a refused one is said, and pushes are then
         seen through the branch ref alone)."""
         paths: list[Path] = []
         names: set[str] = set()
         trigger = self.trigger_file()
         if trigger:
             trigger.parent.mkdir(parents=True, exist_ok=True)
-            refused = _prepare_trigger(trigger)
+            refused = prepare_trigger(trigger)
             if refused:
                 print(redact.redact(f"reconciler: not using the trigger file {trigger}: {refused}; pushes are "
                                     f"seen through the branch ref only"), flush=True)

@@ -335,82 +335,114 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
     stable_for and the HTTP interval are measured on (None: the shared watch's, else the
     machine's), so a test times a watch without waiting for it.
     """
-    unit = f"{name}.service"
     if systemd is None:
         systemd = SystemdWatch(t, systemd_poll, clock if clock is not None else REAL)
-    clock = clock if clock is not None else systemd.clock
-    t0 = clock.now()
-    first_ok: float | None = None
-    next_http = 0.0
-    phase = "starting"
-
-    def report(p: str) -> None:
-        if on_phase:
-            on_phase(name, p, clock.now() - t0, health.startup_timeout)
-
-    async def fail(reason: str, message: str, props: dict[str, str] | None = None) -> Outcome:
-        res = await t.run(journal_command(unit, since_epoch), timeout=20, what="journal")
-        lines = parse_journal(res.stdout)
-        quote = explain(lines)
-        if props is not None:
-            # A crash sign: it is a verdict only with evidence that the service itself failed.
-            why = spawn_failure(props, lines, baseline_invocation)
-            if why is not None:
-                reason, message = INCONCLUSIVE, f"no verdict: {why} ({message})"
-        report(f"failed: {reason}" if reason not in NO_VERDICT else f"no verdict: {reason}")
-        return Outcome(name, False, reason, message, quote, [e.message for e in lines][-40:], clock.now() - t0)
-
-    report(phase)
+    w = _Watch(t, name, health, systemd, clock if clock is not None else systemd.clock, on_phase, since_epoch,
+               baseline_invocation)
+    w.report(w.phase)
     if start_error is not None:
-        out = await fail("StartFailed", f"systemctl could not start it: {start_error}")
+        out = await w.fail("StartFailed", f"systemctl could not start it: {start_error}")
         if start_error and not out.quote:
             out.quote = start_error.splitlines()[-1]
         return out
     while True:
-        props = await _next_reading(systemd, unit, cancel)
+        props = await _next_reading(systemd, w.unit, cancel)
         if props is None:
-            report("superseded")
+            w.report("superseded")
             return Outcome(name, False, SUPERSEDED, "a newer revision arrived during the health wait",
-                           seconds=clock.now() - t0)
-        now = clock.now()
+                           seconds=w.elapsed())
         v = judge_systemd(props, baseline_restarts, baseline_invocation=baseline_invocation,
                           baseline_active_enter=baseline_active_enter)
+        verdict = await w.judged(v, props)
+        if verdict is not None:
+            return verdict
+
+
+class _Watch:
+    """One service's health watch: its clock, its phase, what the HTTP check said, its verdicts."""
+
+    def __init__(self, t: Transport, name: str, health: HealthSpec, systemd: SystemdWatch, clock: Clock,
+                 on_phase: Phase | None, since_epoch: float, baseline_invocation: str):
+        self.t, self.name, self.health, self.systemd, self.clock = t, name, health, systemd, clock
+        self.unit = f"{name}.service"
+        self.on_phase, self.since_epoch, self.baseline_invocation = on_phase, since_epoch, baseline_invocation
+        self.t0 = clock.now()
+        self.first_ok: float | None = None
+        self.next_http = 0.0
+        self.phase = "starting"
+
+    def elapsed(self) -> float:
+        return self.clock.now() - self.t0
+
+    def report(self, p: str) -> None:
+        if self.on_phase:
+            self.on_phase(self.name, p, self.elapsed(), self.health.startup_timeout)
+
+    async def fail(self, reason: str, message: str, props: dict[str, str] | None = None) -> Outcome:
+        """The failed verdict, with the journal line that explains it; with `props` (a crash
+        sign), a verdict only with evidence that the service itself failed."""
+        res = await self.t.run(journal_command(self.unit, self.since_epoch), timeout=20, what="journal")
+        lines = parse_journal(res.stdout)
+        quote = explain(lines)
+        if props is not None:
+            why = spawn_failure(props, lines, self.baseline_invocation)
+            if why is not None:
+                reason, message = INCONCLUSIVE, f"no verdict: {why} ({message})"
+        self.report(f"failed: {reason}" if reason not in NO_VERDICT else f"no verdict: {reason}")
+        return Outcome(self.name, False, reason, message, quote, [e.message for e in lines][-40:], self.elapsed())
+
+    async def judged(self, v: Verdict, props: dict[str, str]) -> Outcome | None:
+        """What one systemd reading comes to: a verdict (the watch ends), or None (watch on)."""
+        now = self.clock.now()
         if v.state == "refused":
             # Our own starts in quick succession (deploys, a rollback) hit systemd's start limit:
             # the new revision never ran, so this is no verdict. The planner starts it again
             # (reset-failed first, as an operator would); records.judge decides a second refusal.
-            return await fail(START_LIMIT_HIT, v.detail)
+            return await self.fail(START_LIMIT_HIT, v.detail)
         if v.state in ("crashed", "not-loaded", "exited"):
-            if first_ok is not None and v.state == "crashed":
-                return await fail("Unstable", f"crashed {now - first_ok:.1f}s after becoming healthy: {v.detail}",
-                                  props)
-            return await fail(v.reason, v.detail, props if v.state != "not-loaded" else None)
-        if v.state == "running" and now >= next_http:
-            next_http = now + health.interval
-            if health.http:
-                status, body = await http_probe(t, health.http, ca_pem=health.ca_pem)
-                ok = status == health.expect_status and (not health.body_contains or health.body_contains in body)
-            else:
-                ok = True
-            if ok and first_ok is None:
-                first_ok = now
-                if health.stable_for > 0:      # with none to wait, "healthy" comes next
-                    phase = f"healthy, checking it stays stable for {health.stable_for:g}s"
-                    report(phase)
-            elif not ok and first_ok is not None:
-                got = status if status is not None else body
-                return await fail("Unstable", f"{health.http} failed ({got}) {now - first_ok:.1f}s after "
-                                              f"becoming healthy")
-            elif not ok and phase != "loading":
-                phase = "loading"
-                report(phase)
-        if first_ok is not None and now - first_ok >= health.stable_for:
-            report("healthy")
-            return Outcome(name, True, "Healthy", f"healthy after {now - t0:.1f}s", seconds=now - t0)
-        if first_ok is None and now - t0 >= health.startup_timeout:
-            what = f"{health.http} never answered {health.expect_status}" if health.http else "never ran"
-            return await fail("StartTimeout",
-                              f"not healthy within startup_timeout={health.startup_timeout:.0f}s: {what}")
+            if self.first_ok is not None and v.state == "crashed":
+                return await self.fail("Unstable", f"crashed {now - self.first_ok:.1f}s after becoming healthy: "
+                                                   f"{v.detail}", props)
+            return await self.fail(v.reason, v.detail, props if v.state != "not-loaded" else None)
+        if v.state == "running" and now >= self.next_http:
+            out = await self.probed(now)
+            if out is not None:
+                return out
+        if self.first_ok is not None and now - self.first_ok >= self.health.stable_for:
+            self.report("healthy")
+            return Outcome(self.name, True, "Healthy", f"healthy after {now - self.t0:.1f}s", seconds=now - self.t0)
+        if self.first_ok is None and now - self.t0 >= self.health.startup_timeout:
+            h = self.health
+            what = f"{h.http} never answered {h.expect_status}" if h.http else "never ran"
+            return await self.fail("StartTimeout", f"not healthy within startup_timeout={h.startup_timeout:.0f}s: "
+                                                   f"{what}")
+        return None
+
+    async def probed(self, now: float) -> Outcome | None:
+        """The HTTP check (systemd says it runs): healthy from the first success; a failure
+        after it is Unstable; before it, the server is still loading."""
+        h = self.health
+        self.next_http = now + h.interval
+        status: int | None = None
+        body = ""
+        if h.http:
+            status, body = await http_probe(self.t, h.http, ca_pem=h.ca_pem)
+            ok = status == h.expect_status and (not h.body_contains or h.body_contains in body)
+        else:
+            ok = True
+        if ok and self.first_ok is None:
+            self.first_ok = now
+            if h.stable_for > 0:      # with none to wait, "healthy" comes next
+                self.phase = f"healthy, checking it stays stable for {h.stable_for:g}s"
+                self.report(self.phase)
+        elif not ok and self.first_ok is not None:
+            got = status if status is not None else body
+            return await self.fail("Unstable", f"{h.http} failed ({got}) {now - self.first_ok:.1f}s after "
+                                               f"becoming healthy")
+        elif not ok and self.phase != "loading":
+            self.phase = "loading"
+            self.report(self.phase)
+        return None
 
 
 async def _next_reading(systemd: SystemdWatch, unit: str, cancel: asyncio.Event | None) -> dict[str, str] | None:

@@ -13,7 +13,8 @@ import pytest
 
 from reconciler.controller import hooks
 from reconciler.controller.config import ControllerConfig
-from reconciler.controller.daemon import TRIGGER_MODE, Daemon
+from reconciler.controller.daemon import Daemon
+from reconciler.controller.trigger import TRIGGER_MODE
 
 
 def bare(tmp_path: Path) -> Path:
