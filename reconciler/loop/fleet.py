@@ -1,8 +1,8 @@
 """The fleet: every host surveyed and planned first, then converged, with the hosts that share a
 service definition rolled out in waves (canary first, at most max_unavailable at once, halting
-at the first failure). Each host's own work is reconcile.reconcile_host.
+at the first failure). Each host's own work is loop.host.reconcile_host.
 
-The fleet run (reconcile_fleet) in passes, never two at once on one host:
+The fleet run (run_fleet) in passes, never two at once on one host:
 
     survey      connect, observe, plan every selected host (what a dry-run shows); a host with
                 anything to do is then locked and observed again under its lock

@@ -43,7 +43,7 @@ from .options import Connector, RunIO, RunOptions
 from .results import Event, HostResult, ServiceEvent, fold, merge_plans, running_after
 from .revision import Revision
 
-if TYPE_CHECKING:     # gate.py (pre-flight, the rule pack, the GPU gate) loads when a plan starts something
+if TYPE_CHECKING:     # checks.py (pre-flight, the rule pack, the GPU gate) loads when a plan starts something
     from .checks import Preflight
 
 MAX_ROUNDS = 6

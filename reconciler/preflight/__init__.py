@@ -45,7 +45,7 @@ A rule file::
     architectures = ["Qwen3_5*"]
     traits = ["hybrid"]
 
-A rule fires when the server's version on the host is in `versions` (gate.py reads it: the
+A rule fires when the server's version on the host is in `versions` (loop/checks.py reads it: the
 interpreter of ExecStart asked for the installed sglang/vllm version; `reconcile validate` has
 no host, so there every version is unknown), `when` holds, `unless` does not, and `require`
 (if any) is not met; without `require` it fires whenever `when` holds. Conditions (all given

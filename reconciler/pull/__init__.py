@@ -3,7 +3,7 @@
 git is the distribution engine: each host keeps a clone of the desired-state repo, fetches it on
 a timer (or at once, through a path unit, when the repo is on the host), and converges itself
 with the same planner, pre-flight, health watch, rollback, quarantine and records as a
-controller's run (reconcile_fleet over a LocalTransport, this host only). Rollout waves come
+controller's run (loop.fleet.run_fleet over a LocalTransport, this host only). Rollout waves come
 from the hosts' labels and fleet.toml [pull] waves (schedule.py); hosts of early waves leave
 their verdicts in the repo as git notes for the later ones. README "Pull mode" says it all, with
 its limits.

@@ -6,7 +6,7 @@
                from the branch's history, the host's applied revision and the earlier waves'
                reports; without waves: the head
     report     pending, when it moves to a new revision and a later wave reads its reports
-    reconcile  reconcile_fleet over a LocalTransport, this host only: the same survey, host lock,
+    reconcile  run_fleet over a LocalTransport, this host only: the same survey, host lock,
                revision safety, planner, pre-flight, health watch, rollback, quarantine and
                records as a controller's run of `reconcile --host NAME`
     report     its verdict on that revision (ok / bad / inconclusive) for the later waves
