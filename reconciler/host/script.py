@@ -219,7 +219,7 @@ CONTROLLER = frozenset({Kind.FETCH, Kind.HOLD, Kind.WAIT_GPUS, Kind.WATCH})
 
 # A path the batched writes may name unquoted in a word list: what the planner produces (unit,
 # drop-in, record and switch paths); anything else is written by itself (atomic_text).
-_PLAIN_PATH = re.compile(r"^/[A-Za-z0-9_.@:+/-]+$")
+_PLAIN_PATH = re.compile(r"^/[A-Za-z0-9_.@:+/-]+\Z")
 
 
 def _staged(a: Action, plan: HostPlan, now: int) -> tuple[str, list[tuple[str, str, str]]] | None:

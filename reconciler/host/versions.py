@@ -31,7 +31,7 @@ from ..frames import frames
 from ..preflight import Command
 from ..shell import ShCommand
 
-_PYTHON = re.compile(r"^python[0-9.]*$")
+_PYTHON = re.compile(r"^python[0-9.]*\Z")
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Answer:
     cached: bool = False
 
 
-_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]*$")
+_VERSION = re.compile(r"^[0-9][0-9A-Za-z.+!-]*\Z")
 
 
 def _answer(stamp: str, payload: str) -> Answer:

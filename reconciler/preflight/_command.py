@@ -71,8 +71,8 @@ PARALLEL_FLAGS: dict[str, tuple[str, str, str]] = {
 _SYSTEMD_EXEC_PREFIX = re.compile(r"^[-@+!:|]+")
 _ENV_ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.DOTALL)
 _VAR_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_BARE_VAR = re.compile(r"^\$([A-Za-z_][A-Za-z0-9_]*)$")
-_PYTHON = re.compile(r"^python[0-9.]*$")
+_BARE_VAR = re.compile(r"^\$([A-Za-z_][A-Za-z0-9_]*)\Z")
+_PYTHON = re.compile(r"^python[0-9.]*\Z")
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh"})
 
 

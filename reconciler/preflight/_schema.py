@@ -16,10 +16,10 @@ from ..errors import describe
 from . import _compiled as compiled
 from ._compiled import PLACEHOLDER, Severity
 
-_RULE_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,79}$")
-_FLAG_NAME = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_-]*$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_TRAIT = re.compile(r"^[a-z][a-z0-9_-]{0,39}$")
+_RULE_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,79}\Z")
+_FLAG_NAME = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_-]*\Z")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+_TRAIT = re.compile(r"^[a-z][a-z0-9_-]{0,39}\Z")
 _PLACEHOLDERS_FIXED = ("model", "model.why", "missing")
 
 
@@ -131,7 +131,7 @@ class Rule(_Strict):
     @field_validator("source")
     @classmethod
     def _url(cls, v: str) -> str:
-        if not re.match(r"^https?://\S+$", v):
+        if not re.match(r"^https?://\S+\Z", v):
             raise ValueError("expected the URL (https://...) of the documentation, code or issue "
                              "that justifies the rule")
         return v

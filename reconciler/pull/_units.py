@@ -70,18 +70,19 @@ CapabilityBoundingSet=CAP_CHOWN CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH CAP_FOWNER 
 CAP_SETGID CAP_SYS_PTRACE
 """
 
-_PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+$")
+_PLAIN = re.compile(r"^[A-Za-z0-9_@%+=:,./-]+\Z")
 
 Run = Callable[[list[str]], "subprocess.CompletedProcess[str]"]
 
 
 def quote(arg: str) -> str:
     """One argument as systemd's ExecStart= reads it: as is when plain, else double-quoted with
-    `\\` and `"` escaped; `%` (a specifier) and `$` (a variable) doubled either way."""
+    `\\` and `"` escaped and a line break as `\\n` (a unit line never breaks); `%` (a specifier) and
+    `$` (a variable) doubled either way."""
     escaped = arg.replace("%", "%%").replace("$", "$$")
     if _PLAIN.match(arg):
         return escaped
-    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def seconds(value: float) -> str:

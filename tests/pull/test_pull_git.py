@@ -124,6 +124,7 @@ def test_quote_for_execstart() -> None:
     assert quote('a"b\\c') == '"a\\"b\\\\c"'
     assert quote("50%") == "50%%"
     assert quote("$HOME") == '"$$HOME"'
+    assert quote("fleet\n") == '"fleet\\n"'                  # `$` would have let a trailing newline pass as plain
 
 
 def test_render_units() -> None:
