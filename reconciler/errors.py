@@ -73,9 +73,22 @@ class CommandError(HostError):
     def __init__(self, host: str, what: str, exit_status: int | None, stderr: str):
         self.what = what
         self.exit_status = exit_status
-        self.stderr = stderr.strip()[-1000:]
+        self.stderr = _tail(stderr.strip(), 1000)
         tail = f": {self.stderr}" if self.stderr else ""
         super().__init__(host, f"{what} failed (exit {exit_status}){tail}")
+
+
+def _tail(text: str, limit: int) -> str:
+    """The end of the text, at most `limit` characters, starting at a line or word boundary: a
+    token cut in half no longer matches the redactor's patterns, which run later, at the edge."""
+    if len(text) <= limit:
+        return text
+    tail = text[-limit:]
+    for sep in ("\n", " ", "\t"):
+        at = tail.find(sep)
+        if at >= 0:
+            return "... " + tail[at + 1:].lstrip()
+    return "... (the rest of the output is one word, not shown)"
 
 
 class ObserveError(HostError):

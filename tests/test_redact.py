@@ -175,3 +175,16 @@ def test_with_hundreds_of_values_registered_each_is_still_found() -> None:
     assert redact.redact(f"a {many[42].upper()} b {longer} c {many[7]} d") == "a *** b *** c *** d"
     assert redact.redact(f"x {unicodedata.normalize('NFD', 'é')} {many[0][:-1]}") == (
         f"x {unicodedata.normalize('NFD', 'é')} {many[0][:-1]}")
+
+
+def test_a_long_command_error_is_cut_at_a_boundary_so_a_token_is_never_cut_in_half() -> None:
+    """CommandError keeps the end of stderr; a cut inside a token would leave a tail no pattern
+    matches when the message is redacted at the edge."""
+    from reconciler.errors import CommandError
+    token = "hf_" + "Zq7" * 400                               # one word longer than the cut
+    e = CommandError("gpu-1", "apply", 1, f"error: bad token {token} was refused\nretry later")
+    assert e.stderr == "... retry later" and token[-50:] not in redact.redact(str(e))
+    e = CommandError("gpu-1", "apply", 1, f"{'x ' * 600}hf_{'Zq7' * 10} refused")
+    assert e.stderr.startswith("... ") and redact.redact(str(e)).endswith("*** refused")
+    e = CommandError("gpu-1", "apply", 1, token)
+    assert e.stderr == "... (the rest of the output is one word, not shown)"

@@ -87,7 +87,8 @@ def converge(opts: RunOptions, *, as_json: bool = False, state_dir: Path | None 
     from ..desired import source
     if notes and source.is_url(opts.repo):
         fail(f"--notes writes to a local repo; {redact.redact(opts.repo)} is a URL (its local mirror is a cache "
-             f"that nobody reads). Run it on a clone and push refs/notes/reconciler")
+             f"that nobody reads). Run it on a local clone; the deploy repo's pre-receive hook takes "
+             f"refs/notes/reconciler* only from the users in notes_pushers of the controller's config")
     try:
         opts.trust.check_url(opts.repo)      # before anything is fetched
     except RevisionRefused as e:

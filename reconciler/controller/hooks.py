@@ -200,7 +200,8 @@ def _touch(trigger: Path) -> bool:
 
 def _stream(runs: Path, rev: str, timeout: float) -> int:
     """Print the daemon's log for rev as it grows, until its exit file appears: whole lines,
-    redacted (a pattern cut between two reads would not be recognised)."""
+    redacted (a pattern cut between two reads would not be recognised), control characters
+    shown as escapes (the pusher's terminal is on the other end of git's sideband)."""
     log, done = runs / f"{rev}.log", runs / f"{rev}.exit"
     deadline = time.monotonic() + timeout
     pos = 0
@@ -214,11 +215,11 @@ def _stream(runs: Path, rev: str, timeout: float) -> int:
             lines = (partial + chunk).split("\n")
             partial = lines.pop()
             if lines:
-                sys.stdout.write(redact.redact("\n".join(lines) + "\n"))
+                sys.stdout.write(redact.escape_controls(redact.redact("\n".join(lines) + "\n")))
                 sys.stdout.flush()
         if done.exists() and (not log.exists() or log.stat().st_size <= pos):
             if partial:
-                sys.stdout.write(redact.redact(partial) + "\n")
+                sys.stdout.write(redact.escape_controls(redact.redact(partial)) + "\n")
                 sys.stdout.flush()
             code = done.read_text().strip()
             print(f"reconciler: {rev[:7]} finished with exit {code}", flush=True)
