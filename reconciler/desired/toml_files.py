@@ -71,7 +71,7 @@ class TomlFiles:
             parsed = self._fallback(file, text, e)
         except (RecursionError, MemoryError):
             parsed = _TOO_DEEP
-        if parsed is _TOO_DEEP or (parsed is not None and _depth(parsed) > MAX_DEPTH):
+        if parsed is _TOO_DEEP or (parsed is not None and nesting_depth(parsed) > MAX_DEPTH):
             self.problems.add(file, "", f"tables or arrays nested more than {MAX_DEPTH} deep: not a "
                                         "desired-state file; it was not read")
             return None
@@ -146,7 +146,7 @@ class TomlFiles:
         return found
 
 
-def _depth(data: Any) -> int:
+def nesting_depth(data: Any) -> int:
     """How deep tables and arrays nest in parsed TOML (a table of scalars is 1), without
     recursion; stops counting past MAX_DEPTH."""
     deepest = 0

@@ -78,13 +78,22 @@ def parse_rule_file(data: bytes, file: str) -> CompiledFile:
 
     from pydantic import ValidationError
 
+    from ..desired.toml_files import MAX_DEPTH, MAX_FILE_BYTES, nesting_depth
     from ._schema import RuleFile, compile_rule_file
+    if len(data) > MAX_FILE_BYTES:      # the limits of every desired-state TOML file (toml_files.py)
+        raise ConfigError([Problem(file, "", f"the file is {len(data):,} bytes: a rule file may be at most "
+                                             f"{MAX_FILE_BYTES:,} bytes (1 MiB); it was not read")])
     try:
         raw = tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
         raise ConfigError([Problem(file, "", "not UTF-8 text")]) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([Problem(file, "", f"invalid TOML: {e}")]) from None
+    except (RecursionError, MemoryError):
+        raw = None
+    if raw is None or nesting_depth(raw) > MAX_DEPTH:
+        raise ConfigError([Problem(file, "", f"tables or arrays nested more than {MAX_DEPTH} deep: not a rule "
+                                             "file; it was not read")])
     try:
         return compile_rule_file(RuleFile.model_validate(raw))
     except ValidationError as e:

@@ -500,6 +500,24 @@ def test_repo_rules_and_model_knowledge_extend_the_pack():
     assert rules.origin["site-trust-remote-code"] == "rules/site.toml"
 
 
+def test_a_rule_file_too_big_or_nested_too_deep_is_a_problem_of_that_file_and_not_read():
+    """The limits of every desired-state TOML file (desired/toml_files.py) hold for rules/ too:
+    a parse bomb pushed to the repo is refused by name, never parsed into a crash."""
+    from reconciler.desired.toml_files import MAX_DEPTH, MAX_FILE_BYTES
+    big = "# " + "x" * MAX_FILE_BYTES + "\n"
+    bomb = "x = " + "[" * 50_000 + "]" * 50_000 + "\n"
+    deep = "x = " + "[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1) + "\n"
+    with pytest.raises(ConfigError) as e:
+        pf.load_rules(Snap({"rules/big.toml": big, "rules/bomb.toml": bomb, "rules/deep.toml": deep,
+                            "rules/site.toml": REPO_RULE}))
+    nested = f"tables or arrays nested more than {MAX_DEPTH} deep: not a rule file; it was not read"
+    assert [(p.file, p.key, p.message) for p in e.value.problems] == [
+        ("rules/big.toml", "", f"the file is {MAX_FILE_BYTES + 3:,} bytes: a rule file may be at most "
+                               f"{MAX_FILE_BYTES:,} bytes (1 MiB); it was not read"),
+        ("rules/bomb.toml", "", nested),
+        ("rules/deep.toml", "", nested)]
+
+
 def test_repo_rule_replaces_a_shipped_rule_and_disable_turns_rules_off():
     override = """
 disable = ["gpu-overlap", "vllm-auto-tool-choice-needs-parser"]
