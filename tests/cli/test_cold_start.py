@@ -160,10 +160,17 @@ def test_the_run_never_formats_its_result_on_the_way_out() -> None:
         await asyncio.sleep(0)
         return Result()
 
-    got = run_async(run())
-    assert isinstance(got, Result) and formatted == []
-    asyncio.run(run())              # what run_async avoids
-    assert formatted
+    # asyncio.run swaps SIGINT's handler only when it is Python's default: what a CLI process
+    # has, but not always a test worker (an earlier test or xdist may have set another)
+    import signal
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        got = run_async(run())
+        assert isinstance(got, Result) and formatted == []
+        asyncio.run(run())              # what run_async avoids
+        assert formatted
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_a_new_revision_is_parsed_without_tomlkit_which_still_words_a_syntax_error(tmp_path):
