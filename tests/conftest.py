@@ -26,7 +26,7 @@ from tests import fleet as fleetlib
 
 FLEET_SIZE = int(os.environ.get("RECONCILER_TEST_FLEET_SIZE", "10"))
 # Test hosts live on 127.0.0.20 and up, apart from the sandbox demo (127.0.0.2-3) and benchmarks.
-# Run in parallel (pytest-xdist: `-n 3 --dist loadfile`, as .ci/test does), each worker boots a
+# Run in parallel (pytest-xdist: `-n 3 --dist worksteal`, as .ci/test does), each worker boots a
 # fleet of its own, 40 addresses further on (gw0: .20, gw1: .60, gw2: .100), named apart.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _NTH = int(_WORKER[2:]) if _WORKER.startswith("gw") and _WORKER[2:].isdigit() else 0
