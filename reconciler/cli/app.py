@@ -135,13 +135,13 @@ def validate(repo: str, rev: str | None, path: str, as_json: bool, cache_dir: Pa
              age_identity: str | None) -> None:
     """Check the desired state at a revision without contacting any host (exit 0 or 1)."""
     from ..desired import secrets
-    from ..desired.load import load_desired
+    from ..desired.cache import load_desired
     from ..loop.revision import snapshot_of
     from ..preflight import check_desired, load_rules, secret_problems
     decrypted = 0
     try:
         snap = snapshot_of(RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir))
-        state = load_desired(snap)
+        state = load_desired(snap, cache_dir)
         problems, warnings = check_desired(state, load_rules(snap), snap.read)
         identity = secrets.identity_path(age_identity)
         if identity and any(s.source == "age" for h in state.hosts.values() for svc in h.services.values()

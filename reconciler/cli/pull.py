@@ -196,7 +196,7 @@ def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir
     """`reconcile pull --install`: check that the repo and this host resolve, then write and enable
     the units that run the same command, and say what was installed."""
     from ..desired import source
-    from ..desired.load import load_desired
+    from ..desired.cache import load_desired
     from ..desired.schema import parse_duration
     from ..pull import install, render_units, this_host
     from ..pull._git import branch_dir, open_clone

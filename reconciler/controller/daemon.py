@@ -59,7 +59,7 @@ from rich.console import Console
 
 from .. import faults, redact
 from ..clock import REAL, Clock
-from ..desired import load, source
+from ..desired import cache, source
 from ..desired.spec import DesiredState
 from ..desired.trust import RevisionRefused, check_descends
 from ..dirs import default_state_dir
@@ -350,7 +350,7 @@ class Daemon:
         key = snap.tree_id
         if key is not None and self._loaded is not None and self._loaded[0] == key:
             return replace(self._loaded[1], revision=snap.revision), self._loaded[2]
-        state = load.load_desired(snap)
+        state = cache.load_desired(snap, self.cache_dir)
         rules = load_rules(snap)
         self._loaded = (key, state, rules)
         return state, rules

@@ -81,7 +81,7 @@ def _err(line: str) -> None:
 
 def pre_receive() -> int:
     """Validate every push to the deploy branch; print reasons to the pusher; 0 accept, 1 reject."""
-    from ..desired import load, source
+    from ..desired import cache, source
     from ..desired.trust import RevisionRefused
     from ..preflight import check_desired, load_rules
     from .config import load_config
@@ -117,7 +117,7 @@ def pre_receive() -> int:
             _err(f"reconciler: {new[:7]} signed by {who}")
         try:
             snap = source.snapshot(repo, new, subdir)
-            state = load.load_desired(snap)
+            state = cache.load_desired(snap)
             problems, warnings = check_desired(state, load_rules(snap), snap.read)
             for w in warnings:
                 _err(f"reconciler: {w}")

@@ -28,10 +28,7 @@ service on one host) and rollout (the checks across hosts).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-from ..errors import ConfigError, SourceError
+from ..errors import ConfigError
 from . import schema
 from .collect import Problems
 from .merge import At
@@ -43,9 +40,6 @@ from .spec import DesiredState, FleetSettings, HostSpec, NotifySpec, PullWave, S
 from .toml_files import TomlFiles, under
 from .units import HEADER, UnitFiles
 
-if TYPE_CHECKING:
-    from .source import Snapshot
-
 # What other modules and tests import from here, wherever it is defined.
 __all__ = [
     "FLEET_FILE",
@@ -56,7 +50,6 @@ __all__ = [
     "SnapshotLike",
     "dotted",
     "load_desired",
-    "render_at",
 ]
 
 
@@ -66,23 +59,6 @@ def load_desired(snap: SnapshotLike) -> DesiredState:
     Raises ConfigError listing every problem found, in every file, when anything is wrong.
     """
     return _Loader(snap).load()
-
-
-def render_at(snap: Snapshot) -> Callable[[str], DesiredState | None]:
-    """A function giving the desired state at another revision of the same repo (for rollback),
-    cached per revision; None where that revision is missing or invalid."""
-    from .source import snapshot
-
-    cache: dict[str, DesiredState | None] = {}
-
-    def at(rev: str) -> DesiredState | None:
-        if rev not in cache:
-            try:
-                cache[rev] = load_desired(snapshot(snap.repo, rev, snap.subdir))
-            except (ConfigError, SourceError):
-                cache[rev] = None
-        return cache[rev]
-    return at
 
 
 class _Loader:

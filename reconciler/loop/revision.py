@@ -2,7 +2,7 @@
 
 `open_revision(snapshot, opts)` verifies the revision under the run's trust policy
 (`opts.trust`: signed by an allowed key, when the door requires it), loads the desired state
-(`desired.load.load_desired`, or a state the caller already loaded from the same tree),
+(`desired.cache.load_desired`, or a state the caller already loaded from the same tree),
 decrypts its age secrets with the run's identity, and gives the run what it asks of the
 repository: the state at another revision for a rollback (verified under the same policy, then
 decrypted: a revision a host's record names is no more trusted than a tip), the pre-flight rule
@@ -54,10 +54,10 @@ def open_revision(snap: Snapshot, opts: RunOptions, *, state: DesiredState | Non
     `state`, `rules`: what the caller already loaded from this snapshot's tree (the daemon's
     memo of the last tree), so they are not parsed again."""
     from ..desired import secrets
-    from ..desired.load import load_desired, render_at  # pydantic and the schema: with a revision to load
+    from ..desired.cache import load_desired, render_at  # the loader (pydantic) only on a cache miss
     signer = opts.trust.verify(snap.repo, snap.revision) if opts.trust.require_signed else None
     if state is None:
-        state = load_desired(snap)
+        state = load_desired(snap, opts.cache_dir)
     dec = secrets.Decryptor(secrets.identity_path(opts.age_identity))
     if any(s.source == "age" for h in state.hosts.values() for svc in h.services.values() for s in svc.secrets):
         state = dec.state(state)
@@ -74,7 +74,7 @@ def open_revision(snap: Snapshot, opts: RunOptions, *, state: DesiredState | Non
         return check(snap.repo)(target, applied)
 
     refused: dict[str, str] = {}
-    rollback = render_at(snap)
+    rollback = render_at(snap, opts.cache_dir)
     if opts.trust.require_signed:
         rollback = opts.trust.render_at(snap.repo, rollback, refused)
     return Revision(state, dec.render_at(rollback), rule_pack, descends, signer, refused)

@@ -35,7 +35,7 @@ from typing import Any
 import pygit2
 
 from ..desired import source
-from ..desired.load import load_desired
+from ..desired.cache import load_desired
 from ..desired.spec import DesiredState, HostSpec
 from ..desired.trust import RevisionRefused, TrustPolicy, shown_url, url_credentials
 from ..errors import ConfigError, SourceError

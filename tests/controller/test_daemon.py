@@ -158,6 +158,6 @@ def test_the_daemon_deploys_only_what_its_signing_policy_allows(tmp_path, capsys
     assert f"{signed[:7]}: signed by {signing.PRINCIPAL}" in (tmp_path / "state" / "runs" / f"{signed}.log").read_text()
     capsys.readouterr()
     plain = Daemon(ControllerConfig(repo="http://127.0.0.1:9/fleet.git", state_dir=str(tmp_path / "s2"), metrics="",
-                                    web="", cache_dir=str(tmp_path / "cache")), interval=60)
+                                    web="", cache_dir=str(tmp_path / "mirrors")), interval=60)
     assert asyncio.run(plain.run_once()) == 1
-    assert "refused: InsecureTransport" in capsys.readouterr().out and not (tmp_path / "cache").exists()
+    assert "refused: InsecureTransport" in capsys.readouterr().out and not (tmp_path / "mirrors").exists()

@@ -1,0 +1,264 @@
+"""Loaded desired state kept as plain data, so that a run of a tree loaded before skips the
+loader (pydantic and the schema: about 0.2 s of a one-host `reconcile` that changes nothing).
+
+Every door loads through `load_desired` here: the CLI, the daemon, the hooks and pull mode.
+
+What is kept: JSON, one file per tree (the id of the tree the snapshot reads: a new commit of
+the same files hits), holding the DesiredState as data (dataclass fields, bytes as base64) and
+the fingerprint of the loader's own code (a changed loader never reads an old entry). Only a
+load that succeeded is kept; a ConfigError is raised again by the loader every time.
+
+Nothing read from the cache runs as code: it is parsed by `json` and turned into the spec's
+frozen dataclasses field by field, typed by their annotations. Still, what it says is deployed,
+so it is used only when the cache directory, its `desired/` and the entry are this user's and
+writable by no one else: looked at (lstat) before anything in them is opened, so another user's
+cache directory (`sudo -E` keeps XDG_CACHE_HOME) is never opened at all, and checked again on
+the opened descriptors (O_NOFOLLOW: a link is refused; a directory swapped after the first look
+is the one checked); and only when the entry names the tree and fingerprint asked for. Anything
+else, and every error, is a miss: the loader runs, and nothing is written there.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import stat
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .spec import DesiredState
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from .repo import SnapshotLike
+    from .source import Snapshot
+
+FORMAT = 1
+KEEP = 32                   # entries kept; the oldest go when a new one is written
+MAX_BYTES = 64 << 20        # an entry larger than this is not read
+_DIR = "desired"
+_CODE = Path(__file__).resolve().parent
+
+
+def load_desired(snap: SnapshotLike, cache_dir: Path | None = None) -> DesiredState:
+    """The desired state of the snapshot: from the cache when this tree was loaded before by
+    this loader, else loaded (desired.load.load_desired: ConfigError on bad input) and kept."""
+    tree = getattr(snap, "tree_id", None)
+    revision = getattr(snap, "revision", None)
+    where = _where(cache_dir) if tree and revision else None
+    if where is not None and _usable(where.parent) and _usable(where):
+        data = _read(where, f"{tree}.json")
+        if data is not None and data.get("tree") == tree and data.get("fingerprint") == fingerprint():
+            with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
+                return dataclasses.replace(from_data(DesiredState, data["state"]), revision=revision)
+    from .load import load_desired as load  # pydantic and the schema: only on a miss
+    state = load(snap)
+    if where is not None and _prepare(where):
+        _write(where, f"{tree}.json", {"format": FORMAT, "tree": tree, "fingerprint": fingerprint(),
+                                       "state": to_data(state)})
+    return state
+
+
+def render_at(snap: Snapshot, cache_dir: Path | None = None) -> Callable[[str], DesiredState | None]:
+    """A function giving the desired state at another revision of the same repo (for rollback),
+    kept per revision; None where that revision is missing or invalid."""
+    from ..errors import ConfigError, SourceError
+    from .source import snapshot
+
+    kept: dict[str, DesiredState | None] = {}
+
+    def at(rev: str) -> DesiredState | None:
+        if rev not in kept:
+            try:
+                kept[rev] = load_desired(snapshot(snap.repo, rev, snap.subdir), cache_dir)
+            except (ConfigError, SourceError):
+                kept[rev] = None
+        return kept[rev]
+    return at
+
+
+def _where(cache_dir: Path | None) -> Path | None:
+    if cache_dir is None:
+        from ..dirs import default_cache_dir
+        cache_dir = default_cache_dir()
+    return cache_dir / _DIR
+
+
+_fingerprint: str | None = None
+
+
+def fingerprint() -> str:
+    """The loader's code: name, size and modification time of every module of desired/ (the
+    loader and everything it imports of ours lives there or in the base layer it never changes
+    without a release), the format, and the Python version."""
+    global _fingerprint
+    if _fingerprint is None:
+        h = hashlib.sha256(f"{FORMAT} {sys.version}".encode())
+        for entry in sorted(os.scandir(_CODE), key=lambda e: e.name):
+            if entry.name.endswith(".py"):
+                st = entry.stat()
+                h.update(f"\0{entry.name} {st.st_size} {st.st_mtime_ns}".encode())
+        _fingerprint = h.hexdigest()[:32]
+    return _fingerprint
+
+
+# ---- plain data <-> the spec's dataclasses ------------------------------------------------------
+
+
+def to_data(value: Any) -> Any:
+    """A spec value as JSON data: dataclasses as their fields, tuples as lists, bytes as base64."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode()}
+    if isinstance(value, dict):
+        return {k: to_data(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_data(v) for v in value]
+    return value
+
+
+_hints: dict[type, dict[str, Any]] = {}
+
+
+def from_data(tp: Any, data: Any) -> Any:
+    """The value of type `tp` (a spec annotation) that `to_data` made `data` from."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        arms = typing.get_args(tp)
+        if data is None and type(None) in arms:
+            return None
+        dataclass_arms = [a for a in arms if dataclasses.is_dataclass(a)]
+        return from_data(dataclass_arms[0], data) if dataclass_arms else _scalar(arms, data)
+    if origin is dict:
+        _key, value = typing.get_args(tp)
+        return {str(k): from_data(value, v) for k, v in _mapping(data).items()}
+    if origin is tuple:
+        item = typing.get_args(tp)[0]
+        return tuple(from_data(item, v) for v in _sequence(data))
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        hints = _hints.get(tp) or _hints.setdefault(tp, typing.get_type_hints(tp))
+        fields = _mapping(data)
+        return tp(**{f.name: from_data(hints[f.name], fields[f.name]) for f in dataclasses.fields(tp) if f.init})
+    if tp is bytes:
+        return base64.b64decode(_mapping(data)["base64"], validate=True)
+    return _scalar((tp,), data)
+
+
+def _scalar(types_: tuple[Any, ...], data: Any) -> Any:
+    """A str, int, float or bool that is one of the types asked for (JSON keeps int and float apart)."""
+    if type(data) in types_ or (float in types_ and type(data) is int):
+        return data
+    raise TypeError(f"{type(data).__name__} where {types_} was expected")
+
+
+def _mapping(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise TypeError("a table was expected")
+    return data
+
+
+def _sequence(data: Any) -> list[Any]:
+    if not isinstance(data, list):
+        raise TypeError("a list was expected")
+    return data
+
+
+# ---- the files: this user's, writable by no one else ---------------------------------------------
+
+
+def _ours(st: os.stat_result) -> bool:
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _usable(path: Path) -> bool:
+    """A directory of this user's that no one else can write, by its own entry (a link is not):
+    looked at before anything in it is opened (another user's cache directory is never opened)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and _ours(st)
+
+
+def _prepare(where: Path) -> bool:
+    """The cache directory and its `desired/` made (0700) where missing; whether both are usable."""
+    for d in (where.parent, where):
+        if not os.path.lexists(d):
+            with contextlib.suppress(OSError):
+                d.mkdir(mode=0o700, parents=True)
+        if not _usable(d):
+            return False
+    return True
+
+
+def _open_dir(where: Path) -> int | None:
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not _ours(os.fstat(fd)):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _read(where: Path, name: str) -> dict[str, Any] | None:
+    d = _open_dir(where)
+    if d is None:
+        return None
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
+    except OSError:
+        return None
+    finally:
+        os.close(d)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not (stat.S_ISREG(st.st_mode) and _ours(st) and st.st_nlink == 1 and st.st_size <= MAX_BYTES):
+            return None
+        try:
+            data = json.loads(f.read(MAX_BYTES + 1))
+        except (ValueError, RecursionError):
+            return None
+    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+
+
+def _write(where: Path, name: str, data: dict[str, Any]) -> None:
+    """Kept atomically (a temp file renamed over the entry) in a 0700 directory; best effort:
+    a cache that cannot be written is only a slower next run."""
+    d = _open_dir(where)
+    if d is None:
+        return
+    tmp = f".{name}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=d)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, separators=(",", ":"))
+        os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+        _prune(d)
+    except (OSError, TypeError, ValueError):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=d)
+    finally:
+        os.close(d)
+
+
+def _prune(d: int) -> None:
+    """Keep the KEEP newest entries."""
+    entries = []
+    for name in os.listdir(d):
+        if name.endswith(".json") and not name.startswith("."):
+            with contextlib.suppress(OSError):
+                entries.append((os.stat(name, dir_fd=d, follow_symlinks=False).st_mtime_ns, name))
+    for _mtime, name in sorted(entries, reverse=True)[KEEP:]:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=d)
