@@ -29,7 +29,7 @@ _ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=")
 def constants(name: str) -> dict[str, str]:
     """The `NAME=value` lines at the top of a program (after its comments), each value as sh
     reads it (quotes, and $NAME of an earlier one)."""
-    lines = program(name).split("\n")
+    lines = (SH / f"{name}.sh").read_text().split("\n")
     head: list[str] = []
     names: list[str] = []
     open_quote = False
