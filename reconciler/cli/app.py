@@ -287,7 +287,11 @@ def init_repo_cmd(path: Path, branch: str, state_dir: Path | None, stream: bool,
     out.print(f"bare deploy repo at {path} (branch {branch}); hooks installed.")
     for n in notes:
         out.print(f"  {n}")
-    out.print(f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
+    if shared:       # pushed to over SSH, as the pushing users (systemd/README.md, step 2 and 4)
+        out.print(f"next, on a workstation (once a pushing user exists on this host):\n"
+                  f"  git remote add deploy git@<this host>:{path.resolve()}\n  git push deploy {branch}")
+    else:
+        out.print(f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
 
 
 def _register() -> None:
