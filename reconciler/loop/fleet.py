@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -62,6 +63,8 @@ class _FleetRun:
         self.hosts = hosts
         self.transports: dict[str, Transport] = {}
         self.locks: dict[str, lock.HostLock] = {}
+        self.raw: dict[str, Transport] = {}        # a locked host's own connection (under the holder's session)
+        self.busy: dict[str, tuple[float, HostResult | None]] = {}   # another run held its lock at the first try
         self.results: dict[str, HostResult] = {}
         self.passes = {h.name: asyncio.Lock() for h in self.hosts}
         self.fleet_q: dict[str, dict[str, Quarantine]] = {}   # host -> service -> fleet-wide quarantine
@@ -79,6 +82,8 @@ class _FleetRun:
         rollouts: list[RolloutResult] = []
         try:
             await asyncio.gather(*(self._survey(h) for h in self.hosts))
+            if self.busy:
+                await self._lock_in_order()
             if not self.retry:
                 await self._apply_halts()
             restarts = {n: restarting(r) for n, r in self.results.items()}
@@ -135,32 +140,76 @@ class _FleetRun:
                 # knows by its count, and reads the host in the same round trip), and planned
                 # from that; the lock is held until the last verdict. A host in sync is read,
                 # never locked: a no-change round costs one observation per host.
-                try:
-                    held, locked = await lock_and_observe(t, h, self.opts.lock_wait, look=r.facts if r else None)
-                except HostError as e:
-                    self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
-                                                      message=e.message, seconds=time.monotonic() - t0)
-                    self.transports.pop(h.name, None)
-                    await self._close(t)
+                # The first try never waits: a run waits for a lock only in _lock_in_order, holding
+                # none but locks of hosts named before it (two runs never wait for each other).
+                locked = await self._lock(h, t, r, t0, wait=0, first=True)
+                if locked is None:
                     return
-                # From here on, the host's commands go through the holder's shell (session.py)
-                self.locks[h.name], t = held, held.over(t)
-                self.transports[h.name] = t
-                r = await self.host_pass(h, dry_run=True, transport=t, facts=locked)
-                r.seconds = time.monotonic() - t0
-            self.results[h.name] = r
-            applied = r.facts.record.applied_revision if r.facts and r.facts.record else None
-            if applied and self.rev.descends is not None and not self.opts.allow_rewind:
-                problem = rewind_problem(self.state.revision, applied,
-                                         self.rev.descends(self.state.revision, applied), f"host {h.name}")
-                if problem:
-                    # The host is the truth about what runs there: a rewind changes nothing on it.
-                    self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason="NotDescendant",
-                                                      message=problem, seconds=r.seconds, facts=r.facts)
-            if self.results[h.name].plan is None and self.results[h.name].status is Result.FAILED:
-                # It could not even be observed: report it, and leave it out of every pass.
-                self.transports.pop(h.name, None)
-                await self._close(t)
+                r, t = locked
+            await self._surveyed(h, t, r)
+
+    async def _surveyed(self, h: HostSpec, t: Transport, r: HostResult) -> None:
+        """The survey's result for a host: its plan, or why it takes no part in the passes."""
+        self.results[h.name] = r
+        applied = r.facts.record.applied_revision if r.facts and r.facts.record else None
+        if applied and self.rev.descends is not None and not self.opts.allow_rewind:
+            problem = rewind_problem(self.state.revision, applied,
+                                     self.rev.descends(self.state.revision, applied), f"host {h.name}")
+            if problem:
+                # The host is the truth about what runs there: a rewind changes nothing on it.
+                self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason="NotDescendant",
+                                                  message=problem, seconds=r.seconds, facts=r.facts)
+        if self.results[h.name].plan is None and self.results[h.name].status is Result.FAILED:
+            # It could not even be observed: report it, and leave it out of every pass.
+            self.transports.pop(h.name, None)
+            await self._close(t)
+
+    async def _lock(self, h: HostSpec, t: Transport, r: HostResult | None, t0: float, wait: float,
+                    first: bool = False) -> tuple[HostResult, Transport] | None:
+        """Take the host's lock, observe and plan it under the lock: the plan and the transport
+        that now runs through the holder's session. None when it is not locked: the host's
+        result says why, or, at the first try (wait 0), it waits in self.busy for its turn."""
+        try:
+            held, locked = await lock_and_observe(t, h, wait, look=r.facts if r else None)
+        except HostError as e:
+            if first and isinstance(e, lock.LockedError):
+                self.busy[h.name] = (t0, r)
+                return None
+            self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
+                                              message=e.message, seconds=time.monotonic() - t0)
+            self.transports.pop(h.name, None)
+            await self._close(t)
+            return None
+        # From here on, the host's commands go through the holder's shell (session.py)
+        self.raw[h.name] = t
+        self.locks[h.name], t = held, held.over(t)
+        self.transports[h.name] = t
+        r = await self.host_pass(h, dry_run=True, transport=t, facts=locked)
+        r.seconds = time.monotonic() - t0
+        return r, t
+
+    async def _lock_in_order(self) -> None:
+        """Another run held a host's lock at the first try. Let go of every lock this run took,
+        then take each again, one at a time in the order of the hosts' names, waiting for it
+        (lock_wait in all): a run that waits holds only locks of names before the one it waits
+        for, and a run at its first try waits for nothing, so two runs never wait for each other
+        in a circle (each would give up after lock_wait, both having changed nothing)."""
+        names = sorted(set(self.busy) | set(self.locks), key=natural_key)
+        started = {n: t0 for n, (t0, _look) in self.busy.items()} | {n: time.monotonic() for n in self.locks}
+        await asyncio.gather(*(held.release() for held in self.locks.values()))
+        for n in self.locks:
+            self.transports[n] = self.raw.pop(n)
+        self.locks.clear()
+        self.busy.clear()
+        by_name = {h.name: h for h in self.hosts}
+        deadline = time.monotonic() + self.opts.lock_wait
+        for n in names:
+            h = by_name[n]
+            wait = max(0, math.ceil(deadline - time.monotonic()))
+            locked = await self._lock(h, self.transports[n], None, started[n], wait=wait)
+            if locked is not None:
+                r, t = locked
+                await self._surveyed(h, t, r)
 
     def _unlocked(self, h: HostSpec) -> bool:
         """A host surveyed in sync and so never locked: no pass may write to it."""

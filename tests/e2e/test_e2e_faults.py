@@ -857,6 +857,24 @@ def test_plain_changes_after_killed_and_concurrent_runs_all_exit_0(fleet, repo, 
         assert_sleepers_run(fleet, hosts, f"p{i}", rev, f"plain change {i - 1}")
 
 
+@pytest.mark.timeout(300)
+def test_two_runs_at_once_on_the_same_two_hosts_never_wait_for_each_other(fleet, repo, tmp_path):
+    # CI of 2026-12-03: two runs started together each took one host's lock at once, then waited
+    # for the other's (lock_wait, 30 s) and both ended Locked, exit 4, changing nothing there. A
+    # run's first try at a lock never waits; one that meets a held lock lets go of its own and
+    # takes them again in the order of the hosts' names. Eight pairs: both exit 0 every time.
+    hosts = fleet.hosts[:2]
+    write_sleepers(repo, hosts, "c0")
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    for i in range(1, 9):
+        rev = write_sleepers(repo, hosts, f"c{i}")
+        pair = [controller(str(repo.path), tmp_path / f"pair{i}-{n}") for n in (1, 2)]
+        ended = [finished(c, tmp_path / f"pair{i}-{n}", 120) for n, c in enumerate(pair, 1)]
+        assert [rc for rc, _ in ended] == [0, 0], (i, [[(h["host"], h.get("reason"), h.get("message"))
+                                                        for h in out.get("hosts", [])] for _, out in ended])
+        assert_sleepers_run(fleet, hosts, f"c{i}", rev, f"pair {i}")
+
+
 @pytest.mark.timeout(120)
 def test_temp_files_a_killed_run_left_are_named_by_the_dry_run_and_removed(fleet, repo):
     # What a run killed mid-write leaves (its script got no chance to clean up): temp files
