@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -92,22 +93,17 @@ def _where(cache_dir: Path | None) -> Path | None:
     return cache_dir / _DIR
 
 
-_fingerprint: str | None = None
-
-
+@functools.cache
 def fingerprint() -> str:
     """The loader's code: name, size and modification time of every module of desired/ (the
     loader and everything it imports of ours lives there or in the base layer it never changes
     without a release), the format, and the Python version."""
-    global _fingerprint
-    if _fingerprint is None:
-        h = hashlib.sha256(f"{FORMAT} {sys.version}".encode())
-        for entry in sorted(os.scandir(_CODE), key=lambda e: e.name):
-            if entry.name.endswith(".py"):
-                st = entry.stat()
-                h.update(f"\0{entry.name} {st.st_size} {st.st_mtime_ns}".encode())
-        _fingerprint = h.hexdigest()[:32]
-    return _fingerprint
+    h = hashlib.sha256(f"{FORMAT} {sys.version}".encode())
+    for entry in sorted(os.scandir(_CODE), key=lambda e: e.name):
+        if entry.name.endswith(".py"):
+            st = entry.stat()
+            h.update(f"\0{entry.name} {st.st_size} {st.st_mtime_ns}".encode())
+    return h.hexdigest()[:32]
 
 
 # ---- plain data <-> the spec's dataclasses ------------------------------------------------------
@@ -126,7 +122,7 @@ def to_data(value: Any) -> Any:
     return value
 
 
-_hints: dict[type, dict[str, Any]] = {}
+_hints = functools.cache(typing.get_type_hints)
 
 
 def from_data(tp: Any, data: Any) -> Any:
@@ -145,7 +141,7 @@ def from_data(tp: Any, data: Any) -> Any:
         item = typing.get_args(tp)[0]
         return tuple(from_data(item, v) for v in _sequence(data))
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        hints = _hints.get(tp) or _hints.setdefault(tp, typing.get_type_hints(tp))
+        hints = _hints(tp)
         fields = _mapping(data)
         return tp(**{f.name: from_data(hints[f.name], fields[f.name]) for f in dataclasses.fields(tp) if f.init})
     if tp is bytes:

@@ -64,7 +64,7 @@ class _FleetRun:
         self.transports: dict[str, Transport] = {}
         self.locks: dict[str, lock.HostLock] = {}
         self.raw: dict[str, Transport] = {}        # a locked host's own connection (under the holder's session)
-        self.busy: dict[str, tuple[float, HostResult | None]] = {}   # another run held its lock at the first try
+        self.busy: dict[str, float] = {}           # another run held its lock at the first try: when its survey began
         self.results: dict[str, HostResult] = {}
         self.passes = {h.name: asyncio.Lock() for h in self.hosts}
         self.fleet_q: dict[str, dict[str, Quarantine]] = {}   # host -> service -> fleet-wide quarantine
@@ -173,7 +173,7 @@ class _FleetRun:
             held, locked = await lock_and_observe(t, h, wait, look=r.facts if r else None)
         except HostError as e:
             if first and isinstance(e, lock.LockedError):
-                self.busy[h.name] = (t0, r)
+                self.busy[h.name] = t0
                 return None
             self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
                                               message=e.message, seconds=time.monotonic() - t0)
@@ -195,7 +195,7 @@ class _FleetRun:
         for, and a run at its first try waits for nothing, so two runs never wait for each other
         in a circle (each would give up after lock_wait, both having changed nothing)."""
         names = sorted(set(self.busy) | set(self.locks), key=natural_key)
-        started = {n: t0 for n, (t0, _look) in self.busy.items()} | {n: time.monotonic() for n in self.locks}
+        started = self.busy | {n: time.monotonic() for n in self.locks}
         await asyncio.gather(*(held.release() for held in self.locks.values()))
         for n in self.locks:
             self.transports[n] = self.raw.pop(n)
