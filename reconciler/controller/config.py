@@ -34,8 +34,8 @@
     notes_pushers = []                   # users who may push refs/notes/reconciler* (pull-mode hosts' own
                                          #   account; the pre-receive hook refuses everyone else)
     webhook_allow = []                   # non-public networks fleet.toml's [notify] webhook may reach
-                                         #   (["10.20.0.0/16"]); loopback, private, link-local: refused
-                                         #   otherwise. env: RECONCILER_WEBHOOK_ALLOW="10.20.0.0/16,..."
+                                         #   (["127.0.0.0/8"]); loopback, private, link-local: refused
+                                         #   otherwise. env: RECONCILER_WEBHOOK_ALLOW="127.0.0.0/8,..."
 
 Every key can be overridden by an environment variable RECONCILER_<KEY> (e.g.
 RECONCILER_REPO, RECONCILER_INTERVAL). Signing policy lives here, on the control host, and not
@@ -176,12 +176,12 @@ class ControllerConfig(BaseModel):
     @field_validator("webhook_allow")
     @classmethod
     def _networks(cls, v: list[str]) -> list[str]:
-        """Each item an address or a CIDR network (10.20.0.0/16, fd00::/8)."""
+        """Each item an address or a CIDR network (127.0.0.0/8, ::1/128)."""
         for item in v:
             try:
                 ipaddress.ip_network(item, strict=False)
             except ValueError:
-                raise ValueError(f"{item!r} is not a network: an address or CIDR, like 10.20.0.0/16") from None
+                raise ValueError(f"{item!r} is not a network: an address or CIDR, like 127.0.0.0/8") from None
         return v
 
     @field_validator("forge_url", "forge_target_url")

@@ -69,13 +69,13 @@ class WebhookStatus(Exception):
 
 
 def networks(items: Iterable[str]) -> tuple[Network, ...]:
-    """Networks from CIDR strings ("10.1.0.0/16", "127.0.0.1", "fd00::/8"); ValueError names a bad one."""
+    """Networks from CIDR strings ("127.0.0.0/8", "127.0.0.1", "::1/128"); ValueError names a bad one."""
     out = []
     for item in items:
         try:
             out.append(ipaddress.ip_network(item.strip(), strict=False))
         except ValueError:
-            raise ValueError(f"{item!r} is not a network (an address or CIDR, like 10.1.0.0/16)") from None
+            raise ValueError(f"{item!r} is not a network (an address or CIDR, like 127.0.0.0/8)") from None
     return tuple(out)
 
 

@@ -40,4 +40,4 @@ def test_the_commented_settings_load_when_uncommented(tmp_path: Path) -> None:
     path = tmp_path / "config.toml"
     path.write_text("\n".join(lines) + "\n")
     cfg = load_config(path)
-    assert cfg.webhook_allow == ["10.20.0.0/16"] and cfg.forge_repo == "ops/fleet" and cfg.forge_timeout == 5
+    assert cfg.webhook_allow == ["127.0.0.0/8"] and cfg.forge_repo == "ops/fleet" and cfg.forge_timeout == 5

@@ -76,7 +76,7 @@ def test_a_loopback_webhook_is_refused_unless_the_controller_allows_it(target, m
         f"webhook {notify.where(url)}: rollout.start not delivered: WebhookRefused: 127.0.0.1 is a loopback "
         f"address; a webhook reaches it only when the controller's config allows its network (webhook_allow, "
         f"or ${ALLOW_ENV} for `reconcile`)"]
-    monkeypatch.setenv(ALLOW_ENV, "10.0.0.0/8, 127.0.0.1/32")       # the `reconcile` command's allowance
+    monkeypatch.setenv(ALLOW_ENV, "127.20.0.0/16, 127.0.0.1/32")       # the `reconcile` command's allowance
     assert deliver(url).failures == [] and handler.hits == ["/hook"]
 
 
@@ -150,22 +150,22 @@ def test_public_addresses_pass(address):
 
 
 def test_an_allowed_network_lets_its_addresses_pass_and_no_others():
-    notify.allow(["10.20.0.0/16"])
-    check_address("10.20.3.4")
+    notify.allow(["127.20.0.0/16"])
+    check_address("127.20.3.4")
     with pytest.raises(WebhookRefused):
-        check_address("10.21.0.1")
+        check_address("127.21.0.1")
 
 
 def test_a_bad_network_in_the_config_names_the_file_and_key(tmp_path):
     cfg = tmp_path / "config.toml"
-    cfg.write_text('webhook_allow = ["10.0.0.0/33"]\n')
+    cfg.write_text('webhook_allow = ["127.0.0.0/33"]\n')
     with pytest.raises(ConfigError) as e:
         load_config(cfg)
     (problem,) = e.value.problems
     assert (problem.file, problem.key) == (str(cfg), "webhook_allow")
-    assert "'10.0.0.0/33' is not a network" in problem.message
+    assert "'127.0.0.0/33' is not a network" in problem.message
 
 
 def test_the_env_list_is_split_like_labels(tmp_path, monkeypatch):
-    monkeypatch.setenv("RECONCILER_WEBHOOK_ALLOW", "10.0.0.0/8, 192.168.7.0/24")
-    assert load_config(tmp_path / "absent.toml").webhook_allow == ["10.0.0.0/8", "192.168.7.0/24"]
+    monkeypatch.setenv("RECONCILER_WEBHOOK_ALLOW", "127.0.0.0/8, 127.7.0.0/24")
+    assert load_config(tmp_path / "absent.toml").webhook_allow == ["127.0.0.0/8", "127.7.0.0/24"]
