@@ -38,6 +38,7 @@ class Merged:
     health: dict[str, tuple[Any, At]] = field(default_factory=dict)
     rollout: dict[str, tuple[Any, At]] = field(default_factory=dict)
     gpu_policy: str = "report"
+    engine_check: str = "hidden"
     adopt: bool = False
     allow_dropins: tuple[str, ...] = ()
     secrets: dict[str, tuple[schema.SecretRef, At]] = field(default_factory=dict)
@@ -70,6 +71,8 @@ class Merged:
         self.add_health(table.health, file, prefix)
         if table.gpu_policy is not None:
             self.gpu_policy = table.gpu_policy
+        if table.engine_check is not None:
+            self.engine_check = table.engine_check
         if table.adopt is not None:
             self.adopt = table.adopt
         if table.allow_dropins is not None:

@@ -440,6 +440,10 @@ class ServiceDefinition(Table):
     # What to do with a process that holds the service's GPUs but is not the service's own
     # (found by the GPU gate before a start): "report" (default) or "kill".
     gpu_policy: Literal["report", "kill"] | None = None
+    # The installed engine's own check of the command line before a start (docs/engine-check.md):
+    # "hidden" (default: no GPU visible to the check, the host's GPU facts passed in), "visible"
+    # (the engine reads the GPUs itself) or "off".
+    engine_check: Literal["hidden", "visible", "off"] | None = None
     # Take over a unit of this name that the reconciler did not install (kept, and put back when
     # the service leaves the desired state). Without it such a unit is reported Foreign, untouched.
     adopt: Boolean | None = None

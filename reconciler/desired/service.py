@@ -257,6 +257,7 @@ class ServiceLoader:
             definition=table.use,
             rollout=policy,
             gpu_policy=merged.gpu_policy,
+            engine_check=merged.engine_check,
             adopt=merged.adopt,
             allow_dropins=merged.allow_dropins,
             secrets=self._secrets(merged, env),

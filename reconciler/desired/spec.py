@@ -114,6 +114,7 @@ class ServiceSpec:
     source: str = ""                 # repo file(s) it was defined in, for messages
     definition: str | None = None    # name of the shared services/<definition>.toml, if any
     gpu_policy: str = "report"       # stray GPU holders before a start: "report" or "kill"
+    engine_check: str = "hidden"     # the engine's own check before a start: "hidden", "visible" or "off"
     rollout: RolloutPolicy = field(default_factory=RolloutPolicy)   # used when definition is set
     # Take over a unit of this name that the reconciler did not install (its original files are
     # kept and put back when the service leaves the desired state). Without it such a unit is

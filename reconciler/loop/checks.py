@@ -20,21 +20,18 @@ hook.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import re
 import secrets
-import shlex
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from .. import shell
 from ..clock import REAL, Clock
 from ..desired.spec import HostSpec, ModelSpec, ServiceSpec
-from ..errors import CommandError
 from ..frames import Frame, frames
 from ..host.apply import GpuWait
+from ..host.engine import check_engines
 from ..host.gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, gpu_facts, kill_strays, parse_gpu, wait_released
 from ..host.transport import Transport
 from ..host.versions import Probe, parse_probe, probe_command, probe_for
@@ -47,6 +44,7 @@ from ..preflight import (
     ModelFacts,
     RuleSet,
     check_host,
+    engine_run_for,
     gpu_claim,
     model_check_command,
     parse_command,
@@ -77,9 +75,6 @@ class Preflight:
 
     def block(self, service: str, reason: str, message: str) -> None:
         self.blocked.setdefault(service, []).append(Block(reason, message))
-
-
-Progress = Callable[[str, str, float, float], None]   # service, phase, elapsed, timeout
 
 
 # ---- systemd's own check of a unit ----------------------------------------------------------------
@@ -262,9 +257,24 @@ async def _read(t: Transport, out: Preflight, host: HostSpec, units: Mapping[str
     return versions
 
 
+async def _judge_engines(t: Transport, out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec]) -> set[str]:
+    """The installed engine's own check of each command line (host/engine.py): a refusal blocks
+    the service (EngineRejected), an inconclusive answer is a warning; the services it answered."""
+    runs = [r for n, s in sorted(specs.items()) if (r := engine_run_for(n, s)) is not None]
+    verdicts = await check_engines(t, host.name, runs) if runs else {}
+    for v in verdicts.values():
+        if v.verdict == "rejected":
+            out.block(v.service, "EngineRejected", v.block())
+        else:
+            out.warnings.append(v.note())
+    return {v.service for v in verdicts.values() if v.verdict != "inconclusive"}
+
+
 async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: HostFacts, rules: RuleSet | None,
                          *, fetched: Mapping[str, str | None] | None = None) -> Preflight:
-    """Check what the plan starts against the host: units, rules, models, GPUs (one round trip).
+    """Check what the plan starts against the host: units, rules, models, GPUs (one round trip),
+    then each command line by the installed engine itself (unless the service says
+    `engine_check = "off"`).
 
     `fetched`: model paths already fetched in this run -> why the fetch failed (None: it ran);
     their models are judged as they are now, never fetched again.
@@ -278,11 +288,12 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     paths = sorted({s.model.path for s in specs.values() if s.model})
     versions = await _read(t, out, host, units, paths, bool(targets), _probes(specs, rules))
     _judge_models(out, specs, fetched or {})
+    # A rollback target passed health here: a rule pack or an engine that changed since must
+    # not keep the fleet from going back to it (systemd's check and the model check still apply).
+    fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
+    answered = await _judge_engines(t, out, host, fresh)
     if rules is not None and targets:
-        # A rollback target passed health here: a rule pack that changed since must not keep
-        # the fleet from going back to it (systemd's check and the model check still apply).
-        fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
-        _judge_rules(out, host, fresh, rules, versions)
+        _judge_rules(out, host, fresh, rules, versions, answered)
     if out.gpu is not None and out.gpu.has_nvidia_smi:
         _judge_strays(out, out.gpu, specs, facts, host)
     return out
@@ -384,7 +395,9 @@ def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Map
 
 
 def _judge_rules(out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec], rules: RuleSet,
-                 versions: Mapping[str, str | None]) -> None:
+                 versions: Mapping[str, str | None], answered: set[str]) -> None:
+    """The rule pack; for a service whose engine answered, the shipped flag rules are the
+    engine's to judge (they trail it), while built-in checks and the repo's own rules apply."""
     configs = {p: m.config for p, m in out.models.items() if m.config is not None}
     gpu = out.gpu or GpuFacts(has_nvidia_smi=False)
     no_gpus = not gpu.has_nvidia_smi
@@ -395,43 +408,12 @@ def _judge_rules(out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec
                         versions=versions):
         if f.service not in specs or (no_gpus and f.rule_id in GPU_RULES):
             continue
+        if f.service in answered and rules.origin.get(f.rule_id, "").startswith("reconciler/"):
+            continue
         if f.blocking:
             out.block(f.service, "PreflightFailed", str(f))
         else:
             out.warnings.append(str(f))
-
-
-async def fetch_model(t: Transport, service: str, model: ModelSpec, facts: ModelFacts | None,
-                      on_phase: Progress | None = None) -> str | None:
-    """Run model.fetch on the host (before anything is stopped). Returns why it failed, or None.
-
-    Checks free disk space first when the size is known (model.size_gb, or the index's
-    total_size), then runs the command in the model directory with model.fetch_timeout.
-    """
-    need = model.size_gb * 1e9 if model.size_gb else (facts.total_size if facts else None)
-    free = facts.free_bytes if facts else None
-    if need and free is not None and free < need:
-        return (f"model-fetch: not enough disk for {model.id} at {model.path}: needs {need / 1e9:.1f} GB, "
-                f"{free / 1e9:.1f} GB free")
-    cmd = f"mkdir -p {shlex.quote(model.path)} && cd {shlex.quote(model.path)} && {model.fetch}"
-    started = time.monotonic()
-
-    async def tick() -> None:
-        while True:
-            if on_phase:
-                on_phase(service, f"fetching {model.id}", time.monotonic() - started, model.fetch_timeout)
-            await asyncio.sleep(1.0)
-    ticker = asyncio.create_task(tick())
-    try:
-        res = await t.run(cmd, timeout=model.fetch_timeout, what=f"fetch {model.id}")
-    except CommandError as e:
-        return f"model-fetch: {model.fetch!r} did not finish within {model.fetch_timeout:.0f}s: {e.stderr}"
-    finally:
-        ticker.cancel()
-    if not res.ok:
-        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        return f"model-fetch: {model.fetch!r} failed (exit {res.exit_status}): {' / '.join(tail)}"
-    return None
 
 
 # ---- the GPU gate -------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ class _HostRun:
             if m.path in fetched:
                 continue
             models = self.preflight.models if self.preflight else {}
-            from .checks import fetch_model
+            from .fetch import fetch_model
             fetched[m.path] = await fetch_model(self.t, sp.name, m, models.get(m.path), self._progress())
             self.result.notes.append(fetched[m.path] or f"fetched {m.id} into {m.path}")
         return await self.plan(facts, fetched=fetched)

@@ -58,7 +58,8 @@ Message placeholders: {flag:--name} (its value), {model}, {model.why}, {missing}
 never appear in messages (they may be secrets).
 
 The package, one concern a module (all private; this module's `__all__` is the interface):
-_command (the server command line), _models (model knowledge), _schema (the rule-file
+_command (the server command line), _engine (the engine's own check of a command line: which
+services have one, what its answers mean), _models (model knowledge), _schema (the rule-file
 schema), _rules (loading the rule pack, evaluating declarative rules), _builtin (the built-in
 rules and their registry), _check (check_service, check_host, check_desired), _hostcheck
 (model presence on the host) and _secrets (secret-looking env values, undecryptable secrets).
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from ._builtin import BUILTIN_RULES
     from ._check import check_desired, check_host, check_service
     from ._command import Command, gpu_claim, parse_command, unit_entries
+    from ._engine import EngineRun, EngineVerdict, engine_run_for, parse_verdict
     from ._hostcheck import ModelFacts, model_check_command, parse_model_check
     from ._models import ModelInfo, model_info
     from ._rules import Finding, RuleSet, load_rules
@@ -84,6 +86,7 @@ _HOME = {
     "BUILTIN_RULES": "_builtin",
     "check_desired": "_check", "check_host": "_check", "check_service": "_check",
     "Command": "_command", "gpu_claim": "_command", "parse_command": "_command", "unit_entries": "_command",
+    "EngineRun": "_engine", "EngineVerdict": "_engine", "engine_run_for": "_engine", "parse_verdict": "_engine",
     "ModelFacts": "_hostcheck", "model_check_command": "_hostcheck", "parse_model_check": "_hostcheck",
     "ModelInfo": "_models", "model_info": "_models",
     "Finding": "_rules", "RuleSet": "_rules", "load_rules": "_rules",
@@ -103,6 +106,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BUILTIN_RULES",
     "Command",
+    "EngineRun",
+    "EngineVerdict",
     "Finding",
     "ModelFacts",
     "ModelInfo",
@@ -111,6 +116,7 @@ __all__ = [
     "check_desired",
     "check_host",
     "check_service",
+    "engine_run_for",
     "env_secret_warnings",
     "gpu_claim",
     "load_rules",
@@ -118,6 +124,7 @@ __all__ = [
     "model_info",
     "parse_command",
     "parse_model_check",
+    "parse_verdict",
     "secret_file",
     "secret_problems",
     "secret_warnings",

@@ -88,6 +88,7 @@ class Command:
 
     server: Server | None
     argv: tuple[str, ...] = ()
+    server_args: tuple[str, ...] = ()    # the words the server's own argument parser gets
     flags: Mapping[str, str | None] = field(default_factory=dict)
     positionals: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
@@ -395,7 +396,7 @@ def parse_command(svc: ServiceSpec) -> Command:
     if server is None:
         return Command(server=None, argv=tuple(tokens), env=env)
     flags, positionals = _parse_flags(server, args)
-    return Command(server=server, argv=tuple(tokens), flags=flags,
+    return Command(server=server, argv=tuple(tokens), server_args=tuple(args), flags=flags,
                    positionals=tuple(positionals), env=env)
 
 
