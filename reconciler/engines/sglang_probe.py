@@ -194,7 +194,7 @@ def judge(e: BaseException, stage: str) -> dict[str, Any]:
     return {**base, "verdict": "inconclusive", "message": message or source}
 
 
-_usage = []
+_usage: list[str] = []
 
 
 class _StderrTee:
