@@ -10,8 +10,9 @@ Everything here is pure except the text of one shell command:
   naming file and key. `check_service` and `check_host` evaluate them, together with a few
   built-in checks that need arithmetic or look across services (parallel sizes vs GPUs, heads
   divisibility, quantization vs checkpoint, GPUs and ports shared on one host), each one
-  function registered with `@builtin(id, sources=...)`. Every result is a `Finding` with a
-  rule id, the fix and the source that justifies the rule.
+  function registered with `@builtin(id, sources=...)`; with the host's GPUs (`Hardware`) and
+  the checkpoint's size also memory per GPU and quantization vs compute capability. Every
+  result is a `Finding` with a rule id, the fix and the source that justifies the rule.
 * Model presence: `model_check_command(paths)` reads config.json, the safetensors index and the
   size of every weight file in one round trip; `parse_model_check` names what is missing.
 
@@ -59,8 +60,10 @@ never appear in messages (they may be secrets).
 
 The package, one concern a module (all private; this module's `__all__` is the interface):
 _command (the server command line), _models (model knowledge), _schema (the rule-file
-schema), _rules (loading the rule pack, evaluating declarative rules), _builtin (the built-in
-rules and their registry), _check (check_service, check_host, check_desired), _hostcheck
+schema), _rules (loading the rule pack, evaluating declarative rules), _registry (what a
+built-in rule is given and returns, and their registry), _builtin (the built-in rules), _shapes
+(MoE and FP8-block shapes per rank), _hardware (the host's GPUs as the rules see them),
+_capacity (memory and compute capability), _check (check_service, check_host, check_desired), _hostcheck
 (model presence on the host) and _secrets (secret-looking env values, undecryptable secrets).
 """
 
@@ -73,6 +76,7 @@ if TYPE_CHECKING:
     from ._builtin import BUILTIN_RULES
     from ._check import check_desired, check_host, check_service
     from ._command import Command, gpu_claim, parse_command, unit_entries
+    from ._hardware import GpuHolder, GpuState, Hardware, weights_bytes
     from ._hostcheck import ModelFacts, model_check_command, parse_model_check
     from ._models import ModelInfo, model_info
     from ._rules import Finding, RuleSet, load_rules
@@ -84,6 +88,7 @@ _HOME = {
     "BUILTIN_RULES": "_builtin",
     "check_desired": "_check", "check_host": "_check", "check_service": "_check",
     "Command": "_command", "gpu_claim": "_command", "parse_command": "_command", "unit_entries": "_command",
+    "GpuHolder": "_hardware", "GpuState": "_hardware", "Hardware": "_hardware", "weights_bytes": "_hardware",
     "ModelFacts": "_hostcheck", "model_check_command": "_hostcheck", "parse_model_check": "_hostcheck",
     "ModelInfo": "_models", "model_info": "_models",
     "Finding": "_rules", "RuleSet": "_rules", "load_rules": "_rules",
@@ -104,6 +109,9 @@ __all__ = [
     "BUILTIN_RULES",
     "Command",
     "Finding",
+    "GpuHolder",
+    "GpuState",
+    "Hardware",
     "ModelFacts",
     "ModelInfo",
     "RuleSet",
@@ -122,4 +130,5 @@ __all__ = [
     "secret_problems",
     "secret_warnings",
     "unit_entries",
+    "weights_bytes",
 ]
