@@ -158,10 +158,12 @@ def _fit(cmd: Command, gpu: GpuState, hw: Hardware, facts: ServiceFacts, need: f
     if cmd.server == "vllm" and free < budget:
         text = (f"{where}, less than the {budget:,.0f} MiB vLLM asks for ({how}): vLLM refuses to start "
                 f"('Free memory on device ... on startup is less than desired GPU memory utilization')")
+        held = ("free the GPU (other processes hold the memory: stop them or move the service to other "
+                "GPUs), or lower --gpu-memory-utilization")
         if free + unknown >= budget:
             return Failed(f"{text}, unless the {unknown} MiB held by processes of unknown unit there are "
-                          f"the service's own", fix + ", or lower --gpu-memory-utilization", "warning")
-        return Failed(text, fix + ", or lower --gpu-memory-utilization")
+                          f"the service's own", held, "warning")
+        return Failed(text, held)
     if need >= budget:
         text = f"{size}, but {where} and the server may use {budget:,.0f} MiB of it ({how})"
         if estimated or (unknown and need < _budget(cmd, gpu, free + unknown, facts.version)[0]):

@@ -217,7 +217,8 @@ def test_mamba_fix_names_the_flag_of_the_release(version, flag, rule, new_name):
     assert ("--mamba-radix-cache-strategy" in f.fix) == new_name
     assert ("--mamba-scheduler-strategy" in f.fix) == (not new_name)
     # 0.5.14-0.5.19 also warn that the old name is deprecated; no finding names the old flag as the fix
-    expected = {rule, "sglang-mamba-scheduler-strategy-renamed"} if version == "0.5.15" and "scheduler" in flag else {rule}
+    deprecated = version == "0.5.15" and "scheduler" in flag
+    expected = {rule, "sglang-mamba-scheduler-strategy-renamed"} if deprecated else {rule}
     assert {f.rule_id for f in found} == expected
 
 
