@@ -10,8 +10,9 @@ Everything here is pure except the text of one shell command:
   naming file and key. `check_service` and `check_host` evaluate them, together with a few
   built-in checks that need arithmetic or look across services (parallel sizes vs GPUs, heads
   divisibility, quantization vs checkpoint, GPUs and ports shared on one host), each one
-  function registered with `@builtin(id, sources=...)`. Every result is a `Finding` with a
-  rule id, the fix and the source that justifies the rule.
+  function registered with `@builtin(id, sources=...)`; with the host's GPUs (`Hardware`) and
+  the checkpoint's size also memory per GPU and quantization vs compute capability. Every
+  result is a `Finding` with a rule id, the fix and the source that justifies the rule.
 * Model presence: `model_check_command(paths)` reads config.json, the safetensors index and the
   size of every weight file in one round trip; `parse_model_check` names what is missing.
 
@@ -60,8 +61,10 @@ never appear in messages (they may be secrets).
 The package, one concern a module (all private; this module's `__all__` is the interface):
 _command (the server command line), _engine (the engine's own check of a command line: which
 services have one, what its answers mean), _models (model knowledge), _schema (the rule-file
-schema), _rules (loading the rule pack, evaluating declarative rules), _builtin (the built-in
-rules and their registry), _check (check_service, check_host, check_desired), _hostcheck
+schema), _rules (loading the rule pack, evaluating declarative rules), _registry (what a
+built-in rule is given and returns, and their registry), _builtin (the built-in rules), _shapes
+(MoE and FP8-block shapes per rank), _hardware (the host's GPUs as the rules see them),
+_capacity (memory and compute capability), _check (check_service, check_host, check_desired), _hostcheck
 (model presence on the host) and _secrets (secret-looking env values, undecryptable secrets).
 """
 
@@ -75,6 +78,7 @@ if TYPE_CHECKING:
     from ._check import check_desired, check_host, check_service
     from ._command import Command, gpu_claim, parse_command, unit_entries
     from ._engine import EngineRun, EngineVerdict, engine_run_for, parse_verdict
+    from ._hardware import GpuHolder, GpuState, Hardware, weights_bytes
     from ._hostcheck import ModelFacts, model_check_command, parse_model_check
     from ._models import ModelInfo, model_info
     from ._rules import Finding, RuleSet, load_rules
@@ -87,6 +91,7 @@ _HOME = {
     "check_desired": "_check", "check_host": "_check", "check_service": "_check",
     "Command": "_command", "gpu_claim": "_command", "parse_command": "_command", "unit_entries": "_command",
     "EngineRun": "_engine", "EngineVerdict": "_engine", "engine_run_for": "_engine", "parse_verdict": "_engine",
+    "GpuHolder": "_hardware", "GpuState": "_hardware", "Hardware": "_hardware", "weights_bytes": "_hardware",
     "ModelFacts": "_hostcheck", "model_check_command": "_hostcheck", "parse_model_check": "_hostcheck",
     "ModelInfo": "_models", "model_info": "_models",
     "Finding": "_rules", "RuleSet": "_rules", "load_rules": "_rules",
@@ -109,6 +114,9 @@ __all__ = [
     "EngineRun",
     "EngineVerdict",
     "Finding",
+    "GpuHolder",
+    "GpuState",
+    "Hardware",
     "ModelFacts",
     "ModelInfo",
     "RuleSet",
@@ -129,4 +137,5 @@ __all__ = [
     "secret_problems",
     "secret_warnings",
     "unit_entries",
+    "weights_bytes",
 ]

@@ -1,109 +1,34 @@
-"""The built-in rules: checks that need arithmetic or look across services, in one registry.
+"""The built-in rules: checks that need arithmetic or look across services (the registry, what a
+check is given and returns, is in _registry).
 
-A built-in rule is one decorated function; its docstring is the rule's summary::
-
-    @builtin("tp-exceeds-gpus", sources={"sglang": "https://...", "vllm": "https://..."})
-    def _gpu_count(cmd: Command, info: ModelInfo, gpu_count: int | None) -> Failed | None:
-        \"\"\"The parallel size (tp x pp x dp) exceeds the GPUs the service may use.\"\"\"
-
-`BUILTIN_RULES` is all the rest of the package knows of them: `RuleSet.ids` lists them in the
-order they are defined here, `disable = [...]` turns one off by id, a repo rule may not take
-an id, and a finding cites the rule's source for the service's server. A check returns what is
-wrong (`Failed`) or None; every built-in finding is an error.
-
-scope="service" checks one service: (its command, its model, the host's GPU count or None).
-scope="host" checks one service against another service of the same host: (its command, the
-other's name, the other's command); it is called for both orders of every pair, so that a
-conflict is reported on both services.
+Here: parallel sizes vs GPUs, GPUs and ports shared on one host, dp-attention, attention and KV
+heads vs tensor parallelism, quantization vs checkpoint. The model-shape rules (FP8 blocks and
+MoE partitions per rank) are in _shapes, the hardware rules (memory, compute capability) in
+_capacity; importing this module registers all of them, in that order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, overload
-
 from ._command import PARALLEL_FLAGS, WILDCARD_HOSTS, Command, gpu_claim, gpu_positions
 from ._models import ModelInfo, checkpoint_quantization, text_config
+from ._registry import BUILTIN_RULES, Failed, HostRule, ServiceFacts, ServiceRule, builtin, positive_int
 
-
-class Failed(NamedTuple):
-    """What a built-in check found wrong: the message and the fix of its finding."""
-
-    message: str
-    fix: str
-
-
-ServiceCheck = Callable[[Command, ModelInfo, int | None], Failed | None]
-HostCheck = Callable[[Command, str, Command], Failed | None]
-
-
-@dataclass(frozen=True)
-class BuiltinRule:
-    """A check written in Python (arithmetic, or across services), with its id and sources."""
-
-    id: str
-    sources: Mapping[str, str]       # server ("sglang", "vllm", "any") -> URL
-    summary: str
-
-    def source(self, server: str | None) -> str:
-        """The URL that justifies the rule for this server (else the general one)."""
-        return self.sources.get(server or "any") or self.sources.get("any") or next(iter(self.sources.values()))
-
-
-@dataclass(frozen=True)
-class ServiceRule(BuiltinRule):
-    """A built-in rule with scope="service"."""
-
-    check: ServiceCheck
-
-
-@dataclass(frozen=True)
-class HostRule(BuiltinRule):
-    """A built-in rule with scope="host"."""
-
-    check: HostCheck
-
-
-BUILTIN_RULES: dict[str, ServiceRule | HostRule] = {}
-
-
-@overload
-def builtin(rule_id: str, *, sources: Mapping[str, str],
-            scope: Literal["service"] = "service") -> Callable[[ServiceCheck], ServiceCheck]: ...
-
-
-@overload
-def builtin(rule_id: str, *, sources: Mapping[str, str],
-            scope: Literal["host"]) -> Callable[[HostCheck], HostCheck]: ...
-
-
-def builtin(rule_id: str, *, sources: Mapping[str, str],
-            scope: Literal["service", "host"] = "service") -> Callable[[Any], Any]:
-    """Register the decorated check as built-in rule `rule_id`, justified by `sources`."""
-
-    def register(check: Callable[..., Failed | None]) -> Callable[..., Failed | None]:
-        if rule_id in BUILTIN_RULES:
-            raise ValueError(f"built-in rule {rule_id!r} is registered twice")
-        summary = (check.__doc__ or "").strip().split("\n")[0]
-        kind = ServiceRule if scope == "service" else HostRule
-        BUILTIN_RULES[rule_id] = kind(rule_id, sources, summary, check)
-        return check
-
-    return register
-
+__all__ = ["BUILTIN_RULES", "Failed", "HostRule", "ServiceFacts", "ServiceRule", "builtin"]
 
 # The rules, in the order RuleSet.ids lists them.
 
 _SGLANG_ARGS = "https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/server_args.py"
 _VLLM_PARALLEL = "https://github.com/vllm-project/vllm/blob/main/vllm/config/parallel.py"
 _VLLM_MODEL = "https://github.com/vllm-project/vllm/blob/main/vllm/config/model.py"
+# Where SGLang asserts the head split (v0.5.23; every attention class does the same, e.g.
+# qwen3_5.py L1293-1299 and qwen2_moe.py): models/qwen3.py L166 (heads), L169-176 (KV heads).
+_SGLANG_QWEN3_ATTN = "https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt/models/qwen3.py#L164-L177"
 
 
 @builtin("tp-exceeds-gpus", sources={
     "sglang": "https://github.com/sgl-project/sglang/blob/main/docs/backend/server_arguments.md",
     "vllm": _VLLM_PARALLEL})
-def _gpu_count(cmd: Command, info: ModelInfo, gpu_count: int | None) -> Failed | None:
+def _gpu_count(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
     """The parallel size (tp x pp x dp) exceeds the GPUs the service may use."""
     world = cmd.world_size()
     if world is None or world < 1:
@@ -111,8 +36,8 @@ def _gpu_count(cmd: Command, info: ModelInfo, gpu_count: int | None) -> Failed |
     visible = cmd.visible_devices
     if visible is not None:
         available, where = len(visible), f"CUDA_VISIBLE_DEVICES lists {len(visible)}"
-    elif gpu_count is not None:
-        available, where = gpu_count, f"the host has {gpu_count}"
+    elif facts.gpu_count is not None:
+        available, where = facts.gpu_count, f"the host has {facts.gpu_count}"
     else:
         return None                    # unknown: nothing to compare with
     positions = gpu_positions(cmd, world)
@@ -182,7 +107,7 @@ def _hosts_overlap(a: str, b: str) -> bool:
 
 
 @builtin("sglang-dp-attention-tp-divisible", sources={"sglang": _SGLANG_ARGS})
-def _dp_attention(cmd: Command, info: ModelInfo, gpu_count: int | None) -> Failed | None:
+def _dp_attention(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
     """With --enable-dp-attention, --tp-size must be a multiple of --dp-size."""
     if cmd.server != "sglang" or not cmd.has("--enable-dp-attention"):
         return None
@@ -195,22 +120,101 @@ def _dp_attention(cmd: Command, info: ModelInfo, gpu_count: int | None) -> Faile
                   f"{max(d for d in range(1, tp + 1) if tp % d == 0 and d <= dp)}")
 
 
+def _heads_of(info: ModelInfo) -> tuple[int, int] | None:
+    """(attention heads, KV heads) of the language model; KV heads default to the attention
+    heads (no num_key_value_heads: multi-head attention). None without a usable config."""
+    if info.config is None:
+        return None
+    text = text_config(info.config)
+    heads = positive_int(text.get("num_attention_heads"))
+    if heads is None:
+        return None
+    kv = text.get("num_key_value_heads", heads)
+    return heads, positive_int(kv) or heads
+
+
+def _kv_split(kv: int, tp: int) -> str | None:
+    """Why kv heads cannot be spread over tp ranks, else None. Both servers shard KV heads when
+    there are at least tp of them (kv % tp == 0) and otherwise replicate them (tp % kv == 0):
+    QKVParallelLinear's divide(total_num_kv_heads, tp) / divide(tp, total_num_kv_heads)."""
+    if kv >= tp and kv % tp:
+        return f"its {kv} KV heads cannot be split evenly over {tp} ranks (kv heads % tp must be 0)"
+    if kv < tp and tp % kv:
+        return (f"its {kv} KV heads cannot be replicated evenly over {tp} ranks (with fewer KV heads "
+                f"than ranks, tp must be a multiple of the KV heads)")
+    return None
+
+
+def _good_tp(heads: int, kv: int, tp: int) -> int:
+    """The largest size below tp that splits both head counts (1 at worst)."""
+    return max(d for d in range(1, tp) if heads % d == 0 and _kv_split(kv, d) is None) if tp > 1 else 1
+
+
 @builtin("vllm-tp-divides-attention-heads", sources={"vllm": _VLLM_MODEL})
-def _heads(cmd: Command, info: ModelInfo, gpu_count: int | None) -> Failed | None:
-    """vLLM needs the attention heads to divide evenly over the tensor-parallel ranks."""
-    if cmd.server != "vllm" or info.config is None:
-        return None
-    heads = text_config(info.config).get("num_attention_heads")
+def _heads(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+    """vLLM needs the attention heads (and the KV heads) to divide evenly over the tensor-parallel ranks."""
+    shape = _heads_of(info)
     tp = cmd.int_value("--tensor-parallel-size", 1)
-    if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0 or not tp or tp <= 1:
+    if cmd.server != "vllm" or shape is None or not tp or tp <= 1:
         return None
-    if heads % tp == 0:
+    heads, kv = shape
+    if heads % tp:
+        return Failed(f"--tensor-parallel-size {tp} does not divide the model's {heads} attention "
+                      f"heads (vLLM: 'Total number of attention heads ({heads}) must be divisible "
+                      f"by tensor parallel size ({tp})')",
+                      f"use a tensor-parallel size that divides {heads} (e.g. {_good_tp(heads, kv, tp)}), "
+                      f"or add pipeline parallelism")
+    kv_problem = _kv_split(kv, tp)
+    if kv_problem:
+        # vllm/model_executor/layers/linear.py (v0.33.0) QKVParallelLinear, L1066-1070: an
+        # AssertionError while the model is built, after the engine's own argument checks.
+        return Failed(f"--tensor-parallel-size {tp}: {kv_problem}; vLLM fails while building the "
+                      f"model (QKVParallelLinear: '... is not divisible by ...')",
+                      f"use a tensor-parallel size that fits {heads} attention and {kv} KV heads "
+                      f"(e.g. {_good_tp(heads, kv, tp)})")
+    return None
+
+
+# SGLang shards attention over the attention-TP group: tp, divided by --dp-size under
+# --enable-dp-attention (runtime_context.py derive_attn_tp_size: tp // attn_dp // attn_cp).
+# Context parallelism (attention CP, decode CP) changes the KV group again: with those flags the
+# rule says nothing rather than guess.
+_SGLANG_CP_FLAGS = ("--attn-cp-size", "--attention-context-parallel-size", "--dcp-size",
+                    "--decode-context-parallel-size", "--attn-dp-size")
+
+
+def sglang_attention_tp(cmd: Command) -> int | None:
+    """SGLang's attention tensor-parallel width for this command; None when not plain to tell."""
+    tp = cmd.int_value("--tp-size", 1)
+    dp = cmd.int_value("--dp-size", 1) if cmd.has("--enable-dp-attention") else 1
+    if not tp or not dp or tp % dp or any(cmd.has(f) and cmd.value(f) != "1" for f in _SGLANG_CP_FLAGS):
         return None
-    good = [d for d in range(1, tp) if heads % d == 0]
-    return Failed(f"--tensor-parallel-size {tp} does not divide the model's {heads} attention "
-                  f"heads (vLLM: 'Total number of attention heads ({heads}) must be divisible "
-                  f"by tensor parallel size ({tp})')",
-                  f"use a tensor-parallel size that divides {heads} (e.g. {good[-1] if good else 1}), "
+    return tp // dp
+
+
+@builtin("sglang-tp-divides-attention-heads", sources={"sglang": _SGLANG_QWEN3_ATTN})
+def _sglang_heads(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+    """SGLang needs the attention heads and the KV heads to divide over its attention-TP ranks;
+    its argument checks do not look (--tp-size 3 with 32 heads starts, then fails building the model)."""
+    shape = _heads_of(info)
+    tp = sglang_attention_tp(cmd) if cmd.server == "sglang" else None
+    if shape is None or tp is None or tp <= 1:
+        return None
+    heads, kv = shape
+    what = (f"--tp-size {cmd.value('--tp-size')} with --dp-size {cmd.value('--dp-size')} "
+            f"(--enable-dp-attention: {tp} attention ranks)" if cmd.has("--enable-dp-attention")
+            else f"--tp-size {tp}")
+    problem = (f"it does not divide the model's {heads} attention heads" if heads % tp
+               else _kv_split(kv, tp))
+    if problem is None:
+        return None
+    return Failed(f"{what}: {problem}; SGLang accepts the flags, then fails while building the model "
+                  f"(the attention layer asserts total_num_heads % attn_tp_size == 0 and "
+                  f"total_num_kv_heads % attn_tp_size == 0, or attn_tp_size % total_num_kv_heads "
+                  f"== 0 when there are fewer KV heads than ranks)",
+                  f"use an attention-TP size that fits {heads} attention and {kv} KV heads "
+                  f"(e.g. --tp-size {_good_tp(heads, kv, tp) * ((cmd.int_value('--tp-size', 1) or tp) // tp)}"
+                  f"{' with the same --dp-size' if cmd.has('--enable-dp-attention') else ''}), "
                   f"or add pipeline parallelism")
 
 
@@ -239,7 +243,7 @@ _REQUANTIZE = frozenset({"quark_mxfp4"})
 @builtin("quantization-mismatch", sources={
     "sglang": "https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/configs/model_config.py",
     "vllm": _VLLM_MODEL})
-def _quantization(cmd: Command, info: ModelInfo, gpu_count: int | None) -> Failed | None:
+def _quantization(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
     """--quantization contradicts the checkpoint's quantization_config."""
     if cmd.server is None or info.config is None:
         return None
@@ -255,3 +259,7 @@ def _quantization(cmd: Command, info: ModelInfo, gpu_count: int | None) -> Faile
                   f"method specified in the `quantization` argument ({cli})')",
                   "remove --quantization (the server reads the method from the checkpoint), "
                   "or point the service at a checkpoint quantized that way")
+
+
+# The model-shape and hardware rules register after these (RuleSet.ids keeps this order).
+from . import _capacity, _shapes  # noqa: E402, F401

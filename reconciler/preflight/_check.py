@@ -7,29 +7,38 @@ from typing import Any
 
 from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..errors import Problem
-from ._builtin import BUILTIN_RULES, HostRule, ServiceRule
+from ._builtin import BUILTIN_RULES, HostRule, ServiceFacts, ServiceRule
 from ._command import Command, parse_command
+from ._hardware import Hardware
 from ._models import model_info
 from ._rules import Finding, RuleSet, evaluate_rule
 from ._secrets import Read, secret_warnings
 
 
 def check_service(svc: ServiceSpec, *, rules: RuleSet, model_config: Mapping[str, Any] | None,
-                  gpu_count: int | None, version: str | None = None) -> list[Finding]:
+                  gpu_count: int | None, version: str | None = None, hardware: Hardware | None = None,
+                  weights_bytes: int | None = None) -> list[Finding]:
     """Every rule against one service (pure).
 
     model_config: the model's config.json from the host, or None (validate: then the model id
     and declared architecture decide). gpu_count: the host's declared or observed GPU count,
     or None when unknown (the GPU-count check is then skipped unless CUDA_VISIBLE_DEVICES is set).
     version: the server's version on the host, or None when unknown (validate, or not readable).
+    hardware: the host's GPUs (memory, holders, compute capability; `Hardware.of(gpu_facts)`),
+    or None: the memory and compute-capability rules are then skipped. weights_bytes: the
+    checkpoint's size on the host (`weights_bytes(model_facts)`), or None (estimated from
+    config.json, and then only a warning).
     """
-    return _check_command(svc, parse_command(svc), rules, model_config, gpu_count, version)
+    facts = ServiceFacts(gpu_count=gpu_count, version=version, weights_bytes=weights_bytes,
+                         hardware=hardware, unit=f"{svc.name}.service")
+    return _check_command(svc, parse_command(svc), rules, model_config, facts)
 
 
 def _check_command(svc: ServiceSpec, cmd: Command, rules: RuleSet, model_config: Mapping[str, Any] | None,
-                   gpu_count: int | None, version: str | None = None) -> list[Finding]:
+                   facts: ServiceFacts) -> list[Finding]:
     if cmd.server is None:
         return []
+    version = facts.version
     info = model_info(svc, model_config, rules.models)
     findings: list[Finding] = []
     for rule in rules.rules:
@@ -39,21 +48,24 @@ def _check_command(svc: ServiceSpec, cmd: Command, rules: RuleSet, model_config:
                 findings.append(f)
     for builtin in BUILTIN_RULES.values():
         if isinstance(builtin, ServiceRule) and rules.enabled(builtin.id):
-            failed = builtin.check(cmd, info, gpu_count)
+            failed = builtin.check(cmd, info, facts)
             if failed is not None:
-                findings.append(Finding(builtin.id, svc.name, "error", failed.message, failed.fix,
+                findings.append(Finding(builtin.id, svc.name, failed.severity, failed.message, failed.fix,
                                         builtin.source(cmd.server)))
     return findings
 
 
 def check_host(host: HostSpec, *, rules: RuleSet, model_configs: Mapping[str, Mapping[str, Any]],
-               gpu_count: int | None, versions: Mapping[str, str | None] | None = None) -> list[Finding]:
+               gpu_count: int | None, versions: Mapping[str, str | None] | None = None,
+               hardware: Hardware | None = None, weights: Mapping[str, int] | None = None) -> list[Finding]:
     """Every rule against every service of a host, plus the checks across its services (pure).
 
     model_configs maps a model path to its config.json as read from the host (missing paths:
     decided from the repo's model id and declared architecture). versions: service -> its
-    server's version on the host (absent or None: unknown). A conflict between two services is
-    reported on both of them: either deploy would collide with the other.
+    server's version on the host (absent or None: unknown). hardware: the host's GPUs (None:
+    not read; the memory and compute-capability rules are skipped). weights: model path -> the
+    checkpoint's bytes on the host. A conflict between two services is reported on both of
+    them: either deploy would collide with the other.
     """
     findings: list[Finding] = []
     commands: dict[str, Command] = {}
@@ -61,7 +73,10 @@ def check_host(host: HostSpec, *, rules: RuleSet, model_configs: Mapping[str, Ma
         svc = host.services[name]
         cmd = parse_command(svc)
         config = model_configs.get(svc.model.path) if svc.model else None
-        findings.extend(_check_command(svc, cmd, rules, config, gpu_count, (versions or {}).get(name)))
+        facts = ServiceFacts(gpu_count=gpu_count, version=(versions or {}).get(name), hardware=hardware,
+                             weights_bytes=(weights or {}).get(svc.model.path) if svc.model else None,
+                             unit=f"{name}.service")
+        findings.extend(_check_command(svc, cmd, rules, config, facts))
         if cmd.server is not None:
             commands[name] = cmd
     pair_rules = [r for r in BUILTIN_RULES.values() if isinstance(r, HostRule) and rules.enabled(r.id)]
