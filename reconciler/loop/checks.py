@@ -41,6 +41,7 @@ from ..plan.facts import ENV_DROPIN, HostFacts
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
 from ..plan.model import Block, Checks, HostPlan
 from ..preflight import (
+    Hardware,
     ModelFacts,
     RuleSet,
     check_host,
@@ -49,6 +50,7 @@ from ..preflight import (
     model_check_command,
     parse_command,
     parse_model_check,
+    weights_bytes,
 )
 from ..shell import ShCommand, one_sh
 
@@ -404,8 +406,12 @@ def _judge_rules(out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec
     if no_gpus:
         out.warnings.append(f"{gpu.summary()}: GPU rules ({', '.join(sorted(GPU_RULES))}) skipped")
     judged = replace(host, services={**host.services, **specs})
+    # The memory and compute-capability rules see the GPUs as the GPU gate read them, and each
+    # checkpoint's size as the model check read it.
+    hardware = Hardware.of(gpu) if gpu.has_nvidia_smi else None
+    weights = {p: w for p, m in out.models.items() if (w := weights_bytes(m))}
     for f in check_host(judged, rules=rules, model_configs=configs, gpu_count=gpu.observed_gpu_count,
-                        versions=versions):
+                        versions=versions, hardware=hardware, weights=weights):
         if f.service not in specs or (no_gpus and f.rule_id in GPU_RULES):
             continue
         if f.service in answered and rules.origin.get(f.rule_id, "").startswith("reconciler/"):
