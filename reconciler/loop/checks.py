@@ -41,6 +41,7 @@ from ..plan.facts import ENV_DROPIN, HostFacts
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
 from ..plan.model import Block, Checks, HostPlan
 from ..preflight import (
+    EngineVerdict,
     Hardware,
     ModelFacts,
     RuleSet,
@@ -259,17 +260,20 @@ async def _read(t: Transport, out: Preflight, host: HostSpec, units: Mapping[str
     return versions
 
 
-async def _judge_engines(t: Transport, out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec]) -> set[str]:
+def _judge_engines(out: Preflight, verdicts: Mapping[str, EngineVerdict]) -> set[str]:
     """The installed engine's own check of each command line (host/engine.py): a refusal blocks
-    the service (EngineRejected), an inconclusive answer is a warning; the services it answered."""
-    runs = [r for n, s in sorted(specs.items()) if (r := engine_run_for(n, s)) is not None]
-    verdicts = await check_engines(t, host.name, runs) if runs else {}
-    for v in verdicts.values():
+    the service (EngineRejected), any other answer is a note; the services it answered."""
+    for _, v in sorted(verdicts.items()):
         if v.verdict == "rejected":
             out.block(v.service, "EngineRejected", v.block())
         else:
             out.warnings.append(v.note())
     return {v.service for v in verdicts.values() if v.verdict != "inconclusive"}
+
+
+async def _engines(t: Transport, host: HostSpec, specs: Mapping[str, ServiceSpec]) -> dict[str, EngineVerdict]:
+    runs = [r for n, s in sorted(specs.items()) if (r := engine_run_for(n, s)) is not None]
+    return await check_engines(t, host.name, runs) if runs else {}
 
 
 async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: HostFacts, rules: RuleSet | None,
@@ -288,12 +292,15 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
         return out
     specs = {n: model_from_command(effective_spec(tg.spec, facts)) for n, tg in targets.items()}
     paths = sorted({s.model.path for s in specs.values() if s.model})
-    versions = await _read(t, out, host, units, paths, bool(targets), _probes(specs, rules))
-    _judge_models(out, specs, fetched or {})
     # A rollback target passed health here: a rule pack or an engine that changed since must
     # not keep the fleet from going back to it (systemd's check and the model check still apply).
     fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
-    answered = await _judge_engines(t, out, host, fresh)
+    versions = await _read(t, out, host, units, paths, bool(targets), _probes(specs, rules))
+    # The engine check runs after the GPUs were read, never beside: a probe that may touch a GPU
+    # (engine_check = "visible") would read as a stray holder of the service's GPUs.
+    verdicts = await _engines(t, host, fresh)
+    _judge_models(out, specs, fetched or {})
+    answered = _judge_engines(out, verdicts)
     if rules is not None and targets:
         _judge_rules(out, host, fresh, rules, versions, answered)
     if out.gpu is not None and out.gpu.has_nvidia_smi:
