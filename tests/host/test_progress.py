@@ -5,6 +5,7 @@ journalctl) and its parser, and the follower that the health watch's tick feeds.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import subprocess
@@ -98,7 +99,8 @@ def test_each_line_of_a_real_start_moves_the_progress_as_the_engine_says(engine)
 
 def test_a_bar_quotes_its_latest_redraw_and_a_log_line_itself():
     p = advance(None, [bar("Loading safetensors checkpoint shards", 4, 2)])
-    assert p is not None and p.line == "Loading safetensors checkpoint shards:  50% Completed | 2/4 [00:02<00:02, 1.31s/it]"
+    assert p is not None
+    assert p.line == "Loading safetensors checkpoint shards:  50% Completed | 2/4 [00:02<00:02, 1.31s/it]"
     line = "[2026-12-02 10:00:07 TP0] Load weight end. elapsed=6.12 s, type=Qwen3ForCausalLM"
     assert advance(p, [line]) == LoadProgress(WEIGHTS, 2, 4, True, line)
 
@@ -108,8 +110,9 @@ def test_a_bar_cut_short_by_another_process_line_counts_and_so_does_that_line():
     record = bar("Loading safetensors checkpoint shards", 8, 3) + "[2026-12-02 10:00:03 TP1] Load weight end. x"
     p = advance(None, [record])
     assert _strip(p) == LoadProgress(WEIGHTS, 3, 8, True)
-    assert p is not None and p.line == "Loading safetensors checkpoint shards:  38% Completed | 3/8 [00:03<00:05, 1.31s/it]" \
-        "[2026-12-02 10:00:03 TP1] Load weight end. x"
+    assert p is not None
+    assert p.line == ("Loading safetensors checkpoint shards:  38% Completed | 3/8 [00:03<00:05, 1.31s/it]"
+                      "[2026-12-02 10:00:03 TP1] Load weight end. x")
     only_bar = advance(None, [bar("Loading safetensors checkpoint shards", 8, 3) + "[TP1] unrelated"])
     assert only_bar is not None and only_bar.line.endswith("| 3/8 [00:03<00:05, 1.31s/it]")
 
@@ -146,9 +149,9 @@ def test_the_words_each_progress_is_shown_in(p, text):
 
 
 def test_the_json_of_a_progress():
-    assert P(WEIGHTS, 1, 3, line="L").to_json() == {"stage": "weights", "done": 1, "total": 3, "finished": False,
-                                                    "percent": 33, "text": "loading weights: 1/3 checkpoint shards (33%)",
-                                                    "line": "L"}
+    assert P(WEIGHTS, 1, 3, line="L").to_json() == {
+        "stage": "weights", "done": 1, "total": 3, "finished": False, "percent": 33,
+        "text": "loading weights: 1/3 checkpoint shards (33%)", "line": "L"}
 
 
 # -- the journal read: its program and its parser -----------------------------------------------
@@ -160,7 +163,8 @@ CURSOR = "s=1a;i=2b;b=3c;m=4d;t=5e;x=6f"
 
 def test_the_programs_constants_are_the_python_sides():
     assert constants(ROOT / "reconciler" / "sh" / "progress.sh") == {
-        "T": "$1", "LINES": str(progress.LINES), "LINE_MAX": str(progress.LINE_MAX), "MAX_BYTES": str(progress.MAX_BYTES)}
+        "T": "$1", "LINES": str(progress.LINES), "LINE_MAX": str(progress.LINE_MAX),
+        "MAX_BYTES": str(progress.MAX_BYTES)}
 
 
 def run_program(tmp_path: Path, output: bytes, reads: list[tuple[str, str | None]]) -> tuple[str, list[list[str]]]:
@@ -255,3 +259,81 @@ def test_the_follower_keeps_a_cursor_when_a_read_has_none_and_redacts_what_it_qu
     p = f.progress("m.service")
     assert p is not None and token not in p.line and "\x1b" not in p.line and "\\x1b[31m" in p.line
     assert p.line.startswith("Load weight begin. token=")
+
+
+# -- the watch: the progress is its phase, read with the ticks it makes anyway -------------------
+
+POLL = 1 / 16
+RTT = 1 / 128
+STARTING = {"LoadState": "loaded", "ActiveState": "activating", "SubState": "start", "NRestarts": "0",
+            "InvocationID": INV_B, "ActiveEnterTimestampMonotonic": "0"}
+RUNNING = {**STARTING, "ActiveState": "active", "SubState": "running", "ActiveEnterTimestampMonotonic": "5"}
+
+
+class LoadingHost:
+    """A fake transport: `systemctl show` answers `starting` readings for `loading` seconds of
+    the virtual clock, then running ones; a journal read put before it (progress.sh, parsed from
+    the command as the host's sh would) answers the next batch of `batches`, framed as the
+    program frames it. Records each round trip's virtual time and whether it read the journal."""
+
+    host = "h1"
+
+    def __init__(self, batches: list[list[str]], loading: float):
+        from tests.clock import FakeClock
+        self.clock = FakeClock()
+        self.batches, self.loading = list(batches), loading
+        self.trips: list[tuple[float, bool]] = []
+
+    async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
+        from reconciler.host.transport import Completed
+        await self.clock.sleep(RTT)
+        journal, sep, show = cmd.rpartition("; systemctl show -p ")
+        assert sep or cmd.startswith("systemctl show -p "), cmd
+        out = ""
+        if journal:
+            argv = shlex.split(journal)            # sh -c SCRIPT progress TOKEN INVOCATION CURSOR
+            token, reads = argv[4], argv[5:]
+            assert argv[:2] == ["sh", "-c"] and argv[3] == "progress" and reads[0] == INV_B
+            lines = self.batches.pop(0) if self.batches else []
+            out = f"{token} U {reads[0]}\n" + "".join(f"{token} L {x}\n" for x in lines)
+            out += f"{token} L -- cursor: s=1;i={len(self.batches):x};b=1;m=1;t=1;x=1\n" if lines else ""
+            out += f"{token} END\n"
+        self.trips.append((self.clock.elapsed(), bool(journal)))
+        props = STARTING if self.clock.elapsed() < self.loading else RUNNING
+        unit = (show or cmd).split()[-1]
+        return Completed(0, out + "\n".join([f"Id={unit}", *(f"{k}={v}" for k, v in props.items())]) + "\n", "")
+
+
+def test_a_watch_shows_the_engines_progress_as_its_phase_without_a_round_trip_of_its_own():
+    import asyncio
+
+    from reconciler.desired.spec import HealthSpec
+    from reconciler.host.health import SystemdWatch, watch_service
+    batches = [["[TP0] Load weight begin. avail mem=78.50 GB"],
+               ["Loading safetensors checkpoint shards:  50% Completed | 1/2 [00:01<00:01, 1.0s/it]"],
+               ["\rLoading safetensors checkpoint shards: 100% Completed | 2/2 [00:02<00:00, 1.0s/it]",
+                "[TP0] Load weight end. elapsed=2.00 s"],
+               [],                                               # nothing new this time
+               ["[TP0] Capture cuda graph begin. avail mem=6.41 GB", "[TP0] Capture cuda graph end. Time elapsed: 1 s.",
+                "[TP0] The server is fired up and ready to roll!"]]
+    t = LoadingHost(batches, loading=4.5)
+    phases: list[str] = []
+    told: list[LoadProgress] = []
+
+    async def main():
+        systemd = SystemdWatch(t, POLL, t.clock)
+        return await watch_service(t, "m", HealthSpec(stable_for=0.5, startup_timeout=60), baseline_restarts=0,
+                                   since_epoch=0, baseline_invocation="old", systemd=systemd,
+                                   on_phase=lambda _s, p, _e, _t: phases.append(p),
+                                   on_progress=lambda s, p: told.append(p))
+    out = asyncio.run(main())
+    assert out.reason == "Healthy"
+    assert phases == ["starting", "loading weights", "loading weights: 1/2 checkpoint shards (50%)",
+                      "weights loaded (2 checkpoint shards)", "engine ready",
+                      "healthy, checking it stays stable for 0.5s", "healthy"]
+    assert [p.text() for p in told] == phases[1:5]
+    assert told[-1].line == "[TP0] The server is fired up and ready to roll!"
+    reads = [at for at, journal in t.trips if journal]
+    # every read rode on a tick's systemctl show, a second apart at least, none once it was healthy
+    assert len(reads) == 5 and all(b - a >= progress.PROGRESS_EVERY for a, b in itertools.pairwise(reads))
+    assert reads[-1] < 4.5 and all(not journal for at, journal in t.trips if at > 4.5 + POLL)
