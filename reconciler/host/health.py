@@ -7,9 +7,9 @@ from the host itself through the SSH connection, so the server need not be expos
 
 The watches of one host share one `SystemdWatch`: every SYSTEMD_POLL seconds, one `systemctl
 show` of all the units being watched there (one round trip per host per tick, however many
-services restarted); the journal is read in a round trip of its own only for a verdict of failure. The first reading comes
-with the apply script itself (its last command, `SystemdWatch.seed`): a unit that is up by
-then is judged without a round trip of its own. While a service loads, the same tick reads what
+services restarted); the journal has a round trip of its own only for a verdict of failure.
+The first reading comes with the apply script itself (its last command, `SystemdWatch.seed`):
+a unit that is up by then is judged without a round trip of its own. While a service loads, the same tick reads what
 its engine wrote since the last look (progress.LoadFollower: shards, CUDA graphs, ready), at
 most every PROGRESS_EVERY seconds, and the watch shows it as its phase (`on_progress`).
 """
