@@ -12,9 +12,20 @@ bind-mounted as the executable /usr/local/bin/sglang-standin and run by systemd 
 * start-up log lines on stderr, flushed line by line, so journald sees them at once
   (``server_args=...``, ``Load weight begin...``, ``Load weight end. ...``,
   ``The server is fired up and ready to roll!``);
+* during its simulated load, the progress lines of SGLang 0.5.12, in its formats (copied from
+  its wheel: sglang/srt/model_executor/model_runner.py, model_loader/weight_utils.py with
+  utils/common.py's BAR_FORMAT, model_executor/cuda_graph_runner.py): the tqdm bar
+  ``Loading safetensors checkpoint shards:  50% Completed | 2/4 [...]`` over its N shards
+  (those the model's index names, else ``model.safetensors`` alone, else 4), then ``Capture
+  cuda graph begin. ...``, ``Capture cuda graph bs [...]``, the bar ``Capturing batches (bs=...
+  avail_mem=... GB):  25%|...| 1/4 [...]`` and ``Capture cuda graph end. ...``. Like tqdm, a
+  bar is redrawn after a carriage return and ends with one newline when it closes (so journald
+  stores it as one line, when it ends); ``STANDIN_BAR_NEWLINE=1`` ends every redraw with a
+  newline instead, as vLLM 0.33.0's ``_BAR_FORMAT`` does (one journal line per shard);
 * it reads ``<model-path>/config.json`` (missing: ``FileNotFoundError ...``, exit 1) and, if
-  there is a ``model.safetensors.index.json``, checks the shard files it names exist and are
-  not empty (otherwise an error line and exit 1, as the real loader would fail);
+  there is a ``model.safetensors.index.json``, checks each shard file it names, as it reaches
+  it in the load: it must exist and not be empty (otherwise the bar's line is ended, an error
+  line follows and it exits 1, as the real loader would fail);
 * the flag rule of the incident (../shared/context/incident.md): on a hybrid linear-attention
   model (Gated DeltaNet / mamba-style state; ``layer_types`` containing ``"linear_attention"``
   at the top level or in ``text_config``, or a Qwen3-Next / Qwen3.5 architecture), speculative
@@ -38,8 +49,10 @@ bind-mounted as the executable /usr/local/bin/sglang-standin and run by systemd 
 
 Environment knobs for tests:
 
-``STANDIN_LOAD_SECONDS``   float, default 0: simulated model-load time; the port is not
-                           listening during it (connection refused), then /health answers.
+``STANDIN_LOAD_SECONDS``   float, default 0: simulated model-load time (70% the shards, 30% the
+                           CUDA graphs); the port is not listening during it (connection
+                           refused), then /health answers.
+``STANDIN_BAR_NEWLINE=1``  end every redraw of a progress bar with a newline (vLLM's shard bar).
 ``STANDIN_CRASH_AFTER``    float seconds after becoming healthy: print
                            ``RuntimeError: CUDA error: an illegal memory access was encountered``
                            to stderr and exit 1. Unset: run until stopped.
@@ -218,26 +231,87 @@ def is_hybrid(cfg: dict) -> bool:
     return False
 
 
-def check_shards(model_path: str) -> int:
-    """Check the shards named by the safetensors index; return how many there are."""
+DEFAULT_SHARDS = 4           # shards "loaded" for a model directory that names none
+WEIGHTS_SHARE = 0.7          # of STANDIN_LOAD_SECONDS: the shards; the rest: the CUDA graphs
+GRAPH_BATCH_SIZES = [1, 2, 4, 8]
+
+
+def shard_files(model_path: str) -> tuple[list[str | None], str | None]:
+    """The shards the load goes through, and the index naming them; None for each of the
+    DEFAULT_SHARDS of a model directory without weights."""
     index = os.path.join(model_path, "model.safetensors.index.json")
     if not os.path.isfile(index):
         single = os.path.join(model_path, "model.safetensors")
-        return 1 if os.path.isfile(single) else 0
+        return ([single] if os.path.isfile(single) else [None] * DEFAULT_SHARDS), None
     try:
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f).get("weight_map", {})
     except (OSError, ValueError, AttributeError) as e:
         fail(f"ValueError: cannot read {index}: {e}")
     shards = sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
-    for shard in shards:
-        path = os.path.join(model_path, shard)
-        if not os.path.isfile(path):
-            fail(f"FileNotFoundError: {path} not found (named in {index})")
-        if os.path.getsize(path) == 0:
-            fail(f"safetensors_rust.SafetensorError: Error while deserializing header: "
+    return [os.path.join(model_path, shard) for shard in shards], index
+
+
+class Bar:
+    """A tqdm bar as SGLang's processes write it to stderr (no terminal): each redraw after a
+    carriage return, one newline when it closes (STANDIN_BAR_NEWLINE=1: after every redraw).
+    `completed`: SGLang's BAR_FORMAT (utils/common.py); else tqdm's default format."""
+
+    def __init__(self, desc: str, total: int, completed: bool):
+        self.desc, self.total, self.completed, self.n = desc, total, completed, 0
+        self.start, self.newline = time.monotonic(), env_bool("STANDIN_BAR_NEWLINE")
+        self.update(0)
+
+    def update(self, step: int = 1) -> None:
+        self.n += step
+        n, total, spent = self.n, self.total, time.monotonic() - self.start
+        rate, left = ((f"{n / spent:5.2f}it/s" if n >= spent else f"{spent / n:5.2f}s/it"),
+                      _clock(spent / n * (total - n))) if n else ("?it/s", "?")
+        filled = 10 * n // max(1, total)
+        mid = " Completed | " if self.completed else f"|{'█' * filled}{' ' * (10 - filled)}| "
+        sys.stderr.write(f"\r{self.desc}: {100 * n / max(1, total):3.0f}%{mid}{n}/{total} [{_clock(spent)}<{left}, "
+                         f"{rate}]" + ("\n" if self.newline else ""))
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        print("" if self.newline else "\n", end="", file=sys.stderr, flush=True)
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds) // 60:02d}:{int(seconds) % 60:02d}"
+
+
+def load_weights(model_path: str, seconds: float) -> int:
+    """The shards over `seconds`, with SGLang's bar; a missing or empty one fails as it is reached."""
+    shards, index = shard_files(model_path)
+    bar = Bar("Loading safetensors checkpoint shards", len(shards), completed=True)
+    for path in shards:
+        time.sleep(seconds / max(1, len(shards)))
+        if path is not None and (not os.path.isfile(path) or os.path.getsize(path) == 0):
+            bar.close()
+            if not os.path.isfile(path):
+                fail(f"FileNotFoundError: {path} not found (named in {index})")
+            fail("safetensors_rust.SafetensorError: Error while deserializing header: "
                  f"HeaderTooSmall ({path} is empty)")
+        bar.update()
+    bar.close()
     return len(shards)
+
+
+def capture_graphs(seconds: float) -> None:
+    """SGLang 0.5.12's CUDA graph capture lines (model_runner.py, cuda_graph_runner.py) over
+    `seconds`; nothing is captured."""
+    started, sizes = time.monotonic(), list(reversed(GRAPH_BATCH_SIZES))
+    log("Capture cuda graph begin. This can take up to several minutes. avail mem=41.27 GB")
+    log(f"Capture cuda graph bs {GRAPH_BATCH_SIZES}")
+    bar = Bar(f"Capturing batches (bs={sizes[0]} avail_mem=41.20 GB)", len(sizes), completed=False)
+    for bs in sizes:
+        time.sleep(seconds / len(sizes))
+        bar.desc = f"Capturing batches (bs={bs} avail_mem=41.20 GB)"
+        bar.update()
+    bar.close()
+    log(f"Capture cuda graph end. Time elapsed: {time.monotonic() - started:.2f} s. mem usage=0.49 GB. "
+        f"avail mem=40.78 GB.")
 
 
 def check_gpus(tp_size: int) -> None:
@@ -291,28 +365,10 @@ def make_handler(args, health_status: int):
             if path in ("/health", "/health_generate"):
                 self._send(health_status, b"" if health_status == 200 else b"unhealthy\n")
             elif path == "/get_model_info":
-                self._json(
-                    {
-                        "model_path": args.model_path,
-                        "served_model_name": served,
-                        "is_generation": True,
-                    }
-                )
+                self._json({"model_path": args.model_path, "served_model_name": served, "is_generation": True})
             elif path == "/v1/models":
-                self._json(
-                    {
-                        "object": "list",
-                        "data": [
-                            {
-                                "id": served,
-                                "object": "model",
-                                "created": int(START),
-                                "owned_by": "sglang",
-                                "root": args.model_path,
-                            }
-                        ],
-                    }
-                )
+                self._json({"object": "list", "data": [{"id": served, "object": "model", "created": int(START),
+                                                        "owned_by": "sglang", "root": args.model_path}]})
             else:
                 self._send(404, b'{"detail":"Not Found"}', "application/json")
 
@@ -403,10 +459,12 @@ def run(args, version: str = DEFAULT_VERSION) -> int:
         log("[standin] STANDIN_HANG=1: loading forever")
         while True:
             time.sleep(3600)
-    time.sleep(max(0.0, load_seconds or 0.0))
-    n_shards = check_shards(args.model_path)
-    log(f"Load weight end. type={archs[0] if archs else '?'}, shards={n_shards}, "
-        f"dtype=torch.bfloat16, avail mem=41.27 GB, mem usage=37.84 GB.")
+    load = max(0.0, load_seconds or 0.0)
+    started = time.monotonic()
+    n_shards = load_weights(args.model_path, load * WEIGHTS_SHARE)
+    log(f"Load weight end. elapsed={time.monotonic() - started:.2f} s, type={archs[0] if archs else '?'}, "
+        f"shards={n_shards}, dtype=torch.bfloat16, avail mem=41.27 GB, mem usage=37.84 GB.")
+    capture_graphs(load * (1 - WEIGHTS_SHARE))
 
     try:
         server = Server((args.host, args.port), make_handler(args, health_status))

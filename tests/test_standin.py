@@ -195,6 +195,53 @@ def test_healthy_only_after_load_then_serves_endpoints(standin):
     assert s.stop() == 0
 
 
+def _progress_texts(stderr: str) -> list[str]:
+    """What the reconciler's progress view would show, line by line, of this stderr as journald
+    stores it (records split at newlines only)."""
+    from reconciler.host.progress import advance
+    texts, now = [], None
+    for record in stderr.split("\n"):
+        now = advance(now, [record])
+        if now is not None and (not texts or texts[-1] != now.text()):
+            texts.append(now.text())
+    return texts
+
+
+def test_the_load_prints_sglangs_progress_lines_that_the_reconciler_reads(standin, tmp_path):
+    s = standin("--model-path", str(DENSE), STANDIN_LOAD_SECONDS="0.4")
+    s.wait_healthy()
+    err = s.stderr_path.read_bytes().decode()     # as written: read_text() would make each \r a newline
+    shard_bar = next(r for r in err.split("\n") if "checkpoint shards" in r)
+    # SGLang's BAR_FORMAT: 0/2, 1/2, 2/2 each after a carriage return, one newline when it closes
+    assert shard_bar.count("\r") == 3 and shard_bar.startswith("\rLoading safetensors checkpoint shards:   0% ")
+    assert shard_bar.endswith("]") and "100% Completed | 2/2 [" in shard_bar
+    assert _progress_texts(err) == ["loading weights", "loading weights: 2/2 checkpoint shards (100%)",
+                                    "weights loaded (2 checkpoint shards)", "capturing CUDA graphs",
+                                    "capturing CUDA graphs (4 batch sizes)", "capturing CUDA graphs: 4/4 (100%)",
+                                    "CUDA graphs captured", "engine ready"]
+    assert err.index("Capture cuda graph end") < err.index("fired up")
+
+
+def test_with_a_newline_after_each_redraw_every_shard_is_a_line_of_its_own(standin, tmp_path):
+    model = tmp_path / "no-weights"
+    model.mkdir()
+    (model / "config.json").write_text((DENSE / "config.json").read_text())
+    s = standin("--model-path", str(model), STANDIN_BAR_NEWLINE="1")
+    s.wait_healthy()
+    err = s.stderr_path.read_bytes().decode()
+    shards = [r for r in err.split("\n") if "checkpoint shards" in r]
+    assert [r.split(" | ")[1].split(" ")[0] for r in shards] == ["0/4", "1/4", "2/4", "3/4", "4/4"]   # 4: no index
+    assert _progress_texts(err)[:3] == ["loading weights", "loading weights: 0/4 checkpoint shards (0%)",
+                                             "loading weights: 1/4 checkpoint shards (25%)"]
+
+
+def test_a_broken_shard_ends_the_bars_line_then_fails_when_the_load_reaches_it():
+    r = run_once("--model-path", str(BROKEN), "--port", str(free_port()))
+    lines = r.stderr.split("\n")
+    assert r.returncode == 1 and "Load weight end" not in r.stderr
+    assert "checkpoint shards" in lines[-3] and "model-00002-of-00003.safetensors is empty" in lines[-2]
+
+
 def test_health_status_knob(standin):
     s = standin("--model-path", str(DENSE), STANDIN_HEALTH_STATUS="503")
     s.wait_healthy()

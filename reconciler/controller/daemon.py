@@ -303,6 +303,7 @@ class Daemon:
                 if self.hub is not None:     # the fleet page
                     self.hub.run_started(snap.revision, why, mine, repo.path)
                 run_io = RunIO(connect=self.pool.connector(), on_phase=self.hub.tee(view) if self.hub else view,
+                               on_progress=self.hub.progress if self.hub else None,
                                on_planned=view.planned, on_rollout=self.hub.rollout if self.hub else None,
                                supersede=self.supersede)
                 result = await run_fleet(rev, opts, run_io)

@@ -7,9 +7,11 @@ from the host itself through the SSH connection, so the server need not be expos
 
 The watches of one host share one `SystemdWatch`: every SYSTEMD_POLL seconds, one `systemctl
 show` of all the units being watched there (one round trip per host per tick, however many
-services restarted); the journal is read only for a verdict of failure. The first reading comes
-with the apply script itself (its last command, `SystemdWatch.seed`): a unit that is up by
-then is judged without a round trip of its own.
+services restarted); the journal has a round trip of its own only for a verdict of failure.
+The first reading comes with the apply script itself (its last command, `SystemdWatch.seed`):
+a unit that is up by then is judged without a round trip of its own. While a service loads, the same tick reads what
+its engine wrote since the last look (progress.LoadFollower: shards, CUDA graphs, ready), at
+most every PROGRESS_EVERY seconds, and the watch shows it as its phase (`on_progress`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..clock import REAL, Clock
 from ..desired.spec import HealthSpec
 from ..plan.facts import parse_show
 from ..plan.records import INCONCLUSIVE, NO_VERDICT, START_LIMIT_HIT, SUPERSEDED
+from .progress import LoadFollower, LoadProgress, Progressed
 from .transport import Completed, Transport
 
 WATCH_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID,"
@@ -251,6 +254,7 @@ class SystemdWatch:
         self._last = float("-inf")
         self._ticks = 0
         self._seeded: dict[str, dict[str, str]] = {}
+        self.loads = LoadFollower()         # the services loading here: their journal, read with the tick
 
     def seed(self, shown: dict[str, dict[str, str]], at: float) -> None:
         """A reading taken elsewhere (the apply script's last command, at `at` on this watch's
@@ -298,9 +302,13 @@ class SystemdWatch:
             self._asked = {}
 
     async def _show(self, units: list[str]) -> Completed:
-        """One `systemctl show` of all the units (blocks keyed by Id, facts.parse_show)."""
+        """One `systemctl show` of all the units (blocks keyed by Id, facts.parse_show), after
+        the journal read of those loading, when one is due (its answer goes to `loads`)."""
         names = " ".join(shlex.quote(u) for u in units)
-        return await self.t.run(f"systemctl show -p {WATCH_PROPS} {names}", timeout=20, what="health")
+        journal = self.loads.command(self.clock.now(), units)
+        show = f"systemctl show -p {WATCH_PROPS} {names}"
+        res = await self.t.run(f"{journal}; {show}" if journal else show, timeout=20, what="health")
+        return Completed(res.exit_status, self.loads.take(res.stdout), res.stderr) if journal else res
 
 
 def _answer(asked: dict[str, list[asyncio.Future[dict[str, str]]]], props: dict[str, str] | None = None,
@@ -323,7 +331,7 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
                         systemd_poll: float = SYSTEMD_POLL, baseline_invocation: str = "",
                         baseline_active_enter: str = "", start_error: str | None = None,
                         cancel: asyncio.Event | None = None, systemd: SystemdWatch | None = None,
-                        clock: Clock | None = None) -> Outcome:
+                        clock: Clock | None = None, on_progress: Progressed | None = None) -> Outcome:
     """Watch a service after a (re)start until healthy and stable, or failed.
 
     Healthy = systemd running, the HTTP check (if any) answered as expected, and nothing crashed
@@ -333,24 +341,27 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
     `systemd`: the host's shared SystemdWatch (one round trip per tick for all its watches);
     None: one of its own, polling every `systemd_poll` seconds. `clock`: what startup_timeout,
     stable_for and the HTTP interval are measured on (None: the shared watch's, else the
-    machine's), so a test times a watch without waiting for it.
+    machine's), so a test times a watch without waiting for it. Until the first healthy answer
+    the engine's own progress lines are the phase, and `on_progress` is told each change.
     """
     if systemd is None:
         systemd = SystemdWatch(t, systemd_poll, clock if clock is not None else REAL)
     w = _Watch(t, name, health, systemd, clock if clock is not None else systemd.clock, on_phase, since_epoch,
-               baseline_invocation)
+               baseline_invocation, on_progress)
     w.report(w.phase)
     if start_error is not None:
         out = await w.fail("StartFailed", f"systemctl could not start it: {start_error}")
         if start_error and not out.quote:
             out.quote = start_error.splitlines()[-1]
         return out
+    systemd.loads.follow(w.unit, baseline_invocation)    # read with the ticks that this watch asks for
     while True:
         props = await _next_reading(systemd, w.unit, cancel)
         if props is None:
             w.report("superseded")
             return Outcome(name, False, SUPERSEDED, "a newer revision arrived during the health wait",
                            seconds=w.elapsed())
+        w.progressed(props)
         v = judge_systemd(props, baseline_restarts, baseline_invocation=baseline_invocation,
                           baseline_active_enter=baseline_active_enter)
         verdict = await w.judged(v, props)
@@ -362,14 +373,29 @@ class _Watch:
     """One service's health watch: its clock, its phase, what the HTTP check said, its verdicts."""
 
     def __init__(self, t: Transport, name: str, health: HealthSpec, systemd: SystemdWatch, clock: Clock,
-                 on_phase: Phase | None, since_epoch: float, baseline_invocation: str):
+                 on_phase: Phase | None, since_epoch: float, baseline_invocation: str, on_progress: Progressed | None):
         self.t, self.name, self.health, self.systemd, self.clock = t, name, health, systemd, clock
         self.unit = f"{name}.service"
         self.on_phase, self.since_epoch, self.baseline_invocation = on_phase, since_epoch, baseline_invocation
         self.t0 = clock.now()
         self.first_ok: float | None = None
         self.next_http = 0.0
-        self.phase = "starting"
+        self.phase, self.on_progress = "starting", on_progress
+        self.load: LoadProgress | None = None
+
+    def progressed(self, props: dict[str, str]) -> None:
+        """A systemd reading: the engine's latest progress (read with the ticks) becomes the phase
+        while the service loads; after its first healthy answer the journal is no longer read."""
+        loads = self.systemd.loads
+        loads.saw(self.unit, props)
+        p = loads.progress(self.unit)
+        if self.first_ok is not None:
+            loads.unfollow(self.unit)
+        elif p is not None and p != self.load:
+            self.load, self.phase = p, p.text()
+            self.report(self.phase)
+            if self.on_progress:
+                self.on_progress(self.name, p)
 
     def elapsed(self) -> float:
         return self.clock.now() - self.t0
@@ -439,7 +465,7 @@ class _Watch:
             got = status if status is not None else body
             return await self.fail("Unstable", f"{h.http} failed ({got}) {now - self.first_ok:.1f}s after "
                                                f"becoming healthy")
-        elif not ok and self.phase != "loading":
+        elif not ok and self.phase != "loading" and self.load is None:
             self.phase = "loading"
             self.report(self.phase)
         return None

@@ -20,6 +20,7 @@ One host failing never stops the others: every host ends with a HostResult.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -199,12 +200,13 @@ class _HostRun:
             self.result.notes.append(f"{name}: {w.revision[:7]} has no verdict yet (a run was cut short): "
                                      f"watching it again")
         faults.hit("in-rollback-watch" if w.rollback else "in-watch")
+        loading = functools.partial(self.io.on_progress, self.host.name) if self.io.on_progress else None
         out = await watch_service(self.t, name, sp.target.spec.health, baseline_restarts=w.baseline_restarts,
                                   since_epoch=since, on_phase=self._progress(),
                                   baseline_invocation=w.baseline_invocation,
                                   baseline_active_enter=w.baseline_active_enter,
                                   start_error=failure.message if failure else None, cancel=self.io.supersede,
-                                  systemd=self.systemd)
+                                  systemd=self.systemd, on_progress=loading)
         kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
         self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
         rec = next((r for x in plan.actions if x.kind is Kind.RECORD and x.service == name

@@ -19,6 +19,7 @@ from ..desired.trust import TrustPolicy
 if TYPE_CHECKING:
     from ..desired.spec import HostSpec
     from ..host.notify import Notifier
+    from ..host.progress import LoadProgress
     from ..host.transport import Transport
     from ..plan.rollout import RolloutResult
     from .results import HostResult
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
 # Opens a connection to a host (an SSH connection, the daemon's pool, a local transport).
 Connector = Callable[["HostSpec"], Awaitable["Transport"]]
 HostPhase = Callable[[str, str, str, float, float], None]   # host, service, phase, elapsed, timeout
+HostProgress = Callable[[str, str, "LoadProgress"], None]   # host, service, its engine's load progress
 # Told of each rollout's progress (the daemon's fleet page): "start", "wave" (its hosts restart
 # now: waves_done + 1), "done", "halted", "superseded", with the rollout as it stands.
 RolloutWatch = Callable[[str, "RolloutResult"], None]
@@ -75,6 +77,7 @@ class RunIO:
 
     connect: Connector | None = None              # None: a new SSH connection per host (RunOptions.identity)
     on_phase: HostPhase | None = None             # each service's health phase (the progress view)
+    on_progress: HostProgress | None = None       # each change of a loading engine's progress (the fleet page)
     on_rollout: RolloutWatch | None = None        # each rollout's start, waves and end (the fleet page)
     notifier: Notifier | None = None              # webhooks (None: fleet.toml [notify], never on a dry run)
     supersede: asyncio.Event | None = None        # set when a newer revision arrives (the daemon)

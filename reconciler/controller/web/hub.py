@@ -28,6 +28,7 @@ from ...redact import redact
 
 if TYPE_CHECKING:
     from ...desired.spec import HostSpec
+    from ...host.progress import LoadProgress
     from ...loop.results import FleetResult, HostResult
     from ...plan.rollout import RolloutResult
 
@@ -56,6 +57,7 @@ class PhaseInfo:
     failure: str | None = None       # the first "failed: Reason" of this run: later phases are the rollback's
     final: str | None = None         # after the run: healthy, rolled back, rollback failed, quarantined ...
     quote: str | None = None         # the journal line that explains a failure (after the run)
+    progress: dict[str, Any] | None = None   # the engine's load progress while it loads (LoadProgress.to_json)
 
 
 @dataclass
@@ -152,6 +154,17 @@ class Hub:
                 return
             for svc in starting(r.plan):
                 self.run.phases.setdefault((r.host, svc), PhaseInfo(DEPLOYING, 0.0, 0.0, self.clock()))
+        self._bump("live", "grid")
+
+    @_guarded
+    def progress(self, host: str, service: str, p: LoadProgress) -> None:
+        """A loading engine's progress, by its own journal lines (RunIO.on_progress): shown with the
+        phase it came with (the watch reports that phase first), until the next phase."""
+        with self.lock:
+            info = self.run.phases.get((host, service)) if self.run is not None else None
+            if info is None:
+                return
+            info.progress = p.to_json()
         self._bump("live", "grid")
 
     def tee(self, view: Callable[[str, str, str, float, float], None]) -> PhaseTee:

@@ -111,8 +111,18 @@ def phase_model(p: PhaseInfo, mono: float) -> Model:
     what = raw if raw.startswith("fetching") else f"watching health: {raw}"
     if p.failure:
         what = f"rolling back after {p.failure}; {what}"
-    return {"text": what, "tone": "busy", "quote": None,
+    return {"text": what, "tone": "busy", "quote": None, "progress": load_model(p.progress),
             "clock": {"elapsed": round(p.elapsed + max(0.0, mono - p.at), 1), "timeout": round(p.timeout)}}
+
+
+def load_model(progress: Mapping[str, Any] | None) -> Model | None:
+    """A loading engine's progress as the page shows it: a bar where the engine counts (checkpoint
+    shards, CUDA graph batch sizes), its stage in words, and the journal line it was read from."""
+    if not progress:
+        return None
+    return {"stage": progress["stage"], "text": progress["text"], "line": progress["line"] or None,
+            "done": progress["done"], "total": progress["total"],
+            "bar": progress["done"] is not None and bool(progress["total"]) and not progress["finished"]}
 
 
 # -- the grid ---------------------------------------------------------------------------------

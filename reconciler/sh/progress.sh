@@ -1,0 +1,33 @@
+#!/bin/sh
+# The new journal lines of services being started, for their load progress
+# (reconciler/host/progress.py: tail_command runs this, parse_tail reads it). It runs in the
+# health watch's round trip, just before its `systemctl show`.
+#
+#   progress.sh TOKEN [INVOCATION CURSOR]...
+#
+# Per invocation of a service, its own processes' lines only (systemd's are not): "TOKEN U
+# INVOCATION", then "TOKEN L TEXT" a line: the lines after CURSOR ("-": none read yet, so its
+# last LINES lines), at most LINES of them, each cut to its last LINE_MAX bytes (a progress
+# bar redrawn with carriage returns is one long line whose latest state is at its end), at
+# most MAX_BYTES in all (a line that this cuts at the front loses its token: it is no record).
+# journalctl's own last line "-- cursor: C" says where the next read starts. The last line is
+# "TOKEN END".
+LINES=200
+LINE_MAX=2000
+MAX_BYTES=32768
+
+T=$1
+shift
+LC_ALL=C         # awk and tail count bytes
+export LC_ALL
+while [ $# -ge 2 ]; do
+  printf '%s U %s\n' "$T" "$1"
+  after=
+  [ "$2" = - ] || after=--after-cursor=$2
+  journalctl "_SYSTEMD_INVOCATION_ID=$1" ${after:+"$after"} -n "$LINES" -o cat --show-cursor --no-pager \
+      2>/dev/null \
+    | awk -v t="$T" -v m="$LINE_MAX" '{ if (length($0) > m) $0 = substr($0, length($0) - m + 1); print t " L " $0 }' \
+    | tail -c "$MAX_BYTES"
+  shift 2
+done
+printf '%s END\n' "$T"

@@ -1,0 +1,102 @@
+"""End-to-end: while the stand-in loads (STANDIN_LOAD_SECONDS), the engine's own progress lines
+reach the CLI's progress view, the stream of `git push -o reconcile.wait` and the fleet page,
+per host (issue 35, item 4).
+
+Two hosts: the first prints its shard bar with a newline after every redraw (vLLM 0.33.0's
+format, STANDIN_BAR_NEWLINE=1: journald stores one line per shard, so the shards are seen one
+by one); the second exactly as SGLang 0.5.12 (carriage returns only: journald stores the bar
+when it ends, so its shards are never seen one by one; the stand-in logs its CUDA graph capture
+right after "Load weight end", so the same read sees both).
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import threading
+import urllib.request
+
+import pytest
+
+from tests.conftest import run_cli, wait_for, write_fleet
+from tests.e2e.test_e2e_push import Deploy, free_port
+from tests.e2e.test_e2e_web import page_up
+
+pytestmark = pytest.mark.fleet
+
+LOAD = "8"          # seconds: 70% the 2 shards of Qwen3-8B (2.8 s each), 30% the CUDA graphs
+
+
+def write(repo, hosts, **env: str) -> None:
+    """Both hosts load for LOAD seconds; the first prints newline bars, the second SGLang's own."""
+    write_fleet(repo, hosts, {"model-a": {"port": 30000, "model": "Qwen3-8B",
+                                          "env": {"STANDIN_LOAD_SECONDS": LOAD, **env},
+                                          "health": {"startup_timeout": 60, "stable_for": 1}}})
+    first = repo.path / "hosts" / f"{hosts[0].name}.toml"
+    first.write_text(first.read_text().replace("env = { ", 'env = { STANDIN_BAR_NEWLINE = "1", ', 1))
+
+
+def block(page: str, host: str) -> str:
+    """The first element of the page about `host`: from its data-host to the next one's."""
+    after = page.split(f'data-host="{host}"', 1)[1] if f'data-host="{host}"' in page else ""
+    return after.split('data-host="', 1)[0]
+
+
+def progress_lines(out: str, host: str) -> list[str]:
+    """What the progress view said of the host's service, in order, without the clock (nor the
+    blanks git pads a "remote:" line with)."""
+    return [m.group(1).rstrip() for m in re.finditer(rf"\[ *[\d.]+s\] {re.escape(host)} model-a: ([^\n]*)", out)]
+
+
+@pytest.mark.timeout(150)
+def test_load_progress_in_the_cli_the_push_stream_and_on_the_page(fleet, tmp_path):
+    a, b = fleet.hosts[:2]
+    deploy = Deploy(tmp_path)
+    port = free_port()
+    deploy.env["RECONCILER_WEB"] = f"127.0.0.1:{port}"
+    try:
+        # -- the CLI: `reconcile` on a pipe prints each change as a line (stderr)
+        write(deploy.repo, [a, b])
+        deploy.commit("qwen3-8b, 8 s to load")
+        res = run_cli("--repo", str(deploy.clone), check_codes=(0,))
+        cli_a, cli_b = progress_lines(res.stderr, a.name), progress_lines(res.stderr, b.name)
+        assert "loading weights: 1/2 checkpoint shards (50%)" in cli_a, res.stderr
+        assert "loading weights" in cli_b, res.stderr
+        assert not any("/2 checkpoint shards" in p for p in cli_b)   # SGLang's bar reaches the journal as it ends
+        for seen in (cli_a, cli_b):
+            weights = next(i for i, p in enumerate(seen) if p.startswith("loading weights"))
+            graphs = next(i for i, p in enumerate(seen) if "CUDA graphs" in p)
+            assert seen[0] == "starting" and seen[-1] == "healthy" and weights < graphs
+
+        # -- the push stream and the page: a change that restarts both, pushed with reconcile.wait
+        deploy.start()
+        wait_for("the fleet page", lambda: page_up(f"http://127.0.0.1:{port}/"), 15)
+        write(deploy.repo, [a, b], LOG_LEVEL="debug")
+        rev = deploy.commit("debug logs")
+        pages: list[str] = []
+        pushed: dict[str, str] = {}
+
+        def push() -> None:
+            r = deploy.push("-o", "reconcile.wait")
+            pushed["out"] = r.stdout + r.stderr
+        t = threading.Thread(target=push)
+        t.start()
+
+        def loading_shown() -> bool:
+            page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read().decode()
+            pages.append(page)
+            return '<progress value="1" max="2">' in page or not t.is_alive()
+        wait_for("the page to show a host's shard progress", loading_shown, timeout=60, every=0.2)
+        t.join(100)
+        out = pushed["out"]
+        assert f"{rev[:7]} finished with exit 0" in out, out
+        push_a, push_b = progress_lines(out, a.name), progress_lines(out, b.name)
+        assert "loading weights: 1/2 checkpoint shards (50%)" in push_a, out
+        assert "loading weights" in push_b and any("CUDA graphs" in p for p in push_b), out
+
+        page = next(p for p in pages if '<progress value="1" max="2">' in block(p, a.name))
+        assert "engine:</span> loading weights: 1/2 checkpoint shards (50%)" in block(page, a.name)
+        assert html.escape("Loading safetensors checkpoint shards:  50% Completed | 1/2 [") in block(page, a.name)
+        assert any("engine:</span> " in block(p, b.name) for p in pages)       # the other host: its own
+    finally:
+        deploy.stop()
