@@ -134,7 +134,7 @@ class EngineVerdict:
 
     def note(self) -> str:
         """A line for the dry run and the run's notes."""
-        took = f", {self.seconds:.1f} s" if self.seconds is not None and not self.cached else ""
+        took = f", {self.seconds:.1f} s" if self.seconds and self.seconds >= 0.05 and not self.cached else ""
         if self.verdict == "ok":
             shown = describe_resolved(self.resolved)
             return f"{self.service}: {self.engine} accepts the command line{took}" + (f": {shown}" if shown else "")

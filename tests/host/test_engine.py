@@ -113,6 +113,7 @@ def test_usage_errors_read_as_argparse_wrote_them():
 ])
 def test_no_answer_is_inconclusive_and_says_why(stdout: str, status: int, tail: str, message: str):
     v = parse_verdict("m", "vllm", stdout, exit_status=status, tail=tail)
+    assert v.seconds is None
     assert (v.verdict, v.message) == ("inconclusive", message)
     assert v.note() == f"m: engine check inconclusive (vllm): {message}; the static rules decide"
 
