@@ -85,9 +85,11 @@ def probe(facts: dict[str, Any] | None, args: list[str]) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
         if facts is not None:
+            if out["version"] is None:
+                importlib.import_module("sglang.srt.server_args")  # not installed: the import says why
             shim = FACTS_SHIMS.get(out["version"] or "")
             if shim is None:
-                raise Inconclusive(f"no facts shim for sglang {out['version']}")
+                raise Inconclusive(f"no facts shim for sglang {out['version'] or '(unknown version)'}")
             if not any(a == "--device" or a.startswith("--device=") for a in args):
                 args = [*args, "--device", "cuda"]
             if shim == "override_platform":

@@ -31,6 +31,7 @@ system's temporary directory, kept between runs (the first run of an architectur
 
 from __future__ import annotations
 
+import importlib
 import json
 import linecache
 import os
@@ -106,8 +107,10 @@ def probe(facts: dict[str, Any] | None, args: list[str]) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
         if facts is not None:
+            if out["version"] is None:
+                importlib.import_module("vllm.platforms")  # not installed: the import says why
             if out["version"] not in FACTS_SHIMS:
-                raise Inconclusive(f"no facts shim for vllm {out['version']}")
+                raise Inconclusive(f"no facts shim for vllm {out['version'] or '(unknown version)'}")
             install_host_platform(facts)     # before any other vllm import
         import vllm
         from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
