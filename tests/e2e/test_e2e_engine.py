@@ -113,7 +113,8 @@ def test_sglang_0_5_12_refuses_the_seed_with_the_incident_error_and_takes_the_ol
 @pytest.mark.timeout(300)
 def test_sglang_0_5_23_accepts_the_seed_and_refuses_the_old_fix_flag_an_unknown_flag_and_a_long_context(fleet):
     out = run_all(fleet, {"0.5.23 seed": sglang("0.5.23", *SEED),
-                          "0.5.23 seed + old fix + unknown flag": sglang("0.5.23", *SEED, *OLD_FIX, "--bogus-flag", "1"),
+                          "0.5.23 seed + old fix + unknown flag": sglang("0.5.23", *SEED, *OLD_FIX,
+                                                                         "--bogus-flag", "1"),
                           "0.5.23 context 300000": sglang("0.5.23", "--model-path", MODEL, "--tp-size", "4",
                                                           "--context-length", "300000")})
     seed = out["0.5.23 seed"]
