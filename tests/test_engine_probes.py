@@ -46,7 +46,9 @@ class ServerArgs:
 def prepare_server_args(argv):
     parser = argparse.ArgumentParser(prog="sglang serve")
     parser.add_argument("--tp-size", type=int)
-    parser.parse_args(argv)
+    parser.add_argument("--model-path")
+    args = parser.parse_args(argv)
+    print("parsed", vars(args), file=sys.stderr)
     return ServerArgs()
 '''
 
@@ -95,6 +97,13 @@ def test_ok_prints_only_the_verdict_on_stdout_and_the_resolved_values(tmp_path):
     assert v["resolved"] == {"attention_backend": "fa3", "tp_size": 4, "mamba_radix_cache_strategy": "extra_buffer",
                              "context_length": 1024}
     assert set(v["seconds"]) == {"import", "check"}
+
+
+def test_a_positional_model_is_the_model_path_as_sglang_serve_takes_it(tmp_path):
+    _, v = probe("sglang_probe.py", fake_engine(tmp_path, "sglang", "0.5.23"), ["/models/m", "--tp-size", "4"])
+    assert v["verdict"] == "ok"
+    _, v = probe("sglang_probe.py", fake_engine(tmp_path / "2", "sglang", "0.5.23"), ["/models/m", "/x"])
+    assert (v["verdict"], v["message"]) == ("rejected", "unrecognized arguments: /x")
 
 
 @pytest.mark.parametrize(("mode", "args", "expected"), [

@@ -12,7 +12,8 @@ Usage::
 
     PYTHON sglang_probe.py [--facts JSON] [--] ARGS...
 
-ARGS are what follows ``-m sglang.launch_server`` or ``sglang serve`` in the unit's command.
+ARGS are what follows ``-m sglang.launch_server`` or ``sglang serve`` in the unit's command
+(a positional model, as ``sglang serve MODEL`` takes, becomes ``--model-path MODEL``).
 The last line on stdout is ``RECONCILER-ENGINE {json}`` (see ``verdict()``); everything the
 engine prints goes to stderr. Exit status 0 whenever that line was printed.
 
@@ -74,6 +75,9 @@ def split_argv(argv: list[str]) -> tuple[dict[str, Any] | None, list[str]]:
         argv = argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
+    if argv and not argv[0].startswith("-"):
+        # `sglang serve MODEL ...`: what its CLI does (cli/serve.py) before prepare_server_args
+        argv = ["--model-path", argv[0], *argv[1:]]
     return facts, list(argv)
 
 
