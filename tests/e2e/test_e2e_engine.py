@@ -70,7 +70,7 @@ def run_probe(fleet, host: fleetlib.Host, python: str, probe: str, args: list[st
     verdict = json.loads(last.removeprefix("RECONCILER-ENGINE "))
     verdict["wall"] = wall
     print(f"probe {label or probe}: {verdict['verdict']} in {wall:.1f}s wall "
-          f"(import {verdict['seconds'].get('import')}s, check {verdict['seconds'].get('check')}s)")
+          f"(import {verdict['seconds'].get('import', '-')}s, check {verdict['seconds'].get('check', '-')}s)")
     return verdict
 
 
