@@ -10,6 +10,10 @@ Besides the base system, every host gets (read-only bind mounts):
                                   a stand-in `sglang` package (tests/hostpkg): units run the
                                   stand-in as `python3 -m sglang.launch_server`, as in production
   /models                         small fake model directories (tests/models)
+  /opt/engines                    the real SGLang and vLLM environments of the engine-probe
+                                  tests, and /usr/lib/x86_64-linux-gnu/libcuda.so.1, the
+                                  project's stand-in for the NVIDIA driver library, once
+                                  `python -m tests.engines build` has built them (tests/engines.py)
 
 Used by the pytest fixtures (tests/conftest.py), the sandbox demo (.ci/sandbox) and the
 benchmarks. Command line::
@@ -37,6 +41,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests import engines
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("RECONCILER_FLEET_CACHE", "/var/cache/reconciler-testfleet"))
@@ -166,6 +172,7 @@ def boot(name: str, address: str, binds: list[str] | None = None) -> Host:
         # A stand-in nvidia-smi, off PATH: a test makes a host a "GPU host" with `gpu_host()`.
         f"--bind-ro={HOSTPKG / 'nvidia-smi'}:/usr/local/lib/fake-nvidia-smi",
         f"--bind-ro={MODELS}:/models",
+        *engines.host_binds(),
         *(binds or []),
     ]
     groups = _own_cgroups(name)

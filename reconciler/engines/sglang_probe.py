@@ -12,7 +12,8 @@ Usage::
 
     PYTHON sglang_probe.py [--facts JSON] [--] ARGS...
 
-ARGS are what follows ``-m sglang.launch_server`` or ``sglang serve`` in the unit's command.
+ARGS are what follows ``-m sglang.launch_server`` or ``sglang serve`` in the unit's command
+(a positional model, as ``sglang serve MODEL`` takes, becomes ``--model-path MODEL``).
 The last line on stdout is ``RECONCILER-ENGINE {json}`` (see ``verdict()``); everything the
 engine prints goes to stderr. Exit status 0 whenever that line was printed.
 
@@ -26,7 +27,6 @@ added when the arguments name no device. The shim is pinned to the versions it w
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import linecache
@@ -75,6 +75,9 @@ def split_argv(argv: list[str]) -> tuple[dict[str, Any] | None, list[str]]:
         argv = argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
+    if argv and not argv[0].startswith("-"):
+        # `sglang serve MODEL ...`: what its CLI does (cli/serve.py) before prepare_server_args
+        argv = ["--model-path", argv[0], *argv[1:]]
     return facts, list(argv)
 
 
@@ -86,9 +89,11 @@ def probe(facts: dict[str, Any] | None, args: list[str]) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
         if facts is not None:
+            if out["version"] is None:
+                importlib.import_module("sglang.srt.server_args")  # not installed: the import says why
             shim = FACTS_SHIMS.get(out["version"] or "")
             if shim is None:
-                raise Inconclusive(f"no facts shim for sglang {out['version']}")
+                raise Inconclusive(f"no facts shim for sglang {out['version'] or '(unknown version)'}")
             if not any(a == "--device" or a.startswith("--device=") for a in args):
                 args = [*args, "--device", "cuda"]
             if shim == "override_platform":
@@ -112,7 +117,7 @@ def probe(facts: dict[str, Any] | None, args: list[str]) -> dict[str, Any]:
         server_args.check_server_args()
         seconds["check"] = round(time.monotonic() - t1, 2)
         out["resolved"] = resolved(server_args)
-    except BaseException as e:
+    except BaseException as e:  # every failure becomes a verdict
         seconds.setdefault("import", round(time.monotonic() - t0, 2))
         if stage != "import":
             seconds["check"] = round(time.monotonic() - t0 - seconds["import"], 2)
@@ -124,7 +129,7 @@ def installed_version() -> str | None:
     try:
         from importlib.metadata import version
         return version(ENGINE)
-    except Exception:
+    except Exception:  # no engine installed: the import stage says why
         return None
 
 
@@ -162,14 +167,24 @@ def patch_server_args_globals(module: Any, facts: dict[str, Any]) -> None:
 
 
 def resolved(server_args: Any) -> dict[str, Any]:
+    """The values in RESOLVED after resolution: 0.5.2x keeps the user's input on the record and
+    the resolved values apart (``resolved_dict()``); 0.5.1x resolves in place."""
+    values = server_args.resolved_dict() if hasattr(server_args, "resolved_dict") else vars(server_args)
     out = {}
     for name in RESOLVED:
-        if hasattr(server_args, name):
-            value = getattr(server_args, name)
+        if name in values:
+            value = values[name]
             out[name] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
-    if out.get("context_length") is None and hasattr(server_args, "get_model_config"):
-        with contextlib.suppress(Exception):
-            out["context_length"] = int(server_args.get_model_config().context_len)
+    if out.get("context_length") is None:       # not set by the unit: the model's own length
+        try:
+            if hasattr(server_args, "get_model_config"):                  # 0.5.1x
+                model_config = server_args.get_model_config()
+            else:                                                         # 0.5.2x
+                from sglang.srt.arg_groups.model_override_base import model_config_of
+                model_config = model_config_of(server_args)
+            out["context_length"] = int(model_config.context_len)
+        except Exception:  # the derived length is a nicety, not the verdict
+            pass
     return out
 
 

@@ -28,8 +28,8 @@ INCIDENT = ("ValueError: Speculative decoding for Qwen3_5MoeForConditionalGenera
 
 def unit(python: str, entry: str) -> str:
     return ("[Unit]\nDescription=a real engine's unit\n\n[Service]\nType=simple\n"
-            f"ExecStart={engines.HOST_ROOT}/{python}/bin/python -m {entry} --host {{host.address}} --port {{vars.port}} "
-            "{vars.args}\nRestart=always\nRestartSec=1\n\n[Install]\nWantedBy=multi-user.target\n")
+            f"ExecStart={engines.HOST_ROOT}/{python}/bin/python -m {entry} --host {{host.address}} "
+            "--port {vars.port} {vars.args}\nRestart=always\nRestartSec=1\n\n[Install]\nWantedBy=multi-user.target\n")
 
 
 def deploy(fleet, repo, python: str, entry: str, args: str) -> dict:

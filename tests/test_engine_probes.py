@@ -1,0 +1,146 @@
+"""The engine probes' own logic (reconciler/engines/), against a small fake engine package: the
+verdict line is the last stdout line whatever the engine prints, and each kind of failure gets
+the verdict of review 2026-12-02 §7.5. The real engines are run in tests/e2e/test_e2e_engine.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PROBES = Path(__file__).resolve().parent.parent / "reconciler" / "engines"
+FACTS = {"count": 4, "name": "NVIDIA H200", "capability": [9, 0], "memory_mib": 143771}
+
+FAKE_SERVER_ARGS = '''
+import argparse, atexit, os, sys
+print("engine chatter on stdout")
+print("engine chatter on stderr", file=sys.stderr)
+atexit.register(lambda: print("engine chatter at exit"))
+
+
+class ServerArgs:
+    def resolve_once(self):
+        mode = os.environ.get("FAKE_MODE", "ok")
+        if mode == "assert":
+            assert 1 + 1 == 3
+        if mode == "value":
+            raise ValueError("tp_size 3 does not divide 32 heads")
+        if mode == "repo":
+            raise OSError("Repo id must be in the form 'repo_name' or 'namespace/repo_name': "
+                          "'/models/nope'. Use `repo_type` argument if needed.")
+        if mode == "runtime":
+            raise RuntimeError("No accelerator (CUDA, XPU, HPU, NPU, MUSA, MPS) is available.")
+
+    def check_server_args(self):
+        print("more chatter")
+
+    def resolved_dict(self):
+        return {"attention_backend": "fa3", "tp_size": 4, "mamba_radix_cache_strategy": "extra_buffer",
+                "context_length": 1024, "unrelated": 1}
+
+
+def prepare_server_args(argv):
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    parser.add_argument("--tp-size", type=int)
+    parser.add_argument("--model-path")
+    args = parser.parse_args(argv)
+    print("parsed", vars(args), file=sys.stderr)
+    return ServerArgs()
+'''
+
+
+def line_of(text: str) -> int:
+    """The line number of `text` in the fake server_args.py."""
+    return next(i for i, line in enumerate(FAKE_SERVER_ARGS.splitlines(), 1) if text in line)
+
+
+def fake_engine(tmp_path: Path, name: str, version: str) -> Path:
+    """A site-packages dir with a dist-info for `name` `version` (and, for sglang, a fake
+    sglang.srt.server_args with the launcher's calls)."""
+    site = tmp_path / "lib" / "python3.11" / "site-packages"
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    if name == "sglang":
+        (site / "sglang" / "srt").mkdir(parents=True)
+        (site / "sglang" / "__init__.py").write_text("")
+        (site / "sglang" / "srt" / "__init__.py").write_text("")
+        (site / "sglang" / "srt" / "server_args.py").write_text(FAKE_SERVER_ARGS)
+    return site
+
+
+def probe(script: str, site: Path | None, args: list[str], facts: dict | None = None,
+          mode: str = "ok") -> tuple[list[str], dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_HUB_OFFLINE")}
+    env.update({"FAKE_MODE": mode, "VLLM_CACHE_ROOT": "/nonexistent-never-used"})
+    if site is not None:
+        env["PYTHONPATH"] = str(site)
+    opts = ["--facts", json.dumps(facts)] if facts is not None else []
+    res = subprocess.run([sys.executable, str(PROBES / script), *opts, "--", *args], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[-1].startswith("RECONCILER-ENGINE "), res.stdout
+    return lines, json.loads(lines[-1].removeprefix("RECONCILER-ENGINE "))
+
+
+def test_ok_prints_only_the_verdict_on_stdout_and_the_resolved_values(tmp_path):
+    lines, v = probe("sglang_probe.py", fake_engine(tmp_path, "sglang", "0.5.23"), ["--tp-size", "4"])
+    assert lines == [lines[-1]]          # the engine's chatter, even at exit, went to stderr or nowhere
+    assert {k: v[k] for k in ("engine", "version", "verdict", "stage", "error", "message", "where")} == \
+        {"engine": "sglang", "version": "0.5.23", "verdict": "ok", "stage": None, "error": None, "message": None,
+         "where": None}
+    assert v["resolved"] == {"attention_backend": "fa3", "tp_size": 4, "mamba_radix_cache_strategy": "extra_buffer",
+                             "context_length": 1024}
+    assert set(v["seconds"]) == {"import", "check"}
+
+
+def test_a_positional_model_is_the_model_path_as_sglang_serve_takes_it(tmp_path):
+    _, v = probe("sglang_probe.py", fake_engine(tmp_path, "sglang", "0.5.23"), ["/models/m", "--tp-size", "4"])
+    assert v["verdict"] == "ok"
+    _, v = probe("sglang_probe.py", fake_engine(tmp_path / "2", "sglang", "0.5.23"), ["/models/m", "/x"])
+    assert (v["verdict"], v["message"]) == ("rejected", "unrecognized arguments: /x")
+
+
+@pytest.mark.parametrize(("mode", "args", "expected"), [
+    ("ok", ["--tp-size", "4", "--bogus-flag", "1"],
+     {"verdict": "rejected", "stage": "parse", "error": "usage", "message": "unrecognized arguments: --bogus-flag 1"}),
+    ("ok", ["--tp-size", "four"],
+     {"verdict": "rejected", "stage": "parse", "error": "usage",
+      "message": "argument --tp-size: invalid int value: 'four'"}),
+    ("value", [], {"verdict": "rejected", "stage": "resolve", "error": "ValueError",
+                   "message": "tp_size 3 does not divide 32 heads",
+                   "where": f"sglang/srt/server_args.py:{line_of('raise ValueError')} ServerArgs.resolve_once"}),
+    ("assert", [], {"verdict": "rejected", "stage": "resolve", "error": "AssertionError",
+                    "message": "assert 1 + 1 == 3",
+                    "where": f"sglang/srt/server_args.py:{line_of('assert 1 + 1')} ServerArgs.resolve_once"}),
+    ("repo", [], {"verdict": "rejected", "stage": "resolve", "error": "OSError",
+                  "message": "model path not found: /models/nope (Repo id must be in the form 'repo_name' or "
+                             "'namespace/repo_name': '/models/nope'. Use `repo_type` argument if needed.)"}),
+    ("runtime", [], {"verdict": "inconclusive", "stage": "resolve", "error": "RuntimeError",
+                     "message": "No accelerator (CUDA, XPU, HPU, NPU, MUSA, MPS) is available."}),
+])
+def test_each_failure_gets_its_verdict(tmp_path, mode, args, expected):
+    _, v = probe("sglang_probe.py", fake_engine(tmp_path, "sglang", "0.5.23"), args, mode=mode)
+    assert {k: v[k] for k in expected} == expected
+    assert v["resolved"] == {}
+
+
+@pytest.mark.parametrize(("script", "name", "version"), [("sglang_probe.py", "sglang", "0.5.99"),
+                                                         ("vllm_probe.py", "vllm", "0.34.0")])
+def test_facts_for_a_version_the_shim_was_not_tested_on_are_inconclusive(tmp_path, script, name, version):
+    _, v = probe(script, fake_engine(tmp_path, name, version), ["--tp-size", "4"], facts=FACTS)
+    assert (v["engine"], v["version"], v["verdict"], v["stage"], v["error"], v["message"]) == \
+        (name, version, "inconclusive", "import", "Inconclusive", f"no facts shim for {name} {version}")
+
+
+@pytest.mark.parametrize(("script", "module"), [("sglang_probe.py", "sglang"), ("vllm_probe.py", "vllm")])
+def test_no_engine_installed_is_inconclusive_with_the_import_error(script, module):
+    _, v = probe(script, None, ["m"], facts=FACTS)
+    assert (v["version"], v["verdict"], v["stage"], v["error"]) == (None, "inconclusive", "import",
+                                                                    "ModuleNotFoundError")
+    assert v["message"] == f"No module named '{module}'"
