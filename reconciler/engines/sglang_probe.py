@@ -110,13 +110,14 @@ def probe(facts: dict[str, Any] | None, args: list[str]) -> dict[str, Any]:
         t1 = time.monotonic()
         stage = "parse"
         server_args = sa_mod.prepare_server_args(args)
+        asked = {name: plain(getattr(server_args, name, None)) for name in RESOLVED}
         if hasattr(server_args, "resolve_once"):
             stage = "resolve"
             server_args.resolve_once()
         stage = "check"
         server_args.check_server_args()
         seconds["check"] = round(time.monotonic() - t1, 2)
-        out["resolved"] = resolved(server_args)
+        out["resolved"] = resolved(server_args, asked)
     except BaseException as e:  # every failure becomes a verdict
         seconds.setdefault("import", round(time.monotonic() - t0, 2))
         if stage != "import":
@@ -166,15 +167,18 @@ def patch_server_args_globals(module: Any, facts: dict[str, Any]) -> None:
         setattr(module, name, (lambda v: lambda *a, **k: v)(value))
 
 
-def resolved(server_args: Any) -> dict[str, Any]:
+def resolved(server_args: Any, asked: dict[str, Any]) -> dict[str, Any]:
     """The values in RESOLVED after resolution: 0.5.2x keeps the user's input on the record and
-    the resolved values apart (``resolved_dict()``); 0.5.1x resolves in place."""
+    the resolved values apart (``resolved_dict()``); 0.5.1x resolves in place, while parsing.
+    A value that resolution changed (0.5.2x: `auto` -> `extra_buffer`, NEXTN -> EAGLE) comes as
+    the pair [asked, resolved]; `asked` holds the values as parsed, before resolution."""
     values = server_args.resolved_dict() if hasattr(server_args, "resolved_dict") else vars(server_args)
-    out = {}
+    out: dict[str, Any] = {}
     for name in RESOLVED:
         if name in values:
-            value = values[name]
-            out[name] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+            value = plain(values[name])
+            before = asked.get(name)
+            out[name] = [before, value] if before is not None and before != value else value
     if out.get("context_length") is None:       # not set by the unit: the model's own length
         try:
             if hasattr(server_args, "get_model_config"):                  # 0.5.1x
@@ -186,6 +190,11 @@ def resolved(server_args: Any) -> dict[str, Any]:
         except Exception:  # the derived length is a nicety, not the verdict
             pass
     return out
+
+
+def plain(value: Any) -> Any:
+    """A value as JSON carries it (an enum or an object as its text)."""
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
 def judge(e: BaseException, stage: str) -> dict[str, Any]:

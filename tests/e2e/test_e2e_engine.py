@@ -119,9 +119,10 @@ def test_sglang_0_5_23_accepts_the_seed_and_refuses_the_old_fix_flag_an_unknown_
                                                           "--context-length", "300000")})
     seed = out["0.5.23 seed"]
     assert (seed["version"], seed["verdict"], seed["error"]) == ("0.5.23", "ok", None)
-    # The default strategy `auto` resolves to extra_buffer on an SM90 host; NEXTN runs as EAGLE.
-    assert seed["resolved"] == {"mamba_radix_cache_strategy": "extra_buffer", "attention_backend": "fa3",
-                                "page_size": 1, "context_length": 262144, "speculative_algorithm": "EAGLE",
+    # The default strategy `auto` resolves to extra_buffer on an SM90 host; NEXTN runs as EAGLE
+    # (what resolution changed comes as [asked, resolved]).
+    assert seed["resolved"] == {"mamba_radix_cache_strategy": ["auto", "extra_buffer"], "attention_backend": "fa3",
+                                "page_size": 1, "context_length": 262144, "speculative_algorithm": ["NEXTN", "EAGLE"],
                                 "disable_overlap_schedule": False, "tp_size": 4}
 
     old = out["0.5.23 seed + old fix + unknown flag"]
