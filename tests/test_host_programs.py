@@ -57,7 +57,8 @@ EXPECTED = {
                 "CONFIRM": f"{facts.STATE_DIR}/{facts.CONFIRM_SUBDIR}", "UNIT_DIR": facts.UNIT_DIR,
                 "ENV_DIR": facts.ENV_DIR, "ENV_DROPIN": facts.ENV_DROPIN, "DROPIN_DIRS": " ".join(facts.DROPIN_DIRS),
                 "SHOW_PROPS": facts.SHOW_PROPS},
-    "gpu": {"GPU_FIELDS": gpu.GPU_FIELDS, "APP_FIELDS": gpu.APP_FIELDS, "SMI_FORMAT": gpu.SMI_FORMAT},
+    "gpu": {"GPU_FIELDS": gpu.GPU_FIELDS, "APP_FIELDS": gpu.APP_FIELDS, "SMI_FORMAT": gpu.SMI_FORMAT,
+            "HEALTH_SECTIONS": gpu.HEALTH_SECTIONS, "XID_LINES": str(gpu.XID_LINES)},
     "model-check": {"CONFIG_FILE": _hostcheck.CONFIG_FILE, "INDEX_FILE": _hostcheck.INDEX_FILE},
     "verify": {"ENV_DROPIN": facts.ENV_DROPIN},
 }
