@@ -21,6 +21,7 @@ PENDING = ServicePlan("m", State.PENDING, result=Result.CONVERGED)
 CHANGED = ServicePlan("m", State.CHANGED, result=Result.CONVERGED)   # the plan a run executed last
 HELD = ServicePlan("m", State.INCONCLUSIVE, result=Result.FAILED, reason="Inconclusive", note="no verdict ...")
 NO_GOOD = ServicePlan("m", State.QUARANTINED_NO_GOOD, result=Result.FAILED, note="desired q; first deploy failed")
+GPU_BLOCKED = ServicePlan("m", State.BLOCKED, result=Result.FAILED, reason="GpuFault", note="not started: ...")
 
 
 @pytest.mark.parametrize("sp,events,want", [
@@ -39,6 +40,12 @@ NO_GOOD = ServicePlan("m", State.QUARANTINED_NO_GOOD, result=Result.FAILED, note
     (CHANGED, [ev(Event.DEPLOY, "CrashLoop"), ev(Event.ROLLBACK, "Inconclusive"),
                ev(Event.ROLLBACK, "Healthy", True)], (Result.ROLLED_BACK, "RolledBack")),
     (NO_GOOD, [ev(Event.DEPLOY, "CrashLoop")], (Result.FAILED, "FirstDeployFailed")),
+    # a start that failed with the host's GPUs sick: the host's failure, never a rollback's or the
+    # version's ("RollbackFailed", "FirstDeployFailed"), whether the next round was blocked or not
+    (GPU_BLOCKED, [ev(Event.DEPLOY, "GpuFault")], (Result.FAILED, "GpuFault")),
+    (PENDING, [ev(Event.DEPLOY, "GpuFault")], (Result.FAILED, "GpuFault")),
+    (NO_GOOD, [ev(Event.DEPLOY, "GpuFault")], (Result.FAILED, "GpuFault")),
+    (GPU_BLOCKED, [], (Result.FAILED, "GpuFault")),           # blocked before any start
     # a newer revision ended the wait: no verdict, and nothing failed
     (CHANGED, [ev(Event.DEPLOY, "Superseded")], (Result.CONVERGED, None)),
 ])
