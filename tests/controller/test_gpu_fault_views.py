@@ -61,7 +61,7 @@ def test_the_run_and_the_store_say_gpu_fault_with_the_line(tmp_path: Path) -> No
     with TestClient(app, base_url="http://localhost") as c:
         page = c.get("/").text
         assert "GpuFault: the start failed" in page and ECC in page
-        assert ECC in c.get("/host/gpu-1").text
+        assert ECC in c.get("/hosts/gpu-1").text
 
 
 def test_status_live_shows_the_hosts_gpu_fault_on_each_row() -> None:
