@@ -28,7 +28,7 @@ from .. import shell
 from ..clock import REAL, Clock
 from ..errors import ObserveError
 from ..frames import Frame, decode, frames, malformed
-from ..plan.gpuhealth import SMI_SECTIONS, XID_LINES, GpuHealth, dcgm_health, smi_health, xid_health
+from ..plan.gpuhealth import SMI_SECTIONS, GpuHealth, dcgm_health, smi_health, xid_health
 from ..shell import ShCommand
 
 
@@ -62,6 +62,7 @@ SMI_FORMAT = "csv,noheader,nounits"
 QUERY_GPU = f"nvidia-smi --query-gpu={GPU_FIELDS} --format={SMI_FORMAT}"
 QUERY_APPS = f"nvidia-smi --query-compute-apps={APP_FIELDS} --format={SMI_FORMAT}"
 HEALTH_SECTIONS = "|" + "|".join(SMI_SECTIONS) + "|"
+XID_LINES = 20        # the last kernel log Xid lines of the window that gpu.sh sends
 
 
 @dataclass(frozen=True)

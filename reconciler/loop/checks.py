@@ -41,8 +41,8 @@ from ..host.versions import Probe, parse_probe, probe_command, probe_for
 from ..host.versions import cache as versions_cache
 from ..plan.actions import starting, writing_units
 from ..plan.facts import ENV_DROPIN, HostFacts
-from ..plan.gpuhealth import xid_since
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
+from ..plan.gpuhealth import xid_since
 from ..plan.model import Block, Checks, HostPlan
 from ..preflight import (
     ModelFacts,

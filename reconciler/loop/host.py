@@ -35,8 +35,8 @@ from ..host.health import Outcome, Phase, SystemdWatch, watch_service
 from ..host.transport import SSHTransport, Transport
 from ..plan.actions import plan_host
 from ..plan.facts import HostFacts, observe_command, parse_observation
-from ..plan.gpuhealth import GPU_FAULT, blames_gpu, recorded_after, start_fault
 from ..plan.files import secret_files
+from ..plan.gpuhealth import GPU_FAULT, blames_gpu, recorded_after, start_fault
 from ..plan.model import Action, Context, HostPlan, Kind
 from ..plan.records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
@@ -243,8 +243,9 @@ class _HostRun:
         if keep == facts.gpu_fault:
             return
         await write_gpu_fault(self.t, keep)
+        was = facts.gpu_fault.quote if facts.gpu_fault is not None else ""
         self.result.notes.append(f"GPU fault recorded: {keep.quote}" if keep is not None else
-                                 f"GPU fault cleared: the GPUs read healthy (was: {facts.gpu_fault and facts.gpu_fault.quote})")
+                                 f"GPU fault cleared: the GPUs read healthy (was: {was})")
 
     async def _blame_gpu(self, out: Outcome, name: str, revision: str, since: float) -> Outcome:
         """A failed start on a GPU host: read the GPUs' health without a CUDA context (nvidia-smi

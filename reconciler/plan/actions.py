@@ -315,7 +315,7 @@ def _service_plan(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str
     if gpu is not None:
         # The host's fault, not this version's: nothing starts here until the GPUs read healthy
         blocks = (Block(GPU_FAULT, f"not started: the host's {gpu.why()} (the revision is not judged; "
-                                   f"cleared by the next healthy GPU reading)"),) + blocks
+                                   f"cleared by the next healthy GPU reading)"), *blocks)
     if sp.target is not None:
         blocks += secret_blocks(sp.target.spec, observed)
     if blocks and sp.target is not None and sp.state is not State.IN_SYNC:

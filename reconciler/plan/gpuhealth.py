@@ -31,7 +31,6 @@ from typing import Any
 GPU_FAULT = "GpuFault"
 # The sections of `nvidia-smi -q` (under each GPU) that say its health: what gpu.sh keeps.
 SMI_SECTIONS = ("ECC Errors", "Retired Pages", "Remapped Rows", "GPU Reset Status", "GPU Recovery Action")
-XID_LINES = 20                   # the last Xid lines of the window that are read
 FAULT_FILE = "/var/lib/reconciler/gpu-fault.json"
 XID_SOURCE = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 
@@ -166,7 +165,7 @@ def _tree(lines: Iterable[str]) -> list[tuple[str, list[tuple[tuple[str, ...], s
         key, sep, value = line.strip().partition(" : ")
         while stack and stack[-1][0] >= indent:
             stack.pop()
-        path = tuple(k for _, k in stack) + (key.strip(),)
+        path = (*(k for _, k in stack), key.strip())
         if sep:
             gpus[-1][1].append((path, value.strip()))
         else:
@@ -186,38 +185,38 @@ def _yes(v: str | None) -> bool:
     return (v or "").strip().lower() == "yes"
 
 
+def _finding(path: tuple[str, ...], value: str) -> str | None:
+    """What one `nvidia-smi -q` field says of its GPU: "fault", "sign" or None."""
+    head, last = path[0], path[-1]
+    if head == "ECC Errors" and len(path) >= 2 and path[1] == "Volatile":
+        # Ampere and newer: SRAM/DRAM Uncorrectable ...; older GPUs: Double Bit / Total
+        older = len(path) == 4 and path[2] == "Double Bit" and last == "Total"
+        return "fault" if ("Uncorrectable" in last or older) and _count(value) > 0 else None
+    if head == "Retired Pages" and last in ("Pending Page Blacklist", "Pending"):
+        return "fault" if _yes(value) else None
+    if head == "Remapped Rows" and last in ("Remapping Failure Occurred", "Pending"):
+        return ("fault" if last != "Pending" else "sign") if _yes(value) else None
+    if head == "GPU Reset Status" and last in ("Reset Required", "Drain and Reset Recommended"):
+        return "fault" if _yes(value) else None
+    if head == "GPU Recovery Action" and len(path) == 1:
+        quiet = value in ("None", "N/A", "") or value.startswith("Requested functionality")
+        return None if quiet else "fault"
+    return None
+
+
 def smi_health(text: str) -> tuple[list[str], list[str]]:
     """Faults and signs in `nvidia-smi -q` output (pure): one line per finding, naming the GPU by
     its PCI bus id and quoting nvidia-smi's field as it prints it."""
-    faults: list[str] = []
+    faults = [f"nvidia-smi: {line.strip()}" for line in text.splitlines() if _LOST.search(line)]
     signs: list[str] = []
-    for line in text.splitlines():
-        if _LOST.search(line):
-            faults.append(f"nvidia-smi: {line.strip()}")
     for bus, fields in _tree(text.splitlines()):
         for path, value in fields:
-            if value is None:
-                continue
-            where = " / ".join(path)
-            said = f"GPU {bus}: {where}: {value}"
-            head, last = path[0], path[-1]
-            if head == "ECC Errors" and len(path) >= 2 and path[1] == "Volatile":
-                uncorrectable = "Uncorrectable" in last or (len(path) == 4 and path[2] == "Double Bit"
-                                                             and last == "Total")
-                if uncorrectable and _count(value) > 0:
-                    faults.append(said)
-            elif head == "Retired Pages" and last in ("Pending Page Blacklist", "Pending") and _yes(value):
+            found = _finding(path, value) if value is not None else None
+            said = f"GPU {bus}: {' / '.join(path)}: {value}"
+            if found == "fault":
                 faults.append(said)
-            elif head == "Remapped Rows" and last == "Remapping Failure Occurred" and _yes(value):
-                faults.append(said)
-            elif head == "Remapped Rows" and last == "Pending" and _yes(value):
+            elif found == "sign":
                 signs.append(f"{said} (a row remap waits for a GPU reset)")
-            elif head == "GPU Reset Status" and last in ("Reset Required", "Drain and Reset Recommended") \
-                    and _yes(value):
-                faults.append(said)
-            elif head == "GPU Recovery Action" and len(path) == 1 and value not in ("None", "N/A", "") \
-                    and not value.startswith("Requested functionality"):
-                faults.append(said)
     return faults, signs
 
 
