@@ -33,6 +33,8 @@ GPU_FAULT = "GpuFault"
 SMI_SECTIONS = ("ECC Errors", "Retired Pages", "Remapped Rows", "GPU Reset Status", "GPU Recovery Action")
 FAULT_FILE = "/var/lib/reconciler/gpu-fault.json"
 XID_SOURCE = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
+# "Row-remapping pending flag ... new workloads can be launched": a pending remap is a sign only
+REMAP_SOURCE = "https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/error-recovery-and-response-flags.html"
 
 # NVIDIA's Xid catalog for Ampere and newer (XID_SOURCE; its "Resolution Bucket (Immediate
 # Action)" column), the Xids the reconciler blames on the host. Faults: the catalog's immediate
