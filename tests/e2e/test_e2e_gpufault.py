@@ -128,3 +128,26 @@ def test_a_start_that_fails_on_a_sick_gpu_is_the_hosts_fault_not_the_revisions(f
     rec = record(fleet, sick)
     assert rec["last_good_revision"] == c2 and rec["pending"] is None and rec["quarantine"] is None
     assert any("GPU fault cleared" in n for n in host_out(out, sick)["notes"])
+
+
+@pytest.mark.timeout(180)
+def test_a_gpu_fault_seen_before_a_start_blocks_the_host_without_judging_the_revision(fleet, repo):
+    """The stand-in's GPU 1 says it needs a reset before anything starts: nothing is started or
+    written on that host (GpuFault, the field quoted), and it deploys once the GPU reads healthy."""
+    h = fleet.hosts[0]
+    fleet.ssh(h, fleetlib.gpu_host(2))
+    fleet.ssh(h, fleetlib.gpu_faults("1 reset-required"))
+    write_shared(repo, [h], load="0.5")
+    c1 = repo.commit("qwen3.5 on a GPU host")
+    _, out = run_json("--repo", str(repo.path), check_codes=(4,))
+    r = host_out(out, h)
+    reset = "GPU 00000000:2A:00.0: GPU Reset Status / Reset Required: Yes"
+    assert (r["status"], r["reason"]) == ("failed", "GpuFault") and reset in r["message"], r
+    assert fleet.no_records(h) and not fleet.exists(h, f"/etc/systemd/system/{SERVICE}.service")
+    mark = json.loads(fleet.ssh(h, f"cat {FAULT_FILE}"))
+    assert (mark["quote"], mark["service"], mark["revision"]) == (reset, None, None)
+
+    fleet.ssh(h, fleetlib.gpu_faults())          # reset: healthy again
+    _, out = run_json("--repo", str(repo.path), check_codes=(0,))
+    assert host_out(out, h)["status"] == "converged" and not fleet.exists(h, FAULT_FILE)
+    assert record(fleet, h)["last_good_revision"] == c1
