@@ -320,17 +320,16 @@ class _GpuReading:
         the kernel log and DCGM; not read when nvidia-smi -q failed without saying a GPU is lost."""
         if "QRC" not in self.rc:
             return None
-        faults, signs = smi_health("\n".join(self.said["Q"]))
-        xf, xs = xid_health(self.said["K"])
-        df, ds, dnote = dcgm_health("\n".join(self.said["D"])) if "DRC" in self.rc else ([], [], None)
-        notes = [n for n in (dnote, "kernel log not read (no journalctl)" if self.rc.get("KRC") == "-" else None)
-                 if n]
+        faults, notes = smi_health("\n".join(self.said["Q"]))
+        xf, signs = xid_health(self.said["K"])
+        df, dn = dcgm_health("\n".join(self.said["D"])) if "DRC" in self.rc else ([], [])
+        notes += dn + (["kernel log not read (no journalctl)"] if self.rc.get("KRC") == "-" else [])
         read = self.rc["QRC"] == "0" or bool(faults)
         if not read:
             tail = [x.strip() for x in self.said["Q"] if x.strip()][-1:]
             notes.insert(0, f"nvidia-smi -q exited {self.rc['QRC']}" + (f": {tail[0]}" if tail else ""))
         now = self.rc.get("NOW", "")
-        return GpuHealth(read=read, faults=tuple(faults + xf + df), signs=tuple(signs + xs + ds),
+        return GpuHealth(read=read, faults=tuple(faults + xf + df), signs=tuple(signs),
                          now=int(now) if now.isdigit() else 0, notes=tuple(notes))
 
     def facts(self) -> GpuFacts:

@@ -12,9 +12,11 @@ context, and what the planner makes of it:
   * DCGM's health watches (`dcgmi health -c`), where DCGM is installed and watches are set.
 
 A reading has faults (a start must not happen on this host: it blocks, and a failed start that
-coincides with one is the GPU's) and signs (evidence of a hardware memory event that NVIDIA
-says needs no reset: a failed start that coincides with one is the GPU's too, but nothing is
-blocked for it). `in_force` decides the host's GpuFault from the recorded one and a fresh
+coincides with one is the GPU's), signs (a hardware memory event in the kernel log's window
+that NVIDIA says needs no reset, Xid 63/92/94: a failed start that coincides with one is the
+GPU's too, but nothing is blocked for it) and notes (states that neither block nor explain a
+failure, since they may be weeks old and NVIDIA says new work may start: a row remap pending
+the next reset, a DCGM warning; shown, nothing more). `in_force` decides the host's GpuFault from the recorded one and a fresh
 reading; `blames_gpu` whether a failed start was the GPU's. The fault is kept on the host in
 /var/lib/reconciler/gpu-fault.json (`GpuFault`), cleared by the next healthy reading, by
 removing that file, or passed over once by `reconcile --retry`.
@@ -33,7 +35,7 @@ GPU_FAULT = "GpuFault"
 SMI_SECTIONS = ("ECC Errors", "Retired Pages", "Remapped Rows", "GPU Reset Status", "GPU Recovery Action")
 FAULT_FILE = "/var/lib/reconciler/gpu-fault.json"
 XID_SOURCE = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
-# "Row-remapping pending flag ... new workloads can be launched": a pending remap is a sign only
+# "Row-remapping pending flag ... new workloads can be launched": a pending remap is a note only
 REMAP_SOURCE = "https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/error-recovery-and-response-flags.html"
 
 # NVIDIA's Xid catalog for Ampere and newer (XID_SOURCE; its "Resolution Bucket (Immediate
@@ -82,7 +84,8 @@ _LOST = re.compile(r"GPU is lost|GPU requires reset|fallen off the bus", re.I)
 @dataclass(frozen=True)
 class GpuHealth:
     """One reading of the GPUs' health: `read` when nvidia-smi -q answered (or said a GPU is
-    lost); faults block starts, signs only explain a failed one; `now` is the host's clock."""
+    lost); faults block starts, signs only explain a failed one, notes do neither; `now` is the
+    host's clock."""
 
     read: bool
     faults: tuple[str, ...] = ()
@@ -99,7 +102,8 @@ class GpuHealth:
             return "GPU health not read" + (f" ({'; '.join(self.notes)})" if self.notes else "")
         if self.faults:
             return "; ".join(self.faults)
-        return "GPUs healthy" + (f" (signs: {'; '.join(self.signs)})" if self.signs else "")
+        found = self.signs + self.notes
+        return "GPUs healthy" + (f" ({'; '.join(found)})" if found else "")
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,7 @@ def _yes(v: str | None) -> bool:
 
 
 def _finding(path: tuple[str, ...], value: str) -> str | None:
-    """What one `nvidia-smi -q` field says of its GPU: "fault", "sign" or None."""
+    """What one `nvidia-smi -q` field says of its GPU: "fault", "note" or None."""
     head, last = path[0], path[-1]
     if head == "ECC Errors" and len(path) >= 2 and path[1] == "Volatile":
         # Ampere and newer: SRAM/DRAM Uncorrectable ...; older GPUs: Double Bit / Total
@@ -197,7 +201,7 @@ def _finding(path: tuple[str, ...], value: str) -> str | None:
     if head == "Retired Pages" and last in ("Pending Page Blacklist", "Pending"):
         return "fault" if _yes(value) else None
     if head == "Remapped Rows" and last in ("Remapping Failure Occurred", "Pending"):
-        return ("fault" if last != "Pending" else "sign") if _yes(value) else None
+        return ("fault" if last != "Pending" else "note") if _yes(value) else None
     if head == "GPU Reset Status" and last in ("Reset Required", "Drain and Reset Recommended"):
         return "fault" if _yes(value) else None
     if head == "GPU Recovery Action" and len(path) == 1:
@@ -207,19 +211,19 @@ def _finding(path: tuple[str, ...], value: str) -> str | None:
 
 
 def smi_health(text: str) -> tuple[list[str], list[str]]:
-    """Faults and signs in `nvidia-smi -q` output (pure): one line per finding, naming the GPU by
+    """Faults and notes in `nvidia-smi -q` output (pure): one line per finding, naming the GPU by
     its PCI bus id and quoting nvidia-smi's field as it prints it."""
     faults = [f"nvidia-smi: {line.strip()}" for line in text.splitlines() if _LOST.search(line)]
-    signs: list[str] = []
+    notes: list[str] = []
     for bus, fields in _tree(text.splitlines()):
         for path, value in fields:
             found = _finding(path, value) if value is not None else None
             said = f"GPU {bus}: {' / '.join(path)}: {value}"
             if found == "fault":
                 faults.append(said)
-            elif found == "sign":
-                signs.append(f"{said} (a row remap waits for a GPU reset)")
-    return faults, signs
+            elif found == "note":
+                notes.append(f"{said} (a row remap waits for a GPU reset)")
+    return faults, notes
 
 
 def xid_health(lines: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -242,17 +246,17 @@ def xid_health(lines: Iterable[str]) -> tuple[list[str], list[str]]:
 _CELL = re.compile(r"^\|\s*(?P<left>[^|]*?)\s*\|\s*(?P<right>[^|]*?)\s*\|$")
 
 
-def dcgm_health(text: str) -> tuple[list[str], list[str], str | None]:
-    """`dcgmi health -c` (pure): (faults, signs, note). Its Overall Health row says Healthy,
-    Warning or Failure; the incidents' lines that follow it are quoted. A note when the check
-    did not run (no watches set, no host engine)."""
+def dcgm_health(text: str) -> tuple[list[str], list[str]]:
+    """`dcgmi health -c` (pure): (faults, notes). Its Overall Health row says Healthy, Warning or
+    Failure; the incidents' lines that follow it are quoted. A Failure is a fault, a Warning a
+    note, and so is a check that did not run (no watches set, no host engine)."""
     overall: str | None = None
     said: list[str] = []
     for line in text.splitlines():
         m = _CELL.match(line.strip())
         if m is None:
             if line.strip().startswith("Error"):
-                return [], [], f"dcgmi health: {line.strip()}"
+                return [], [f"dcgmi health: {line.strip()}"]
             continue
         left, right = m.group("left"), m.group("right")
         if left == "Overall Health":
@@ -260,9 +264,9 @@ def dcgm_health(text: str) -> tuple[list[str], list[str], str | None]:
         elif overall is not None and right and right not in ("Healthy", "Warning", "Failure"):
             said.append(right)
     if overall is None or overall == "Healthy":
-        return [], [], None
+        return [], []
     line = f"dcgmi health: Overall Health {overall}" + (f": {' '.join(said)}" if said else "")
-    return ([line], [], None) if overall == "Failure" else ([], [line], None)
+    return ([line], []) if overall == "Failure" else ([], [line])
 
 
 # ---- the decisions --------------------------------------------------------------------------------
@@ -296,7 +300,8 @@ def recorded_after(recorded: GpuFault | None, reading: GpuHealth | None) -> GpuF
 
 
 def blames_gpu(reason: str, healthy: bool, reading: GpuHealth | None) -> bool:
-    """A failed start is the GPU's when a fault or a sign of one coincides with it (pure)."""
+    """A failed start is the GPU's when a fault or a sign coincides with it (pure); a note (a remap
+    pending for weeks, a DCGM warning) never blames the GPU for a failure that is the commit's."""
     return not healthy and reason in BLAMABLE and reading is not None and bool(reading.faults or reading.signs)
 
 

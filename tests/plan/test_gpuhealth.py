@@ -150,22 +150,24 @@ GPU 00000001:00:00.0
 """.replace(" Bit\n", " Bit            \n")      # nvidia-smi pads these section names with blanks
 
 
-def test_a_healthy_a100_has_no_fault_and_no_sign():
+def test_a_healthy_a100_has_no_fault_and_no_note():
     assert smi_health(A100_555) == ([], [])
 
 
-def test_a_pending_row_remap_is_a_sign_not_a_fault():
-    faults, signs = smi_health(A100_510_REMAP_PENDING)
+def test_a_pending_row_remap_is_a_note_not_a_fault():
+    """NVIDIA: with the row-remapping pending flag set, "new workloads can be launched" (REMAP_SOURCE);
+    the flag may be weeks old, so it neither blocks a start nor explains a failed one."""
+    faults, notes = smi_health(A100_510_REMAP_PENDING)
     assert faults == []
-    assert signs == ["GPU 00000000:10:1C.0: Remapped Rows / Pending: Yes (a row remap waits for a GPU reset)"]
+    assert notes == ["GPU 00000000:10:1C.0: Remapped Rows / Pending: Yes (a row remap waits for a GPU reset)"]
 
 
 def test_an_older_gpu_healthy_then_with_a_volatile_double_bit_error_and_a_page_to_retire():
     assert smi_health(V100_575.format(action="None", dbe=0, pending="No")) == ([], [])
-    faults, signs = smi_health(V100_575.format(action="None", dbe=2, pending="Yes"))
+    faults, notes = smi_health(V100_575.format(action="None", dbe=2, pending="Yes"))
     assert faults == ["GPU 00000001:00:00.0: ECC Errors / Volatile / Double Bit / Total: 2",
                       "GPU 00000001:00:00.0: Retired Pages / Pending Page Blacklist: Yes"]
-    assert signs == []     # the aggregate (lifetime) count of 7 is history, not a fault now
+    assert notes == []     # the aggregate (lifetime) count of 7 is history, not a fault now
 
 
 @pytest.mark.parametrize("action", ["Reset", "GPU_RESET", "Reboot", "Drain P2P", "Drain and Reset"])
@@ -247,14 +249,14 @@ DCGM_FAILURE = """+---------------------------+---------------------------------
 
 
 def test_dcgm_healthy_failure_warning_and_no_watches():
-    assert dcgm_health(DCGM_HEALTHY) == ([], [], None)
+    assert dcgm_health(DCGM_HEALTHY) == ([], [])
     assert dcgm_health(DCGM_FAILURE) == (
-        ["dcgmi health: Overall Health Failure: A volatile double-bit ECC error has occurred on GPU 2."], [], None)
+        ["dcgmi health: Overall Health Failure: A volatile double-bit ECC error has occurred on GPU 2."], [])
     warn = DCGM_FAILURE.replace("Failure", "Warning")
     assert dcgm_health(warn) == (
-        [], ["dcgmi health: Overall Health Warning: A volatile double-bit ECC error has occurred on GPU 2."], None)
+        [], ["dcgmi health: Overall Health Warning: A volatile double-bit ECC error has occurred on GPU 2."])
     assert dcgm_health("Error: Health watches not enabled. Please enable watches. \n") == (
-        [], [], "dcgmi health: Error: Health watches not enabled. Please enable watches.")
+        [], ["dcgmi health: Error: Health watches not enabled. Please enable watches."])
 
 
 # ---- the decisions ------------------------------------------------------------------------------------
@@ -295,6 +297,7 @@ def test_what_gpu_fault_json_holds_after_a_reading(recorded, reading, want):
 @pytest.mark.parametrize(("reason", "healthy", "reading", "blamed"), [
     ("CrashLoop", False, SICK, True),
     ("StartFailed", False, GpuHealth(read=True, signs=("Xid 94 ...",)), True),    # a sign explains a failure
+    ("CrashLoop", False, GpuHealth(read=True, notes=("Remapped Rows / Pending: Yes",)), False),   # a note never
     ("StartTimeout", False, SICK, True),
     ("CrashLoop", False, HEALTHY, False),           # the commit's: quarantined as ever
     ("CrashLoop", False, None, False),
