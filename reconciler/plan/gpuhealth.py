@@ -16,10 +16,10 @@ coincides with one is the GPU's), signs (a hardware memory event in the kernel l
 that NVIDIA says needs no reset, Xid 63/92/94: a failed start that coincides with one is the
 GPU's too, but nothing is blocked for it) and notes (states that neither block nor explain a
 failure, since they may be weeks old and NVIDIA says new work may start: a row remap pending
-the next reset, a DCGM warning; shown, nothing more). `in_force` decides the host's GpuFault from the recorded one and a fresh
-reading; `blames_gpu` whether a failed start was the GPU's. The fault is kept on the host in
-/var/lib/reconciler/gpu-fault.json (`GpuFault`), cleared by the next healthy reading, by
-removing that file, or passed over once by `reconcile --retry`.
+the next reset, a DCGM warning; shown, nothing more). `in_force` decides the host's GpuFault
+from the recorded one and a fresh reading; `blames_gpu` whether a failed start was the GPU's.
+The fault is kept on the host in /var/lib/reconciler/gpu-fault.json (`GpuFault`), cleared by
+the next healthy reading, by removing that file, or passed over once by `reconcile --retry`.
 """
 
 from __future__ import annotations
