@@ -208,7 +208,7 @@ def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_pat
                         "NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, GPU has fallen off the bus. "
                         "[Xid 79: GPU has fallen off the bus (RESTART_BM)]")
     assert h.signs == ()        # the Xid 13 is the application's
-    assert h.notes == ("GPU 00000000:2A:00.0: Remapped Rows / Pending: Yes (a row remap waits for a GPU reset)",
+    assert h.notes == ("GPU 00000000:2A:00.0: Remapped Rows / Pending: Yes (it waits for a GPU reset)",
                        "dcgmi health: Error: Health watches not enabled. Please enable watches.")
     # Only the health sections come back, not the whole report (memory, temperature ...)
     kept = [ln for ln in res.stdout.splitlines() if ln.startswith(f"{token} Q ")]

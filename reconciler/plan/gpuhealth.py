@@ -194,6 +194,10 @@ def _yes(v: str | None) -> bool:
 def _finding(path: tuple[str, ...], value: str) -> str | None:
     """What one `nvidia-smi -q` field says of its GPU: "fault", "note" or None."""
     head, last = path[0], path[-1]
+    if head == "ECC Errors" and len(path) == 2 and last == "Unrepairable Memory":     # driver 580 on
+        return "fault" if _yes(value) else None                                      # an H200, say
+    if head == "ECC Errors" and len(path) == 2 and last in ("Channel Repair Pending", "TPC Repair Pending"):
+        return "note" if _yes(value) else None       # a repair that waits for the next reset, as a remap
     if head == "ECC Errors" and len(path) >= 2 and path[1] == "Volatile":
         # Ampere and newer: SRAM/DRAM Uncorrectable ...; older GPUs: Double Bit / Total
         older = len(path) == 4 and path[2] == "Double Bit" and last == "Total"
@@ -222,7 +226,7 @@ def smi_health(text: str) -> tuple[list[str], list[str]]:
             if found == "fault":
                 faults.append(said)
             elif found == "note":
-                notes.append(f"{said} (a row remap waits for a GPU reset)")
+                notes.append(f"{said} (it waits for a GPU reset)")
     return faults, notes
 
 

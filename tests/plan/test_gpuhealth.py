@@ -3,6 +3,9 @@ log Xid lines and `dcgmi health -c` output, and the decisions (pure)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 
 from reconciler.plan.gpuhealth import (
@@ -150,6 +153,24 @@ GPU 00000001:00:00.0
 """.replace(" Bit\n", " Bit            \n")      # nvidia-smi pads these section names with blanks
 
 
+# `nvidia-smi -q` of the H200 machine (driver 580.159.04), captured with a process holding 100 GiB
+# on it (only the serial number, UUID and PDI zeroed): no "GPU Reset Status" section any more,
+# "GPU Recovery Action" and the ECC section's repair lines instead.
+H200_580 = (Path(__file__).parent / "samples" / "nvidia-smi-q-h200-580.txt").read_text()
+
+
+def test_the_h200_as_driver_580_shows_it_is_healthy_then_sick():
+    assert smi_health(H200_580) == ([], [])
+    sick = H200_580
+    for field, now in (("GPU Recovery Action", "Reset"), ("Unrepairable Memory", "Yes"),
+                       ("TPC Repair Pending", "Yes")):
+        sick = re.sub(rf"({field} +: )\S+", rf"\g<1>{now}", sick, count=1)
+    assert smi_health(sick) == (
+        ["GPU 00000000:00:06.0: GPU Recovery Action: Reset",
+         "GPU 00000000:00:06.0: ECC Errors / Unrepairable Memory: Yes"],
+        ["GPU 00000000:00:06.0: ECC Errors / TPC Repair Pending: Yes (it waits for a GPU reset)"])
+
+
 def test_a_healthy_a100_has_no_fault_and_no_note():
     assert smi_health(A100_555) == ([], [])
 
@@ -159,7 +180,7 @@ def test_a_pending_row_remap_is_a_note_not_a_fault():
     the flag may be weeks old, so it neither blocks a start nor explains a failed one."""
     faults, notes = smi_health(A100_510_REMAP_PENDING)
     assert faults == []
-    assert notes == ["GPU 00000000:10:1C.0: Remapped Rows / Pending: Yes (a row remap waits for a GPU reset)"]
+    assert notes == ["GPU 00000000:10:1C.0: Remapped Rows / Pending: Yes (it waits for a GPU reset)"]
 
 
 def test_an_older_gpu_healthy_then_with_a_volatile_double_bit_error_and_a_page_to_retire():
