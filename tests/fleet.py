@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -264,6 +265,33 @@ def gpu_host(count: int = 2) -> str:
 
 
 STRAY_SECONDS = 100731     # how the reset script tells a test's stray GPU holders apart
+KMSG_SECONDS = 100733      # ... and the holder of a test host's kernel log (kernel_log), which it keeps
+
+
+def gpu_faults(*lines: str) -> str:
+    """Shell that gives a GPU host's stand-in nvidia-smi these faults ("0 ecc-uncorrectable 2",
+    "1 reset-required", ...: tests/hostpkg/nvidia-smi lists them); none clears them."""
+    text = "".join(f"{ln}\n" for ln in lines)
+    return f"printf %s {shlex.quote(text)} > /etc/fake-gpu-faults"
+
+
+def kernel_log(message: str, *, wait: bool = True) -> str:
+    """Shell that puts `message` into the test host's kernel log as a driver's printk reaches it:
+    a record in /dev/kmsg's format, read by journald, so `journalctl -k` (_TRANSPORT=kernel)
+    shows it. A container has no /dev/kmsg (systemd-nspawn leaves it out), so the first call
+    makes one: a FIFO that journald, restarted, reads as the kernel's (a process of its own keeps
+    it open, so no writer ever blocks). `wait`: until `journalctl -k` shows the line."""
+    q = shlex.quote(message)
+    setup = ("[ -p /dev/kmsg ] || { rm -f /dev/kmsg && mkfifo -m 600 /dev/kmsg && "
+             f"(setsid sleep {KMSG_SECONDS} 3<>/dev/kmsg </dev/null >/dev/null 2>&1 &) && "
+             "systemctl restart systemd-journald; }")
+    # priority 3 (err, as NVRM logs an Xid), a sequence number above every earlier one (journald
+    # skips the ones it has read), the monotonic time in microseconds, the message
+    write = ("us=$(awk '{printf \"%.0f\", $1 * 1000000}' /proc/uptime); t0=$(date +%s); "
+             f"printf '3,%s,%s,-;%s\\n' \"$us\" \"$us\" {q} > /dev/kmsg")
+    check = (f"; for i in $(seq 100); do journalctl -k -q --no-pager -o cat --since @$((t0 - 1)) | grep -qF {q} "
+             "&& exit 0; sleep 0.1; done; echo 'journald did not read the line' >&2; exit 1") if wait else ""
+    return f"{setup} && {write}{check}"
 
 
 def stray(gpus: str) -> str:
@@ -374,7 +402,7 @@ for f in /etc/systemd/system/*.service; do
   rm -f "$f"; rm -rf "$f.d"
 done
 pkill -f "sleep $STRAY_SECONDS" >/dev/null 2>&1
-rm -f /usr/local/bin/nvidia-smi /etc/fake-gpus
+rm -f /usr/local/bin/nvidia-smi /etc/fake-gpus /etc/fake-gpu-faults /etc/fake-gpu-trip
 rm -rf /var/lib/reconciler /etc/reconciler/env /etc/credstore /etc/systemd/system/*.service.d \
   /etc/systemd/system/.reconciler-* \
   /tmp/model-* /run/systemd/system/*.service.d /etc/systemd/system.control /run/systemd/system.control

@@ -57,7 +57,9 @@ EXPECTED = {
                 "CONFIRM": f"{facts.STATE_DIR}/{facts.CONFIRM_SUBDIR}", "UNIT_DIR": facts.UNIT_DIR,
                 "ENV_DIR": facts.ENV_DIR, "ENV_DROPIN": facts.ENV_DROPIN, "DROPIN_DIRS": " ".join(facts.DROPIN_DIRS),
                 "SHOW_PROPS": facts.SHOW_PROPS},
-    "gpu": {"GPU_FIELDS": gpu.GPU_FIELDS, "APP_FIELDS": gpu.APP_FIELDS, "SMI_FORMAT": gpu.SMI_FORMAT},
+    "gpu": {"GPU_FIELDS": gpu.GPU_FIELDS, "OLD_GPU_FIELDS": gpu.OLD_GPU_FIELDS,
+            "APP_FIELDS": gpu.APP_FIELDS, "SMI_FORMAT": gpu.SMI_FORMAT,
+            "HEALTH_SECTIONS": gpu.HEALTH_SECTIONS, "XID_LINES": str(gpu.XID_LINES)},
     "model-check": {"CONFIG_FILE": _hostcheck.CONFIG_FILE, "INDEX_FILE": _hostcheck.INDEX_FILE},
     "verify": {"ENV_DROPIN": facts.ENV_DROPIN},
 }
@@ -171,3 +173,62 @@ def test_the_preflights_programs_in_one_sh_each_read_by_its_parser(tmp_path: Pat
     assert versions.parse_probe(out, ptok) == {"gone": versions.Answer(None, None)}
 
 
+
+
+STANDIN_SMI = Path(__file__).resolve().parent / "hostpkg" / "nvidia-smi"
+
+
+def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_path: Path):
+    """gpu.sh with health asked for, on this machine: the project's stand-in nvidia-smi (its -q in
+    nvidia-smi's own layout, faults from a file), a journalctl that prints what the kernel log
+    would (and records how it was asked) and a dcgmi; the parser finds each fault."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "nvidia-smi").symlink_to(STANDIN_SMI)
+    (bin_ / "journalctl").write_text(
+        f"#!/bin/sh\necho \"$@\" > {tmp_path}/journalctl.args\n"
+        "echo '1796288718.801337 h kernel: NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, "
+        "GPU has fallen off the bus.'\n"
+        "echo '1796288718.9 h kernel: usb 1-1: new high-speed USB device'\n"
+        "echo '1796288719.1 h kernel: NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception'\n")
+    (bin_ / "dcgmi").write_text("#!/bin/sh\necho 'Error: Health watches not enabled. Please enable watches. '\n"
+                                "exit 1\n")
+    for f in ("journalctl", "dcgmi"):
+        (bin_ / f).chmod(0o755)
+    faults = tmp_path / "faults"
+    faults.write_text("1 ecc-uncorrectable 2\n1 remap-pending\n")
+    cmd, token = gpu.gpu_command(device_prefix=str(tmp_path / "nvidia"), health_since=1796288000)
+    res = subprocess.run(["/bin/sh", str(SH / "gpu.sh"), *cmd.args], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{bin_}:/usr/bin:/bin", "FAKE_GPU_FAULTS": str(faults)})
+    assert res.returncode == 0, res.stderr
+    h = gpu.parse_gpu(res.stdout, token, "here").health
+    assert (tmp_path / "journalctl.args").read_text().split() == [
+        "-k", "-q", "--no-pager", "-o", "short-unix", "--since", "@1796288000"]
+    assert h is not None and h.read and h.now > 1796288000
+    assert h.faults == ("GPU 00000000:2A:00.0: ECC Errors / Volatile / DRAM Uncorrectable: 2",
+                        "NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, GPU has fallen off the bus. "
+                        "[Xid 79: GPU has fallen off the bus (RESTART_BM)]")
+    assert h.signs == ()        # the Xid 13 is the application's
+    assert h.notes == ("GPU 00000000:2A:00.0: Remapped Rows / Pending: Yes (it waits for a GPU reset)",
+                       "dcgmi health: Error: Health watches not enabled. Please enable watches.")
+    # Only the health sections come back, not the whole report (memory, temperature ...)
+    kept = [ln for ln in res.stdout.splitlines() if ln.startswith(f"{token} Q ")]
+    assert not any("Temperature" in ln or "FB Memory Usage" in ln for ln in kept)
+    assert sum("GPU Recovery Action" in ln for ln in kept) == 2
+
+
+def test_gpu_health_of_a_lost_gpu_and_without_the_health_asked_for(tmp_path: Path):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "nvidia-smi").symlink_to(STANDIN_SMI)
+    faults = tmp_path / "faults"
+    faults.write_text("0 lost\n")
+    env = {**os.environ, "PATH": f"{bin_}:/usr/bin:/bin", "FAKE_GPU_FAULTS": str(faults)}
+    for since, want in ((0, ("nvidia-smi: Unable to determine the device handle for GPU00000000:18:00.0: GPU is "
+                             "lost.  Reboot the system to recover this GPU",)), (None, None)):
+        cmd, token = gpu.gpu_command(device_prefix=str(tmp_path / "nvidia"), health_since=since)
+        res = subprocess.run(["/bin/sh", str(SH / "gpu.sh"), *cmd.args], capture_output=True, text=True,
+                             timeout=60, env=env)
+        h = gpu.parse_gpu(res.stdout, token, "here").health
+        assert (h.faults if h is not None else None) == want
+        assert h is None or h.read          # nvidia-smi -q exited 15, and said why: that is a reading

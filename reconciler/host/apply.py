@@ -30,6 +30,7 @@ Safety:
 from __future__ import annotations
 
 import base64
+import shlex
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,9 +41,10 @@ from ..plan import confirm
 from ..plan.facts import (
     parse_show,
 )
+from ..plan.gpuhealth import FAULT_FILE, GpuFault
 from ..plan.model import ORDER, Action, HostPlan, Kind
 from ..plan.records import ServiceRecord
-from .script import CONTROLLER, PRELUDE, build_script, record_step, unit_word
+from .script import CONTROLLER, PRELUDE, RECORD_MODE, build_script, record_step, unit_word
 from .transport import Transport
 
 
@@ -174,3 +176,16 @@ async def write_record(t: Transport, name: str, rec: ServiceRecord, *, stop: boo
     _, _, fatal = parse_results(HostPlan(t.host, "", (), {}), res.stdout, res.stderr)
     if fatal is not None or not res.ok:
         raise CommandError(t.host, f"record verdict of {name}", res.exit_status, res.stderr)
+
+
+async def write_gpu_fault(t: Transport, fault: GpuFault | None) -> None:
+    """Mark the host GpuFault (gpuhealth.FAULT_FILE, root's alone, written atomically), or clear
+    the mark (None): what the planner decided after a GPU reading (gpuhealth.recorded_after,
+    start_fault)."""
+    path = shlex.quote(FAULT_FILE)
+    body = (f"atomic_text {path} {RECORD_MODE} {shlex.quote(fault.dumps())} || fatal 0 $?" if fault is not None
+            else f"rm -f {path} || fatal 0 $?")
+    res = await t.run("sh -s", input=PRELUDE + body + "\n", timeout=60, what="record the GPU fault")
+    _, _, fatal = parse_results(HostPlan(t.host, "", (), {}), res.stdout, res.stderr)
+    if fatal is not None or not res.ok:
+        raise CommandError(t.host, "record the GPU fault", res.exit_status, res.stderr)

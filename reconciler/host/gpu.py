@@ -28,6 +28,7 @@ from .. import shell
 from ..clock import REAL, Clock
 from ..errors import ObserveError
 from ..frames import Frame, decode, frames, malformed
+from ..plan.gpuhealth import SMI_SECTIONS, GpuHealth, dcgm_health, smi_health, xid_health
 from ..shell import ShCommand
 
 
@@ -55,11 +56,14 @@ Policy = Literal["report", "kill"]
 POLICIES: tuple[str, ...] = ("report", "kill")
 
 # What gpu.sh asks nvidia-smi (its constants of the same names: tests/test_host_programs.py)
-GPU_FIELDS = "index,uuid,memory.used,memory.total"
+GPU_FIELDS = "index,uuid,memory.used,memory.total,compute_cap"
+OLD_GPU_FIELDS = "index,uuid,memory.used,memory.total"   # drivers without compute_cap
 APP_FIELDS = "pid,process_name,used_memory,gpu_uuid"
 SMI_FORMAT = "csv,noheader,nounits"
 QUERY_GPU = f"nvidia-smi --query-gpu={GPU_FIELDS} --format={SMI_FORMAT}"
 QUERY_APPS = f"nvidia-smi --query-compute-apps={APP_FIELDS} --format={SMI_FORMAT}"
+HEALTH_SECTIONS = "|" + "|".join(SMI_SECTIONS) + "|"
+XID_LINES = 20        # the last kernel log Xid lines of the window that gpu.sh sends
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class Gpu:
     used_mib: int | None
     total_mib: int | None
     uuid: str = ""
+    compute_capability: str | None = None     # nvidia-smi's compute_cap, e.g. "9.0"; None: unknown
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,7 @@ class GpuFacts:
     gpus: list[Gpu] = field(default_factory=list)
     holders: list[Holder] = field(default_factory=list)
     error: str | None = None         # nvidia-smi exists but failed (driver not loaded, ...)
+    health: GpuHealth | None = None  # the GPUs' health, when it was asked for (gpu_command's health_since)
 
     @property
     def gpu_count(self) -> int:
@@ -148,7 +154,8 @@ def _mib(v: int | None) -> str:
 DEVICE_PREFIX = "/dev/nvidia"
 
 
-def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX) -> tuple[ShCommand, str]:
+def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX,
+                health_since: int | None = None) -> tuple[ShCommand, str]:
     """The POSIX sh command that reads the GPU state of a host (reconciler/sh/gpu.sh). Returns
     (command, token).
 
@@ -157,12 +164,15 @@ def gpu_command(token: str | None = None, *, device_prefix: str = DEVICE_PREFIX)
     GPU, and pid, process_name, used_memory, gpu_uuid of each compute process. Run it as root
     to see every process's fds (others' /proc/PID/fd are unreadable). device_prefix is the
     path prefix of the device nodes (tests point it at a file of their own, since /dev/nvidia*
-    cannot be created on a machine without the driver).
+    cannot be created on a machine without the driver). health_since: read the GPUs' health
+    too (nvidia-smi -q, the kernel log's Xid lines since that host epoch, 0 for this boot, and
+    DCGM's health): GpuFacts.health; None (the waits' polls) reads no health.
     """
     if any(c.isspace() for c in device_prefix) or "\\" in device_prefix:
         raise ValueError("device_prefix must not contain whitespace or backslashes")
     token = token or secrets.token_hex(8)
-    return ShCommand(shell.program("gpu"), "reconciler-gpu", [token, device_prefix]), token
+    args = [token, device_prefix] + ([str(max(0, int(health_since)))] if health_since is not None else [])
+    return ShCommand(shell.program("gpu"), "reconciler-gpu", args), token
 
 
 _UNIT = re.compile(r"/([^/\s]+\.(?:service|scope))(?=/|$)")
@@ -202,7 +212,10 @@ class _GpuReading:
 
     H a process holding a device node (pid, comm, cgroup, nodes); C a compute process's
     cgroup; SMI whether nvidia-smi exists; G and A nvidia-smi's lines (GPUs, compute apps)
-    and GRC and ARC its exit statuses. Other kinds (BEGIN) say nothing.
+    and GRC and ARC its exit statuses. The health: NOW the host's clock, Q the kept lines of
+    `nvidia-smi -q` and QRC its status, K a kernel log Xid line and KRC whether the log was
+    read (- without journalctl), D a line of `dcgmi health -c` and DRC its status. Other kinds
+    (BEGIN) say nothing.
     """
 
     def __init__(self, host: str) -> None:
@@ -213,12 +226,18 @@ class _GpuReading:
         self.app_units: dict[int, str | None] = {}
         self.errors: list[str] = []
         self.gpu_lines: list[str] = []
+        self.said: dict[str, list[str]] = {"Q": [], "K": [], "D": []}
+        self.rc: dict[str, str] = {}
 
     def read(self, f: Frame) -> None:
         handler = {"H": self.holder, "C": self.cgroup, "SMI": self.smi, "G": self.gpu, "A": self.app,
                    "GRC": self.status, "ARC": self.status}.get(f.kind)
         if handler is not None:
             handler(f)
+        elif f.kind in self.said:
+            self.said[f.kind].append(f.payload)
+        elif f.kind in ("NOW", "QRC", "KRC", "DRC"):
+            self.rc[f.kind] = f.payload.strip()
 
     def holder(self, f: Frame) -> None:
         parts = f.payload.split()
@@ -271,12 +290,16 @@ class _GpuReading:
             self.errors.append(f"{query} exited {f.payload.strip()}")
 
     def gpus(self) -> list[Gpu]:
-        """nvidia-smi's GPU lines (index,uuid,used,total or index,used,total); any other line
-        is its error message, first among the errors."""
+        """nvidia-smi's GPU lines (index,uuid,used,total[,compute_cap] or index,used,total); any
+        other line is its error message, first among the errors."""
         gpus: list[Gpu] = []
         for payload in self.gpu_lines:
             fields = [x.strip() for x in payload.split(",")]
-            if len(fields) == 4 and fields[0].isdigit():
+            if len(fields) == 5 and fields[0].isdigit():
+                cap = fields[4] if re.fullmatch(r"[0-9]+\.[0-9]+", fields[4]) else None
+                gpus.append(Gpu(index=int(fields[0]), uuid=fields[1], used_mib=_int(fields[2]),
+                                total_mib=_int(fields[3]), compute_capability=cap))
+            elif len(fields) == 4 and fields[0].isdigit():
                 gpus.append(Gpu(index=int(fields[0]), uuid=fields[1], used_mib=_int(fields[2]),
                                 total_mib=_int(fields[3])))
             elif len(fields) == 3 and fields[0].isdigit():
@@ -298,10 +321,28 @@ class _GpuReading:
                               gpus=tuple(sorted({by_uuid[u] for u in uuids if u in by_uuid}))))
         return out
 
+    def health(self) -> GpuHealth | None:
+        """The GPUs' health, when gpu.sh read it (a QRC record): faults and signs from nvidia-smi,
+        the kernel log and DCGM; not read when nvidia-smi -q failed without saying a GPU is lost."""
+        if "QRC" not in self.rc:
+            return None
+        faults, notes = smi_health("\n".join(self.said["Q"]))
+        xf, signs = xid_health(self.said["K"])
+        df, dn = dcgm_health("\n".join(self.said["D"])) if "DRC" in self.rc else ([], [])
+        notes += dn + (["kernel log not read (no journalctl)"] if self.rc.get("KRC") == "-" else [])
+        read = self.rc["QRC"] == "0" or bool(faults)
+        if not read:
+            tail = [x.strip() for x in self.said["Q"] if x.strip()][-1:]
+            notes.insert(0, f"nvidia-smi -q exited {self.rc['QRC']}" + (f": {tail[0]}" if tail else ""))
+        now = self.rc.get("NOW", "")
+        return GpuHealth(read=read, faults=tuple(faults + xf + df), signs=tuple(signs),
+                         now=int(now) if now.isdigit() else 0, notes=tuple(notes))
+
     def facts(self) -> GpuFacts:
         gpus = self.gpus()
         error = "; ".join(self.errors[:3]) if self.has_smi and self.errors else None
-        return GpuFacts(has_nvidia_smi=self.has_smi, gpus=gpus, holders=self.holders(gpus), error=error)
+        return GpuFacts(has_nvidia_smi=self.has_smi, gpus=gpus, holders=self.holders(gpus), error=error,
+                        health=self.health())
 
 
 def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
@@ -316,10 +357,11 @@ def parse_gpu(stdout: str, token: str, host: str = "?") -> GpuFacts:
     return reading.facts()
 
 
-async def gpu_facts(t: Runner, *, timeout: float = 30.0,
-                    device_prefix: str = DEVICE_PREFIX) -> GpuFacts:
-    """Read and parse the GPU state of the host behind a transport (one command)."""
-    cmd, token = gpu_command(device_prefix=device_prefix)
+async def gpu_facts(t: Runner, *, timeout: float = 30.0, device_prefix: str = DEVICE_PREFIX,
+                    health_since: int | None = None) -> GpuFacts:
+    """Read and parse the GPU state of the host behind a transport (one command); with
+    health_since, its GPUs' health too (gpu_command)."""
+    cmd, token = gpu_command(device_prefix=device_prefix, health_since=health_since)
     res = await t.run(cmd, timeout=timeout, what="GPU check")
     return parse_gpu(res.stdout, token, t.host)
 

@@ -39,6 +39,7 @@ from ..host.versions import cache as versions_cache
 from ..plan.actions import starting, writing_units
 from ..plan.facts import ENV_DROPIN, HostFacts
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
+from ..plan.gpuhealth import xid_since
 from ..plan.model import Block, Checks, HostPlan
 from ..preflight import (
     EngineVerdict,
@@ -74,7 +75,8 @@ class Preflight:
 
     def checks(self) -> Checks:
         return Checks(blocked={n: tuple(b) for n, b in self.blocked.items()}, fetch=dict(self.fetch),
-                      gpu_gate=self.gpu is not None and self.gpu.has_nvidia_smi)
+                      gpu_gate=self.gpu is not None and self.gpu.has_nvidia_smi,
+                      gpu_health=self.gpu.health if self.gpu is not None else None)
 
     def block(self, service: str, reason: str, message: str) -> None:
         self.blocked.setdefault(service, []).append(Block(reason, message))
@@ -204,7 +206,7 @@ def _probes(specs: Mapping[str, ServiceSpec], rules: RuleSet | None) -> list[Pro
     return [p for n, s in sorted(specs.items()) if (p := probe_for(n, parse_command(s))) is not None]
 
 
-def _batch(units: Mapping[str, tuple[str, str | None]], paths: list[str], gpu: bool, probes: list[Probe],
+def _batch(units: Mapping[str, tuple[str, str | None]], paths: list[str], gpu: int | None, probes: list[Probe],
            stamps: Mapping[str, str]) -> tuple[ShCommand, str | None, dict[str, str]]:
     """Every fact the pre-flight reads, as one sh (one round trip, one process: one_sh): the
     command, its stdin (the units to verify), and the token each fact's parser reads by."""
@@ -215,8 +217,8 @@ def _batch(units: Mapping[str, tuple[str, str | None]], paths: list[str], gpu: b
         facts["verify"] = (cmd, token)
     if paths:
         facts["model"] = model_check_command(paths)
-    if gpu:
-        facts["gpu"] = gpu_command()
+    if gpu is not None:      # the GPUs, and their health with the kernel log since `gpu` (gpuhealth)
+        facts["gpu"] = gpu_command(health_since=gpu)
     if probes:
         facts["versions"] = probe_command(probes, stamps)
     tokens = {fact: token for fact, (_, token) in facts.items()}
@@ -247,14 +249,14 @@ def _read_units(out: Preflight, units: Mapping[str, tuple[str, str | None]], std
 
 
 async def _read(t: Transport, out: Preflight, host: HostSpec, units: Mapping[str, tuple[str, str | None]],
-                paths: list[str], gpu: bool, probes: list[Probe]) -> dict[str, str | None]:
+                paths: list[str], gpu: int | None, probes: list[Probe]) -> dict[str, str | None]:
     """Read every fact in one round trip and parse each into `out`; the probed server versions."""
     cmd, stdin, tokens = _batch(units, paths, gpu, probes, versions_cache().stamps(host.name) if probes else {})
     res = await t.run(cmd, input=stdin, check=True, timeout=120, what="pre-flight")
     versions = _read_versions(out, host, probes, res.stdout, tokens["versions"]) if probes else {}
     if units:
         _read_units(out, units, res.stdout, tokens["verify"])
-    if gpu:
+    if gpu is not None:
         out.gpu = parse_gpu(res.stdout, tokens["gpu"], host.name)
     out.models = parse_model_check(res.stdout, tokens["model"], host.name) if paths else {}
     return versions
@@ -295,7 +297,8 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     # A rollback target passed health here: a rule pack or an engine that changed since must
     # not keep the fleet from going back to it (systemd's check and the model check still apply).
     fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
-    versions = await _read(t, out, host, units, paths, bool(targets), _probes(specs, rules))
+    since = xid_since(facts.gpu_fault, facts.record.applied_at if facts.record else 0) if targets else None
+    versions = await _read(t, out, host, units, paths, since, _probes(specs, rules))
     # The engine check runs after the GPUs were read, never beside: a probe that may touch a GPU
     # (engine_check = "visible") would read as a stray holder of the service's GPUs.
     verdicts = await _engines(t, host, fresh)

@@ -32,7 +32,16 @@ from ..host.transport import Transport
 from ..plan.actions import starting
 from ..plan.model import Kind
 from ..plan.records import Quarantine, Result, halt_where
-from ..plan.rollout import Halt, RolloutResult, Wave, group_members, natural_key, plan_rollouts, quarantine_cover
+from ..plan.rollout import (
+    Halt,
+    RolloutResult,
+    Wave,
+    group_members,
+    host_fault,
+    natural_key,
+    plan_rollouts,
+    quarantine_cover,
+)
 from .host import lock_and_observe, observe, reconcile_host, ssh_connector
 from .options import RunIO, RunOptions
 from .results import Event, FleetResult, HostResult, merge_result, running_after
@@ -317,7 +326,9 @@ class _FleetRun:
             for h, r in zip(wave.hosts, results, strict=True):
                 bad = next((e.outcome for e in r.events if e.service == svc and e.action == Event.DEPLOY
                             and e.outcome is not None and not e.outcome.healthy), None)
-                if bad is not None:
+                if host_fault(bad.reason if bad is not None else r.reason if r.status is Result.FAILED else None):
+                    ro.excused += (h,)       # its GPUs, not the change: the rollout goes on
+                elif bad is not None:
                     failed.append((h, bad.reason, bad.message, bad.quote))
                 elif r.status is Result.FAILED and r.plan is None:
                     ro.skipped += (h,)       # not observed: nothing was changed there, nothing to judge

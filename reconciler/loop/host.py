@@ -30,12 +30,14 @@ from .. import faults
 from ..desired.spec import HostSpec, ServiceSpec
 from ..errors import CommandError, HostError, ReconcilerError
 from ..host import lock
-from ..host.apply import Applied, apply_plan, write_record
-from ..host.health import Phase, SystemdWatch, watch_service
+from ..host.apply import Applied, apply_plan, write_gpu_fault, write_record
+from ..host.gpu import gpu_facts
+from ..host.health import Outcome, Phase, SystemdWatch, watch_service
 from ..host.transport import SSHTransport, Transport
 from ..plan.actions import plan_host
 from ..plan.facts import HostFacts, observe_command, parse_observation
 from ..plan.files import secret_files
+from ..plan.gpuhealth import GPU_FAULT, blames_gpu, recorded_after, start_fault
 from ..plan.model import Action, Context, HostPlan, Kind
 from ..plan.records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
@@ -128,6 +130,7 @@ class _HostRun:
         """Plan, then run the host-side pre-flight for what that plan starts, and plan again with
         its findings (blocked services, fetches, the GPU gate)."""
         plan = plan_host(self.host, facts, self._context(facts))
+        self.preflight = None       # this plan's own pre-flight, if it starts anything
         if not any(a.kind in (Kind.START, Kind.RESTART, Kind.WRITE) for a in plan.actions) or not self.check:
             return plan
         if self.reuse is not None and fetched is None:
@@ -172,6 +175,7 @@ class _HostRun:
         from .checks import gpu_waiter
         waiter = gpu_waiter(self.t, plan, facts, gpu, self.result.notes) if gpu is not None and gpu.has_nvidia_smi \
             else None
+        await self._record_gpu(facts)
         faults.hit("before-apply")
         applied = await apply_plan(self.t, plan, now=int(time.time()), gpu_wait=waiter)
         self.systemd.seed(applied.shown, applied.shown_at)
@@ -207,6 +211,7 @@ class _HostRun:
                                   baseline_active_enter=w.baseline_active_enter,
                                   start_error=failure.message if failure else None, cancel=self.io.supersede,
                                   systemd=self.systemd, on_progress=loading)
+        out = await self._blame_gpu(out, name, w.revision, since)
         kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
         self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
         rec = next((r for x in plan.actions if x.kind is Kind.RECORD and x.service == name
@@ -216,8 +221,12 @@ class _HostRun:
                        verdict=Verdict(out.healthy, out.reason, out.quote, out.message), now=int(time.time()),
                        fleet=self.fleet_q.get(name))
         unjudged = judged.record.pending is not None       # no verdict: the switch stays armed
-        await write_record(self.t, name, judged.record, stop=judged.stop, disarm=not unjudged)
+        await write_record(self.t, name, judged.record, stop=judged.stop, disarm=not unjudged or judged.stop)
         faults.hit("after-verdict")
+        if out.reason == GPU_FAULT:
+            self.result.notes.append(f"{name}: {w.revision[:7]} not judged: {out.message}; nothing starts on this "
+                                     f"host until its GPUs read healthy")
+            return False
         if unjudged:
             self.result.notes.append(f"{name}: no verdict on {w.revision[:7]} ({out.reason}: {out.message}); "
                                      f"starting it again")
@@ -227,6 +236,35 @@ class _HostRun:
                                      f"wait (no verdict: neither last good nor quarantined)")
             return True         # nothing to follow up here: the newer revision's run takes over
         return out.healthy
+
+    async def _record_gpu(self, facts: HostFacts) -> None:
+        """The host's GPU fault as this plan's pre-flight read it (gpuhealth.recorded_after):
+        marked when the GPUs were sick, cleared when they read healthy."""
+        reading = self.preflight.gpu.health if self.preflight is not None and self.preflight.gpu else None
+        keep = recorded_after(facts.gpu_fault, reading)
+        if keep == facts.gpu_fault:
+            return
+        await write_gpu_fault(self.t, keep)
+        was = facts.gpu_fault.quote if facts.gpu_fault is not None else ""
+        self.result.notes.append(f"GPU fault recorded: {keep.quote}" if keep is not None else
+                                 f"GPU fault cleared: the GPUs read healthy (was: {was})")
+
+    async def _blame_gpu(self, out: Outcome, name: str, revision: str, since: float) -> Outcome:
+        """A failed start on a GPU host: read the GPUs' health without a CUDA context (nvidia-smi
+        -q, the kernel log since the start, DCGM). When a fault coincides (gpuhealth.blames_gpu),
+        the host is marked GpuFault, the fault line quoted, and the outcome is no verdict on the
+        version (records.judge): not quarantined, not a canary's failure."""
+        gpu = self.preflight.gpu if self.preflight is not None else None
+        if out.healthy or gpu is None or not gpu.has_nvidia_smi:
+            return out
+        reading = (await gpu_facts(self.t, health_since=int(since))).health
+        if reading is None or not blames_gpu(out.reason, out.healthy, reading):
+            return out
+        fault = start_fault(reading, name, revision)
+        await write_gpu_fault(self.t, fault)
+        return replace(out, reason=GPU_FAULT, quote=fault.quote,
+                       message=f"GpuFault: the start failed ({out.reason}: {out.message}) while the host's GPUs "
+                               f"were sick: {fault.quote}")
 
     async def _record_gate_block(self, plan: HostPlan, name: str, why: str) -> None:
         """The GPUs stayed busy, so the start did not happen: the record says so (pending, not

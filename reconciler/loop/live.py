@@ -120,8 +120,18 @@ def host_rows(host: HostSpec, facts: HostFacts, revision: str) -> list[dict[str,
                        last_good_rev=rec.last_good_revision,
                        pending=rec.pending.to_json() if rec.pending else None,
                        quarantine=rec.quarantine.to_json() if rec.quarantine else None)
-        rows.append(row)
+        rows.append(_with_gpu_fault(row, facts))
     return rows
+
+
+def _with_gpu_fault(row: dict[str, Any], facts: HostFacts) -> dict[str, Any]:
+    """A host marked GpuFault (gpu-fault.json) says so on each of its rows, the line quoted."""
+    g = facts.gpu_fault
+    row["gpu_fault"] = g.to_json() if g is not None else None
+    if g is not None:
+        row["last_event"] = f"GpuFault: {g.why()}; {row['last_event']}"
+        row["quote"] = row["quote"] or g.quote
+    return row
 
 
 def failed_row(host: HostSpec, revision: str, reason: str, message: str) -> dict[str, Any]:
@@ -130,7 +140,7 @@ def failed_row(host: HostSpec, revision: str, reason: str, message: str) -> dict
     return {"host": host.name, "service": "*", "desired_rev": revision, "running_rev": None, "health": "unknown",
             "last_event": event, "quote": None, "updated_at": None, "address": host.ssh.address,
             "active_state": None, "sub_state": None, "applied_rev": None, "record_rev": None,
-            "last_good_rev": None, "pending": None, "quarantine": None}
+            "last_good_rev": None, "pending": None, "quarantine": None, "gpu_fault": None}
 
 
 def rows_of(result: FleetResult, state: DesiredState) -> list[dict[str, Any]]:

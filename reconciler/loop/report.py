@@ -360,6 +360,9 @@ def print_rollouts(console: Console, res: FleetResult) -> None:
                           highlight=False)
         if ro.skipped:
             console.print(f"  skipped (could not be observed): {_t(', '.join(ro.skipped))}", highlight=False)
+        if ro.excused:
+            console.print(f"  not counted against it (GpuFault: the host's GPUs, not the change): "
+                          f"{_t(', '.join(ro.excused))}", highlight=False)
     if res.rollouts:
         console.print()
     for warning in res.warnings:

@@ -28,7 +28,8 @@ from .files import (
     secret_versions,
     unified_diff,
 )
-from .model import ORDER, Action, Context, HostPlan, Kind, Reason, ServicePlan, State, Target, Watch
+from .gpuhealth import GPU_FAULT, GpuFault, in_force
+from .model import ORDER, Action, Block, Context, HostPlan, Kind, Reason, ServicePlan, State, Target, Watch
 from .records import Adopted, Pending, Result, ServiceRecord
 from .state import Sync, blocked_plan, classify, is_up, live_quarantine, sync_with
 
@@ -308,13 +309,18 @@ _RECORDS_QUARANTINE = frozenset({State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILE
 
 
 def _service_plan(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str, ctx: Context,
-                  observed: Mapping[str, str | None]) -> ServicePlan:
+                  observed: Mapping[str, str | None], gpu: GpuFault | None = None) -> ServicePlan:
     sp = classify(name, svc, f, host, ctx, observed)
     blocks = tuple(ctx.checks.blocked.get(name, ()))
+    if gpu is not None:
+        # The host's fault, not this version's: nothing starts here until the GPUs read healthy
+        blocks = (Block(GPU_FAULT, f"not started: the host's {gpu.why()} (the revision is not judged; "
+                                   f"cleared by the next healthy GPU reading)"), *blocks)
     if sp.target is not None:
         blocks += secret_blocks(sp.target.spec, observed)
     if blocks and sp.target is not None and sp.state is not State.IN_SYNC:
-        return blocked_plan(sp, blocks)
+        out = blocked_plan(sp, blocks)
+        return replace(out, quote=gpu.quote) if gpu is not None else out
     return sp
 
 
@@ -340,9 +346,10 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
     """Compute the actions that converge one host to `desired` at `ctx.revision` (pure)."""
     b = _Builder(desired, facts, ctx)
     services: dict[str, ServicePlan] = {}
+    gpu = in_force(facts.gpu_fault, ctx.checks.gpu_health, retry=ctx.retry)
     for name, svc in sorted(desired.services.items()):
         f = facts.services.get(name)
-        sp = services[name] = _service_plan(name, svc, f, desired.name, ctx, facts.secret_files)
+        sp = services[name] = _service_plan(name, svc, f, desired.name, ctx, facts.secret_files, gpu)
         if sp.state in _HOLDS:
             b.hold(sp, _HOLDS[sp.state], f)
         if sp.state in _RECORDS_QUARANTINE:

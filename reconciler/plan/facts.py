@@ -21,6 +21,7 @@ from .. import shell
 from ..errors import ObserveError
 from ..frames import Frame, decode, frames, malformed, raw_section
 from ..shell import ShCommand
+from .gpuhealth import GpuFault
 from .records import HostRecord, ServiceRecord
 
 UNIT_DIR = "/etc/systemd/system"
@@ -159,6 +160,7 @@ class HostFacts:
 
     services: dict[str, ServiceFacts]
     record: HostRecord | None = None      # /var/lib/reconciler/host.json
+    gpu_fault: GpuFault | None = None     # /var/lib/reconciler/gpu-fault.json (gpuhealth.py)
     # Files that hold secrets: path -> keyed hash of the content, None when absent (never a value)
     secret_files: dict[str, str | None] = field(default_factory=dict)
     # How many times the host lock had been taken, when nobody held it as this was read (else None)
@@ -221,6 +223,7 @@ class _Observation:
         self.files: dict[str, dict[str, str | None]] = {}
         self.dropins: dict[str, dict[str, str]] = {}
         self.host_record: HostRecord | None = None
+        self.gpu_fault: GpuFault | None = None
         self.secret_files: dict[str, str | None] = {}
         self.lock_count: str | None = None
         self.temps: list[str] = []
@@ -264,7 +267,9 @@ class _Observation:
 
     def whole(self, kind: str, name: str, text: str | None) -> None:
         """A file read to its end (text), or found absent (None)."""
-        if kind == "H":
+        if kind == "H" and name == "gpu":
+            self.gpu_fault = GpuFault.parse(text) if text is not None else None
+        elif kind == "H":
             self.host_record = HostRecord.parse(text) if text is not None else None
         elif kind == "D":
             path = self.dropin_path.pop(name, None)
@@ -286,7 +291,8 @@ class _Observation:
                 props=show.get(f"{name}.service", {}),
                 dropins=self.dropins.get(name, {}),
             )
-        return HostFacts(services=services, record=self.host_record, secret_files=self.secret_files,
+        return HostFacts(services=services, record=self.host_record, gpu_fault=self.gpu_fault,
+                         secret_files=self.secret_files,
                          lock_count=self.lock_count, stale_temps=tuple(sorted(self.temps)))
 
 

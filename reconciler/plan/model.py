@@ -9,6 +9,7 @@ from enum import StrEnum
 
 from ..desired.spec import SecretSpec, ServiceSpec
 from .confirm import Switch
+from .gpuhealth import GpuHealth
 from .records import Quarantine, Result, ServiceRecord
 
 
@@ -176,7 +177,7 @@ class ServicePlan:
 class Block:
     """Why pre-flight (or systemd's own check of the unit) refuses to start a service."""
 
-    reason: str                      # PreflightFailed | UnitInvalid | ModelFetchFailed | GpuBusy
+    reason: str                      # PreflightFailed | UnitInvalid | ModelFetchFailed | GpuBusy | GpuFault
     message: str
 
 
@@ -187,6 +188,7 @@ class Checks:
     blocked: Mapping[str, tuple[Block, ...]] = field(default_factory=dict)
     fetch: Mapping[str, str] = field(default_factory=dict)   # service -> what would be fetched
     gpu_gate: bool = False           # the host has GPUs: starts wait until they are free
+    gpu_health: GpuHealth | None = None   # the GPUs' health read for this plan's starts (None: not read)
 
 
 @dataclass(frozen=True)

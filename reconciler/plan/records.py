@@ -35,6 +35,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from .gpuhealth import GPU_FAULT
+
 SCHEMA = 2
 
 
@@ -290,7 +292,9 @@ SUPERSEDED = "Superseded"
 # at most MAX_UNJUDGED times in all.
 INCONCLUSIVE = "Inconclusive"
 START_LIMIT_HIT = "StartLimitHit"
-NO_VERDICT = frozenset({SUPERSEDED, INCONCLUSIVE, START_LIMIT_HIT})
+# A start that failed while the host's GPUs were sick (gpuhealth.blames_gpu): the host's fault,
+# no verdict on the version either (the host is marked GpuFault; the unit is stopped).
+NO_VERDICT = frozenset({SUPERSEDED, INCONCLUSIVE, START_LIMIT_HIT, GPU_FAULT})
 MAX_UNJUDGED = 3
 
 
@@ -327,6 +331,8 @@ def judge(rec: ServiceRecord, *, hash: str, revision: str, rollback: bool, verdi
                         -> no verdict on the version: the pending deploy stays, with why and one
                            more attempt counted; the planner starts it again (a start refused
                            again right after that is StartFailed)
+    GPU fault           -> the same, and the unit is stopped: the failed start was the host's
+                           (its GPUs are sick), never the version's; not last good, not quarantined
     """
     base = replace(rec, pending=None, hash=hash, revision=revision)
     if verdict.reason == SUPERSEDED:
@@ -342,7 +348,7 @@ def judge(rec: ServiceRecord, *, hash: str, revision: str, rollback: bool, verdi
             pending = replace(pending, at=now)
         why = f"{verdict.reason}: {verdict.message}" if verdict.message else verdict.reason
         return Judged(replace(base, pending=replace(pending, unjudged=why, attempts=pending.attempts + 1)),
-                      stop=False)
+                      stop=verdict.reason == GPU_FAULT)
     if verdict.healthy:
         q = rec.quarantine if rollback else None
         return Judged(replace(base, last_good_hash=hash, last_good_revision=revision, quarantine=q), stop=False)

@@ -21,6 +21,10 @@ Waves, for the pending hosts of one group and its policy (spec.RolloutPolicy):
 The executor runs a wave's hosts concurrently and waits for every one to be healthy (or rolled
 back) before the next wave starts, so at most ``bound`` hosts are down at once. A failed wave
 halts the group: see ``quarantine_cover`` for how the halt reaches hosts that never restarted.
+A host whose start failed because its GPUs are sick (``GpuFault``) does not fail its wave: it
+is the host's fault, not the change's (``host_fault``), so the rollout goes on without it; a
+host already marked GpuFault is left out of the waves (its plan starts nothing until its GPUs
+read healthy again).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..desired.spec import DesiredState, RolloutPolicy
+from .gpuhealth import GPU_FAULT
 
 CANARY_LABEL = ("canary", "true")
 
@@ -96,6 +101,7 @@ class RolloutResult:
     quote: str | None = None              # the journal line that explains it
     untouched: tuple[str, ...] = ()       # pending hosts that were never restarted
     skipped: tuple[str, ...] = ()         # wave hosts that failed before anything changed
+    excused: tuple[str, ...] = ()         # wave hosts whose start failed with sick GPUs (host_fault)
     seconds: float = 0.0
 
     def to_json(self) -> dict[str, object]:
@@ -103,8 +109,15 @@ class RolloutResult:
                 "halted": None if self.halted_at is None else {
                     "host": self.halted_at, "wave": self.halted_wave, "reason": self.reason,
                     "message": self.message, "quote": self.quote},
-                "untouched": list(self.untouched), "skipped": list(self.skipped),
+                "untouched": list(self.untouched), "skipped": list(self.skipped), "excused": list(self.excused),
                 "seconds": round(self.seconds, 2)}
+
+
+def host_fault(reason: str | None) -> bool:
+    """A wave host's failure that is its host's own, not the change's: its GPUs were sick when
+    the start failed (GpuFault). It neither halts the rollout nor quarantines the change: the
+    canary's failure it is not."""
+    return reason == GPU_FAULT
 
 
 _DIGITS = re.compile(r"(\d+)")

@@ -2,16 +2,26 @@
 # Who holds the GPUs, and is their memory free (reconciler/host/gpu.py: gpu_command runs this,
 # parse_gpu reads it).
 #
-#   gpu.sh TOKEN DEVICE_PREFIX
+#   gpu.sh TOKEN DEVICE_PREFIX [SINCE]
 #
 # Every process with a DEVICE_PREFIX* node (/dev/nvidia*) open, from /proc (no fuser): its pid,
 # comm, cgroup and nodes; and where nvidia-smi exists, each GPU's memory and the compute
-# processes with theirs. Each record is a line "TOKEN KIND ...", the last "TOKEN END".
-GPU_FIELDS=index,uuid,memory.used,memory.total
+# processes with theirs. With SINCE (host epoch seconds, 0: this boot) the GPUs' health too,
+# without a CUDA context (reconciler/plan/gpuhealth.py reads it): the sections of
+# `nvidia-smi -q` that say it (HEALTH_SECTIONS, and any line saying a GPU is lost), the kernel
+# log's NVRM Xid lines since SINCE (`journalctl -k`: the kernel's own messages, as journald read
+# them from /dev/kmsg), and DCGM's health watches where dcgmi is installed.
+# Each record is a line "TOKEN KIND ...", the last "TOKEN END".
+GPU_FIELDS=index,uuid,memory.used,memory.total,compute_cap
+# nvidia-smi before compute_cap was a field (drivers older than 510) refuses the whole query:
+# then these, and the compute capability is unknown.
+OLD_GPU_FIELDS=index,uuid,memory.used,memory.total
 APP_FIELDS=pid,process_name,used_memory,gpu_uuid
 SMI_FORMAT=csv,noheader,nounits
+HEALTH_SECTIONS='|ECC Errors|Retired Pages|Remapped Rows|GPU Reset Status|GPU Recovery Action|'
+XID_LINES=20
 
-T=$1 PREFIX=$2
+T=$1 PREFIX=$2 SINCE=${3:--}
 nl='
 '
 enc() {  # file -> e: @ and its one line when that is printable ASCII without spaces, else the
@@ -50,6 +60,7 @@ if [ -n "$smi" ]; then
   printf '%s SMI 1\n' "$T"
   set -f      # nvidia-smi's lines, one by one (IFS: newlines only; empty lines say nothing)
   out=$(nvidia-smi --query-gpu="$GPU_FIELDS" --format="$SMI_FORMAT" 2>&1); rc=$?
+  [ "$rc" = 0 ] || { out=$(nvidia-smi --query-gpu="$OLD_GPU_FIELDS" --format="$SMI_FORMAT" 2>&1); rc=$?; }
   IFS=$nl; for l in $out; do printf '%s G %s\n' "$T" "$l"; done; unset IFS
   printf '%s GRC %s\n' "$T" "$rc"
   out=$(nvidia-smi --query-compute-apps="$APP_FIELDS" --format="$SMI_FORMAT" 2>&1); rc=$?
@@ -73,6 +84,36 @@ if [ -n "$smi" ]; then
     printf '%s C %s %s\n' "$T" "$p" "${e:--}"
   done
   unset IFS
+  if [ "$SINCE" != - ]; then
+    printf '%s NOW %s\n' "$T" "$(date +%s)"
+    # The health sections of each GPU (by indentation: the first level under "GPU <bus id>"),
+    # and any unindented line but the log's header (nvidia-smi's errors: "GPU is lost", ...).
+    out=$(nvidia-smi -q 2>&1); rc=$?
+    out=$(printf '%s\n' "$out" | awk -v S="$HEALTH_SECTIONS" '
+      /^GPU / { print; l1 = -1; keep = 0; next }
+      /^[^ ]/ { if ($0 !~ /^(=|Timestamp|Driver Version|CUDA Version|Attached GPUs)/) print; next }
+      /[^ ]/ {
+        n = match($0, /[^ ]/) - 1
+        if (l1 < 0) l1 = n
+        if (n <= l1) { k = substr($0, n + 1); sub(/ *:.*$/, "", k); sub(/ +$/, "", k); keep = index(S, "|" k "|") > 0 }
+        if (keep) print
+      }')
+    IFS=$nl; for l in $out; do printf '%s Q %s\n' "$T" "$l"; done; unset IFS
+    printf '%s QRC %s\n' "$T" "$rc"
+    if command -v journalctl >/dev/null 2>&1; then
+      s=; [ "$SINCE" = 0 ] || s=@$SINCE
+      journalctl -k -q --no-pager -o short-unix ${s:+--since "$s"} 2>/dev/null | grep -F 'NVRM: Xid' |
+        tail -n "$XID_LINES" | while IFS= read -r l; do printf '%s K %s\n' "$T" "$l"; done
+      printf '%s KRC 0\n' "$T"
+    else
+      printf '%s KRC -\n' "$T"
+    fi
+    if command -v dcgmi >/dev/null 2>&1; then
+      out=$(dcgmi health -c 2>&1); rc=$?
+      IFS=$nl; for l in $out; do printf '%s D %s\n' "$T" "$l"; done; unset IFS
+      printf '%s DRC %s\n' "$T" "$rc"
+    fi
+  fi
   set +f
 else
   printf '%s SMI 0\n' "$T"

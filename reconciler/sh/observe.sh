@@ -5,7 +5,8 @@
 #   observe.sh TOKEN [SERVICE...] [-- SECRET_FILE...]
 #
 # For every SERVICE and every service in the inventory: the unit file, our env drop-in, the env
-# file, the record, every drop-in systemd would apply, and `systemctl show`; the host record,
+# file, the record, every drop-in systemd would apply, and `systemctl show`; the host record
+# (and the host's GPU fault, gpu-fault.json),
 # the lock's count, stale temp files, and a keyed hash of each SECRET_FILE (never its content).
 # Each record is a line "TOKEN KIND ...", the last "TOKEN END": TOKEN is random per run, so no
 # file's content can forge a record. Builtins only per file: no process per file.
@@ -66,6 +67,7 @@ for f in "$D"/services/*.json; do
   case "$names" in *" $n "*) ;; *) names="$names$n ";; esac
 done
 emit H - "$D/host.json"
+emit H gpu "$D/gpu-fault.json"
 units=""
 for n in $names; do
   u=$UNIT_DIR/$n.service

@@ -63,6 +63,16 @@ def test_parse_after_the_process_exited():
     assert gpu.released(facts, pids={416}, max_used_mib=1024)
 
 
+def test_the_compute_capability_when_nvidia_smi_names_it_and_none_from_a_driver_without_the_field():
+    out = "\n".join([f"{TOKEN} BEGIN", f"{TOKEN} SMI 1", f"{TOKEN} G 0, GPU-a, 0, 143771, 9.0",
+                     f"{TOKEN} G 1, GPU-b, 10, 143771, [N/A]", f"{TOKEN} GRC 0", f"{TOKEN} ARC 0", f"{TOKEN} END"])
+    facts = gpu.parse_gpu(out, TOKEN)
+    assert [g.compute_capability for g in facts.gpus] == ["9.0", None]
+    from reconciler.preflight import Hardware
+    assert [g.compute_capability for g in Hardware.of(facts).gpus] == [(9, 0), None]
+    assert gpu.parse_gpu(H200, TOKEN).gpus[0].compute_capability is None        # the 4-field answer
+
+
 def test_parse_many_gpus_units_and_processes_seen_only_by_nvidia_smi():
     out = "\n".join([
         f"{TOKEN} BEGIN",

@@ -21,6 +21,7 @@ PENDING = ServicePlan("m", State.PENDING, result=Result.CONVERGED)
 CHANGED = ServicePlan("m", State.CHANGED, result=Result.CONVERGED)   # the plan a run executed last
 HELD = ServicePlan("m", State.INCONCLUSIVE, result=Result.FAILED, reason="Inconclusive", note="no verdict ...")
 NO_GOOD = ServicePlan("m", State.QUARANTINED_NO_GOOD, result=Result.FAILED, note="desired q; first deploy failed")
+GPU_BLOCKED = ServicePlan("m", State.BLOCKED, result=Result.FAILED, reason="GpuFault", note="not started: ...")
 
 
 @pytest.mark.parametrize("sp,events,want", [
@@ -39,9 +40,33 @@ NO_GOOD = ServicePlan("m", State.QUARANTINED_NO_GOOD, result=Result.FAILED, note
     (CHANGED, [ev(Event.DEPLOY, "CrashLoop"), ev(Event.ROLLBACK, "Inconclusive"),
                ev(Event.ROLLBACK, "Healthy", True)], (Result.ROLLED_BACK, "RolledBack")),
     (NO_GOOD, [ev(Event.DEPLOY, "CrashLoop")], (Result.FAILED, "FirstDeployFailed")),
+    # a start that failed with the host's GPUs sick: the host's failure, never a rollback's or the
+    # version's ("RollbackFailed", "FirstDeployFailed"), whether the next round was blocked or not
+    (GPU_BLOCKED, [ev(Event.DEPLOY, "GpuFault")], (Result.FAILED, "GpuFault")),
+    (PENDING, [ev(Event.DEPLOY, "GpuFault")], (Result.FAILED, "GpuFault")),
+    (NO_GOOD, [ev(Event.DEPLOY, "GpuFault")], (Result.FAILED, "GpuFault")),
+    (GPU_BLOCKED, [], (Result.FAILED, "GpuFault")),           # blocked before any start
     # a newer revision ended the wait: no verdict, and nothing failed
     (CHANGED, [ev(Event.DEPLOY, "Superseded")], (Result.CONVERGED, None)),
 ])
 def test_service_result(sp: ServicePlan, events: list[ServiceEvent], want: tuple[Result, str | None]) -> None:
     result, reason, _message = service_result(sp, events, dry_run=False, changes=True)
     assert (result, reason) == want
+
+
+def test_a_rollout_says_which_hosts_it_did_not_count_for_their_gpus() -> None:
+    from rich.console import Console
+
+    from reconciler.desired.spec import RolloutPolicy
+    from reconciler.loop.report import print_rollouts
+    from reconciler.loop.results import FleetResult
+    from reconciler.plan.rollout import GroupKey, RolloutPlan, RolloutResult, plan_waves
+    policy = RolloutPolicy(canary=1, max_unavailable=1)
+    waves = plan_waves(["gpu-1", "gpu-2"], {}, policy, 2)
+    ro = RolloutResult(RolloutPlan(GroupKey("m", "qwen"), policy, ("gpu-1", "gpu-2"), ("gpu-1", "gpu-2"), 1, waves),
+                       status="done", waves_done=2, excused=("gpu-1",))
+    console = Console(record=True, width=200)
+    print_rollouts(console, FleetResult(REV, False, [], [ro]))
+    text = console.export_text()
+    assert "done: 2 hosts in 2 waves" in text
+    assert "not counted against it (GpuFault: the host's GPUs, not the change): gpu-1" in text

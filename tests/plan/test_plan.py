@@ -15,6 +15,7 @@ from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
 from reconciler.plan.files import mask_secrets, parse_env_file, render_env_dropin, render_env_file
+from reconciler.plan.gpuhealth import GPU_FAULT, GpuFault, GpuHealth
 from reconciler.plan.model import ORDER, Action, Block, Checks, Context, HostPlan, Kind, Reason, State, Watch
 from reconciler.plan.records import (
     INCONCLUSIVE,
@@ -94,6 +95,15 @@ NO_VERDICT = "Inconclusive: no verdict: systemd could not start its process (exi
 UNJUDGED_M = replace(STARTED_M, pending=replace(STARTED_M.pending, unjudged=NO_VERDICT, attempts=1))  # type: ignore[arg-type]
 TRIED_OUT_M = replace(STARTED_M, pending=replace(STARTED_M.pending, unjudged=NO_VERDICT, attempts=3))  # type: ignore[arg-type]
 TEMP = "/etc/systemd/system/.reconciler-tmp.4242.1"
+# Sick GPUs (gpuhealth.py): a reading with a fault, a healthy one, one that could not be made;
+# the host marked GpuFault after a start of M failed with them, M's deploy left pending
+ECC = "GPU 00000000:18:00.0: ECC Errors / Volatile / DRAM Uncorrectable: 2"
+SICK = Checks(gpu_gate=True, gpu_health=GpuHealth(read=True, faults=(ECC,), now=500))
+HEALTHY = Checks(gpu_gate=True, gpu_health=GpuHealth(read=True, now=600))
+UNREAD = Checks(gpu_gate=True, gpu_health=GpuHealth(read=False, notes=("nvidia-smi -q exited 9",)))
+MARKED = GpuFault(quote=ECC, at=400, lines=(ECC,), service="m", revision=REV)
+GPU_FAILED_M = replace(STARTED_M, pending=replace(STARTED_M.pending, attempts=1,  # type: ignore[arg-type]
+                                                  unjudged=f"{GPU_FAULT}: the start failed while the GPUs were sick"))
 
 OVERRIDE = "/etc/systemd/system/m.service.d/override.conf"
 RUNTIME = "/run/systemd/system/m.service.d/x.conf"
@@ -130,10 +140,12 @@ class Case:
     ctx: Mapping[str, object] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
     temps: tuple[str, ...] = ()                # temp files a killed run left (facts.stale_temps)
+    gpu: GpuFault | None = None                # the host marked GpuFault (gpu-fault.json)
 
     def plan(self) -> HostPlan:
         facts = HostFacts(services={f.name: f for f in self.observed},
-                          record=HostRecord(self.host_rev) if self.host_rev else None, stale_temps=self.temps)
+                          record=HostRecord(self.host_rev) if self.host_rev else None, stale_temps=self.temps,
+                          gpu_fault=self.gpu)
         # The dead-man's switch is its own concern (tests at the end of this file): off in the table.
         ctx = {"confirm_margin": None, **self.ctx}
         return plan_host(host(*self.desired), facts, Context(REV, **ctx))  # type: ignore[arg-type]
@@ -354,6 +366,28 @@ CASES = [
     Case("no verdict after three tries, --retry: start it again", (M,),
          (on_host(M, TRIED_OUT_M, active="failed"),), {"m": State.PENDING},
          ("intent m", "start m StartAgain", "record m", "record", "watch m"), ctx={"retry": True}),
+    # ---- sick GPUs: the host's fault, not the revision's ---------------------------------------------
+    Case("GPU fault seen before a start: blocked, nothing written, the revision not judged", (M,),
+         (on_host(M_ENV0, verified(M_ENV0, OLD)),), {"m": State.BLOCKED}, ("hold m Blocked",),
+         ctx={"checks": SICK}, host_rev=OLD),
+    Case("GPU fault recorded, the GPUs read healthy again: cleared, the deploy goes on", (M,),
+         (on_host(M_ENV0, verified(M_ENV0, OLD)),), {"m": State.CHANGED},
+         ("intent m", "stop m GpuGate", "write m", "wait-gpus m", "start m UnitChanged", "record m", "record",
+          "watch m"), ctx={"checks": HEALTHY}, gpu=MARKED),
+    Case("GPU fault recorded, no usable reading: still blocked", (M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),),
+         {"m": State.BLOCKED}, ("hold m Blocked",), ctx={"checks": UNREAD}, gpu=MARKED),
+    Case("a start failed with sick GPUs, still sick: blocked, pending, not quarantined", (M,),
+         (on_host(M, GPU_FAILED_M, active="failed"),), {"m": State.BLOCKED}, ("hold m Blocked",),
+         ctx={"checks": SICK}, gpu=MARKED),
+    Case("a start failed with sick GPUs, healthy again: start it again", (M,),
+         (on_host(M, GPU_FAILED_M, active="failed"),), {"m": State.PENDING},
+         ("intent m", "wait-gpus m", "start m StartAgain", "record m", "record", "watch m HealthCheck"),
+         ctx={"checks": HEALTHY}, gpu=MARKED),
+    Case("GPU fault, --retry: passed over once", (M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),),
+         {"m": State.CHANGED}, ("intent m", "stop m", "write m", "wait-gpus m", "start m", "record m", "record",
+                                "watch m"), ctx={"checks": SICK, "retry": True}, gpu=MARKED),
+    Case("GPU fault: a service in sync keeps running, nothing is stopped", (M,), (on_host(M, verified(M)),),
+         {"m": State.IN_SYNC}, (), ctx={"checks": SICK}, gpu=MARKED),
     # ---- a killed run's temp files -----------------------------------------------------------------
     Case("a temp file a killed run left is removed, and the drift names it", (M,), (on_host(M, verified(M)),),
          {"m": State.IN_SYNC}, ("remove StaleTempFile", "record"), temps=(TEMP,)),
@@ -432,8 +466,8 @@ def test_plan_invariants(case: Case) -> None:
 
 
 def plan_of(desired: tuple[ServiceSpec, ...], observed: tuple[ServiceFacts, ...], host_rev: str | None = REV,
-            **ctx: object) -> HostPlan:
-    return Case("", desired, observed, {}, (), host_rev=host_rev, ctx=ctx).plan()
+            gpu: GpuFault | None = None, **ctx: object) -> HostPlan:
+    return Case("", desired, observed, {}, (), host_rev=host_rev, ctx=ctx, gpu=gpu).plan()
 
 
 def only(plan: HostPlan, kind: Kind, service: str | None = "m") -> Action:
@@ -850,3 +884,29 @@ def test_a_start_refused_again_after_it_was_started_again_is_start_failed() -> N
 def test_a_healthy_verdict_after_no_verdict_makes_it_the_last_good() -> None:
     rec, stop = judged(UNJUDGED_M, "Healthy", healthy=True)
     assert not stop and rec.pending is None and rec.last_good_hash == H and rec.quarantine is None
+
+
+# ---- sick GPUs (issue 35) --------------------------------------------------------------------------
+
+
+def test_a_gpu_fault_block_quotes_the_line_and_names_the_failed_start() -> None:
+    plan = plan_of((M,), (on_host(M, GPU_FAILED_M, active="failed"),), gpu=MARKED, checks=SICK)
+    sp = plan.services["m"]
+    assert (sp.result, sp.reason, sp.quote) == (Result.FAILED, GPU_FAULT, ECC)
+    assert sp.note == (f"not started: the host's GPU fault (m {REV[:7]} failed to start): {ECC} (the revision "
+                       f"is not judged; cleared by the next healthy GPU reading)")
+    # seen before any start: said so
+    before = plan_of((M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),), checks=SICK).services["m"]
+    assert before.note.startswith(f"not started: the host's GPU fault (seen before a start): {ECC}")
+    # and the revision stays unjudged: no quarantine recorded, no last good moved
+    assert not [a for a in plan.actions if a.kind in (Kind.RECORD, Kind.INTENT)]
+
+
+def test_a_start_that_failed_with_sick_gpus_is_no_verdict_and_stops_the_unit() -> None:
+    rec, stop = judged(STARTED_M, GPU_FAULT)
+    assert stop and rec.quarantine is None and rec.last_good_hash == STARTED_M.last_good_hash
+    p = pending_of(rec)
+    assert p.started and p.attempts == 1 and p.unjudged == f"{GPU_FAULT}: the message"
+    # the same failure without a GPU fault is the revision's: quarantined
+    bad, _ = judged(STARTED_M, "CrashLoop")
+    assert bad.quarantine is not None and bad.quarantine.reason == "CrashLoop" and bad.pending is None

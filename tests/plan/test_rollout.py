@@ -359,3 +359,9 @@ def test_slack_text_for_each_event() -> None:
     halt = slack_text({"event": "rollout.halt", "service": "m", "short": "abc", "host": "a", "wave": 1,
                        "reason": "CrashLoop", "untouched": ["b"], "journal_line": "boom"})
     assert "halted at *a*" in halt and "1 hosts left" in halt and halt.endswith("> boom")
+
+
+def test_a_hosts_sick_gpus_are_not_the_changes_failure() -> None:
+    from reconciler.plan.rollout import host_fault
+    assert host_fault("GpuFault")
+    assert not any(host_fault(r) for r in ("CrashLoop", "StartFailed", "ApplyFailed", "Unreachable", None))

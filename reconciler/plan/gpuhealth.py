@@ -1,0 +1,322 @@
+"""PURE: a sick GPU is the host's fault, not the commit's.
+
+What the GPU read (host/gpu.py, sh/gpu.sh) says about the GPUs' health, read without a CUDA
+context, and what the planner makes of it:
+
+  * `nvidia-smi -q` (the sections kept by gpu.sh): ECC errors (volatile uncorrectable), retired
+    pages (pending), remapped rows (pending, failure), "GPU Reset Status" (reset required, drain
+    and reset recommended), "GPU Recovery Action", and nvidia-smi's own "GPU is lost" / "GPU
+    requires reset" answers;
+  * the kernel log's `NVRM: Xid` lines since a time (`journalctl -k`), each classified by
+    NVIDIA's Xid catalog (XID_CATALOG below);
+  * DCGM's health watches (`dcgmi health -c`), where DCGM is installed and watches are set.
+
+A reading has faults (a start must not happen on this host: it blocks, and a failed start that
+coincides with one is the GPU's), signs (a hardware memory event in the kernel log's window
+that NVIDIA says needs no reset, Xid 63/92/94: a failed start that coincides with one is the
+GPU's too, but nothing is blocked for it) and notes (states that neither block nor explain a
+failure, since they may be weeks old and NVIDIA says new work may start: a row remap pending
+the next reset, a DCGM warning; shown, nothing more). `in_force` decides the host's GpuFault
+from the recorded one and a fresh reading; `blames_gpu` whether a failed start was the GPU's.
+The fault is kept on the host in /var/lib/reconciler/gpu-fault.json (`GpuFault`), cleared by
+the next healthy reading, by removing that file, or passed over once by `reconcile --retry`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+GPU_FAULT = "GpuFault"
+# The sections of `nvidia-smi -q` (under each GPU) that say its health: what gpu.sh keeps.
+SMI_SECTIONS = ("ECC Errors", "Retired Pages", "Remapped Rows", "GPU Reset Status", "GPU Recovery Action")
+FAULT_FILE = "/var/lib/reconciler/gpu-fault.json"
+XID_SOURCE = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
+# "Row-remapping pending flag ... new workloads can be launched": a pending remap is a note only
+REMAP_SOURCE = "https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/error-recovery-and-response-flags.html"
+
+# NVIDIA's Xid catalog for Ampere and newer (XID_SOURCE; its "Resolution Bucket (Immediate
+# Action)" column), the Xids the reconciler blames on the host. Faults: the catalog's immediate
+# action resets the GPU (RESET_GPU), restarts the machine (RESTART_BM, RESTART_VM) or follows a
+# hardware workflow (WORKFLOW_XID_48 for a double-bit ECC error, the NVLink workflows). Signs:
+# memory errors whose immediate action is only to restart the application (94 contained ECC
+# error) or nothing at all (63 row-remapping event, 92 high single-bit ECC rate): the application
+# that died of one died of the hardware. Every other Xid (13 graphics engine exception, 31 GPU
+# memory page fault, 43 GPU stopped processing, 45 preemptive cleanup, ...: RESTART_APP with an
+# application investigation, or IGNORE) is the application's: it says nothing about the host.
+XID_FAULTS: Mapping[int, str] = {
+    46: "GPU stopped processing (RESET_GPU)",
+    48: "double-bit ECC error (WORKFLOW_XID_48)",
+    62: "internal micro-controller halt (RESET_GPU)",
+    64: "GPU memory remapping failure (RESET_GPU)",
+    74: "NVLink error (WORKFLOW_NVLINK_ERR)",
+    79: "GPU has fallen off the bus (RESTART_BM)",
+    95: "uncontained memory error (RESET_GPU)",
+    109: "context switch timeout (RESET_GPU)",
+    110: "security fault (RESET_GPU)",
+    119: "GSP RPC timeout (RESET_GPU)",
+    120: "GSP error (RESET_GPU)",
+    136: "link training failed (RESET_GPU)",
+    140: "ECC unrecovered error (RESET_GPU)",
+    143: "GPU initialization error (RESET_GPU)",
+    **{x: "NVLink5 error (WORKFLOW_NVLINK5_ERR)" for x in range(144, 151)},
+    151: "key rotation error (RESTART_VM)",
+    155: "NVLink SW-defined error (RESET_GPU)",
+    156: "resource retirement event (RESET_GPU)",
+    158: "GPU fatal timeout (RESET_GPU)",
+}
+XID_SIGNS: Mapping[int, str] = {
+    63: "GPU memory row-remapping event",
+    92: "high single-bit ECC error rate",
+    94: "contained memory error (RESTART_APP)",
+}
+# Start failures a GPU fault can explain (health.py's reasons for a start that did not come up).
+BLAMABLE = frozenset({"CrashLoop", "StartFailed", "StartTimeout", "Exited", "Unstable"})
+
+_XID = re.compile(r"NVRM: Xid \((?P<dev>[^)]*)\): (?P<code>\d+)")
+# nvidia-smi's answers for a GPU it cannot use (NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED)
+_LOST = re.compile(r"GPU is lost|GPU requires reset|fallen off the bus", re.I)
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """One reading of the GPUs' health: `read` when nvidia-smi -q answered (or said a GPU is
+    lost); faults block starts, signs only explain a failed one, notes do neither; `now` is the
+    host's clock."""
+
+    read: bool
+    faults: tuple[str, ...] = ()
+    signs: tuple[str, ...] = ()
+    now: int = 0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def healthy(self) -> bool:
+        return self.read and not self.faults
+
+    def summary(self) -> str:
+        if not self.read:
+            return "GPU health not read" + (f" ({'; '.join(self.notes)})" if self.notes else "")
+        if self.faults:
+            return "; ".join(self.faults)
+        found = self.signs + self.notes
+        return "GPUs healthy" + (f" ({'; '.join(found)})" if found else "")
+
+
+@dataclass(frozen=True)
+class GpuFault:
+    """A host whose GPUs are sick (gpu-fault.json): the line that says so, and when (host clock).
+    `service`/`revision`: the start that failed with it (None: seen before a start)."""
+
+    quote: str
+    at: int = 0
+    lines: tuple[str, ...] = ()
+    service: str | None = None
+    revision: str | None = None
+
+    def why(self) -> str:
+        what = f"{self.service} {self.revision[:7]} failed to start" if self.service and self.revision else \
+            "seen before a start"
+        return f"GPU fault ({what}): {self.quote}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"quote": self.quote, "at": self.at, "lines": list(self.lines), "service": self.service,
+                "revision": self.revision}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, data: object) -> GpuFault | None:
+        if not isinstance(data, Mapping) or not isinstance(data.get("quote"), str) or not data["quote"]:
+            return None
+        at, lines = data.get("at"), data.get("lines")
+        svc, rev = data.get("service"), data.get("revision")
+        return cls(quote=data["quote"], at=at if isinstance(at, int) and not isinstance(at, bool) else 0,
+                   lines=tuple(x for x in lines if isinstance(x, str)) if isinstance(lines, list) else (),
+                   service=svc if isinstance(svc, str) else None, revision=rev if isinstance(rev, str) else None)
+
+    @classmethod
+    def parse(cls, text: str) -> GpuFault | None:
+        """Read leniently; a file that is not a fault record still says the host was marked:
+        it stays marked (with that said) until cleared."""
+        try:
+            return cls.from_json(json.loads(text)) or cls(quote="unreadable gpu-fault.json")
+        except json.JSONDecodeError:
+            return cls(quote="unreadable gpu-fault.json")
+
+
+# ---- the readers ----------------------------------------------------------------------------------
+
+
+def _tree(lines: Iterable[str]) -> list[tuple[str, list[tuple[tuple[str, ...], str | None]]]]:
+    """`nvidia-smi -q` text -> [(GPU header, [(path of section names, value or None)])]: each
+    `Key : value` line under the sections that hold it, by indentation."""
+    gpus: list[tuple[str, list[tuple[tuple[str, ...], str | None]]]] = []
+    stack: list[tuple[int, str]] = []
+    for raw in lines:
+        line = raw.rstrip()
+        if not line.strip():
+            continue
+        if line.startswith("GPU ") and ":" in line and " : " not in line:
+            gpus.append((line[4:].strip(), []))
+            stack = []
+            continue
+        if not gpus:
+            continue
+        indent = len(line) - len(line.lstrip())
+        key, sep, value = line.strip().partition(" : ")
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = (*(k for _, k in stack), key.strip())
+        if sep:
+            gpus[-1][1].append((path, value.strip()))
+        else:
+            gpus[-1][1].append((path, None))
+            stack.append((indent, key.strip()))
+    return gpus
+
+
+def _count(v: str | None) -> int:
+    try:
+        return int(v or "")
+    except ValueError:
+        return 0          # N/A, [Not Supported], "Requested functionality has been deprecated"
+
+
+def _yes(v: str | None) -> bool:
+    return (v or "").strip().lower() == "yes"
+
+
+def _finding(path: tuple[str, ...], value: str) -> str | None:
+    """What one `nvidia-smi -q` field says of its GPU: "fault", "note" or None."""
+    head, last = path[0], path[-1]
+    if head == "ECC Errors" and len(path) == 2 and last == "Unrepairable Memory":     # driver 580 on
+        return "fault" if _yes(value) else None                                      # an H200, say
+    if head == "ECC Errors" and len(path) == 2 and last in ("Channel Repair Pending", "TPC Repair Pending"):
+        return "note" if _yes(value) else None       # a repair that waits for the next reset, as a remap
+    if head == "ECC Errors" and len(path) >= 2 and path[1] == "Volatile":
+        # Ampere and newer: SRAM/DRAM Uncorrectable ...; older GPUs: Double Bit / Total
+        older = len(path) == 4 and path[2] == "Double Bit" and last == "Total"
+        return "fault" if ("Uncorrectable" in last or older) and _count(value) > 0 else None
+    if head == "Retired Pages" and last in ("Pending Page Blacklist", "Pending"):
+        return "fault" if _yes(value) else None
+    if head == "Remapped Rows" and last in ("Remapping Failure Occurred", "Pending"):
+        return ("fault" if last != "Pending" else "note") if _yes(value) else None
+    if head == "GPU Reset Status" and last in ("Reset Required", "Drain and Reset Recommended"):
+        return "fault" if _yes(value) else None
+    if head == "GPU Recovery Action" and len(path) == 1:
+        quiet = value in ("None", "N/A", "") or value.startswith("Requested functionality")
+        return None if quiet else "fault"
+    return None
+
+
+def smi_health(text: str) -> tuple[list[str], list[str]]:
+    """Faults and notes in `nvidia-smi -q` output (pure): one line per finding, naming the GPU by
+    its PCI bus id and quoting nvidia-smi's field as it prints it."""
+    faults = [f"nvidia-smi: {line.strip()}" for line in text.splitlines() if _LOST.search(line)]
+    notes: list[str] = []
+    for bus, fields in _tree(text.splitlines()):
+        for path, value in fields:
+            found = _finding(path, value) if value is not None else None
+            said = f"GPU {bus}: {' / '.join(path)}: {value}"
+            if found == "fault":
+                faults.append(said)
+            elif found == "note":
+                notes.append(f"{said} (it waits for a GPU reset)")
+    return faults, notes
+
+
+def xid_health(lines: Iterable[str]) -> tuple[list[str], list[str]]:
+    """Faults and signs among kernel log lines (pure): each `NVRM: Xid (PCI:...): N, ...` line
+    classified by XID_FAULTS / XID_SIGNS, quoted from `NVRM:` on with what the catalog says."""
+    faults: list[str] = []
+    signs: list[str] = []
+    for line in lines:
+        m = _XID.search(line)
+        if not m:
+            continue
+        code, quote = int(m.group("code")), line[m.start():].strip()
+        if code in XID_FAULTS:
+            faults.append(f"{quote} [Xid {code}: {XID_FAULTS[code]}]")
+        elif code in XID_SIGNS:
+            signs.append(f"{quote} [Xid {code}: {XID_SIGNS[code]}]")
+    return faults, signs
+
+
+_CELL = re.compile(r"^\|\s*(?P<left>[^|]*?)\s*\|\s*(?P<right>[^|]*?)\s*\|$")
+
+
+def dcgm_health(text: str) -> tuple[list[str], list[str]]:
+    """`dcgmi health -c` (pure): (faults, notes). Its Overall Health row says Healthy, Warning or
+    Failure; the incidents' lines that follow it are quoted. A Failure is a fault, a Warning a
+    note, and so is a check that did not run (no watches set, no host engine)."""
+    overall: str | None = None
+    said: list[str] = []
+    for line in text.splitlines():
+        m = _CELL.match(line.strip())
+        if m is None:
+            if line.strip().startswith("Error"):
+                return [], [f"dcgmi health: {line.strip()}"]
+            continue
+        left, right = m.group("left"), m.group("right")
+        if left == "Overall Health":
+            overall = right
+        elif overall is not None and right and right not in ("Healthy", "Warning", "Failure"):
+            said.append(right)
+    if overall is None or overall == "Healthy":
+        return [], []
+    line = f"dcgmi health: Overall Health {overall}" + (f": {' '.join(said)}" if said else "")
+    return ([line], []) if overall == "Failure" else ([], [line])
+
+
+# ---- the decisions --------------------------------------------------------------------------------
+
+
+def in_force(recorded: GpuFault | None, reading: GpuHealth | None, *, retry: bool = False) -> GpuFault | None:
+    """The host's GPU fault that blocks every start now (pure).
+
+    No reading (nothing starts, so nothing was read): none; the recorded one stays on the host.
+    A reading that could not be made (no nvidia-smi any more): the recorded one stays in force,
+    since only a healthy reading clears it. A reading with faults: a fault dated now (the
+    recorded one's start kept when it is the same). A healthy reading: none (cleared).
+    `retry` (reconcile --retry): the operator passes over it once.
+    """
+    if retry or reading is None:
+        return None
+    if not reading.read:
+        return recorded
+    if not reading.faults:
+        return None
+    if recorded is not None and recorded.quote in reading.faults:
+        return recorded
+    return GpuFault(quote=reading.faults[0], at=reading.now, lines=reading.faults[:5])
+
+
+def recorded_after(recorded: GpuFault | None, reading: GpuHealth | None) -> GpuFault | None:
+    """What gpu-fault.json holds after a reading before a start (pure): the fault it found, none
+    after a healthy one, the recorded one when there was no (usable) reading. --retry passes
+    over a fault; it never clears one."""
+    return in_force(recorded, reading) if reading is not None and reading.read else recorded
+
+
+def blames_gpu(reason: str, healthy: bool, reading: GpuHealth | None) -> bool:
+    """A failed start is the GPU's when a fault or a sign coincides with it (pure); a note (a remap
+    pending for weeks, a DCGM warning) never blames the GPU for a failure that is the commit's."""
+    return not healthy and reason in BLAMABLE and reading is not None and bool(reading.faults or reading.signs)
+
+
+def start_fault(reading: GpuHealth, service: str, revision: str) -> GpuFault:
+    """The host's fault after a start that failed with the GPUs sick: the first fault (or sign)."""
+    found = reading.faults + reading.signs
+    return GpuFault(quote=found[0], at=reading.now, lines=found[:5], service=service, revision=revision)
+
+
+def xid_since(recorded: GpuFault | None, applied_at: int) -> int:
+    """Since when a reading before a start reads the kernel log (host epoch; 0: this boot): since
+    the recorded fault (its own lines are not read again, so a healthy GPU clears it), else since
+    the last apply on the host (a GPU that faulted while the running version ran)."""
+    return recorded.at + 1 if recorded is not None and recorded.at else applied_at
