@@ -59,8 +59,17 @@ def holder(args: argparse.Namespace) -> None:
         g = torch.Generator(device=dev).manual_seed(35)
         a = torch.randn(n, n, generator=g, device=dev).to(torch.bfloat16)
         b = torch.randn(n, n, generator=g, device=dev).to(torch.bfloat16)
-        ref = float((a @ b).float().sum())     # the step's own buffers, cached by torch from now
+        c = torch.empty(n, n, dtype=torch.bfloat16, device=dev)      # every buffer a step uses,
+        cf = torch.empty(n, n, dtype=torch.float32, device=dev)      # allocated once: the loop
+        total_c = torch.empty((), dtype=torch.float32, device=dev)   # allocates nothing (a full
+        def product_sum() -> float:                                   # card would refuse it)
+            torch.matmul(a, b, out=c)
+            cf.copy_(c)
+            torch.sum(cf, dim=(0, 1), out=total_c)
+            return float(total_c)
+        ref = product_sum()
         pattern = torch.randint(-2**62, 2**62, (2**24,), generator=g, device=dev, dtype=torch.int64)
+        fsum_out = torch.empty((), dtype=torch.int64, device=dev)
         if args.rehearse:
             filler = torch.empty(64 * 2**20, dtype=torch.uint8)
             total = 143771 * 2**20
@@ -72,7 +81,10 @@ def holder(args: argparse.Namespace) -> None:
         words = filler.view(torch.int64)
         for chunk in words.split(pattern.numel()):
             chunk.copy_(pattern[: chunk.numel()])
-        fsum = int(words.sum())
+        def filler_sum() -> int:
+            torch.sum(words, dim=0, out=fsum_out)
+            return int(fsum_out)
+        fsum = filler_sum()
         del pattern                            # its block stays in torch's cache: no empty_cache
         if not args.rehearse:
             torch.cuda.synchronize()
@@ -86,19 +98,18 @@ def holder(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             bad = 0
             for _ in range(10):
-                c = a @ b
-                if float(c.float().sum()) != ref:
+                if product_sum() != ref:
                     bad += 1
             ms = (time.perf_counter() - t0) * 1000
             log("STEP", f"{ms:.3f} {bad}")
             if args.rehearse:
                 time.sleep(0.2)                    # leave the CPU to the probe
             if time.monotonic() - last_verify >= 1.0:
-                s = int(words.sum())
+                s = filler_sum()
                 log("VERIFY", "ok" if s == fsum else f"BAD {s}")
                 last_verify = time.monotonic()
     except KeyboardInterrupt:
-        ok = words is not None and int(words.sum()) == fsum
+        ok = words is not None and filler_sum() == fsum
         log("END", f"final_verify={'ok' if ok else 'BAD'}")
     except Exception as exc:  # a CUDA error is what we look for
         log("ERROR", f"{type(exc).__name__}: {exc}".replace("\n", " | "))
@@ -275,6 +286,8 @@ class Bench:
                    PYTHONUNBUFFERED="1")
         if mode == "b":
             env["CUDA_VISIBLE_DEVICES"] = ""
+        if mode == "a+stub":
+            env["PYTHONPATH"] = f"{self.args.stub}:{site}"
         cmd = ["timeout", "180", "nice", "-n", "19", sys.executable, str(HERE), "--wrap",
                self.args.probe]
         if facts is not None:
@@ -315,7 +328,7 @@ class Bench:
                  f"cuda_init={run.cuda.get('cuda_initialized')} new_gpu_pids={run.new_pids} "
                  f"used_delta={run.used_delta}MiB samples={run.samples}")
         self.say(f"         verdict={v.get('verdict')} seconds={v.get('seconds')} "
-                 f"message={str(v.get('message'))[:300]!r}")
+                 f"message={str(v.get('message'))[:300]!r} where={v.get('where')}")
         self.say(f"         resolved={json.dumps(v.get('resolved'), sort_keys=True)[:400]}")
         if not v:
             self.say("         NO VERDICT LINE; output tail:\n" + run.tail)
@@ -345,7 +358,8 @@ class Bench:
         lines = [ln.split() for ln in self._holder_lines()]
         verify = [x for x in lines if len(x) >= 3 and x[1] == "VERIFY" and t0 <= float(x[0]) <= t1]
         bad = [x for x in verify if x[2] != "ok"]
-        errors = [" ".join(x[1:]) for x in lines if len(x) >= 2 and x[1] == "ERROR"]
+        errors = [" ".join(x[1:])[:160] for x in lines
+                  if len(x) >= 2 and x[1] == "ERROR" and float(x[0]) <= t1]
         return f"filler_checks={len(verify)} bad={len(bad)} errors={errors or 'none'}"
 
 
@@ -354,10 +368,21 @@ def batch(b: Bench, engine: str, site: str, mode: str, label: str, argv: list[st
     if b.late():
         b.say(f"skip     {label} {engine} mode {mode}: over the time budget")
         return
+    if holder == "none":
+        b.probe(label, engine, site, mode, argv, facts, holder)
+        return
     b.idle(f"{engine} {label} before")
     runs = [b.probe(label, engine, site, mode, argv, facts, holder) for _ in range(repeats)]
     b.windows.append((f"{engine} {label} during", runs[0].t0, runs[-1].t1))
     b.idle(f"{engine} {label} after")
+
+
+
+
+def write_stub(folder: str) -> None:
+    pkg = Path(folder) / "sgl_kernel"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text((HERE.parent / "sgl_kernel_stub.py").read_text())
 
 
 def versions(site: str) -> str:
@@ -388,6 +413,10 @@ def main() -> None:
     ap.add_argument("--poll-ms", type=int, default=100)
     ap.add_argument("--window-s", type=float, default=3.0)
     ap.add_argument("--budget-s", type=float, default=480.0)
+    ap.add_argument("--skip-main", action="store_true", help="leave out phase 1's a/b repeats")
+    ap.add_argument("--stub", default="", help="a dir with a stand-in sgl_kernel: adds mode a+stub")
+    ap.add_argument("--stub-repeats", type=int, default=2)
+    ap.add_argument("--facts-cases", action="store_true", help="tp4 with facts x4, sm100 facts")
     if sys.argv[1:2] == ["--wrap"]:
         wrap(sys.argv[2:])
         return
@@ -410,29 +439,36 @@ def main() -> None:
         b.say(f"engine   {name}: PYTHONPATH={site} {versions(site)}")
     seed = ["--model-path", args.model, *SEED]
     tp4 = ["--tp-size", "4", *SEED[2:]]
+    a_modes = ["a", "a+stub"] if args.stub else ["a"]
+    if args.stub:
+        write_stub(args.stub)
+        b.say(f"stub     mode a+stub: a stand-in sgl_kernel in {args.stub} first on PYTHONPATH")
     b.start_holder(0)
     try:                                   # 1: the question itself, the holder at --hold-frac
-        for name, site in engines:
-            batch(b, name, site, "a", "seed tp1", seed, None, "85%", args.repeats)
-            batch(b, name, site, "b", "seed tp1", seed, facts, "85%", args.repeats)
-        for name, site in engines:         # 2: do the facts decide? (skipped when time is short)
-            if time.monotonic() - b.t_start > args.budget_s * 0.55:
-                b.say(f"skip     facts cases for {name}: keeping time for the full-card phase")
-                continue
-            tp4 = ["--model-path", args.model, "--tp-size", "4", *SEED[2:]]
-            batch(b, name, site, "a", "seed tp4", tp4, None, "85%", 1)
-            batch(b, name, site, "b", "seed tp4 facts x4", tp4, dict(facts, count=4), "85%", 1)
-            batch(b, name, site, "b", "seed tp1 facts sm100", seed, dict(facts, capability=[10, 0]), "85%", 1)
+        if not args.skip_main:
+            for name, site in engines:
+                batch(b, name, site, "a", "seed tp1", seed, None, "85%", args.repeats)
+                batch(b, name, site, "b", "seed tp1", seed, facts, "85%", args.repeats)
+        if args.stub:
+            for name, site in engines:
+                batch(b, name, site, "a+stub", "seed tp1", seed, None, "85%", args.stub_repeats)
     finally:
         b.stop_holder()
-    if not b.late():                       # 3: a nearly full card
+    if not b.late():                       # 2: a nearly full card
         b.start_holder(args.full_leave_mib)
         try:
             for name, site in engines:
-                batch(b, name, site, "a", "seed tp1 FULL", seed, None, "full", 1)
-                batch(b, name, site, "b", "seed tp1 FULL", seed, facts, "full", 1)
+                for mode in [*a_modes, "b"]:
+                    batch(b, name, site, mode, "seed tp1 FULL", seed, facts if mode == "b" else None, "full", 1)
         finally:
             b.stop_holder()
+    if args.facts_cases and not b.late():  # 3: do the facts decide? (no holder needed)
+        for name, site in engines:
+            tp4 = ["--model-path", args.model, "--tp-size", "4", *SEED[2:]]
+            for mode in a_modes:
+                batch(b, name, site, mode, "seed tp4", tp4, None, "none", 1)
+            batch(b, name, site, "b", "seed tp4 facts x4", tp4, dict(facts, count=4), "none", 1)
+            batch(b, name, site, "b", "seed tp1 facts sm100", seed, dict(facts, capability=[10, 0]), "none", 1)
     b.say(f"gpu      at the end: memory.used {b.smi.used_mib()} MiB; apps {b.smi.apps()}; "
           f"this harness's own max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB "
           "(the floor of every probe's rss: ru_maxrss carries over a fork)")
@@ -446,15 +482,15 @@ def report(b: Bench) -> None:
         b.say(f"  {label:<48} {b.window_stats(t0, t1)}; {b.holder_health(t0, t1)}")
     b.say("")
     b.say("== probe runs")
-    b.say(f"  {'engine':<14} {'mode':<4} {'case':<22} {'holder':<6} {'verdict':<12} {'wall s':>7} "
+    b.say(f"  {'engine':<14} {'mode':<6} {'case':<22} {'holder':<6} {'verdict':<12} {'wall s':>7} "
           f"{'rss MiB':>8} {'gpu MiB':>8} {'Δused':>6} cuda_init")
     for r in b.runs:
         gpu = max(r.new_pids.values()) if r.new_pids else 0
-        b.say(f"  {r.engine:<14} {r.mode:<4} {r.label:<22} {r.holder:<6} "
+        b.say(f"  {r.engine:<14} {r.mode:<6} {r.label:<22} {r.holder:<6} "
               f"{r.verdict.get('verdict')!s:<12} {r.wall:7.2f} {r.rss_mib:8.0f} {gpu:8d} "
               f"{r.used_delta:6d} {r.cuda.get('cuda_initialized')}")
     b.say("")
-    for mode in ("a", "b"):
+    for mode in ("a", "a+stub", "b"):
         rs = [r for r in b.runs if r.mode == mode]
         if not rs:
             continue
