@@ -1,24 +1,14 @@
 #!/usr/bin/env python3
 """Issue 35 item 2: does the engine probe disturb a GPU that a loaded server holds?
 
-Run ON the GPU machine (python3 with torch, nvidia-smi), from the repository root:
-
-    python3 bench/engine_probe_device.py --probe P.py --model DIR \
-        --engine sglang-0.5.12=SITE12 --engine sglang-0.5.23=SITE23 --out LOG
-    python3 bench/engine_probe_device.py --rehearse ...   # no GPU: fake nvidia-smi, CPU holder
-
-(1) records nvidia-smi's facts; (2) starts a HOLDER (this file, --holder) that takes about
---hold-frac of the GPU's memory with torch and runs a fixed bf16 matmul loop, logging each
-step's latency, a checksum of its product every step and of its filler every second, and any
-CUDA error; (3) with the holder running, runs the probe per engine in mode (a) GPUs visible,
-nothing injected, and (b) CUDA_VISIBLE_DEVICES= with --facts from nvidia-smi, --repeats times
-each, under HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 timeout 180 nice -n 19, measuring per run:
-wall time, the RECONCILER-ENGINE verdict, peak RSS (wait4), the GPU memory any new process
-used (nvidia-smi --query-compute-apps polled every --poll-ms) and the card's memory.used
-delta, and whether torch initialised CUDA in the probe (an atexit line from --wrap); (4) the
-holder's step latency before / during / after each batch; (5) restarts the holder leaving only
---leave-mib free and runs mode (a) once more per engine (and (b) once). Standard library and
-torch only; the engines' packages come in through each --engine's PYTHONPATH.
+Run ON the GPU machine (python3 with torch, nvidia-smi); bench/results/engine_probe_h200.txt
+has the commands. --rehearse: no GPU (fake nvidia-smi, a CPU holder). A HOLDER (--holder) takes
+--hold-frac of the card (or all but --full-leave-mib) and loops over bf16 products, logging each
+step's latency and checksums; beside it the probe runs per engine in mode a (GPUs visible,
+nothing injected), a+stub (the same with a stand-in sgl_kernel) and b (CUDA_VISIBLE_DEVICES=
+and --facts from nvidia-smi) under HF_HUB_OFFLINE=1 timeout 180 nice -n 19, measuring wall time,
+the verdict, peak RSS (wait4), new GPU processes (compute-apps every --poll-ms), memory.used and
+whether torch initialised CUDA in the probe (--wrap). Standard library and torch only.
 """
 
 from __future__ import annotations
