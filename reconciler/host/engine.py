@@ -38,6 +38,9 @@ from ..preflight import EngineRun, EngineVerdict, parse_verdict
 from ..shell import ShCommand
 from .transport import Transport
 
+# The module each engine's argument stage lives in, as a file: where no package directory of the
+# interpreter holds it, the host says so without starting python (engine-probe.sh).
+STAGE = {"sglang": "sglang/srt/server_args.py", "vllm": "vllm/engine/arg_utils.py"}
 MEMORY_MAX = "4G"          # observed 0.95-1.07 GB RSS (review 2026-12-02, §6)
 SECONDS = 120              # observed 8-15 s warm, 33 s on vLLM's first run, ~70 s on a loaded box
 
@@ -83,7 +86,7 @@ def engine_command(run: EngineRun, *, cached: str = "", memory_max: str = MEMORY
     files = _unit_files(run)
     args = [token, run.interpreter, base64.b64encode(probe_text(run.server).encode()).decode(),
             run.user or "", run.workdir or "", memory_max, str(seconds), run.mode, _model_dir(run), cached,
-            str(len(files)), *files, *run.args]
+            STAGE[run.server], run.env.get("PYTHONPATH", ""), str(len(files)), *files, *run.args]
     return ShCommand(shell.program("engine-probe"), "reconciler-engine", args), render_env_file(run.env), token
 
 
@@ -100,6 +103,10 @@ def read_answer(run: EngineRun, stdout: str, token: str) -> Answer:
     stamp, status, out, err, cached = "", None, "", "", False
     for f in frames(stdout, token):
         fields = f.fields()
+        if f.kind == "N":
+            return Answer("", EngineVerdict(run.service, run.server, "inconclusive",
+                                            message=f"{run.server} is not installed for {run.interpreter} "
+                                                    f"(no {STAGE[run.server]} in its package directories)"))
         if f.kind == "S" and fields:
             stamp = fields[0]
         elif f.kind == "C":

@@ -6,24 +6,47 @@
 # (MODE hidden) no GPU visible, the host's GPU facts passed in instead.
 #
 #   engine-probe.sh TOKEN INTERP PROBE_BASE64 USER WORKDIR MEMORY_MAX SECONDS MODE MODEL CACHED \
-#                   ENV_FILE_COUNT [ENV_FILE]... [ARG]...
+#                   STAGE PYTHONPATH ENV_FILE_COUNT [ENV_FILE]... [ARG]...
 #
 # stdin: the service's environment as an env file (NAME="value" lines; never on a command line,
 # where other users could read it). USER and WORKDIR: empty for the unit's default. MODE: hidden
 # (CUDA_VISIBLE_DEVICES empty, facts from nvidia-smi) or visible (the engine sees the GPUs).
 # MODEL: the model directory whose config.json is part of the stamp. CACHED: the stamp of a
-# cached answer; when the host's stamp equals it, the probe does not run.
+# cached answer; when the host's stamp equals it, the probe does not run. STAGE: the engine's
+# argument module as a file (sglang/srt/server_args.py); when no package directory the
+# interpreter may read (its own, the system's, the user's, PYTHONPATH's) holds it or an editable
+# install of the engine (a .pth naming it), no python is started for an answer that must be
+# "not installed".
 #
-# Output, each line "TOKEN KIND ...": S STAMP, then either C (the cached answer stands) or
-# R EXIT_STATUS, O STDOUT_TAIL_BASE64, E STDERR_TAIL_BASE64; the last line is "TOKEN END".
+# Output, each line "TOKEN KIND ...": N (the engine's argument stage is not installed there), or
+# S STAMP, then either C (the cached answer stands) or R EXIT_STATUS, O STDOUT_TAIL_BASE64,
+# E STDERR_TAIL_BASE64; the last line is "TOKEN END".
 SLICE_BYTES=4096
 
 T=$1 interp=$2 probe=$3 user=$4 workdir=$5 mem=$6 secs=$7 mode=$8 model=$9
 shift 9
-cached=$1 nfiles=$2
-shift 2
+cached=$1 stage=$2 pypath=$3 nfiles=$4
+shift 4
 files=
 while [ "$nfiles" -gt 0 ]; do files="$files $1"; shift; nfiles=$((nfiles - 1)); done
+bin=${interp%/*}
+
+# Is the engine there at all? (The probe would only fail to import it: a python start saved.)
+home=/root
+[ -n "$user" ] && home=$(getent passwd "$user" | cut -d: -f6)
+dirs=$(printf '%s' "$pypath" | tr ':' ' ')
+found=
+# shellcheck disable=SC2086 # globs (python3*) and the PYTHONPATH words on purpose
+for d in "$bin"/../lib/python3*/site-packages /usr/local/lib/python3*/dist-packages \
+         /usr/lib/python3/dist-packages "$home"/.local/lib/python3*/site-packages $dirs; do
+  [ -e "$d/$stage" ] && { found=1; break; }
+  for p in "$d"/*.pth; do
+    grep -qs "${stage%%/*}" "$p" && { found=1; break 2; }
+  done
+done
+if [ -z "$found" ]; then
+  printf '%s N\n%s END\n' "$T" "$T"; exit 0
+fi
 
 # The stamp: the interpreter and its package directories (an upgrade changes them), the model's
 # config.json, the GPUs' facts and the probe itself. Equal stamps, equal answers.
@@ -31,7 +54,6 @@ facts=
 if [ "$mode" = hidden ] && command -v nvidia-smi >/dev/null 2>&1; then
   facts=$(nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader,nounits 2>/dev/null)
 fi
-bin=${interp%/*}
 # shellcheck disable=SC2086 # globs (python3*) on purpose
 stamp=$(stat -L --printf '%Y.' "$interp" "$bin"/../lib/python3*/site-packages \
           "$model/config.json" 2>/dev/null; printf '%s|%s' "$facts" "$probe" | cksum)

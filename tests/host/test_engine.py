@@ -162,7 +162,15 @@ def host_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(stat.S_IRWXU)
     monkeypatch.setattr(engine, "probe_text", lambda server: FAKE_PROBE)
+    # the engine's argument stage, where the host program looks for it (here: on PYTHONPATH)
+    stage = tmp_path / "site" / "sglang" / "srt" / "server_args.py"
+    stage.parent.mkdir(parents=True)
+    stage.write_text("")
     return bin_dir
+
+
+def site(tmp_path: Path) -> dict[str, str]:
+    return {"PYTHONPATH": str(tmp_path / "site")}
 
 
 def run_program(cmd: ShCommand, stdin: str, bin_dir: Path, rec: Path) -> str:
@@ -178,7 +186,7 @@ def test_the_host_program_runs_the_probe_hidden_with_facts_the_units_env_and_gua
     envfile.write_text("MINE=from-unit-file\nCUDA_VISIBLE_DEVICES=0,1\n")
     unit = (f"[Service]\nUser=nobody\nEnvironmentFile={envfile}\nEnvironmentFile=-/etc/reconciler/env/m.env\n"
             f"ExecStart={sys.executable} -m sglang.launch_server --model-path /nonexistent --tp-size 2\n")
-    run = engine_run_for("m", spec(unit, {"MINE": "from-git"}))
+    run = engine_run_for("m", spec(unit, {"MINE": "from-git", **site(tmp_path)}))
     assert run is not None
     cmd, stdin, token = engine.engine_command(run, seconds=30)
     assert "from-git" not in cmd and 'MINE="from-git"' in stdin      # values only on stdin
@@ -199,7 +207,7 @@ def test_the_host_program_runs_the_probe_hidden_with_facts_the_units_env_and_gua
 
 def test_visible_mode_passes_no_facts_and_hides_no_gpu(host_bin: Path, tmp_path: Path):
     run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server --tp-size 1\n",
-                                   {"CUDA_VISIBLE_DEVICES": "3"}))
+                                   {"CUDA_VISIBLE_DEVICES": "3", **site(tmp_path)}))
     assert run is not None
     cmd, stdin, token = engine.engine_command(dataclasses.replace(run, mode="visible"))
     a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
@@ -208,7 +216,7 @@ def test_visible_mode_passes_no_facts_and_hides_no_gpu(host_bin: Path, tmp_path:
 
 
 def test_an_unchanged_stamp_answers_from_the_cache_without_running_the_probe(host_bin: Path, tmp_path: Path):
-    run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server\n"))
+    run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server\n", site(tmp_path)))
     assert run is not None
     cmd, stdin, token = engine.engine_command(run)
     first = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
@@ -216,6 +224,23 @@ def test_an_unchanged_stamp_answers_from_the_cache_without_running_the_probe(hos
     (tmp_path / "rec").unlink()
     again = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
     assert again == engine.Answer(first.stamp, None) and not (tmp_path / "rec").exists()
+
+
+def test_no_python_is_started_where_the_engines_argument_stage_is_not_installed(host_bin: Path, tmp_path: Path):
+    run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server\n",
+                                   {"PYTHONPATH": str(tmp_path / "elsewhere")}))
+    assert run is not None
+    cmd, stdin, token = engine.engine_command(run)
+    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
+    assert a.stamp == "" and a.verdict is not None and a.verdict.verdict == "inconclusive"
+    assert a.verdict.message == (f"sglang is not installed for {sys.executable} "
+                                 "(no sglang/srt/server_args.py in its package directories)")
+    assert not (tmp_path / "rec").exists()                    # systemd-run never ran
+    # An editable install (a .pth naming the engine) is asked: its sources live elsewhere.
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "__editable__.sglang-0.5.23.pth").write_text("/src/sglang/python\n")
+    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
+    assert a.verdict is not None and a.verdict.verdict == "ok" and (tmp_path / "rec").exists()
 
 
 def test_the_verdict_cache_keeps_answers_per_host_and_request_and_drops_probe_crashes(tmp_path: Path):
