@@ -35,6 +35,7 @@ from ..frames import frames
 from ..plan.facts import CREDSTORE, ENV_DIR
 from ..plan.files import render_env_file
 from ..preflight import EngineRun, EngineVerdict, parse_verdict
+from ..redact import redact_data
 from ..shell import ShCommand
 from .transport import Transport
 
@@ -123,7 +124,8 @@ def read_answer(run: EngineRun, stdout: str, token: str) -> Answer:
 
 class VerdictCache:
     """Engine answers per host and request, with the host's stamp they were read at; a JSON file
-    in the controller's state directory (verdicts hold no environment values)."""
+    in the controller's state directory. It holds no environment value (a request is a digest)
+    and its messages are redacted."""
 
     KEEP = 64       # requests per host
 
@@ -157,7 +159,9 @@ class VerdictCache:
             return            # a timeout or a crash of the probe is not an answer to keep
         known = self.data.setdefault(host, {})
         known.pop(key, None)
-        known[key] = {"stamp": stamp, "verdict": {**asdict(verdict), "resolved": dict(verdict.resolved)}}
+        # Redacted as the store is: an engine's message may quote its argv (a token given there).
+        known[key] = {"stamp": stamp,
+                      "verdict": redact_data({**asdict(verdict), "resolved": dict(verdict.resolved)})}
         for old in list(known)[:-self.KEEP]:
             del known[old]
 

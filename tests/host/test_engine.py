@@ -258,6 +258,16 @@ def test_the_verdict_cache_keeps_answers_per_host_and_request_and_drops_probe_cr
     assert cached.note() == "other-name: sglang 0.5.23 accepts the command line: tp 4"
 
 
+def test_the_verdict_cache_file_holds_no_token_an_engine_quoted(tmp_path: Path):
+    store = engine.VerdictCache(tmp_path / "v.json")
+    token = "hf_" + "q7Zr2Lk9Xw4Pm8Vn3Bt6"
+    store.remember("h1", "k", "s1", EngineVerdict("m", "vllm", "rejected", version="0.33.0",
+                                                  message=f"unrecognized arguments: --hf-token {token}"))
+    store.save()
+    text = (tmp_path / "v.json").read_text()
+    assert token not in text and "unrecognized arguments: --hf-token ***" in text
+
+
 def test_the_program_is_sent_with_the_probe_in_base64(host_bin: Path):
     run = engine_run_for("m", spec("[Service]\nExecStart=/opt/v/bin/python3 -m vllm.entrypoints.openai.api_server\n"))
     assert run is not None
