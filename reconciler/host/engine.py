@@ -21,13 +21,10 @@ import asyncio
 import base64
 import hashlib
 import json
-import os
 import secrets
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from functools import cache
 from importlib import resources
-from pathlib import Path
 
 from .. import shell
 from ..errors import ReconcilerError
@@ -37,6 +34,7 @@ from ..plan.files import render_env_file
 from ..preflight import EngineRun, EngineVerdict, parse_verdict
 from ..redact import redact_data
 from ..shell import ShCommand
+from .cachefile import CacheFile
 from .transport import Transport
 
 # The module each engine's argument stage lives in, as a file: where no package directory of the
@@ -122,22 +120,12 @@ def read_answer(run: EngineRun, stdout: str, token: str) -> Answer:
     return Answer(stamp, parse_verdict(run.service, run.server, out, exit_status=status, tail=err))
 
 
-class VerdictCache:
+class VerdictCache(CacheFile):
     """Engine answers per host and request, with the host's stamp they were read at; a JSON file
     in the controller's state directory. It holds no environment value (a request is a digest)
     and its messages are redacted."""
 
     KEEP = 64       # requests per host
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.data: dict[str, dict[str, dict[str, object]]] = {}
-        if path is not None and path.exists():
-            try:
-                loaded = json.loads(path.read_text())
-                self.data = loaded if isinstance(loaded, dict) else {}
-            except (OSError, json.JSONDecodeError):
-                self.data = {}
 
     def stamp(self, host: str, key: str) -> str:
         entry = self.data.get(host, {}).get(key)
@@ -165,17 +153,6 @@ class VerdictCache:
         for old in list(known)[:-self.KEEP]:
             del known[old]
 
-    def save(self) -> None:
-        if self.path is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(self.data, sort_keys=True))
-            os.replace(tmp, self.path)
-        except OSError:
-            pass          # a cache: losing it costs one probe per service next time
-
 
 @cache
 def verdict_cache() -> VerdictCache:
@@ -192,19 +169,15 @@ async def check_engine(t: Transport, host: str, run: EngineRun, *, store: Verdic
         key = request_key(run)
     except OSError as e:
         return EngineVerdict(run.service, run.server, "inconclusive", message=f"no probe for {run.server}: {e}")
-    cmd, stdin, token = engine_command(run, cached=store.stamp(host, key), seconds=seconds)
+    cached = store.verdict(host, key, run.service)
+    cmd, stdin, token = engine_command(run, cached=store.stamp(host, key) if cached else "", seconds=seconds)
     try:
         res = await t.run(cmd, input=stdin, timeout=seconds + 30, what=f"engine check of {run.service}")
     except ReconcilerError as e:
         return EngineVerdict(run.service, run.server, "inconclusive", message=f"the check could not run: {e}")
     answer = read_answer(run, res.stdout, token)
-    if answer.verdict is None:
-        cached = store.verdict(host, key, run.service)
-        if cached is not None:
-            return cached
-        cmd, stdin, token = engine_command(run, seconds=seconds)
-        res = await t.run(cmd, input=stdin, timeout=seconds + 30, what=f"engine check of {run.service}")
-        answer = read_answer(run, res.stdout, token)
+    if answer.verdict is None and cached is not None:
+        return cached                    # the host's stamp is the cached answer's: it stands
     verdict = answer.verdict or EngineVerdict(run.service, run.server, "inconclusive", message="no answer")
     store.remember(host, key, answer.stamp, verdict)
     return verdict
@@ -218,8 +191,3 @@ async def check_engines(t: Transport, host: str, runs: list[EngineRun], *, store
                                       for r in runs))
     store.save()
     return {v.service: v for v in verdicts}
-
-
-def answer_lines(verdicts: Mapping[str, EngineVerdict]) -> list[str]:
-    """Every verdict's note, in service order."""
-    return [verdicts[n].note() for n in sorted(verdicts)]

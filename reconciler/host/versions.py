@@ -18,18 +18,16 @@ Like facts.py: `probe_command(...)` builds the shell, `parse_probe(...)` reads i
 from __future__ import annotations
 
 import base64
-import json
-import os
 import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from .. import shell
 from ..frames import frames
 from ..preflight import Command
 from ..shell import ShCommand
+from .cachefile import CacheFile
 
 _PYTHON = re.compile(r"^python[0-9.]*\Z")
 
@@ -110,19 +108,9 @@ def parse_probe(stdout: str, token: str) -> dict[str, Answer]:
     return out
 
 
-class VersionCache:
+class VersionCache(CacheFile):
     """Known server versions per host and probe key, with the stamp they were read at; kept in
     a JSON file in the controller's state directory."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.data: dict[str, dict[str, dict[str, str]]] = {}
-        if path is not None and path.exists():
-            try:
-                loaded = json.loads(path.read_text())
-                self.data = loaded if isinstance(loaded, dict) else {}
-            except (OSError, json.JSONDecodeError):
-                self.data = {}
 
     def stamps(self, host: str) -> dict[str, str]:
         return {k: v.get("stamp", "") for k, v in self.data.get(host, {}).items()}
@@ -142,17 +130,6 @@ class VersionCache:
                 if a.version:
                     known[p.key] = {"stamp": a.stamp, "version": a.version}
         return out
-
-    def save(self) -> None:
-        if self.path is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.data, sort_keys=True))
-            os.replace(tmp, self.path)
-        except OSError:
-            pass          # a cache: losing it costs one probe per host next time
 
 
 _CACHE: VersionCache | None = None

@@ -23,17 +23,15 @@ matters (the dry run prints it).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..desired.spec import ServiceSpec
-from ._command import Server, parse_command, unit_entries
+from ._command import _PYTHON, Server, parse_command, unit_entries
 
 MARKER = "RECONCILER-ENGINE "
 Verdict = Literal["ok", "rejected", "inconclusive"]
-_PYTHON = re.compile(r"^python[0-9.]*\Z")
 # What the engine resolved that an operator wants to see, in this order, with a short label.
 _RESOLVED_LABELS: tuple[tuple[str, str], ...] = (
     ("mamba_scheduler_strategy", "mamba strategy"),
