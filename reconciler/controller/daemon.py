@@ -318,6 +318,8 @@ class Daemon:
                     console.print(f"warning: {w}", soft_wrap=True, markup=False)
                 self.store.set_value(self._applied_key(), snap.revision)
                 code = result.exit_code()
+                # The pool first: a scrape that sees this run counted sees its connections too.
+                self._observe_pool()
                 self.metrics.observe_run(result, time.monotonic() - started)
             except RevisionRefused as e:
                 code = 1
@@ -356,6 +358,9 @@ class Daemon:
         self._loaded = (key, state, rules)
         return state, rules
 
+    def _observe_pool(self) -> None:
+        self.metrics.observe_pool(self.pool.opened, self.pool.reused, len(self.pool))
+
     def _say(self, log: TextIO | None, line: str) -> None:
         line = redact.redact(line)
         print(line, flush=True)
@@ -384,7 +389,7 @@ class Daemon:
                 code = 1
             finally:
                 self.running = False
-                self.metrics.observe_pool(self.pool.opened, self.pool.reused, len(self.pool))
+                self._observe_pool()
             if self.hub is not None:         # the fleet page: the run is over, however it ended
                 self.hub.run_ended(code)
             if code in (1, 4):
