@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import statistics
 import sys
@@ -111,7 +112,16 @@ class _Replay:
         return self.lines.pop(0) if self.lines else await self.p.readline()
 
     async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
-        return await self.p.readuntil(separator, stderr=stderr)
+        if stderr or not self.lines:
+            return await self.p.readuntil(separator, stderr=stderr)
+        held = "".join(self.lines)          # the lines read already come first
+        at = held.find(separator)
+        if at >= 0:
+            rest = held[at + len(separator):]
+            self.lines = rest.splitlines(keepends=True)
+            return held[:at + len(separator)]
+        self.lines = []
+        return held + await self.p.readuntil(separator)
 
     def write(self, data: str) -> None:
         self.p.write(data)
@@ -191,6 +201,13 @@ def floor_round(h: dict[str, str], key: str, kh: str) -> Meter:
     return meter
 
 
+def env_spec(repo: DesiredRepo, host: fleetlib.Host, value: int) -> dict[str, Any]:
+    """The floor's spec for one host: the repo's unit with env BENCH_VALUE=value."""
+    svc = load.load_desired(source.snapshot(repo.repo)).hosts[host.name].services[compare.SERVICE]
+    return {"address": host.address,
+            "files": compare.floor_files(dataclasses.replace(svc, env={**svc.env, "BENCH_VALUE": str(value)}))}
+
+
 def table(title: str, rounds: list[Meter]) -> list[str]:
     by: Steps = defaultdict(list)
     order: list[str] = []
@@ -215,6 +232,9 @@ def table(title: str, rounds: list[Meter]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--scenario", choices=("converge", "env-change"), default="converge",
+                    help="converge: a fresh host each round; env-change: one env value changes each round "
+                         "(the host keeps its unit, records and lock holder)")
     args = ap.parse_args()
     fleetlib.build()
     hosts = fleetlib.up(1, first=FIRST, prefix="stp")
@@ -222,7 +242,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             b = compare.Bench(hosts, Path(tmp))
             repo = DesiredRepo(Path(tmp) / "repo")
-            b.desired(repo, hosts, 1)
+            b.value = 1
+            b.desired(repo, hosts, b.value)
             state = load.load_desired(source.snapshot(repo.repo))
             svc = state.hosts[hosts[0].name].services[compare.SERVICE]
             spec = {"address": hosts[0].address, "files": compare.floor_files(svc)}
@@ -231,13 +252,26 @@ def main() -> None:
             b.reset(hosts)
             ours_round(repo, b.env)                  # untimed: bytecode, the load cache, the version probe
             for _ in range(args.rounds):
-                b.reset(hosts)
+                if args.scenario == "converge":
+                    b.reset(hosts)
+                    ours.append(ours_round(repo, b.env))
+                    b.reset(hosts)
+                    floors.append(floor_round(spec, b.key, str(b.kh)))
+                    continue
+                # env-change, as bench/compare.py's: ours from the last value to a new one; the floor
+                # to another; untimed, the reconciler's value back (its records name it)
+                b.value += 1
+                b.desired(repo, hosts, b.value)
+                b.unlimit(hosts)
                 ours.append(ours_round(repo, b.env))
-                b.reset(hosts)
-                floors.append(floor_round(spec, b.key, str(b.kh)))
+                b.unlimit(hosts)
+                floors.append(floor_round(env_spec(repo, hosts[0], -b.value), b.key, str(b.kh)))
+                b.unlimit(hosts)
+                floor_round(env_spec(repo, hosts[0], b.value), b.key, str(b.kh))
     finally:
         fleetlib.down(hosts)
-    print(f"one host, converge from nothing; median of {args.rounds} rounds; systemd-only health, stable_for = 0")
+    what = "converge from nothing" if args.scenario == "converge" else "one env change"
+    print(f"one host, {what}; median of {args.rounds} rounds; systemd-only health, stable_for = 0")
     print("\n".join(table("reconcile", ours)))
     print("\n".join(table("floor (bench/floor.py)", floors)))
 

@@ -32,18 +32,31 @@ while [ "$nfiles" -gt 0 ]; do files="$files $1"; shift; nfiles=$((nfiles - 1)); 
 bin=${interp%/*}
 
 # Is the engine there at all? (The probe would only fail to import it: a python start saved.)
+# Builtins only, so that "not installed" (every host whose servers are not SGLang or vLLM)
+# costs no process: the user's home from /etc/passwd (getent only for a user it does not
+# hold: LDAP, sssd), PYTHONPATH split by IFS, each .pth read by `read`.
 home=/root
-[ -n "$user" ] && home=$(getent passwd "$user" | cut -d: -f6)
-dirs=$(printf '%s' "$pypath" | tr ':' ' ')
+if [ -n "$user" ]; then
+  home=
+  while IFS=: read -r n _ _ _ _ h _; do [ "$n" = "$user" ] && { home=$h; break; }; done < /etc/passwd
+  [ -n "$home" ] || home=$(getent passwd "$user" | cut -d: -f6)
+fi
+pkg=${stage%%/*}
 found=
-# shellcheck disable=SC2086 # globs (python3*) and the PYTHONPATH words on purpose
+IFS=:
+# shellcheck disable=SC2086 # globs (python3*) and the PYTHONPATH entries (split on :) on purpose
 for d in "$bin"/../lib/python3*/site-packages /usr/local/lib/python3*/dist-packages \
-         /usr/lib/python3/dist-packages "$home"/.local/lib/python3*/site-packages $dirs; do
+         /usr/lib/python3/dist-packages "$home"/.local/lib/python3*/site-packages $pypath; do
   [ -e "$d/$stage" ] && { found=1; break; }
   for p in "$d"/*.pth; do
-    grep -qs "${stage%%/*}" "$p" && { found=1; break 2; }
+    [ -f "$p" ] || continue
+    [ -r "$p" ] || continue
+    while IFS= read -r l || [ -n "$l" ]; do
+      case $l in *"$pkg"*) found=1; break 3 ;; esac
+    done < "$p"
   done
 done
+unset IFS
 if [ -z "$found" ]; then
   printf '%s N\n%s END\n' "$T" "$T"; exit 0
 fi

@@ -273,3 +273,27 @@ def test_the_program_is_sent_with_the_probe_in_base64(host_bin: Path):
     assert run is not None
     cmd, _, _ = engine.engine_command(run)
     assert base64.b64decode(cmd.args[2]).decode() == FAKE_PROBE
+
+
+def test_every_pythonpath_entry_is_searched_and_a_pth_is_read_to_its_last_line(host_bin: Path, tmp_path: Path):
+    """The host program looks for the engine with builtins only (no process for "not installed"):
+    PYTHONPATH split on ':' (here the engine is in its second entry), and a .pth whose last line
+    (without a newline) names the engine."""
+    run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server\n",
+                                   {"PYTHONPATH": f"{tmp_path / 'first'}:{tmp_path / 'site'}"}))
+    assert run is not None
+    cmd, stdin, token = engine.engine_command(run)
+    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
+    assert a.verdict is not None and a.verdict.verdict == "ok"
+    run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server\n",
+                                   {"PYTHONPATH": f"{tmp_path / 'first'}:{tmp_path / 'other'}"}))
+    assert run is not None
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "a.pth").write_text("import os\n/src/sglang/python")
+    cmd, stdin, token = engine.engine_command(run)
+    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec2"), token)
+    assert a.verdict is not None and a.verdict.verdict == "ok" and (tmp_path / "rec2").exists()
+    (tmp_path / "other" / "a.pth").write_text("import os\n/src/vllm/python")
+    cmd, stdin, token = engine.engine_command(run)
+    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec3"), token)
+    assert a.verdict is not None and a.verdict.verdict == "inconclusive" and not (tmp_path / "rec3").exists()
