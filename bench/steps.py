@@ -1,4 +1,4 @@
-"""Benchmark: where a one-host converge goes, step by step, next to the floor's steps.
+"""Benchmark: where a one-host converge (or env change) goes, step by step, next to the floor's steps.
 
 One real test host (127.0.0.96), fresh before each round (no unit, no records): `reconcile`
 (in this process, through its CLI entry point) and the floor (bench/floor.py's `converge`)
@@ -10,6 +10,7 @@ server-version probe is cached after the first round, as in a real fleet.
 
     sudo .venv/bin/python -m bench.steps             # 7 rounds
     sudo .venv/bin/python -m bench.steps --rounds 3
+    sudo .venv/bin/python -m bench.steps --scenario env-change     # one env value changes each round
 
 Needs root (systemd-nspawn). Prints a table; asserts only that every run converged. The
 machine's other load shows in the figures: take them on a quiet machine.
