@@ -14,6 +14,11 @@ On the host side, `pause-after-temp`, `pause-after-rename` and `pause-before-rel
 apply script sleep RECONCILER_FAULT_PAUSE seconds (default 5) at that point of its file writes,
 so a test can cut or blackhole the connection, or kill the controller, right there.
 
+For the containment of a health watch's exception (review N5), `progress-raises`: reading a
+journal line with a count longer than the progress parser takes raises OverflowError, as E4's
+line did before counts were bounded (reconciler/host/progress.py); that service's watch then
+comes to no verdict, and the run goes on.
+
 And for the daemon's watchdog test, `block-loop`: once the file /run/reconciler-block-loop
 exists, the daemon's event loop blocks (as a wedged loop would) and systemd must restart it.
 

@@ -13,6 +13,11 @@ Each fact is a command builder and a parser of these records, a handler per kind
 each other: facts.py (observe.sh), host/gpu.py (gpu.sh), host/versions.py (versions.sh),
 loop/checks.py (verify.sh) and preflight/_hostcheck.py (model-check.sh; the preflight layer
 may not import plan/, so it keeps a copy of `frames`, tested to read the same).
+
+Host output is data: every parser of it answers any text (decoded as the transport decodes it)
+with a value, or, where a fact must be whole, an ObserveError; never another exception. Its
+numbers are bounded (`number`), its texts redacted before they are cut (redact.clip).
+tests/test_host_output_props.py holds every parser to that.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import binascii
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from . import redact
 from .errors import ObserveError
 
 
@@ -73,8 +79,17 @@ def raw_section(stdout: str, token: str, mark: str, host: str, early: str) -> tu
 
 
 def malformed(host: str, what: str, frame: Frame) -> ObserveError:
-    """The error for a record that does not read as its kind says."""
-    return ObserveError(host, f"malformed {what} line: {frame.line[:80]!r}")
+    """The error for a record that does not read as its kind says (its line redacted, then cut)."""
+    return ObserveError(host, f"malformed {what} line: {redact.clip(frame.line, 80)!r}")
+
+
+def number(text: str, digits: int = 18) -> int | None:
+    """A count as a host program prints it: ASCII digits only (not `²` or `٣`, which str.isdigit
+    accepts), at most `digits` of them; None for anything else. A longer run of digits is no
+    number we take: int() refuses one of over 4,300 digits, and float() of a big one overflows."""
+    if 0 < len(text) <= digits and text.isascii() and text.isdigit():
+        return int(text)
+    return None
 
 
 def decode(payload: str, *, plain: bool = True) -> str:

@@ -31,6 +31,9 @@ What is masked:
 `redact_data` never rewrites the keys of a mapping: keys are names (hosts, services, env
 names, fields of a JSON document), and a consumer of --json relies on them.
 
+`clip` is how a text from a host is bounded: redacted whole first, then cut; a text cut at its
+front (its end kept) starts at its first whole word.
+
 `escape_controls` is the other rule for text that reaches a reader: control characters (ESC
 and the other C0/C1 controls but newline and tab) shown as visible `\\x1b` escapes, so that a
 journal line or a commit subject cannot drive the operator's terminal.
@@ -259,6 +262,28 @@ def redact_data(data: Any) -> Any:
     if isinstance(data, list | tuple):
         return [redact_data(v) for v in data]
     return data
+
+
+def clip(text: str, limit: int, *, tail: bool = False) -> str:
+    """The text redacted whole, then cut to at most `limit` characters (never the other way round:
+    a secret cut in half no longer matches). Its start, the cut marked with an ellipsis; or,
+    `tail`, its end, from the first whole word after the cut: the word the cut went through is
+    dropped (its end would be all that is left of it, which no pattern matches any more)."""
+    text = redact(text)
+    if len(text) <= limit:
+        return text
+    if limit < 1:
+        return ""
+    if not tail:
+        return text[:limit - 1] + "\u2026"
+    kept = text[len(text) - limit:]
+    if not text[len(text) - limit - 1].isspace():
+        word = _WORD_END.search(kept)
+        kept = kept[word.end():] if word is not None else ""
+    return kept
+
+
+_WORD_END = re.compile(r"\s")
 
 
 def escape_controls(text: str) -> str:

@@ -53,6 +53,9 @@ Environment knobs for tests:
                            CUDA graphs); the port is not listening during it (connection
                            refused), then /health answers.
 ``STANDIN_BAR_NEWLINE=1``  end every redraw of a progress bar with a newline (vLLM's shard bar).
+``STANDIN_PROGRESS_LINE``  a line printed as it is (stderr) right after ``Load weight begin``: any
+                           progress line a test wants the journal to hold while the server loads
+                           (e.g. a shard bar with a 400-digit count, review N5's E4).
 ``STANDIN_CRASH_AFTER``    float seconds after becoming healthy: print
                            ``RuntimeError: CUDA error: an illegal memory access was encountered``
                            to stderr and exit 1. Unset: run until stopped.
@@ -455,6 +458,9 @@ def run(args, version: str = DEFAULT_VERSION) -> int:
     probe_port(args.host, args.port)
 
     log(f"Load weight begin. avail mem=79.11 GB (tp_size={args.tp_size})")
+    extra = os.environ.get("STANDIN_PROGRESS_LINE")
+    if extra is not None:
+        print(extra, file=sys.stderr, flush=True)
     if hang:
         log("[standin] STANDIN_HANG=1: loading forever")
         while True:

@@ -18,6 +18,17 @@ def fresh(prefix: str = "v") -> str:
     return f"{prefix}-{pysecrets.token_hex(10)}"
 
 
+def leaked(secret: str, text: str, n: int = 4) -> list[str]:
+    """The pieces of `n` characters of a secret that a text still holds (review N6: none may)."""
+    return sorted({secret[i:i + n] for i in range(len(secret) - n + 1) if secret[i:i + n] in text})
+
+
+def straddling(secret: str, at: int, before: str = "x", after: str = " after") -> str:
+    """A line whose registered secret straddles character `at` (review E5): a word of its own."""
+    head = (before * at)[: at - len(secret) // 2 - 1] + " "
+    return head + secret + after
+
+
 # ---- token formats ------------------------------------------------------------------------------
 
 AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
@@ -188,3 +199,29 @@ def test_a_long_command_error_is_cut_at_a_boundary_so_a_token_is_never_cut_in_ha
     assert e.stderr.startswith("... ") and redact.redact(str(e)).endswith("*** refused")
     e = CommandError("gpu-1", "apply", 1, token)
     assert e.stderr == "... (the rest of the output is one word, not shown)"
+
+
+# ---- clip: redact whole, then cut (review N6) ----------------------------------------------------
+
+@pytest.mark.parametrize("at", [80, 200, 240, 1000, 2000])
+def test_a_clip_redacts_the_whole_text_before_it_cuts_at_either_end(at: int) -> None:
+    secret = fresh("Zq9-vT3")
+    redact.register(secret)
+    line = straddling(secret, at, after=" word" * 500)
+    keep = len(line) - at
+    assert leaked(secret, line[:at]) and leaked(secret, line[-keep:])   # a cut there goes through it
+    head, tail = redact.clip(line, at), redact.clip(line, keep, tail=True)
+    assert not leaked(secret, head) and not leaked(secret, tail)
+    assert len(head) == at and head.endswith("\u2026") and "***" in head
+    whole = redact.redact(line)
+    assert 0 < len(tail) <= keep and whole.endswith(tail) and whole[-len(tail) - 1] == " "   # from a whole word
+    assert redact.clip(line, len(line)) == whole     # uncut: only redacted
+
+
+def test_a_tail_cut_drops_the_word_it_went_through_even_unregistered() -> None:
+    """What the host cut (progress.sh) the controller never saw whole: the cut word goes."""
+    assert redact.clip("alpha beta gamma", 8, tail=True) == "gamma"           # 'a gamma': 'a' is cut
+    assert redact.clip("alpha beta gamma", 6, tail=True) == "gamma"           # ' gamma': a whole word
+    assert redact.clip("alpha beta\rgamma", 7, tail=True) == "gamma"        # a redraw's carriage return
+    assert redact.clip("x" * 50, 10, tail=True) == ""                         # one word: nothing of it
+    assert redact.clip("abc", 0) == "" and redact.clip("abc", 0, tail=True) == ""

@@ -235,6 +235,19 @@ def test_with_a_newline_after_each_redraw_every_shard_is_a_line_of_its_own(stand
                                              "loading weights: 1/4 checkpoint shards (25%)"]
 
 
+E4 = "Loading safetensors checkpoint shards:  50% Completed | " + "9" * 400 + "/1 ["   # review N5
+
+
+def test_a_progress_line_of_the_tests_own_is_printed_as_it_is_right_after_the_load_begins(standin):
+    s = standin("--model-path", str(DENSE), STANDIN_PROGRESS_LINE=E4)
+    s.wait_healthy()
+    lines = s.stderr_path.read_bytes().decode().split("\n")
+    begin = next(i for i, line in enumerate(lines) if "Load weight begin" in line)
+    assert lines[begin + 1] == E4
+    # the reconciler takes no 400-digit count: the line says nothing of the load
+    assert _progress_texts("\n".join(lines))[:2] == ["loading weights", "loading weights: 2/2 checkpoint shards (100%)"]
+
+
 def test_a_broken_shard_ends_the_bars_line_then_fails_when_the_load_reaches_it():
     r = run_once("--model-path", str(BROKEN), "--port", str(free_port()))
     lines = r.stderr.split("\n")

@@ -30,13 +30,16 @@ Safety:
 from __future__ import annotations
 
 import base64
+import binascii
+import re
 import shlex
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from .. import faults
+from .. import faults, redact
 from ..errors import CommandError
+from ..frames import number
 from ..plan import confirm
 from ..plan.facts import (
     parse_show,
@@ -75,23 +78,45 @@ class Applied:
                      and f.action.kind in (Kind.START, Kind.RESTART)), None)
 
 
+_CLOCK = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,9})?")     # epoch seconds, as `date +%s` prints them
+MESSAGE_MAX = 2000        # characters kept of what a failed step printed (redacted first)
+
+
 def parse_results(plan: HostPlan, stdout: str, stderr: str) -> tuple[float | None, list[StepFailure],
                                                                        tuple[int, int, str] | None]:
     """From the script's output: the host clock, the soft failures, and the fatal step (index,
-    exit status, what it printed) if the script stopped at one."""
+    exit status, what it printed) if the script stopped at one. Any text: a line that does not
+    read as its mark says (a step number past the plan's, a status of many digits, a clock that
+    is no number, a message that is not base64) is read as far as it goes, never raised."""
     clock: float | None = None
     failures: list[StepFailure] = []
     fatal: tuple[int, int, str] | None = None
     for line in stdout.splitlines():
         parts = line.split(" ")
+        step = number(parts[1], 9) if len(parts) >= 3 else None
         if parts[0] == "@@now" and len(parts) > 1:
-            clock = float(parts[1])
-        elif parts[0] == "@@fail" and len(parts) >= 3 and parts[1].isdigit() and int(parts[1]) < len(plan.actions):
-            msg = base64.b64decode(parts[3]).decode(errors="replace").strip() if len(parts) > 3 else ""
-            failures.append(StepFailure(plan.actions[int(parts[1])], int(parts[2]) if parts[2].isdigit() else 1, msg))
-        elif parts[0] == "@@fatal" and len(parts) >= 3 and parts[1].isdigit():
-            fatal = (int(parts[1]), int(parts[2]) if parts[2].isdigit() else 1, _stderr_of(stderr, parts[1]))
+            clock = float(parts[1]) if _CLOCK.fullmatch(parts[1]) else clock
+        elif parts[0] == "@@fail" and step is not None and step < len(plan.actions):
+            failures.append(StepFailure(plan.actions[step], _status(parts[2]), _message(parts[3:4])))
+        elif parts[0] == "@@fatal" and step is not None:
+            fatal = (step, _status(parts[2]), redact.clip(_stderr_of(stderr, parts[1]), MESSAGE_MAX))
     return clock, failures, fatal
+
+
+def _status(text: str) -> int:
+    """An exit status as the script prints it ($?: 0-255); 1 for anything else."""
+    status = number(text, 3)
+    return status if status is not None else 1
+
+
+def _message(field: list[str]) -> str:
+    """A failed step's message (base64 of its last lines), redacted, then cut; "" when absent or
+    not base64."""
+    try:
+        text = base64.b64decode(field[0], validate=True).decode(errors="replace") if field else ""
+    except (binascii.Error, ValueError):
+        text = ""
+    return redact.clip(text.strip(), MESSAGE_MAX)
 
 
 def _stderr_of(stderr: str, step: str) -> str:

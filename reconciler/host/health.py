@@ -1,9 +1,10 @@
 """Health: systemd state, crash-loop detection, the HTTP health endpoint, journal forensics.
 
-Pure judges (`judge_systemd`, `explain`) plus one watcher (`watch_service`) that polls a host
-through the Transport. A crash loop fails fast (NRestarts above the baseline, SubState
-auto-restart, ActiveState failed), long before the start-up timeout; the HTTP check is probed
-from the host itself through the SSH connection, so the server need not be exposed.
+Pure judges (judges.py: `judge_systemd`, `explain`, `parse_journal`) plus one watcher
+(`watch_service`) that polls a host through the Transport. A crash loop fails fast (NRestarts
+above the baseline, SubState auto-restart, ActiveState failed), long before the start-up
+timeout; the HTTP check is probed from the host itself through the SSH connection, so the
+server need not be exposed.
 
 The watches of one host share one `SystemdWatch`: every SYSTEMD_POLL seconds, one `systemctl
 show` of all the units being watched there (one round trip per host per tick, however many
@@ -12,21 +13,32 @@ The first reading comes with the apply script itself (its last command, `Systemd
 a unit that is up by then is judged without a round trip of its own. While a service loads, the same tick reads what
 its engine wrote since the last look (progress.LoadFollower: shards, CUDA graphs, ready), at
 most every PROGRESS_EVERY seconds, and the watch shows it as its phase (`on_progress`).
+
+A watch that raises what nobody expected (a bug, or host output no parser foresaw: review N5)
+ends in no verdict for its service (`Inconclusive`: neither last good nor quarantined; the
+planner watches it again, at most records.MAX_UNJUDGED times, then leaves it as it is), never
+in an exception that ends the run with other hosts mid-apply. An error of the host itself (a
+lost connection: a ReconcilerError) stays the host run's. What a watch quotes of the journal is
+redacted whole, then cut (QUOTE_MAX).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import re
+import contextlib
 import shlex
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import PurePath
 
+from .. import redact
 from ..clock import REAL, Clock
 from ..desired.spec import HealthSpec
+from ..errors import ReconcilerError
 from ..plan.facts import parse_show
 from ..plan.records import INCONCLUSIVE, NO_VERDICT, START_LIMIT_HIT, SUPERSEDED
+from .judges import Verdict, explain, journal_command, judge_systemd, parse_journal, spawn_failure
 from .progress import LoadFollower, LoadProgress, Progressed
 from .transport import Completed, Transport
 
@@ -37,172 +49,8 @@ SYSTEMD_POLL = 0.5   # seconds between systemd polls: a crash shows within about
 # script's wait (apply.JOB_WAIT) and is done a moment later is seen then, not half a second
 # later; a few cheap reads more.
 SYSTEMD_RAMP = (0.1, 0.1, 0.2, 0.3)
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What systemd says about a unit right now."""
-
-    state: str            # "running" | "starting" | "crashed" | "not-loaded" | "exited" | "refused"
-    reason: str = ""      # CamelCase when not fine
-    detail: str = ""
-
-
-def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_invocation: str = "",
-                  baseline_active_enter: str = "") -> Verdict:
-    """Sort one `systemctl show` reading (pure). See ../shared/SYSTEMD.md for the states.
-
-    baseline_invocation: the InvocationID before our start (whose job may outlast the apply);
-    while it is unchanged the start has not begun and the old process's state says nothing about
-    the new.
-    baseline_active_enter: ActiveEnterTimestampMonotonic before our start; a unit that fails
-    without ever entering `active` since then failed to *start* (ExecStartPre=, a Type=notify or
-    oneshot start that failed or timed out): reason StartFailed, not CrashLoop.
-    """
-    load = props.get("LoadState", "")
-    active, sub = props.get("ActiveState", ""), props.get("SubState", "")
-    result = props.get("Result", "")
-    try:
-        restarts = int(props.get("NRestarts", "0") or 0)
-    except ValueError:
-        restarts = 0
-    summary = f"ActiveState={active} SubState={sub} Result={result} NRestarts={restarts}"
-    if load and load != "loaded":
-        return Verdict("not-loaded", "UnitNotLoaded", f"LoadState={load}: the unit file is invalid")
-    if baseline_invocation and props.get("InvocationID", "") == baseline_invocation:
-        if active == "failed" and props.get("Job", "") in ("", "0"):
-            # systemd refused our start (more starts than StartLimitBurst= within
-            # StartLimitIntervalSec=): no job left and no new invocation, so none will begin.
-            # Result= says start-limit-hit only where the unit had not already failed: a restart
-            # of a unit in its crash loop (auto-restart) keeps that crash's exit-code.
-            return Verdict("refused", "StartLimitHit", f"systemd refused the start: start limit hit ({summary})")
-        return Verdict("starting", detail=f"waiting for the start to begin: {summary}")
-    entered = props.get("ActiveEnterTimestampMonotonic")     # absent: unknown, judged a crash
-    never_active = entered == "0" or (bool(baseline_active_enter) and entered == baseline_active_enter)
-    crash = "StartFailed" if never_active else "CrashLoop"
-    if active == "failed":
-        why = "start limit hit" if result == "start-limit-hit" else f"Result={result}"
-        what = "start failed" if never_active else "unit failed"
-        return Verdict("crashed", crash, f"{what} ({why}, NRestarts={restarts})")
-    if sub.startswith("auto-restart") or restarts > baseline_restarts:
-        what = "start keeps failing" if never_active else "crash loop"
-        return Verdict("crashed", crash, f"{what}: {summary}")
-    if active == "active" and sub in ("running", "exited", "reload"):
-        return Verdict("running", detail=summary)
-    if active in ("inactive", "deactivating"):
-        if props.get("Job", "") not in ("", "0"):
-            # a job is queued (our start, still waiting): nothing is judged before it runs
-            return Verdict("starting", detail=f"waiting for the start job {props['Job']}: {summary}")
-        if never_active:   # e.g. a start timeout: systemd is stopping what never came up
-            return Verdict("crashed", "StartFailed", f"start failed: {summary}")
-        return Verdict("exited", "Exited", f"process ended: {summary}")
-    return Verdict("starting", detail=summary)
-
-
-# Lines that explain a failure, best first. Matching is case-sensitive where case carries meaning.
-_EXPLAIN = [
-    re.compile(r"\bneeds\b.*--|\brequires?\b.*--"),
-    re.compile(r"CUDA out of memory|OutOfMemoryError|out of memory", re.I),
-    re.compile(r"NCCL (error|WARN)|ncclSystemError|ncclInternalError|NCCL.*(failed|error)", re.I),
-    re.compile(r"[Aa]ddress already in use"),
-    re.compile(r"^\w*(Error|Exception)\b.*:"),
-    re.compile(r"\b(error|fatal|FATAL|ERROR)\b"),
-    re.compile(r"Failed to (locate|execute)|No such file or directory|Permission denied"),
-    re.compile(r"\b(not found|missing|cannot|can't|unable to|timed out|refused)\b", re.I),
-]
-_SYSTEMD_NOISE = re.compile(
-    r"^(Started|Stopped|Stopping|Starting|Scheduled restart job|Consumed|Deactivated successfully)|"
-    r"Main process exited|Failed with result|Start request repeated too quickly|\.service: Scheduled|"
-    r"^Failed to start |Control process exited|Failed to kill control group")
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One journal line of a unit: what it says, whether the service's own processes said it
-    (not systemd), the invocation it belongs to, and, on systemd's "Main process exited" line,
-    how the process ended (EXIT_CODE exited | killed | dumped, EXIT_STATUS)."""
-
-    message: str
-    own: bool
-    invocation: str = ""
-    exit_code: str = ""
-    exit_status: str = ""
-
-
-def explain(lines: Sequence[Entry]) -> str | None:
-    """Pick the journal line that explains a failure (pure).
-
-    The service's own lines win over systemd's. The best pattern wins; among equals, the last
-    line (closest to the crash).
-    """
-    for own in (True, False):
-        cands = [e.message.strip() for e in lines if e.own == own and e.message.strip()
-                 and not _SYSTEMD_NOISE.search(e.message)]
-        for pat in _EXPLAIN:
-            hits = [m for m in cands if pat.search(m)]
-            if hits:
-                return hits[-1]
-    own_lines = [e.message.strip() for e in lines if e.own and e.message.strip()]
-    return own_lines[-1] if own_lines else None
-
-
-def journal_command(unit: str, since_epoch: float, lines: int = 200) -> str:
-    return (f"journalctl -u {shlex.quote(unit)} --since @{int(since_epoch)} -o json --no-pager "
-            f"-n {lines} 2>/dev/null || true")
-
-
-def parse_journal(stdout: str) -> list[Entry]:
-    """journalctl -o json -> entries in journal order; systemd's own lines have _PID 1."""
-    out: list[Entry] = []
-    for line in stdout.splitlines():
-        try:
-            e = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(e, dict):
-            continue
-        msg = e.get("MESSAGE", "")
-        if isinstance(msg, list):  # non-UTF-8 messages come as byte arrays
-            msg = bytes(msg).decode(errors="replace")
-        from_systemd = e.get("_PID") == "1" or e.get("SYSLOG_IDENTIFIER") == "systemd"
-        invocation = str(e.get("INVOCATION_ID" if from_systemd else "_SYSTEMD_INVOCATION_ID") or "")
-        code, status = (str(e.get("EXIT_CODE") or ""), str(e.get("EXIT_STATUS") or "")) if from_systemd else ("", "")
-        for part in str(msg).splitlines():
-            out.append(Entry(part, not from_systemd, invocation, code, status))
-    return out
-
-
-# systemd's own exit statuses for a process whose set-up failed before the service's command
-# ran, for a cause outside the unit (systemd.exec(5), "Process Exit Codes"): it could not be put
-# into the unit's cgroup, or memory ran out while it was set up. Others in 200-245 (203/EXEC
-# a missing binary, 217/USER an unknown user, ...) are the unit's own mistakes and count.
-SPAWN_FAILURES = {"204": "MEMORY", "219": "CGROUP"}
-
-
-def spawn_failure(props: dict[str, str], entries: Sequence[Entry], baseline_invocation: str = "") -> str | None:
-    """PURE: when a crash sign has no evidence that the *service* failed, what happened instead.
-
-    Evidence is a line from the service's own processes, or an end of its process that is not
-    systemd's failure to set it up (an exit status of its own, a signal), in an invocation since
-    ours began (`baseline_invocation`'s lines are the process that ran before our start). When
-    every end seen is such a set-up failure (SPAWN_FAILURES, or Result=resources: systemd could
-    not fork or set up what the unit needs) and the service said nothing, the service never ran:
-    that is no verdict on its version (returns why, for the message). None: the crash stands."""
-    mine = [e for e in entries if not baseline_invocation or e.invocation != baseline_invocation]
-    if any(e.own and e.message.strip() for e in mine):
-        return None
-    ends = [(e.exit_code, e.exit_status) for e in mine if e.exit_code]
-    if props.get("ExecMainCode") == "1" and props.get("ExecMainStatus") in SPAWN_FAILURES:
-        ends.append(("exited", props["ExecMainStatus"]))
-    setup = [s for c, s in ends if c == "exited" and s in SPAWN_FAILURES]
-    if any(not (c == "exited" and s in SPAWN_FAILURES) for c, s in ends):
-        return None
-    if setup:
-        names = ", ".join(dict.fromkeys(f"{s}/{SPAWN_FAILURES[s]}" for s in setup))
-        return f"systemd could not start its process (exit status {names}): the service itself never ran"
-    if props.get("Result") == "resources":
-        return "systemd could not set up its process (Result=resources): the service itself never ran"
-    return None
+QUOTE_MAX = 1000     # characters kept of a journal line an outcome quotes (redacted first)
+JOURNAL_KEPT = 40    # journal lines an outcome keeps
 
 
 @dataclass
@@ -290,10 +138,10 @@ class SystemdWatch:
                 self._ticks += 1
                 try:
                     res = await self._show(units)
-                except Exception as e:
+                    shown = parse_show(res.stdout)
+                except Exception as e:     # each watch of the tick meets it (and contains it)
                     _answer(asked, error=e)
                     continue
-                shown = parse_show(res.stdout)
                 for unit, futs in asked.items():
                     _answer({unit: futs}, shown.get(unit, {}))
         finally:          # cancelled with the run: nobody is left waiting
@@ -348,11 +196,24 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
         systemd = SystemdWatch(t, systemd_poll, clock if clock is not None else REAL)
     w = _Watch(t, name, health, systemd, clock if clock is not None else systemd.clock, on_phase, since_epoch,
                baseline_invocation, on_progress)
+    try:
+        return await _watch(w, baseline_restarts, baseline_active_enter, start_error, cancel)
+    except ReconcilerError:
+        raise               # the host's own failure (a lost connection): the host run reports it
+    except Exception as e:  # a bug, or host output nothing expected: no verdict, never the run's end
+        systemd.loads.unfollow(w.unit)
+        return w.unexpected(e)
+
+
+async def _watch(w: _Watch, baseline_restarts: int, baseline_active_enter: str, start_error: str | None,
+                 cancel: asyncio.Event | None) -> Outcome:
+    """watch_service's watch itself, to its verdict."""
+    name, systemd, baseline_invocation = w.name, w.systemd, w.baseline_invocation
     w.report(w.phase)
     if start_error is not None:
-        out = await w.fail("StartFailed", f"systemctl could not start it: {start_error}")
+        out = await w.fail("StartFailed", f"systemctl could not start it: {redact.clip(start_error, QUOTE_MAX)}")
         if start_error and not out.quote:
-            out.quote = start_error.splitlines()[-1]
+            out.quote = redact.clip(start_error.splitlines()[-1], QUOTE_MAX)
         return out
     systemd.loads.follow(w.unit, baseline_invocation)    # read with the ticks that this watch asks for
     while True:
@@ -388,6 +249,9 @@ class _Watch:
         while the service loads; after its first healthy answer the journal is no longer read."""
         loads = self.systemd.loads
         loads.saw(self.unit, props)
+        error = loads.failed(self.unit)
+        if error is not None:
+            raise error          # reading its engine's lines raised: no verdict (watch_service)
         p = loads.progress(self.unit)
         if self.first_ok is not None:
             loads.unfollow(self.unit)
@@ -415,7 +279,14 @@ class _Watch:
             if why is not None:
                 reason, message = INCONCLUSIVE, f"no verdict: {why} ({message})"
         self.report(f"failed: {reason}" if reason not in NO_VERDICT else f"no verdict: {reason}")
-        return Outcome(self.name, False, reason, message, quote, [e.message for e in lines][-40:], self.elapsed())
+        return Outcome(self.name, False, reason, message, redact.clip(quote, QUOTE_MAX) if quote is not None else None,
+                       [redact.clip(e.message, QUOTE_MAX) for e in lines[-JOURNAL_KEPT:]], self.elapsed())
+
+    def unexpected(self, e: Exception) -> Outcome:
+        """No verdict: the watch itself raised (see `inconclusive`)."""
+        with contextlib.suppress(Exception):        # the phase callback may be what raised
+            self.report(f"no verdict: {INCONCLUSIVE}")
+        return inconclusive(self.name, "the health watch", e, self.elapsed())
 
     async def judged(self, v: Verdict, props: dict[str, str]) -> Outcome | None:
         """What one systemd reading comes to: a verdict (the watch ends), or None (watch on)."""
@@ -469,6 +340,26 @@ class _Watch:
             self.phase = "loading"
             self.report(self.phase)
         return None
+
+
+def inconclusive(service: str, what: str, e: Exception, seconds: float = 0.0) -> Outcome:
+    """No verdict on the version, because `what` raised an exception nobody expected (a bug, or
+    host output no parser foresaw): `Inconclusive`, which records.judge keeps as the pending
+    deploy's `unjudged`: not last good, not quarantined, nothing rolled back; the planner
+    watches it again (or starts it again when it is not up), at most MAX_UNJUDGED times."""
+    return Outcome(service, False, INCONCLUSIVE, f"no verdict: {what} failed ({_what(e)})", seconds=seconds)
+
+
+def _what(e: Exception) -> str:
+    """An exception in words, for a message: its type, where it was raised (file and line of the
+    package, never a path) and what it says, redacted, then cut."""
+    try:
+        said = str(e)
+    except Exception:           # its __str__ raised too
+        said = ""
+    frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ is not None else []
+    where = f" at {PurePath(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{type(e).__name__}{where}" + (f": {redact.clip(said, 200)}" if said else "")
 
 
 async def _next_reading(systemd: SystemdWatch, unit: str, cancel: asyncio.Event | None) -> dict[str, str] | None:

@@ -34,8 +34,9 @@ import shlex
 import socket
 import time
 
-from .. import shell
+from .. import redact, shell
 from ..errors import HostError
+from ..frames import number
 from ..plan.facts import LOCK, LOCK_COUNT, LOCK_OWNER, STATE_DIR
 from ..shell import ShCommand
 from .session import HostSession, SessionTransport
@@ -71,7 +72,7 @@ def holder_command(wait: float, owner: str, then: ShCommand | None = None, since
     too. Nothing but paths and short words on the command line (`ps` shows no program)."""
     holder, session = installed_as(shell.program("holder")), installed_as(shell.program("session"))
     want = [holder, session] + ([installed_as(then.script)] if then is not None else [])
-    args = [str(int(wait)), since if since is not None and since.isdigit() else "", owner, session]
+    args = [str(int(wait)), since if since is not None and number(since) is not None else "", owner, session]
     if then is not None:
         args += [installed_as(then.script), *then.args]
     words = " ".join(shlex.quote(a) for a in args)
@@ -173,11 +174,20 @@ async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[ShCommand, st
     who = ""
     if first.strip() == "BUSY":
         with contextlib.suppress(TimeoutError):
-            who = (await asyncio.wait_for(proc.readline(), 5)).strip()
+            who = holder_said(await asyncio.wait_for(proc.readline(), 5))
     await proc.close()
     holder = f" (held by {who})" if who else ""
     raise LockedError(t.host, f"another reconcile holds {LOCK} on this host{holder}; waited {wait:.0f}s, "
                               f"changed nothing here")
+
+
+OWNER_MAX = 200        # characters of the owner file's line a Locked message quotes
+
+
+def holder_said(line: str) -> str:
+    """Who holds the lock, as the busy holder read it from the owner file (any text there: another
+    run's owner_line, or whatever was written): redacted, then cut."""
+    return redact.clip(line.strip(), OWNER_MAX)
 
 
 async def _first_line(proc: Spawned, wait: float) -> str:

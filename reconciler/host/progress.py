@@ -29,6 +29,13 @@ newlines only, so a bar redrawn with carriage returns (SGLang's BAR_FORMAT and t
 have no newline) is stored as one record when the bar ends, or when another line of the same
 stream follows; vLLM's shard bar ends each redraw with a newline, one record each. A record
 is read as its carriage-return segments, in order.
+
+Its lines are data (review N5, N6): every count is at most COUNT_DIGITS ASCII digits (a
+400-digit shard count is no count: the line says nothing), a bar whose count is past its total
+says nothing either, and the percentage is integer arithmetic; a line is redacted whole before
+anything cuts it (`take`; progress.sh drops the word its own cut went through). `advance` never
+raises; an exception in reading one unit's lines all the same is kept for that unit
+(`LoadFollower.failed`), and its health watch ends in no verdict (health.py), never the run.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from .. import redact
+from .. import faults, redact
 from ..frames import frames
 from ..shell import ShCommand, program
 
@@ -48,6 +55,7 @@ LINES = 200               # progress.sh: lines per service and read
 LINE_MAX = 2000           # progress.sh: bytes kept of a line (its end)
 MAX_BYTES = 32768         # progress.sh: bytes per service and read
 QUOTE_MAX = 240           # characters of the line a progress quotes
+COUNT_DIGITS = 6          # the most digits of a count taken (done, total): a longer one is no count
 
 
 @dataclass(frozen=True)
@@ -62,9 +70,14 @@ class LoadProgress:
     line: str = ""
 
     def percent(self) -> int | None:
-        if self.done is None or not self.total:
+        """done of total in percent, rounded as round() does (half to even), in integers: no
+        float, so no count can overflow it."""
+        if self.done is None or self.total is None or self.total <= 0 or self.done < 0:
             return None
-        return min(100, round(100 * self.done / self.total))
+        q, r = divmod(100 * self.done, self.total)
+        if 2 * r > self.total or (2 * r == self.total and q % 2):
+            q += 1
+        return min(100, q)
 
     def text(self) -> str:
         """In words, as the progress views show it (the health phase while the engine loads)."""
@@ -92,14 +105,15 @@ Progressed = Callable[[str, "LoadProgress"], None]   # (service, its load progre
 
 # What each line says: (kind, pattern). A record may hold several (carriage-return redraws, or
 # a bar followed by another process's line): every match counts, in the order of the text.
-_BAR_TAIL = r":\s*\d+%(?: Completed \||\|[^|\r\n]*\|)\s*(\d+)/(\d+)"
+_COUNT = rf"([0-9]{{1,{COUNT_DIGITS}}})"
+_BAR_TAIL = rf":\s*[0-9]{{1,4}}%(?: Completed \||\|[^|\r\n]*\|)\s*{_COUNT}/{_COUNT}(?![0-9])"
 _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("shards", re.compile(r"[Ll]oading (?:safetensors|pt|np_cache)[^:\r\n]*" + _BAR_TAIL)),
     ("graph-bar", re.compile(r"(?:Capturing batches \([^)\r\n]*\)|Capturing CUDA graphs(?: \([^)\r\n]*\))?)"
                              + _BAR_TAIL)),
     ("weights-begin", re.compile(r"\bLoad weight begin\b|\bStarting to load model\b")),
-    ("weights-end", re.compile(r"\bLoad weight end\b|\bLoading weights took [\d.]+ s|\bModel loading took\b")),
-    ("graph-sizes", re.compile(r"\bCapture cuda graph bs \[([\d, ]*)\]")),
+    ("weights-end", re.compile(r"\bLoad weight end\b|\bLoading weights took [0-9.]{1,32} s|\bModel loading took\b")),
+    ("graph-sizes", re.compile(r"\bCapture cuda graph bs \[([0-9, ]{0,1000})\]")),
     ("graph-begin", re.compile(r"\bCapture [\w -]{0,60}? begin\b")),
     ("graph-end", re.compile(r"\bCapture [\w -]{0,60}? end\. |\bGraph capturing finished in\b")),
     ("ready", re.compile(r"The server is fired up and ready to roll!|\bApplication startup complete\.")),
@@ -108,7 +122,8 @@ _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
 
 def _quote(segment: str, start: int, kind: str) -> str:
     """The words a progress quotes: a bar from its name to its closing bracket (not what another
-    process appended), a log line whole; stripped and bounded."""
+    process appended), a log line whole; stripped and bounded (its start kept: what `take` hands
+    `advance` was redacted whole before this cut)."""
     text = segment[start:] if kind in ("shards", "graph-bar") else segment
     if kind in ("shards", "graph-bar") and "]" in text:
         text = text[:text.index("]") + 1]
@@ -148,6 +163,8 @@ def advance(before: LoadProgress | None, lines: Iterable[str]) -> LoadProgress |
             hits = sorted((m.start(), i, m) for i, (_, pat) in enumerate(_RULES) for m in pat.finditer(segment))
             for start, i, m in hits:
                 kind = _RULES[i][0]
+                if kind in ("shards", "graph-bar") and int(m.group(1)) > int(m.group(2)):
+                    continue            # past its total: no count we take
                 now = _step(now, kind, m, _quote(segment, start, kind))
     return now
 
@@ -155,7 +172,8 @@ def advance(before: LoadProgress | None, lines: Iterable[str]) -> LoadProgress |
 # -- the journal read: a command and its parser ------------------------------------------------
 
 _INVOCATION = re.compile(r"[0-9a-f]{32}")
-_CURSOR = re.compile(r"-- cursor: (s=[0-9a-f]+;i=[0-9a-f]+;b=[0-9a-f]+;m=[0-9a-f]+;t=[0-9a-f]+;x=[0-9a-f]+)")
+_CURSOR = re.compile(r"-- cursor: (s=[0-9a-f]{1,32};i=[0-9a-f]{1,32};b=[0-9a-f]{1,32};m=[0-9a-f]{1,32};"
+                     r"t=[0-9a-f]{1,32};x=[0-9a-f]{1,32})")
 
 
 def tail_command(token: str, reads: Iterable[tuple[str, str | None]]) -> ShCommand:
@@ -194,6 +212,7 @@ class _Followed:
     invocation: str = ""           # the invocation whose lines are read (systemd's latest reading)
     cursor: str | None = None
     progress: LoadProgress | None = None
+    error: Exception | None = None     # reading its lines raised: its watch ends in no verdict
 
 
 @dataclass
@@ -231,18 +250,49 @@ class LoadFollower:
         return tail_command(self.token, reads)
 
     def take(self, stdout: str) -> str:
-        """Read the journal's answer into each unit's progress; returns the rest of stdout."""
+        """Read the journal's answer into each unit's progress; returns the rest of stdout. An
+        exception in reading one unit's lines is that unit's alone (`failed`): the others' are
+        read, and the tick's `systemctl show` reading stands."""
         sections, rest = parse_tail(stdout, self.token)
         for f in self.units.values():
-            if f.invocation not in sections:
+            if f.invocation not in sections or f.error is not None:
                 continue
             lines, cursor = sections[f.invocation]
-            got = advance(f.progress, lines)
-            if got is not None and got is not f.progress:
-                got = replace(got, line=redact.redact(redact.escape_controls(got.line)))
-            f.progress, f.cursor = got, cursor or f.cursor
+            try:
+                f.progress = _read(f.progress, lines)
+            except Exception as e:      # a bug, or a line nothing expected: its watch says so
+                f.error = e
+            f.cursor = cursor or f.cursor
         return rest
 
     def progress(self, unit: str) -> LoadProgress | None:
         f = self.units.get(unit)
         return f.progress if f is not None else None
+
+    def failed(self, unit: str) -> Exception | None:
+        """What reading the unit's lines raised, if it did (its watch then comes to no verdict)."""
+        f = self.units.get(unit)
+        return f.error if f is not None else None
+
+
+def _read(before: LoadProgress | None, lines: list[str]) -> LoadProgress | None:
+    """The progress after one read's lines of a unit: at most LINES of them, each redacted whole,
+    then cut to its last LINE_MAX characters (as progress.sh cuts), before `advance` reads and
+    quotes them; the quote's control characters shown as escapes."""
+    clean = [redact.clip(x, LINE_MAX, tail=True) for x in lines[-LINES:]]
+    _injected(clean)
+    got = advance(before, clean)
+    if got is not None and got is not before:
+        got = replace(got, line=redact.escape_controls(got.line))
+    return got
+
+
+# RECONCILER_FAULT=progress-raises (reconciler/faults.py, for the tests only): reading a line with
+# a count longer than COUNT_DIGITS raises, as reading E4's line did before counts were bounded, so
+# a test on real hosts reaches the health watch's containment of an exception.
+_OVERLONG = re.compile(rf"[0-9]{{{COUNT_DIGITS + 1},}}/[0-9]")
+
+
+def _injected(lines: list[str]) -> None:
+    if faults.armed("progress-raises") and any(_OVERLONG.search(x) for x in lines):
+        raise OverflowError("injected fault progress-raises: a count longer than the parser takes")

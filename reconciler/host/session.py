@@ -35,6 +35,7 @@ import contextlib
 import secrets
 
 from ..errors import CommandError, ConnectError
+from ..frames import number
 from .transport import Completed, Spawned, StreamSpawned, Transport, checked
 
 END = "@@end:"
@@ -89,8 +90,7 @@ class HostSession:
             self.busy = False
         with contextlib.suppress(OSError, RuntimeError):
             self.proc.write("D\n")
-        body, _, status = out.rpartition(f"\n{END}{tok} ")
-        return Completed(int(status.strip() or 255), body, err)
+        return ended(out, tok, err)
 
     async def _collect(self, tok: str) -> tuple[str, str]:
         if not self._ready:             # whatever the holder wrote to stderr before its loop
@@ -116,6 +116,15 @@ class HostSession:
         self.broken = True
         with contextlib.suppress(OSError, RuntimeError):
             self.proc.write("K\n")
+
+
+def ended(out: str, tok: str, err: str) -> Completed:
+    """A command's result from what the session read of it (pure): stdout up to its end line
+    (`@@end:TOKEN STATUS`), and the exit status that line says; 255 (as ssh's own for a command
+    it could not run) where it says no status of 0-255."""
+    body, _, status = out.rpartition(f"\n{END}{tok} ")
+    code = number(status.strip(), 3)
+    return Completed(code if code is not None and code <= 255 else 255, body, err)
 
 
 class SessionTransport:

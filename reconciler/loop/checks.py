@@ -21,6 +21,7 @@ hook.
 from __future__ import annotations
 
 import base64
+import contextlib
 import re
 import secrets
 from collections.abc import Mapping
@@ -109,7 +110,7 @@ def verify_command(units: Mapping[str, tuple[str, str | None]], token: str | Non
     return ShCommand(shell.program("verify"), "reconciler-verify", [token]), "".join(parts), token
 
 
-_LINE_REF = re.compile(r"^(?P<file>/\S+?):(?P<line>\d+): (?P<msg>.*)$")
+_LINE_REF = re.compile(r"^(?P<file>/\S+?):(?P<line>[0-9]{1,9}): (?P<msg>.*)$")
 
 
 def _problem(msg: str, unit: str, env: str | None) -> str | None:
@@ -146,7 +147,8 @@ class _Verdicts:
         if f.kind == "O":
             self.said.setdefault(name, []).append(rest)
         elif f.kind == "B":
-            self.said.setdefault(name, []).append(base64.b64decode(rest).decode(errors="replace"))
+            with contextlib.suppress(ValueError):     # not base64 (binascii.Error is one): said nothing
+                self.said.setdefault(name, []).append(base64.b64decode(rest, validate=True).decode(errors="replace"))
         elif f.kind == "V":
             self.verdict(name, rest)
 

@@ -32,7 +32,7 @@ from ..errors import CommandError, HostError, ReconcilerError
 from ..host import lock
 from ..host.apply import Applied, apply_plan, write_gpu_fault, write_record
 from ..host.gpu import gpu_facts
-from ..host.health import Outcome, Phase, SystemdWatch, watch_service
+from ..host.health import Outcome, Phase, SystemdWatch, inconclusive, watch_service
 from ..host.transport import SSHTransport, Transport
 from ..plan.actions import plan_host
 from ..plan.facts import HostFacts, observe_command, parse_observation
@@ -211,7 +211,12 @@ class _HostRun:
                                   baseline_active_enter=w.baseline_active_enter,
                                   start_error=failure.message if failure else None, cancel=self.io.supersede,
                                   systemd=self.systemd, on_progress=loading)
-        out = await self._blame_gpu(out, name, w.revision, since)
+        try:
+            out = await self._blame_gpu(out, name, w.revision, since)
+        except ReconcilerError:
+            raise
+        except Exception as e:        # the GPU reading raised: whose the failure was is not known
+            out = inconclusive(name, f"the GPU reading after {out.reason}", e, out.seconds)
         kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
         self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
         rec = next((r for x in plan.actions if x.kind is Kind.RECORD and x.service == name

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .. import shell
 from ..errors import ObserveError
-from ..frames import Frame, decode, frames, malformed, raw_section
+from ..frames import Frame, decode, frames, malformed, number, raw_section
 from ..shell import ShCommand
 from .gpuhealth import GpuFault
 from .records import HostRecord, ServiceRecord
@@ -241,7 +241,7 @@ class _Observation:
     def read(self, f: Frame) -> None:
         fields = f.fields(3)
         if f.kind == "G" and len(fields) == 1:
-            self.lock_count = fields[0] if fields[0].isdigit() else None
+            self.lock_count = fields[0] if number(fields[0]) is not None else None
         elif f.kind == "T" and len(fields) == 1:
             temp = self.decode(fields[0])
             if temp:
@@ -268,7 +268,7 @@ class _Observation:
     def whole(self, kind: str, name: str, text: str | None) -> None:
         """A file read to its end (text), or found absent (None)."""
         if kind == "H" and name == "gpu":
-            self.gpu_fault = GpuFault.parse(text) if text is not None else None
+            self.gpu_fault = _gpu_fault(text) if text is not None else None
         elif kind == "H":
             self.host_record = HostRecord.parse(text) if text is not None else None
         elif kind == "D":
@@ -296,8 +296,18 @@ class _Observation:
                          lock_count=self.lock_count, stale_temps=tuple(sorted(self.temps)))
 
 
+def _gpu_fault(text: str) -> GpuFault:
+    """gpu-fault.json as GpuFault.parse reads it, but any text: one it cannot read at all (JSON
+    nested deeper than the parser goes, a number of 4,300 digits) still marks the host."""
+    try:
+        return GpuFault.parse(text) or GpuFault(quote="unreadable gpu-fault.json")
+    except (ValueError, RecursionError):
+        return GpuFault(quote="unreadable gpu-fault.json")
+
+
 def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
-    """Parse the output of `observe_command` into HostFacts (pure).
+    """Parse the output of `observe_command` into HostFacts (pure). Any text: facts, or an
+    ObserveError (an answer cut short, a record that is not one).
 
     A record that is not valid JSON is read as a corrupt record: the service stays in the
     inventory (so it is never mistaken for a foreign unit), and nothing in it is trusted.

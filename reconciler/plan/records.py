@@ -30,6 +30,7 @@ state store, the metrics and the report.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -75,9 +76,25 @@ def _str(data: Mapping[str, Any], key: str) -> str | None:
     return v if isinstance(v, str) and v else None
 
 
+_INT_MAX = 2**63         # a number in a record beyond a signed 64-bit one is no number we take
+
+
 def _int(data: Mapping[str, Any], key: str) -> int:
+    """A whole number of a record: 0 for anything else (JSON's Infinity and NaN, a bool, a
+    number beyond 64 bits)."""
     v = data.get(key)
-    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0
+    if isinstance(v, float) and math.isfinite(v):
+        v = int(v)
+    return v if isinstance(v, int) and not isinstance(v, bool) and -_INT_MAX < v < _INT_MAX else 0
+
+
+def load_json(text: str) -> object:
+    """A record's JSON, read as data: None for any text that is not JSON (nor a number of over
+    4,300 digits, which int() refuses, nor a nesting deeper than the parser goes)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):     # JSONDecodeError is a ValueError
+        return None
 
 
 def _str_map(v: object) -> dict[str, str]:
@@ -237,10 +254,8 @@ class ServiceRecord:
 
     @classmethod
     def parse(cls, text: str) -> ServiceRecord:
-        try:
-            return cls.from_json(json.loads(text))
-        except json.JSONDecodeError:
-            return cls(corrupt=True)
+        """Any text: a record, or a corrupt one (kept in the inventory, trusted for nothing)."""
+        return cls.from_json(load_json(text))
 
     def to_json(self) -> dict[str, Any]:
         """Written strictly: the current schema, every field, nothing else."""
@@ -270,10 +285,7 @@ class HostRecord:
 
     @classmethod
     def parse(cls, text: str) -> HostRecord:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            return cls()
+        data = load_json(text)
         if not isinstance(data, Mapping):
             return cls()
         return cls(applied_revision=_str(data, "applied_revision"), applied_at=_int(data, "applied_at"),

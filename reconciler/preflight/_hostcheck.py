@@ -15,13 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import shell
+from .. import redact, shell
 from ..errors import ObserveError
-from ..frames import Frame, frames
+from ..frames import Frame, frames, number
 from ..shell import ShCommand
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
+SIZE_MAX = 2**60          # bytes: a size in an index beyond an exbibyte is no size we take
 
 def model_check_command(paths: list[str], token: str | None = None) -> tuple[ShCommand, str]:
     """The POSIX sh command that reads what a completeness check needs, for each model dir
@@ -60,7 +61,8 @@ class ModelFacts:
         """The checkpoint's size according to its index (metadata.total_size), if known."""
         meta = (self.index or {}).get("metadata")
         size = meta.get("total_size") if isinstance(meta, dict) else None
-        return size if isinstance(size, int) and not isinstance(size, bool) else None
+        ok = isinstance(size, int) and not isinstance(size, bool) and 0 <= size <= SIZE_MAX
+        return size if ok else None        # bounded: the free-space check divides it as a float
 
     def problems(self) -> list[str]:
         """What makes the model unusable, one short phrase per file; [] when complete."""
@@ -101,7 +103,7 @@ def _finish(path: str, exists: bool, raw: dict[str, str], sizes: dict[str, int |
             return None
         try:
             data = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):      # not JSON, a 4,300-digit number, nested too deep
             invalid.append(name)
             return None
         if not isinstance(data, dict):
@@ -170,7 +172,7 @@ class _ModelReading:
         if f.kind == "P" and len(fields) == 1:
             self.start(_b64text(fields[0], self.host))
         elif self.current is None or not (f.kind == "A" or _ARITY.get(f.kind) == len(fields)):
-            raise ObserveError(self.host, f"malformed model check line: {f.line[:80]!r}")
+            raise ObserveError(self.host, f"malformed model check line: {redact.clip(f.line, 80)!r}")
         elif f.kind == "D":
             self.exists = fields[0] == "1"
         elif f.kind == "F":
@@ -179,9 +181,9 @@ class _ModelReading:
             self.raw[name] = _b64text(payload[:-1], self.host) if payload != "-" else ""
         elif f.kind == "S":
             size, name = fields
-            self.sizes[_b64text(name, self.host)] = int(size) if size.isdigit() else None
+            self.sizes[_b64text(name, self.host)] = number(size)
         else:
-            self.free_kb = int(fields[0]) if len(fields) == 1 and fields[0].isdigit() else None
+            self.free_kb = number(fields[0]) if len(fields) == 1 else None
 
 
 def parse_model_check(stdout: str, token: str, host: str = "?") -> dict[str, ModelFacts]:

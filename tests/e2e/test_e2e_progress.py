@@ -12,13 +12,18 @@ right after "Load weight end", so the same read sees both).
 from __future__ import annotations
 
 import html
+import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import urllib.request
 
 import pytest
 
-from tests.conftest import run_cli, wait_for, write_fleet
+from tests import fleet as fleetlib
+from tests.conftest import ROOT, run_cli, wait_for, write_fleet
 from tests.e2e.test_e2e_push import Deploy, free_port
 from tests.e2e.test_e2e_web import page_up
 
@@ -100,3 +105,85 @@ def test_load_progress_in_the_cli_the_push_stream_and_on_the_page(fleet, tmp_pat
         assert any("engine:</span> " in block(p, b.name) for p in pages)       # the other host: its own
     finally:
         deploy.stop()
+
+
+# ---- a line the progress reader cannot take (review N5) ---------------------------------------------
+
+E4 = "Loading safetensors checkpoint shards:  50% Completed | " + "9" * 400 + "/1 ["
+
+
+def reconcile(repo, *args: str, fault: str | None = None) -> tuple[int, dict, str]:
+    """`reconcile --json` as a user runs it; `fault`: RECONCILER_FAULT (reconciler/faults.py)."""
+    env = {**os.environ, "RECONCILER_IDENTITY": str(fleetlib.client_key_path()), "COLUMNS": "200", "NO_COLOR": "1"}
+    env.pop("RECONCILER_FAULT", None)
+    if fault is not None:
+        env["RECONCILER_FAULT"] = fault
+    res = subprocess.run([sys.executable, "-m", "reconciler", "--repo", str(repo.path), "--json", *args],
+                         capture_output=True, text=True, env=env, timeout=150, cwd=ROOT)
+    assert "Traceback" not in res.stderr, res.stderr
+    return res.returncode, json.loads(res.stdout), res.stderr
+
+
+def host_of(out: dict, host) -> dict:
+    return next(r for r in out["hosts"] if r["host"] == host.name)
+
+
+def model_record(fleet, h) -> dict:
+    return json.loads(fleet.ssh(h, "cat /var/lib/reconciler/services/model-a.json"))
+
+
+@pytest.mark.timeout(300)
+def test_a_line_the_progress_reader_cannot_take_is_that_services_no_verdict_and_the_run_goes_on(fleet, repo):
+    """E4 on real hosts: while b's stand-in loads, it prints a shard bar with a 400-digit count.
+    That count is no count the reader takes now, so to reach the containment of an exception the
+    run arms RECONCILER_FAULT=progress-raises, which makes reading such a line raise OverflowError
+    as it did before (the run then ended, every host's transport closed mid-deploy, and again on
+    every retry). Now: a's deploy, at the same time, is judged and recorded as usual; b's service
+    comes to no verdict (Inconclusive, three watches), is neither rolled back nor quarantined, and
+    keeps running; a second run does not crash either; and without the fault the line is harmless."""
+    a, b = fleet.hosts[:2]
+    svc = {"port": 30000, "model": "Qwen3-8B", "health": {"startup_timeout": 60, "stable_for": 1}}
+    write_fleet(repo, [a, b], {"model-a": {**svc, "env": {"STANDIN_LOAD_SECONDS": "1", "V": "1"}}})
+    v1 = repo.commit("v1")
+    assert reconcile(repo)[0] == 0
+    # 4 s to load: the watch reads the journal at most every second, and only until the first
+    # healthy answer, so it reads the line (printed as the load begins) at its second read at the latest
+    write_fleet(repo, [a, b], {"model-a": {**svc, "env": {"STANDIN_LOAD_SECONDS": "4", "V": "2"}}})
+    host_b = repo.path / "hosts" / f"{b.name}.toml"
+    host_b.write_text(host_b.read_text().replace("env = { ", f"env = {{ STANDIN_PROGRESS_LINE = {json.dumps(E4)}, ", 1))
+    v2 = repo.commit("v2: b's engine prints E4's line as it loads")
+
+    code, out, _ = reconcile(repo, fault="progress-raises")
+    assert code == 4
+    ra, rb = host_of(out, a), host_of(out, b)
+    assert ra["status"] == "converged" and [(e["action"], e["outcome"]["reason"]) for e in ra["events"]] == \
+        [("deploy", "Healthy")]
+    rec_a = model_record(fleet, a)
+    assert rec_a["last_good_revision"] == v2 and rec_a["pending"] is None and rec_a["quarantine"] is None
+    assert (rb["status"], rb["reason"]) == ("failed", "Inconclusive"), rb
+    assert [(e["action"], e["outcome"]["reason"]) for e in rb["events"]] == \
+        [("deploy", "Inconclusive"), ("reverify", "Inconclusive"), ("reverify", "Inconclusive")], rb["events"]
+    assert all(e["outcome"]["message"].startswith("no verdict: the health watch failed (OverflowError at progress.py:")
+               for e in rb["events"])
+    rec_b = model_record(fleet, b)
+    assert rec_b["quarantine"] is None and rec_b["last_good_revision"] == v1, rec_b
+    assert rec_b["pending"]["revision"] == v2 and rec_b["pending"]["attempts"] == 3
+    assert rec_b["pending"]["unjudged"].startswith("Inconclusive: no verdict: the health watch failed (OverflowError")
+    running = fleet.show(b, "model-a", "ActiveState", "InvocationID")
+    assert running["ActiveState"] == "active"
+    assert "STANDIN_PROGRESS_LINE" in fleet.ssh(b, "cat /etc/reconciler/env/model-a.env")    # v2 runs on
+
+    # The same revision again, the fault still armed: b is left as it is (no watch, no start).
+    code, out, _ = reconcile(repo, fault="progress-raises")
+    assert code == 4 and host_of(out, a)["status"] == "in-sync"
+    assert (host_of(out, b)["status"], host_of(out, b)["reason"]) == ("failed", "Inconclusive")
+    assert model_record(fleet, b) == rec_b
+    assert fleet.show(b, "model-a", "InvocationID") == {"InvocationID": running["InvocationID"]}
+
+    # Without the fault, E4's line is no count and nothing else: --retry watches b again, healthy.
+    code, out, _ = reconcile(repo, "--retry")
+    assert code == 0 and [(e["action"], e["outcome"]["reason"]) for e in host_of(out, b)["events"]] == \
+        [("reverify", "Healthy")]
+    rec_b = model_record(fleet, b)
+    assert rec_b["last_good_revision"] == v2 and rec_b["pending"] is None and rec_b["quarantine"] is None
+    assert fleet.show(b, "model-a", "InvocationID") == {"InvocationID": running["InvocationID"]}

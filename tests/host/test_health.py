@@ -12,16 +12,9 @@ import pytest
 
 from reconciler.desired.spec import HealthSpec
 from reconciler.errors import ConnectError
-from reconciler.host.health import (
-    SYSTEMD_RAMP,
-    SystemdWatch,
-    explain,
-    judge_systemd,
-    parse_journal,
-    spawn_failure,
-    watch_service,
-)
-from reconciler.host.health import Entry as E
+from reconciler.host.health import SYSTEMD_RAMP, SystemdWatch, watch_service
+from reconciler.host.judges import Entry as E
+from reconciler.host.judges import explain, judge_systemd, parse_journal, spawn_failure
 from reconciler.host.transport import Completed
 from tests.clock import FakeClock
 

@@ -327,3 +327,27 @@ def test_the_first_run_on_a_host_installs_the_holder_by_content_and_later_ones_f
         await held.release()
         assert len(list((tmp_path / "progs").iterdir())) == 3      # the first command's old program went
     asyncio.run(go())
+
+
+# ---- what the holder says, read as data (review N5, N6) -----------------------------------------
+
+@pytest.mark.parametrize("status,code", [("0", 0), ("255", 255), ("256", 255), ("²", 255), ("9" * 5000, 255),
+                                         ("", 255), ("-1", 255), (" 3 ", 3)])
+def test_a_commands_exit_status_is_what_its_end_line_says_or_255(status: str, code: int) -> None:
+    from reconciler.host.session import END, ended
+    tok = "ab:cd"
+    res = ended(f"out\n{END}{tok} {status}", tok, "err")
+    assert (res.exit_status, res.stdout, res.stderr) == (code, "out", "err")
+
+
+def test_who_holds_the_lock_is_redacted_then_cut() -> None:
+    from reconciler import redact
+    from reconciler.host.lock import OWNER_MAX, holder_said
+    from tests.test_redact import fresh, leaked, straddling
+    secret = fresh("Zq9-vT3")
+    redact.register(secret)
+    line = straddling(secret, OWNER_MAX, after=" " + "w" * 500) + "\n"
+    said = holder_said(line)
+    assert len(said) == OWNER_MAX and "***" in said and not leaked(secret, said)
+    assert holder_said("reconcile on ctl pid 7 since 2026-12-03 10:00:00\n") == \
+        "reconcile on ctl pid 7 since 2026-12-03 10:00:00"

@@ -101,3 +101,22 @@ def test_the_clis_messages_and_tracebacks_are_escaped(monkeypatch, capsys) -> No
         cli.main()
     err = capsys.readouterr().err
     assert f"RuntimeError: unexpected: {SHOWN}" in err and "\x1b" not in err
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_a_secret_across_the_tables_cut_leaves_no_fragment(terminal):
+    """Review N6: the result table cuts a long detail to the width the other columns leave; the
+    text is redacted whole before that (report._t), so no piece of a secret survives the cut."""
+    from reconciler import redact
+    from tests.test_redact import fresh, leaked, straddling
+    secret = fresh("Zq9-vT3")
+    redact.register(secret)
+    # detail = "FirstDeployFailed: " + message; cut at 37 characters on an 80-column console
+    message = straddling(secret, 37 - len("FirstDeployFailed: "), after=" " + "w " * 40)
+    res = FleetResult("ab" * 20, False, [HostResult("gpu-1", "127.0.0.5", Result.FAILED, reason="FirstDeployFailed",
+                                                    message=message)])
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=80) if terminal else PlainConsole(buf, 80)
+    print_result(console, res)                                      # type: ignore[arg-type]
+    out = buf.getvalue()
+    assert "FirstDeployFailed: xx" in out and not leaked(secret, out)
