@@ -59,7 +59,7 @@ EXPECTED = {
                 "SHOW_PROPS": facts.SHOW_PROPS},
     "gpu": {"GPU_FIELDS": gpu.GPU_FIELDS, "OLD_GPU_FIELDS": gpu.OLD_GPU_FIELDS,
             "APP_FIELDS": gpu.APP_FIELDS, "SMI_FORMAT": gpu.SMI_FORMAT,
-            "HEALTH_SECTIONS": gpu.HEALTH_SECTIONS, "XID_LINES": str(gpu.XID_LINES)},
+            "HEALTH_SECTIONS": gpu.HEALTH_SECTIONS, "XID_LINES": str(gpu.XID_LINES), "XID_GREP": gpu.XID_GREP},
     "model-check": {"CONFIG_FILE": _hostcheck.CONFIG_FILE, "INDEX_FILE": _hostcheck.INDEX_FILE},
     "verify": {"ENV_DROPIN": facts.ENV_DROPIN},
 }
@@ -178,19 +178,38 @@ def test_the_preflights_programs_in_one_sh_each_read_by_its_parser(tmp_path: Pat
 STANDIN_SMI = Path(__file__).resolve().parent / "hostpkg" / "nvidia-smi"
 
 
+def journal_entry(message: str, **fields: str) -> str:
+    """One kernel log entry as `journalctl -o json` prints it (systemd 252, the test hosts'), one line."""
+    return json.dumps({"__CURSOR": "s=ac1c;i=41", "__REALTIME_TIMESTAMP": "1796288718801337",
+                       "_TRANSPORT": "kernel", "SYSLOG_FACILITY": "0", "SYSLOG_IDENTIFIER": "kernel",
+                       "PRIORITY": "3", "MESSAGE": message, **fields}, separators=(",", ":"))
+
+
+XID_79 = "NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, GPU has fallen off the bus."
+# What gpu.sh must not pass on: a kernel message that quotes a report (a segfault in a file a
+# local user named so; the same with a newline in the name, which journald turns back into one),
+# and one that the kernel did not write (a userspace write to /dev/kmsg, facility user).
+FORGED = ["python3[4242]: segfault at 0 ip 00007f0000001000 sp 00007ffd00000000 error 4 in "
+          "NVRM: Xid (PCI:0000:18:00): 79, x[7f0000000000+1000]",
+          "python3[4243]: segfault at 0 ip 00007f0000001000 sp 00007ffd00000000 error 4 in "
+          "a\nNVRM: Xid (PCI:0000:18:00): 48, x[7f0000000000+1000]"]
+
+
 def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_path: Path):
     """gpu.sh with health asked for, on this machine: the project's stand-in nvidia-smi (its -q in
     nvidia-smi's own layout, faults from a file), a journalctl that prints what the kernel log
-    would (and records how it was asked) and a dcgmi; the parser finds each fault."""
+    would (and records how it was asked) and a dcgmi; the parser finds each fault, and only the
+    driver's own Xid reports for this host's GPUs."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "nvidia-smi").symlink_to(STANDIN_SMI)
-    (bin_ / "journalctl").write_text(
-        f"#!/bin/sh\necho \"$@\" > {tmp_path}/journalctl.args\n"
-        "echo '1796288718.801337 h kernel: NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, "
-        "GPU has fallen off the bus.'\n"
-        "echo '1796288718.9 h kernel: usb 1-1: new high-speed USB device'\n"
-        "echo '1796288719.1 h kernel: NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception'\n")
+    entries = [journal_entry(XID_79), journal_entry("usb 1-1: new high-speed USB device"),
+               journal_entry("NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception"),
+               *(journal_entry(m) for m in FORGED),
+               journal_entry("NVRM: Xid (PCI:0000:2a:00): 48, pid=2, name=python3, DBE", SYSLOG_FACILITY="1"),
+               journal_entry("NVRM: Xid (PCI:0000:99:00): 79, pid=1, name=python3, GPU has fallen off the bus.")]
+    (tmp_path / "journal").write_text("".join(e + "\n" for e in entries))
+    (bin_ / "journalctl").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/journalctl.args\ncat {tmp_path}/journal\n")
     (bin_ / "dcgmi").write_text("#!/bin/sh\necho 'Error: Health watches not enabled. Please enable watches. '\n"
                                 "exit 1\n")
     for f in ("journalctl", "dcgmi"):
@@ -203,12 +222,14 @@ def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_pat
     assert res.returncode == 0, res.stderr
     h = gpu.parse_gpu(res.stdout, token, "here").health
     assert (tmp_path / "journalctl.args").read_text().split() == [
-        "-k", "-q", "--no-pager", "-o", "short-unix", "--since", "@1796288000"]
+        "-k", "-q", "--no-pager", "-o", "json", "--since", "@1796288000"]
+    # The host reads only entries whose message opens with a report: the two that quote one stay there
+    sent = [ln.split(" ", 2)[2] for ln in res.stdout.splitlines() if ln.startswith(f"{token} K ")]
+    assert sent == [entries[0], entries[2], entries[5], entries[6]]
     assert h is not None and h.read and h.now > 1796288000
     assert h.faults == ("GPU 00000000:2A:00.0: ECC Errors / Volatile / DRAM Uncorrectable: 2",
-                        "NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, GPU has fallen off the bus. "
-                        "[Xid 79: GPU has fallen off the bus (RESTART_BM)]")
-    assert h.signs == ()        # the Xid 13 is the application's
+                        f"{XID_79} [Xid 79: GPU has fallen off the bus (RESTART_BM)]")
+    assert h.signs == ()        # the Xid 13 is the application's; 2a's Xid 48 is not the kernel's; 99 is not here
     assert h.notes == ("GPU 00000000:2A:00.0: Remapped Rows / Pending: Yes (it waits for a GPU reset)",
                        "dcgmi health: Error: Health watches not enabled. Please enable watches.")
     # Only the health sections come back, not the whole report (memory, temperature ...)

@@ -9,8 +9,11 @@
 # processes with theirs. With SINCE (host epoch seconds, 0: this boot) the GPUs' health too,
 # without a CUDA context (reconciler/plan/gpuhealth.py reads it): the sections of
 # `nvidia-smi -q` that say it (HEALTH_SECTIONS, and any line saying a GPU is lost), the kernel
-# log's NVRM Xid lines since SINCE (`journalctl -k`: the kernel's own messages, as journald read
-# them from /dev/kmsg), and DCGM's health watches where dcgmi is installed.
+# log's entries since SINCE whose message opens with the driver's Xid report (`journalctl -k -o
+# json`: the kernel's own messages, as journald read them from /dev/kmsg, one entry a line with
+# its message a field apart, so a quoted report or an embedded newline cannot pass for one:
+# XID_GREP, read again by reconciler/plan/xid.py), and DCGM's health watches where dcgmi is
+# installed.
 # Each record is a line "TOKEN KIND ...", the last "TOKEN END".
 GPU_FIELDS=index,uuid,memory.used,memory.total,compute_cap
 # nvidia-smi before compute_cap was a field (drivers older than 510) refuses the whole query:
@@ -20,6 +23,7 @@ APP_FIELDS=pid,process_name,used_memory,gpu_uuid
 SMI_FORMAT=csv,noheader,nounits
 HEALTH_SECTIONS='|ECC Errors|Retired Pages|Remapped Rows|GPU Reset Status|GPU Recovery Action|'
 XID_LINES=20
+XID_GREP='"MESSAGE" ?: ?"NVRM: Xid \('
 
 T=$1 PREFIX=$2 SINCE=${3:--}
 nl='
@@ -102,7 +106,7 @@ if [ -n "$smi" ]; then
     printf '%s QRC %s\n' "$T" "$rc"
     if command -v journalctl >/dev/null 2>&1; then
       s=; [ "$SINCE" = 0 ] || s=@$SINCE
-      journalctl -k -q --no-pager -o short-unix ${s:+--since "$s"} 2>/dev/null | grep -F 'NVRM: Xid' |
+      journalctl -k -q --no-pager -o json ${s:+--since "$s"} 2>/dev/null | grep -E "$XID_GREP" |
         tail -n "$XID_LINES" | while IFS= read -r l; do printf '%s K %s\n' "$T" "$l"; done
       printf '%s KRC 0\n' "$T"
     else
