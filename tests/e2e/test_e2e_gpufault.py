@@ -75,10 +75,7 @@ def gpu_fleet(fleet, repo, hosts: list[fleetlib.Host]) -> str:
     """GPU hosts (the first the canary) running the service at a first revision; its hash."""
     for h in hosts:
         fleet.ssh(h, fleetlib.gpu_host(2))
-        # A host without records reads its kernel log since boot: the journal is emptied of an
-        # earlier test's Xids (the reset keeps it). Then the driver's first line, so the host's
-        # kernel log is journald's to read (tests.fleet).
-        fleet.ssh(h, "journalctl --rotate --vacuum-time=1s >/dev/null 2>&1")
+        # The driver's first line, so the host's kernel log is journald's to read (tests.fleet)
         fleet.ssh(h, fleetlib.kernel_log("NVRM: loading NVIDIA UNIX x86_64 Kernel Module  565.57.01"))
     write_shared(repo, hosts, load="0.5")
     c1 = repo.commit("qwen3.5 on GPU hosts")
