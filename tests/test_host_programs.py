@@ -59,7 +59,8 @@ EXPECTED = {
                 "SHOW_PROPS": facts.SHOW_PROPS},
     "gpu": {"GPU_FIELDS": gpu.GPU_FIELDS, "OLD_GPU_FIELDS": gpu.OLD_GPU_FIELDS,
             "APP_FIELDS": gpu.APP_FIELDS, "SMI_FORMAT": gpu.SMI_FORMAT,
-            "HEALTH_SECTIONS": gpu.HEALTH_SECTIONS, "XID_LINES": str(gpu.XID_LINES), "XID_GREP": gpu.XID_GREP},
+            "HEALTH_SECTIONS": gpu.HEALTH_SECTIONS, "XID_LINES": str(gpu.XID_LINES), "XID_MATCH": gpu.XID_MATCH,
+            "XID_FIELDS": gpu.XID_FIELDS, "XID_GREP": gpu.XID_GREP},
     "model-check": {"CONFIG_FILE": _hostcheck.CONFIG_FILE, "INDEX_FILE": _hostcheck.INDEX_FILE},
     "verify": {"ENV_DROPIN": facts.ENV_DROPIN},
 }
@@ -195,21 +196,45 @@ FORGED = ["python3[4242]: segfault at 0 ip 00007f0000001000 sp 00007ffd00000000 
           "a\nNVRM: Xid (PCI:0000:18:00): 48, x[7f0000000000+1000]"]
 
 
-def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_path: Path):
+# A journalctl that prints what the kernel log would (the entries in the file `journal`, as JSON),
+# as journalctl does: -g matches the message field alone (only those entries), --output-fields
+# keeps those fields and journalctl's own; and records each call. JOURNALCTL_WITHOUT_GREP: an
+# older journalctl, which knows no -g.
+FAKE_JOURNALCTL = """#!{python}
+import json, os, re, sys
+args = sys.argv[1:]
+with open(os.path.join({dir!r}, "journalctl.calls"), "a") as f:
+    f.write(json.dumps(args) + "\\n")
+if os.environ.get("JOURNALCTL_WITHOUT_GREP") and "-g" in args:
+    sys.exit("journalctl: unrecognized option '--grep'")
+pattern = args[args.index("-g") + 1] if "-g" in args else None
+fields = next((a.split("=", 1)[1].split(",") for a in args if a.startswith("--output-fields=")), None)
+shown = 0
+for line in open(os.path.join({dir!r}, "journal")):
+    e = json.loads(line)
+    if pattern is None or re.search(pattern, e["MESSAGE"]):
+        keep = {{k: v for k, v in e.items() if fields is None or k in fields or k.startswith("__")}}
+        print(json.dumps(keep, separators=(",", ":")))
+        shown += 1
+sys.exit(1 if pattern is not None and not shown else 0)
+"""
+
+
+@pytest.mark.parametrize("without_grep", [False, True])
+def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_path: Path, without_grep: bool):
     """gpu.sh with health asked for, on this machine: the project's stand-in nvidia-smi (its -q in
     nvidia-smi's own layout, faults from a file), a journalctl that prints what the kernel log
-    would (and records how it was asked) and a dcgmi; the parser finds each fault, and only the
-    driver's own Xid reports for this host's GPUs."""
+    would (with -g, or an older one without) and a dcgmi; the parser finds each fault, and only
+    the driver's own Xid reports for this host's GPUs."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "nvidia-smi").symlink_to(STANDIN_SMI)
-    entries = [journal_entry(XID_79), journal_entry("usb 1-1: new high-speed USB device"),
-               journal_entry("NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception"),
-               *(journal_entry(m) for m in FORGED),
-               journal_entry("NVRM: Xid (PCI:0000:2a:00): 48, pid=2, name=python3, DBE", SYSLOG_FACILITY="1"),
-               journal_entry("NVRM: Xid (PCI:0000:99:00): 79, pid=1, name=python3, GPU has fallen off the bus.")]
+    messages = [XID_79, "usb 1-1: new high-speed USB device", "NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception",
+                *FORGED, "NVRM: Xid (PCI:0000:2a:00): 48, pid=2, name=python3, DBE",
+                "NVRM: Xid (PCI:0000:99:00): 79, pid=1, name=python3, GPU has fallen off the bus."]
+    entries = [journal_entry(m, **({"SYSLOG_FACILITY": "1"} if ", DBE" in m else {})) for m in messages]
     (tmp_path / "journal").write_text("".join(e + "\n" for e in entries))
-    (bin_ / "journalctl").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/journalctl.args\ncat {tmp_path}/journal\n")
+    (bin_ / "journalctl").write_text(FAKE_JOURNALCTL.format(python=sys.executable, dir=str(tmp_path)))
     (bin_ / "dcgmi").write_text("#!/bin/sh\necho 'Error: Health watches not enabled. Please enable watches. '\n"
                                 "exit 1\n")
     for f in ("journalctl", "dcgmi"):
@@ -217,15 +242,21 @@ def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_pat
     faults = tmp_path / "faults"
     faults.write_text("1 ecc-uncorrectable 2\n1 remap-pending\n")
     cmd, token = gpu.gpu_command(device_prefix=str(tmp_path / "nvidia"), health_since=1796288000)
+    env = {**os.environ, "PATH": f"{bin_}:/usr/bin:/bin", "FAKE_GPU_FAULTS": str(faults),
+           **({"JOURNALCTL_WITHOUT_GREP": "1"} if without_grep else {})}
     res = subprocess.run(["/bin/sh", str(SH / "gpu.sh"), *cmd.args], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PATH": f"{bin_}:/usr/bin:/bin", "FAKE_GPU_FAULTS": str(faults)})
+                         env=env)
     assert res.returncode == 0, res.stderr
     h = gpu.parse_gpu(res.stdout, token, "here").health
-    assert (tmp_path / "journalctl.args").read_text().split() == [
-        "-k", "-q", "--no-pager", "-o", "json", "--since", "@1796288000"]
-    # The host reads only entries whose message opens with a report: the two that quote one stay there
-    sent = [ln.split(" ", 2)[2] for ln in res.stdout.splitlines() if ln.startswith(f"{token} K ")]
-    assert sent == [entries[0], entries[2], entries[5], entries[6]]
+    calls = [json.loads(x) for x in (tmp_path / "journalctl.calls").read_text().splitlines()]
+    since = ["-k", "-q", "--no-pager", "-o", "json"]
+    with_g = [*since, "--output-fields=MESSAGE,_TRANSPORT,SYSLOG_FACILITY", "--since", "@1796288000", "-g",
+              r"^NVRM: Xid \("]
+    assert calls == ([with_g, [*since, "--since", "@1796288000"]] if without_grep else [with_g])
+    # The host sends only entries whose message opens with a report: the ones quoting one stay there
+    sent = [json.loads(ln.split(" ", 2)[2])["MESSAGE"] for ln in res.stdout.splitlines()
+            if ln.startswith(f"{token} K ")]
+    assert sent == [messages[0], messages[2], messages[5], messages[6]]
     assert h is not None and h.read and h.now > 1796288000
     assert h.faults == ("GPU 00000000:2A:00.0: ECC Errors / Volatile / DRAM Uncorrectable: 2",
                         f"{XID_79} [Xid 79: GPU has fallen off the bus (RESTART_BM)]")

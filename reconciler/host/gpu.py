@@ -65,8 +65,10 @@ SMI_FORMAT = "csv,noheader,nounits"
 QUERY_GPU = f"nvidia-smi --query-gpu={GPU_FIELDS} --format={SMI_FORMAT}"
 QUERY_APPS = f"nvidia-smi --query-compute-apps={APP_FIELDS} --format={SMI_FORMAT}"
 HEALTH_SECTIONS = "|" + "|".join(SMI_SECTIONS) + "|"
-# The `journalctl -k -o json` entries gpu.sh keeps: a MESSAGE that opens with an Xid report (a quote
-# in a value is escaped, so a message quoting one never passes; older systemd wrote `" : "`).
+# The `journalctl -k -o json` entries gpu.sh keeps: a MESSAGE that opens with an Xid report, matched
+# by journalctl (-g, on the field alone), else by grep on each line (a quote inside a JSON value is
+# escaped, so a message quoting a report never passes; older systemd wrote `" : "`).
+XID_MATCH, XID_FIELDS = r"^NVRM: Xid \(", "MESSAGE,_TRANSPORT,SYSLOG_FACILITY"
 XID_GREP = '"MESSAGE" ?: ?"NVRM: Xid \\('
 
 
