@@ -249,6 +249,8 @@ def test_the_gpus_bus_ids_are_nvidia_smis_headers_and_a_gpu_it_calls_lost():
     lost = ["Unable to determine the device handle for GPU0000:41:00.0: GPU is lost.  Reboot the system to recover "
             "this GPU", "GPU 00000000:18:00.0"]
     assert gpu_buses(lost) == {"00000000:41:00", "00000000:18:00"}
+    # The H200's own report, as gpu.sh keeps it (its header, the health sections)
+    assert gpu_buses(H200_580.splitlines()) == {"00000000:00:06"}
     # An indented line (a field's value, a process name under Processes) names no GPU
     assert gpu_buses(["    Name : GPU 00000000:99:00.0 GPU is lost", "GPU is lost"]) == frozenset()
 
