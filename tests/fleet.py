@@ -403,6 +403,9 @@ for f in /etc/systemd/system/*.service; do
 done
 pkill -f "sleep $STRAY_SECONDS" >/dev/null 2>&1
 rm -f /usr/local/bin/nvidia-smi /etc/fake-gpus /etc/fake-gpu-faults /etc/fake-gpu-trip
+# A test's kernel log (kernel_log): its records go too, or the next test's host, which has no
+# records and so reads its kernel log since boot, would find an earlier test's Xids there
+[ ! -p /dev/kmsg ] || journalctl --rotate --vacuum-time=1s >/dev/null 2>&1
 rm -rf /var/lib/reconciler /etc/reconciler/env /etc/credstore /etc/systemd/system/*.service.d \
   /etc/systemd/system/.reconciler-* \
   /tmp/model-* /run/systemd/system/*.service.d /etc/systemd/system.control /run/systemd/system.control

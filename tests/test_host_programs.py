@@ -59,7 +59,8 @@ EXPECTED = {
                 "SHOW_PROPS": facts.SHOW_PROPS},
     "gpu": {"GPU_FIELDS": gpu.GPU_FIELDS, "OLD_GPU_FIELDS": gpu.OLD_GPU_FIELDS,
             "APP_FIELDS": gpu.APP_FIELDS, "SMI_FORMAT": gpu.SMI_FORMAT,
-            "HEALTH_SECTIONS": gpu.HEALTH_SECTIONS, "XID_LINES": str(gpu.XID_LINES)},
+            "HEALTH_SECTIONS": gpu.HEALTH_SECTIONS, "XID_LINES": str(gpu.XID_LINES), "XID_MATCH": gpu.XID_MATCH,
+            "XID_FIELDS": gpu.XID_FIELDS, "XID_GREP": gpu.XID_GREP},
     "model-check": {"CONFIG_FILE": _hostcheck.CONFIG_FILE, "INDEX_FILE": _hostcheck.INDEX_FILE},
     "verify": {"ENV_DROPIN": facts.ENV_DROPIN},
 }
@@ -178,19 +179,62 @@ def test_the_preflights_programs_in_one_sh_each_read_by_its_parser(tmp_path: Pat
 STANDIN_SMI = Path(__file__).resolve().parent / "hostpkg" / "nvidia-smi"
 
 
-def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_path: Path):
+def journal_entry(message: str, **fields: str) -> str:
+    """One kernel log entry as `journalctl -o json` prints it (systemd 252, the test hosts'), one line."""
+    return json.dumps({"__CURSOR": "s=ac1c;i=41", "__REALTIME_TIMESTAMP": "1796288718801337",
+                       "_TRANSPORT": "kernel", "SYSLOG_FACILITY": "0", "SYSLOG_IDENTIFIER": "kernel",
+                       "PRIORITY": "3", "MESSAGE": message, **fields}, separators=(",", ":"))
+
+
+XID_79 = "NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, GPU has fallen off the bus."
+# What gpu.sh must not pass on: a kernel message that quotes a report (a segfault in a file a
+# local user named so; the same with a newline in the name, which journald turns back into one),
+# and one that the kernel did not write (a userspace write to /dev/kmsg, facility user).
+FORGED = ["python3[4242]: segfault at 0 ip 00007f0000001000 sp 00007ffd00000000 error 4 in "
+          "NVRM: Xid (PCI:0000:18:00): 79, x[7f0000000000+1000]",
+          "python3[4243]: segfault at 0 ip 00007f0000001000 sp 00007ffd00000000 error 4 in "
+          "a\nNVRM: Xid (PCI:0000:18:00): 48, x[7f0000000000+1000]"]
+
+
+# A journalctl that prints what the kernel log would (the entries in the file `journal`, as JSON),
+# as journalctl does: -g matches the message field alone (only those entries), --output-fields
+# keeps those fields and journalctl's own; and records each call. JOURNALCTL_WITHOUT_GREP: an
+# older journalctl, which knows no -g.
+FAKE_JOURNALCTL = """#!{python}
+import json, os, re, sys
+args = sys.argv[1:]
+with open(os.path.join({dir!r}, "journalctl.calls"), "a") as f:
+    f.write(json.dumps(args) + "\\n")
+if os.environ.get("JOURNALCTL_WITHOUT_GREP") and "-g" in args:
+    sys.exit("journalctl: unrecognized option '--grep'")
+pattern = args[args.index("-g") + 1] if "-g" in args else None
+fields = next((a.split("=", 1)[1].split(",") for a in args if a.startswith("--output-fields=")), None)
+shown = 0
+for line in open(os.path.join({dir!r}, "journal")):
+    e = json.loads(line)
+    if pattern is None or re.search(pattern, e["MESSAGE"]):
+        keep = {{k: v for k, v in e.items() if fields is None or k in fields or k.startswith("__")}}
+        print(json.dumps(keep, separators=(",", ":")))
+        shown += 1
+sys.exit(1 if pattern is not None and not shown else 0)
+"""
+
+
+@pytest.mark.parametrize("without_grep", [False, True])
+def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_path: Path, without_grep: bool):
     """gpu.sh with health asked for, on this machine: the project's stand-in nvidia-smi (its -q in
     nvidia-smi's own layout, faults from a file), a journalctl that prints what the kernel log
-    would (and records how it was asked) and a dcgmi; the parser finds each fault."""
+    would (with -g, or an older one without) and a dcgmi; the parser finds each fault, and only
+    the driver's own Xid reports for this host's GPUs."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "nvidia-smi").symlink_to(STANDIN_SMI)
-    (bin_ / "journalctl").write_text(
-        f"#!/bin/sh\necho \"$@\" > {tmp_path}/journalctl.args\n"
-        "echo '1796288718.801337 h kernel: NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, "
-        "GPU has fallen off the bus.'\n"
-        "echo '1796288718.9 h kernel: usb 1-1: new high-speed USB device'\n"
-        "echo '1796288719.1 h kernel: NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception'\n")
+    messages = [XID_79, "usb 1-1: new high-speed USB device", "NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception",
+                *FORGED, "NVRM: Xid (PCI:0000:2a:00): 48, pid=2, name=python3, DBE",
+                "NVRM: Xid (PCI:0000:99:00): 79, pid=1, name=python3, GPU has fallen off the bus."]
+    entries = [journal_entry(m, **({"SYSLOG_FACILITY": "1"} if ", DBE" in m else {})) for m in messages]
+    (tmp_path / "journal").write_text("".join(e + "\n" for e in entries))
+    (bin_ / "journalctl").write_text(FAKE_JOURNALCTL.format(python=sys.executable, dir=str(tmp_path)))
     (bin_ / "dcgmi").write_text("#!/bin/sh\necho 'Error: Health watches not enabled. Please enable watches. '\n"
                                 "exit 1\n")
     for f in ("journalctl", "dcgmi"):
@@ -198,17 +242,25 @@ def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_pat
     faults = tmp_path / "faults"
     faults.write_text("1 ecc-uncorrectable 2\n1 remap-pending\n")
     cmd, token = gpu.gpu_command(device_prefix=str(tmp_path / "nvidia"), health_since=1796288000)
+    env = {**os.environ, "PATH": f"{bin_}:/usr/bin:/bin", "FAKE_GPU_FAULTS": str(faults),
+           **({"JOURNALCTL_WITHOUT_GREP": "1"} if without_grep else {})}
     res = subprocess.run(["/bin/sh", str(SH / "gpu.sh"), *cmd.args], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PATH": f"{bin_}:/usr/bin:/bin", "FAKE_GPU_FAULTS": str(faults)})
+                         env=env)
     assert res.returncode == 0, res.stderr
     h = gpu.parse_gpu(res.stdout, token, "here").health
-    assert (tmp_path / "journalctl.args").read_text().split() == [
-        "-k", "-q", "--no-pager", "-o", "short-unix", "--since", "@1796288000"]
+    calls = [json.loads(x) for x in (tmp_path / "journalctl.calls").read_text().splitlines()]
+    since = ["-k", "-q", "--no-pager", "-o", "json"]
+    with_g = [*since, "--output-fields=MESSAGE,_TRANSPORT,SYSLOG_FACILITY", "--since", "@1796288000", "-g",
+              r"^NVRM: Xid \("]
+    assert calls == ([with_g, [*since, "--since", "@1796288000"]] if without_grep else [with_g])
+    # The host sends only entries whose message opens with a report: the ones quoting one stay there
+    sent = [json.loads(ln.split(" ", 2)[2])["MESSAGE"] for ln in res.stdout.splitlines()
+            if ln.startswith(f"{token} K ")]
+    assert sent == [messages[0], messages[2], messages[5], messages[6]]
     assert h is not None and h.read and h.now > 1796288000
     assert h.faults == ("GPU 00000000:2A:00.0: ECC Errors / Volatile / DRAM Uncorrectable: 2",
-                        "NVRM: Xid (PCI:0000:18:00): 79, pid=1, name=python3, GPU has fallen off the bus. "
-                        "[Xid 79: GPU has fallen off the bus (RESTART_BM)]")
-    assert h.signs == ()        # the Xid 13 is the application's
+                        f"{XID_79} [Xid 79: GPU has fallen off the bus (RESTART_BM)]")
+    assert h.signs == ()        # the Xid 13 is the application's; 2a's Xid 48 is not the kernel's; 99 is not here
     assert h.notes == ("GPU 00000000:2A:00.0: Remapped Rows / Pending: Yes (it waits for a GPU reset)",
                        "dcgmi health: Error: Health watches not enabled. Please enable watches.")
     # Only the health sections come back, not the whole report (memory, temperature ...)

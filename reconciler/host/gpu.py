@@ -28,7 +28,9 @@ from .. import shell
 from ..clock import REAL, Clock
 from ..errors import ObserveError
 from ..frames import Frame, decode, frames, malformed
-from ..plan.gpuhealth import SMI_SECTIONS, GpuHealth, dcgm_health, smi_health, xid_health
+from ..plan.gpuhealth import SMI_SECTIONS, GpuHealth, dcgm_health, gpu_buses, smi_health
+from ..plan.xid import XID_LINES as XID_LINES  # gpu.sh's constant of that name
+from ..plan.xid import xid_health
 from ..shell import ShCommand
 
 
@@ -63,7 +65,11 @@ SMI_FORMAT = "csv,noheader,nounits"
 QUERY_GPU = f"nvidia-smi --query-gpu={GPU_FIELDS} --format={SMI_FORMAT}"
 QUERY_APPS = f"nvidia-smi --query-compute-apps={APP_FIELDS} --format={SMI_FORMAT}"
 HEALTH_SECTIONS = "|" + "|".join(SMI_SECTIONS) + "|"
-XID_LINES = 20        # the last kernel log Xid lines of the window that gpu.sh sends
+# The `journalctl -k -o json` entries gpu.sh keeps: a MESSAGE that opens with an Xid report, matched
+# by journalctl (-g, on the field alone), else by grep on each line (a quote inside a JSON value is
+# escaped, so a message quoting a report never passes; older systemd wrote `" : "`).
+XID_MATCH, XID_FIELDS = r"^NVRM: Xid \(", "MESSAGE,_TRANSPORT,SYSLOG_FACILITY"
+XID_GREP = '"MESSAGE" ?: ?"NVRM: Xid \\('
 
 
 @dataclass(frozen=True)
@@ -191,12 +197,18 @@ def unit_of_cgroup(text: str) -> str | None:
     return found
 
 
+_NUMBER, _WHOLE = re.compile(r"[0-9]{1,15}(?:\.[0-9]{1,9})?"), re.compile(r"[0-9]{1,12}")
+
+
 def _int(v: str) -> int | None:
-    v = v.strip()
-    try:
-        return int(float(v))
-    except ValueError:
-        return None                  # "[N/A]", "[Not Supported]"
+    """A number nvidia-smi printed, rounded down; None for "[N/A]" or anything but a plain decimal
+    of at most 15 digits (host output is data: never inf, never 400 digits)."""
+    return int(float(v.strip())) if _NUMBER.fullmatch(v.strip()) else None
+
+
+def _whole(v: str) -> int | None:
+    """A pid, a GPU index or an epoch: ASCII digits, at most 12 of them; else None."""
+    return int(v) if _WHOLE.fullmatch(v) else None
 
 
 def _text(payload: str) -> str:
@@ -241,20 +253,20 @@ class _GpuReading:
 
     def holder(self, f: Frame) -> None:
         parts = f.payload.split()
-        if len(parts) < 3 or not parts[0].isdigit():
+        if len(parts) < 3 or (pid := _whole(parts[0])) is None:
             raise malformed(self.host, "GPU holder", f)
         try:
             comm, cgroup = _text(parts[1]).strip(), _text(parts[2])
         except ValueError:
             raise ObserveError(self.host, "malformed GPU holder line (bad base64)") from None
-        self.procs[int(parts[0])] = (comm, unit_of_cgroup(cgroup), tuple(sorted(set(parts[3:]))))
+        self.procs[pid] = (comm, unit_of_cgroup(cgroup), tuple(sorted(set(parts[3:]))))
 
     def cgroup(self, f: Frame) -> None:
-        pid, _, cg = f.payload.partition(" ")
-        if not pid.isdigit():
+        word, _, cg = f.payload.partition(" ")
+        if (pid := _whole(word)) is None:
             return
         try:
-            self.app_units[int(pid)] = unit_of_cgroup(_text(cg.strip() or "-"))
+            self.app_units[pid] = unit_of_cgroup(_text(cg.strip() or "-"))
         except ValueError:
             raise ObserveError(self.host, "malformed GPU cgroup line (bad base64)") from None
 
@@ -270,7 +282,7 @@ class _GpuReading:
         if not payload.strip() or payload.lower().startswith("no running"):
             return
         fields = [x.strip() for x in payload.split(",")]
-        if len(fields) < 3 or not fields[0].isdigit():
+        if len(fields) < 3 or (pid := _whole(fields[0])) is None:
             self.errors.append(payload.strip())
             return
         # process_name may itself hold commas: pid first, memory and uuid last.
@@ -278,7 +290,7 @@ class _GpuReading:
             name, mem, uuid = ",".join(fields[1:-2]), _int(fields[-2]), fields[-1]
         else:
             name, mem, uuid = ",".join(fields[1:-1]), _int(fields[-1]), ""
-        entry = self.apps.setdefault(int(fields[0]), (name, [], []))
+        entry = self.apps.setdefault(pid, (name, [], []))
         if mem is not None:
             entry[1].append(mem)
         if uuid:
@@ -295,15 +307,13 @@ class _GpuReading:
         gpus: list[Gpu] = []
         for payload in self.gpu_lines:
             fields = [x.strip() for x in payload.split(",")]
-            if len(fields) == 5 and fields[0].isdigit():
-                cap = fields[4] if re.fullmatch(r"[0-9]+\.[0-9]+", fields[4]) else None
-                gpus.append(Gpu(index=int(fields[0]), uuid=fields[1], used_mib=_int(fields[2]),
+            index = _whole(fields[0])
+            if len(fields) in (4, 5) and index is not None:
+                cap = fields[-1] if len(fields) == 5 and re.fullmatch(r"[0-9]{1,3}\.[0-9]{1,3}", fields[-1]) else None
+                gpus.append(Gpu(index=index, uuid=fields[1], used_mib=_int(fields[2]),
                                 total_mib=_int(fields[3]), compute_capability=cap))
-            elif len(fields) == 4 and fields[0].isdigit():
-                gpus.append(Gpu(index=int(fields[0]), uuid=fields[1], used_mib=_int(fields[2]),
-                                total_mib=_int(fields[3])))
-            elif len(fields) == 3 and fields[0].isdigit():
-                gpus.append(Gpu(index=int(fields[0]), used_mib=_int(fields[1]), total_mib=_int(fields[2])))
+            elif len(fields) == 3 and index is not None:
+                gpus.append(Gpu(index=index, used_mib=_int(fields[1]), total_mib=_int(fields[2])))
             elif payload.strip():
                 self.errors.insert(0, payload.strip())
         return sorted(gpus, key=lambda g: g.index)
@@ -327,16 +337,15 @@ class _GpuReading:
         if "QRC" not in self.rc:
             return None
         faults, notes = smi_health("\n".join(self.said["Q"]))
-        xf, signs = xid_health(self.said["K"])
+        xf, signs = xid_health(self.said["K"], gpu_buses(self.said["Q"]))
         df, dn = dcgm_health("\n".join(self.said["D"])) if "DRC" in self.rc else ([], [])
         notes += dn + (["kernel log not read (no journalctl)"] if self.rc.get("KRC") == "-" else [])
         read = self.rc["QRC"] == "0" or bool(faults)
         if not read:
             tail = [x.strip() for x in self.said["Q"] if x.strip()][-1:]
             notes.insert(0, f"nvidia-smi -q exited {self.rc['QRC']}" + (f": {tail[0]}" if tail else ""))
-        now = self.rc.get("NOW", "")
         return GpuHealth(read=read, faults=tuple(faults + xf + df), signs=tuple(signs),
-                         now=int(now) if now.isdigit() else 0, notes=tuple(notes))
+                         now=_whole(self.rc.get("NOW", "")) or 0, notes=tuple(notes))
 
     def facts(self) -> GpuFacts:
         gpus = self.gpus()
@@ -431,12 +440,12 @@ async def _alive(t: Runner, pids: list[int]) -> set[int]:
     if not pids:
         return set()
     res = await t.run(_alive_script(pids), timeout=15, what="GPU holder check")
-    return {int(x) for x in res.stdout.split() if x.isdigit()}
+    return {p for x in res.stdout.split() if (p := _whole(x)) is not None}
 
 
 def _marked(stdout: str, mark: str) -> set[int]:
-    return {int(p) for m, _, p in (line.partition(" ") for line in stdout.splitlines())
-            if m == mark and p.strip().isdigit()}
+    return {n for m, _, p in (line.partition(" ") for line in stdout.splitlines())
+            if m == mark and (n := _whole(p.strip())) is not None}
 
 
 async def kill_strays(t: Runner, holders: list[Holder], policy: str = "report", *,
@@ -469,7 +478,7 @@ async def kill_strays(t: Runner, holders: list[Holder], policy: str = "report", 
     if alive:
         res = await t.run("; ".join(f"kill -KILL {p} 2>/dev/null && echo {p}" for p in sorted(alive)) + "; true",
                           timeout=15, what="SIGKILL stray GPU holders")
-        killed = {int(x) for x in res.stdout.split() if x.isdigit()}
+        killed = {p for x in res.stdout.split() if (p := _whole(x)) is not None}
         end = clock.now() + 5.0
         alive = await _alive(t, sorted(alive))
         while alive and clock.now() < end:

@@ -34,10 +34,12 @@ from ..plan.model import Kind
 from ..plan.records import Quarantine, Result, halt_where
 from ..plan.rollout import (
     Halt,
+    HostOutcome,
     RolloutResult,
     Wave,
+    excuses_on_record,
     group_members,
-    host_fault,
+    judge_wave,
     natural_key,
     plan_rollouts,
     quarantine_cover,
@@ -306,13 +308,26 @@ class _FleetRun:
     # -- rollouts --
 
     async def _rollout(self, ro: RolloutResult) -> None:
-        """Run one group's waves; halt at the first wave with a failure."""
+        """Run one group's waves; after each, rollout.judge_wave says whether it halts there."""
         p, t0 = ro.plan, time.monotonic()
         svc = p.group.service
         ro.status = "running"
         self._send("rollout.start", ro, hosts=list(p.pending), waves=[w.to_json() for w in p.waves])
         self._tell("start", ro)
         by_name = {h.name: h for h in self.hosts}
+        # Starts of this revision that failed with sick GPUs in an earlier run count here too
+        faulted = excuses_on_record(svc, self.state.revision, {
+            h: r.facts.gpu_fault for h in p.members if (r := self.results.get(h)) is not None and r.facts is not None})
+
+        def outcome(h: str, r: HostResult) -> HostOutcome:
+            bad = next((e.outcome for e in r.events if e.service == svc and e.action == Event.DEPLOY
+                        and e.outcome is not None and not e.outcome.healthy), None)
+            if bad is not None:
+                return HostOutcome(h, bad.reason, bad.message, bad.quote, started=True)
+            if r.status is Result.FAILED:
+                return HostOutcome(h, r.reason or "Failed", r.message or "", observed=r.plan is not None)
+            return HostOutcome(h)
+
         for wave in p.waves:
             if self.io.supersede is not None and self.io.supersede.is_set():
                 ro.status = "superseded"      # a newer revision rolls out instead
@@ -322,21 +337,13 @@ class _FleetRun:
             self._tell("wave", ro)
             others = {h: frozenset(by_name[h].services) - {svc} for h in wave.hosts}
             results = await asyncio.gather(*(self._pass(by_name[h], hold=others[h], fresh=True) for h in wave.hosts))
-            failed: list[tuple[str, str, str, str | None]] = []     # host, reason, message, quote
-            for h, r in zip(wave.hosts, results, strict=True):
-                bad = next((e.outcome for e in r.events if e.service == svc and e.action == Event.DEPLOY
-                            and e.outcome is not None and not e.outcome.healthy), None)
-                if host_fault(bad.reason if bad is not None else r.reason if r.status is Result.FAILED else None):
-                    ro.excused += (h,)       # its GPUs, not the change: the rollout goes on
-                elif bad is not None:
-                    failed.append((h, bad.reason, bad.message, bad.quote))
-                elif r.status is Result.FAILED and r.plan is None:
-                    ro.skipped += (h,)       # not observed: nothing was changed there, nothing to judge
-                elif r.status is Result.FAILED:
-                    failed.append((h, r.reason or "Failed", r.message or "", None))
+            verdict = judge_wave(wave, (outcome(h, r) for h, r in zip(wave.hosts, results, strict=True)), faulted)
+            ro.excused += verdict.excused
+            ro.skipped += verdict.skipped
+            faulted += verdict.faulted
             ro.waves_done = wave.number
-            if failed:
-                await self._halt(ro, wave, failed)
+            if verdict.halt:
+                await self._halt(ro, wave, [(o.host, o.reason or "Failed", o.message, o.quote) for o in verdict.halt])
                 ro.seconds = time.monotonic() - t0
                 self._tell("halted", ro)
                 return

@@ -37,7 +37,7 @@ from ..host.transport import SSHTransport, Transport
 from ..plan.actions import plan_host
 from ..plan.facts import HostFacts, observe_command, parse_observation
 from ..plan.files import secret_files
-from ..plan.gpuhealth import GPU_FAULT, blames_gpu, recorded_after, start_fault
+from ..plan.gpuhealth import GPU_FAULT, blames_gpu, mark_note, recorded_after, start_fault
 from ..plan.model import Action, Context, HostPlan, Kind
 from ..plan.records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
@@ -244,15 +244,14 @@ class _HostRun:
 
     async def _record_gpu(self, facts: HostFacts) -> None:
         """The host's GPU fault as this plan's pre-flight read it (gpuhealth.recorded_after):
-        marked when the GPUs were sick, cleared when they read healthy."""
+        marked when the GPUs were sick, cleared when they read healthy or the mark expired."""
         reading = self.preflight.gpu.health if self.preflight is not None and self.preflight.gpu else None
         keep = recorded_after(facts.gpu_fault, reading)
-        if keep == facts.gpu_fault:
+        note = mark_note(facts.gpu_fault, keep, reading)
+        if note is None:
             return
         await write_gpu_fault(self.t, keep)
-        was = facts.gpu_fault.quote if facts.gpu_fault is not None else ""
-        self.result.notes.append(f"GPU fault recorded: {keep.quote}" if keep is not None else
-                                 f"GPU fault cleared: the GPUs read healthy (was: {was})")
+        self.result.notes.append(note)
 
     async def _blame_gpu(self, out: Outcome, name: str, revision: str, since: float) -> Outcome:
         """A failed start on a GPU host: read the GPUs' health without a CUDA context (nvidia-smi

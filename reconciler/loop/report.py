@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from rich.progress import TaskID
 
 from ..errors import ConfigError
+from ..plan.gpuhealth import GPU_FAULT
 from ..plan.records import Result
 from ..redact import escape_controls, redact
 from .results import FleetResult, HostResult
@@ -352,6 +353,8 @@ def print_rollouts(console: Console, res: FleetResult) -> None:
                           f"{_t(ro.reason or '')}[/]", highlight=False)
             if ro.quote:
                 console.print(f"    journal: {_t(ro.quote)}", highlight=False)
+            if ro.reason == GPU_FAULT and ro.message:     # why a GPU fault counted this time
+                console.print(f"    {_t(ro.message)}", highlight=False)
             if ro.untouched:
                 console.print(f"  not restarted, quarantined at {res.revision[:7]}: {_t(', '.join(ro.untouched))}",
                               highlight=False)

@@ -7,8 +7,9 @@ context, and what the planner makes of it:
     pages (pending), remapped rows (pending, failure), "GPU Reset Status" (reset required, drain
     and reset recommended), "GPU Recovery Action", and nvidia-smi's own "GPU is lost" / "GPU
     requires reset" answers;
-  * the kernel log's `NVRM: Xid` lines since a time (`journalctl -k`), each classified by
-    NVIDIA's Xid catalog (XID_CATALOG below);
+  * the kernel log's `NVRM: Xid` reports since a time, each classified by NVIDIA's Xid catalog:
+    read in xid.py, only as the kernel's own message and for a GPU nvidia-smi lists here
+    (`gpu_buses`), since a user's file name can be quoted inside any kernel message;
   * DCGM's health watches (`dcgmi health -c`), where DCGM is installed and watches are set.
 
 A reading has faults (a start must not happen on this host: it blocks, and a failed start that
@@ -19,7 +20,10 @@ failure, since they may be weeks old and NVIDIA says new work may start: a row r
 the next reset, a DCGM warning; shown, nothing more). `in_force` decides the host's GpuFault
 from the recorded one and a fresh reading; `blames_gpu` whether a failed start was the GPU's.
 The fault is kept on the host in /var/lib/reconciler/gpu-fault.json (`GpuFault`), cleared by
-the next healthy reading, by removing that file, or passed over once by `reconcile --retry`.
+the next healthy reading, by removing that file, or passed over once by `reconcile --retry`;
+while no reading can be made (nvidia-smi -q failing without saying why) it stays, for at most
+MARK_EXPIRES after it was recorded (`in_force`, `mark_note`).
+Every reader is total: any text gives a value, with numbers and lengths bounded.
 """
 
 from __future__ import annotations
@@ -30,53 +34,23 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .xid import bus_key
+from .xid import xid_health as xid_health  # the kernel log's reader, for gpuhealth's callers
+
 GPU_FAULT = "GpuFault"
 # The sections of `nvidia-smi -q` (under each GPU) that say its health: what gpu.sh keeps.
 SMI_SECTIONS = ("ECC Errors", "Retired Pages", "Remapped Rows", "GPU Reset Status", "GPU Recovery Action")
 FAULT_FILE = "/var/lib/reconciler/gpu-fault.json"
-XID_SOURCE = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 # "Row-remapping pending flag ... new workloads can be launched": a pending remap is a note only
 REMAP_SOURCE = "https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/error-recovery-and-response-flags.html"
 
-# NVIDIA's Xid catalog for Ampere and newer (XID_SOURCE; its "Resolution Bucket (Immediate
-# Action)" column), the Xids the reconciler blames on the host. Faults: the catalog's immediate
-# action resets the GPU (RESET_GPU), restarts the machine (RESTART_BM, RESTART_VM) or follows a
-# hardware workflow (WORKFLOW_XID_48 for a double-bit ECC error, the NVLink workflows). Signs:
-# memory errors whose immediate action is only to restart the application (94 contained ECC
-# error) or nothing at all (63 row-remapping event, 92 high single-bit ECC rate): the application
-# that died of one died of the hardware. Every other Xid (13 graphics engine exception, 31 GPU
-# memory page fault, 43 GPU stopped processing, 45 preemptive cleanup, ...: RESTART_APP with an
-# application investigation, or IGNORE) is the application's: it says nothing about the host.
-XID_FAULTS: Mapping[int, str] = {
-    46: "GPU stopped processing (RESET_GPU)",
-    48: "double-bit ECC error (WORKFLOW_XID_48)",
-    62: "internal micro-controller halt (RESET_GPU)",
-    64: "GPU memory remapping failure (RESET_GPU)",
-    74: "NVLink error (WORKFLOW_NVLINK_ERR)",
-    79: "GPU has fallen off the bus (RESTART_BM)",
-    95: "uncontained memory error (RESET_GPU)",
-    109: "context switch timeout (RESET_GPU)",
-    110: "security fault (RESET_GPU)",
-    119: "GSP RPC timeout (RESET_GPU)",
-    120: "GSP error (RESET_GPU)",
-    136: "link training failed (RESET_GPU)",
-    140: "ECC unrecovered error (RESET_GPU)",
-    143: "GPU initialization error (RESET_GPU)",
-    **{x: "NVLink5 error (WORKFLOW_NVLINK5_ERR)" for x in range(144, 151)},
-    151: "key rotation error (RESTART_VM)",
-    155: "NVLink SW-defined error (RESET_GPU)",
-    156: "resource retirement event (RESET_GPU)",
-    158: "GPU fatal timeout (RESET_GPU)",
-}
-XID_SIGNS: Mapping[int, str] = {
-    63: "GPU memory row-remapping event",
-    92: "high single-bit ECC error rate",
-    94: "contained memory error (RESTART_APP)",
-}
 # Start failures a GPU fault can explain (health.py's reasons for a start that did not come up).
 BLAMABLE = frozenset({"CrashLoop", "StartFailed", "StartTimeout", "Exited", "Unstable"})
 
-_XID = re.compile(r"NVRM: Xid \((?P<dev>[^)]*)\): (?P<code>\d+)")
+_LONGEST = 8192            # the longest quote a record of ours holds (an Xid message and the catalog's words)
+MARK_EXPIRES = 24 * 3600   # a mark outlives no reading for longer than this (seconds, host clock)
+# A GPU's PCI bus id as nvidia-smi writes it (`GPU 00000000:18:00.0`, `... for GPU0000:3B:00.0: GPU is lost`)
+_BUS = re.compile(r"GPU ?(?P<bus>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})\.[0-7](?![0-9A-Za-z])")
 # nvidia-smi's answers for a GPU it cannot use (NVML_ERROR_GPU_IS_LOST, NVML_ERROR_RESET_REQUIRED)
 _LOST = re.compile(r"GPU is lost|GPU requires reset|fallen off the bus", re.I)
 
@@ -131,21 +105,24 @@ class GpuFault:
 
     @classmethod
     def from_json(cls, data: object) -> GpuFault | None:
-        if not isinstance(data, Mapping) or not isinstance(data.get("quote"), str) or not data["quote"]:
+        """The record, or None where it is not one (a quote longer than any we write is not ours)."""
+        if not isinstance(data, Mapping) or not isinstance(q := data.get("quote"), str) or not 0 < len(q) <= _LONGEST:
             return None
         at, lines = data.get("at"), data.get("lines")
         svc, rev = data.get("service"), data.get("revision")
-        return cls(quote=data["quote"], at=at if isinstance(at, int) and not isinstance(at, bool) else 0,
-                   lines=tuple(x for x in lines if isinstance(x, str)) if isinstance(lines, list) else (),
-                   service=svc if isinstance(svc, str) else None, revision=rev if isinstance(rev, str) else None)
+        return cls(quote=q, at=at if isinstance(at, int) and not isinstance(at, bool) and 0 <= at < 2 ** 40 else 0,
+                   lines=tuple(x for x in lines[:5] if isinstance(x, str) and len(x) <= _LONGEST)
+                   if isinstance(lines, list) else (),
+                   service=svc if isinstance(svc, str) and len(svc) <= 255 else None,
+                   revision=rev if isinstance(rev, str) and len(rev) <= 64 else None)
 
     @classmethod
-    def parse(cls, text: str) -> GpuFault | None:
-        """Read leniently; a file that is not a fault record still says the host was marked:
-        it stays marked (with that said) until cleared."""
+    def parse(cls, text: str) -> GpuFault:
+        """Read leniently (total); a file that is not a fault record still says the host was
+        marked: it stays marked (with that said) until cleared."""
         try:
             return cls.from_json(json.loads(text)) or cls(quote="unreadable gpu-fault.json")
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):    # not JSON, an integer too long, nesting too deep
             return cls(quote="unreadable gpu-fault.json")
 
 
@@ -230,21 +207,16 @@ def smi_health(text: str) -> tuple[list[str], list[str]]:
     return faults, notes
 
 
-def xid_health(lines: Iterable[str]) -> tuple[list[str], list[str]]:
-    """Faults and signs among kernel log lines (pure): each `NVRM: Xid (PCI:...): N, ...` line
-    classified by XID_FAULTS / XID_SIGNS, quoted from `NVRM:` on with what the catalog says."""
-    faults: list[str] = []
-    signs: list[str] = []
+def gpu_buses(lines: Iterable[str]) -> frozenset[str]:
+    """The bus ids of the host's GPUs in the kept `nvidia-smi -q` lines (pure, bus_key): each GPU's
+    header (`GPU 00000000:18:00.0`), and a GPU nvidia-smi says is lost (it lists it no more)."""
+    found: set[str] = set()
     for line in lines:
-        m = _XID.search(line)
-        if not m:
-            continue
-        code, quote = int(m.group("code")), line[m.start():].strip()
-        if code in XID_FAULTS:
-            faults.append(f"{quote} [Xid {code}: {XID_FAULTS[code]}]")
-        elif code in XID_SIGNS:
-            signs.append(f"{quote} [Xid {code}: {XID_SIGNS[code]}]")
-    return faults, signs
+        if line.startswith("GPU ") or (not line.startswith(" ") and _LOST.search(line)):
+            m = _BUS.search(line)
+            if m is not None:
+                found.add(bus_key(m.group("bus")))
+    return frozenset(found)
 
 
 _CELL = re.compile(r"^\|\s*(?P<left>[^|]*?)\s*\|\s*(?P<right>[^|]*?)\s*\|$")
@@ -276,19 +248,26 @@ def dcgm_health(text: str) -> tuple[list[str], list[str]]:
 # ---- the decisions --------------------------------------------------------------------------------
 
 
+def expired(recorded: GpuFault, reading: GpuHealth) -> bool:
+    """A mark that no reading could confirm or clear for MARK_EXPIRES since it was recorded (host
+    clock): nvidia-smi -q has failed since, without saying a GPU is lost (pure)."""
+    return not reading.read and reading.now > 0 and reading.now - recorded.at >= MARK_EXPIRES
+
+
 def in_force(recorded: GpuFault | None, reading: GpuHealth | None, *, retry: bool = False) -> GpuFault | None:
     """The host's GPU fault that blocks every start now (pure).
 
     No reading (nothing starts, so nothing was read): none; the recorded one stays on the host.
-    A reading that could not be made (no nvidia-smi any more): the recorded one stays in force,
-    since only a healthy reading clears it. A reading with faults: a fault dated now (the
-    recorded one's start kept when it is the same). A healthy reading: none (cleared).
-    `retry` (reconcile --retry): the operator passes over it once.
+    A reading that could not be made (nvidia-smi failing): the recorded one stays in force, since
+    only a healthy reading clears it, but for at most MARK_EXPIRES after it was recorded: a host
+    is not held forever on a fault nothing confirms (`expired`). A reading with faults: a fault
+    dated now (the recorded one's start kept when it is the same). A healthy reading: none
+    (cleared). `retry` (reconcile --retry): the operator passes over it once.
     """
     if retry or reading is None:
         return None
     if not reading.read:
-        return recorded
+        return None if recorded is None or expired(recorded, reading) else recorded
     if not reading.faults:
         return None
     if recorded is not None and recorded.quote in reading.faults:
@@ -298,9 +277,23 @@ def in_force(recorded: GpuFault | None, reading: GpuHealth | None, *, retry: boo
 
 def recorded_after(recorded: GpuFault | None, reading: GpuHealth | None) -> GpuFault | None:
     """What gpu-fault.json holds after a reading before a start (pure): the fault it found, none
-    after a healthy one, the recorded one when there was no (usable) reading. --retry passes
-    over a fault; it never clears one."""
-    return in_force(recorded, reading) if reading is not None and reading.read else recorded
+    after a healthy one or once the mark expired, the recorded one when there was no reading.
+    --retry passes over a fault; it never clears one."""
+    return in_force(recorded, reading) if reading is not None else recorded
+
+
+def mark_note(recorded: GpuFault | None, kept: GpuFault | None, reading: GpuHealth | None) -> str | None:
+    """What the report says when a reading changed gpu-fault.json (pure); None when it did not."""
+    if kept == recorded:
+        return None
+    if kept is not None:
+        return f"GPU fault recorded: {kept.quote}"
+    was = recorded.quote if recorded is not None else ""
+    if recorded is not None and reading is not None and expired(recorded, reading):
+        why = reading.notes[0] if reading.notes else "GPU health not read"
+        return (f"GPU fault mark expired: no reading has confirmed or cleared it for {MARK_EXPIRES // 3600} h "
+                f"({why}); starts are allowed again (was: {was})")
+    return f"GPU fault cleared: the GPUs read healthy (was: {was})"
 
 
 def blames_gpu(reason: str, healthy: bool, reading: GpuHealth | None) -> bool:

@@ -22,9 +22,11 @@ The executor runs a wave's hosts concurrently and waits for every one to be heal
 back) before the next wave starts, so at most ``bound`` hosts are down at once. A failed wave
 halts the group: see ``quarantine_cover`` for how the halt reaches hosts that never restarted.
 A host whose start failed because its GPUs are sick (``GpuFault``) does not fail its wave: it
-is the host's fault, not the change's (``host_fault``), so the rollout goes on without it; a
-host already marked GpuFault is left out of the waves (its plan starts nothing until its GPUs
-read healthy again).
+is the host's fault, not the change's (``host_fault``), so the rollout goes on without it;
+unless it is the canary, or the second host whose start of this revision failed so: a revision
+can provoke a GPU fault, so then the rollout halts as for a failure (``judge_wave``). A host
+already marked GpuFault is left out of the waves (its plan starts nothing until its GPUs read
+healthy again).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..desired.spec import DesiredState, RolloutPolicy
-from .gpuhealth import GPU_FAULT
+from .gpuhealth import GPU_FAULT, GpuFault
 
 CANARY_LABEL = ("canary", "true")
 
@@ -114,10 +116,99 @@ class RolloutResult:
 
 
 def host_fault(reason: str | None) -> bool:
-    """A wave host's failure that is its host's own, not the change's: its GPUs were sick when
-    the start failed (GpuFault). It neither halts the rollout nor quarantines the change: the
-    canary's failure it is not."""
+    """A wave host's failure that its host's GPUs may explain: its GPUs were sick when the start
+    failed, or before it (GpuFault). Alone it neither halts the rollout nor quarantines the
+    change; judge_wave says when it stops being an excuse."""
     return reason == GPU_FAULT
+
+
+@dataclass(frozen=True)
+class HostOutcome:
+    """What one wave host's pass made of the group's service, as the executor read its result:
+    `reason` None when it is healthy (or nothing needed doing), else the failed deploy's reason
+    (`started`: the service was started and watched to that verdict) or the host's own (a
+    pre-flight block, an apply that failed); `observed` False when the host was never planned."""
+
+    host: str
+    reason: str | None = None
+    message: str = ""
+    quote: str | None = None
+    started: bool = False
+    observed: bool = True
+
+
+@dataclass(frozen=True)
+class Excuse:
+    """A host whose start of this revision failed while its GPUs were sick: the fault line."""
+
+    host: str
+    quote: str
+
+
+@dataclass(frozen=True)
+class WaveVerdict:
+    """What a wave's outcomes mean for the rollout (judge_wave). `halt`: the hosts where it halts,
+    the first named (empty: it goes on); they are quarantined as failed, the later waves'
+    hosts as untouched. `excused`: hosts whose GPU fault does not count against the change;
+    `faulted`: this wave's starts that failed with sick GPUs (they count towards the next
+    halt); `skipped`: hosts never planned (nothing changed there, nothing to judge)."""
+
+    halt: tuple[HostOutcome, ...] = ()
+    excused: tuple[str, ...] = ()
+    faulted: tuple[Excuse, ...] = ()
+    skipped: tuple[str, ...] = ()
+
+
+def judge_wave(wave: Wave, outcomes: Iterable[HostOutcome], before: Iterable[Excuse] = ()) -> WaveVerdict:
+    """The verdict on one wave (pure), from its hosts' outcomes and the starts of this revision
+    that failed with sick GPUs before it (`before`: earlier waves, and hosts whose gpu-fault.json
+    names this revision: excuses_on_record).
+
+    A failure of the change (any reason but GpuFault) halts the rollout there, as ever. A GPU
+    fault is the host's, not the change's, but NVIDIA says an Xid may be "a user application
+    problem", so a revision that provokes one must not walk the fleet: the rollout also halts
+    when the canary's start failed with sick GPUs (the canary is what vouches for the change),
+    or when a second host's start of this revision did (two excuses are a pattern). A host that
+    was blocked before its start (its GPUs read sick first) ran nothing of the revision: it is
+    excused and counts towards nothing.
+    """
+    failed: list[HostOutcome] = []
+    excused: list[str] = []
+    faulted: list[Excuse] = []
+    skipped: list[str] = []
+    for o in outcomes:
+        if host_fault(o.reason):
+            excused.append(o.host)
+            if o.started:
+                faulted.append(Excuse(o.host, o.quote or o.message))
+        elif o.reason is None:
+            continue
+        elif o.started or o.observed:
+            failed.append(o)
+        else:
+            skipped.append(o.host)
+    if failed:
+        return WaveVerdict(tuple(failed), tuple(excused), tuple(faulted), tuple(skipped))
+    seen = [*before, *faulted]
+    if faulted and (wave.canary or len({e.host for e in seen}) >= 2):
+        if wave.canary:
+            why = (f"the canary's start failed while its GPUs were sick ({faulted[0].quote}): a revision can "
+                   f"provoke a GPU fault, so a canary's is no excuse")
+        else:
+            said = "; ".join(f"{e.host}: {e.quote}" for e in seen)
+            why = (f"GPU faults on {len({e.host for e in seen})} hosts at this revision ({said}): a revision "
+                   f"that provokes GPU faults is not excused twice")
+        halt = tuple(HostOutcome(e.host, GPU_FAULT, why, e.quote, started=True) for e in faulted)
+        return WaveVerdict(halt, tuple(h for h in excused if h not in {e.host for e in faulted}), tuple(faulted),
+                           tuple(skipped))
+    return WaveVerdict((), tuple(excused), tuple(faulted), tuple(skipped))
+
+
+def excuses_on_record(service: str, revision: str, marks: Mapping[str, GpuFault | None]) -> tuple[Excuse, ...]:
+    """The hosts whose gpu-fault.json says their start of `service` at `revision` failed with sick
+    GPUs (an earlier run of this revision's rollout): they count towards judge_wave's two (pure)."""
+    return tuple(Excuse(h, m.quote) for h, m in sorted(marks.items(), key=lambda kv: natural_key(kv[0]))
+                 if m is not None and m.service == service and m.revision == revision)
 
 
 _DIGITS = re.compile(r"(\d+)")

@@ -9,8 +9,11 @@
 # processes with theirs. With SINCE (host epoch seconds, 0: this boot) the GPUs' health too,
 # without a CUDA context (reconciler/plan/gpuhealth.py reads it): the sections of
 # `nvidia-smi -q` that say it (HEALTH_SECTIONS, and any line saying a GPU is lost), the kernel
-# log's NVRM Xid lines since SINCE (`journalctl -k`: the kernel's own messages, as journald read
-# them from /dev/kmsg), and DCGM's health watches where dcgmi is installed.
+# log's entries since SINCE whose message opens with the driver's Xid report (`journalctl -k -o
+# json`: the kernel's own messages, as journald read them from /dev/kmsg, one entry a line with
+# its message a field apart, so a quoted report or an embedded newline cannot pass for one;
+# xids below; reconciler/plan/xid.py reads each again), and DCGM's health watches where dcgmi is
+# installed.
 # Each record is a line "TOKEN KIND ...", the last "TOKEN END".
 GPU_FIELDS=index,uuid,memory.used,memory.total,compute_cap
 # nvidia-smi before compute_cap was a field (drivers older than 510) refuses the whole query:
@@ -20,6 +23,9 @@ APP_FIELDS=pid,process_name,used_memory,gpu_uuid
 SMI_FORMAT=csv,noheader,nounits
 HEALTH_SECTIONS='|ECC Errors|Retired Pages|Remapped Rows|GPU Reset Status|GPU Recovery Action|'
 XID_LINES=20
+XID_MATCH='^NVRM: Xid \('
+XID_FIELDS=MESSAGE,_TRANSPORT,SYSLOG_FACILITY
+XID_GREP='"MESSAGE" ?: ?"NVRM: Xid \('
 
 T=$1 PREFIX=$2 SINCE=${3:--}
 nl='
@@ -34,6 +40,17 @@ enc() {  # file -> e: @ and its one line when that is printable ASCII without sp
   fi
   e=$(base64 -w0 < "$1" 2>/dev/null)
   return 0
+}
+xids() {  # the kernel log's entries since $s whose message opens with an Xid report, as JSON lines:
+          # journalctl matches the message field itself (-g: only those entries are formatted);
+          # one without -g (before 237, or built without PCRE2) says so, and then every entry
+          # is formatted and grep keeps them (rc 1 and nothing said: nothing matched)
+  if out=$(journalctl -k -q --no-pager -o json --output-fields="$XID_FIELDS" ${s:+--since "$s"} \
+             -g "$XID_MATCH" 2>&1) || [ -z "$out" ]; then
+    printf '%s\n' "$out"
+  else
+    journalctl -k -q --no-pager -o json ${s:+--since "$s"} 2>/dev/null | grep -E "$XID_GREP"
+  fi
 }
 printf '%s BEGIN\n' "$T"
 # One ls over every process's fd directory (no process per fd): "/proc/PID/fd:" headers, then
@@ -102,8 +119,7 @@ if [ -n "$smi" ]; then
     printf '%s QRC %s\n' "$T" "$rc"
     if command -v journalctl >/dev/null 2>&1; then
       s=; [ "$SINCE" = 0 ] || s=@$SINCE
-      journalctl -k -q --no-pager -o short-unix ${s:+--since "$s"} 2>/dev/null | grep -F 'NVRM: Xid' |
-        tail -n "$XID_LINES" | while IFS= read -r l; do printf '%s K %s\n' "$T" "$l"; done
+      xids | tail -n "$XID_LINES" | while IFS= read -r l; do [ -z "$l" ] || printf '%s K %s\n' "$T" "$l"; done
       printf '%s KRC 0\n' "$T"
     else
       printf '%s KRC -\n' "$T"

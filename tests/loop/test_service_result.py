@@ -70,3 +70,24 @@ def test_a_rollout_says_which_hosts_it_did_not_count_for_their_gpus() -> None:
     text = console.export_text()
     assert "done: 2 hosts in 2 waves" in text
     assert "not counted against it (GpuFault: the host's GPUs, not the change): gpu-1" in text
+
+
+def test_a_rollout_halted_by_a_gpu_fault_says_why_it_counted() -> None:
+    from rich.console import Console
+
+    from reconciler.desired.spec import RolloutPolicy
+    from reconciler.loop.report import print_rollouts
+    from reconciler.loop.results import FleetResult
+    from reconciler.plan.rollout import GroupKey, RolloutPlan, RolloutResult, plan_waves
+    policy = RolloutPolicy(canary=1, max_unavailable=1)
+    waves = plan_waves(["gpu-1", "gpu-2"], {}, policy, 2)
+    plan = RolloutPlan(GroupKey("m", "qwen"), policy, ("gpu-1", "gpu-2"), ("gpu-1", "gpu-2"), 1, waves)
+    why = "the canary's start failed while its GPUs were sick (ECC): a revision can provoke a GPU fault, ..."
+    for reason, message, shown in (("GpuFault", why, True), ("CrashLoop", "exited 3 times", False)):
+        ro = RolloutResult(plan, status="halted", waves_done=1, halted_at="gpu-1", halted_wave=1, reason=reason,
+                           message=message, quote="ECC", untouched=("gpu-2",))
+        console = Console(record=True, width=200)
+        print_rollouts(console, FleetResult(REV, False, [], [ro]))
+        text = console.export_text()
+        assert f"halted at gpu-1 (wave 1, canary): {reason}\n    journal: ECC\n" in text
+        assert (f"    journal: ECC\n    {why}\n" in text) is shown and "exited 3 times" not in text

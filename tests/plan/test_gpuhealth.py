@@ -3,17 +3,21 @@ log Xid lines and `dcgmi health -c` output, and the decisions (pure)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
 from reconciler.plan.gpuhealth import (
+    MARK_EXPIRES,
     GpuFault,
     GpuHealth,
     blames_gpu,
     dcgm_health,
+    gpu_buses,
     in_force,
+    mark_note,
     recorded_after,
     smi_health,
     start_fault,
@@ -216,36 +220,97 @@ def test_a_gpu_that_nvidia_smi_calls_lost():
                       "Reboot the system to recover this GPU"]
 
 
-# Kernel log lines as `journalctl -k -o short-unix` prints them (the messages are real drivers'
-# forms, from NVIDIA's documentation and public bug reports).
-XID_79 = ("1796288718.801337 gpu-01 kernel: NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, "
-          "GPU has fallen off the bus.")
-XID_48 = ("1796288719.000001 gpu-01 kernel: NVRM: Xid (PCI:0000:3b:00): 48, pid=1234, name=python3, "
-          "An uncorrectable double bit error (DBE) has been detected on GPU in the framebuffer at partition 1.")
-XID_63 = ("1796288720.5 gpu-01 kernel: NVRM: Xid (PCI:0000:10:1c): 63, pid=1896, Row Remapper: New row marked "
-          "for remapping, reset gpu to activate.")
-XID_94 = "1796288721.5 gpu-01 kernel: NVRM: Xid (PCI:0000:3b:00): 94, pid=4242, name=python3, Contained: SM (0x1)."
-XID_119 = "1796288722.5 gpu-01 kernel: NVRM: Xid (PCI:0000:3b:00): 119, pid=4242, name=python3, Timeout after 6s"
-XID_13 = "1796288723.5 gpu-01 kernel: NVRM: Xid (0000:01:00): 13, 0005 00000000 0000502d 00000104 00000000 00000100"
-XID_31 = "1796288724.5 gpu-01 kernel: NVRM: Xid (0000:01:00): 31, Ch 0000000b, engmask 00000120, intr 10000000"
-XID_43 = "1796288725.5 gpu-01 kernel: NVRM: Xid (PCI:0000:3b:00): 43, pid=4242, name=python3, Ch 00000008"
-NOT_XID = "1796288726.5 gpu-01 kernel: NVRM: GPU at PCI:0000:3b:00: GPU-0b11d014-1685-04bd-26ed-5fc0bc1c44ae"
+def entry(message: str, **fields: object) -> str:
+    """A kernel log entry as `journalctl -k -o json` prints it (one line; systemd 252's fields)."""
+    return json.dumps({"__CURSOR": "s=ac1c;i=51", "__REALTIME_TIMESTAMP": "1796288718801337", "_TRANSPORT": "kernel",
+                       "SYSLOG_FACILITY": "0", "SYSLOG_IDENTIFIER": "kernel", "PRIORITY": "3", "_HOSTNAME": "gpu-01",
+                       "MESSAGE": message, **fields}, separators=(",", ":"))
+
+
+# The driver's Xid reports (real drivers' forms, from NVIDIA's documentation and public bug
+# reports; 13 and 31 from an older driver, without `PCI:`), on the GPUs of BUSES.
+XID_79 = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus."
+XID_48 = ("NVRM: Xid (PCI:0000:3b:00): 48, pid=1234, name=python3, An uncorrectable double bit error (DBE) has "
+          "been detected on GPU in the framebuffer at partition 1.")
+XID_63 = "NVRM: Xid (PCI:0000:10:1c): 63, pid=1896, Row Remapper: New row marked for remapping, reset gpu to activate."
+XID_94 = "NVRM: Xid (PCI:0000:3b:00): 94, pid=4242, name=python3, Contained: SM (0x1)."
+XID_119 = "NVRM: Xid (PCI:0000:3b:00): 119, pid=4242, name=python3, Timeout after 6s"
+XID_13 = "NVRM: Xid (0000:01:00): 13, 0005 00000000 0000502d 00000104 00000000 00000100"
+XID_31 = "NVRM: Xid (0000:01:00): 31, Ch 0000000b, engmask 00000120, intr 10000000"
+XID_43 = "NVRM: Xid (PCI:0000:3b:00): 43, pid=4242, name=python3, Ch 00000008"
+NOT_XID = "NVRM: GPU at PCI:0000:3b:00: GPU-0b11d014-1685-04bd-26ed-5fc0bc1c44ae"
+# nvidia-smi -q's GPU headers, as gpu.sh keeps them (00000000:3B:00.0 is 0000:3b:00 of the kernel's)
+SMI_GPUS = ["GPU 00000000:3B:00.0", "    ECC Errors", "GPU 00000000:10:1C.0", "GPU 00000000:01:00.0"]
+BUSES = gpu_buses(SMI_GPUS)
+
+
+def test_the_gpus_bus_ids_are_nvidia_smis_headers_and_a_gpu_it_calls_lost():
+    assert {"00000000:3b:00", "00000000:10:1c", "00000000:01:00"} == BUSES
+    lost = ["Unable to determine the device handle for GPU0000:41:00.0: GPU is lost.  Reboot the system to recover "
+            "this GPU", "GPU 00000000:18:00.0"]
+    assert gpu_buses(lost) == {"00000000:41:00", "00000000:18:00"}
+    # The H200's own report, as gpu.sh keeps it (its header, the health sections)
+    assert gpu_buses(H200_580.splitlines()) == {"00000000:00:06"}
+    # An indented line (a field's value, a process name under Processes) names no GPU
+    assert gpu_buses(["    Name : GPU 00000000:99:00.0 GPU is lost", "GPU is lost"]) == frozenset()
 
 
 def test_xids_by_nvidias_catalog_hardware_memory_signs_and_the_applications():
-    faults, signs = xid_health([XID_79, XID_48, XID_63, XID_94, XID_119, XID_13, XID_31, XID_43, NOT_XID])
-    assert faults == [
-        "NVRM: Xid (PCI:0000:3b:00): 79, pid=1234, name=python3, GPU has fallen off the bus. "
-        "[Xid 79: GPU has fallen off the bus (RESTART_BM)]",
-        XID_48[XID_48.index("NVRM"):] + " [Xid 48: double-bit ECC error (WORKFLOW_XID_48)]",
-        XID_119[XID_119.index("NVRM"):] + " [Xid 119: GSP RPC timeout (RESET_GPU)]"]
-    assert signs == [XID_63[XID_63.index("NVRM"):] + " [Xid 63: GPU memory row-remapping event]",
-                     XID_94[XID_94.index("NVRM"):] + " [Xid 94: contained memory error (RESTART_APP)]"]
+    lines = [entry(x) for x in (XID_79, XID_48, XID_63, XID_94, XID_119, XID_13, XID_31, XID_43, NOT_XID)]
+    faults, signs = xid_health(lines, BUSES)
+    assert faults == [f"{XID_79} [Xid 79: GPU has fallen off the bus (RESTART_BM)]",
+                      f"{XID_48} [Xid 48: double-bit ECC error (WORKFLOW_XID_48)]",
+                      f"{XID_119} [Xid 119: GSP RPC timeout (RESET_GPU)]"]
+    assert signs == [f"{XID_63} [Xid 63: GPU memory row-remapping event]",
+                     f"{XID_94} [Xid 94: contained memory error (RESTART_APP)]"]
 
 
-@pytest.mark.parametrize("line", [XID_13, XID_31, XID_43, NOT_XID])
-def test_application_xids_say_nothing_about_the_host(line: str):
-    assert xid_health([line]) == ([], [])
+@pytest.mark.parametrize("message", [XID_13, XID_31, XID_43, NOT_XID])
+def test_application_xids_say_nothing_about_the_host(message: str):
+    assert xid_health([entry(message)], BUSES) == ([], [])
+
+
+SEGFAULT = "python3[4242]: segfault at 0 ip 00007f3a5c0d1000 sp 00007ffd2a7b8e40 error 4 in {name}[7f3a5c000000+1000]"
+
+
+@pytest.mark.parametrize(("why", "line"), [
+    # A local user's file named as a report, in the kernel's segfault report (security review E6)
+    ("quoted in a segfault", entry(SEGFAULT.format(name="NVRM: Xid (PCI:0000:3b:00): 79, x"))),
+    # ... with a newline in the name: journald turns the kernel's \x0a back into one
+    ("after a newline", entry(SEGFAULT.format(name="a\nNVRM: Xid (PCI:0000:3b:00): 79, x"))),
+    ("exec's NULL-argv warning", entry("process 'NVRM: Xid (PCI:0000:3b:00): 79, x' launched '/bin/x' with NULL "
+                                       "argv: empty string added")),
+    ("a comm as long as a comm gets", entry("NVRM: Xid (PCI:[4242]: segfault at 0 ip 0 sp 0 error 4")),
+    ("a GPU that is not this host's", entry("NVRM: Xid (PCI:0000:41:00): 79, pid=1, GPU has fallen off the bus.")),
+    ("not the kernel's transport", entry(XID_79, _TRANSPORT="syslog")),
+    ("a userspace write to /dev/kmsg", entry(XID_79, SYSLOG_FACILITY="1")),
+    ("no transport", json.dumps({"MESSAGE": XID_79})),
+    ("the short format", f"1796288718.801337 gpu-01 kernel: {XID_79}"),
+    ("a 400-digit code", entry("NVRM: Xid (PCI:0000:3b:00): " + "7" * 400 + ", x")),
+    ("a code without its comma", entry("NVRM: Xid (PCI:0000:3b:00): 79x, x")),
+    ("longer than the kernel writes", entry(XID_79 + " " + "x" * 2100)),
+    ("binary (journalctl's array of bytes)", entry("", MESSAGE=list(XID_79.encode()))),
+    ("deeply nested", "[" * 5000 + "]" * 5000),
+    ("not JSON", '{"MESSAGE":"NVRM: Xid (PCI:0000:3b:00): 79, x"'),
+    ("a number too long for int()", '{"MESSAGE": ' + "9" * 5000 + "}"),
+])
+def test_only_the_drivers_own_report_for_this_hosts_gpus_counts(why: str, line: str):
+    assert xid_health([line], BUSES) == ([], []), why
+    assert xid_health([line, entry(XID_79)], BUSES) == ([f"{XID_79} [Xid 79: GPU has fallen off the bus (RESTART_BM)]"],
+                                                        [])
+
+
+def test_no_gpus_known_no_xid_counts_and_a_quote_shows_no_control_characters():
+    assert xid_health([entry(XID_79)]) == ([], [])
+    comm = "NVRM: Xid (PCI:0000:3b:00): 48, pid=7, name=py\x1b[2Jthon, DBE"
+    assert xid_health([entry(comm)], BUSES)[0] == [
+        "NVRM: Xid (PCI:0000:3b:00): 48, pid=7, name=py?[2Jthon, DBE [Xid 48: double-bit ECC error (WORKFLOW_XID_48)]"]
+
+
+def test_the_last_twenty_entries_are_read():
+    lines = [entry(XID_79.replace("pid=1234", f"pid={i}")) for i in range(25)]
+    faults, _ = xid_health(lines, BUSES)
+    assert len(faults) == 20 and "pid=5," in faults[0] and "pid=24," in faults[-1]
 
 
 # `dcgmi health -c` as dcgmi/Health.cpp prints it (DcgmiOutputTree): a header, the overall
@@ -287,6 +352,9 @@ SICK = GpuHealth(read=True, faults=(ECC,), now=500)
 HEALTHY = GpuHealth(read=True, now=600)
 UNREAD = GpuHealth(read=False, notes=("nvidia-smi -q exited 9",), now=600)
 MARK = GpuFault(quote=ECC, at=400, lines=(ECC,), service="m", revision="c2" * 20)
+# nvidia-smi -q still failing a day after the mark, and a second before that
+UNREAD_DAY = GpuHealth(read=False, notes=("nvidia-smi -q exited 9: NVIDIA-SMI has failed",), now=400 + MARK_EXPIRES)
+UNREAD_LATE = GpuHealth(read=False, notes=("nvidia-smi -q exited 9",), now=400 + MARK_EXPIRES - 1)
 
 
 @pytest.mark.parametrize(("recorded", "reading", "retry", "want"), [
@@ -294,7 +362,10 @@ MARK = GpuFault(quote=ECC, at=400, lines=(ECC,), service="m", revision="c2" * 20
     (MARK, None, False, None),                      # ... the record stays, the first plan is a first look
     (None, HEALTHY, False, None),
     (MARK, HEALTHY, False, None),                   # cleared by the next healthy reading
-    (MARK, UNREAD, False, MARK),                    # only a healthy reading clears it
+    (MARK, UNREAD, False, MARK),                    # only a healthy reading clears it ...
+    (MARK, UNREAD_LATE, False, MARK),
+    (MARK, UNREAD_DAY, False, None),                # ... or a day with no reading at all (expired)
+    (MARK, GpuHealth(read=False, now=0), False, MARK),   # no clock read: it stays
     (None, UNREAD, False, None),
     (MARK, SICK, False, MARK),                      # the same fault: the record (and its start) stays
     (None, SICK, False, GpuFault(quote=ECC, at=500, lines=(ECC,))),   # seen before a start
@@ -307,6 +378,7 @@ def test_the_fault_in_force(recorded, reading, retry, want):
 @pytest.mark.parametrize(("recorded", "reading", "want"), [
     (MARK, HEALTHY, None),                          # cleared
     (MARK, UNREAD, MARK),                           # kept
+    (MARK, UNREAD_DAY, None),                       # expired: the file goes
     (MARK, None, MARK),
     (None, SICK, GpuFault(quote=ECC, at=500, lines=(ECC,))),
     (None, HEALTHY, None),
@@ -342,3 +414,28 @@ def test_the_kernel_log_is_read_since_the_recorded_fault_else_since_the_last_app
     assert xid_since(MARK, 1000) == 401
     assert xid_since(None, 1000) == 1000
     assert xid_since(None, 0) == 0
+
+
+@pytest.mark.parametrize(("recorded", "kept", "reading", "note"), [
+    (MARK, MARK, SICK, None),
+    (None, None, HEALTHY, None),
+    (None, GpuFault(quote=ECC, at=500), SICK, f"GPU fault recorded: {ECC}"),
+    (MARK, None, HEALTHY, f"GPU fault cleared: the GPUs read healthy (was: {ECC})"),
+    (MARK, None, UNREAD_DAY, "GPU fault mark expired: no reading has confirmed or cleared it for 24 h (nvidia-smi "
+                             f"-q exited 9: NVIDIA-SMI has failed); starts are allowed again (was: {ECC})"),
+])
+def test_what_the_report_says_of_a_change_of_the_mark(recorded, kept, reading, note):
+    assert mark_note(recorded, kept, reading) == note
+
+
+@pytest.mark.parametrize("text", ["", "{", "[]", "null", '{"quote": ""}', '{"quote": 7}', "[" * 5000,
+                                  '{"quote": "q", "at": ' + "9" * 5000 + "}", '{"quote": "' + "q" * 9000 + '"}'])
+def test_a_mark_that_is_no_record_of_ours_still_marks_the_host(text):
+    assert GpuFault.parse(text) == GpuFault(quote="unreadable gpu-fault.json")
+
+
+def test_a_marks_numbers_and_lengths_are_bounded():
+    f = GpuFault.parse('{"quote": "q", "at": 1e400, "lines": ["a", 1, "b", "c", "d", "e", "f"], "service": true, '
+                       '"revision": "' + "r" * 65 + '"}')
+    assert f == GpuFault(quote="q", at=0, lines=("a", "b", "c", "d"))
+    assert GpuFault.parse('{"quote": "q", "at": 1099511627776}').at == 0

@@ -17,9 +17,15 @@ from reconciler.errors import ConfigError, SourceError
 from reconciler.host.notify import ALLOW_ENV, Notifier, slack_text, where
 from reconciler.loop.fleet import select_hosts
 from reconciler.loop.results import HostResult, ServiceEvent, merge_result
+from reconciler.plan.gpuhealth import GpuFault
 from reconciler.plan.rollout import (
+    Excuse,
     GroupKey,
     Halt,
+    HostOutcome,
+    Wave,
+    excuses_on_record,
+    judge_wave,
     natural_key,
     order_hosts,
     plan_rollouts,
@@ -365,3 +371,80 @@ def test_a_hosts_sick_gpus_are_not_the_changes_failure() -> None:
     from reconciler.plan.rollout import host_fault
     assert host_fault("GpuFault")
     assert not any(host_fault(r) for r in ("CrashLoop", "StartFailed", "ApplyFailed", "Unreachable", None))
+
+
+# ---- the wave verdict -------------------------------------------------------------------------
+
+CANARY, WAVE = Wave(1, ("h1",), canary=True), Wave(3, ("h4", "h5"))
+ECC = "GPU 00000000:18:00.0: ECC Errors / Volatile / DRAM Uncorrectable: 2"
+
+
+def ok(h: str) -> HostOutcome:
+    return HostOutcome(h)
+
+
+def gpu(h: str, *, started: bool = True) -> HostOutcome:
+    """Its start failed with its GPUs sick (started), or it was blocked before (a fault seen first)."""
+    return HostOutcome(h, "GpuFault", f"GpuFault: the start failed ({h})", f"{ECC} ({h})", started=started)
+
+
+def crash(h: str) -> HostOutcome:
+    return HostOutcome(h, "CrashLoop", "exited 3 times", "ValueError: bad flag", started=True)
+
+
+def early(h: str) -> Excuse:
+    """A start of this revision that failed with sick GPUs before this wave (or in an earlier run)."""
+    return Excuse(h, f"{ECC} ({h})")
+
+
+@pytest.mark.parametrize("wave, outcomes, before, halt, excused, faulted, skipped", [
+    # every host healthy: it goes on
+    (CANARY, [ok("h1")], [], [], [], [], []),
+    (WAVE, [ok("h4"), ok("h5")], [early("h2")], [], [], [], []),
+    # the change's failure halts, at the first failed host, as ever
+    (CANARY, [crash("h1")], [], [("h1", "CrashLoop")], [], [], []),
+    (WAVE, [crash("h4"), crash("h5")], [], [("h4", "CrashLoop"), ("h5", "CrashLoop")], [], [], []),
+    # ... also when a wave host's GPUs excuse it: that host stays excused, and its fault counted
+    (WAVE, [gpu("h4"), crash("h5")], [], [("h5", "CrashLoop")], ["h4"], ["h4"], []),
+    # an apply that failed (nothing started) is the change's too; a host never observed is skipped
+    (WAVE, [HostOutcome("h4", "ApplyFailed", "write failed"), ok("h5")], [], [("h4", "ApplyFailed")], [], [], []),
+    (WAVE, [HostOutcome("h4", "Unreachable", "", observed=False), ok("h5")], [], [], [], [], ["h4"]),
+    # a GPU fault alone on a later wave's host: excused, the rollout goes on
+    (WAVE, [gpu("h4"), ok("h5")], [], [], ["h4"], ["h4"], []),
+    # the canary's start failed with sick GPUs: no excuse, it halts there
+    (CANARY, [gpu("h1")], [], [("h1", "GpuFault")], [], ["h1"], []),
+    # the canary was blocked before its start (nothing of the revision ran): excused, not counted
+    (CANARY, [gpu("h1", started=False)], [], [], ["h1"], [], []),
+    # a second host's start of this revision failed so: it halts there, across waves ...
+    (WAVE, [gpu("h4"), ok("h5")], [early("h2")], [("h4", "GpuFault")], [], ["h4"], []),
+    # ... or within one wave (both quarantined, the first named)
+    (WAVE, [gpu("h4"), gpu("h5")], [], [("h4", "GpuFault"), ("h5", "GpuFault")], [], ["h4", "h5"], []),
+    # a host blocked before its start counts towards nothing; one host is counted once
+    (WAVE, [gpu("h4", started=False), ok("h5")], [early("h2")], [], ["h4"], [], []),
+    (WAVE, [gpu("h4"), ok("h5")], [early("h4")], [], ["h4"], ["h4"], []),
+])
+def test_the_wave_verdict(wave, outcomes, before, halt, excused, faulted, skipped) -> None:
+    v = judge_wave(wave, outcomes, before)
+    assert [(o.host, o.reason) for o in v.halt] == halt
+    assert (list(v.excused), [e.host for e in v.faulted], list(v.skipped)) == (excused, faulted, skipped)
+
+
+def test_a_halt_for_gpu_faults_says_why_and_quotes_them() -> None:
+    [at] = judge_wave(CANARY, [gpu("h1")]).halt
+    assert at == HostOutcome("h1", "GpuFault", f"the canary's start failed while its GPUs were sick ({ECC} (h1)): "
+                                               "a revision can provoke a GPU fault, so a canary's is no excuse",
+                             f"{ECC} (h1)", started=True)
+    [at] = judge_wave(WAVE, [ok("h5"), gpu("h4")], [early("h2")]).halt
+    assert at.host == "h4" and at.quote == f"{ECC} (h4)"
+    assert at.message == (f"GPU faults on 2 hosts at this revision (h2: {ECC} (h2); h4: {ECC} (h4)): a revision "
+                          "that provokes GPU faults is not excused twice")
+    # a failure of the change keeps its own words
+    assert judge_wave(CANARY, [crash("h1")]).halt == (crash("h1"),)
+
+
+def test_the_starts_that_failed_with_sick_gpus_at_this_revision_on_record() -> None:
+    rev, other = "c2" * 20, "c1" * 20
+    marks = {"h10": GpuFault(ECC, 5, service="m", revision=rev), "h2": GpuFault("xid", 6, service="m", revision=rev),
+             "h3": GpuFault(ECC, 7, service="m", revision=other), "h4": GpuFault(ECC, 8, service="n", revision=rev),
+             "h5": GpuFault(ECC, 9), "h6": None}
+    assert excuses_on_record("m", rev, marks) == (Excuse("h2", "xid"), Excuse("h10", ECC))
