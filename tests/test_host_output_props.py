@@ -45,7 +45,6 @@ INV = "a" * 32                              # an invocation a follower reads
 DEEP = "[" * 5000                           # nested past json's depth: RecursionError
 INDEX_400 = '{"weight_map":{"a":"x.safetensors"},"metadata":{"total_size":' + "9" * 400 + "}}"
 E4 = "Loading safetensors checkpoint shards:  50% Completed | " + "9" * 400 + "/1 ["
-GPU_OWNED = "owned by the GPU/engine work (issue 39: the GPU reading)"
 ENGINE_OWNED = "owned by the GPU/engine work (issue 39: the engine check)"
 
 
@@ -312,8 +311,6 @@ gpu_outputs = framed(["H", "C", "SMI", "G", "A", "GRC", "ARC", "NOW", "Q", "K", 
                                     max_size=6))
 
 
-@pytest.mark.xfail(strict=True, reason=f"{GPU_OWNED}: gpu.py _int() float('inf') -> int raises OverflowError; "
-                                       "a pid of '²' passes isdigit() and int() raises")
 @PROPERTY
 @given(gpu_outputs)
 @example(f"{T} G 0, GPU-1, inf, 81559, 9.0\n{T} END\n")
@@ -322,7 +319,6 @@ def test_the_gpu_reading_is_gpu_facts_or_an_observe_error(stdout: str) -> None:
     allowing(lambda: parse_gpu(stdout, T, "h"), ObserveError)
 
 
-@pytest.mark.xfail(strict=True, reason=f"{GPU_OWNED}: gpu.py _marked() int('²') raises ValueError")
 @PROPERTY
 @given(st.lists(st.builds(lambda m, n: f"{m} {n}", st.sampled_from("SF"), numbers), max_size=6).map("\n".join))
 @example("S ²")
@@ -331,8 +327,6 @@ def test_the_gpu_kill_report_never_raises(stdout: str) -> None:
     _marked(stdout, "S")
 
 
-@pytest.mark.xfail(strict=True, reason=f"{GPU_OWNED}: gpuhealth.xid_health() int() of a 5,000-digit Xid code "
-                                       "raises ValueError")
 @PROPERTY
 @given(st.lists(st.one_of(noise, numbers.map(lambda n: f"kernel: NVRM: Xid (PCI:0000:41:00): {n}, pid=1")),
                 max_size=6))
@@ -352,8 +346,6 @@ def test_nvidia_smi_q_and_dcgm_never_raise(text: str) -> None:
     gpuhealth.dcgm_health(text)
 
 
-@pytest.mark.xfail(strict=True, reason=f"{GPU_OWNED}: gpuhealth.GpuFault.parse() lets RecursionError and "
-                                       "int()'s digit-limit ValueError out of json.loads (facts.py guards its call)")
 @PROPERTY
 @given(json_texts)
 @example(DEEP)
