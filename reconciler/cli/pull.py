@@ -16,7 +16,7 @@ import click
 from ..desired.trust import RevisionRefused, TrustPolicy
 from ..errors import ConfigError, SourceError
 from .output import console, fail, fail_input, print_json, run_async, say
-from .run import refused
+from .run import check_state_dirs, refused
 
 if TYPE_CHECKING:
     from ..pull import PullOptions
@@ -87,6 +87,7 @@ def pull(repo: str, rev: str | None, path: str, host: str | None, workdir: Path 
     if install:
         _pull_install(opts, interval, splay, state_dir)
         return
+    check_state_dirs(state_dir, as_json)
     _pull_run(opts, as_json, state_dir)
 
 

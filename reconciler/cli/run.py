@@ -52,6 +52,19 @@ def trust_policy(require_signed: bool, allowed_signers: str | None, insecure_tra
     return flags.merged(cfg.trust_policy(f"{path} (a run as root)"))
 
 
+def check_state_dirs(state_dir: Path | None, as_json: bool) -> None:
+    """Refuse, before anything is fetched or run, a state directory that is not this user's alone
+    (dirs.own_dir): the store's (--state-dir) and the caches' ($RECONCILER_STATE_DIR, else the
+    user's). A run as root under `sudo -E` would otherwise keep its engine verdicts in, and write
+    its store through, a directory the user chose. Exit 1, one line naming it and the fix."""
+    from ..dirs import UnsafePath, default_state_dir, own_dir
+    try:
+        for d in dict.fromkeys((state_dir or default_state_dir(), default_state_dir())):
+            own_dir(d)
+    except UnsafePath as e:
+        fail_input(e, as_json, str(state_dir or default_state_dir()))
+
+
 def refused(e: RevisionRefused, as_json: bool) -> NoReturn:
     """The trust policy refused the revision (or the repo's URL): one line, or --json; exit 1."""
     if as_json:
@@ -89,6 +102,7 @@ def converge(opts: RunOptions, *, as_json: bool = False, state_dir: Path | None 
         fail(f"--notes writes to a local repo; {redact.redact(opts.repo)} is a URL (its local mirror is a cache "
              f"that nobody reads). Run it on a local clone; the deploy repo's pre-receive hook takes "
              f"refs/notes/reconciler* only from the users in notes_pushers of the controller's config")
+    check_state_dirs(state_dir, as_json)
     try:
         opts.trust.check_url(opts.repo)      # before anything is fetched
     except RevisionRefused as e:
