@@ -283,3 +283,13 @@ def test_status_and_history_refuse_it_in_one_line(tmp_path):
         assert res.returncode == 1 and res.stderr.startswith(f"error: state directory {state} belongs to uid "), \
             res.stderr
         assert "Traceback" not in res.stderr
+
+
+def test_the_daemon_refuses_it_before_making_anything_there(tmp_path):
+    from reconciler.controller.config import ControllerConfig
+    from reconciler.controller.daemon import Daemon
+    state = theirs(tmp_path / "state")
+    with pytest.raises(dirs.UnsafePath) as e:
+        Daemon(ControllerConfig(repo=str(tmp_path), state_dir=str(state), web="", metrics=""))
+    assert str(e.value).startswith(f"state directory {state} belongs to uid {NOBODY}")
+    assert list(state.iterdir()) == []                 # no runs/ made in it
