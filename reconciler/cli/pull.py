@@ -7,16 +7,18 @@ only with `--allow-insecure-transport`."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from ..desired.trust import RevisionRefused, TrustPolicy
-from ..errors import ConfigError, SourceError
+from ..errors import ConfigError, Problem, SourceError
 from .output import console, fail, fail_input, print_json, run_async, say
-from .run import check_state_dirs, refused
+from .run import check_state_dirs, refused, unusable_settings
 
 if TYPE_CHECKING:
     from ..pull import PullOptions
@@ -83,7 +85,8 @@ def pull(repo: str, rev: str | None, path: str, host: str | None, workdir: Path 
     opts = pull_mode.PullOptions(repo=repo, rev=rev, path=path, host=host, workdir=workdir or pull_mode.DEFAULT_DIR,
                                  age_identity=age_identity, retry=retry, allow_rewind=allow_rewind,
                                  lock_wait=lock_wait, dry_run=dry_run, publish=publish,
-                                 trust=_trust(allowed_signers, allow_unsigned, allow_insecure_transport))
+                                 trust=_trust(allowed_signers, allow_unsigned, allow_insecure_transport,
+                                              as_json=as_json))
     if install:
         _pull_install(opts, interval, splay, state_dir)
         return
@@ -91,8 +94,24 @@ def pull(repo: str, rev: str | None, path: str, host: str | None, workdir: Path 
     _pull_run(opts, as_json, state_dir)
 
 
-def _trust(allowed_signers: Path | None, allow_unsigned: bool, insecure: bool) -> TrustPolicy:
-    """The host's trust policy from the flags: a signers file, or unsigned revisions on purpose."""
+def _trust(allowed_signers: Path | None, allow_unsigned: bool, insecure: bool, *, as_json: bool = False,
+           env: Mapping[str, str] | None = None) -> TrustPolicy:
+    """The host's trust policy from the flags, or the trust variables of the environment as the
+    flags of the same name (RECONCILER_REQUIRE_SIGNED=true with RECONCILER_ALLOWED_SIGNERS=FILE is
+    --allowed-signers FILE): a signers file, or unsigned revisions on purpose. A variable that
+    contradicts a flag, or would not take effect, exits 1 naming it (controller/trustvars.py)."""
+    from ..controller import trustvars
+    found, bad = trustvars.read(os.environ if env is None else env)
+    if found.require_signed and allow_unsigned:
+        bad.append(Problem("environment", trustvars.REQUIRE, "requires signed revisions, but --allow-unsigned accepts "
+                                                             "unsigned ones: choose one"))
+    flags = trustvars.TrustVars(True if allowed_signers is not None else None,
+                                str(allowed_signers) if allowed_signers is not None else None, insecure or None)
+    bad += trustvars.problems(found, flags=flags)
+    if bad:
+        unusable_settings(bad, as_json)
+    if allowed_signers is None and found.require_signed and found.allowed_signers:
+        allowed_signers = Path(found.allowed_signers)
     if allowed_signers is not None and allow_unsigned:
         fail("--allowed-signers and --allow-unsigned: choose one")
     if allowed_signers is None and not allow_unsigned:
@@ -102,7 +121,7 @@ def _trust(allowed_signers: Path | None, allow_unsigned: bool, insecure: bool) -
     origin = "--allowed-signers" if allowed_signers is not None else "--allow-unsigned"
     return TrustPolicy.of(require_signed=allowed_signers is not None,
                           allowed_signers=allowed_signers.absolute() if allowed_signers is not None else None,
-                          insecure_transport=insecure, origin=origin)
+                          insecure_transport=insecure or bool(found.insecure_transport), origin=origin)
 
 
 def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
