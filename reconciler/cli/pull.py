@@ -66,10 +66,17 @@ PATH = click.Path(path_type=Path)
                                                      "on this host (every run says so).")
 @click.option("--allow-insecure-transport", is_flag=True, help="Fetch over http:// or git:// (plaintext: whoever is "
                                                                "on the path chooses what deploys).")
+@click.option("--ssh-identity", "ssh_key", type=PATH, metavar="FILE",
+              help="This host's deploy key for an ssh:// (or user@host:path) repo: a private key file of root's alone "
+                   "(mode 0600). Without it, root's ~/.ssh/id_ed25519 (id_ecdsa, id_rsa).")
+@click.option("--known-hosts", type=PATH, metavar="FILE",
+              help="The git server's SSH host key, in known_hosts format (root's, not writable by others); the "
+                   "fetch refuses any other key. Default: root's ~/.ssh/known_hosts.")
 def pull(repo: str, rev: str | None, path: str, host: str | None, workdir: Path | None, dry_run: bool,
          as_json: bool, retry: bool, allow_rewind: bool, lock_wait: float, publish: bool, age_identity: str | None,
          state_dir: Path | None, install: bool, uninstall: bool, interval: str, splay: str | None,
-         allowed_signers: Path | None, allow_unsigned: bool, allow_insecure_transport: bool) -> None:
+         allowed_signers: Path | None, allow_unsigned: bool, allow_insecure_transport: bool, ssh_key: Path | None,
+         known_hosts: Path | None) -> None:
     """Reconcile this host against itself from its clone of the desired-state repo (pull mode: no
     controller; rollout waves from fleet.toml [pull]). Run it on the host, as root."""
     from .. import pull as pull_mode
@@ -86,7 +93,9 @@ def pull(repo: str, rev: str | None, path: str, host: str | None, workdir: Path 
                                  age_identity=age_identity, retry=retry, allow_rewind=allow_rewind,
                                  lock_wait=lock_wait, dry_run=dry_run, publish=publish,
                                  trust=_trust(allowed_signers, allow_unsigned, allow_insecure_transport,
-                                              as_json=as_json))
+                                              as_json=as_json),
+                                 ssh_key=str(ssh_key.absolute()) if ssh_key is not None else None,
+                                 known_hosts=str(known_hosts.absolute()) if known_hosts is not None else None)
     if install:
         _pull_install(opts, interval, splay, state_dir)
         return
@@ -184,7 +193,8 @@ def _unit_argv(opts: PullOptions, repo: str, name: str, state_dir: Path | None) 
     for flag, value in (("--rev", opts.rev), ("--path", opts.path),
                         ("--age-identity", str(Path(opts.age_identity).resolve()) if opts.age_identity else None),
                         ("--state-dir", str(state_dir.resolve()) if state_dir else None),
-                        ("--allowed-signers", opts.trust.allowed_signers[0] if opts.trust.require_signed else None)):
+                        ("--allowed-signers", opts.trust.allowed_signers[0] if opts.trust.require_signed else None),
+                        ("--ssh-identity", opts.ssh_key), ("--known-hosts", opts.known_hosts)):
         if value:
             argv += [flag, value]
     if not opts.trust.require_signed:
@@ -233,7 +243,7 @@ def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir
         refused(e, False)
     _check_interpreter()
     try:
-        clone = open_clone(repo, opts.workdir)
+        clone = open_clone(repo, opts.workdir, opts.auth)
         head = source.snapshot(clone, opts.rev, opts.path)
         signer = opts.trust.verify(clone, head.revision)
         state = load_desired(head)

@@ -36,6 +36,7 @@ import pygit2
 
 from ..desired import source
 from ..desired.cache import load_desired
+from ..desired.gitauth import GitAuth
 from ..desired.spec import DesiredState, HostSpec
 from ..desired.trust import RevisionRefused, TrustPolicy, shown_url, url_credentials
 from ..errors import ConfigError, SourceError
@@ -83,6 +84,13 @@ class PullOptions:
     dry_run: bool = False
     publish: bool = True
     trust: TrustPolicy = field(default_factory=TrustPolicy)    # --allowed-signers / --allow-unsigned, transport
+    ssh_key: str | None = None          # --ssh-identity: the host's deploy key for an ssh:// repo
+    known_hosts: str | None = None      # --known-hosts: the git server's host key (else ~/.ssh/known_hosts)
+
+    @property
+    def auth(self) -> GitAuth:
+        """How the fetch (and the notes' push) authenticates (desired/gitauth.py)."""
+        return GitAuth(self.ssh_key, self.known_hosts)
 
     def run_options(self, host: str) -> RunOptions:
         """The run on this host: the one fleet run, limited to it."""
@@ -233,7 +241,7 @@ async def pull_once(opts: PullOptions, *, on_phase: HostPhase | None = None, con
     told what the run chose before it reconciles (a deploy may then take minutes)."""
     local = not source.is_url(opts.repo)
     opts.check_source()
-    repo = _git.open_clone(opts.repo, opts.workdir)
+    repo = _git.open_clone(opts.repo, opts.workdir, opts.auth)
     head = source.snapshot(repo, opts.rev, opts.path)
     signer = opts.trust.verify(repo, head.revision)     # an unsigned head: refused, before its tree is read
     state = load_desired(head)
@@ -276,7 +284,7 @@ async def _reconcile(out: PullOutcome, repo: pygit2.Repository, loaded: tuple[so
         now = int(time.time())
         pending = Report(name, rev, Standing.PENDING, wave=out.wave or "", at=now,
                          until=now + int(_deadline(host, opts.lock_wait)))
-        _say(out, repo, pending, push=not local)
+        _say(out, repo, pending, push=not local, auth=opts.auth)
     run = opts.run_options(name)
     opened = open_revision(snap, run, state=target)
     out.result = await run_fleet(opened, run, RunIO(connect=connect, on_phase=on_phase))
@@ -289,7 +297,7 @@ async def _reconcile(out: PullOutcome, repo: pygit2.Repository, loaded: tuple[so
         reason = "" if standing is Standing.OK else failed.reason if failed is not None else _held_reason(r)
         _say(out, repo, Report(name, rev, standing, wave=out.wave or "", reason=reason, at=int(time.time()),
                                services={n: str(s) for n, s in (r.plan.states.items() if r.plan else ())}),
-             push=not local)
+             push=not local, auth=opts.auth)
 
 
 def _held_reason(r: HostResult) -> str:
@@ -303,9 +311,9 @@ def _held_reason(r: HostResult) -> str:
     return r.reason or ""
 
 
-def _say(out: PullOutcome, repo: pygit2.Repository, report: Report, *, push: bool) -> None:
+def _say(out: PullOutcome, repo: pygit2.Repository, report: Report, *, push: bool, auth: GitAuth) -> None:
     try:
-        said = _git.publish(repo, report, push=push)
+        said = _git.publish(repo, report, push=push, auth=auth)
     except _git.PublishError as e:
         out.warnings.append(f"report not published: {e}")
     else:

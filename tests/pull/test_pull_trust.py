@@ -171,3 +171,26 @@ def test_only_an_interpreter_root_alone_can_change_runs_as_root():
     assert untrusted_paths(code, lstat=fake_lstat({"/opt": (0, 0o41777)})) == "/opt (owner uid 0, mode 1777)"
     # a symlink is judged by who owns it and where it lives, not by its own 0777
     assert untrusted_paths(code, lstat=fake_lstat({"/opt/rp/bin/python3": (0, 0o120777)})) is None
+
+
+def test_the_units_command_line_carries_the_deploy_key_and_the_pinned_host_key(tmp_path):
+    from reconciler.cli.pull import _unit_argv
+    opts = PullOptions(repo="ssh://git@127.0.0.5/srv/git/fleet.git", trust=TrustPolicy.of(require_signed=False),
+                       ssh_key="/etc/reconciler/pull/deploy_key", known_hosts="/etc/reconciler/pull/known_hosts")
+    argv = _unit_argv(opts, opts.repo, "gpu-1", None)
+    assert argv[argv.index("--ssh-identity") + 1] == "/etc/reconciler/pull/deploy_key"
+    assert argv[argv.index("--known-hosts") + 1] == "/etc/reconciler/pull/known_hosts"
+    assert "--ssh-identity" not in _unit_argv(PullOptions(repo=opts.repo), opts.repo, "gpu-1", None)
+
+
+def test_a_deploy_key_others_can_read_is_refused_before_anything_is_made(tmp_path):
+    from reconciler.desired.gitauth import GitAuth
+    from reconciler.errors import SourceError
+    from reconciler.pull._git import open_clone
+    key = tmp_path / "deploy_key"
+    key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    key.chmod(0o644)
+    with pytest.raises(SourceError) as e:
+        open_clone("ssh://git@127.0.0.9/srv/git/fleet.git", tmp_path / "pull", GitAuth(str(key)))
+    assert str(e.value).startswith(f"SSH key {key} must be uid 0's alone (owner uid 0, mode 0644)")
+    assert not (tmp_path / "pull").exists()
