@@ -91,6 +91,9 @@ def test_a_pull_host_follows_an_ssh_url_with_its_own_deploy_key(fleet: Fleet, ho
         assert f"the head {c1[:7]} is signed by {signing.PRINCIPAL}" in said, said
         wait_for(f"{c1[:7]} on the pull host", lambda: runs(fleet, puller, c1), 60)
         assert f"head {c1[:7]} (signed by {signing.PRINCIPAL})" in journal(fleet, puller)
+        # its run was recorded in the unit's state directory, which passes the state-directory checks
+        assert fleet.ssh(puller, "stat -c '%a %U' /var/lib/reconciler/pull/state/state.db").split() == ["600", "root"]
+        assert "error:" not in journal(fleet, puller)
 
         # a new commit reaches it by the timer, over SSH again
         write_fleet(repo, [puller], {"model-a": {"port": 30000, "env": {"V": "2"}, "health": {"stable_for": 1}}})
