@@ -76,8 +76,10 @@ def hosts(fleet_session: Fleet) -> list[fleetlib.Host]:
                                   "tar -x -C /tmp/reconciler-src", src)
         _ssh_in(fleet_session, h, "rm -rf /tmp/wheelhouse && mkdir -p /tmp/wheelhouse && tar -x -C /tmp/wheelhouse",
                 wheels)
-        fleet_session.ssh(h, f"rm -rf {VENV} && python3 -m venv {VENV} && PIP_NO_INDEX=1 "
-                             f"PIP_FIND_LINKS=/tmp/wheelhouse {VENV}/bin/pip install -q /tmp/reconciler-src")
+        # a venv and a pip install: tens of seconds on a loaded machine (Fleet.ssh allows 30)
+        _ssh_in(fleet_session, h, f"rm -rf {VENV} && python3 -m venv {VENV} && PIP_NO_INDEX=1 "
+                                  f"PIP_FIND_LINKS=/tmp/wheelhouse {VENV}/bin/pip install -q /tmp/reconciler-src",
+                b"", timeout=600)
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(setup, pair))
