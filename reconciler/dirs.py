@@ -89,9 +89,9 @@ def unsafe_dir(path: Path, what: str = "state directory") -> str | None:
     if not stat.S_ISDIR(st.st_mode):
         return f"{what} {path} is not a directory"
     if st.st_uid != euid:
-        return (f"{what} {path} belongs to uid {st.st_uid}, not to this run's uid {euid} (sudo -E keeps a "
-                f"user's HOME, XDG_STATE_HOME and RECONCILER_STATE_DIR): set RECONCILER_STATE_DIR to a directory "
-                f"of uid {euid}'s, or run sudo without -E")
+        return (f"{what} {path} belongs to uid {st.st_uid}, not to this run's uid {euid}: run as its owner "
+                f"(sudo -u '#{st.st_uid}' ...), or set RECONCILER_STATE_DIR to a directory of uid {euid}'s (sudo -E "
+                f"keeps a user's HOME, XDG_STATE_HOME and RECONCILER_STATE_DIR)")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return (f"{what} {path} is writable by others (mode {stat.S_IMODE(st.st_mode):04o}): "
                 f"chmod go-w {path}")

@@ -207,9 +207,9 @@ def test_another_users_state_directory_is_refused_naming_it_and_the_fix(tmp_path
     state = theirs(tmp_path / "home" / "state")
     with pytest.raises(dirs.UnsafePath) as e:
         Store(state)
-    assert str(e.value) == (f"state directory {state} belongs to uid {NOBODY}, not to this run's uid 0 (sudo -E "
-                            f"keeps a user's HOME, XDG_STATE_HOME and RECONCILER_STATE_DIR): set RECONCILER_STATE_DIR "
-                            f"to a directory of uid 0's, or run sudo without -E")
+    assert str(e.value) == (f"state directory {state} belongs to uid {NOBODY}, not to this run's uid 0: run as its "
+                            f"owner (sudo -u '#{NOBODY}' ...), or set RECONCILER_STATE_DIR to a directory of uid 0's "
+                            f"(sudo -E keeps a user's HOME, XDG_STATE_HOME and RECONCILER_STATE_DIR)")
     assert list(state.iterdir()) == []
 
 
@@ -264,9 +264,9 @@ def test_a_run_as_root_with_the_users_state_directory_refuses_before_anything(tm
     (state / "engine-verdicts.tmp1234").symlink_to(tmp_path / "victim")
     res = reconcile("--repo", str(r.path), *args, env={"RECONCILER_STATE_DIR": str(state)})
     assert res.returncode == 1, res.stdout + res.stderr
-    message = (f"state directory {state} belongs to uid {NOBODY}, not to this run's uid 0 (sudo -E keeps a user's "
-               f"HOME, XDG_STATE_HOME and RECONCILER_STATE_DIR): set RECONCILER_STATE_DIR to a directory of uid 0's, "
-               f"or run sudo without -E")
+    message = (f"state directory {state} belongs to uid {NOBODY}, not to this run's uid 0: run as its owner (sudo -u "
+               f"'#{NOBODY}' ...), or set RECONCILER_STATE_DIR to a directory of uid 0's (sudo -E keeps a user's HOME, "
+               f"XDG_STATE_HOME and RECONCILER_STATE_DIR)")
     if "--json" in args:
         assert json.loads(res.stdout) == {"error": "UnsafePath", "message": message}
     else:
