@@ -147,6 +147,8 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
         c = outcome.choice
         wave = f" (wave {outcome.wave})" if outcome.wave else ""
         trust = f"signed by {outcome.signer}" if outcome.signer else opts.trust_line()
+        if outcome.fallback:
+            say(f"pull {outcome.host}: {outcome.fallback}")
         say(f"pull {outcome.host}{wave}: head {outcome.head[:7]} ({trust}), reconciling "
              f"{c.revision[:7] if c.revision else 'nothing'}: {c.why}")
         for skip in c.skipped[:3]:
