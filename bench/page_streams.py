@@ -40,8 +40,15 @@ async def one(n: int, seconds: float, hosts: int, cap: int | None) -> dict[str, 
     with tempfile.TemporaryDirectory(prefix="page-streams-") as tmp:
         hub = populate(Path(tmp) / "state", Path(tmp) / "repo", hosts)
         extra: dict[str, int] = {}
-        if cap is not None and "max_streams" in inspect.signature(serve_page).parameters:
+        params = inspect.signature(serve_page).parameters
+        if cap is not None and "max_streams" in params:
             extra = {"max_streams": cap, "max_connections": cap + 16}     # room for the streams' sockets
+        if "max_streams_per_client" in params:
+            # The clients are one user here: the caps per client are the global ones, so the figures
+            # are the page's load as before the caps per client (web/peer.py).
+            from reconciler.controller.web.server import MAX_CONNECTIONS, MAX_STREAMS
+            extra["max_streams_per_client"] = extra.get("max_streams", MAX_STREAMS)
+            extra["max_connections_per_client"] = extra.get("max_connections", MAX_CONNECTIONS)
         page = await serve_page("127.0.0.1:0", hub, Path(tmp) / "state", repo="/srv/git/fleet.git", branch="main",
                                 **extra)
         assert page is not None

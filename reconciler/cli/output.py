@@ -102,12 +102,16 @@ def fail(message: str) -> NoReturn:
 
 
 def guarded(run: Callable[[], object]) -> None:
-    """Run a command: Ctrl-C exits 130; an unexpected error prints its traceback redacted and
+    """Run a command: Ctrl-C exits 130; a state directory or file that is not this user's alone
+    (dirs.UnsafePath) is one line, exit 1; an unexpected error prints its traceback redacted and
     exits 1."""
+    from ..dirs import UnsafePath
     try:
         run()
     except KeyboardInterrupt:
         sys.exit(130)
+    except UnsafePath as e:           # the state directory (or a file in it) is not ours alone
+        fail(str(e))
     except Exception:
         import traceback
         sys.stderr.write(redact.escape_controls(redact.redact(traceback.format_exc())))

@@ -7,16 +7,18 @@ only with `--allow-insecure-transport`."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
 from ..desired.trust import RevisionRefused, TrustPolicy
-from ..errors import ConfigError, SourceError
+from ..errors import ConfigError, Problem, SourceError
 from .output import console, fail, fail_input, print_json, run_async, say
-from .run import refused
+from .run import check_state_dirs, refused, unusable_settings
 
 if TYPE_CHECKING:
     from ..pull import PullOptions
@@ -64,10 +66,17 @@ PATH = click.Path(path_type=Path)
                                                      "on this host (every run says so).")
 @click.option("--allow-insecure-transport", is_flag=True, help="Fetch over http:// or git:// (plaintext: whoever is "
                                                                "on the path chooses what deploys).")
+@click.option("--ssh-identity", "ssh_key", type=PATH, metavar="FILE",
+              help="This host's deploy key for an ssh:// (or user@host:path) repo: a private key file of root's alone "
+                   "(mode 0600). Without it, root's ~/.ssh/id_ed25519 (id_ecdsa, id_rsa).")
+@click.option("--known-hosts", type=PATH, metavar="FILE",
+              help="The git server's SSH host key, in known_hosts format (root's, not writable by others); the "
+                   "fetch refuses any other key. Default: root's ~/.ssh/known_hosts.")
 def pull(repo: str, rev: str | None, path: str, host: str | None, workdir: Path | None, dry_run: bool,
          as_json: bool, retry: bool, allow_rewind: bool, lock_wait: float, publish: bool, age_identity: str | None,
          state_dir: Path | None, install: bool, uninstall: bool, interval: str, splay: str | None,
-         allowed_signers: Path | None, allow_unsigned: bool, allow_insecure_transport: bool) -> None:
+         allowed_signers: Path | None, allow_unsigned: bool, allow_insecure_transport: bool, ssh_key: Path | None,
+         known_hosts: Path | None) -> None:
     """Reconcile this host against itself from its clone of the desired-state repo (pull mode: no
     controller; rollout waves from fleet.toml [pull]). Run it on the host, as root."""
     from .. import pull as pull_mode
@@ -83,15 +92,35 @@ def pull(repo: str, rev: str | None, path: str, host: str | None, workdir: Path 
     opts = pull_mode.PullOptions(repo=repo, rev=rev, path=path, host=host, workdir=workdir or pull_mode.DEFAULT_DIR,
                                  age_identity=age_identity, retry=retry, allow_rewind=allow_rewind,
                                  lock_wait=lock_wait, dry_run=dry_run, publish=publish,
-                                 trust=_trust(allowed_signers, allow_unsigned, allow_insecure_transport))
+                                 trust=_trust(allowed_signers, allow_unsigned, allow_insecure_transport,
+                                              as_json=as_json),
+                                 ssh_key=str(ssh_key.absolute()) if ssh_key is not None else None,
+                                 known_hosts=str(known_hosts.absolute()) if known_hosts is not None else None)
     if install:
         _pull_install(opts, interval, splay, state_dir)
         return
+    check_state_dirs(state_dir, as_json)
     _pull_run(opts, as_json, state_dir)
 
 
-def _trust(allowed_signers: Path | None, allow_unsigned: bool, insecure: bool) -> TrustPolicy:
-    """The host's trust policy from the flags: a signers file, or unsigned revisions on purpose."""
+def _trust(allowed_signers: Path | None, allow_unsigned: bool, insecure: bool, *, as_json: bool = False,
+           env: Mapping[str, str] | None = None) -> TrustPolicy:
+    """The host's trust policy from the flags, or the trust variables of the environment as the
+    flags of the same name (RECONCILER_REQUIRE_SIGNED=true with RECONCILER_ALLOWED_SIGNERS=FILE is
+    --allowed-signers FILE): a signers file, or unsigned revisions on purpose. A variable that
+    contradicts a flag, or would not take effect, exits 1 naming it (controller/trustvars.py)."""
+    from ..controller import trustvars
+    found, bad = trustvars.read(os.environ if env is None else env)
+    if found.require_signed and allow_unsigned:
+        bad.append(Problem("environment", trustvars.REQUIRE, "requires signed revisions, but --allow-unsigned accepts "
+                                                             "unsigned ones: choose one"))
+    flags = trustvars.TrustVars(True if allowed_signers is not None else None,
+                                str(allowed_signers) if allowed_signers is not None else None, insecure or None)
+    bad += trustvars.problems(found, flags=flags)
+    if bad:
+        unusable_settings(bad, as_json)
+    if allowed_signers is None and found.require_signed and found.allowed_signers:
+        allowed_signers = Path(found.allowed_signers)
     if allowed_signers is not None and allow_unsigned:
         fail("--allowed-signers and --allow-unsigned: choose one")
     if allowed_signers is None and not allow_unsigned:
@@ -101,7 +130,7 @@ def _trust(allowed_signers: Path | None, allow_unsigned: bool, insecure: bool) -
     origin = "--allowed-signers" if allowed_signers is not None else "--allow-unsigned"
     return TrustPolicy.of(require_signed=allowed_signers is not None,
                           allowed_signers=allowed_signers.absolute() if allowed_signers is not None else None,
-                          insecure_transport=insecure, origin=origin)
+                          insecure_transport=insecure or bool(found.insecure_transport), origin=origin)
 
 
 def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
@@ -118,6 +147,8 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
         c = outcome.choice
         wave = f" (wave {outcome.wave})" if outcome.wave else ""
         trust = f"signed by {outcome.signer}" if outcome.signer else opts.trust_line()
+        if outcome.fallback:
+            say(f"pull {outcome.host}: {outcome.fallback}")
         say(f"pull {outcome.host}{wave}: head {outcome.head[:7]} ({trust}), reconciling "
              f"{c.revision[:7] if c.revision else 'nothing'}: {c.why}")
         for skip in c.skipped[:3]:
@@ -164,7 +195,8 @@ def _unit_argv(opts: PullOptions, repo: str, name: str, state_dir: Path | None) 
     for flag, value in (("--rev", opts.rev), ("--path", opts.path),
                         ("--age-identity", str(Path(opts.age_identity).resolve()) if opts.age_identity else None),
                         ("--state-dir", str(state_dir.resolve()) if state_dir else None),
-                        ("--allowed-signers", opts.trust.allowed_signers[0] if opts.trust.require_signed else None)):
+                        ("--allowed-signers", opts.trust.allowed_signers[0] if opts.trust.require_signed else None),
+                        ("--ssh-identity", opts.ssh_key), ("--known-hosts", opts.known_hosts)):
         if value:
             argv += [flag, value]
     if not opts.trust.require_signed:
@@ -213,7 +245,7 @@ def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir
         refused(e, False)
     _check_interpreter()
     try:
-        clone = open_clone(repo, opts.workdir)
+        clone = open_clone(repo, opts.workdir, opts.auth)
         head = source.snapshot(clone, opts.rev, opts.path)
         signer = opts.trust.verify(clone, head.revision)
         state = load_desired(head)

@@ -2,20 +2,23 @@
 (`loop.fleet.run_fleet`), record, print, exit with the run's code.
 
 What may deploy (desired/trust.py TrustPolicy) comes from the flags (--require-signed,
---allowed-signers, --allow-insecure-transport) and, for a run as root on a host that has the
-controller's config, from that config too: the stricter of both. So `reconcile --repo
+--allowed-signers, --allow-insecure-transport) or the trust variables of the same names
+(RECONCILER_REQUIRE_SIGNED, ...), and, for a run as root on a host that has the controller's
+config, from that config too: the stricter of both; a variable that would loosen either, or
+not take effect, is an error (controller/trustvars.py). So `reconcile --repo
 /srv/git/fleet.git` as root on the control host deploys only what the daemon would.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from .. import redact
 from ..desired.trust import RevisionRefused, TrustPolicy
-from ..errors import ConfigError, SourceError
+from ..errors import ConfigError, Problem, SourceError
 from ..loop.options import RunIO, RunOptions
 from .output import console, escape, fail, fail_input, print_json, run_async, say
 
@@ -34,22 +37,63 @@ def config_file() -> Path:
 
 
 def trust_policy(require_signed: bool, allowed_signers: str | None, insecure_transport: bool, *,
-                 as_json: bool = False, euid: int | None = None) -> TrustPolicy:
-    """The run's trust policy: the flags', merged (the stricter of both) with the controller's
-    config when run as root and the config exists; an invalid config exits 1 naming file and key."""
-    signed = require_signed or allowed_signers is not None
-    flags = TrustPolicy.of(require_signed=signed, allowed_signers=allowed_signers,
-                           insecure_transport=insecure_transport,
-                           origin="--allowed-signers" if allowed_signers else "--require-signed" if signed else "")
+                 as_json: bool = False, euid: int | None = None, env: Mapping[str, str] | None = None) -> TrustPolicy:
+    """The run's trust policy: the flags', with the trust variables of the environment as the
+    flags of the same name (RECONCILER_REQUIRE_SIGNED=true is --require-signed), merged (the
+    stricter of both) with the controller's config when run as root and the config exists. A
+    variable that would loosen the flags or the config, or not take effect, exits 1 naming it
+    (controller/trustvars.py); so does an invalid config, naming file and key."""
+    from ..controller import trustvars
+    env = os.environ if env is None else env
+    found, bad = trustvars.read(env)
+    flags = trustvars.TrustVars(require_signed or None, allowed_signers, insecure_transport or None)
     path = config_file()
-    if (os.geteuid() if euid is None else euid) != 0 or not path.exists():
-        return flags
-    from ..controller.config import load_config
+    root = (os.geteuid() if euid is None else euid) == 0 and path.exists()
+    cfg = None
+    if root:
+        from ..controller.config import load_config
+        try:
+            cfg = load_config(path, environ={k: v for k, v in env.items() if k not in trustvars.NAMES})
+        except ConfigError as e:
+            fail_input(e, as_json, str(path))
+    file = trustvars.TrustVars(cfg.require_signed, cfg.allowed_signers, cfg.allow_insecure_transport) \
+        if cfg is not None else None
+    bad += trustvars.problems(found, flags=flags, file=file, file_name=f"{path} (a run as root)")
+    if bad:
+        unusable_settings(bad, as_json)
+    signers = allowed_signers or found.allowed_signers
+    signed = require_signed or signers is not None or bool(found.require_signed)
+    origin = " and ".join(o for o, on in (("--allowed-signers", allowed_signers), ("--require-signed", require_signed),
+                                          (trustvars.SIGNERS, found.allowed_signers and not allowed_signers),
+                                          (trustvars.REQUIRE, found.require_signed)) if on)
+    mine = TrustPolicy.of(require_signed=signed, allowed_signers=signers,
+                          insecure_transport=insecure_transport or bool(found.insecure_transport), origin=origin)
+    return mine.merged(cfg.trust_policy(f"{path} (a run as root)")) if cfg is not None else mine
+
+
+def unusable_settings(problems: list[Problem], as_json: bool) -> NoReturn:
+    """Trust settings that may not stand (trustvars.problems): one line each, naming the variable
+    or option, or --json; exit 1 before anything is fetched."""
+    if as_json:
+        print_json({"error": "ConfigError", "message": "; ".join(str(p) for p in problems),
+                    "problems": [p.__dict__ for p in problems]})
+        raise SystemExit(1)
+    for p in problems[:-1]:
+        say(f"error: {p}")
+    fail(str(problems[-1]))
+
+
+def check_state_dirs(state_dir: Path | None, as_json: bool) -> None:
+    """Refuse, before anything is fetched or run, a state directory that is not this user's alone
+    (dirs.own_dir): the store's (--state-dir) and the caches' ($RECONCILER_STATE_DIR, else the
+    user's). A run as root under `sudo -E` would otherwise keep its engine verdicts in, and write
+    its store through, a directory the user chose. Exit 1, one line naming it and the fix."""
+    from ..dirs import UnsafePath, default_state_dir, own_dir
     try:
-        cfg = load_config(path)
-    except ConfigError as e:
-        fail_input(e, as_json, str(path))
-    return flags.merged(cfg.trust_policy(f"{path} (a run as root)"))
+        for d in dict.fromkeys((state_dir or default_state_dir(), default_state_dir())):
+            own_dir(d)
+    except UnsafePath as e:
+        fail_input(e, as_json, str(state_dir or default_state_dir()))
 
 
 def refused(e: RevisionRefused, as_json: bool) -> NoReturn:
@@ -89,6 +133,7 @@ def converge(opts: RunOptions, *, as_json: bool = False, state_dir: Path | None 
         fail(f"--notes writes to a local repo; {redact.redact(opts.repo)} is a URL (its local mirror is a cache "
              f"that nobody reads). Run it on a local clone; the deploy repo's pre-receive hook takes "
              f"refs/notes/reconciler* only from the users in notes_pushers of the controller's config")
+    check_state_dirs(state_dir, as_json)
     try:
         opts.trust.check_url(opts.repo)      # before anything is fetched
     except RevisionRefused as e:

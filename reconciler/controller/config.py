@@ -38,7 +38,9 @@
                                          #   otherwise. env: RECONCILER_WEBHOOK_ALLOW="127.0.0.0/8,..."
 
 Every key can be overridden by an environment variable RECONCILER_<KEY> (e.g.
-RECONCILER_REPO, RECONCILER_INTERVAL). Signing policy lives here, on the control host, and not
+RECONCILER_REPO, RECONCILER_INTERVAL), except that the trust keys' (RECONCILER_REQUIRE_SIGNED,
+_ALLOWED_SIGNERS, _ALLOW_INSECURE_TRANSPORT) may only make the policy stricter: one that would
+loosen the file, or not take effect, is an error (trustvars.py). Signing policy lives here, on the control host, and not
 in the desired-state repo, so a push cannot switch it off; the daemon, the git hooks and
 `reconcile` run as root all read it (desired/trust.py TrustPolicy). So does the age identity that
 decrypts the repo's secrets: the repo holds only what is encrypted to its public key. And so do
@@ -70,6 +72,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, fie
 
 from ..desired.trust import TrustPolicy
 from ..errors import ConfigError, Problem
+from . import trustvars
 
 DEFAULT_PATH = Path("/etc/reconciler/config.toml")
 SERVED = {"web": "the fleet page", "metrics": "the Prometheus metrics"}
@@ -232,11 +235,14 @@ def _credentials() -> dict[str, str]:
     return {key: str(Path(creds) / name) for key, name in CREDENTIALS if (Path(creds) / name).is_file()}
 
 
-def load_config(path: Path | None = None, overrides: Mapping[str, object] | None = None) -> ControllerConfig:
+def load_config(path: Path | None = None, overrides: Mapping[str, object] | None = None, *,
+                environ: Mapping[str, str] | None = None) -> ControllerConfig:
     """Read the config file (absent = defaults), apply RECONCILER_* overrides, the keys systemd
     passed as credentials, then the command line's (`reconcile watch --web ...`), and validate the
     result once: an override meets the same rules as the file. A problem names where its value
-    came from: the option, the environment variable, or the file and key."""
+    came from: the option, the environment variable, or the file and key. A trust variable that
+    would loosen the file's policy, or verify nothing, is a problem too (trustvars.problems).
+    `environ`: the variables to read (the process's by default)."""
     p = path or config_path()
     data: dict[str, object] = {}
     if p.exists():
@@ -244,11 +250,16 @@ def load_config(path: Path | None = None, overrides: Mapping[str, object] | None
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError([Problem(str(p), "", f"TOML syntax error: {e}")]) from None
+    environ = os.environ if environ is None else environ
+    env, bad = trustvars.read(environ)
+    bad += trustvars.problems(env, file=trustvars.of_file(data) if p.exists() else None, file_name=str(p))
+    if bad:
+        raise ConfigError(bad)
     origin: dict[str, tuple[str, str]] = {}
     for key in ControllerConfig.model_fields:
-        env = os.environ.get(f"RECONCILER_{key.upper()}")
-        if env is not None and env != "":
-            data[key] = env
+        env_value = environ.get(f"RECONCILER_{key.upper()}")
+        if env_value is not None and env_value != "":
+            data[key] = env_value
             origin[key] = ("environment", f"RECONCILER_{key.upper()}")
     data.update(_credentials())
     for key, value in (overrides or {}).items():

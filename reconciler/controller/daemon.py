@@ -62,7 +62,7 @@ from ..clock import REAL, Clock
 from ..desired import cache, source
 from ..desired.spec import DesiredState
 from ..desired.trust import RevisionRefused, check_descends
-from ..dirs import default_state_dir
+from ..dirs import default_state_dir, own_dir
 from ..errors import ConfigError, ReconcilerError, SourceError
 from ..host import notify
 from ..host.pool import Pool
@@ -128,7 +128,8 @@ class Daemon:
 
     def __init__(self, cfg: ControllerConfig, *, interval: float | None = None, clock: Clock = REAL):
         self.cfg = cfg
-        self.state_dir = Path(cfg.state_dir) if cfg.state_dir else default_state_dir()
+        # This user's alone, checked before anything is made in it (dirs.UnsafePath: one line, exit 1).
+        self.state_dir = own_dir(Path(cfg.state_dir) if cfg.state_dir else default_state_dir())
         self.runs_dir = self.state_dir / "runs"
         self.runs_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.runs_dir, RUNS_DIR_MODE)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..dirs import default_state_dir
+from .. import dirs
 from ..loop.live import record_health
 from ..plan.records import Result
 from ..redact import redact, redact_data
@@ -62,17 +62,61 @@ CREATE TABLE IF NOT EXISTS controller (
 """
 
 
+DB = "state.db"
+# SQLite's own files beside the database: each one ours alone, or the store is not opened.
+SIDE_FILES = (DB, f"{DB}-wal", f"{DB}-shm", f"{DB}-journal")
+TABLES = frozenset({"attempts", "services", "controller"})
+
+
+def _prepare(d: Path) -> None:
+    """Make sure SQLite opens only files of ours in `d` (already checked ours alone): each of its
+    files that exists is a regular file of ours with one link (a planted link would have SQLite
+    create or write its target), and a new database is created 0600 here (O_EXCL|O_NOFOLLOW),
+    whatever the umask (the daemon's runs/ logs beside it are shared; the store is not).
+    UnsafePath names the file and the fix."""
+    try:
+        fd = dirs.open_own_dir(d)
+    except OSError as e:
+        raise dirs.UnsafePath(f"state directory {d}: {e}") from None
+    try:
+        for name in SIDE_FILES:
+            why = dirs.entry_problem(fd, name)
+            if why is not None:
+                raise dirs.UnsafePath(f"state store {d / name} {why}: the store is not opened through it; "
+                                      f"remove it (the store starts empty) or move the real one there")
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(DB, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+def _check_tables(db: sqlite3.Connection, path: Path) -> None:
+    """Refuse a database that holds tables other than the store's (another program's state.db in a
+    directory the environment chose): the store would add its tables to it and write there."""
+    try:
+        names = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as e:
+        db.close()
+        raise dirs.UnsafePath(f"state store {path} is not a SQLite database the reconciler wrote ({e}): move it "
+                              f"away, or set RECONCILER_STATE_DIR to the reconciler's own directory") from None
+    other = sorted(n for n in names - TABLES if not n.startswith("sqlite_"))
+    if other:
+        db.close()
+        raise dirs.UnsafePath(f"state store {path} holds tables that are not the reconciler's ({', '.join(other[:3])}"
+                              f"): set RECONCILER_STATE_DIR to the reconciler's own directory")
+
+
 class Store:
-    """A small SQLite database of attempts and per-service status."""
+    """A small SQLite database of attempts and per-service status, in a state directory of this
+    user's alone (dirs.own_dir: UnsafePath, naming it and the fix, otherwise)."""
 
     def __init__(self, state_dir: Path | None = None):
-        d = state_dir or default_state_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        self.path = d / "state.db"
-        if not self.path.exists():
-            # The store is the daemon's alone, whatever the umask (its runs/ logs are shared).
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
+        d = dirs.own_dir(state_dir or dirs.default_state_dir())       # ours alone, or UnsafePath
+        self.path = d / DB
+        _prepare(d)
         self.db = sqlite3.connect(self.path, timeout=10)
+        _check_tables(self.db, self.path)
         self.db.row_factory = sqlite3.Row
         # A write-ahead log, synced at checkpoints: a run's commit is an append, not a rollback
         # journal's fsyncs (a commit took 2 ms idle, about 25 ms on a busy 2-core machine, at the

@@ -14,8 +14,9 @@ so it is used only when the cache directory, its `desired/` and the entry are th
 writable by no one else: looked at (lstat) before anything in them is opened, so another user's
 cache directory (`sudo -E` keeps XDG_CACHE_HOME) is never opened at all, and checked again on
 the opened descriptors (O_NOFOLLOW: a link is refused; a directory swapped after the first look
-is the one checked); and only when the entry names the tree and fingerprint asked for. Anything
-else, and every error, is a miss: the loader runs, and nothing is written there.
+is the one checked; the checks are the ones every file of the controller's own passes, in
+dirs.py); and only when the entry names the tree and fingerprint asked for. Anything else, and
+every error, is a miss: the loader runs, and nothing is written there.
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ import functools
 import hashlib
 import json
 import os
-import stat
 import sys
 import types
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import dirs
 from .spec import DesiredState
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def load_desired(snap: SnapshotLike, cache_dir: Path | None = None) -> DesiredSt
     tree = getattr(snap, "tree_id", None)
     revision = getattr(snap, "revision", None)
     where = _where(cache_dir) if tree and revision else None
-    if where is not None and _usable(where.parent) and _usable(where):
+    if where is not None and dirs.usable_dir(where.parent) and dirs.usable_dir(where):
         data = _read(where, f"{tree}.json")
         if data is not None and data.get("tree") == tree and data.get("fingerprint") == fingerprint():
             with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
@@ -88,8 +89,7 @@ def render_at(snap: Snapshot, cache_dir: Path | None = None) -> Callable[[str], 
 
 def _where(cache_dir: Path | None) -> Path | None:
     if cache_dir is None:
-        from ..dirs import default_cache_dir
-        cache_dir = default_cache_dir()
+        cache_dir = dirs.default_cache_dir()
     return cache_dir / _DIR
 
 
@@ -168,21 +168,7 @@ def _sequence(data: Any) -> list[Any]:
     return data
 
 
-# ---- the files: this user's, writable by no one else ---------------------------------------------
-
-
-def _ours(st: os.stat_result) -> bool:
-    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
-def _usable(path: Path) -> bool:
-    """A directory of this user's that no one else can write, by its own entry (a link is not):
-    looked at before anything in it is opened (another user's cache directory is never opened)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(st.st_mode) and _ours(st)
+# ---- the files: this user's, writable by no one else (the checks are dirs.py's) ---------------
 
 
 def _prepare(where: Path) -> bool:
@@ -190,21 +176,17 @@ def _prepare(where: Path) -> bool:
     for d in (where.parent, where):
         if not os.path.lexists(d):
             with contextlib.suppress(OSError):
-                d.mkdir(mode=0o700, parents=True)
-        if not _usable(d):
+                d.mkdir(mode=dirs.DIR_MODE, parents=True)
+        if not dirs.usable_dir(d):
             return False
     return True
 
 
 def _open_dir(where: Path) -> int | None:
     try:
-        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return dirs.open_own_dir(where)
     except OSError:
         return None
-    if not _ours(os.fstat(fd)):
-        os.close(fd)
-        return None
-    return fd
 
 
 def _read(where: Path, name: str) -> dict[str, Any] | None:
@@ -212,38 +194,29 @@ def _read(where: Path, name: str) -> dict[str, Any] | None:
     if d is None:
         return None
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
-    except OSError:
-        return None
+        raw = dirs.read_own(d, name, MAX_BYTES)
     finally:
         os.close(d)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not (stat.S_ISREG(st.st_mode) and _ours(st) and st.st_nlink == 1 and st.st_size <= MAX_BYTES):
-            return None
-        try:
-            data = json.loads(f.read(MAX_BYTES + 1))
-        except (ValueError, RecursionError):
-            return None
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
     return data if isinstance(data, dict) and data.get("format") == FORMAT else None
 
 
 def _write(where: Path, name: str, data: dict[str, Any]) -> None:
-    """Kept atomically (a temp file renamed over the entry) in a 0700 directory; best effort:
-    a cache that cannot be written is only a slower next run."""
+    """Kept atomically (a fresh temp file renamed over the entry) in a 0700 directory; best
+    effort: a cache that cannot be written is only a slower next run."""
     d = _open_dir(where)
     if d is None:
         return
-    tmp = f".{name}.{os.getpid()}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=d)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, separators=(",", ":"))
-        os.rename(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+        dirs.write_own(d, name, json.dumps(data, separators=(",", ":")).encode())
         _prune(d)
     except (OSError, TypeError, ValueError):
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=d)
+        pass
     finally:
         os.close(d)
 

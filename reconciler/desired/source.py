@@ -10,10 +10,14 @@ pygit2 is imported when a repository is first opened (a command that opens none,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
-from collections.abc import Sequence
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +26,8 @@ from ..errors import SourceError
 
 if TYPE_CHECKING:
     import pygit2
+
+    from .gitauth import GitAuth
 
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://|^[^/\s]+@[^:\s]+:")
 # libgit2's network timeouts for a URL repo's fetch (milliseconds; its default is none): a
@@ -81,9 +87,12 @@ def is_url(repo: str) -> bool:
     return bool(_URL.match(repo)) and not Path(repo).exists()
 
 
-def open_repo(repo: str, cache_dir: Path | None = None, *, also_fetch: Sequence[str] = ()) -> pygit2.Repository:
+def open_repo(repo: str, cache_dir: Path | None = None, *, also_fetch: Sequence[str] = (),
+              auth: GitAuth | None = None) -> pygit2.Repository:
     """Open a local repository, or mirror a URL into the cache and fetch it (its branches, and
-    the refspecs in `also_fetch` in the same round trip: pull mode's notes)."""
+    the refspecs in `also_fetch` in the same round trip: pull mode's notes), authenticated as
+    gitauth.py says: the server by its SSH host key or TLS certificate, the client by `auth`'s
+    key or git's credential helpers."""
     import pygit2
     if not is_url(repo):
         path = pygit2.discover_repository(str(Path(repo).resolve()))
@@ -95,21 +104,57 @@ def open_repo(repo: str, cache_dir: Path | None = None, *, also_fetch: Sequence[
             # Inside a pre-receive hook the pushed objects are still in git's quarantine dir.
             r.odb.add_disk_alternate(quarantine)
         return r
+    from .gitauth import Callbacks, GitAuth
+    auth = auth or GitAuth()
+    auth.check()
     _network_timeouts(pygit2)
     cache = (cache_dir or default_cache_dir()) / "repos"
     cache.mkdir(parents=True, exist_ok=True)
     dest = cache / hashlib.sha256(repo.encode()).hexdigest()[:16]
+    used: list[Callbacks] = []
+
+    def callbacks() -> Callbacks:          # one per connection: a second ask is then a refusal
+        used.append(Callbacks(repo, auth))
+        return used[-1]
     try:
-        if not (dest / "HEAD").exists():
-            r = pygit2.clone_repository(repo, str(dest), bare=True)
-        else:
-            r = pygit2.Repository(str(dest))
-        remote = r.remotes["origin"]
-        remote.fetch(["+refs/heads/*:refs/heads/*", *also_fetch], prune=pygit2.enums.FetchPrune.PRUNE)
-        # Follow the remote's default branch if it has one we know.
-        return r
-    except (pygit2.GitError, KeyError, ValueError) as e:
-        raise SourceError(f"cannot fetch {_redact(repo)}: {e}") from None
+        with known_hosts(auth.known_hosts):
+            if not (dest / "HEAD").exists():
+                r = pygit2.clone_repository(repo, str(dest), bare=True, callbacks=callbacks())
+            else:
+                r = pygit2.Repository(str(dest))
+            remote = r.remotes["origin"]
+            remote.fetch(["+refs/heads/*:refs/heads/*", *also_fetch], prune=pygit2.enums.FetchPrune.PRUNE,
+                         callbacks=callbacks())
+    except (pygit2.GitError, KeyError, ValueError, SourceError) as e:
+        problem = next((c.problem for c in reversed(used) if c.problem), None)
+        raise SourceError(f"cannot fetch {_redact(repo)}: {problem or e}") from None
+    for c in used:
+        c.succeeded()
+    return r
+
+
+_HOME = threading.Lock()
+
+
+@contextlib.contextmanager
+def known_hosts(path: str | None) -> Iterator[None]:
+    """libgit2 checks an SSH server's key against <its home directory>/.ssh/known_hosts: for a
+    known_hosts file of the caller's choosing, its home directory is a private copy's for the
+    while (one at a time: the setting is the process's). None: the user's own file."""
+    if path is None:
+        yield
+        return
+    import pygit2
+    from pygit2.enums import Option
+    with _HOME, tempfile.TemporaryDirectory(prefix="reconciler-ssh-") as home:
+        os.mkdir(os.path.join(home, ".ssh"), 0o700)
+        shutil.copyfile(path, os.path.join(home, ".ssh", "known_hosts"))
+        before = pygit2.option(Option.GET_HOMEDIR)
+        pygit2.option(Option.SET_HOMEDIR, home)
+        try:
+            yield
+        finally:
+            pygit2.option(Option.SET_HOMEDIR, before)
 
 
 def _network_timeouts(pygit2: Any) -> None:

@@ -1,6 +1,14 @@
 """A controller-side cache kept as one JSON object in the state directory: per host, what a probe
 of that host answered. Read once, written whole by a rename; a cache, so a file that cannot be
-read or written costs one probe next time, never an error."""
+read or written costs one probe next time, never an error.
+
+What it says decides whether a check runs (an `ok` engine verdict skips the shipped rules), and
+the state directory comes from the environment (`sudo -E`): so it is read and written only in a
+directory of this user's alone, as a file of this user's alone (dirs.py: O_NOFOLLOW, fstat, one
+link; a fresh O_EXCL temporary name renamed over it). Anything else is not read and not written:
+the cache lives in memory for the run. The doors refuse such a state directory before a run
+(dirs.own_dir, with the fix in words); this is the same rule where the file is opened.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,10 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from .. import dirs
+
+MAX_BYTES = 16 << 20        # a cache larger than this is not read
 
 
 class CacheFile:
@@ -17,13 +29,16 @@ class CacheFile:
         self.path = path
         self.data: dict[str, dict[str, Any]] = {}
         self._written = ""          # the text the file holds (as read or last written)
-        if path is not None and path.exists():
-            try:
-                self._written = path.read_text()
-                loaded = json.loads(self._written)
-                self.data = loaded if isinstance(loaded, dict) else {}
-            except (OSError, json.JSONDecodeError):
-                self.data = {}
+        raw = _read(path) if path is not None else None
+        if raw is None:
+            return
+        try:
+            text = raw.decode()
+            loaded = json.loads(text)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            return
+        if isinstance(loaded, dict):
+            self.data, self._written = loaded, text
 
     def save(self) -> None:
         """Write the file where its text would change (a deploy that learned nothing new writes
@@ -34,10 +49,25 @@ class CacheFile:
         if text == self._written:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".tmp{os.getpid()}")     # two runs at once: each its own
-            tmp.write_text(text)
-            os.replace(tmp, self.path)
+            d = dirs.open_own_dir(dirs.own_dir(self.path.parent))
+        except (OSError, dirs.UnsafePath):
+            return
+        try:
+            dirs.write_own(d, self.path.name, text.encode())
             self._written = text
         except OSError:
             pass
+        finally:
+            os.close(d)
+
+
+def _read(path: Path) -> bytes | None:
+    """The file's bytes when it and its directory are ours alone, else None."""
+    try:
+        d = dirs.open_own_dir(dirs.own_dir(path.parent, create=False))
+    except (OSError, dirs.UnsafePath):
+        return None
+    try:
+        return dirs.read_own(d, path.name, MAX_BYTES)
+    finally:
+        os.close(d)

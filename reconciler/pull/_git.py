@@ -17,7 +17,8 @@ from pathlib import Path, PurePosixPath
 import pygit2
 
 from ..desired import source
-from ..errors import ReconcilerError
+from ..desired.gitauth import Callbacks, GitAuth
+from ..errors import ReconcilerError, SourceError
 from ..redact import redact
 from .schedule import HISTORY, NOTES_PREFIX, Commit, Report
 
@@ -33,16 +34,19 @@ SERVER_TIMEOUT_MS = 60_000
 MIRROR_MODE = 0o700        # the mirror holds every host's desired state: root's alone
 
 
-def open_clone(repo: str, workdir: Path) -> pygit2.Repository:
+def open_clone(repo: str, workdir: Path, auth: GitAuth | None = None) -> pygit2.Repository:
     """The host's clone: a local repo as it is, or a URL mirrored under `workdir` and fetched
-    (branches and the hosts' notes), in directories only root can read, with network time-outs."""
+    (branches and the hosts' notes), in directories only root can read, with network time-outs,
+    authenticated with `auth` (desired/gitauth.py: the deploy key, the server's known host key)."""
     if source.is_url(repo):
+        if auth is not None:
+            auth.check()                      # a key others can read: refused before a directory is made
         mirrors = workdir / "repos"
         mirrors.mkdir(mode=MIRROR_MODE, parents=True, exist_ok=True)
         os.chmod(mirrors, MIRROR_MODE)        # one made by an older version: 0755
         pygit2.settings.server_connect_timeout = CONNECT_TIMEOUT_MS
         pygit2.settings.server_timeout = SERVER_TIMEOUT_MS
-    return source.open_repo(repo, workdir, also_fetch=(f"+{NOTES_PREFIX}*:{NOTES_PREFIX}*",))
+    return source.open_repo(repo, workdir, also_fetch=(f"+{NOTES_PREFIX}*:{NOTES_PREFIX}*",), auth=auth)
 
 
 def history(commit: pygit2.Commit, limit: int = HISTORY) -> list[Commit]:
@@ -108,9 +112,12 @@ def _check_owner(path: str) -> None:
                            f"`reconcile pull` as its owner, or serve it as its owner and pull it by URL)")
 
 
-class _Pushed(pygit2.RemoteCallbacks):
-    def __init__(self) -> None:
-        super().__init__()
+class _Pushed(Callbacks):
+    """The push's callbacks: the fetch's authentication (gitauth.Callbacks), and what the remote
+    refused."""
+
+    def __init__(self, url: str, auth: GitAuth | None) -> None:
+        super().__init__(url, auth)
         self.refused: str | None = None
 
     def push_update_reference(self, refname: str, message: str | None) -> None:
@@ -118,7 +125,7 @@ class _Pushed(pygit2.RemoteCallbacks):
             self.refused = f"{refname}: {message}"
 
 
-def publish(repo: pygit2.Repository, report: Report, *, push: bool) -> str | None:
+def publish(repo: pygit2.Repository, report: Report, *, push: bool, auth: GitAuth | None = None) -> str | None:
     """Write a report as this host's note on its revision and, for a mirrored URL, push the notes
     ref. Returns what it did, in words, or None when the note already says the same (nothing
     written: a steady host adds no notes commits); raises PublishError when the note cannot be
@@ -129,22 +136,23 @@ def publish(repo: pygit2.Repository, report: Report, *, push: bool) -> str | Non
     if report.same_as(published(repo, report.host, report.revision)):
         return None
     _check_owner(repo.path)
-    if push:
-        url = repo.remotes["origin"].url or ""
-        if url.startswith("file://"):
-            _check_owner(url.removeprefix("file://"))
+    url = (repo.remotes["origin"].url or "") if push else ""
+    if push and url.startswith("file://"):
+        _check_owner(url.removeprefix("file://"))
     sig = pygit2.Signature(f"reconcile pull on {report.host}", f"reconciler@{report.host}")
     try:
         repo.create_note(redact(report.dumps()), sig, sig, report.revision, ref, True)
     except (pygit2.GitError, OSError, ValueError) as e:
         raise PublishError(f"cannot write {ref} in {repo.path}: {e}") from None
     if push:
-        cb = _Pushed()
+        cb = _Pushed(url, auth)
         try:
-            repo.remotes["origin"].push([f"+{ref}:{ref}"], callbacks=cb)
-        except (pygit2.GitError, KeyError, OSError) as e:
-            raise PublishError(f"cannot push {ref}: {redact(str(e))} (a later wave does not see this host's "
-                               f"verdicts; give the host push access, or run with --no-publish)") from None
+            with source.known_hosts(auth.known_hosts if auth is not None else None):
+                repo.remotes["origin"].push([f"+{ref}:{ref}"], callbacks=cb)
+        except (pygit2.GitError, KeyError, OSError, SourceError) as e:
+            raise PublishError(f"cannot push {ref}: {redact(cb.problem or str(e))} (a later wave does not see this "
+                               f"host's verdicts; give the host push access, or run with --no-publish)") from None
+        cb.succeeded()
         if cb.refused:
             raise PublishError(f"the remote refused {redact(cb.refused)}")
     return f"{report.standing} at {report.revision[:7]} -> {ref}{' (pushed)' if push else ''}"

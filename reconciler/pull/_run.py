@@ -17,9 +17,10 @@ with an age secret is blocked (SecretUndecryptable), as on a controller without 
 
 Trust (desired/trust.py TrustPolicy, from the command line): the repo's URL must not be
 plaintext (http://, git://) unless allowed, nor carry a credential; the branch head must be
-signed by a key in the host's --allowed-signers file (else the run refuses, nothing changes),
-and so must the revision the wave chooses (an unsigned one is passed over) and any revision a
-rollback renders. With --allow-unsigned every run says that unsigned revisions are accepted.
+signed by a key in the host's --allowed-signers file, else the run follows the head's newest
+first-parent ancestor that is, and says so (none, or an unsigned --rev: the run refuses,
+nothing changes); so must the revision the wave chooses (an unsigned one is passed over) and
+any revision a rollback renders. With --allow-unsigned every run says that unsigned revisions are accepted.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import pygit2
 
 from ..desired import source
 from ..desired.cache import load_desired
+from ..desired.gitauth import GitAuth
 from ..desired.spec import DesiredState, HostSpec
 from ..desired.trust import RevisionRefused, TrustPolicy, shown_url, url_credentials
 from ..errors import ConfigError, SourceError
@@ -65,6 +67,7 @@ from .schedule import (
 DEFAULT_DIR = Path(f"{STATE_DIR}/pull")
 RECORD = f"{STATE_DIR}/pull.json"
 MAX_TRIES = 5            # older candidates tried when a chosen revision cannot be loaded
+FALLBACK = 100           # first-parent ancestors of a refused branch head searched for a signed one
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,13 @@ class PullOptions:
     dry_run: bool = False
     publish: bool = True
     trust: TrustPolicy = field(default_factory=TrustPolicy)    # --allowed-signers / --allow-unsigned, transport
+    ssh_key: str | None = None          # --ssh-identity: the host's deploy key for an ssh:// repo
+    known_hosts: str | None = None      # --known-hosts: the git server's host key (else ~/.ssh/known_hosts)
+
+    @property
+    def auth(self) -> GitAuth:
+        """How the fetch (and the notes' push) authenticates (desired/gitauth.py)."""
+        return GitAuth(self.ssh_key, self.known_hosts)
 
     def run_options(self, host: str) -> RunOptions:
         """The run on this host: the one fleet run, limited to it."""
@@ -122,6 +132,7 @@ class PullOutcome:
     warnings: list[str] = field(default_factory=list)
     moved: bool = False            # a local repo's branch moved during the run: run again
     signer: str | None = None      # who signed the head (None: the run accepts unsigned revisions)
+    fallback: str | None = None    # the branch head was refused: which signed ancestor is followed, why
 
     def exit_code(self) -> int:
         return self.result.exit_code() if self.result is not None else 0
@@ -130,7 +141,7 @@ class PullOutcome:
         return redact_data({
             "host": self.host, "head": self.head, "wave": self.wave, "target": self.choice.revision,
             "why": self.choice.why, "skipped": [{"revision": s.revision, "why": s.why} for s in self.choice.skipped],
-            "signer": self.signer, "reported": self.reported, "warnings": self.warnings,
+            "signer": self.signer, "fallback": self.fallback, "reported": self.reported, "warnings": self.warnings,
             "exit_code": self.exit_code(),
             "result": self.result.to_json() if self.result is not None else None})
 
@@ -156,6 +167,31 @@ def this_host(state: DesiredState, name: str | None) -> str:
             return candidate
     raise SourceError(f"this host's name {hostname!r} has no hosts/<name>.toml at {state.short}; pass --host NAME "
                       f"(hosts: {', '.join(sorted(state.hosts)) or 'none'})")
+
+
+def signed_head(repo: pygit2.Repository, head: source.Snapshot,
+                opts: PullOptions) -> tuple[source.Snapshot, str | None, str | None]:
+    """The commit a run follows, its signer, and (when it is not the branch head) why, in words.
+    The branch head when the trust policy lets it deploy; else, when the run follows a branch
+    (no --rev), its newest first-parent ancestor that the policy lets deploy, among FALLBACK:
+    a forge's merge commit (signed by the forge, or not at all) then leaves the hosts on the last
+    signed commit instead of halting every one of them. RevisionRefused (the head's) when none
+    is, or for a --rev that is refused. Only trees of verified commits are read."""
+    try:
+        return head, opts.trust.verify(repo, head.revision), None
+    except RevisionRefused as refused:
+        if opts.rev is not None:
+            raise
+        for c in _git.history(head.commit, FALLBACK + 1)[1:]:
+            try:
+                signer = opts.trust.verify(repo, c.revision)
+            except RevisionRefused:
+                continue
+            snap = source.snapshot(repo, c.revision, opts.path)
+            return snap, signer, (f"the branch head {head.short} is refused ({refused.reason}: {refused}); "
+                                  f"following {snap.short}, its newest first-parent ancestor signed by a trusted key")
+        raise RevisionRefused(refused.reason, f"{refused}; nor is any of its {FALLBACK} newest first-parent "
+                                              f"ancestors signed by a trusted key") from None
 
 
 def _has_age(state: DesiredState) -> bool:
@@ -233,9 +269,10 @@ async def pull_once(opts: PullOptions, *, on_phase: HostPhase | None = None, con
     told what the run chose before it reconciles (a deploy may then take minutes)."""
     local = not source.is_url(opts.repo)
     opts.check_source()
-    repo = _git.open_clone(opts.repo, opts.workdir)
-    head = source.snapshot(repo, opts.rev, opts.path)
-    signer = opts.trust.verify(repo, head.revision)     # an unsigned head: refused, before its tree is read
+    repo = _git.open_clone(opts.repo, opts.workdir, opts.auth)
+    branch_head = source.snapshot(repo, opts.rev, opts.path)
+    # verified before its tree is read; an unsigned head: its newest signed first-parent ancestor
+    head, signer, fallback = signed_head(repo, branch_head, opts)
     state = load_desired(head)
     name = this_host(state, opts.host)
     connect = connect or local_connector()
@@ -246,7 +283,8 @@ async def pull_once(opts: PullOptions, *, on_phase: HostPhase | None = None, con
         await probe.close()
     choice, wave, loaded = _choose(repo, head, state, name, applied, opts)
     waves = state.settings.pull_waves
-    out = PullOutcome(name, head.revision, waves[wave].name if wave is not None else None, choice, signer=signer)
+    out = PullOutcome(name, head.revision, waves[wave].name if wave is not None else None, choice, signer=signer,
+                      fallback=fallback)
     if not opts.trust.require_signed:
         out.warnings.append(opts.trust_line())
     if on_choice is not None:
@@ -258,7 +296,7 @@ async def pull_once(opts: PullOptions, *, on_phase: HostPhase | None = None, con
         await _record(connect, state.hosts[name], out)
         if local:
             try:
-                out.moved = source.snapshot(repo, opts.rev, opts.path).revision != head.revision
+                out.moved = source.snapshot(repo, opts.rev, opts.path).revision != branch_head.revision
             except SourceError:
                 out.moved = False
     return out
@@ -276,7 +314,7 @@ async def _reconcile(out: PullOutcome, repo: pygit2.Repository, loaded: tuple[so
         now = int(time.time())
         pending = Report(name, rev, Standing.PENDING, wave=out.wave or "", at=now,
                          until=now + int(_deadline(host, opts.lock_wait)))
-        _say(out, repo, pending, push=not local)
+        _say(out, repo, pending, push=not local, auth=opts.auth)
     run = opts.run_options(name)
     opened = open_revision(snap, run, state=target)
     out.result = await run_fleet(opened, run, RunIO(connect=connect, on_phase=on_phase))
@@ -289,7 +327,7 @@ async def _reconcile(out: PullOutcome, repo: pygit2.Repository, loaded: tuple[so
         reason = "" if standing is Standing.OK else failed.reason if failed is not None else _held_reason(r)
         _say(out, repo, Report(name, rev, standing, wave=out.wave or "", reason=reason, at=int(time.time()),
                                services={n: str(s) for n, s in (r.plan.states.items() if r.plan else ())}),
-             push=not local)
+             push=not local, auth=opts.auth)
 
 
 def _held_reason(r: HostResult) -> str:
@@ -303,9 +341,9 @@ def _held_reason(r: HostResult) -> str:
     return r.reason or ""
 
 
-def _say(out: PullOutcome, repo: pygit2.Repository, report: Report, *, push: bool) -> None:
+def _say(out: PullOutcome, repo: pygit2.Repository, report: Report, *, push: bool, auth: GitAuth) -> None:
     try:
-        said = _git.publish(repo, report, push=push)
+        said = _git.publish(repo, report, push=push, auth=auth)
     except _git.PublishError as e:
         out.warnings.append(f"report not published: {e}")
     else:
@@ -316,7 +354,8 @@ def _say(out: PullOutcome, repo: pygit2.Repository, report: Report, *, push: boo
 async def _record(connect: Connector, host: HostSpec, out: PullOutcome) -> None:
     """/var/lib/reconciler/pull.json: the last pull run's choice, for a person on the host and
     for whoever reads the host's records."""
-    data = {"host": out.host, "wave": out.wave, "head": out.head, "target": out.choice.revision,
+    data = {"host": out.host, "wave": out.wave, "head": out.head, "fallback": out.fallback,
+            "target": out.choice.revision,
             "why": out.choice.why, "skipped": [{"revision": s.revision, "why": s.why} for s in out.choice.skipped[:5]],
             "exit_code": out.exit_code(), "at": int(time.time()),
             "status": str(out.result.hosts[0].status) if out.result is not None and out.result.hosts else None}

@@ -124,8 +124,9 @@ def test_another_users_regular_file_is_watched_with_its_mode_left_alone(tmp_path
     t = repo / "reconciler.trigger"
     t.write_text("")
     t.chmod(0o640)
+    d = daemon(tmp_path, repo)                                         # its own state directory
     monkeypatch.setattr(os, "geteuid", lambda: os.stat(t).st_uid + 1)   # the daemon is someone else
-    paths, names = daemon(tmp_path, repo)._watch_paths()
+    paths, names = d._watch_paths()
     assert stat.S_IMODE(t.stat().st_mode) == 0o640 and str(t) in names
     assert "not using" not in capsys.readouterr().out
 

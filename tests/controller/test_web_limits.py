@@ -200,3 +200,96 @@ def test_a_client_that_does_not_read_is_dropped_and_frees_its_stream(tmp_path):
             sock.close()
 
     asyncio.run(main())
+
+
+# ---- the caps per client (review N10): a local user is told apart by the uid owning its socket --------
+
+HOLDER = r"""
+import socket, sys
+port, n, request = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].encode().decode("unicode_escape").encode()
+held = []
+for i in range(n):
+    s = socket.create_connection(("127.0.0.1", port))
+    if request:
+        s.sendall(request)
+    f = s.makefile("rb")
+    if request or i == n - 1:       # an idle one asks nothing, so only the last is read: refused or not?
+        print(f.readline().decode().strip() or "(closed)", flush=True)
+    else:
+        print("(connected)", flush=True)
+    held.append((s, f))
+sys.stdin.read()          # hold every connection until the test lets go
+"""
+
+
+async def as_nobody(port: int, n: int, request: str) -> tuple[asyncio.subprocess.Process, list[str]]:
+    """Another local user (uid nobody, through the system python it may run) opens `n`
+    connections, sends `request` on each, and holds them open; the status lines it read."""
+    proc = await asyncio.create_subprocess_exec("/usr/bin/python3", "-c", HOLDER, str(port), str(n), request,
+                                                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                                                user=NOBODY, cwd="/")
+    assert proc.stdout is not None
+    lines = [(await asyncio.wait_for(proc.stdout.readline(), 10)).decode().strip() for _ in range(n)]
+    return proc, lines
+
+
+async def let_go(proc: asyncio.subprocess.Process) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()
+    await proc.wait()
+
+
+NOBODY = 65534
+EVENTS = "GET /events HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\n\\r\\n"
+
+
+def test_one_local_user_cannot_take_every_stream_from_the_others(tmp_path):
+    async def main() -> None:
+        async with page_on(tmp_path, small_hub(), max_streams=6, max_streams_per_client=2) as (page, port):
+            proc, lines = await as_nobody(port, 3, EVENTS)
+            assert lines == ["HTTP/1.1 200 OK", "HTTP/1.1 200 OK", "HTTP/1.1 503 Service Unavailable"]
+            assert page.streams.by_client == {f"uid {NOBODY}": 2}
+            mine = [await status_of(port) for _ in range(2)]          # the operator (uid 0) still gets in
+            assert [line for line, _ in mine] == [b"HTTP/1.1 200 OK\r\n"] * 2
+            assert page.streams.by_client == {f"uid {NOBODY}": 2, "uid 0": 2}
+            assert page.refusals.total == {"event streams over the cap of 2 per client": 1}
+            await let_go(proc)
+            await until("nobody's streams to close", lambda: page.streams.by_client == {"uid 0": 2})
+            for _, w in mine:
+                w.close()
+
+    asyncio.run(main())
+
+
+def test_one_local_user_cannot_take_every_connection_from_the_others(tmp_path):
+    async def main() -> None:
+        async with page_on(tmp_path, small_hub(), max_connections=10, max_connections_per_client=3) as (page, port):
+            proc, lines = await as_nobody(port, 4, "")                # idle sockets: they never ask anything
+            assert lines == ["(connected)"] * 3 + ["HTTP/1.1 503 Service Unavailable"]
+            await until("the refused one to be closed", lambda: page.clients.connections == {f"uid {NOBODY}": 3})
+            line, w = await status_of(port, b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert line == b"HTTP/1.1 200 OK\r\n"
+            assert page.refusals.total == {"connections over the cap of 3 per client": 1}
+            w.close()
+            await let_go(proc)
+            await until("every connection to be gone", lambda: not page.clients.connections)
+            assert page.clients.by_peer == {}
+
+    asyncio.run(main())
+
+
+def test_the_global_caps_still_hold_for_clients_not_told_apart(tmp_path):
+    """Over the caps a client is refused whoever it is: per-client caps only add to them."""
+    async def main() -> None:
+        async with page_on(tmp_path, small_hub(), max_streams=2, max_streams_per_client=2) as (page, port):
+            proc, lines = await as_nobody(port, 1, EVENTS)
+            first, w1 = await status_of(port)
+            second, w2 = await status_of(port)
+            assert (lines, first, second) == (["HTTP/1.1 200 OK"], b"HTTP/1.1 200 OK\r\n",
+                                              b"HTTP/1.1 503 Service Unavailable\r\n")
+            assert page.refusals.total == {"event streams over the cap of 2": 1}
+            await let_go(proc)
+            for w in (w1, w2):
+                w.close()
+
+    asyncio.run(main())

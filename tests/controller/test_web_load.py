@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from reconciler.controller.web.server import serve_page
+from reconciler.controller.web.server import MAX_CONNECTIONS, serve_page
 from reconciler.controller.web.stream import MAX_STREAMS, MIN_GAP
 from tests.page_load import SERVICES, Lag, clients_result, populate, rollout_phases, start_clients
 
@@ -30,7 +30,10 @@ def test_500_event_stream_clients_never_stall_the_loop(tmp_path: Path) -> None:
     hub = populate(tmp_path / "state", tmp_path / "repo", 30)
 
     async def main() -> tuple[dict[str, object], dict[str, float], int, int]:
-        page = await serve_page("127.0.0.1:0", hub, tmp_path / "state", repo="/srv/git/fleet.git", branch="main")
+        # The 500 clients are one local user here, standing for 500 browsers: the caps per client are
+        # the global ones (test_web_limits.py tests those caps with a second user).
+        page = await serve_page("127.0.0.1:0", hub, tmp_path / "state", repo="/srv/git/fleet.git", branch="main",
+                                max_streams_per_client=MAX_STREAMS, max_connections_per_client=MAX_CONNECTIONS)
         assert page is not None
         port = int(page.url.rsplit(":", 1)[1].strip("/"))
         stop, lag = asyncio.Event(), Lag(0.05)

@@ -76,8 +76,10 @@ def hosts(fleet_session: Fleet) -> list[fleetlib.Host]:
                                   "tar -x -C /tmp/reconciler-src", src)
         _ssh_in(fleet_session, h, "rm -rf /tmp/wheelhouse && mkdir -p /tmp/wheelhouse && tar -x -C /tmp/wheelhouse",
                 wheels)
-        fleet_session.ssh(h, f"rm -rf {VENV} && python3 -m venv {VENV} && PIP_NO_INDEX=1 "
-                             f"PIP_FIND_LINKS=/tmp/wheelhouse {VENV}/bin/pip install -q /tmp/reconciler-src")
+        # a venv and a pip install: tens of seconds on a loaded machine (Fleet.ssh allows 30)
+        _ssh_in(fleet_session, h, f"rm -rf {VENV} && python3 -m venv {VENV} && PIP_NO_INDEX=1 "
+                                  f"PIP_FIND_LINKS=/tmp/wheelhouse {VENV}/bin/pip install -q /tmp/reconciler-src",
+                b"", timeout=600)
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(setup, pair))
@@ -261,9 +263,9 @@ def exposure(fleet: Fleet, h: fleetlib.Host, unit: str) -> float:
 @pytest.mark.timeout(240)
 def test_pull_trusts_only_signed_commits_over_a_secure_transport(fleet: Fleet, hosts, served: str, repo, tmp_path):
     """H3: a host in pull mode deploys only what its allowed_signers file trusts. An unsigned head
-    (a run, an install, a commit pushed on top of a deployed one) and a plaintext URL are
-    refused, and the host is left as it was; a signed head installs sandboxed, root-only units
-    and deploys."""
+    with nothing signed below it (a run, an install) and a plaintext URL are refused, and the host
+    is left as it was; a signed head installs sandboxed, root-only units and deploys; an unsigned
+    commit pushed on top of it is passed over for the signed one, and the run says so."""
     canary = hosts[0]
     key = signing.keypair(tmp_path)
     _ssh_in(fleet, canary, f"install -d -m 0755 /etc/reconciler && umask 022 && cat > {SIGNERS}",
@@ -300,8 +302,14 @@ def test_pull_trusts_only_signed_commits_over_a_secure_transport(fleet: Fleet, h
     print(f"\n--- systemd-analyze security --offline=yes {unit}: {score}")
     assert score < 4.0
 
-    # an unsigned commit on top: the path unit starts a run at once; refused; the host stays put
+    # an unsigned commit on top (a forge's web merge): the path unit starts a run at once, which
+    # follows the newest signed commit and says so (review N9 c); the host stays put
     write_fleet(repo, [canary], {"model-a": {"port": 30000, "env": {"V": "3"}, "health": {"stable_for": 1}}})
     bad = push_as(repo, served, "unsigned on top")
-    wait_for("the run that refuses it", lambda: f"refused (Unsigned): commit {bad[:7]}" in journal(fleet, canary), 30)
+    wait_for("the run that passes it over", lambda: f"the branch head {bad[:7]} is refused (Unsigned: commit "
+             f"{bad[:7]} is not signed" in journal(fleet, canary), 30)
+    assert f"following {signed[:7]}, its newest first-parent ancestor signed by a trusted key" in journal(fleet, canary)
+    recorded = wait_for("the run's record", lambda: (p := read_json(fleet, canary, "/var/lib/reconciler/pull.json"))
+                        .get("fallback") and p, 30)
+    assert recorded["head"] == recorded["target"] == signed and bad[:7] in recorded["fallback"], recorded
     assert runs(fleet, canary, signed) and "V=2" in fleet.environment(canary, "model-a")

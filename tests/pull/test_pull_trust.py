@@ -20,7 +20,7 @@ from reconciler.desired.load import load_desired
 from reconciler.desired.source import snapshot
 from reconciler.desired.trust import RevisionRefused, TrustPolicy
 from reconciler.pull import _git
-from reconciler.pull._run import PullOptions, _choose, pull_once
+from reconciler.pull._run import PullOptions, _choose, pull_once, signed_head
 from reconciler.pull._units import SANDBOX, SERVICE, TIMER, install, render_units, untrusted_paths
 from tests import signing
 from tests.conftest import ROOT, DesiredRepo
@@ -68,12 +68,12 @@ def valid_state(r: DesiredRepo, env: str, waves: str = "") -> None:
     r.write("hosts/b.toml", 'address = "127.0.0.10"\n')
 
 
-def test_an_unsigned_head_is_refused_and_the_host_never_touched(tmp_path):
+def test_an_unsigned_head_with_no_signed_ancestor_is_refused_and_the_host_never_touched(tmp_path):
     r = DesiredRepo(tmp_path / "r")
     key = signing.keypair(tmp_path)
     signers = signing.allowed_signers(tmp_path / "allowed_signers", key)
     valid_state(r, "1")
-    signing.commit(r.path, "signed", key)
+    signing.commit(r.path, "unsigned too")
     valid_state(r, "2")
     head = signing.commit(r.path, "unsigned")
     touched: list[str] = []
@@ -85,7 +85,35 @@ def test_an_unsigned_head_is_refused_and_the_host_never_touched(tmp_path):
     opts = PullOptions(repo=str(r.path), host="a", trust=TrustPolicy.of(require_signed=True, allowed_signers=signers))
     with pytest.raises(RevisionRefused) as e:
         asyncio.run(pull_once(opts, connect=connect))
-    assert e.value.reason == "Unsigned" and head[:7] in str(e.value) and touched == []
+    assert e.value.reason == "Unsigned" and touched == []
+    assert str(e.value) == (f"commit {head[:7]} is not signed; only commits signed by a key in {signers} may deploy; "
+                            f"nor is any of its 100 newest first-parent ancestors signed by a trusted key")
+
+
+def test_an_unsigned_head_is_followed_by_its_newest_signed_first_parent_ancestor_and_said(tmp_path):
+    """Review N9 (c): a forge's unsigned merge on top no longer halts every pulling host."""
+    r = DesiredRepo(tmp_path / "r")
+    key, stranger = signing.keypair(tmp_path), signing.keypair(tmp_path, "stranger")
+    signers = signing.allowed_signers(tmp_path / "allowed_signers", key)
+    revs = {}
+    for name, k in (("old", key), ("signed", key), ("by a stranger", stranger), ("unsigned", None)):
+        valid_state(r, name)
+        revs[name] = signing.commit(r.path, name, k)
+    opts = PullOptions(repo=str(r.path), host="a", trust=TrustPolicy.of(require_signed=True, allowed_signers=signers))
+    head = snapshot(r.repo, None)
+    snap, signer, why = signed_head(r.repo, head, opts)
+    assert (snap.revision, signer) == (revs["signed"], signing.PRINCIPAL)
+    assert why == (f"the branch head {revs['unsigned'][:7]} is refused (Unsigned: commit {revs['unsigned'][:7]} is not "
+                   f"signed; only commits signed by a key in {signers} may deploy); following {revs['signed'][:7]}, "
+                   f"its newest first-parent ancestor signed by a trusted key")
+    assert load_desired(snap).hosts["a"].services["m"].env == {"V": "signed"}
+    # a signed head is followed as it is; a revision asked for by name is that one or nothing
+    assert signed_head(r.repo, snapshot(r.repo, revs["signed"]), opts)[2] is None
+    with pytest.raises(RevisionRefused) as e:
+        signed_head(r.repo, snapshot(r.repo, "main"), PullOptions(repo=str(r.path), rev="main", trust=opts.trust))
+    assert e.value.reason == "Unsigned"
+    # unsigned revisions accepted: the head, whatever it is
+    assert signed_head(r.repo, head, PullOptions(repo=str(r.path)))[0].revision == revs["unsigned"]
 
 
 def test_a_wave_passes_over_an_unsigned_commit(tmp_path):
@@ -171,3 +199,26 @@ def test_only_an_interpreter_root_alone_can_change_runs_as_root():
     assert untrusted_paths(code, lstat=fake_lstat({"/opt": (0, 0o41777)})) == "/opt (owner uid 0, mode 1777)"
     # a symlink is judged by who owns it and where it lives, not by its own 0777
     assert untrusted_paths(code, lstat=fake_lstat({"/opt/rp/bin/python3": (0, 0o120777)})) is None
+
+
+def test_the_units_command_line_carries_the_deploy_key_and_the_pinned_host_key(tmp_path):
+    from reconciler.cli.pull import _unit_argv
+    opts = PullOptions(repo="ssh://git@127.0.0.5/srv/git/fleet.git", trust=TrustPolicy.of(require_signed=False),
+                       ssh_key="/etc/reconciler/pull/deploy_key", known_hosts="/etc/reconciler/pull/known_hosts")
+    argv = _unit_argv(opts, opts.repo, "gpu-1", None)
+    assert argv[argv.index("--ssh-identity") + 1] == "/etc/reconciler/pull/deploy_key"
+    assert argv[argv.index("--known-hosts") + 1] == "/etc/reconciler/pull/known_hosts"
+    assert "--ssh-identity" not in _unit_argv(PullOptions(repo=opts.repo), opts.repo, "gpu-1", None)
+
+
+def test_a_deploy_key_others_can_read_is_refused_before_anything_is_made(tmp_path):
+    from reconciler.desired.gitauth import GitAuth
+    from reconciler.errors import SourceError
+    from reconciler.pull._git import open_clone
+    key = tmp_path / "deploy_key"
+    key.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    key.chmod(0o644)
+    with pytest.raises(SourceError) as e:
+        open_clone("ssh://git@127.0.0.9/srv/git/fleet.git", tmp_path / "pull", GitAuth(str(key)))
+    assert str(e.value).startswith(f"SSH key {key} must be uid 0's alone (owner uid 0, mode 0644)")
+    assert not (tmp_path / "pull").exists()

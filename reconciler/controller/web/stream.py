@@ -7,8 +7,11 @@ going during a deploy: a page that stalls it for seconds gets the daemon killed 
   the page's own thread, not on the loop; at most one render per MIN_GAP) and every stream sends
   the same bytes. Before, every stream rendered for itself on the loop: 500 viewers of a
   30-host fleet stalled it for seconds at each phase of a rollout (bench/page_streams.py).
-- A cap: at most `cap` streams at once (MAX_STREAMS); the next one is answered 503 with a
-  Retry-After (the page's script tries again later), and the count is said in the log (Refusals).
+- Caps: at most `cap` streams at once (MAX_STREAMS), and `cap_per_client` of one client
+  (MAX_STREAMS_PER_CLIENT; a client as peer.py tells them apart: a local user by uid, a remote
+  peer by address; one not told apart meets the global cap only); the next one is answered 503
+  with a Retry-After (the page's script tries again later), and the count is said in the log
+  (Refusals). One local user can no longer hold every stream (review N10).
 - Level-based, no backlog: a stream holds only the versions it sent. What a client has not read
   yet waits in its socket (the server's send blocks above the transport's 64 KiB high-water
   mark, so that is one event at most beyond it), and a client that does not read for SLOW_CLIENT
@@ -28,10 +31,12 @@ from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from .hub import SECTIONS, Hub, Snapshot
+from .peer import Clients
 
 KEEPALIVE = 15.0        # seconds between comments on an idle event stream (proxies, dead peers)
 MIN_GAP = 0.25          # at most four renders a second, and four sends a second per stream
 MAX_STREAMS = 32        # event streams open at once; the next is answered 503
+MAX_STREAMS_PER_CLIENT = 4   # of one client (a stream per open tab of the page)
 RETRY_AFTER = 30        # seconds a refused stream is asked to wait (the page's script does)
 SAY_EVERY = 60.0        # seconds between the log lines about what the page turned away
 
@@ -112,10 +117,21 @@ class Streams:
     """The open event streams: at most `cap`, each sending the shared events it has not sent."""
 
     def __init__(self, hub: Hub, shared: SharedEvents, refusals: Refusals, *, cap: int = MAX_STREAMS,
-                 keepalive: float = KEEPALIVE, min_gap: float = MIN_GAP):
+                 keepalive: float = KEEPALIVE, min_gap: float = MIN_GAP, clients: Clients | None = None,
+                 cap_per_client: int = MAX_STREAMS_PER_CLIENT):
         self.hub, self.shared, self.refusals = hub, shared, refusals
         self.cap, self.keepalive, self.min_gap = cap, keepalive, min_gap
+        self.clients, self.cap_per_client = clients, cap_per_client    # clients: set by the server
         self.open = 0
+        self.by_client: Counter[str] = Counter()
+
+    def refused(self, client: str | None) -> str | None:
+        """Why one more stream of `client` is over a cap, or None when it may open."""
+        if self.open >= self.cap:
+            return f"event streams over the cap of {self.cap}"
+        if client is not None and self.by_client[client] >= self.cap_per_client:
+            return f"event streams over the cap of {self.cap_per_client} per client"
+        return None
 
     def response(self, seen: Mapping[str, int]) -> EventStream:
         """The response to `GET /events` from a client that has the sections at `seen`."""
@@ -139,8 +155,8 @@ class Streams:
 
 
 class EventStream(StreamingResponse):
-    """An event stream that counts itself open while it runs; past the cap it is a 503 instead.
-    The check and the count happen in one step of the loop (no await between them)."""
+    """An event stream that counts itself open (and its client's) while it runs; past a cap it is
+    a 503 instead. The check and the count happen in one step of the loop (no await between them)."""
 
     def __init__(self, streams: Streams, seen: dict[str, int]):
         super().__init__(streams.events(seen), media_type="text/event-stream",
@@ -149,15 +165,23 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         streams = self.streams
-        if streams.open >= streams.cap:
+        client = streams.clients.of(scope.get("client")) if streams.clients is not None else None
+        why = streams.refused(client)
+        if why is not None:
             await self.body_iterator.aclose()      # type: ignore[attr-defined]
-            streams.refusals.note(f"event streams over the cap of {streams.cap}")
+            streams.refusals.note(why)
             busy = PlainTextResponse("too many event streams open: try again later\n", status_code=503,
                                      headers={"retry-after": str(RETRY_AFTER), "cache-control": "no-store"})
             await busy(scope, receive, send)
             return
         streams.open += 1
+        if client is not None:
+            streams.by_client[client] += 1
         try:
             await super().__call__(scope, receive, send)
         finally:
             streams.open -= 1
+            if client is not None:
+                streams.by_client[client] -= 1
+                if streams.by_client[client] <= 0:
+                    del streams.by_client[client]

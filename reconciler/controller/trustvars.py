@@ -1,0 +1,117 @@
+"""The trust policy's environment variables, and what they may do (pure; no pydantic, so that a
+`reconcile` run reads them without the config's schema).
+
+    RECONCILER_REQUIRE_SIGNED          only signed revisions deploy
+    RECONCILER_ALLOWED_SIGNERS         by a key in this ssh allowed_signers file
+    RECONCILER_ALLOW_INSECURE_TRANSPORT   fetch over http:// or git://
+
+Every other RECONCILER_<KEY> simply overrides its key of the controller's config. These three
+decide who is root on the fleet, and root's environment can be a user's (`sudo -E`), so they
+follow one rule at every door: they may make the policy stricter, never looser, and a setting
+that would not take effect is an error, never dropped in silence.
+
+- A variable that loosens what the config file says (RECONCILER_REQUIRE_SIGNED=false where the
+  file requires signing, RECONCILER_ALLOW_INSECURE_TRANSPORT=true where the file does not allow
+  plaintext) is refused, and so is one that loosens the command line's `--require-signed`.
+- RECONCILER_ALLOWED_SIGNERS may not change who may deploy where the file requires signing (it
+  must name the file's allowed_signers), nor differ from `--allowed-signers`, and it needs
+  something that requires signing (the file, the flag, or RECONCILER_REQUIRE_SIGNED): alone it
+  would verify nothing.
+- Where no config file applies (a run that is not root's, a host without the controller), the
+  variables act as the flags of the same name: RECONCILER_REQUIRE_SIGNED=true refuses an unsigned
+  revision in a dry run as in a deploy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..desired.trust import DEFAULT_SIGNERS
+from ..errors import Problem
+
+REQUIRE = "RECONCILER_REQUIRE_SIGNED"
+SIGNERS = "RECONCILER_ALLOWED_SIGNERS"
+INSECURE = "RECONCILER_ALLOW_INSECURE_TRANSPORT"
+NAMES = (REQUIRE, SIGNERS, INSECURE)
+# The words the config's schema (pydantic) takes for a boolean, so both read a variable alike.
+TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+NEVER_LOOSER = "an environment variable may make the trust policy stricter, never looser"
+
+
+@dataclass(frozen=True)
+class TrustVars:
+    """One source's trust settings; None: that source does not say."""
+
+    require_signed: bool | None = None
+    allowed_signers: str | None = None
+    insecure_transport: bool | None = None
+
+
+def read(env: Mapping[str, str]) -> tuple[TrustVars, list[Problem]]:
+    """The three variables from `env` (an empty value is unset), and the problems of those that
+    are not a boolean (the value is not repeated: it is the environment's)."""
+    problems: list[Problem] = []
+
+    def flag(name: str) -> bool | None:
+        raw = env.get(name, "").strip().lower()
+        if not raw:
+            return None
+        if raw in TRUE or raw in FALSE:
+            return raw in TRUE
+        problems.append(Problem("environment", name, "expected true or false"))
+        return None
+
+    signers = env.get(SIGNERS) or None
+    return TrustVars(flag(REQUIRE), signers, flag(INSECURE)), problems
+
+
+def _same_file(a: str, b: str) -> bool:
+    return Path(a).absolute() == Path(b).absolute()
+
+
+def problems(env: TrustVars, *, flags: TrustVars = TrustVars(), file: TrustVars | None = None,
+             file_name: str = "the controller's config") -> list[Problem]:
+    """Why the variables `env` may not stand beside the command line's `flags` and the config
+    file's settings `file` (None: no config file applies; its values otherwise, defaults
+    included: a key the file leaves out says what its default says). [] when they may."""
+    out: list[Problem] = []
+    file_requires = bool(file and file.require_signed)
+    flag_requires = bool(flags.require_signed or flags.allowed_signers)
+    if env.require_signed is False and (file_requires or flag_requires):
+        where = file_name if file_requires else "--allowed-signers" if flags.allowed_signers else "--require-signed"
+        out.append(Problem("environment", REQUIRE, f"asks for unsigned revisions, but {where} requires signed ones: "
+                                                   f"{NEVER_LOOSER} (unset it)"))
+    if env.insecure_transport and file is not None and not file.insecure_transport:
+        out.append(Problem("environment", INSECURE, f"allows fetching over http:// and git://, but {file_name} does "
+                                                    f"not: {NEVER_LOOSER} (set allow_insecure_transport = true in the "
+                                                    f"file if that is meant, or unset it)"))
+    if env.allowed_signers is not None:
+        if not (file_requires or flag_requires or env.require_signed):
+            out.append(Problem("environment", SIGNERS, "names a signers file, but nothing requires signed revisions, "
+                                                       f"so it would verify nothing: set {REQUIRE}=true (or pass "
+                                                       "--require-signed), or unset it"))
+        elif file_requires and file is not None and \
+                not _same_file(env.allowed_signers, file.allowed_signers or DEFAULT_SIGNERS):
+            out.append(Problem("environment", SIGNERS, f"names another signers file than the "
+                                                       f"{file.allowed_signers or DEFAULT_SIGNERS} that {file_name} "
+                                                       f"requires: the environment may not change who may deploy "
+                                                       f"(unset it, or change allowed_signers in the file)"))
+        if flags.allowed_signers is not None and not _same_file(env.allowed_signers, flags.allowed_signers):
+            out.append(Problem("environment", SIGNERS, "names another signers file than --allowed-signers: choose one"))
+    return out
+
+
+def of_file(data: Mapping[str, object]) -> TrustVars:
+    """What a config file's TOML says of the three keys, defaults filled in (a value of the wrong
+    type counts as its default here; the schema reports it)."""
+    signers = data.get("allowed_signers")
+    return TrustVars(_truthy(data.get("require_signed")), signers if isinstance(signers, str) and signers else None,
+                     _truthy(data.get("allow_insecure_transport")))
+
+
+def _truthy(value: object) -> bool:
+    """True as the schema reads it: true, or a string it takes for true ("yes", "1", ...)."""
+    return value is True or (isinstance(value, str) and value.strip().lower() in TRUE) or value == 1
