@@ -1,0 +1,440 @@
+"""Ask the installed engine whether it accepts a unit's arguments: the engine probe, a host program.
+
+Copied to a host and run with the unit's own interpreter, so the answer comes from the exact
+engine the unit would start. It imports only the standard library and the engine. This file is
+the part both engines share (arguments, stages, verdicts, dead configuration); the calls each
+engine's launcher makes are its adapter, ``sglang.py`` or ``vllm.py`` beside this file. The
+host gets one text, ``probe_text(server)`` (``__init__.py``): this file, the adapter, and one
+line that runs ``main`` with it. Usage::
+
+    python -I probe.py [--facts JSON] [--path DIR]... [--] ARGS...
+
+``--path DIR`` (the unit's PYTHONPATH, in order) is appended to ``sys.path`` before anything
+of the engine is imported: with ``-I`` Python reads no PYTHON* variable. ARGS are the server's
+own arguments; ``--trust-remote-code`` is left out of them (a model's own code never runs in the
+probe; the verdict's ``notes`` say so), and a refusal that only says the model needs its own code
+is inconclusive. ``--facts {"count": 4, "name": "NVIDIA H200", "capability": [9, 0],
+"memory_mib": 143771}``: the host's GPUs, for a run with them hidden (``CUDA_VISIBLE_DEVICES=``).
+
+Stages, in order: ``import`` (the engine's hooks are found by what the installed package has,
+never by its version: a release without the hook to tell it the facts is inconclusive, naming
+the missing hook, but only after its arguments were parsed); ``parse`` (the engine's own
+argument parser, no facts needed: an unknown, removed or misspelled flag or a bad choice is
+refused in its words on any release); ``facts``; then the engine's own checks (``resolve``,
+``check``, ``config``). Dead configuration comes from the engine too: a variable of its prefix
+that its environment registry and its code do not know, one its deprecation tables name, a
+flag its parser marks deprecated, and its own deprecation warnings while it checks, each one
+a line of ``warnings`` in the engine's words.
+
+The last line on stdout is ``RECONCILER-ENGINE {json}``; everything the engine prints goes to
+stderr. Exit status 0 whenever that line was printed. Texts are the engine's own, bounded at
+``TEXT_MAX`` (8 KiB), not cut shorter: the controller redacts them before it shortens them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import linecache
+import logging
+import os
+import re
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata, util
+from types import TracebackType
+from typing import Any, Protocol
+
+MARKER = "RECONCILER-ENGINE "
+TEXT_MAX = 8192            # one message or warning, as the engine wrote it (redacted, then cut, by the controller)
+WARNINGS_MAX = 40
+REMOTE_CODE = "--trust-remote-code"
+# What an engine says of configuration it retired, in its own warnings and help texts (words, not names).
+RETIRED = re.compile(r"deprecat|has been removed|no longer (?:supported|used|has any effect)|has no effect"
+                     r"|will be removed|is ignored", re.I)
+MODEL_NOT_FOUND = re.compile(r"Repo id must be in the form .*?: '([^']+)'")
+
+
+class Inconclusive(Exception):
+    """The probe could not ask the engine (its own setup failed), with the reason."""
+
+
+class MissingHook(Inconclusive):
+    """The installed engine has no hook through which the host's GPU facts can be told."""
+
+
+@dataclass
+class Registry:
+    """What the installed engine declares of its environment variables."""
+
+    known: set[str] = field(default_factory=set)
+    deprecated: dict[str, str] = field(default_factory=dict)     # name -> the engine's own words
+    removed: dict[str, str] = field(default_factory=dict)        # name -> the engine's own words
+
+
+class Adapter(Protocol):
+    """The calls one engine's launcher makes (sglang.py, vllm.py)."""
+
+    engine: str
+    prefixes: tuple[str, ...]          # its environment variables' prefixes
+    config_sources: tuple[str, ...]    # where it raises its own configuration errors
+
+    def setup(self) -> None: ...
+    def normalize(self, args: list[str]) -> list[str]: ...
+    def install_facts(self, facts: dict[str, Any]) -> dict[str, Any]: ...
+    def registry(self) -> Registry | None: ...
+    def environ_refusal(self) -> BaseException | None: ...
+    def parser(self) -> argparse.ArgumentParser | None: ...
+    def check(self, args: list[str], parsed: argparse.Namespace | None, at: Callable[[str], None]) -> dict[str, Any]: ...
+
+
+def main(adapter: Adapter, argv: list[str]) -> None:
+    facts, paths, args = split_argv(argv)
+    sys.path.extend(p for p in paths if p not in sys.path)
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)              # the engine's chatter goes to stderr; stdout carries our line only
+    os.environ["HF_HUB_OFFLINE"] = "1"        # a wrong model path must fail, never download
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    result = probe(adapter, facts, args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(real_stdout, (MARKER + json.dumps(result, sort_keys=True) + "\n").encode())
+    os._exit(0)                # no engine teardown (atexit, threads) after the verdict line
+
+
+def split_argv(argv: list[str]) -> tuple[dict[str, Any] | None, list[str], list[str]]:
+    """The probe's own options (``--facts JSON``, ``--path DIR``..., ``--``) and the engine's argv."""
+    facts: dict[str, Any] | None = None
+    paths: list[str] = []
+    while len(argv) > 1 and argv[0] in ("--facts", "--path"):
+        if argv[0] == "--facts":
+            facts = json.loads(argv[1])
+        else:
+            paths.append(argv[1])
+        argv = argv[2:]
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    return facts, paths, list(argv)
+
+
+def drop_remote_code(args: list[str]) -> tuple[list[str], list[str]]:
+    """ARGS without ``--trust-remote-code`` (and its ``=value`` form), and a note when it was there."""
+    kept = [a for a in args if a != REMOTE_CODE and not a.startswith(REMOTE_CODE + "=")]
+    if len(kept) == len(args):
+        return kept, []
+    return kept, [f"{REMOTE_CODE} left out: the model's own code never runs in the engine check"]
+
+
+def probe(adapter: Adapter, facts: dict[str, Any] | None, args: list[str]) -> dict[str, Any]:
+    seconds: dict[str, float] = {}
+    args, notes = drop_remote_code(adapter.normalize(args))
+    out: dict[str, Any] = {"engine": adapter.engine, "version": installed_version(adapter.engine), "verdict": "ok",
+                           "stage": None, "error": None, "message": None, "where": None, "resolved": {},
+                           "seconds": seconds, "warnings": [], "notes": notes, "facts": None}
+    stage = "import"
+    t0 = time.monotonic()
+    heard = Heard(adapter.engine)
+    try:
+        with heard.listening():
+            adapter.setup()
+            missing: MissingHook | None = None
+            if facts is not None:
+                try:
+                    out["facts"] = adapter.install_facts(facts)
+                except MissingHook as e:
+                    missing = e
+            out["warnings"].extend(environment_warnings(adapter, out["version"]))
+            refusal = adapter.environ_refusal()
+            stage = "parse"
+            parser = adapter.parser()
+            seconds["import"] = round(time.monotonic() - t0, 2)
+            parsed = parser.parse_args(args) if parser is not None else None
+            if parser is not None:
+                out["warnings"].extend(deprecated_flags(parser, args))
+            if refusal is not None:
+                stage = "environ"
+                raise refusal
+            if missing is not None:
+                stage = "facts"
+                raise missing
+
+            def at(name: str) -> None:
+                nonlocal stage
+                stage = name
+
+            out["resolved"] = adapter.check(args, parsed, at)
+        seconds["check"] = round(time.monotonic() - t0 - seconds["import"], 2)
+    except BaseException as e:  # every failure becomes a verdict
+        seconds.setdefault("import", round(time.monotonic() - t0, 2))
+        if stage != "import":
+            seconds["check"] = round(time.monotonic() - t0 - seconds["import"], 2)
+        out.update(judge(adapter, e, stage))
+    out["warnings"] = unique([*out["warnings"], *heard.retired()])[:WARNINGS_MAX]
+    return out
+
+
+def installed_version(engine: str) -> str | None:
+    try:
+        return metadata.version(engine)
+    except Exception:  # no engine installed: the import stage says why
+        return None
+
+
+def unique(texts: list[str]) -> list[str]:
+    """Each text once, bounded, in the order first said."""
+    return list(dict.fromkeys(bounded(x) for x in texts))
+
+
+def bounded(text: Any) -> str:
+    s = str(text).strip()
+    return s if len(s) <= TEXT_MAX else s[:TEXT_MAX - 3] + "..."
+
+
+# --- dead and renamed configuration, as the installed engine declares it -------------------------
+
+def environment_warnings(adapter: Adapter, version: str | None) -> list[str]:
+    """A line for each variable of the engine's prefixes that the installed engine retired or
+    does not know: not in its registry, not in its deprecation tables, not named in its code."""
+    names = sorted(k for k in os.environ if k.startswith(adapter.prefixes))
+    if not names:
+        return []
+    registry = adapter.registry()
+    if registry is None:
+        return []
+    engine = f"{adapter.engine} {version}" if version else adapter.engine
+    out: list[str] = []
+    unknown: list[str] = []
+    for name in names:
+        canonical = canonical_name(adapter, name)
+        if name in registry.removed:
+            out.append(registry.removed[name])
+        elif name in registry.deprecated:
+            out.append(registry.deprecated[name])
+        elif name not in registry.known and canonical not in registry.known:
+            unknown.append(name)
+    for name in named_nowhere(adapter.engine, unknown):
+        out.append(f"{name} is set, but {engine} does not know it (not in its environment registry, not named in "
+                   f"its code): it has no effect there")
+    return out
+
+
+def canonical_name(adapter: Adapter, name: str) -> str:
+    """A variable under an engine's older prefix, as the engine reads it (SGL_X is SGLANG_X)."""
+    first = adapter.prefixes[0]
+    for old in adapter.prefixes[1:]:
+        if name.startswith(old):
+            return first + name[len(old):]
+    return name
+
+
+def named_nowhere(package: str, names: list[str]) -> list[str]:
+    """Those of `names` that no source file of the installed `package` mentions (read only when a
+    name is outside the registry: the engine may still read it with os.environ)."""
+    if not names:
+        return []
+    spec = util.find_spec(package)
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    left = {n: n.encode() for n in names}
+    for root in roots:
+        for folder, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if d != "__pycache__"]
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                try:
+                    with open(os.path.join(folder, f), "rb") as fh:
+                        data = fh.read()
+                except OSError:
+                    continue
+                for n in [n for n, b in left.items() if b in data]:
+                    del left[n]
+                if not left:
+                    return []
+    return [n for n in names if n in left]
+
+
+def deprecated_flags(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """A line for each flag in `args` that the engine's parser marks deprecated or a no-op: a
+    Deprecated* action, argparse's ``deprecated=`` (or the engine's own copy of it), or a help
+    text that says so of the flag itself; the help text is the engine's replacement."""
+    marked = getattr(parser, "_deprecated", set())
+    out: list[str] = []
+    for a in args:
+        option = a.split("=", 1)[0]
+        action = parser._option_string_actions.get(option) if option.startswith("-") else None
+        if action is None:
+            continue
+        text = " ".join(str(action.help or "").split())
+        if "Deprecated" in type(action).__name__ or getattr(action, "deprecated", False) is True \
+                or action in marked or retired_help(text, action.option_strings):
+            out.append(text if option in text else f"{option}: {text}" if text else f"{option} is deprecated")
+    return out
+
+
+def retired_help(text: str, options: list[str]) -> bool:
+    """Whether a help text says its own flag is retired: it starts with "Deprecated", or it says
+    "--flag is deprecated" of one of the flag's own spellings (not "has no effect with X")."""
+    if re.match(r"\W*deprecated\b", text, re.I):
+        return True
+    return any(re.search(rf"{re.escape(o)}\W*(?: \([^)]*\))? is deprecated", text, re.I)
+               for o in options)
+
+
+class Heard:
+    """The engine's own warnings (log records at WARNING and up, and ``warnings.warn``) raised
+    from its files while the probe runs, kept to quote those about retired configuration."""
+
+    def __init__(self, package: str) -> None:
+        self.package = package
+        self.records: list[logging.LogRecord] = []
+        self.caught: list[warnings.WarningMessage] = []
+
+    @contextmanager
+    def listening(self) -> Iterator[None]:
+        old = logging.getLogRecordFactory()
+
+        def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+            record = old(*args, **kwargs)
+            if record.levelno >= logging.WARNING and len(self.records) < 1000:
+                self.records.append(record)
+            return record
+
+        logging.setLogRecordFactory(factory)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    yield
+                finally:
+                    self.caught = list(caught)[:1000]
+        finally:
+            logging.setLogRecordFactory(old)
+
+    def retired(self) -> list[str]:
+        out: list[str] = []
+        for r in self.records:
+            if engine_file(r.pathname, self.package):
+                try:
+                    text = r.getMessage()
+                except Exception:  # a malformed record of the engine's: not ours to quote
+                    continue
+                if RETIRED.search(text):
+                    out.append(text)
+        out += [str(w.message) for w in self.caught
+                if engine_file(w.filename, self.package) and RETIRED.search(str(w.message))]
+        return out
+
+
+# --- verdicts ------------------------------------------------------------------------------------
+
+def judge(adapter: Adapter, e: BaseException, stage: str) -> dict[str, Any]:
+    """The verdict for an exception raised at `stage` (review 2026-12-02 section 7.5)."""
+    if isinstance(e, Inconclusive):
+        return {"verdict": "inconclusive", "stage": stage, "error": type(e).__name__, "message": bounded(e)}
+    where, source = innermost_engine_frame(e.__traceback__, adapter.engine)
+    base = {"stage": stage, "error": type(e).__name__, "where": where}
+    if isinstance(e, SystemExit):
+        if e.code == 2:
+            return {**base, "verdict": "rejected", "error": "usage", "message": usage_error()}
+        return {**base, "verdict": "inconclusive", "message": f"the engine exited with status {e.code} while parsing"}
+    message = bounded(validation_message(e) if type(e).__name__ == "ValidationError" else e)
+    if re.search(r"trust[_-]remote[_-]code", message):
+        return {**base, "verdict": "inconclusive",
+                "message": f"the model needs its own code (trust_remote_code), which never runs in the engine "
+                           f"check: {message}"}
+    if "failed to be inspected" in message:
+        # vLLM inspects the architecture in a subprocess of the same interpreter: its failure is
+        # the environment's (a missing module, no driver), which the engine's log names.
+        return {**base, "verdict": "inconclusive", "message": message}
+    pydantic_refusal = stage == "config" and type(e).__name__ == "ValidationError"
+    environ_refusal = stage == "environ" and isinstance(e, ValueError)
+    if pydantic_refusal or environ_refusal or \
+            (isinstance(e, (ValueError, AssertionError)) and raised_in(e.__traceback__, adapter)):
+        if not message and isinstance(e, AssertionError):
+            message = bounded(source)
+        return {**base, "verdict": "rejected", "message": message}
+    missing = MODEL_NOT_FOUND.search(message)
+    if missing and stage != "import":
+        return {**base, "verdict": "rejected", "message": f"model path not found: {missing.group(1)} ({message})"}
+    return {**base, "verdict": "inconclusive", "message": message or bounded(source)}
+
+
+def validation_message(e: BaseException) -> str:
+    """A pydantic ValidationError's messages without its boilerplate: ``field: message; ...``."""
+    try:
+        errors = e.errors()  # type: ignore[attr-defined]
+    except Exception:  # not pydantic's after all
+        return str(e).strip()
+    parts = []
+    for err in errors:
+        msg = str(err.get("msg", "")).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+_usage: list[str] = []
+
+
+class StderrTee:
+    """Keeps what argparse writes to stderr, so its ``error:`` line can be quoted."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def write(self, s: str) -> int:
+        _usage.append(s)
+        del _usage[:-200]
+        return int(self.inner.write(s))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def usage_error() -> str:
+    text = "".join(_usage)
+    found = re.findall(r"^\S.*?error: (.*)$", text, re.M)
+    return bounded(found[-1] if found else text.strip()[-TEXT_MAX:])
+
+
+def engine_file(path: str, package: str) -> str | None:
+    """``PACKAGE/...py`` for a file of the engine package, else None."""
+    m = re.search(rf"(?:^|/)({re.escape(package)}/.+)$", path or "")
+    return m.group(1) if m and ("-packages/" in path or "/lib/python" in path) else None
+
+
+def innermost_engine_frame(tb: TracebackType | None, package: str) -> tuple[str | None, str]:
+    """``"pkg/x.py:LINE qualname"`` of the innermost engine frame, and that frame's source line."""
+    where, source = None, ""
+    for frame, lineno in traceback.walk_tb(tb):
+        rel = engine_file(frame.f_code.co_filename, package)
+        if rel:
+            where = f"{rel}:{lineno} {frame.f_code.co_qualname}"
+            source = linecache.getline(frame.f_code.co_filename, lineno).strip()
+    return where, source
+
+
+def raised_in(tb: TracebackType | None, adapter: Adapter) -> bool:
+    """Whether the innermost frame (where the exception was raised) is one of the adapter's
+    configuration sources."""
+    last = None
+    for frame, _ in traceback.walk_tb(tb):
+        last = frame.f_code.co_filename
+    rel = engine_file(last or "", adapter.engine)
+    return rel is not None and rel.startswith(adapter.config_sources)
+
+
+def plain(value: Any) -> Any:
+    """A value as JSON carries it (an enum or an object as its text)."""
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+
+def run(adapter: Adapter) -> None:
+    """The probe as a program: what the line after the adapter calls."""
+    sys.stderr = StderrTee(sys.stderr)
+    main(adapter, sys.argv[1:])
