@@ -43,7 +43,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata, util
@@ -53,6 +53,7 @@ from typing import Any, Protocol
 MARKER = "RECONCILER-ENGINE "
 TEXT_MAX = 8192            # one message or warning, as the engine wrote it (redacted, then cut, by the controller)
 WARNINGS_MAX = 40
+LINE_MAX = 60 * 1024       # the whole verdict line: the host side returns the last 64 KiB of stdout
 REMOTE_CODE = "--trust-remote-code"
 # What an engine says of configuration it retired, in its own warnings and help texts (words, not names).
 RETIRED = re.compile(r"deprecat|has been removed|no longer (?:supported|used|has any effect)|has no effect"
@@ -90,7 +91,8 @@ class Adapter(Protocol):
     def registry(self) -> Registry | None: ...
     def environ_refusal(self) -> BaseException | None: ...
     def parser(self) -> argparse.ArgumentParser | None: ...
-    def check(self, args: list[str], parsed: argparse.Namespace | None, at: Callable[[str], None]) -> dict[str, Any]: ...
+    def check(self, args: list[str], parsed: argparse.Namespace | None,
+              at: Callable[[str], None]) -> dict[str, Any]: ...
 
 
 def main(adapter: Adapter, argv: list[str]) -> None:
@@ -103,8 +105,17 @@ def main(adapter: Adapter, argv: list[str]) -> None:
     result = probe(adapter, facts, args)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.write(real_stdout, (MARKER + json.dumps(result, sort_keys=True) + "\n").encode())
+    os.write(real_stdout, (MARKER + verdict_line(result) + "\n").encode())
     os._exit(0)                # no engine teardown (atexit, threads) after the verdict line
+
+
+def verdict_line(result: dict[str, Any]) -> str:
+    """The verdict as JSON, within LINE_MAX: the last warnings give way first."""
+    line = json.dumps(result, sort_keys=True)
+    while len(line.encode()) > LINE_MAX and result["warnings"]:
+        result["warnings"] = result["warnings"][:-1]
+        line = json.dumps(result, sort_keys=True)
+    return line
 
 
 def split_argv(argv: list[str]) -> tuple[dict[str, Any] | None, list[str], list[str]]:
@@ -137,6 +148,7 @@ def probe(adapter: Adapter, facts: dict[str, Any] | None, args: list[str]) -> di
                            "stage": None, "error": None, "message": None, "where": None, "resolved": {},
                            "seconds": seconds, "warnings": [], "notes": notes, "facts": None}
     stage = "import"
+    refusal: BaseException | None = None
     t0 = time.monotonic()
     heard = Heard(adapter.engine)
     try:
@@ -174,6 +186,8 @@ def probe(adapter: Adapter, facts: dict[str, Any] | None, args: list[str]) -> di
         if stage != "import":
             seconds["check"] = round(time.monotonic() - t0 - seconds["import"], 2)
         out.update(judge(adapter, e, stage))
+    if refusal is not None and stage != "environ":
+        out["warnings"].append(f"{adapter.engine} refuses to start with this environment: {refusal}")
     out["warnings"] = unique([*out["warnings"], *heard.retired()])[:WARNINGS_MAX]
     return out
 
@@ -262,7 +276,7 @@ def deprecated_flags(parser: argparse.ArgumentParser, args: list[str]) -> list[s
     """A line for each flag in `args` that the engine's parser marks deprecated or a no-op: a
     Deprecated* action, argparse's ``deprecated=`` (or the engine's own copy of it), or a help
     text that says so of the flag itself; the help text is the engine's replacement."""
-    marked = getattr(parser, "_deprecated", set())
+    marked: set[Any] = getattr(parser, "_deprecated", set())
     out: list[str] = []
     for a in args:
         option = a.split("=", 1)[0]
@@ -276,7 +290,7 @@ def deprecated_flags(parser: argparse.ArgumentParser, args: list[str]) -> list[s
     return out
 
 
-def retired_help(text: str, options: list[str]) -> bool:
+def retired_help(text: str, options: Sequence[str]) -> bool:
     """Whether a help text says its own flag is retired: it starts with "Deprecated", or it says
     "--flag is deprecated" of one of the flag's own spellings (not "has no effect with X")."""
     if re.match(r"\W*deprecated\b", text, re.I):

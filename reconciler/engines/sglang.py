@@ -23,7 +23,8 @@ import importlib
 import importlib.util
 import os
 import re
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .probe import Inconclusive, MissingHook, Registry, installed_version, plain

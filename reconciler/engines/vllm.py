@@ -30,7 +30,8 @@ import importlib
 import os
 import stat
 import tempfile
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .probe import Inconclusive, MissingHook, Registry, installed_version, plain
@@ -56,7 +57,7 @@ class VLLM:
 
     def install_facts(self, facts: dict[str, Any]) -> dict[str, Any]:
         """Make vLLM's current platform a CUDA platform that answers from the host's facts."""
-        platforms = importlib.import_module("vllm.platforms")     # not installed: the import says why
+        platforms: Any = importlib.import_module("vllm.platforms")   # not installed: the import says why
         try:
             from vllm.platforms.cuda import CudaPlatform
             from vllm.platforms.interface import DeviceCapability
@@ -101,7 +102,7 @@ class VLLM:
                 return None
 
         platforms.current_platform = HostCuda()
-        seen = importlib.import_module("vllm.platforms").current_platform
+        seen = platforms.current_platform           # as every vLLM module reads it
         capability = tuple(seen.get_device_capability())[:2]
         if seen.device_count() != count or capability != (major, minor):
             raise Inconclusive(f"vllm.platforms.current_platform did not take the host's facts: it reports "
