@@ -58,6 +58,7 @@ REMOTE_CODE = "--trust-remote-code"
 # What an engine says of configuration it retired, in its own warnings and help texts (words, not names).
 RETIRED = re.compile(r"deprecat|has been removed|no longer (?:supported|used|has any effect)|has no effect"
                      r"|will be removed|is ignored", re.I)
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 MODEL_NOT_FOUND = re.compile(r"Repo id must be in the form .*?: '([^']+)'")
 
 
@@ -188,7 +189,7 @@ def probe(adapter: Adapter, facts: dict[str, Any] | None, args: list[str]) -> di
         out.update(judge(adapter, e, stage))
     if refusal is not None and stage != "environ":
         out["warnings"].append(f"{adapter.engine} refuses to start with this environment: {refusal}")
-    out["warnings"] = unique([*out["warnings"], *heard.retired()])[:WARNINGS_MAX]
+    out["warnings"] = [w for w in unique([*out["warnings"], *heard.retired()]) if w != out["message"]][:WARNINGS_MAX]
     return out
 
 
@@ -205,7 +206,8 @@ def unique(texts: list[str]) -> list[str]:
 
 
 def bounded(text: Any) -> str:
-    s = str(text).strip()
+    """A text as the engine wrote it, without terminal colours, at most TEXT_MAX characters."""
+    s = ANSI.sub("", str(text)).strip()
     return s if len(s) <= TEXT_MAX else s[:TEXT_MAX - 3] + "..."
 
 
