@@ -187,7 +187,7 @@ def probe(adapter: Adapter, facts: dict[str, Any] | None, args: list[str]) -> di
         if stage != "import":
             seconds["check"] = round(time.monotonic() - t0 - seconds["import"], 2)
         out.update(judge(adapter, e, stage))
-    if refusal is not None and stage != "environ":
+    if refusal is not None and stage != "environ" and bounded(refusal) not in out["warnings"]:
         out["warnings"].append(f"{adapter.engine} refuses to start with this environment: {refusal}")
     out["warnings"] = [w for w in unique([*out["warnings"], *heard.retired()]) if w != out["message"]][:WARNINGS_MAX]
     return out

@@ -207,10 +207,10 @@ def test_vllm_0_34_0_a_release_no_test_pinned_refuses_removed_variables_and_flag
     out = run_all(fleet, {
         "0.34 tp 4 + no-op flag + unknown variable": vllm("0.34.0", MODEL, "-tp", "4", "--mamba-cache-mode", "align",
                                                           env={"VLLM_TYPO": "1"}),
-        "0.34 removed variables": vllm("0.34.0", MODEL, "-tp", "4",
-                                       env={"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_MARLIN_INPUT_DTYPE": "int8"}),
-        "0.34 removed and unknown flags": vllm("0.34.0", MODEL, "-tp", "4", "--num-scheduler-steps", "8",
-                                               "--enable-mamba-fine-grained-prefix-cache", "--bogus-flag", "1"),
+        "0.34 removed variable": vllm("0.34.0", MODEL, "-tp", "4", env={"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+        "0.34 removed and unknown flags, removed variable": vllm(
+            "0.34.0", MODEL, "-tp", "4", "--num-scheduler-steps", "8", "--enable-mamba-fine-grained-prefix-cache",
+            "--bogus-flag", "1", env={"VLLM_MARLIN_INPUT_DTYPE": "int8"}),
         "0.34 bad choice": vllm("0.34.0", MODEL, "--mamba-cache-mode", "bogus"),
         "0.34 tp 3": vllm("0.34.0", MODEL, "--tensor-parallel-size", "3")})
     ok = out["0.34 tp 4 + no-op flag + unknown variable"]
@@ -223,16 +223,17 @@ def test_vllm_0_34_0_a_release_no_test_pinned_refuses_removed_variables_and_flag
         "--mamba-cache-mode is deprecated and will be removed in v0.34.0. It has no effect: Mamba prefix caching "
         "follows --enable-prefix-caching."]
 
-    gone = out["0.34 removed variables"]
-    assert (gone["verdict"], gone["stage"], gone["error"], gone["message"]) == \
-        ("rejected", "environ", "ValueError", V1_GONE)
+    gone = out["0.34 removed variable"]
+    assert (gone["verdict"], gone["stage"], gone["error"], gone["message"], gone["warnings"]) == \
+        ("rejected", "environ", "ValueError", V1_GONE, [])
     assert gone["where"].startswith("vllm/platforms/interface.py:") and gone["where"].endswith("validate_environ")
-    assert gone["warnings"] == [REMOVED_MARLIN]
 
-    flags = out["0.34 removed and unknown flags"]
+    flags = out["0.34 removed and unknown flags, removed variable"]
     assert (flags["verdict"], flags["stage"], flags["error"], flags["message"]) == \
         ("rejected", "parse", "usage", "unrecognized arguments: --num-scheduler-steps 8 "
                                        "--enable-mamba-fine-grained-prefix-cache --bogus-flag 1")
+    # the variable it would also refuse to start on is named with the flags' refusal
+    assert flags["warnings"] == [REMOVED_MARLIN]
     choice = out["0.34 bad choice"]
     assert (choice["verdict"], choice["stage"], choice["message"]) == \
         ("rejected", "parse", "argument --mamba-cache-mode: invalid choice: 'bogus' (choose from 'align', 'none')")
