@@ -162,6 +162,7 @@ def test_a_release_without_its_platform_hook_is_inconclusive_naming_it_and_the_r
     # its argument stage still speaks: a flag it does not know is refused in its words
     write_fleet(repo, [h], {"llm": {"port": 30000, "model": None, "args": f"--model-path {MODEL} --bogus 1"}},
                 extra={})
+    repo.write("units/standin.service", unit_at(python, "sglang.launch_server"))
     repo.commit("an unknown flag on the same release")
     code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(4,))
     r = out["hosts"][0]
