@@ -124,6 +124,11 @@ class EngineVerdict:
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # a verdict read back from the cache's JSON has lists here
+        object.__setattr__(self, "warnings", tuple(self.warnings))
+        object.__setattr__(self, "notes", tuple(self.notes))
+
     @property
     def engine(self) -> str:
         return f"{self.server} {self.version}" if self.version else self.server
