@@ -36,7 +36,7 @@ def test_an_import_that_crosses_a_layer_upwards_breaks_the_contract(tmp_path):
 def test_the_engine_probe_importing_the_rest_of_reconciler_breaks_its_contract(tmp_path):
     shutil.copytree(ROOT / "reconciler", tmp_path / "reconciler", ignore=shutil.ignore_patterns("__pycache__"))
     probe = tmp_path / "reconciler" / "engines" / "probe.py"
-    probe.write_text(probe.read_text() + "\nfrom ..redact import redact  # a host program reaching into the controller\n")
+    probe.write_text(probe.read_text() + "\nfrom ..redact import redact  # a host program reaching into reconciler\n")
     res = lint(tmp_path)
     assert res.returncode != 0
     assert "reconciler.engines.probe -> reconciler.redact" in res.stdout, res.stdout

@@ -36,28 +36,24 @@ from __future__ import annotations
 import argparse
 import json
 import linecache
-import logging
 import os
 import re
 import sys
 import time
 import traceback
-import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from importlib import metadata, util
+from collections.abc import Callable
+from importlib import metadata
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .retired import Heard, Registry, deprecated_flags, engine_file, environment_warnings
 
 MARKER = "RECONCILER-ENGINE "
 TEXT_MAX = 8192            # one message or warning, as the engine wrote it (redacted, then cut, by the controller)
 WARNINGS_MAX = 40
 LINE_MAX = 60 * 1024       # the whole verdict line: the host side returns the last 64 KiB of stdout
 REMOTE_CODE = "--trust-remote-code"
-# What an engine says of configuration it retired, in its own warnings and help texts (words, not names).
-RETIRED = re.compile(r"deprecat|has been removed|no longer (?:supported|used|has any effect)|has no effect"
-                     r"|will be removed|is ignored", re.I)
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 MODEL_NOT_FOUND = re.compile(r"Repo id must be in the form .*?: '([^']+)'")
 
@@ -70,20 +66,12 @@ class MissingHook(Inconclusive):
     """The installed engine has no hook through which the host's GPU facts can be told."""
 
 
-@dataclass
-class Registry:
-    """What the installed engine declares of its environment variables."""
-
-    known: set[str] = field(default_factory=set)
-    deprecated: dict[str, str] = field(default_factory=dict)     # name -> the engine's own words
-    removed: dict[str, str] = field(default_factory=dict)        # name -> the engine's own words
-
-
 class Adapter(Protocol):
     """The calls one engine's launcher makes (sglang.py, vllm.py)."""
 
     engine: str
     prefixes: tuple[str, ...]          # its environment variables' prefixes
+    packages: tuple[str, ...]          # the stems of its top-level packages (its code)
     config_sources: tuple[str, ...]    # where it raises its own configuration errors
 
     def setup(self) -> None: ...
@@ -161,7 +149,8 @@ def probe(adapter: Adapter, facts: dict[str, Any] | None, args: list[str]) -> di
                     out["facts"] = adapter.install_facts(facts)
                 except MissingHook as e:
                     missing = e
-            out["warnings"].extend(environment_warnings(adapter, out["version"]))
+            out["warnings"].extend(environment_warnings(adapter.engine, out["version"], adapter.prefixes,
+                                                        adapter.packages, adapter.registry))
             refusal = adapter.environ_refusal()
             stage = "parse"
             parser = adapter.parser()
@@ -209,141 +198,6 @@ def bounded(text: Any) -> str:
     """A text as the engine wrote it, without terminal colours, at most TEXT_MAX characters."""
     s = ANSI.sub("", str(text)).strip()
     return s if len(s) <= TEXT_MAX else s[:TEXT_MAX - 3] + "..."
-
-
-# --- dead and renamed configuration, as the installed engine declares it -------------------------
-
-def environment_warnings(adapter: Adapter, version: str | None) -> list[str]:
-    """A line for each variable of the engine's prefixes that the installed engine retired or
-    does not know: not in its registry, not in its deprecation tables, not named in its code."""
-    names = sorted(k for k in os.environ if k.startswith(adapter.prefixes))
-    if not names:
-        return []
-    registry = adapter.registry()
-    if registry is None:
-        return []
-    engine = f"{adapter.engine} {version}" if version else adapter.engine
-    out: list[str] = []
-    unknown: list[str] = []
-    for name in names:
-        canonical = canonical_name(adapter, name)
-        if name in registry.removed:
-            out.append(registry.removed[name])
-        elif name in registry.deprecated:
-            out.append(registry.deprecated[name])
-        elif name not in registry.known and canonical not in registry.known:
-            unknown.append(name)
-    for name in named_nowhere(adapter.engine, unknown):
-        out.append(f"{name} is set, but {engine} does not know it (not in its environment registry, not named in "
-                   f"its code): it has no effect there")
-    return out
-
-
-def canonical_name(adapter: Adapter, name: str) -> str:
-    """A variable under an engine's older prefix, as the engine reads it (SGL_X is SGLANG_X)."""
-    first = adapter.prefixes[0]
-    for old in adapter.prefixes[1:]:
-        if name.startswith(old):
-            return first + name[len(old):]
-    return name
-
-
-def named_nowhere(package: str, names: list[str]) -> list[str]:
-    """Those of `names` that no source file of the installed `package` mentions (read only when a
-    name is outside the registry: the engine may still read it with os.environ)."""
-    if not names:
-        return []
-    spec = util.find_spec(package)
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    left = {n: n.encode() for n in names}
-    for root in roots:
-        for folder, dirs, files in os.walk(root):
-            dirs[:] = [d for d in dirs if d != "__pycache__"]
-            for f in files:
-                if not f.endswith(".py"):
-                    continue
-                try:
-                    with open(os.path.join(folder, f), "rb") as fh:
-                        data = fh.read()
-                except OSError:
-                    continue
-                for n in [n for n, b in left.items() if b in data]:
-                    del left[n]
-                if not left:
-                    return []
-    return [n for n in names if n in left]
-
-
-def deprecated_flags(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
-    """A line for each flag in `args` that the engine's parser marks deprecated or a no-op: a
-    Deprecated* action, argparse's ``deprecated=`` (or the engine's own copy of it), or a help
-    text that says so of the flag itself; the help text is the engine's replacement."""
-    marked: set[Any] = getattr(parser, "_deprecated", set())
-    out: list[str] = []
-    for a in args:
-        option = a.split("=", 1)[0]
-        action = parser._option_string_actions.get(option) if option.startswith("-") else None
-        if action is None:
-            continue
-        text = " ".join(str(action.help or "").split())
-        if "Deprecated" in type(action).__name__ or getattr(action, "deprecated", False) is True \
-                or action in marked or retired_help(text, action.option_strings):
-            out.append(text if option in text else f"{option}: {text}" if text else f"{option} is deprecated")
-    return out
-
-
-def retired_help(text: str, options: Sequence[str]) -> bool:
-    """Whether a help text says its own flag is retired: it starts with "Deprecated", or it says
-    "--flag is deprecated" of one of the flag's own spellings (not "has no effect with X")."""
-    if re.match(r"\W*deprecated\b", text, re.I):
-        return True
-    return any(re.search(rf"{re.escape(o)}\W*(?: \([^)]*\))? is deprecated", text, re.I)
-               for o in options)
-
-
-class Heard:
-    """The engine's own warnings (log records at WARNING and up, and ``warnings.warn``) raised
-    from its files while the probe runs, kept to quote those about retired configuration."""
-
-    def __init__(self, package: str) -> None:
-        self.package = package
-        self.records: list[logging.LogRecord] = []
-        self.caught: list[warnings.WarningMessage] = []
-
-    @contextmanager
-    def listening(self) -> Iterator[None]:
-        old = logging.getLogRecordFactory()
-
-        def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
-            record = old(*args, **kwargs)
-            if record.levelno >= logging.WARNING and len(self.records) < 1000:
-                self.records.append(record)
-            return record
-
-        logging.setLogRecordFactory(factory)
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    yield
-                finally:
-                    self.caught = list(caught)[:1000]
-        finally:
-            logging.setLogRecordFactory(old)
-
-    def retired(self) -> list[str]:
-        out: list[str] = []
-        for r in self.records:
-            if engine_file(r.pathname, self.package):
-                try:
-                    text = r.getMessage()
-                except Exception:  # a malformed record of the engine's: not ours to quote
-                    continue
-                if RETIRED.search(text):
-                    out.append(text)
-        out += [str(w.message) for w in self.caught
-                if engine_file(w.filename, self.package) and RETIRED.search(str(w.message))]
-        return out
 
 
 # --- verdicts ------------------------------------------------------------------------------------
@@ -416,12 +270,6 @@ def usage_error() -> str:
     text = "".join(_usage)
     found = re.findall(r"^\S.*?error: (.*)$", text, re.M)
     return bounded(found[-1] if found else text.strip()[-TEXT_MAX:])
-
-
-def engine_file(path: str, package: str) -> str | None:
-    """``PACKAGE/...py`` for a file of the engine package, else None."""
-    m = re.search(rf"(?:^|/)({re.escape(package)}/.+)$", path or "")
-    return m.group(1) if m and ("-packages/" in path or "/lib/python" in path) else None
 
 
 def innermost_engine_frame(tb: TracebackType | None, package: str) -> tuple[str | None, str]:

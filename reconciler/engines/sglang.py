@@ -43,6 +43,7 @@ PROBES_HOOK = "the hardware probes sglang.srt.server_args imports (is_cuda, get_
 class SGLang:
     engine = "sglang"
     prefixes = ("SGLANG_", "SGL_")
+    packages = ("sglang", "sgl_")
     config_sources = SGLANG_CONFIG_SOURCES
 
     def __init__(self) -> None:

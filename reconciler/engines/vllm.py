@@ -46,6 +46,7 @@ PLATFORM_HOOK = ("vllm.platforms.current_platform", "vllm.platforms.cuda.CudaPla
 class VLLM:
     engine = "vllm"
     prefixes = ("VLLM_",)
+    packages = ("vllm",)
     config_sources = VLLM_CONFIG_SOURCES
 
     def setup(self) -> None:
