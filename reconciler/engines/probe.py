@@ -2,10 +2,10 @@
 
 Copied to a host and run with the unit's own interpreter, so the answer comes from the exact
 engine the unit would start. It imports only the standard library and the engine. This file is
-the part both engines share (arguments, stages, verdicts, dead configuration); the calls each
-engine's launcher makes are its adapter, ``sglang.py`` or ``vllm.py`` beside this file. The
-host gets one text, ``probe_text(server)`` (``__init__.py``): this file, the adapter, and one
-line that runs ``main`` with it. Usage::
+the part both engines share (arguments, stages, verdicts); ``retired.py`` reads dead
+configuration; the calls each engine's launcher makes are its adapter, ``sglang.py`` or
+``vllm.py``. The host gets one text, ``probe_text(server)`` (``__init__.py``): this file,
+retired.py, the adapter, and one line that runs ``main`` with it. Usage::
 
     python -I probe.py [--facts JSON] [--path DIR]... [--] ARGS...
 
