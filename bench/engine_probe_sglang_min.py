@@ -2,8 +2,9 @@
 """A MINIMAL SGLang pre-flight probe for bench/engine_probe_device.py (not the product's probe).
 
 Written to the contract of issue 35 so the H200 run could go ahead while the product's probe
-(reconciler/engines/sglang_probe.py) was being written; the harness prefers that one when it is
-given. It follows review 2026-12-02-engine-preflight §2 exactly:
+(reconciler/engines/: now one program, `reconciler.engines.probe_text("sglang")` written to a file)
+was being written; the harness prefers that one when it is given (--probe FILE). It follows
+review 2026-12-02-engine-preflight §2 exactly:
 
     PYTHON engine_probe_sglang_min.py [--facts JSON] [--] ENGINE_ARGV...
 

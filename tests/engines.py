@@ -1,16 +1,23 @@
-"""The real engine packages for the engine-probe tests: three environments, built once, cached.
+"""The real engine packages for the engine-probe tests: one environment per engine release,
+built once, cached.
 
 What is installed, and why, is tests/engines.txt (exact versions). Built from a wheelhouse
-(CACHE/engine-wheels, kept between builds) into CACHE/engines/<key>, where key is a hash of
+(CACHE/engine-wheels, kept between builds) into CACHE/engine-envs/<key>, where key is a hash of
 that file, this module's build steps and the libcuda stand-in's source::
 
-    <key>/base/                 the packages all three share (torch, the nvidia-* libraries,
-                                triton, transformers, ...), installed once
-    <key>/sglang-0.5.12/        a venv of the test hosts' /usr/bin/python3 (Debian 12, 3.11),
-    <key>/sglang-0.5.23/        its own packages in lib/python3.11/site-packages, and a .pth
-    <key>/vllm-0.33.0/          file that adds ../base (a relative path: valid wherever <key> is)
+    <key>/base/                 the packages all share (torch, the nvidia-* libraries, triton,
+                                transformers, ...), installed once
+    <key>/sglang-0.5.12/ ...    one per section of tests/engines.txt: a venv of the test hosts'
+    <key>/vllm-0.34.0/          /usr/bin/python3 (Debian 12, 3.11), its own packages in
+                                lib/python3.11/site-packages, and a .pth file that adds ../base
+                                (a relative path: valid wherever <key> is)
     <key>/libcuda/libcuda.so.1  the project's stand-in for the NVIDIA driver library
                                 (tests/hostpkg/libcuda/libcuda.c)
+
+CACHE is RECONCILER_ENGINES_CACHE, else RECONCILER_FLEET_CACHE, else /var/cache/reconciler-testfleet
+(an empty RECONCILER_ENGINES_CACHE times a cold build without touching the fleet's own cache).
+Several checkouts on one machine may pin different engines: a build removes only the other
+builds no checkout has used for three days (each build() touches its own `.used`).
 
 Every test host sees <key> read-only at /opt/engines (tests/fleet.py), and the stand-in at
 /usr/lib/x86_64-linux-gnu/libcuda.so.1, where the driver puts it on Debian. The build ends by
@@ -18,7 +25,7 @@ running each engine's probe (reconciler/engines/) once on a small model with the
 facts: that proves the environment answers, and compiles the modules the probe imports (the
 hosts see the environments read-only, where Python cannot write its bytecode cache).
 
-    python -m tests.engines build      # idempotent; prints the root
+    python -m tests.engines build      # idempotent; prints the root (.ci/setup --engines runs it)
 """
 
 from __future__ import annotations
@@ -35,16 +42,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CACHE = Path(os.environ.get("RECONCILER_FLEET_CACHE", "/var/cache/reconciler-testfleet"))
+CACHE = Path(os.environ.get("RECONCILER_ENGINES_CACHE")
+             or os.environ.get("RECONCILER_FLEET_CACHE", "/var/cache/reconciler-testfleet"))
 PINS = HERE / "engines.txt"
 LIBCUDA_SRC = HERE / "hostpkg" / "libcuda" / "libcuda.c"
-PROBES = HERE.parent / "reconciler" / "engines"
 MODELS = HERE / "models"
 # The test hosts' interpreter (Debian 12's); the environments are venvs of it.
 HOST_PYTHON = "/usr/bin/python3"
 PYVER = "3.11"
 # Bump when the build steps below change.
-BUILD_VERSION = "2"
+BUILD_VERSION = "3"
+# A build no checkout has used for this long is removed by the next build of other pins.
+STALE_SECONDS = 3 * 24 * 3600
 # Where the test hosts see the environments, and the libcuda stand-in.
 HOST_ROOT = "/opt/engines"
 HOST_LIBCUDA = "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
@@ -88,7 +97,7 @@ def key() -> str:
 
 def root() -> Path:
     """Where the environments for the current pins live (built or not)."""
-    return CACHE / "engines" / key()
+    return CACHE / "engine-envs" / key()
 
 
 def wheelhouse() -> Path:
@@ -99,6 +108,23 @@ def built() -> Path | None:
     """The root when it is completely built, else None."""
     r = root()
     return r if (r / ".complete").exists() else None
+
+
+def engine_of(env: str) -> str:
+    """The engine an environment runs: `sglang-0.5.20` -> sglang."""
+    return env.split("-", 1)[0]
+
+
+def write_probes(dest: Path) -> dict[str, Path]:
+    """The probe program of each engine (reconciler.engines.probe_text, as the host gets it) in
+    `dest`: {engine: path}."""
+    from reconciler.engines import ADAPTERS, probe_text
+    dest.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for engine in ADAPTERS:
+        out[engine] = dest / f"{engine}_probe.py"
+        out[engine].write_text(probe_text(engine))
+    return out
 
 
 def host_binds() -> list[str]:
@@ -151,10 +177,9 @@ def build_libcuda(out: Path) -> None:
           "-o", str(out / "libcuda.so.1"), str(LIBCUDA_SRC)])
 
 
-def probe_command(r: Path, env: str, args: list[str], facts: dict | None = H200_FACTS) -> list[str]:
-    """The probe of `env`'s engine, run with that environment's interpreter under `r`."""
-    script = PROBES / ("vllm_probe.py" if env.startswith("vllm") else "sglang_probe.py")
-    return [str(r / env / "bin" / "python"), str(script),
+def probe_command(r: Path, env: str, script: Path, args: list[str], facts: dict | None = H200_FACTS) -> list[str]:
+    """The probe `script` of `env`'s engine, run isolated with that environment's interpreter under `r`."""
+    return [str(r / env / "bin" / "python"), "-I", str(script),
             *(["--facts", json.dumps(facts)] if facts is not None else []), "--", *args]
 
 
@@ -164,10 +189,11 @@ def warm_up(r: Path, env: str) -> dict:
     model = str(MODELS / "Qwen3-8B")
     args = [model] if env.startswith("vllm") else ["--model-path", model]
     with tempfile.TemporaryDirectory(prefix="engines-warm-") as tmp:
+        script = write_probes(Path(tmp) / "probes")[engine_of(env)]
         envvars = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", "HOME": tmp,
                    "VLLM_CACHE_ROOT": tmp, "LD_LIBRARY_PATH": str(r / "libcuda")}
         envvars.pop("PYTHONDONTWRITEBYTECODE", None)        # writing the bytecode is the point
-        res = subprocess.run(probe_command(r, env, args), capture_output=True, text=True, env=envvars,
+        res = subprocess.run(probe_command(r, env, script, args), capture_output=True, text=True, env=envvars,
                              timeout=600)
     lines = res.stdout.strip().splitlines()
     if not lines or not lines[-1].startswith("RECONCILER-ENGINE "):
@@ -179,9 +205,10 @@ def warm_up(r: Path, env: str) -> dict:
 
 
 def build() -> Path:
-    """Build (once per tests/engines.txt) the three environments; return their root."""
+    """Build (once per tests/engines.txt) the environments; return their root."""
     r = root()
     if (r / ".complete").exists():
+        (r / ".used").touch()
         return r
     if not Path(HOST_PYTHON).exists():
         raise EnginesError(f"{HOST_PYTHON} not found (the environments are venvs of the test hosts' python)")
@@ -214,12 +241,22 @@ def build() -> Path:
                                                "warm_up_s": round(time.monotonic() - t2, 1)}) + "\n")
     shutil.rmtree(r, ignore_errors=True)
     tmp.rename(r)
-    for stale in r.parent.iterdir():      # earlier pins' builds (6.5 GB each) and broken attempts
-        if stale != r:
-            shutil.rmtree(stale, ignore_errors=True)
+    (r / ".used").touch()
+    remove_stale(r)
     print(f"engines: built in {time.monotonic() - t0:.0f}s ({(r / '.complete').read_text().strip()})",
           file=sys.stderr)
     return r
+
+
+def remove_stale(r: Path) -> None:
+    """Other pins' builds (7 GB each) and broken attempts that no checkout used for STALE_SECONDS."""
+    now = time.time()
+    for other in r.parent.iterdir():
+        if other == r:
+            continue
+        used = max((p.stat().st_mtime for p in (other / ".used", other) if p.exists()), default=0.0)
+        if now - used > STALE_SECONDS:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,9 +24,8 @@ import json
 import secrets
 from dataclasses import asdict, dataclass
 from functools import cache
-from importlib import resources
 
-from .. import shell
+from .. import engines, shell
 from ..errors import ReconcilerError
 from ..frames import frames
 from ..plan.facts import CREDSTORE, ENV_DIR
@@ -46,8 +45,9 @@ SECONDS = 120              # observed 8-15 s warm, 33 s on vLLM's first run, ~70
 
 @cache
 def probe_text(server: str) -> str:
-    """The probe program for a server (package data: reconciler/engines/<server>_probe.py)."""
-    return resources.files("reconciler").joinpath("engines", f"{server}_probe.py").read_text()
+    """The probe program for a server, one text (package data: reconciler/engines/probe.py and
+    the server's adapter; engines.probe_text)."""
+    return engines.probe_text(server)
 
 
 def _model_dir(run: EngineRun) -> str:

@@ -16,8 +16,11 @@ Here: which services have an engine check (`engine_run_for`), what the probe's a
 Verdicts: `rejected` (argparse's usage errors, the engine's own configuration errors) blocks
 that service with reason EngineRejected, the engine's message quoted and its version named;
 `inconclusive` (the engine would not import, no accelerator, a timeout, a probe that printed no
-answer) is a warning, and the static rules decide; `ok` shows what the engine resolved that
-matters (the dry run prints it).
+answer, a release without the hook the host's GPU facts go through) is a warning, and the static
+rules decide; `ok` shows what the engine resolved that matters (the dry run prints it). Any
+verdict may carry the engine's `warnings` (a variable it does not know or retired, a flag it
+marks deprecated or a no-op, in its own words) and the probe's `notes` (what it left out of the
+command line): the dry run shows both with the verdict.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ _RESOLVED_LABELS: tuple[tuple[str, str], ...] = (
     ("mamba_cache_mode", "mamba cache"),
 )
 _MESSAGE_LIMIT = 600
+_SAID_MAX = 20          # the engine's warnings and the probe's notes kept per verdict
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,13 @@ class EngineVerdict:
     resolved: Mapping[str, Any] = field(default_factory=dict)
     seconds: float | None = None
     cached: bool = False
+    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # a verdict read back from the cache's JSON has lists here
+        object.__setattr__(self, "warnings", tuple(self.warnings))
+        object.__setattr__(self, "notes", tuple(self.notes))
 
     @property
     def engine(self) -> str:
@@ -128,17 +139,24 @@ class EngineVerdict:
         error = "" if self.error in (None, "usage") else f"{self.error}: "
         return (f"{self.service}: the installed {self.engine} refuses this command line: {error}{self.message}{where}. "
                 f"Nothing was stopped. Fix: change the flags as the engine says, or pin the engine version "
-                f"the unit was written for")
+                f"the unit was written for{self._said()}")
+
+    def _said(self) -> str:
+        """The engine's warnings and the probe's notes, as a tail for the verdict's line."""
+        parts = ([f"; {self.engine} warns: " + "; ".join(self.warnings)] if self.warnings else []) + \
+            [f" ({n})" for n in self.notes]
+        return "".join(parts)
 
     def note(self) -> str:
         """A line for the dry run and the run's notes."""
         took = f", {self.seconds:.1f} s" if self.seconds and self.seconds >= 0.05 and not self.cached else ""
         if self.verdict == "ok":
             shown = describe_resolved(self.resolved)
-            return f"{self.service}: {self.engine} accepts the command line{took}" + (f": {shown}" if shown else "")
+            return (f"{self.service}: {self.engine} accepts the command line{took}" + (f": {shown}" if shown else "")
+                    + self._said())
         if self.verdict == "inconclusive":
             return (f"{self.service}: engine check inconclusive ({self.engine}{took}): {self.message}; "
-                    f"the static rules decide")
+                    f"the static rules decide{self._said()}")
         return self.block()
 
 
@@ -206,4 +224,11 @@ def parse_verdict(service: str, server: str, stdout: str, *, exit_status: int | 
         message=_clean(data.get("message")),
         where=_clean(data.get("where")) or None,
         resolved=resolved if isinstance(resolved, dict) else {},
-        seconds=total)
+        seconds=total, warnings=_texts(data.get("warnings")), notes=_texts(data.get("notes")))
+
+
+def _texts(value: Any) -> tuple[str, ...]:
+    """A list of texts from the probe's answer (warnings, notes), each cleaned, at most _SAID_MAX."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(_clean(x) for x in value if isinstance(x, str))[:_SAID_MAX]

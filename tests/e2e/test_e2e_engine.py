@@ -1,11 +1,14 @@
-"""End-to-end: the engine probes (reconciler/engines/) inside a test host, with the REAL engine
-packages (issue 35): SGLang 0.5.12 and 0.5.23 and vLLM 0.33.0, built by tests/engines.py and
-seen by every host read-only at /opt/engines/<name>, with the model's config.json only.
+"""End-to-end: the engine probe (reconciler/engines/) inside a test host, with the REAL engine
+packages (issues 35, 40): SGLang 0.5.12, 0.5.20 and 0.5.23 and vLLM 0.33.0 and 0.34.0, built by
+tests/engines.py and seen by every host read-only at /opt/engines/<name>, with the model's
+config.json only. The probe has no version pins: 0.5.20 and 0.34.0 were never shown to it
+before, and it finds their hooks by what they have.
 
-Each probe is copied to the host and run over ssh as the reconciler runs it: the environment's
-own interpreter, GPUs hidden, no downloads, a timeout and the lowest priority, and the facts of
-an SM90 host with 4 H200 GPUs. A probe takes 10-35 s (most of it importing the engine), so each
-test runs its independent probes two at a time, and prints how long each took."""
+Each probe is copied to the host as the reconciler sends it (probe_text) and run over ssh as the
+reconciler runs it: `python -I`, the environment's own interpreter, GPUs hidden, no downloads, a
+timeout and the lowest priority, and the facts of an SM90 host with 4 H200 GPUs. A probe takes
+10-45 s (most of it importing the engine), so each test runs its independent probes two at a
+time, and prints how long each took."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from reconciler.engines import probe_text
 from tests import engines
 from tests import fleet as fleetlib
 
@@ -48,19 +52,20 @@ def _require_engines(fleet) -> None:
 
 
 def _copy_probes(fleet, host: fleetlib.Host) -> None:
-    for name in ("sglang_probe.py", "vllm_probe.py"):
-        text = (engines.PROBES / name).read_text()
+    for engine in ("sglang", "vllm"):
         subprocess.run([*fleetlib.ssh_base(host.address, fleet.known_hosts),
-                        f"mkdir -p {PROBE_DIR} && cat > {PROBE_DIR}/{name}"], input=text, text=True, check=True,
-                       timeout=30)
+                        f"mkdir -p {PROBE_DIR} && cat > {PROBE_DIR}/{engine}_probe.py"], input=probe_text(engine),
+                       text=True, check=True, timeout=30)
 
 
 def run_probe(fleet, host: fleetlib.Host, python: str, probe: str, args: list[str],
-              facts: dict | None = engines.H200_FACTS, label: str = "") -> dict:
-    """Run `probe` on the host as the reconciler does; its verdict, plus the wall time."""
+              facts: dict | None = engines.H200_FACTS, label: str = "", env: dict[str, str] | None = None) -> dict:
+    """Run `probe` on the host as the reconciler does (`python -I`, the engine's variables in its
+    environment); its verdict, plus the wall time."""
     opts = ["--facts", json.dumps(facts)] if facts is not None else []
-    cmd = ("HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES= timeout 120 nice -n 19 "
-           + shlex.join([python, f"{PROBE_DIR}/{probe}", *opts, "--", *args]) + " 2>/dev/null")
+    assigned = " ".join(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items())
+    cmd = (f"HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES= {assigned} timeout 120 nice -n 19 "
+           + shlex.join([python, "-I", f"{PROBE_DIR}/{probe}", *opts, "--", *args]) + " 2>/dev/null")
     t0 = time.monotonic()
     res = subprocess.run([*fleetlib.ssh_base(host.address, fleet.known_hosts), cmd], capture_output=True,
                          text=True, timeout=150)
@@ -74,14 +79,16 @@ def run_probe(fleet, host: fleetlib.Host, python: str, probe: str, args: list[st
     return verdict
 
 
-def run_all(fleet, cases: dict[str, tuple[str, str, list[str]]], **kw) -> dict[str, dict]:
-    """Several probes on the first host, AT_ONCE at a time: {label: verdict}."""
+def run_all(fleet, cases: dict[str, tuple], **kw) -> dict[str, dict]:
+    """Several probes on the first host, AT_ONCE at a time: {label: verdict}. A case is
+    (python, probe, args) or (python, probe, args, env)."""
     _require_engines(fleet)
     h = fleet.hosts[0]
     _copy_probes(fleet, h)
     with ThreadPoolExecutor(AT_ONCE) as pool:
-        futures = {label: pool.submit(run_probe, fleet, h, python, probe, args, label=label, **kw)
-                   for label, (python, probe, args) in cases.items()}
+        futures = {label: pool.submit(run_probe, fleet, h, case[0], case[1], case[2], label=label,
+                                      env=case[3] if len(case) > 3 else None, **kw)
+                   for label, case in cases.items()}
         return {label: f.result() for label, f in futures.items()}
 
 
@@ -89,8 +96,12 @@ def env_python(name: str) -> str:
     return f"{engines.HOST_ROOT}/{name}/bin/python"
 
 
-def sglang(version: str, *args: str) -> tuple[str, str, list[str]]:
-    return env_python(f"sglang-{version}"), "sglang_probe.py", list(args)
+def sglang(version: str, *args: str, env: dict[str, str] | None = None) -> tuple:
+    return env_python(f"sglang-{version}"), "sglang_probe.py", list(args), env or {}
+
+
+def vllm(version: str, *args: str, env: dict[str, str] | None = None) -> tuple:
+    return env_python(f"vllm-{version}"), "vllm_probe.py", list(args), env or {}
 
 
 @pytest.mark.timeout(300)
@@ -112,7 +123,7 @@ def test_sglang_0_5_12_refuses_the_seed_with_the_incident_error_and_takes_the_ol
 
 @pytest.mark.timeout(300)
 def test_sglang_0_5_23_accepts_the_seed_and_refuses_the_old_fix_flag_an_unknown_flag_and_a_long_context(fleet):
-    out = run_all(fleet, {"0.5.23 seed": sglang("0.5.23", *SEED),
+    out = run_all(fleet, {"0.5.23 seed": sglang("0.5.23", *SEED, env={"SGLANG_ENABLE_SPEC_V2": "1"}),
                           "0.5.23 seed + old fix + unknown flag": sglang("0.5.23", *SEED, *OLD_FIX,
                                                                          "--bogus-flag", "1"),
                           "0.5.23 context 300000": sglang("0.5.23", "--model-path", MODEL, "--tp-size", "4",
@@ -124,6 +135,8 @@ def test_sglang_0_5_23_accepts_the_seed_and_refuses_the_old_fix_flag_an_unknown_
     assert seed["resolved"] == {"mamba_radix_cache_strategy": ["auto", "extra_buffer"], "attention_backend": "fa3",
                                 "page_size": 1, "context_length": 262144, "speculative_algorithm": ["NEXTN", "EAGLE"],
                                 "disable_overlap_schedule": False, "tp_size": 4}
+    # 0.5.23 no longer names SPEC_V2 anywhere, and says nothing of it: the probe does
+    assert seed["warnings"] == [unknown("SGLANG_ENABLE_SPEC_V2", "sglang 0.5.23")]
 
     old = out["0.5.23 seed + old fix + unknown flag"]
     assert (old["verdict"], old["stage"], old["error"]) == ("rejected", "parse", "usage")
@@ -135,6 +148,98 @@ def test_sglang_0_5_23_accepts_the_seed_and_refuses_the_old_fix_flag_an_unknown_
                                       "context_length (262144).")
     assert "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1" in long["message"]
     assert long["where"].startswith("sglang/srt/configs/model_config.py:")
+
+
+SPEC_V2_GONE = ("SGLANG_ENABLE_SPEC_V2 has been removed: speculative decoding always runs the V2 worker. Use "
+                "--disable-overlap-schedule to select the non-overlap (synchronous) path.")
+
+
+def unknown(name: str, engine: str) -> str:
+    return (f"{name} is set, but {engine} does not know it (not in its environment registry, not named in its code): "
+            "it has no effect there")
+
+
+@pytest.mark.timeout(420)
+def test_sglang_0_5_20_a_release_no_test_pinned_has_its_hooks_found_and_speaks_for_itself(fleet):
+    out = run_all(fleet, {
+        "0.5.20 seed + dead variables + deprecated flag": sglang(
+            "0.5.20", *SEED, "--disable-cuda-graph", env={"SGLANG_ENABLE_SPEC_V2": "1", "SGLANG_OPT_BOGUS": "1"}),
+        "0.5.20 seed + old fix + unknown flag": sglang("0.5.20", *SEED, *OLD_FIX, "--bogus-flag", "1"),
+        "0.5.20 removed flag": sglang("0.5.20", *SEED, "--cuda-graph-max-bs", "8"),
+        "0.5.20 bad choice": sglang("0.5.20", *SEED, "--mamba-radix-cache-strategy", "bogus")})
+    seed = out["0.5.20 seed + dead variables + deprecated flag"]
+    assert (seed["version"], seed["verdict"], seed["error"]) == ("0.5.20", "ok", None)
+    assert seed["facts"] == {"hook": "sglang.srt.runtime_context.override_platform", "capability": [9, 0], "count": 4}
+    assert seed["resolved"] == {"mamba_radix_cache_strategy": ["auto", "extra_buffer"], "attention_backend": "fa3",
+                                "page_size": 1, "context_length": 262144, "speculative_algorithm": ["NEXTN", "EAGLE"],
+                                "disable_overlap_schedule": False, "tp_size": 4}
+    # its own removal warning for SPEC_V2 (it still names it), a variable it never knew, its
+    # parser's and its own deprecation of the flag
+    assert seed["warnings"] == [
+        unknown("SGLANG_OPT_BOGUS", "sglang 0.5.20"),
+        "--disable-cuda-graph: Deprecated. Use --cuda-graph-backend-{decode,prefill}=disabled instead.",
+        "'--disable-cuda-graph' is deprecated and will be removed in a future release. Use "
+        "'--cuda-graph-backend-{decode,prefill}=disabled' instead.",
+        SPEC_V2_GONE]
+
+    old = out["0.5.20 seed + old fix + unknown flag"]
+    assert (old["verdict"], old["stage"], old["error"], old["message"]) == \
+        ("rejected", "parse", "usage", "unrecognized arguments: --mamba-scheduler-strategy extra_buffer --bogus-flag 1")
+    removed = out["0.5.20 removed flag"]
+    assert (removed["verdict"], removed["stage"], removed["message"]) == \
+        ("rejected", "parse", "ambiguous option: --cuda-graph-max-bs could match --cuda-graph-max-bs-decode, "
+                              "--cuda-graph-max-bs-prefill")
+    choice = out["0.5.20 bad choice"]
+    assert (choice["verdict"], choice["stage"], choice["message"]) == \
+        ("rejected", "parse", "argument --mamba-radix-cache-strategy: invalid choice: 'bogus' (choose from 'auto', "
+                              "'no_buffer', 'extra_buffer', 'extra_buffer_lazy')")
+
+
+REMOVED_MARLIN = ("VLLM_MARLIN_INPUT_DTYPE has been removed. Marlin no longer supports 8-bit activations. Use "
+                  "`--quantization humming` and set the activation dtype with VLLM_HUMMING_INPUT_QUANT_CONFIG, e.g. "
+                  "'{\"dtype\":\"int8\"}'.")
+V1_GONE = ("VLLM_USE_V2_MODEL_RUNNER=0 is no longer supported: Model Runner V1 has been removed. Unset this "
+           "variable.")
+
+
+@pytest.mark.timeout(480)
+def test_vllm_0_34_0_a_release_no_test_pinned_refuses_removed_variables_and_flags_in_its_own_words(fleet):
+    out = run_all(fleet, {
+        "0.34 tp 4 + no-op flag + unknown variable": vllm("0.34.0", MODEL, "-tp", "4", "--mamba-cache-mode", "align",
+                                                          env={"VLLM_TYPO": "1"}),
+        "0.34 removed variable": vllm("0.34.0", MODEL, "-tp", "4", env={"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+        "0.34 removed and unknown flags, removed variable": vllm(
+            "0.34.0", MODEL, "-tp", "4", "--num-scheduler-steps", "8", "--enable-mamba-fine-grained-prefix-cache",
+            "--bogus-flag", "1", env={"VLLM_MARLIN_INPUT_DTYPE": "int8"}),
+        "0.34 bad choice": vllm("0.34.0", MODEL, "--mamba-cache-mode", "bogus"),
+        "0.34 tp 3": vllm("0.34.0", MODEL, "--tensor-parallel-size", "3")})
+    ok = out["0.34 tp 4 + no-op flag + unknown variable"]
+    assert (ok["version"], ok["verdict"], ok["facts"]) == \
+        ("0.34.0", "ok", {"hook": "vllm.platforms.current_platform", "capability": [9, 0], "count": 4})
+    assert ok["resolved"] == {"max_model_len": 262144, "tensor_parallel_size": 4, "speculative_method": None,
+                              "mamba_cache_mode": "align", "architecture": "Qwen3_5MoeForConditionalGeneration"}
+    assert ok["warnings"] == [
+        unknown("VLLM_TYPO", "vllm 0.34.0"),
+        "--mamba-cache-mode is deprecated and will be removed in v0.34.0. It has no effect: Mamba prefix caching "
+        "follows --enable-prefix-caching."]
+
+    gone = out["0.34 removed variable"]
+    assert (gone["verdict"], gone["stage"], gone["error"], gone["message"], gone["warnings"]) == \
+        ("rejected", "environ", "ValueError", V1_GONE, [])
+    assert gone["where"].startswith("vllm/platforms/interface.py:") and gone["where"].endswith("validate_environ")
+
+    flags = out["0.34 removed and unknown flags, removed variable"]
+    assert (flags["verdict"], flags["stage"], flags["error"], flags["message"]) == \
+        ("rejected", "parse", "usage", "unrecognized arguments: --num-scheduler-steps 8 "
+                                       "--enable-mamba-fine-grained-prefix-cache --bogus-flag 1")
+    # the variable it would also refuse to start on is named with the flags' refusal
+    assert flags["warnings"] == [REMOVED_MARLIN]
+    choice = out["0.34 bad choice"]
+    assert (choice["verdict"], choice["stage"], choice["message"]) == \
+        ("rejected", "parse", "argument --mamba-cache-mode: invalid choice: 'bogus' (choose from 'align', 'none')")
+    tp3 = out["0.34 tp 3"]
+    assert (tp3["verdict"], tp3["stage"], tp3["error"]) == ("rejected", "config", "ValidationError")
+    assert tp3["message"] == "Total number of attention heads (32) must be divisible by tensor parallel size (3)."
 
 
 @pytest.mark.timeout(300)

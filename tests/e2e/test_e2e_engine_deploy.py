@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,12 @@ INCIDENT = ("ValueError: Speculative decoding for Qwen3_5MoeForConditionalGenera
 
 
 def unit(python: str, entry: str) -> str:
+    return unit_at(f"{engines.HOST_ROOT}/{python}/bin/python", entry)
+
+
+def unit_at(interpreter: str, entry: str) -> str:
     return ("[Unit]\nDescription=a real engine's unit\n\n[Service]\nType=simple\n"
-            f"ExecStart={engines.HOST_ROOT}/{python}/bin/python -m {entry} --host {{host.address}} "
+            f"ExecStart={interpreter} -m {entry} --host {{host.address}} "
             "--port {vars.port} {vars.args}\nRestart=always\nRestartSec=1\n\n[Install]\nWantedBy=multi-user.target\n")
 
 
@@ -87,3 +92,128 @@ def test_vllm_refuses_tensor_parallel_3_on_32_heads(fleet, repo):
     assert (r["code"], r["reason"]) == (4, "EngineRejected"), r
     assert "llm: the installed vllm 0.33.0 refuses this command line: " in r["message"], r["message"]
     assert "Total number of attention heads (32) must be divisible by tensor parallel size (3)" in r["message"]
+
+
+# An SGLang shaped like a release older than any the probe was written against: the launcher's
+# calls are there, but no runtime_context.override_platform and no hardware probes imported into
+# server_args, so the host's GPU facts have nowhere to go.
+OLD_RELEASE = {
+    "sglang-0.5.11.dist-info/METADATA": "Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.11\n",
+    "sglang/__init__.py": "__version__ = \"0.5.11\"\n",
+    "sglang/srt/__init__.py": "",
+    "sglang/srt/server_args.py": """import argparse
+
+
+class ServerArgs:
+    def __init__(self, ns):
+        self.__dict__.update(vars(ns))
+
+    @staticmethod
+    def add_cli_args(parser):
+        for flag in ("--model-path", "--host", "--device", "--speculative-algorithm"):
+            parser.add_argument(flag)
+        for flag in ("--port", "--tp-size", "--speculative-num-steps", "--speculative-eagle-topk",
+                     "--speculative-num-draft-tokens"):
+            parser.add_argument(flag, type=int)
+
+    def check_server_args(self):
+        pass
+
+
+def prepare_server_args(argv):
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs(parser.parse_args(argv))
+""",
+}
+
+
+def install_old_release(fleet, host) -> str:
+    """A venv at /opt/sglang-old on the host with OLD_RELEASE as its sglang; its python."""
+    site = "/opt/sglang-old/lib/python3.11/site-packages"
+    fleet.ssh(host, f"python3 -m venv --without-pip /opt/sglang-old && mkdir -p {site}/sglang/srt "
+                    f"{site}/sglang-0.5.11.dist-info")
+    for rel, text in OLD_RELEASE.items():
+        subprocess.run([*fleetlib.ssh_base(host.address, fleet.known_hosts), f"cat > {site}/{rel}"], input=text,
+                       text=True, check=True, timeout=30)
+    return "/opt/sglang-old/bin/python"
+
+
+@pytest.mark.timeout(300)
+def test_a_release_without_its_platform_hook_is_inconclusive_naming_it_and_the_rules_decide(fleet, repo):
+    h = fleet.hosts[0]
+    fleet.ssh(h, fleetlib.gpu_host(4))
+    python = install_old_release(fleet, h)
+    write_fleet(repo, [h], {"llm": {"port": 30000, "model": None, "args": f"--model-path {MODEL} {SEED}"}}, extra={})
+    repo.write("units/standin.service", unit_at(python, "sglang.launch_server"))
+    repo.commit("the seed on an SGLang older than the probe's hooks")
+    code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(4,))
+    r = out["hosts"][0]
+    [note] = [n for n in r["notes"] if n.startswith("llm: engine check inconclusive")]
+    assert note == ("llm: engine check inconclusive (sglang 0.5.11): sglang 0.5.11 has no platform hook: no "
+                    "sglang.srt.runtime_context.override_platform, and none of the hardware probes "
+                    "sglang.srt.server_args imports (is_cuda, get_device_sm) to answer; its own checks need the "
+                    "host's GPUs, which the probe hides; the static rules decide"), note
+    # the engine did not answer, so the shipped rule for the incident decides, and blocks it
+    assert r["reason"] == "PreflightFailed", r
+    assert "sglang-spec-hybrid-extra-buffer" in r["message"], r["message"]
+    assert not fleet.exists(h, "/etc/systemd/system/llm.service")
+
+    # its argument stage still speaks: a flag it does not know is refused in its words
+    write_fleet(repo, [h], {"llm": {"port": 30000, "model": None, "args": f"--model-path {MODEL} --bogus 1"}},
+                extra={})
+    repo.write("units/standin.service", unit_at(python, "sglang.launch_server"))
+    repo.commit("an unknown flag on the same release")
+    code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(4,))
+    r = out["hosts"][0]
+    assert (r["reason"], r["message"].split(". Nothing")[0]) == \
+        ("EngineRejected", "llm: the installed sglang 0.5.11 refuses this command line: unrecognized arguments: "
+                           "--bogus 1"), r
+
+
+@pytest.mark.timeout(600)
+def test_an_engine_upgrade_is_a_new_interpreter_path_checked_by_the_new_engine_before_anything_stops(fleet, repo):
+    """The incident's unit, fixed as SGLang 0.5.12's error said, upgraded to 0.5.23 (a venv side
+    by side): the dry run shows what 0.5.23 says of its flags and variables; after the fix it is
+    accepted; a revert (the rollback) brings back the old path, which 0.5.12 accepts."""
+    h = fleet.hosts[0]
+    fleet.ssh(h, fleetlib.gpu_host(4))
+    fixed = f"--model-path {MODEL} {SEED} --mamba-scheduler-strategy extra_buffer"
+    write_fleet(repo, [h], {"llm": {"port": 30000, "model": None, "args": fixed,
+                                    "env": {"SGLANG_ENABLE_SPEC_V2": "1"}}}, extra={})
+
+    def dry_run(python: str, message: str) -> dict:
+        repo.write("units/standin.service", unit(python, "sglang.launch_server"))
+        repo.commit(message)
+        code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2, 4))
+        return {"code": code, **out["hosts"][0]}
+
+    before = dry_run("sglang-0.5.12", "llm on SGLang 0.5.12, fixed as its error said")
+    assert before["code"] == 2, before
+    [note] = engine_notes(before)
+    assert note.startswith("llm: sglang 0.5.12 accepts the command line, "), note
+    assert "mamba strategy extra_buffer" in note and "warns" not in note, note
+
+    upgraded = dry_run("sglang-0.5.23", "llm: SGLang 0.5.23 (a new venv)")
+    assert (upgraded["code"], upgraded["reason"]) == (4, "EngineRejected"), upgraded
+    assert upgraded["message"].startswith(
+        "llm: the installed sglang 0.5.23 refuses this command line: unrecognized arguments: "
+        "--mamba-scheduler-strategy extra_buffer. Nothing was stopped."), upgraded["message"]
+    assert upgraded["message"].endswith(
+        "; sglang 0.5.23 warns: SGLANG_ENABLE_SPEC_V2 is set, but sglang 0.5.23 does not know it (not in its "
+        "environment registry, not named in its code): it has no effect there"), upgraded["message"]
+    assert not fleet.exists(h, "/etc/systemd/system/llm.service")
+
+    write_fleet(repo, [h], {"llm": {"port": 30000, "model": None, "args": f"--model-path {MODEL} {SEED}"}}, extra={})
+    after = dry_run("sglang-0.5.23", "llm on 0.5.23: the flag and the variable it no longer knows removed")
+    assert after["code"] == 2, after
+    [note] = engine_notes(after)
+    assert note.startswith("llm: sglang 0.5.23 accepts the command line, "), note
+    assert "mamba strategy auto -> extra_buffer" in note and "warns" not in note, note
+
+    # the rollback: the previous revision's interpreter path, checked by the old engine again
+    subprocess.run(["git", "-C", str(repo.path), "revert", "--no-edit", "HEAD", "HEAD~1"], check=True,
+                   capture_output=True, timeout=30)
+    code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2,))
+    [note] = engine_notes(out["hosts"][0])
+    assert note.startswith("llm: sglang 0.5.12 accepts the command line"), note
