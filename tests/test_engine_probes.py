@@ -36,6 +36,11 @@ class ServerArgs:
                           "'/models/nope'. Use `repo_type` argument if needed.")
         if mode == "runtime":
             raise RuntimeError("No accelerator (CUDA, XPU, HPU, NPU, MUSA, MPS) is available.")
+        if mode == "remote":
+            raise ValueError("The repository /models/custom contains custom code which must be executed to "
+                             "correctly load the model. Please pass the argument `trust_remote_code=True`.")
+        if mode == "args":
+            raise ValueError("argv: " + " ".join(sys.argv[1:]) + " path: " + " ".join(sys.path))
 
     def check_server_args(self):
         print("more chatter")
@@ -79,10 +84,10 @@ def probe(script: str, site: Path | None, args: list[str], facts: dict | None = 
           mode: str = "ok") -> tuple[list[str], dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "HF_HUB_OFFLINE")}
     env.update({"FAKE_MODE": mode, "VLLM_CACHE_ROOT": "/nonexistent-never-used"})
-    if site is not None:
-        env["PYTHONPATH"] = str(site)
     opts = ["--facts", json.dumps(facts)] if facts is not None else []
-    res = subprocess.run([sys.executable, str(PROBES / script), *opts, "--", *args], capture_output=True,
+    if site is not None:
+        opts += ["--path", str(site)]      # isolated, as the host program runs it: the probe adds the path
+    res = subprocess.run([sys.executable, "-I", str(PROBES / script), *opts, "--", *args], capture_output=True,
                          text=True, env=env, timeout=60)
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
@@ -146,3 +151,73 @@ def test_no_engine_installed_is_inconclusive_with_the_import_error(script, modul
     assert (v["version"], v["verdict"], v["stage"], v["error"]) == (None, "inconclusive", "import",
                                                                     "ModuleNotFoundError")
     assert v["message"] == f"No module named '{module}'"
+
+
+def test_the_probe_takes_trust_remote_code_out_and_says_so(tmp_path):
+    """No model code runs in the probe: --trust-remote-code never reaches the engine, and the
+    verdict's note says it was left out."""
+    site = fake_engine(tmp_path, "sglang", "0.5.23")
+    _, v = probe("sglang_probe.py", site, ["--tp-size", "4", "--trust-remote-code"])
+    assert v["verdict"] == "ok"
+    assert v["note"] == "--trust-remote-code left out: the model's own code never runs in the check"
+    _, v = probe("sglang_probe.py", site, ["--tp-size", "4"])
+    assert "note" not in v
+    # the fake engine's argparse knows no --trust-remote-code: had it been passed, a usage error
+    _, v = probe("sglang_probe.py", site, ["--tp-size", "4", "--trust-remote-code=true"])
+    assert (v["verdict"], v["note"]) == ("ok", "--trust-remote-code left out: the model's own code never runs in "
+                                               "the check")
+
+
+@pytest.mark.parametrize("script", ["sglang_probe.py", "vllm_probe.py"])
+def test_a_refusal_that_only_asks_for_remote_code_is_inconclusive(tmp_path, script):
+    probe_mod = load(script)
+    err = ValueError("The repository /models/custom contains custom code which must be executed to correctly load "
+                     "the model. Please pass the argument `trust_remote_code=True`.")
+    v = probe_mod.judge(err, "config")
+    assert (v["verdict"], v["error"]) == ("inconclusive", "ValueError")
+    assert v["message"].endswith("(the check runs no model code)")
+    _, v = probe("sglang_probe.py", fake_engine(tmp_path, "sglang", "0.5.23"), [], mode="remote")
+    assert (v["verdict"], v["stage"]) == ("inconclusive", "resolve")
+
+
+def test_path_options_go_ahead_of_the_site_directories_behind_the_standard_library(tmp_path):
+    """A unit's PYTHONPATH comes before its site-packages: the probe, isolated (-I), puts its
+    --path directories there itself, so it asks the engine the unit would import."""
+    site = fake_engine(tmp_path, "sglang", "0.5.23")
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    _, v = probe("sglang_probe.py", site, ["--tp-size", "4"], mode="args")
+    path = v["message"].split(" path: ")[1].split()
+    assert path.index(str(site)) < next(i for i, p in enumerate(path) if p.endswith(("site-packages", "dist-packages"))
+                                        and p != str(site))
+    assert path.index(str(site)) > next(i for i, p in enumerate(path) if p.endswith("lib-dynload"))
+
+
+@pytest.mark.parametrize("script", ["sglang_probe.py", "vllm_probe.py"])
+def test_the_options_of_the_probe_in_any_order(script):
+    probe_mod = load(script)
+    facts, paths, args = probe_mod.split_argv(["--path", "/a", "--facts", "{}", "--path", "/b", "--", "--tp", "1"])
+    assert (facts, paths, args) == ({}, ["/a", "/b"], ["--tp", "1"])
+    assert probe_mod.split_argv(["--", "--path", "/a"])[1:] == ([], ["--path", "/a"])
+
+
+@pytest.mark.parametrize(("text", "limit", "expected"), [
+    ("short", 10, "short"),
+    ("a bbbb cccc", 8, "cccc"),            # "bbb cccc" would keep a piece of a word
+    ("a bbbb cccc", 9, "bbbb cccc"),       # the cut falls after a space: every word whole
+    ("a bbbb cccc", 10, "bbbb cccc"),      # the cut falls on a space
+    ("xxxxxxxxxxxxxxxxxxxx", 5, ""),       # one word, longer than the limit: nothing of it
+])
+def test_a_usage_text_cut_from_the_front_keeps_whole_words(text, limit, expected):
+    assert load("sglang_probe.py").tail(text, limit) == expected
+    assert load("vllm_probe.py").tail(text, limit) == expected
+
+
+def load(script: str):
+    """A probe as a module (it is a host program, not a package module)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(script.removesuffix(".py"), PROBES / script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -10,7 +10,7 @@ makes the same calls the launcher makes before it touches a GPU or a weight::
 
 Usage::
 
-    PYTHON sglang_probe.py [--facts JSON] [--] ARGS...
+    PYTHON -I sglang_probe.py [--facts JSON] [--path DIR]... [--] ARGS...
 
 ARGS are what follows ``-m sglang.launch_server`` or ``sglang serve`` in the unit's command
 (a positional model, as ``sglang serve MODEL`` takes, becomes ``--model-path MODEL``).
@@ -23,6 +23,14 @@ SGLang through its own override point on 0.5.2x (``runtime_context.override_plat
 through the hardware probes ``sglang.srt.server_args`` imports on 0.5.1x; ``--device cuda`` is
 added when the arguments name no device. The shim is pinned to the versions it was tested on
 (``FACTS_SHIMS``): any other version with ``--facts`` is inconclusive, never a guess.
+
+``--path DIR`` (repeatable): a directory the unit's interpreter would search (its PYTHONPATH,
+its user site): the probe runs isolated (``python -I``: no ``PYTHON*`` variable is read, no
+user site, no current directory), so it puts them on ``sys.path`` itself, in their order,
+ahead of the site directories and behind the standard library, before the engine is imported.
+``--trust-remote-code`` is taken out of ARGS: a model's own code never runs in the probe (the
+verdict's ``note`` says so), and a refusal that only says remote code is needed is
+inconclusive, never a refusal of the command line.
 """
 
 from __future__ import annotations
@@ -55,30 +63,57 @@ class Inconclusive(Exception):
 
 
 def main(argv: list[str]) -> int:
-    facts, args = split_argv(argv)
+    facts, paths, args = split_argv(argv)
+    add_paths(paths)
+    args, note = without_remote_code(args)
     real_stdout = os.dup(1)
     os.dup2(2, 1)              # the engine's chatter goes to stderr; stdout carries our line only
     os.environ["HF_HUB_OFFLINE"] = "1"        # a wrong model path must fail, never download
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     result = probe(facts, args)
+    if note:
+        result["note"] = note
     sys.stdout.flush()
     sys.stderr.flush()
     os.write(real_stdout, (MARKER + json.dumps(result, sort_keys=True) + "\n").encode())
     os._exit(0)                # no engine teardown (atexit, threads) after the verdict line
 
 
-def split_argv(argv: list[str]) -> tuple[dict[str, Any] | None, list[str]]:
-    """The probe's own options (``--facts JSON``, ``--``) and the engine's argv after them."""
+def split_argv(argv: list[str]) -> tuple[dict[str, Any] | None, list[str], list[str]]:
+    """The probe's own options (``--facts JSON``, ``--path DIR``..., ``--``) and the engine's argv after them."""
     facts = None
-    if argv[:1] == ["--facts"] and len(argv) > 1:
-        facts = json.loads(argv[1])
+    paths: list[str] = []
+    while argv[:1] in (["--facts"], ["--path"]) and len(argv) > 1:
+        if argv[0] == "--facts":
+            facts = json.loads(argv[1])
+        else:
+            paths.append(argv[1])
         argv = argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if argv and not argv[0].startswith("-"):
         # `sglang serve MODEL ...`: what its CLI does (cli/serve.py) before prepare_server_args
         argv = ["--model-path", argv[0], *argv[1:]]
-    return facts, list(argv)
+    return facts, paths, list(argv)
+
+
+def add_paths(paths: list[str]) -> None:
+    """The unit's own search path (``--path``), ahead of the first site directory, as its
+    interpreter would search them: after the standard library, before site-packages."""
+    at = next((i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))),
+              len(sys.path))
+    sys.path[at:at] = [p for p in paths if p not in sys.path]
+
+
+REMOTE_CODE = "--trust-remote-code"
+
+
+def without_remote_code(args: list[str]) -> tuple[list[str], str | None]:
+    """The arguments without ``--trust-remote-code``: the model's own Python files (``auto_map``)
+    are never imported by the probe; and the note that says so, if it was there."""
+    kept = [a for a in args if a != REMOTE_CODE and not a.startswith(REMOTE_CODE + "=")]
+    return kept, (f"{REMOTE_CODE} left out: the model's own code never runs in the check"
+                  if len(kept) != len(args) else None)
 
 
 def probe(facts: dict[str, Any] | None, args: list[str]) -> dict[str, Any]:
@@ -201,6 +236,10 @@ def judge(e: BaseException, stage: str) -> dict[str, Any]:
     """The verdict for an exception raised at `stage` (review 2026-12-02 section 7.5)."""
     if isinstance(e, Inconclusive):
         return {"verdict": "inconclusive", "stage": stage, "error": "Inconclusive", "message": str(e)}
+    if "trust_remote_code" in str(e) or REMOTE_CODE in str(e):
+        # the model needs its own code, which the check never runs: not the command line's fault
+        return {"verdict": "inconclusive", "stage": stage, "error": type(e).__name__,
+                "message": f"{str(e).strip()} (the check runs no model code)"}
     where, source = innermost_engine_frame(e.__traceback__)
     base = {"stage": stage, "error": type(e).__name__, "where": where}
     if isinstance(e, SystemExit):
@@ -238,7 +277,19 @@ class _StderrTee:
 def usage_error() -> str:
     text = "".join(_usage)
     found = re.findall(r"^\S.*?error: (.*)$", text, re.M)
-    return found[-1].strip() if found else text.strip()[-500:]
+    return found[-1].strip() if found else tail(text.strip(), 500)
+
+
+def tail(text: str, limit: int) -> str:
+    """The end of a text, at most `limit` characters, whole words only: a word cut in two may be
+    part of a secret that the controller, which redacts everything it is told, would no longer
+    recognise."""
+    if len(text) <= limit:
+        return text
+    cut = text[-limit:]
+    if not cut[0].isspace() and not text[-limit - 1].isspace():       # the first word cut in two
+        cut = cut.split(None, 1)[1] if len(cut.split(None, 1)) == 2 else ""
+    return cut.lstrip()
 
 
 def engine_file(path: str) -> str | None:
