@@ -26,7 +26,8 @@ driver), even with the GPUs hidden.
 
 vLLM inspects a model's architecture in a subprocess once and caches the answer under
 ``VLLM_CACHE_ROOT``; when that is unset the probe points it at a directory of its own under the
-system's temporary directory, kept between runs (the first run of an architecture is slower).
+system's temporary directory, kept between runs where that directory is (the first run of an
+architecture is slower; the reconciler runs the probe with a private /tmp, so every run is a first).
 
 ``--path DIR`` (repeatable): a directory the unit's interpreter would search (its PYTHONPATH,
 its user site): the probe runs isolated (``python -I``: no ``PYTHON*`` variable is read, no

@@ -2,10 +2,11 @@
 packages (issue 35): SGLang 0.5.12 and 0.5.23 and vLLM 0.33.0, built by tests/engines.py and
 seen by every host read-only at /opt/engines/<name>, with the model's config.json only.
 
-Each probe is copied to the host and run over ssh as the reconciler runs it: the environment's
-own interpreter, GPUs hidden, no downloads, a timeout and the lowest priority, and the facts of
-an SM90 host with 4 H200 GPUs. A probe takes 10-35 s (most of it importing the engine), so each
-test runs its independent probes two at a time, and prints how long each took."""
+Each probe is copied to the host and run over ssh as the reconciler runs it, but for systemd's
+box (tests/e2e/test_e2e_engine_deploy.py runs it through the reconciler): the environment's own
+interpreter, isolated (-I), GPUs hidden, no downloads, a timeout and the lowest priority, and
+the facts of an SM90 host with 4 H200 GPUs. A probe takes 10-35 s (most of it importing the
+engine), so each test runs its independent probes two at a time, and prints how long each took."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def run_probe(fleet, host: fleetlib.Host, python: str, probe: str, args: list[st
     """Run `probe` on the host as the reconciler does; its verdict, plus the wall time."""
     opts = ["--facts", json.dumps(facts)] if facts is not None else []
     cmd = ("HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES= timeout 120 nice -n 19 "
-           + shlex.join([python, f"{PROBE_DIR}/{probe}", *opts, "--", *args]) + " 2>/dev/null")
+           + shlex.join([python, "-I", f"{PROBE_DIR}/{probe}", *opts, "--", *args]) + " 2>/dev/null")
     t0 = time.monotonic()
     res = subprocess.run([*fleetlib.ssh_base(host.address, fleet.known_hosts), cmd], capture_output=True,
                          text=True, timeout=150)
