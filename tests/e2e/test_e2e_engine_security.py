@@ -149,16 +149,16 @@ def test_a_preview_runs_no_payload_and_the_engine_check_runs_them_isolated(fleet
     desired(repo, [h], services)
     try:
         res = run_cli("--repo", str(repo.path), "--dry-run", check_codes=(2,))
-        assert f"engine check skipped: {SKIPPED}" in res.stdout, res.stdout
         assert markers(fleet, h, token) == ([], [])
+        assert f"engine check skipped: {SKIPPED}" in res.stdout, res.stdout
 
         code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2,))
+        assert markers(fleet, h, token) == ([], [])
         assert out["engine_check"] == {"ran": False, "why": SKIPPED, "services": 4,
                                        "line": f"engine check skipped: {SKIPPED}"}
         notes = out["hosts"][0]["notes"]
         for name in services:
             assert f"{name}: engine check skipped ({SKIPPED}); the static rules decide" in notes, notes
-        assert markers(fleet, h, token) == ([], [])
 
         run_cli("validate", "--repo", str(repo.path), check_codes=(0,))
         assert markers(fleet, h, token) == ([], [])
@@ -176,6 +176,7 @@ def test_a_preview_runs_no_payload_and_the_engine_check_runs_them_isolated(fleet
         res = subprocess.run([sys.executable, "-m", "reconciler", "--repo", str(repo.path), "--dry-run",
                               "--engine-check", "--json"], capture_output=True, text=True, timeout=500,
                              env={**os.environ, "RECONCILER_IDENTITY": str(fleetlib.client_key_path())})
+        assert markers(fleet, h, token) == ([], [])
         assert res.returncode == 2, res.stderr
         out = json.loads(res.stdout)
         assert (out["engine_check"]["ran"], out["engine_check"]["why"]) == (True, "--engine-check")
@@ -183,7 +184,6 @@ def test_a_preview_runs_no_payload_and_the_engine_check_runs_them_isolated(fleet
         for name in services:
             said = [n for n in notes if n.startswith(f"{name}: ") and ("engine check" in n or "accepts" in n)]
             assert len(said) == 1 and "skipped" not in said[0], notes
-        assert markers(fleet, h, token) == ([], [])
     finally:
         fleet.ssh(h, f"rm -rf {MARKERS}/{token}-* /tmp/{token}-* /var/tmp/{token}-* {PAYLOAD}")
 
