@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .. import shell
+from ..desired.spec import ServiceSpec
 from ..frames import frames
-from ..preflight import Command, reads_user_site
+from ..preflight import Command, RuleSet, parse_command, reads_user_site, unit_entries
 from ..shell import ShCommand
 
 _PYTHON = re.compile(r"^python[0-9.]*\Z")
@@ -57,6 +59,18 @@ def probe_for(service: str, cmd: Command, user: str | None = None) -> Probe | No
     return Probe(service, exe, cmd.server, cmd.env.get("PYTHONPATH", ""), user or "", reads_user_site(cmd))
 
 
+def probes_for(specs: Mapping[str, ServiceSpec], rules: RuleSet | None) -> list[Probe]:
+    """The server versions a pre-flight reads: only where a rule is bound to versions."""
+    if rules is None or not any(r.versions for r in rules.rules):
+        return []
+    out = []
+    for name, svc in sorted(specs.items()):
+        user = next((v for k, v in reversed(unit_entries(svc.unit_text)) if k == "User"), None)
+        if (p := probe_for(name, parse_command(svc), user)) is not None:
+            out.append(p)
+    return out
+
+
 def probe_command(probes: list[Probe], token: str | None = None) -> tuple[ShCommand, str]:
     """The shell that reads every probe's version: reconciler/sh/versions.sh. Returns (command, token)."""
     token = token or secrets.token_hex(8)
@@ -78,3 +92,11 @@ def parse_probe(stdout: str, token: str) -> dict[str, str | None]:
             text = fields[1][1:] if fields[1].startswith("@") else ""
             out[fields[0]] = text if _VERSION.match(text) else None
     return out
+
+
+def read_versions(probes: list[Probe], stdout: str, token: str) -> tuple[dict[str, str | None], list[str]]:
+    """Each probed service's version (None: unknown), and a warning for each unknown one."""
+    versions = parse_probe(stdout, token)
+    return versions, [f"{p.service}: the installed {p.module} version could not be read for {p.executable}: "
+                      f"rules bound to versions apply as for any version" for p in probes
+                      if versions.get(p.service) is None]

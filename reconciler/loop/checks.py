@@ -34,7 +34,7 @@ from ..host.apply import GpuWait
 from ..host.engine import check_engines
 from ..host.gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, gpu_facts, kill_strays, parse_gpu, wait_released
 from ..host.transport import Transport
-from ..host.versions import Probe, parse_probe, probe_command, probe_for
+from ..host.versions import Probe, probe_command, probes_for, read_versions
 from ..plan.actions import starting, writing_units
 from ..plan.facts import ENV_DROPIN, HostFacts
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
@@ -51,7 +51,6 @@ from ..preflight import (
     model_check_command,
     parse_command,
     parse_model_check,
-    unit_entries,
     weights_bytes,
 )
 from ..shell import ShCommand, one_sh
@@ -201,15 +200,6 @@ def _units(plan: HostPlan) -> dict[str, tuple[str, str | None]]:
     return units
 
 
-def _probes(specs: Mapping[str, ServiceSpec], rules: RuleSet | None) -> list[Probe]:
-    """The server versions to read: only where a rule is bound to versions."""
-    if rules is None or not any(r.versions for r in rules.rules):
-        return []
-    users = {n: next((v for k, v in reversed(unit_entries(s.unit_text)) if k == "User"), None)
-             for n, s in specs.items()}
-    return [p for n, s in sorted(specs.items()) if (p := probe_for(n, parse_command(s), users[n])) is not None]
-
-
 def _batch(units: Mapping[str, tuple[str, str | None]], paths: list[str], gpu: int | None,
            probes: list[Probe]) -> tuple[ShCommand, str | None, dict[str, str]]:
     """Every fact the pre-flight reads, as one sh (one round trip, one process: one_sh): the
@@ -231,11 +221,8 @@ def _batch(units: Mapping[str, tuple[str, str | None]], paths: list[str], gpu: i
 
 def _read_versions(out: Preflight, probes: list[Probe], stdout: str, token: str) -> dict[str, str | None]:
     """The server version of each probed service (None: unknown), as the host's files say."""
-    versions = parse_probe(stdout, token)
-    for p in probes:
-        if versions.get(p.service) is None:
-            out.warnings.append(f"{p.service}: the installed {p.module} version could not be read for "
-                                f"{p.executable}: rules bound to versions apply as for any version")
+    versions, warnings = read_versions(probes, stdout, token)
+    out.warnings.extend(warnings)
     return versions
 
 
@@ -276,8 +263,8 @@ def _judge_engines(out: Preflight, verdicts: Mapping[str, EngineVerdict]) -> set
 
 async def _engines(t: Transport, out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec],
                    engine: EngineCheck) -> dict[str, EngineVerdict]:
-    """The engine check of each service that has one, where the run may run it; a note for
-    each it may not (a dry run of an unsigned revision: options.engine_check)."""
+    """The engine check of each service that has one where the run may run it (preview.py); a
+    note for each where it may not."""
     runs = [r for n, s in sorted(specs.items()) if (r := engine_run_for(n, s)) is not None]
     out.engine_checks = len(runs)
     if not engine.run:
@@ -307,7 +294,7 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     # not keep the fleet from going back to it (systemd's check and the model check still apply).
     fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
     since = xid_since(facts.gpu_fault, facts.record.applied_at if facts.record else 0) if targets else None
-    versions = await _read(t, out, host, units, paths, since, _probes(specs, rules))
+    versions = await _read(t, out, host, units, paths, since, probes_for(specs, rules))
     # The engine check runs after the GPUs were read, never beside: a probe that may touch a GPU
     # (engine_check = "visible") would read as a stray holder of the service's GPUs.
     verdicts = await _engines(t, out, host, fresh, engine)

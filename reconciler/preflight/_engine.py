@@ -143,6 +143,7 @@ class EngineVerdict:
     def block(self) -> str:
         """The blocking reason's text: the engine, its message, where it was raised."""
         where = f" ({self.where})" if self.where else ""
+        where += f" ({self.caveat})" if self.caveat else ""
         error = "" if self.error in (None, "usage") else f"{self.error}: "
         return (f"{self.service}: the installed {self.engine} refuses this command line: {error}{self.message}{where}. "
                 f"Nothing was stopped. Fix: change the flags as the engine says, or pin the engine version "

@@ -150,6 +150,10 @@ def test_a_caveat_of_the_probe_is_said_with_the_verdict_and_kept_in_the_cache(tm
     v = parse_verdict("m", "sglang", answer(engine="sglang", version="0.5.23", verdict="ok", note=note))
     assert v.caveat == note
     assert v.note() == f"m: sglang 0.5.23 accepts the command line ({note})"
+    refused = parse_verdict("m", "sglang", answer(engine="sglang", version="0.5.23", verdict="rejected",
+                                                  error="usage", message="unrecognized arguments: --x", note=note))
+    assert refused.block().startswith(f"m: the installed sglang 0.5.23 refuses this command line: unrecognized "
+                                      f"arguments: --x ({note}). Nothing was stopped.")
     store = engine.VerdictCache(tmp_path / "v.json", wall=lambda: 1000.0)
     store.remember("h", "k", "s", v)
     again = store.verdict("h", "k", "m")
