@@ -177,11 +177,11 @@ if [ "$mode" = hidden ] && command -v nvidia-smi >/dev/null 2>&1; then
   facts=$(nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader,nounits 2>/dev/null)
 fi
 infos=
-set +f
 for d in $dirs; do
+  set +f
   for i in "$d/$pkg"-*.dist-info/METADATA; do [ -f "$i" ] && infos=$infos$i$nl; done
+  set -f
 done
-set -f
 # shellcheck disable=SC2086
 stamp=$({ stat -L -c '%n %.9Y %.9Z %s %i' -- $leaves $pths $infos "$model/config.json" 2>/dev/null
           printf '%s\n' "$facts" "$mode" "$probe"

@@ -62,6 +62,9 @@ class AsyncEngineArgs:
     @staticmethod
     def add_cli_args(parser):
         report()
+        if os.environ.get("VLLM_FAKE_CHATTY"):
+            for i in range(40000):                      # 2 MB on stderr, as a runaway log would
+                print(f"chatter {i:06d} " + "x" * 40, file=sys.stderr, flush=True)
         parser.add_argument("model")
         parser.add_argument("--tensor-parallel-size", type=int, default=1)
         if VERSION == "0.1.0" and os.environ.get("VLLM_FAKE_STRICT") != "1":
@@ -258,3 +261,20 @@ def test_a_cached_ok_made_stale_by_an_upgrade_anywhere_the_stamp_covers_is_asked
         assert (f"case: the installed vllm {version} refuses this command line: unrecognized arguments: --old-flag"
                 in r["message"]), (where, r["message"])
         assert len(reports(fleet, h, "case")) == 2, where                    # asked again
+
+
+@pytest.mark.timeout(300)
+def test_a_probe_that_prints_more_than_its_cap_is_stopped_and_the_check_is_inconclusive(fleet, repo,
+                                                                                        fake_vllm_host):
+    """N8: what the probe prints goes to files in /run (memory): past LimitFSIZE=1M a write fails
+    (python ignores SIGXFSZ: the write raises EFBIG), so the engine's chatter stops at exactly
+    1 MiB (18,724 lines of 56 bytes and 32 bytes of the next), the probe cannot even flush its
+    answer, and the check is inconclusive, quoting the last line that was written."""
+    h = fake_vllm_host
+    install_fake_vllm(fleet, h, SYS_SITE)
+    desired(repo, [h], {"chatty": vllm_service("/usr/bin/python3", "chatty", env={"VLLM_FAKE_CHATTY": "1"})})
+    r = dry_run(repo, 2)
+    [note] = [n for n in r["notes"] if n.startswith("chatty: ")]
+    assert note == ("chatty: engine check inconclusive (vllm): the probe gave no answer (exit status 120): "
+                    "chatter 018724 xxxxxxxxxxxxxxxxx; the static rules decide"), note
+    assert len(reports(fleet, h, "chatty")) == 1                         # it ran, and was stopped

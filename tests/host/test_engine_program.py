@@ -140,7 +140,7 @@ def test_the_probe_runs_isolated_with_facts_an_allowlisted_env_and_the_guards_la
     assert props[5:] == [*engine.probe_properties(run.unit, "hidden"), props[-1]]
     assert props[5] == "User=nobody" and props[-1].startswith("EnvironmentFile=/run/reconciler-engine.")
     assert [p for p in props if p.startswith("EnvironmentFile=")] == [props[-1]]    # the unit's are not loaded
-    assert not list(Path("/run").glob("reconciler-engine.*"))          # nothing left behind
+    assert not Path(props[-1].removeprefix("EnvironmentFile=")).parent.exists()     # nothing left behind
 
 
 @pytest.mark.parametrize(("line", "kept"), [
