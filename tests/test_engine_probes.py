@@ -478,3 +478,26 @@ def test_the_verdict_carries_the_engines_warnings_and_the_probes_notes_to_the_dr
         {"engine": "vllm", "version": "0.34.0", "verdict": "rejected", "error": "usage", "message": "bad",
          "warnings": ["VLLM_X has been removed."]}))
     assert refused.block().endswith("the unit was written for; vllm 0.34.0 warns: VLLM_X has been removed.")
+
+
+def test_path_options_go_ahead_of_the_site_directories_behind_the_standard_library(monkeypatch):
+    """A unit's PYTHONPATH comes before its site-packages: the probe, isolated (-I), puts its
+    --path directories there itself, so it asks the engine the unit would import."""
+    from reconciler.engines import probe as program
+    monkeypatch.setattr(sys, "path", ["/usr/lib/python311.zip", "/usr/lib/python3.11",
+                                      "/usr/lib/python3.11/lib-dynload", "/v/lib/python3.11/site-packages"])
+    program.add_paths(["/a", "/b", "/usr/lib/python3.11"])
+    assert sys.path == ["/usr/lib/python311.zip", "/usr/lib/python3.11", "/usr/lib/python3.11/lib-dynload",
+                        "/a", "/b", "/v/lib/python3.11/site-packages"]
+
+
+@pytest.mark.parametrize(("text", "limit", "expected"), [
+    ("short", 10, "short"),
+    ("a bbbb cccc", 8, "cccc"),            # "bbb cccc" would keep a piece of a word
+    ("a bbbb cccc", 9, "bbbb cccc"),       # the cut falls after a space: every word whole
+    ("a bbbb cccc", 10, "bbbb cccc"),      # the cut falls on a space
+    ("xxxxxxxxxxxxxxxxxxxx", 5, ""),       # one word, longer than the limit: nothing of it
+])
+def test_a_usage_text_cut_from_the_front_keeps_whole_words(text, limit, expected):
+    from reconciler.engines import probe as program
+    assert program.tail(text, limit) == expected

@@ -86,7 +86,12 @@ def lock_wait_opt(f):  # type: ignore[no-untyped-def]
 @repo_opt
 @rev_opt
 @path_opt
-@click.option("--dry-run", "-n", is_flag=True, help="Show diffs and actions; change nothing.")
+@click.option("--dry-run", "-n", is_flag=True, help="Show diffs and actions; change nothing and run nothing of the "
+                                                  "revision on a host (the engine check only with --engine-check, or "
+                                                  "for a revision verified by --require-signed).")
+@click.option("--engine-check", is_flag=True, help="With --dry-run: run the engine check of an unsigned revision too "
+                                                   "(it starts the revision's interpreter on the hosts, isolated and "
+                                                   "sandboxed: docs/engine-check.md).")
 @json_opt
 @identity_opt
 @concurrency_opt
@@ -109,7 +114,7 @@ def lock_wait_opt(f):  # type: ignore[no-untyped-def]
 @click.option("--allow-insecure-transport", is_flag=True, help="Fetch a URL over http:// or git:// (plaintext: "
                                                                "whoever is on the path chooses what deploys).")
 @click.pass_context
-def app(ctx: click.Context, repo: str, rev: str | None, path: str, dry_run: bool, as_json: bool,
+def app(ctx: click.Context, repo: str, rev: str | None, path: str, dry_run: bool, engine_check: bool, as_json: bool,
         identity: str | None, concurrency: int | None, host: tuple[str, ...], label: tuple[str, ...], retry: bool,
         allow_rewind: bool, lock_wait: float, age_identity: str | None, cache_dir: Path | None,
         state_dir: Path | None, notes: bool, require_signed: bool, allowed_signers: str | None,
@@ -119,7 +124,8 @@ def app(ctx: click.Context, repo: str, rev: str | None, path: str, dry_run: bool
     trust = trust_policy(require_signed, allowed_signers, allow_insecure_transport, as_json=as_json)
     opts = RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir, hosts=host, labels=label, dry_run=dry_run,
                       retry=retry, allow_rewind=allow_rewind, lock_wait=lock_wait, concurrency=concurrency,
-                      identity=identity, age_identity=age_identity, confirm_margin=confirm_margin_from(), trust=trust)
+                      identity=identity, age_identity=age_identity, confirm_margin=confirm_margin_from(), trust=trust,
+                      engine_check=engine_check)
     converge(opts, as_json=as_json, state_dir=state_dir, notes=notes)
 
 

@@ -24,6 +24,7 @@ from .output import console, escape, fail, fail_input, print_json, run_async, sa
 
 if TYPE_CHECKING:
     from ..desired.source import Snapshot
+    from ..loop.results import FleetResult
     from ..loop.revision import Revision
 
 CONFIG = "/etc/reconciler/config.toml"
@@ -167,8 +168,27 @@ def converge(opts: RunOptions, *, as_json: bool = False, state_dir: Path | None 
                 say(f"warning: deploy notes not written: {e}")
     for r, why in rev.refused.items():       # rollback targets the trust policy refused
         say(f"refused to roll back to {r[:7]}: {why}")
+    doc = result.to_json()
+    engine = engine_check_said(opts, rev, result)
+    if engine is not None:
+        doc["engine_check"] = engine
     if as_json:
-        print_json(result.to_json())
+        print_json(doc)
     else:
+        if engine is not None:
+            out.print(escape(str(engine["line"])), soft_wrap=True, highlight=False)
         print_result(out, result, shown=view.shown)
     raise SystemExit(result.exit_code())
+
+
+def engine_check_said(opts: RunOptions, rev: Revision, result: FleetResult) -> dict[str, object] | None:
+    """What a dry run says about the engine check (options.engine_check), where a service it
+    would (re)start has one: whether it ran and why ("skipped: the revision is not signed;
+    --engine-check runs it", "ran: signed by KEY", "ran: --engine-check"). None on a real run,
+    and where no service has an engine check."""
+    from ..loop.preview import engine_check
+    services = sum(h.checked.engine_checks for h in result.hosts if h.checked is not None)
+    if not opts.dry_run or not services:
+        return None
+    gate = engine_check(opts.dry_run, opts.engine_check, rev.signer)
+    return {"ran": gate.run, "why": gate.why, "services": services, "line": gate.line()}

@@ -9,8 +9,9 @@ retired.py, the adapter, and one line that runs ``main`` with it. Usage::
 
     python -I probe.py [--facts JSON] [--path DIR]... [--] ARGS...
 
-``--path DIR`` (the unit's PYTHONPATH, in order) is appended to ``sys.path`` before anything
-of the engine is imported: with ``-I`` Python reads no PYTHON* variable. ARGS are the server's
+``--path DIR`` (the unit's PYTHONPATH, in order) is put on ``sys.path`` ahead of the site
+directories, behind the standard library, before anything of the engine is imported: with
+``-I`` Python reads no PYTHON* variable. ARGS are the server's
 own arguments; ``--trust-remote-code`` is left out of them (a model's own code never runs in the
 probe; the verdict's ``notes`` say so), and a refusal that only says the model needs its own code
 is inconclusive. ``--facts {"count": 4, "name": "NVIDIA H200", "capability": [9, 0],
@@ -86,7 +87,7 @@ class Adapter(Protocol):
 
 def main(adapter: Adapter, argv: list[str]) -> None:
     facts, paths, args = split_argv(argv)
-    sys.path.extend(p for p in paths if p not in sys.path)
+    add_paths(paths)
     real_stdout = os.dup(1)
     os.dup2(2, 1)              # the engine's chatter goes to stderr; stdout carries our line only
     os.environ["HF_HUB_OFFLINE"] = "1"        # a wrong model path must fail, never download
@@ -269,7 +270,28 @@ class StderrTee:
 def usage_error() -> str:
     text = "".join(_usage)
     found = re.findall(r"^\S.*?error: (.*)$", text, re.M)
-    return bounded(found[-1] if found else text.strip()[-TEXT_MAX:])
+    return bounded(found[-1] if found else tail(text.strip(), TEXT_MAX))
+
+
+def tail(text: str, limit: int) -> str:
+    """The end of a text, at most `limit` characters, whole words only: a word cut in two may be
+    part of a secret that the controller, which redacts everything it is told, would no longer
+    recognise."""
+    if len(text) <= limit:
+        return text
+    cut = text[-limit:]
+    if not cut[0].isspace() and not text[-limit - 1].isspace():       # the first word cut in two
+        cut = cut.split(None, 1)[1] if len(cut.split(None, 1)) == 2 else ""
+    return cut.lstrip()
+
+
+def add_paths(paths: list[str]) -> None:
+    """The unit's own search path (``--path``), ahead of the first site directory, as its
+    interpreter would search them: after the standard library, before site-packages (appended
+    after them, a venv's older engine would shadow a newer one on PYTHONPATH)."""
+    at = next((i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))),
+              len(sys.path))
+    sys.path[at:at] = [p for p in paths if p not in sys.path]
 
 
 def innermost_engine_frame(tb: TracebackType | None, package: str) -> tuple[str | None, str]:

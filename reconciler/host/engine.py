@@ -1,18 +1,26 @@
 """Ask the engine, the host edge: run the engine's own argument checks on a host (see
-preflight/_engine.py for what the answers mean).
+preflight/_engine.py for what the answers mean, preflight/_enginebox.py for the box the probe
+runs in).
 
-`engine_command(run, ...)` is reconciler/sh/engine-probe.sh with its arguments and stdin (the
-service's environment as an env file: values never go on a command line). On the host it runs
-the probe under `systemd-run` as the unit's user with the unit's EnvironmentFile=s and the
-service's environment, `MemoryMax=`, `RuntimeMaxSec=`, `Nice=19`, idle I/O, no hub downloads
-(`HF_HUB_OFFLINE=1`) and, by default, no GPU visible (`CUDA_VISIBLE_DEVICES=`) with the host's
-GPU facts from nvidia-smi passed in instead: the old server keeps its GPUs untouched while the
-new command line is checked (bench/results/engine_probe_h200.txt has the measurements).
+`engine_command(run, ...)` is reconciler/sh/engine-probe.sh with its arguments (the token and
+the server's arguments) and stdin: a header of named parameters (the interpreter, the probe,
+the unit's user, PYTHONPATH entries, EnvironmentFile=s and the probe's systemd properties, one
+a line), then the service's environment, allowlisted, as an env file (values never go on a
+command line). On the host it runs the probe as `python -I` under `systemd-run` with the
+unit's identity (a unit that would run as root: a dynamic user) and sandbox and the probe's
+own (no network, the file system read-only, no capabilities), `MemoryMax=`, `RuntimeMaxSec=`,
+`TasksMax=`, `LimitFSIZE=`, `Nice=19`, idle I/O, no hub downloads (`HF_HUB_OFFLINE=1`) and, by
+default, no GPU visible (`CUDA_VISIBLE_DEVICES=`, `PrivateDevices=yes`) with the host's GPU
+facts from nvidia-smi passed in instead: the old server keeps its GPUs untouched while the new
+command line is checked (bench/results/engine_probe_h200.txt has the measurements). It refuses
+to run where the interpreter, a directory on its path or the engine's files may be changed by
+anyone but root or the unit's user.
 
 A probe costs a python start-up that imports the engine (8-15 s), so answers are cached on the
-controller per host and per request (interpreter, arguments, environment, user, probe) with the
-host's stamp (the interpreter's and its packages' modification times, the model's config.json,
-the GPU facts): a cached answer costs one `stat`, as the version probe's does.
+controller per host and per request (interpreter, arguments, environment, unit settings,
+probe) with the host's stamp (every file and directory the answer depends on, the unit's env
+files, the model's config.json, the GPU facts, the probe) for at most `MAX_AGE`: a cached
+answer costs a `stat` and a hash on the host.
 """
 
 from __future__ import annotations
@@ -22,15 +30,18 @@ import base64
 import hashlib
 import json
 import secrets
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import cache
+from pathlib import Path
 
 from .. import engines, shell
 from ..errors import ReconcilerError
 from ..frames import frames
 from ..plan.facts import CREDSTORE, ENV_DIR
 from ..plan.files import render_env_file
-from ..preflight import EngineRun, EngineVerdict, parse_verdict
+from ..preflight import EngineRun, EngineVerdict, elsewhere, parse_verdict, probe_env, probe_properties
 from ..redact import redact_data
 from ..shell import ShCommand
 from .cachefile import CacheFile
@@ -41,6 +52,9 @@ from .transport import Transport
 STAGE = {"sglang": "sglang/srt/server_args.py", "vllm": "vllm/engine/arg_utils.py"}
 MEMORY_MAX = "4G"          # observed 0.95-1.07 GB RSS (review 2026-12-02, §6)
 SECONDS = 120              # observed 8-15 s warm, 33 s on vLLM's first run, ~70 s on a loaded box
+MAX_AGE = 24 * 3600        # seconds a cached answer stands, however unchanged the host's stamp
+SLICE_BYTES = 65536        # of the probe's stderr, the end that comes back (from a line's start)
+ENV_FILE_BYTES = 1 << 20   # of each of the unit's env files, what the host program reads
 
 
 @cache
@@ -66,27 +80,45 @@ def _model_dir(run: EngineRun) -> str:
 def _unit_files(run: EngineRun) -> list[str]:
     """The unit's own EnvironmentFile=s, without the reconciler's (the service's environment
     comes on stdin, as it will be after the deploy) and without the secrets' (the check needs
-    no secret)."""
+    no secret). The host program keeps only their allowed variables."""
     own = (ENV_DIR + "/", CREDSTORE + "/")
-    return [f for f in run.env_files if not f.lstrip("-").startswith(own) and " " not in f]
+    return [f for f in run.env_files if not f.lstrip("-").startswith(own)]
 
 
 def request_key(run: EngineRun) -> str:
     """What the controller asked, as a digest: the same request on the same stamp, the same answer."""
     data = json.dumps([run.server, run.interpreter, run.args, sorted(run.env.items()), run.user, run.env_files,
-                       run.workdir, run.mode, hashlib.sha256(probe_text(run.server).encode()).hexdigest()])
+                       run.workdir, run.mode, run.unit, run.user_site,
+                       hashlib.sha256(probe_text(run.server).encode()).hexdigest()])
     return hashlib.sha256(data.encode()).hexdigest()[:32]
+
+
+def refusal(run: EngineRun) -> str | None:
+    """Why the check does not run at all (None: it runs): a unit in another root, or a setting
+    the host program's one-a-line header cannot carry."""
+    where = elsewhere(run.unit)
+    if where:
+        return where
+    if any("\n" in v or "\r" in v for v in (run.interpreter, run.user or "", run.env.get("PYTHONPATH", ""),
+                                             *run.env_files, *(v for _, v in run.unit))):
+        return "a unit setting holds a line break"
+    return None
 
 
 def engine_command(run: EngineRun, *, cached: str = "", memory_max: str = MEMORY_MAX,
                    seconds: int = SECONDS, token: str | None = None) -> tuple[ShCommand, str, str]:
-    """The command that runs one service's engine check, its stdin (the environment) and token."""
+    """The command that runs one service's engine check, its stdin (the named parameters, then
+    the allowlisted environment) and token."""
     token = token or secrets.token_hex(8)
-    files = _unit_files(run)
-    args = [token, run.interpreter, base64.b64encode(probe_text(run.server).encode()).decode(),
-            run.user or "", run.workdir or "", memory_max, str(seconds), run.mode, _model_dir(run), cached,
-            STAGE[run.server], run.env.get("PYTHONPATH", ""), str(len(files)), *files, *run.args]
-    return ShCommand(shell.program("engine-probe"), "reconciler-engine", args), render_env_file(run.env), token
+    head = [f"interp={run.interpreter}", f"probe={base64.b64encode(probe_text(run.server).encode()).decode()}",
+            f"user={run.user or ''}", f"mem={memory_max}", f"secs={seconds}", f"mode={run.mode}",
+            f"model={_model_dir(run)}", f"cached={cached}", f"stage={STAGE[run.server]}",
+            f"usersite={int(run.user_site)}"]
+    head += [f"pythonpath={p}" for p in run.env.get("PYTHONPATH", "").split(":") if p]
+    head += [f"envfile={f}" for f in _unit_files(run)]
+    head += [f"prop={p}" for p in probe_properties(run.unit, run.mode)]
+    stdin = "".join(h + "\n" for h in head) + "\n" + render_env_file(probe_env(run.env))
+    return ShCommand(shell.program("engine-probe"), "reconciler-engine", [token, *run.args]), stdin, token
 
 
 @dataclass(frozen=True)
@@ -106,6 +138,9 @@ def read_answer(run: EngineRun, stdout: str, token: str) -> Answer:
             return Answer("", EngineVerdict(run.service, run.server, "inconclusive",
                                             message=f"{run.server} is not installed for {run.interpreter} "
                                                     f"(no {STAGE[run.server]} in its package directories)"))
+        if f.kind == "U" and len(fields) == 4:
+            return Answer("", EngineVerdict(run.service, run.server, "inconclusive",
+                                            message=_untrusted(run, *fields)))
         if f.kind == "S" and fields:
             stamp = fields[0]
         elif f.kind == "C":
@@ -120,20 +155,46 @@ def read_answer(run: EngineRun, stdout: str, token: str) -> Answer:
     return Answer(stamp, parse_verdict(run.service, run.server, out, exit_status=status, tail=err))
 
 
+def _untrusted(run: EngineRun, uid: str, gid: str, mode: str, path: str) -> str:
+    """The refusal's message: which path may be changed by someone the unit does not run as."""
+    try:
+        name = base64.b64decode(path).decode(errors="replace")
+    except ValueError:
+        name = "?"
+    own = f"root or the unit's user {run.user}" if run.user and run.user not in ("root", "0") else "root"
+    return (f"the engine check did not run: {name} (owner uid {uid}, gid {gid}, mode {mode}) may be changed by "
+            f"someone other than {own}, and the probe would run what it holds. Fix: make it {own}'s alone "
+            f"(chown, chmod go-w)")
+
+
 class VerdictCache(CacheFile):
-    """Engine answers per host and request, with the host's stamp they were read at; a JSON file
-    in the controller's state directory. It holds no environment value (a request is a digest)
-    and its messages are redacted."""
+    """Engine answers per host and request, with the host's stamp they were read at and when
+    (`wall`: the time they are measured by); a JSON file in the controller's state directory.
+    An answer older than MAX_AGE is not offered. It holds no environment value (a request is a
+    digest) and its messages are redacted."""
 
     KEEP = 64       # requests per host
 
-    def stamp(self, host: str, key: str) -> str:
+    def __init__(self, path: Path | None, wall: Callable[[], float] = time.time):
+        super().__init__(path)
+        self.wall = wall
+
+    def _entry(self, host: str, key: str) -> dict[str, object] | None:
         entry = self.data.get(host, {}).get(key)
-        return str(entry.get("stamp", "")) if isinstance(entry, dict) else ""
+        if not isinstance(entry, dict):
+            return None
+        taken = entry.get("taken")
+        if not isinstance(taken, (int, float)) or not 0 <= self.wall() - taken <= MAX_AGE:
+            return None                # expired (or from a cache that kept no time): asked again
+        return entry
+
+    def stamp(self, host: str, key: str) -> str:
+        entry = self._entry(host, key)
+        return str(entry.get("stamp", "")) if entry is not None else ""
 
     def verdict(self, host: str, key: str, service: str) -> EngineVerdict | None:
-        entry = self.data.get(host, {}).get(key)
-        raw = entry.get("verdict") if isinstance(entry, dict) else None
+        entry = self._entry(host, key)
+        raw = entry.get("verdict") if entry is not None else None
         if not isinstance(raw, dict):
             return None
         try:
@@ -148,7 +209,7 @@ class VerdictCache(CacheFile):
         known = self.data.setdefault(host, {})
         known.pop(key, None)
         # Redacted as the store is: an engine's message may quote its argv (a token given there).
-        known[key] = {"stamp": stamp,
+        known[key] = {"stamp": stamp, "taken": self.wall(),
                       "verdict": redact_data({**asdict(verdict), "resolved": dict(verdict.resolved)})}
         for old in list(known)[:-self.KEEP]:
             del known[old]
@@ -165,22 +226,28 @@ async def check_engine(t: Transport, host: str, run: EngineRun, *, store: Verdic
                        seconds: int = SECONDS) -> EngineVerdict:
     """One service's engine check on a host (cached per request and host stamp)."""
     store = store if store is not None else verdict_cache()
+    why = refusal(run)
+    if why is not None:
+        return EngineVerdict(run.service, run.server, "inconclusive", message=f"the engine check did not run: {why}")
     try:
         key = request_key(run)
     except OSError as e:
         return EngineVerdict(run.service, run.server, "inconclusive", message=f"no probe for {run.server}: {e}")
     cached = store.verdict(host, key, run.service)
-    cmd, stdin, token = engine_command(run, cached=store.stamp(host, key) if cached else "", seconds=seconds)
+    taken = store.stamp(host, key) if cached else ""
+    cmd, stdin, token = engine_command(run, cached=taken, seconds=seconds)
     try:
         res = await t.run(cmd, input=stdin, timeout=seconds + 30, what=f"engine check of {run.service}")
     except ReconcilerError as e:
         return EngineVerdict(run.service, run.server, "inconclusive", message=f"the check could not run: {e}")
     answer = read_answer(run, res.stdout, token)
-    if answer.verdict is None and cached is not None:
-        return cached                    # the host's stamp is the cached answer's: it stands
-    verdict = answer.verdict or EngineVerdict(run.service, run.server, "inconclusive", message="no answer")
-    store.remember(host, key, answer.stamp, verdict)
-    return verdict
+    if answer.verdict is None:
+        if cached is not None and taken and answer.stamp == taken:
+            return cached                # taken on the host's stamp of now: it stands
+        return EngineVerdict(run.service, run.server, "inconclusive",
+                             message="the host kept no answer for its stamp (nothing cached was used)")
+    store.remember(host, key, answer.stamp, answer.verdict)
+    return answer.verdict
 
 
 async def check_engines(t: Transport, host: str, runs: list[EngineRun], *, store: VerdictCache | None = None,

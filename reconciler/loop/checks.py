@@ -35,8 +35,7 @@ from ..host.apply import GpuWait
 from ..host.engine import check_engines
 from ..host.gpu import DEVICE_PREFIX, GpuFacts, Holder, gpu_command, gpu_facts, kill_strays, parse_gpu, wait_released
 from ..host.transport import Transport
-from ..host.versions import Probe, parse_probe, probe_command, probe_for
-from ..host.versions import cache as versions_cache
+from ..host.versions import Probe, probe_command, probes_for, read_versions
 from ..plan.actions import starting, writing_units
 from ..plan.facts import ENV_DROPIN, HostFacts
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
@@ -56,6 +55,7 @@ from ..preflight import (
     weights_bytes,
 )
 from ..shell import ShCommand, one_sh
+from .preview import REAL_RUN, EngineCheck
 
 # Rules about which GPUs a service claims: only meaningful on a host that has GPUs to claim
 # (a host without nvidia-smi, like the test fleet, reports "no GPUs" and skips them).
@@ -73,6 +73,7 @@ class Preflight:
     warnings: list[str] = field(default_factory=list)
     models: dict[str, ModelFacts] = field(default_factory=dict)
     gpu: GpuFacts | None = None
+    engine_checks: int = 0          # services with an engine check, run or skipped
 
     def checks(self) -> Checks:
         return Checks(blocked={n: tuple(b) for n, b in self.blocked.items()}, fetch=dict(self.fetch),
@@ -201,15 +202,8 @@ def _units(plan: HostPlan) -> dict[str, tuple[str, str | None]]:
     return units
 
 
-def _probes(specs: Mapping[str, ServiceSpec], rules: RuleSet | None) -> list[Probe]:
-    """The server versions to read: only where a rule is bound to versions."""
-    if rules is None or not any(r.versions for r in rules.rules):
-        return []
-    return [p for n, s in sorted(specs.items()) if (p := probe_for(n, parse_command(s))) is not None]
-
-
-def _batch(units: Mapping[str, tuple[str, str | None]], paths: list[str], gpu: int | None, probes: list[Probe],
-           stamps: Mapping[str, str]) -> tuple[ShCommand, str | None, dict[str, str]]:
+def _batch(units: Mapping[str, tuple[str, str | None]], paths: list[str], gpu: int | None,
+           probes: list[Probe]) -> tuple[ShCommand, str | None, dict[str, str]]:
     """Every fact the pre-flight reads, as one sh (one round trip, one process: one_sh): the
     command, its stdin (the units to verify), and the token each fact's parser reads by."""
     facts: dict[str, tuple[ShCommand, str]] = {}
@@ -222,21 +216,15 @@ def _batch(units: Mapping[str, tuple[str, str | None]], paths: list[str], gpu: i
     if gpu is not None:      # the GPUs, and their health with the kernel log since `gpu` (gpuhealth)
         facts["gpu"] = gpu_command(health_since=gpu)
     if probes:
-        facts["versions"] = probe_command(probes, stamps)
+        facts["versions"] = probe_command(probes)
     tokens = {fact: token for fact, (_, token) in facts.items()}
     return one_sh([cmd for cmd, _ in facts.values()], "reconciler-preflight"), stdin, tokens
 
 
-def _read_versions(out: Preflight, host: HostSpec, probes: list[Probe], stdout: str,
-                   token: str) -> dict[str, str | None]:
-    """The server version of each probed service (None: unknown), through the cache."""
-    cache = versions_cache()
-    versions = cache.resolve(host.name, probes, parse_probe(stdout, token))
-    cache.save()
-    for p in probes:
-        if versions.get(p.service) is None:
-            out.warnings.append(f"{p.service}: the installed {p.module} version could not be read with "
-                                f"{p.executable}: rules bound to versions apply as for any version")
+def _read_versions(out: Preflight, probes: list[Probe], stdout: str, token: str) -> dict[str, str | None]:
+    """The server version of each probed service (None: unknown), as the host's files say."""
+    versions, warnings = read_versions(probes, stdout, token)
+    out.warnings.extend(warnings)
     return versions
 
 
@@ -253,9 +241,9 @@ def _read_units(out: Preflight, units: Mapping[str, tuple[str, str | None]], std
 async def _read(t: Transport, out: Preflight, host: HostSpec, units: Mapping[str, tuple[str, str | None]],
                 paths: list[str], gpu: int | None, probes: list[Probe]) -> dict[str, str | None]:
     """Read every fact in one round trip and parse each into `out`; the probed server versions."""
-    cmd, stdin, tokens = _batch(units, paths, gpu, probes, versions_cache().stamps(host.name) if probes else {})
+    cmd, stdin, tokens = _batch(units, paths, gpu, probes)
     res = await t.run(cmd, input=stdin, check=True, timeout=120, what="pre-flight")
-    versions = _read_versions(out, host, probes, res.stdout, tokens["versions"]) if probes else {}
+    versions = _read_versions(out, probes, res.stdout, tokens["versions"]) if probes else {}
     if units:
         _read_units(out, units, res.stdout, tokens["verify"])
     if gpu is not None:
@@ -275,16 +263,24 @@ def _judge_engines(out: Preflight, verdicts: Mapping[str, EngineVerdict]) -> set
     return {v.service for v in verdicts.values() if v.verdict != "inconclusive"}
 
 
-async def _engines(t: Transport, host: HostSpec, specs: Mapping[str, ServiceSpec]) -> dict[str, EngineVerdict]:
+async def _engines(t: Transport, out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec],
+                   engine: EngineCheck) -> dict[str, EngineVerdict]:
+    """The engine check of each service that has one where the run may run it (preview.py); a
+    note for each where it may not."""
     runs = [r for n, s in sorted(specs.items()) if (r := engine_run_for(n, s)) is not None]
+    out.engine_checks = len(runs)
+    if not engine.run:
+        out.warnings.extend(f"{r.service}: engine check skipped ({engine.why}); the static rules decide" for r in runs)
+        return {}
     return await check_engines(t, host.name, runs) if runs else {}
 
 
 async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: HostFacts, rules: RuleSet | None,
-                         *, fetched: Mapping[str, str | None] | None = None) -> Preflight:
+                         *, fetched: Mapping[str, str | None] | None = None,
+                         engine: EngineCheck = REAL_RUN) -> Preflight:
     """Check what the plan starts against the host: units, rules, models, GPUs (one round trip),
     then each command line by the installed engine itself (unless the service says
-    `engine_check = "off"`).
+    `engine_check = "off"`, or `engine` says this run may not run it).
 
     `fetched`: model paths already fetched in this run -> why the fetch failed (None: it ran);
     their models are judged as they are now, never fetched again.
@@ -300,10 +296,10 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     # not keep the fleet from going back to it (systemd's check and the model check still apply).
     fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
     since = xid_since(facts.gpu_fault, facts.record.applied_at if facts.record else 0) if targets else None
-    versions = await _read(t, out, host, units, paths, since, _probes(specs, rules))
+    versions = await _read(t, out, host, units, paths, since, probes_for(specs, rules))
     # The engine check runs after the GPUs were read, never beside: a probe that may touch a GPU
     # (engine_check = "visible") would read as a stray holder of the service's GPUs.
-    verdicts = await _engines(t, host, fresh)
+    verdicts = await _engines(t, out, host, fresh, engine)
     _judge_models(out, specs, fetched or {})
     answered = _judge_engines(out, verdicts)
     if rules is not None and targets:

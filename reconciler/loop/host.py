@@ -43,6 +43,7 @@ from ..plan.records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecor
 from ..plan.state import needs_last_good
 from ..shell import ShCommand
 from .options import Connector, RunIO, RunOptions
+from .preview import engine_check
 from .results import Event, HostResult, ServiceEvent, fold, merge_plans, running_after
 from .revision import Revision
 
@@ -140,7 +141,8 @@ class _HostRun:
         else:
             from .checks import preflight_host
             rules = self.rev.rules() if self.rev.rules is not None else None
-            pf = await preflight_host(self.t, self.host, plan, facts, rules, fetched=fetched)
+            engine = engine_check(self.opts.dry_run, self.opts.engine_check, self.rev.signer)
+            pf = await preflight_host(self.t, self.host, plan, facts, rules, fetched=fetched, engine=engine)
         self.preflight = self.result.checked = pf
         self.result.notes.extend(w for w in pf.warnings if w not in self.result.notes)
         return plan_host(self.host, facts, self._context(facts, pf))

@@ -58,6 +58,7 @@ class RunOptions:
     # what may deploy: signed revisions only (and by whom), plaintext URLs or not; the revision a
     # run opens and every revision a rollback renders are verified under it (revision.py)
     trust: TrustPolicy = field(default_factory=TrustPolicy)
+    engine_check: bool = False        # --engine-check: a dry run runs the engine check of an unsigned revision
 
 
 def confirm_margin_from(environ: Mapping[str, str] = os.environ) -> float | None:

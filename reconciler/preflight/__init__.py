@@ -60,7 +60,8 @@ never appear in messages (they may be secrets).
 
 The package, one concern a module (all private; this module's `__all__` is the interface):
 _command (the server command line), _engine (the engine's own check of a command line: which
-services have one, what its answers mean), _models (model knowledge), _schema (the rule-file
+services have one, what its answers mean), _enginebox (the environment and systemd properties
+the engine's probe runs with), _models (model knowledge), _schema (the rule-file
 schema), _rules (loading the rule pack, evaluating declarative rules), _registry (what a
 built-in rule is given and returns, and their registry), _builtin (the built-in rules), _shapes
 (MoE and FP8-block shapes per rank), _hardware (the host's GPUs as the rules see them),
@@ -77,7 +78,8 @@ if TYPE_CHECKING:
     from ._builtin import BUILTIN_RULES
     from ._check import check_desired, check_host, check_service
     from ._command import Command, gpu_claim, parse_command, unit_entries
-    from ._engine import EngineRun, EngineVerdict, engine_run_for, parse_verdict
+    from ._engine import EngineRun, EngineVerdict, engine_run_for, parse_verdict, reads_user_site
+    from ._enginebox import elsewhere, probe_env, probe_properties
     from ._hardware import GpuHolder, GpuState, Hardware, weights_bytes
     from ._hostcheck import ModelFacts, model_check_command, parse_model_check
     from ._models import ModelInfo, model_info
@@ -91,6 +93,8 @@ _HOME = {
     "check_desired": "_check", "check_host": "_check", "check_service": "_check",
     "Command": "_command", "gpu_claim": "_command", "parse_command": "_command", "unit_entries": "_command",
     "EngineRun": "_engine", "EngineVerdict": "_engine", "engine_run_for": "_engine", "parse_verdict": "_engine",
+    "reads_user_site": "_engine",
+    "elsewhere": "_enginebox", "probe_env": "_enginebox", "probe_properties": "_enginebox",
     "GpuHolder": "_hardware", "GpuState": "_hardware", "Hardware": "_hardware", "weights_bytes": "_hardware",
     "ModelFacts": "_hostcheck", "model_check_command": "_hostcheck", "parse_model_check": "_hostcheck",
     "ModelInfo": "_models", "model_info": "_models",
@@ -124,6 +128,7 @@ __all__ = [
     "check_desired",
     "check_host",
     "check_service",
+    "elsewhere",
     "engine_run_for",
     "env_secret_warnings",
     "gpu_claim",
@@ -133,6 +138,9 @@ __all__ = [
     "parse_command",
     "parse_model_check",
     "parse_verdict",
+    "probe_env",
+    "probe_properties",
+    "reads_user_site",
     "secret_file",
     "secret_problems",
     "secret_warnings",

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..desired.spec import ServiceSpec
-from ._command import _PYTHON, Server, parse_command, unit_entries
+from ..redact import redact
+from ._command import _PYTHON, Command, Server, parse_command, unit_entries
+from ._enginebox import unit_settings
 
 MARKER = "RECONCILER-ENGINE "
 Verdict = Literal["ok", "rejected", "inconclusive"]
@@ -57,8 +59,10 @@ _SAID_MAX = 20          # the engine's warnings and the probe's notes kept per v
 @dataclass(frozen=True)
 class EngineRun:
     """One service's engine check: the interpreter its ExecStart runs, the server's own
-    arguments, the environment the service gets, and the unit's User=, EnvironmentFile= and
-    WorkingDirectory= (the probe runs as the service would)."""
+    arguments, the environment the service gets, the unit's User= and EnvironmentFile=s, its
+    identity and sandbox settings (`unit`: _enginebox.UNIT_KEYS, in the unit's order), and
+    whether its interpreter reads the user's site directory (not with `-s`, `-I` or
+    PYTHONNOUSERSITE)."""
 
     service: str
     server: Server
@@ -69,18 +73,30 @@ class EngineRun:
     env_files: tuple[str, ...] = ()
     workdir: str | None = None
     mode: str = "hidden"             # "hidden": no GPU visible to the check, facts passed in; "visible"
+    unit: tuple[tuple[str, str], ...] = ()
+    user_site: bool = True
 
 
-def _interpreter(argv: tuple[str, ...]) -> str | None:
+def _interpreter(argv: tuple[str, ...]) -> tuple[str | None, tuple[str, ...]]:
     """The python that runs the server: `.../python3 -m sglang.launch_server`, or the
-    interpreter of a console script (`/opt/vllm/bin/vllm serve`: its bin/python beside it)."""
-    for tok in argv:
+    interpreter of a console script (`/opt/vllm/bin/vllm serve`: its bin/python beside it);
+    and the interpreter's own options (before `-m`)."""
+    for i, tok in enumerate(argv):
         base = tok.rsplit("/", 1)[-1]
         if _PYTHON.match(base):
-            return tok
+            rest = argv[i + 1:]
+            return tok, tuple(rest[:rest.index("-m")] if "-m" in rest else ())
         if base in ("sglang", "vllm") and "/" in tok:
-            return tok.rsplit("/", 1)[0] + "/python3"
-    return None
+            return tok.rsplit("/", 1)[0] + "/python3", ()
+    return None, ()
+
+
+def reads_user_site(cmd: Command) -> bool:
+    """Whether the server's interpreter puts the user's site directory on its path: not with
+    `-s` or `-I` among its options, nor with PYTHONNOUSERSITE set (unless `-E`)."""
+    _, options = _interpreter(cmd.argv)
+    flags = "".join(o[1:] for o in options if o.startswith("-") and not o.startswith("--"))
+    return not ("s" in flags or "I" in flags or ("E" not in flags and cmd.env.get("PYTHONNOUSERSITE")))
 
 
 def engine_run_for(name: str, svc: ServiceSpec) -> EngineRun | None:
@@ -90,7 +106,7 @@ def engine_run_for(name: str, svc: ServiceSpec) -> EngineRun | None:
     cmd = parse_command(svc)
     if cmd.server is None or svc.engine_check == "off":
         return None
-    interpreter = _interpreter(cmd.argv)
+    interpreter, _ = _interpreter(cmd.argv)
     if interpreter is None or not interpreter.startswith("/"):
         return None
     args = list(cmd.server_args)
@@ -103,7 +119,8 @@ def engine_run_for(name: str, svc: ServiceSpec) -> EngineRun | None:
     workdir = next((v for k, v in reversed(entries) if k == "WorkingDirectory" and v), None)
     env_files = tuple(v for k, v in entries if k == "EnvironmentFile" and v)
     return EngineRun(name, cmd.server, interpreter, tuple(args), dict(cmd.env), user, env_files,
-                     workdir.lstrip("-") if workdir else None, svc.engine_check)
+                     workdir.lstrip("-") if workdir else None, svc.engine_check, unit_settings(entries),
+                     reads_user_site(cmd))
 
 
 @dataclass(frozen=True)
@@ -190,8 +207,10 @@ def _short(value: Any) -> str:
 
 
 def _clean(text: Any) -> str:
-    """One line, printable, bounded: the engine's message as it can be quoted."""
-    s = " ".join(str(text or "").split())
+    """One line, printable, bounded: the engine's message as it can be quoted. Redacted whole
+    before it is cut, so that no part of a secret survives the cut (a secret cut in two is no
+    longer recognised by its value or its pattern)."""
+    s = redact(" ".join(str(text or "").split()))
     s = "".join(ch if ch.isprintable() else "?" for ch in s)
     return s if len(s) <= _MESSAGE_LIMIT else s[:_MESSAGE_LIMIT - 3] + "..."
 

@@ -1,76 +1,195 @@
 #!/bin/sh
 # Ask the installed engine about a unit's command line (reconciler/host/engine.py:
 # engine_command builds this, read_answer reads it). The probe (reconciler/engines/*_probe.py)
-# runs with the unit's own interpreter, as the unit's user, with its environment, under
-# systemd-run: bounded memory and time, lowest CPU and I/O priority, no hub downloads, and
-# (MODE hidden) no GPU visible, the host's GPU facts passed in instead.
+# runs with the unit's own interpreter, isolated (`python -I`: no PYTHON* variable, no user
+# site, no current directory), under systemd-run with the unit's identity and sandbox and the
+# probe's own (the properties come from preflight/_enginebox.py), an allowlisted environment,
+# bounded memory, time, tasks and output, lowest CPU and I/O priority, no network, no hub
+# downloads and (MODE hidden) no GPU visible, the host's GPU facts passed in instead.
 #
-#   engine-probe.sh TOKEN INTERP PROBE_BASE64 USER WORKDIR MEMORY_MAX SECONDS MODE MODEL CACHED \
-#                   STAGE PYTHONPATH ENV_FILE_COUNT [ENV_FILE]... [ARG]...
+#   engine-probe.sh TOKEN [ARG]...        ARG: the server's own arguments
 #
-# stdin: the service's environment as an env file (NAME="value" lines; never on a command line,
-# where other users could read it). USER and WORKDIR: empty for the unit's default. MODE: hidden
-# (CUDA_VISIBLE_DEVICES empty, facts from nvidia-smi) or visible (the engine sees the GPUs).
-# MODEL: the model directory whose config.json is part of the stamp. CACHED: the stamp of a
-# cached answer; when the host's stamp equals it, the probe does not run. STAGE: the engine's
-# argument module as a file (sglang/srt/server_args.py); when no package directory the
-# interpreter may read (its own, the system's, the user's, PYTHONPATH's) holds it or an editable
-# install of the engine (a .pth naming it), no python is started for an answer that must be
-# "not installed".
+# stdin: a header of NAME=value lines, one per line, ended by an empty line, then the service's
+# environment as an env file (NAME="value" lines, already allowlisted by the controller; never
+# on a command line, where other users could read it). Header names:
+#   interp    the unit's interpreter              probe     the probe program, base64
+#   user      the unit's User= (may be empty)     mem, secs MemoryMax=, RuntimeMaxSec=
+#   mode      hidden | visible                    model     the model directory (its config.json)
+#   cached    the stamp of a cached answer        stage     the engine's argument module, as a file
+#   usersite  1 when the interpreter reads the user's site directory, else 0
+#   pythonpath  one PYTHONPATH entry (repeated, in order)
+#   envfile   one of the unit's EnvironmentFile=s (repeated; "-" prefix: it may be missing)
+#   prop      one systemd-run property (repeated, in order)
+#
+# Where the interpreter would find the engine, in import order: PYTHONPATH, the user's site
+# directory (when it reads it), its own site-packages, the system's dist-packages (no venv, or
+# one with include-system-site-packages), each site directory followed by the directories its
+# .pth files name. PYTHONPATH, the user site and what its .pth files name go to the probe as
+# --path options (it puts them on sys.path itself); python adds the others.
 #
 # Output, each line "TOKEN KIND ...": N (the engine's argument stage is not installed there), or
-# S STAMP, then either C (the cached answer stands) or R EXIT_STATUS, O STDOUT_TAIL_BASE64,
-# E STDERR_TAIL_BASE64; the last line is "TOKEN END".
-SLICE_BYTES=4096
+# U UID GID MODE PATH_BASE64 (the check refuses: that path, or a directory above it, is writable
+# by someone other than root or the unit's user), or S STAMP, then either C (the cached answer
+# stands) or R EXIT_STATUS, O STDOUT_BASE64, E STDERR_TAIL_BASE64; the last line is "TOKEN END".
+SLICE_BYTES=65536
+ENV_FILE_BYTES=1048576
+ENV_ALLOW='SGLANG_* SGL_* VLLM_* CUDA_* HF_* HUGGING_FACE_* TRANSFORMERS_* TORCH_* TORCHINDUCTOR_* PYTORCH_* TRITON_* NCCL_* NVIDIA_* FLASHINFER_* OMP_NUM_THREADS MKL_NUM_THREADS'
+ENV_DENY='*PATH* *PLUGIN* *TOKEN* *KEY* *SECRET* *PASSWORD* *PASSWD* *CREDENTIAL* HF_MODULES_CACHE'
 
-T=$1 interp=$2 probe=$3 user=$4 workdir=$5 mem=$6 secs=$7 mode=$8 model=$9
-shift 9
-cached=$1 stage=$2 pypath=$3 nfiles=$4
-shift 4
-files=
-while [ "$nfiles" -gt 0 ]; do files="$files $1"; shift; nfiles=$((nfiles - 1)); done
+T=$1
+shift
+set -f        # nothing the unit names is globbed; the globs below are turned on where meant
+nl='
+'
+interp='' probe='' user='' mem='' secs='' mode='' model='' cached='' stage='' usersite=1 pypath='' files='' props=''
+while IFS= read -r line && [ -n "$line" ]; do
+  v=${line#*=}
+  case $line in
+    interp=*) interp=$v ;;
+    probe=*) probe=$v ;;
+    user=*) user=$v ;;
+    mem=*) mem=$v ;;
+    secs=*) secs=$v ;;
+    mode=*) mode=$v ;;
+    model=*) model=$v ;;
+    cached=*) cached=$v ;;
+    stage=*) stage=$v ;;
+    usersite=*) usersite=$v ;;
+    pythonpath=*) pypath=$pypath$v$nl ;;
+    envfile=*) files=$files$v$nl ;;
+    prop=*) props=$props$v$nl ;;
+  esac
+done
+IFS=$nl       # every list below is one item a line
 bin=${interp%/*}
-
-# Is the engine there at all? (The probe would only fail to import it: a python start saved.)
-# Builtins only, so that "not installed" (every host whose servers are not SGLang or vLLM)
-# costs no process: the user's home from /etc/passwd (getent only for a user it does not
-# hold: LDAP, sssd), PYTHONPATH split by IFS, each .pth read by `read`.
-home=/root
-if [ -n "$user" ]; then
-  home=
-  while IFS=: read -r n _ _ _ _ h _; do [ "$n" = "$user" ] && { home=$h; break; }; done < /etc/passwd
-  [ -n "$home" ] || home=$(getent passwd "$user" | cut -d: -f6)
-fi
 pkg=${stage%%/*}
-found=
-IFS=:
-# shellcheck disable=SC2086 # globs (python3*) and the PYTHONPATH entries (split on :) on purpose
-for d in "$bin"/../lib/python3*/site-packages /usr/local/lib/python3*/dist-packages \
-         /usr/lib/python3/dist-packages "$home"/.local/lib/python3*/site-packages $pypath; do
-  [ -e "$d/$stage" ] && { found=1; break; }
-  for p in "$d"/*.pth; do
+
+# The unit's user: its uid, gid and home (from /etc/passwd with builtins; getent only for a user
+# it does not hold: LDAP, sssd). None (root): /root. A dynamic user has none.
+home=/root uid=0 gid=0
+case $user in ''|root|0) ;; *)
+  home='' uid='' gid=''
+  while IFS=: read -r n _ u g _ h _; do
+    if [ "$n" = "$user" ] || [ "$u" = "$user" ]; then home=$h uid=$u gid=$g; break; fi
+  done < /etc/passwd
+  if [ -z "$uid" ]; then
+    e=$(getent passwd "$user" 2>/dev/null)
+    [ -n "$e" ] && IFS=: read -r _ _ uid gid _ home _ <<EOF
+$e
+EOF
+  fi ;;
+esac
+
+# A venv: only its own site-packages, unless it includes the system's (then the user's too).
+syssite=1
+for cfg in "$bin/pyvenv.cfg" "$bin/../pyvenv.cfg"; do
+  [ -f "$cfg" ] || continue
+  syssite=0
+  while IFS= read -r l || [ -n "$l" ]; do
+    case $l in include-system-site-packages*=*[Tt]rue*) syssite=1 ;; esac
+  done < "$cfg"
+  break
+done
+[ "$syssite" = 1 ] || usersite=0
+
+# Builtins only, so that "not installed" (every host whose servers are not SGLang or vLLM)
+# costs no process.
+dirs='' paths='' pths='' hook=''
+site() {  # a site directory, then the directories its .pth files name; $2: for --path too
+  # (called with globbing on: everything read from a file is quoted or a case word here)
+  [ -d "$1" ] || return 0
+  dirs=$dirs$1$nl
+  [ -n "$2" ] && paths=$paths$1$nl
+  for p in "$1"/*.pth; do
     [ -f "$p" ] || continue
     [ -r "$p" ] || continue
-    while IFS= read -r l || [ -n "$l" ]; do
-      case $l in *"$pkg"*) found=1; break 3 ;; esac
+    pths=$pths$p$nl
+    while IFS=' 	' read -r l || [ -n "$l" ]; do
+      case $l in
+        ''|'#'*) ;;
+        'import '*|'import	'*) case $l in *"$pkg"*) hook=1 ;; esac ;;   # an editable install's finder
+        /*) [ -d "$l" ] && { dirs=$dirs$l$nl; [ -n "$2" ] && paths=$paths$l$nl; } ;;
+        *) [ -d "$1/$l" ] && { dirs=$dirs$1/$l$nl; [ -n "$2" ] && paths=$paths$1/$l$nl; } ;;
+      esac
     done < "$p"
   done
+}
+for d in $pypath; do
+  case $d in /*) [ -d "$d" ] && { dirs=$dirs$d$nl; paths=$paths$d$nl; } ;; esac
 done
-unset IFS
-if [ -z "$found" ]; then
+set +f
+if [ "$usersite" = 1 ] && [ -n "$home" ]; then
+  for d in "$home"/.local/lib/python3*/site-packages; do site "$d" 1; done
+fi
+for d in "$bin"/../lib/python3*/site-packages; do site "$d" ""; done
+if [ "$syssite" = 1 ]; then
+  for d in /usr/local/lib/python3*/dist-packages /usr/lib/python3*/dist-packages; do site "$d" ""; done
+fi
+set -f
+stagefile=
+for d in $dirs; do
+  [ -f "$d/$stage" ] && { stagefile=$d/$stage; break; }
+done
+if [ -z "$stagefile" ] && [ -z "$hook" ]; then
   printf '%s N\n%s END\n' "$T" "$T"; exit 0
 fi
 
-# The stamp: the interpreter and its package directories (an upgrade changes them), the model's
-# config.json, the GPUs' facts and the probe itself. Equal stamps, equal answers.
+# Who may change what the probe would run: the interpreter (after symlinks), every directory on
+# its path and the engine's stage file, and every directory above them. Each must be root's or
+# the unit's user's, and writable by no one else (a root-owned sticky directory above, /tmp,
+# lets no one else rename what is in it).
+# shellcheck disable=SC2086 # the lists, one item a line, split on purpose
+leaves=$(realpath -e -- "$interp" $dirs ${stagefile:+"$stagefile"} 2>/dev/null)
+above=
+for r in $leaves; do
+  p=${r%/*}
+  while [ -n "$p" ]; do above=$above$p$nl; p=${p%/*}; done
+  above=$above/$nl
+done
+# shellcheck disable=SC2086
+owners=$(stat -c '%u %g %a %n' -- $leaves $above 2>/dev/null)
+for o in $owners; do
+  IFS=' ' read -r u g m name <<EOF
+$o
+EOF
+  bad=
+  [ "$u" = 0 ] || { [ -n "$uid" ] && [ "$u" = "$uid" ]; } || bad=1
+  [ $((0$m & 020)) = 0 ] || [ "$g" = 0 ] || { [ -n "$gid" ] && [ "$g" = "$gid" ]; } || bad=1
+  if [ $((0$m & 02)) != 0 ]; then
+    case "$nl$leaves$nl" in
+      *"$nl$name$nl"*) bad=1 ;;
+      *) [ "$u" = 0 ] && [ $((0$m & 01000)) != 0 ] || bad=1 ;;
+    esac
+  fi
+  if [ -n "$bad" ]; then
+    printf '%s U %s %s %s %s\n%s END\n' "$T" "$u" "$g" "$m" "$(printf '%s' "$name" | base64 -w0)" "$T"
+    exit 0
+  fi
+done
+
+# The stamp: every file and directory the answer depends on (the interpreter, each directory on
+# its path, each .pth file, the stage file, the engine's dist-info, the model's config.json; by
+# name, modification and change time, size and inode), the unit's env files (their contents,
+# read here: they may hold secrets), the GPUs' facts, the mode and the probe itself.
+# Equal stamps, equal answers.
 facts=
 if [ "$mode" = hidden ] && command -v nvidia-smi >/dev/null 2>&1; then
   facts=$(nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader,nounits 2>/dev/null)
 fi
-# shellcheck disable=SC2086 # globs (python3*) on purpose
-stamp=$(stat -L --printf '%Y.' "$interp" "$bin"/../lib/python3*/site-packages \
-          "$model/config.json" 2>/dev/null; printf '%s|%s' "$facts" "$probe" | cksum)
-stamp=$(printf '%s' "$stamp" | cksum | tr ' ' .)
+infos=
+for d in $dirs; do
+  set +f
+  for i in "$d/$pkg"-*.dist-info/METADATA; do [ -f "$i" ] && infos=$infos$i$nl; done
+  set -f
+done
+# shellcheck disable=SC2086
+stamp=$({ stat -L -c '%n %.9Y %.9Z %s %i' -- $leaves $pths $infos "$model/config.json" 2>/dev/null
+          printf '%s\n' "$facts" "$mode" "$probe"
+          for f in $files; do
+            f=${f#-}; printf 'file %s\n' "$f"
+            [ -f "$f" ] && head -c "$ENV_FILE_BYTES" -- "$f"
+          done; } | sha256sum)
+stamp=${stamp%% *}
 printf '%s S %s\n' "$T" "$stamp"
 if [ -n "$cached" ] && [ "$cached" = "$stamp" ]; then
   printf '%s C\n%s END\n' "$T" "$T"; exit 0
@@ -90,29 +209,89 @@ if [ -n "$facts" ]; then
   fi
 fi
 
+allowed() {  # whether a variable may reach the probe (the same lists as preflight/_enginebox.py)
+  case $1 in ''|[0-9]*|*[!A-Za-z0-9_]*) return 1 ;; esac
+  IFS=' '
+  # shellcheck disable=SC2254 # the lists are patterns, matched as patterns on purpose
+  for p in $ENV_DENY; do case $1 in $p) IFS=$nl; return 1 ;; esac; done
+  # shellcheck disable=SC2254
+  for p in $ENV_ALLOW; do case $1 in $p) IFS=$nl; return 0 ;; esac; done
+  IFS=$nl
+  return 1
+}
+whole() {  # whether systemd reads a value as one whole value: bare (no quote, no backslash),
+           # '...' (no ' inside) or "..." (a backslash escapes the next character)
+  v=$1
+  case $v in
+    \'*\') v=${v#?}; v=${v%?}; case $v in *\'*) return 1 ;; esac ;;
+    \"*\")
+      v=${v#?}; v=${v%?}
+      while :; do
+        case $v in
+          *\\*) a=${v%%\\*}; case $a in *\"*) return 1 ;; esac
+                v=${v#*\\}; [ -n "$v" ] || return 1; v=${v#?} ;;
+          *\"*) return 1 ;;
+          *) break ;;
+        esac
+      done ;;
+    *[\"\'\\]*) return 1 ;;
+  esac
+  return 0
+}
+keep() {  # the lines of an env file that set an allowed variable to one whole value; a line
+          # continued (a trailing backslash) and the lines that continue it are dropped
+  cont=
+  while IFS= read -r l || [ -n "$l" ]; do
+    l=${l#"${l%%[![:space:]]*}"}; l=${l%"${l##*[![:space:]]}"}
+    if [ -n "$cont" ]; then case $l in *\\) ;; *) cont= ;; esac; continue; fi
+    case $l in *\\) cont=1; continue ;; ''|'#'*|';'*) continue ;; esac
+    name=${l%%=*}
+    [ "$name" != "$l" ] && allowed "$name" && whole "${l#*=}" && printf '%s\n' "$l"
+  done
+  return 0
+}
+
 dir=$(mktemp -d /run/reconciler-engine.XXXXXX) || { printf '%s R 70\n%s END\n' "$T" "$T"; exit 0; }
 trap 'rm -rf "$dir"' EXIT
+trap 'exit 129' HUP
+trap 'exit 130' INT
+trap 'exit 143' TERM
 umask 077
-cat > "$dir/env"
+# The probe's own env file (root's, 0600; systemd reads it before the probe starts): the unit's
+# files, filtered here line by line, then the service's environment, then the guards.
+: > "$dir/env"
+for f in $files; do
+  f=${f#-}
+  [ -f "$f" ] || continue
+  [ -r "$f" ] || continue
+  head -c "$ENV_FILE_BYTES" -- "$f" | keep >> "$dir/env"
+done
+cat >> "$dir/env"
+# The probe's home is its private /tmp (the engine creates caches there: ~/.cache, ~/.triton),
+# so the Hugging Face cache stays where the unit's user has it, unless the unit says where.
+hf=
+case $home in *[\"\\]*|'') ;; *) grep -q '^HF_HOME=' "$dir/env" || hf="HF_HOME=\"$home/.cache/huggingface\"" ;; esac
 {
+  [ -n "$hf" ] && echo "$hf"
+  echo 'HOME=/tmp'
   [ "$mode" = hidden ] && echo 'CUDA_VISIBLE_DEVICES='
   echo 'HF_HUB_OFFLINE=1'
   echo 'TRANSFORMERS_OFFLINE=1'
-  echo 'PYTHONUNBUFFERED=1'
-  echo 'PYTHONDONTWRITEBYTECODE=1'
 } >> "$dir/env"
 printf '%s' "$probe" | base64 -d > "$dir/probe.py"
 chmod 755 "$dir"; chmod 644 "$dir/probe.py"
 
 # The command, built back to front in "$@" (the server's arguments are there already):
-# systemd-run's options, --, the interpreter, the probe, its --facts, --, the server's arguments.
+# systemd-run's options, --, the interpreter, the probe, its --path and --facts, --, the
+# server's arguments.
 if [ -n "$fargs" ]; then set -- --facts "$fargs" -- "$@"; else set -- -- "$@"; fi
-set -- -p "EnvironmentFile=$dir/env" -- "$interp" "$dir/probe.py" "$@"
 rev=
-for f in $files; do rev="$f $rev"; done
-for f in $rev; do set -- -p "EnvironmentFile=$f" "$@"; done      # the unit's files, then ours
-[ -n "$user" ] && set -- -p "User=$user" "$@"
-[ -n "$workdir" ] && set -- -p "WorkingDirectory=-$workdir" "$@"
+for d in $paths; do rev=$d$nl$rev; done
+for d in $rev; do set -- --path "$d" "$@"; done
+set -- -p "EnvironmentFile=$dir/env" -- "$interp" -I -B "$dir/probe.py" "$@"
+rev=
+for p in $props; do rev=$p$nl$rev; done
+for p in $rev; do set -- -p "$p" "$@"; done
 if command -v systemd-run >/dev/null 2>&1; then
   systemd-run --quiet --wait --pipe --collect --service-type=exec \
     -p "MemoryMax=$mem" -p "RuntimeMaxSec=$secs" -p Nice=19 -p IOSchedulingClass=idle \
@@ -121,7 +300,11 @@ if command -v systemd-run >/dev/null 2>&1; then
 else
   echo "systemd-run not found" > "$dir/err"; rc=127
 fi
+tail_of() {  # a file's last SLICE_BYTES, from the start of a line (none is cut in two)
+  if [ "$(wc -c < "$1")" -le "$SLICE_BYTES" ]; then cat -- "$1"
+  else tail -c "$SLICE_BYTES" -- "$1" | { IFS= read -r _; cat; }; fi
+}
 printf '%s R %s\n' "$T" "$rc"
-printf '%s O %s\n' "$T" "$(tail -c "$SLICE_BYTES" "$dir/out" | base64 -w0)"
-printf '%s E %s\n' "$T" "$(tail -c "$SLICE_BYTES" "$dir/err" | base64 -w0)"
+printf '%s O %s\n' "$T" "$(tail_of "$dir/out" | base64 -w0)"
+printf '%s E %s\n' "$T" "$(tail_of "$dir/err" | base64 -w0)"
 printf '%s END\n' "$T"

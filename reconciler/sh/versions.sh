@@ -1,35 +1,79 @@
 #!/bin/sh
 # Which sglang or vllm a service's own interpreter has (reconciler/host/versions.py:
-# probe_command runs this, parse_probe reads it).
+# probe_command runs this, parse_probe reads it). Read from the files, never asked of python:
+# nothing of the unit (its interpreter, its search path, its environment) is run.
 #
-#   versions.sh TOKEN [SERVICE EXECUTABLE MODULE PYTHONPATH CACHED_STAMP]...
+#   versions.sh TOKEN [SERVICE EXECUTABLE MODULE PYTHONPATH USER USERSITE]...
 #
-# Per service: the stamp (modification times of the interpreter and its package directories)
-# and, unless it is CACHED_STAMP, the version PROBE_PY reads with that interpreter and only the
-# unit's PYTHONPATH: "TOKEN V SERVICE STAMP VERSION" ("=" for the cached one, "- -" when
-# unknown). The last line is "TOKEN END".
+# Per service: "TOKEN V SERVICE @VERSION", or "TOKEN V SERVICE -" when it is unknown. The last
+# line is "TOKEN END". EXECUTABLE: the interpreter, or a console script whose shebang names it.
+# USER: the unit's User= (its home holds the user's site directory; empty: root). USERSITE: 1
+# when the interpreter reads the user's site directory.
 #
-# PROBE_PY: the version of the package named in argv[1], from its metadata (nothing imported);
-# imported only when it has none.
-PROBE_PY='import sys
-try:
-    from importlib.metadata import version
-    print(version(sys.argv[1]))
-except Exception:
-    import importlib
-    print(getattr(importlib.import_module(sys.argv[1]), "__version__", ""))
-'
+# The version is that of the package the interpreter would import: the first directory in its
+# import order (PYTHONPATH; the user's site directory; its own site-packages; the system's
+# dist-packages, unless it is a venv without them; each site directory followed by the
+# directories its .pth files name) that holds the package's metadata
+# (MODULE-*.dist-info/METADATA: its Version: line) or the package itself (MODULE/__init__.py:
+# its `__version__ = "..."` line, read as text). Builtins only: no process.
 
 T=$1
 shift
-nl='
-'
-probe() {  # name executable module pythonpath cached-stamp
-  exe=$2
-  unknown() { printf '%s V %s - -\n' "$T" "$1"; }
-  case "$exe" in /*) ;; *) exe=$(command -v "$exe" 2>/dev/null) || { unknown "$1"; return; } ;; esac
+set -f          # nothing given is globbed; the globs below are turned on where meant
+
+home_of() {  # a user's home (from /etc/passwd; empty when it has none there)
+  h=/root
+  case $1 in ''|root|0) ;; *)
+    h=''
+    while IFS=: read -r n _ u _ _ hh _; do
+      if [ "$n" = "$1" ] || [ "$u" = "$1" ]; then h=$hh; break; fi
+    done < /etc/passwd ;;
+  esac
+}
+
+field() {  # the value of the first line of file $1 that starts with $2 ("Version:", "__version__")
+  val=''
+  while IFS= read -r l || [ -n "$l" ]; do
+    case $l in
+      "$2"*) val=${l#"$2"}; break ;;
+      '') [ "$2" = Version: ] && break ;;      # the end of METADATA's header
+    esac
+  done < "$1"
+  val=${val#"${val%%[!\"\' =:]*}"}; val=${val%"${val##*[!\"\' ]}"}
+}
+
+look() {  # $1: a directory; sets `ver` when it holds the package or its metadata (ver=- unknown)
+  for i in "$1/$mod"-*.dist-info/METADATA; do
+    [ -f "$i" ] || continue
+    field "$i" Version:; ver=${val:--}; return
+  done
+  if [ -f "$1/$mod/__init__.py" ]; then
+    field "$1/$mod/__init__.py" __version__; ver=${val:--}
+  fi
+}
+
+site() {  # a site directory, then the directories its .pth files name
+  [ -d "$1" ] || return 0
+  look "$1"; [ -n "$ver" ] && return
+  for p in "$1"/*.pth; do
+    [ -f "$p" ] || continue
+    [ -r "$p" ] || continue
+    while IFS=' 	' read -r l || [ -n "$l" ]; do
+      case $l in
+        ''|'#'*|'import '*|'import	'*) ;;
+        /*) [ -d "$l" ] && look "$l" ;;
+        *) [ -d "$1/$l" ] && look "$1/$l" ;;
+      esac
+      [ -n "$ver" ] && return
+    done < "$p"
+  done
+}
+
+probe() {  # service executable module pythonpath user usersite
+  exe=$2 mod=$3 ver=''
+  case "$exe" in /*) ;; *) exe=$(command -v "$exe" 2>/dev/null) || { printf '%s V %s -\n' "$T" "$1"; return; } ;; esac
   py=$exe
-  line=
+  line=''
   { IFS= read -r line < "$exe"; } 2>/dev/null     # the first line: a shebang names the interpreter
   case "$line" in '#!'*)
     line=${line#??}; line=${line#"${line%%[![:space:]]*}"}
@@ -39,27 +83,51 @@ probe() {  # name executable module pythonpath cached-stamp
   if [ "$first" = /usr/bin/env ]; then
     second=${py#* }; first=$(command -v "${second%% *}" 2>/dev/null) || first=/nonexistent
   fi
-  case "$first" in */*) bin=${first%/*} ;; *) bin=. ;; esac
-  pp=$4 ppdirs=       # PYTHONPATH with each ':' a space (then split like the rest)
-  while :; do case "$pp" in *:*) ppdirs="$ppdirs${pp%%:*} "; pp=${pp#*:} ;; *) ppdirs=$ppdirs$pp; break ;; esac; done
-  dirs="$first ${bin:-/}/../lib/python3*/site-packages /usr/local/lib/python3*/dist-packages"
-  dirs="$dirs /usr/lib/python3/dist-packages $ppdirs"
-  # shellcheck disable=SC2086 # a list of paths, split and globbed (python3*) on purpose
-  stamp=$(stat -L --printf '%Y.' $dirs 2>/dev/null)
-  [ -x "$first" ] || { unknown "$1"; return; }
-  if [ "$stamp" = "$5" ]; then printf '%s V %s %s =\n' "$T" "$1" "$stamp"; return; fi
-  # shellcheck disable=SC2086 # the interpreter with the shebang's arguments (python3 -s): split on purpose
-  out=$(cd / && PYTHONPATH="$4" timeout 60 $py -c "$PROBE_PY" "$3" 2>/dev/null; printf x)
-  out=${out%x}; out=${out%"$nl"}; v=${out##*"$nl"}     # the last line, as tail -n 1 gives it
-  case "$v" in
-    [0-9]*[!0-9A-Za-z.+!-]*|[!0-9]*|'') v=$(printf '%s' "$v" | base64 -w0) ;;
-    *) v=@$v ;;          # a version as it is (the parser's own pattern): no base64 process
+  [ -x "$first" ] || { printf '%s V %s -\n' "$T" "$1"; return; }
+  bin=${first%/*}
+  usersite=$6 syssite=1
+  case ${py#"$first"} in *-s*|*-I*) usersite=0 ;; esac      # python3 -s in the shebang
+  for cfg in "$bin/pyvenv.cfg" "$bin/../pyvenv.cfg"; do
+    [ -f "$cfg" ] || continue
+    syssite=0
+    while IFS= read -r l || [ -n "$l" ]; do
+      case $l in include-system-site-packages*=*[Tt]rue*) syssite=1 ;; esac
+    done < "$cfg"
+    break
+  done
+  [ "$syssite" = 1 ] || usersite=0
+  IFS=:
+  for d in $4; do
+    set +f
+    case $d in /*) [ -d "$d" ] && look "$d" ;; esac
+    set -f
+    [ -n "$ver" ] && break
+  done
+  unset IFS
+  set +f
+  if [ -z "$ver" ] && [ "$usersite" = 1 ]; then
+    home_of "$5"
+    if [ -n "$h" ]; then
+      for d in "$h"/.local/lib/python3*/site-packages; do site "$d"; [ -n "$ver" ] && break; done
+    fi
+  fi
+  if [ -z "$ver" ]; then
+    for d in "$bin"/../lib/python3*/site-packages; do site "$d"; [ -n "$ver" ] && break; done
+  fi
+  if [ -z "$ver" ] && [ "$syssite" = 1 ]; then
+    for d in /usr/local/lib/python3*/dist-packages /usr/lib/python3*/dist-packages; do
+      site "$d"; [ -n "$ver" ] && break
+    done
+  fi
+  set -f
+  case $ver in
+    ''|-|[!0-9]*|*[!0-9A-Za-z.+!-]*) printf '%s V %s -\n' "$T" "$1" ;;
+    *) printf '%s V %s @%s\n' "$T" "$1" "$ver" ;;
   esac
-  printf '%s V %s %s %s\n' "$T" "$1" "$stamp" "$v"
 }
 
-while [ $# -ge 5 ]; do
-  probe "$1" "$2" "$3" "$4" "$5"
-  shift 5
+while [ $# -ge 6 ]; do
+  probe "$1" "$2" "$3" "$4" "$5" "$6"
+  shift 6
 done
 printf '%s END\n' "$T"

@@ -1,7 +1,8 @@
 """End-to-end: `reconcile` asks the REAL engine installed on the host before anything is stopped
 (issue 35). The test hosts see SGLang 0.5.12 and 0.5.23 and vLLM 0.33.0 read-only at
 /opt/engines/<name> (tests/engines.py) and the stand-in nvidia-smi with 4 H200s; a unit runs one
-of them, and the dry run (and the run) shows the engine's own verdict: its message quoted and
+of them, and the dry run with --engine-check (the revision is not signed; issue 39) and the run
+show the engine's own verdict: its message quoted and
 its version named when it refuses (EngineRejected, nothing written), what it resolved when it
 accepts. Each probe imports the engine (10-35 s on a loaded 2-core machine)."""
 
@@ -46,7 +47,9 @@ def deploy(fleet, repo, python: str, entry: str, args: str) -> dict:
     write_fleet(repo, [h], {"llm": {"port": 30000, "model": None, "args": args}}, extra={})
     repo.write("units/standin.service", unit(python, entry))
     repo.commit(f"{python}: {args}")
-    code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2, 4))
+    code, out = run_json("--repo", str(repo.path), "--dry-run", "--engine-check", check_codes=(2, 4))
+    assert out["engine_check"] == {"ran": True, "why": "--engine-check", "services": 1,
+                                   "line": "engine check ran: --engine-check"}
     return {"code": code, **out["hosts"][0]}
 
 
@@ -75,7 +78,7 @@ def test_sglang_0_5_23_accepts_the_seed_resolving_auto_and_refuses_the_old_fix_f
     # The verdict is cached with the host's stamp: the same request again does not run the engine.
     cache = json.loads((Path(os.environ["RECONCILER_STATE_DIR"]) / "engine-verdicts.json").read_text())
     assert [e["verdict"]["verdict"] for e in cache[fleet.hosts[0].name].values()] == ["ok"]
-    code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2,))
+    code, out = run_json("--repo", str(repo.path), "--dry-run", "--engine-check", check_codes=(2,))
     [again] = engine_notes(out["hosts"][0])
     assert again.startswith("llm: sglang 0.5.23 accepts the command line: "), again      # no time: cached
 

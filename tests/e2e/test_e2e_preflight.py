@@ -147,9 +147,12 @@ def test_the_incident_unit_with_the_model_only_on_the_command_line_is_blocked(fl
         r = out["hosts"][0]
         assert r["reason"] == "PreflightFailed" and "sglang-spec-hybrid-extra-buffer" in r["message"], r
         assert "Fix: add `--mamba-scheduler-strategy extra_buffer`" in r["message"]
+        # A dry run of an unsigned revision runs no engine check (issue 39); the real run does.
         # The stand-in sglang package has no argument stage: the engine check is inconclusive
         # (told without starting python) and the rule pack decides (above).
-        note = ("sglang: engine check inconclusive (sglang): sglang is not installed for /usr/bin/python3 (no "
+        note = ("sglang: engine check skipped (the revision is not signed; --engine-check runs it); the static "
+                "rules decide") if dry else (
+                "sglang: engine check inconclusive (sglang): sglang is not installed for /usr/bin/python3 (no "
                 "sglang/srt/server_args.py in its package directories); the static rules decide")
         assert note in r["notes"], r["notes"]
     assert fleet.show(h, "sglang", "InvocationID")["InvocationID"] == inv
@@ -171,10 +174,8 @@ def test_a_rule_fires_on_one_server_version_and_not_on_another(fleet, repo):
     assert by[new.name]["status"] == "converged", by[new.name]
     assert fleet.show(new, "sglang", "ActiveState")["ActiveState"] == "active"
     assert not fleet.exists(old, UNIT)
-    # The version was read from the host, and is cached with its stamp.
-    cache = json.loads((Path(os.environ["RECONCILER_STATE_DIR"]) / "server-versions.json").read_text())
-    assert {v["version"] for v in cache[new.name].values()} == {"0.5.14"}
-    assert {v["version"] for v in cache[old.name].values()} == {"0.5.12"}
+    # The version was read from the host's files (no python started, nothing cached: issue 39).
+    assert not (Path(os.environ["RECONCILER_STATE_DIR"]) / "server-versions.json").exists()
 
 
 def gpu_svc(gpus: str, **kw) -> dict:

@@ -1,26 +1,19 @@
-"""Ask the engine: which services have an engine check, what the probe's answers mean, and the
-host program that runs it (reconciler/sh/engine-probe.sh, run here with a recording
-systemd-run, a stand-in nvidia-smi and a stand-in probe in place of the engine's)."""
+"""Ask the engine: which services have an engine check, what the probe's answers mean, what
+a message keeps (redacted before it is cut), and the verdict cache (expiry, the stamp an
+answer was taken on). The host program is tests/host/test_engine_program.py."""
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
-import os
-import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from reconciler import redact
 from reconciler.desired.spec import ServiceSpec
 from reconciler.host import engine
 from reconciler.preflight import EngineVerdict, engine_run_for, parse_verdict
-from reconciler.shell import ShCommand
-
-SH = Path(__file__).resolve().parents[2] / "reconciler" / "sh" / "engine-probe.sh"
 
 
 def spec(unit: str, env: dict[str, str] | None = None) -> ServiceSpec:
@@ -38,10 +31,25 @@ def test_a_python_module_unit_runs_its_own_interpreter_on_the_servers_own_argume
     run = engine_run_for("m", spec(unit, {"HF_HOME": "/srv/hf"}))
     assert run is not None
     assert (run.server, run.interpreter) == ("sglang", "/opt/sglang/bin/python3")
-    assert (run.user, run.workdir, run.mode) == ("llm", "/srv/llm", "hidden")
+    assert (run.user, run.workdir, run.mode, run.user_site) == ("llm", "/srv/llm", "hidden", True)
     assert run.args == tuple(SEED.split())
     assert dict(run.env) == {"SGLANG_ENABLE_SPEC_V2": "1", "HF_HOME": "/srv/hf"}
     assert run.env_files == ("-/etc/default/sglang",)
+    assert run.unit == (("User", "llm"), ("WorkingDirectory", "-/srv/llm"))
+
+
+@pytest.mark.parametrize(("line", "env", "user_site"), [
+    ("/opt/s/bin/python3 -m sglang.launch_server", {}, True),
+    ("/opt/s/bin/python3 -s -m sglang.launch_server", {}, False),
+    ("/opt/s/bin/python3 -I -m sglang.launch_server", {}, False),
+    ("/opt/s/bin/python3 -Es -m sglang.launch_server", {}, False),
+    ("/opt/s/bin/python3 -m sglang.launch_server", {"PYTHONNOUSERSITE": "1"}, False),
+    ("/opt/s/bin/python3 -E -m sglang.launch_server", {"PYTHONNOUSERSITE": "1"}, True),
+    ("/opt/s/bin/python3 -u -m sglang.launch_server --s x", {}, True),
+])
+def test_whether_the_interpreter_reads_the_users_site_directory(line: str, env: dict[str, str], user_site: bool):
+    run = engine_run_for("m", spec(f"[Service]\nExecStart={line}\n", env))
+    assert run is not None and run.user_site is user_site
 
 
 def test_console_scripts_take_the_python_beside_them_and_sglang_serve_gets_its_model_path():
@@ -123,134 +131,47 @@ def test_a_long_or_multi_line_message_is_one_bounded_printable_line():
     assert "\n" not in v.message and "\x1b" not in v.message and len(v.message) == 600
 
 
-# ---- the host program ------------------------------------------------------------------------------
-
-FAKE_PROBE = """import json, os, sys
-args = sys.argv[1:]
-print("engine log line")
-print("RECONCILER-ENGINE " + json.dumps({"engine": "sglang", "version": "0.0-standin", "verdict": "ok",
-      "resolved": {"argv": args, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
-                   "hub": os.environ.get("HF_HUB_OFFLINE"), "mine": os.environ.get("MINE")}}))
-"""
-
-# Records systemd-run's options, reads the EnvironmentFile=s it was given in order (later wins,
-# as systemd does), and runs the command after the first `--` with that environment.
-FAKE_SYSTEMD_RUN = """#!/bin/sh
-: > "$REC"
-while [ "$1" != -- ]; do
-  printf '%s\\n' "$1" >> "$REC"
-  case "$1" in EnvironmentFile=*)
-    f=${1#EnvironmentFile=}; f=${f#-}
-    [ -r "$f" ] && { set -a; . "$f"; set +a; } ;;
-  esac
-  shift
-done
-shift
-exec "$@"
-"""
-
-FAKE_SMI = """#!/bin/sh
-printf 'NVIDIA H200, 9.0, 143771\\nNVIDIA H200, 9.0, 143771\\n'
-"""
+@pytest.mark.parametrize("at", [580, 585, 590, 592])
+def test_a_secret_straddling_the_cut_is_redacted_before_it_so_no_part_of_it_is_left(at: int):
+    """Review 2026-12-03 N6, E5: a registered secret across character 600 of an engine message
+    kept its first 8 characters. The whole message is redacted first, then cut."""
+    secret = "Zq9-vT3-s8Kd2-Lw5"
+    redact.register(secret)
+    message = "x" * at + " " + secret + " and the rest of the message"
+    v = parse_verdict("m", "sglang", answer(engine="sglang", verdict="rejected", message=message))
+    assert len(v.message) <= 600
+    assert not any(secret[:n] in v.message for n in range(4, len(secret) + 1)), v.message[-40:]
+    tail = parse_verdict("m", "sglang", "", exit_status=1, tail=f"Traceback\nValueError: {message}\n")
+    assert not any(secret[:n] in tail.message for n in range(4, len(secret) + 1))
 
 
-@pytest.fixture
-def host_bin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("systemd-run", FAKE_SYSTEMD_RUN), ("nvidia-smi", FAKE_SMI)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(stat.S_IRWXU)
-    monkeypatch.setattr(engine, "probe_text", lambda server: FAKE_PROBE)
-    # the engine's argument stage, where the host program looks for it (here: on PYTHONPATH)
-    stage = tmp_path / "site" / "sglang" / "srt" / "server_args.py"
-    stage.parent.mkdir(parents=True)
-    stage.write_text("")
-    return bin_dir
+def test_a_note_of_the_probe_is_said_with_the_verdict_and_kept_in_the_cache(tmp_path: Path):
+    note = "--trust-remote-code left out: the model's own code never runs in the engine check"
+    v = parse_verdict("m", "sglang", answer(engine="sglang", version="0.5.23", verdict="ok", notes=[note]))
+    assert v.notes == (note,)
+    assert v.note() == f"m: sglang 0.5.23 accepts the command line ({note})"
+    refused = parse_verdict("m", "sglang", answer(engine="sglang", version="0.5.23", verdict="rejected",
+                                                  error="usage", message="unrecognized arguments: --x", notes=[note]))
+    assert refused.block().startswith("m: the installed sglang 0.5.23 refuses this command line: unrecognized "
+                                      "arguments: --x. Nothing was stopped.")
+    assert refused.block().endswith(f"the unit was written for ({note})")
+    store = engine.VerdictCache(tmp_path / "v.json", wall=lambda: 1000.0)
+    store.remember("h", "k", "s", v)
+    again = store.verdict("h", "k", "m")
+    assert again is not None and again.notes == (note,)
 
 
-def site(tmp_path: Path) -> dict[str, str]:
-    return {"PYTHONPATH": str(tmp_path / "site")}
-
-
-def run_program(cmd: ShCommand, stdin: str, bin_dir: Path, rec: Path) -> str:
-    res = subprocess.run(["/bin/sh", str(SH), *cmd.args], input=stdin, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REC": str(rec)})
-    assert res.returncode == 0, res.stderr
-    return res.stdout
-
-
-def test_the_host_program_runs_the_probe_hidden_with_facts_the_units_env_and_guards_last(host_bin: Path,
-                                                                                       tmp_path: Path):
-    envfile = tmp_path / "unit.env"
-    envfile.write_text("MINE=from-unit-file\nCUDA_VISIBLE_DEVICES=0,1\n")
-    unit = (f"[Service]\nUser=nobody\nEnvironmentFile={envfile}\nEnvironmentFile=-/etc/reconciler/env/m.env\n"
-            f"ExecStart={sys.executable} -m sglang.launch_server --model-path /nonexistent --tp-size 2\n")
-    run = engine_run_for("m", spec(unit, {"MINE": "from-git", **site(tmp_path)}))
-    assert run is not None
-    cmd, stdin, token = engine.engine_command(run, seconds=30)
-    assert "from-git" not in cmd and 'MINE="from-git"' in stdin      # values only on stdin
-    rec = tmp_path / "rec"
-    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, rec), token)
-    assert a.verdict is not None and a.verdict.verdict == "ok" and a.stamp
-    facts = '{"count": 2, "name": "NVIDIA H200", "capability": [9, 0], "memory_mib": 143771}'
-    assert a.verdict.resolved == {"argv": ["--facts", facts, "--", "--model-path", "/nonexistent", "--tp-size", "2"],
-                                  "cuda": "", "hub": "1", "mine": "from-git"}
-    options = rec.read_text().splitlines()
-    assert options[:9] == ["--quiet", "--wait", "--pipe", "--collect", "--service-type=exec", "-p", "MemoryMax=4G",
-                           "-p", "RuntimeMaxSec=30"]
-    files = [o for o in options if o.startswith("EnvironmentFile=")]
-    assert files[0] == f"EnvironmentFile={envfile}" and files[1].endswith("/env") and len(files) == 2
-    assert "User=nobody" in options
-    assert not list(Path("/run").glob("reconciler-engine.*"))          # nothing left behind
-
-
-def test_visible_mode_passes_no_facts_and_hides_no_gpu(host_bin: Path, tmp_path: Path):
-    run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server --tp-size 1\n",
-                                   {"CUDA_VISIBLE_DEVICES": "3", **site(tmp_path)}))
-    assert run is not None
-    cmd, stdin, token = engine.engine_command(dataclasses.replace(run, mode="visible"))
-    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
-    assert a.verdict is not None and a.verdict.resolved["argv"] == ["--", "--tp-size", "1"]
-    assert a.verdict.resolved["cuda"] == "3"
-
-
-def test_an_unchanged_stamp_answers_from_the_cache_without_running_the_probe(host_bin: Path, tmp_path: Path):
-    run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server\n", site(tmp_path)))
-    assert run is not None
-    cmd, stdin, token = engine.engine_command(run)
-    first = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
-    cmd, stdin, token = engine.engine_command(run, cached=first.stamp)
-    (tmp_path / "rec").unlink()
-    again = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
-    assert again == engine.Answer(first.stamp, None) and not (tmp_path / "rec").exists()
-
-
-def test_no_python_is_started_where_the_engines_argument_stage_is_not_installed(host_bin: Path, tmp_path: Path):
-    run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server\n",
-                                   {"PYTHONPATH": str(tmp_path / "elsewhere")}))
-    assert run is not None
-    cmd, stdin, token = engine.engine_command(run)
-    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
-    assert a.stamp == "" and a.verdict is not None and a.verdict.verdict == "inconclusive"
-    assert a.verdict.message == (f"sglang is not installed for {sys.executable} "
-                                 "(no sglang/srt/server_args.py in its package directories)")
-    assert not (tmp_path / "rec").exists()                    # systemd-run never ran
-    # An editable install (a .pth naming the engine) is asked: its sources live elsewhere.
-    (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "elsewhere" / "__editable__.sglang-0.5.23.pth").write_text("/src/sglang/python\n")
-    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
-    assert a.verdict is not None and a.verdict.verdict == "ok" and (tmp_path / "rec").exists()
+# ---- the verdict cache ----------------------------------------------------------------------------
 
 
 def test_the_verdict_cache_keeps_answers_per_host_and_request_and_drops_probe_crashes(tmp_path: Path):
-    store = engine.VerdictCache(tmp_path / "v.json")
+    store = engine.VerdictCache(tmp_path / "v.json", wall=lambda: 1000.0)
     ok = EngineVerdict("m", "sglang", "ok", version="0.5.23", resolved={"tp_size": 4}, seconds=8.0)
     store.remember("h1", "k", "s1", ok)
     store.remember("h1", "k2", "s1", EngineVerdict("m", "sglang", "inconclusive",
                                                    message="the probe gave no answer (exit status 1)"))
     store.save()
-    again = engine.VerdictCache(tmp_path / "v.json")
+    again = engine.VerdictCache(tmp_path / "v.json", wall=lambda: 1000.0)
     assert again.stamp("h1", "k") == "s1" and again.stamp("h1", "k2") == "" and again.stamp("h2", "k") == ""
     cached = again.verdict("h1", "k", "other-name")
     assert cached == EngineVerdict("other-name", "sglang", "ok", version="0.5.23", resolved={"tp_size": 4},
@@ -268,32 +189,40 @@ def test_the_verdict_cache_file_holds_no_token_an_engine_quoted(tmp_path: Path):
     assert token not in text and "unrecognized arguments: --hf-token ***" in text
 
 
-def test_the_program_is_sent_with_the_probe_in_base64(host_bin: Path):
-    run = engine_run_for("m", spec("[Service]\nExecStart=/opt/v/bin/python3 -m vllm.entrypoints.openai.api_server\n"))
-    assert run is not None
-    cmd, _, _ = engine.engine_command(run)
-    assert base64.b64decode(cmd.args[2]).decode() == FAKE_PROBE
 
 
-def test_every_pythonpath_entry_is_searched_and_a_pth_is_read_to_its_last_line(host_bin: Path, tmp_path: Path):
-    """The host program looks for the engine with builtins only (no process for "not installed"):
-    PYTHONPATH split on ':' (here the engine is in its second entry), and a .pth whose last line
-    (without a newline) names the engine."""
-    run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server\n",
-                                   {"PYTHONPATH": f"{tmp_path / 'first'}:{tmp_path / 'site'}"}))
-    assert run is not None
-    cmd, stdin, token = engine.engine_command(run)
-    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec"), token)
-    assert a.verdict is not None and a.verdict.verdict == "ok"
-    run = engine_run_for("m", spec(f"[Service]\nExecStart={sys.executable} -m sglang.launch_server\n",
-                                   {"PYTHONPATH": f"{tmp_path / 'first'}:{tmp_path / 'other'}"}))
-    assert run is not None
-    (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "a.pth").write_text("import os\n/src/sglang/python")
-    cmd, stdin, token = engine.engine_command(run)
-    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec2"), token)
-    assert a.verdict is not None and a.verdict.verdict == "ok" and (tmp_path / "rec2").exists()
-    (tmp_path / "other" / "a.pth").write_text("import os\n/src/vllm/python")
-    cmd, stdin, token = engine.engine_command(run)
-    a = engine.read_answer(run, run_program(cmd, stdin, host_bin, tmp_path / "rec3"), token)
-    assert a.verdict is not None and a.verdict.verdict == "inconclusive" and not (tmp_path / "rec3").exists()
+def test_a_cached_answer_expires_after_a_day_whatever_the_stamp(tmp_path: Path):
+    now = [1_000_000.0]
+    store = engine.VerdictCache(tmp_path / "v.json", wall=lambda: now[0])
+    store.remember("h", "k", "s1", EngineVerdict("m", "sglang", "ok", version="0.5.23"))
+    store.save()
+    now[0] += engine.MAX_AGE
+    again = engine.VerdictCache(tmp_path / "v.json", wall=lambda: now[0])
+    assert again.stamp("h", "k") == "s1" and again.verdict("h", "k", "m") is not None
+    now[0] += 1
+    assert again.stamp("h", "k") == "" and again.verdict("h", "k", "m") is None
+    now[0] -= engine.MAX_AGE + 2        # taken "in the future" (a clock set back): not trusted either
+    assert again.verdict("h", "k", "m") is None
+
+
+def test_an_entry_without_the_time_it_was_taken_is_not_offered(tmp_path: Path):
+    """A cache written before answers expired holds no time: its answers are asked again."""
+    (tmp_path / "v.json").write_text(json.dumps({"h": {"k": {"stamp": "s1", "verdict": {
+        "service": "m", "server": "sglang", "verdict": "ok"}}}}))
+    store = engine.VerdictCache(tmp_path / "v.json", wall=lambda: 1000.0)
+    assert store.stamp("h", "k") == "" and store.verdict("h", "k", "m") is None
+
+
+@pytest.mark.parametrize(("unit", "why"), [
+    ("RootDirectory=/srv/root", "the unit runs in RootDirectory=/srv/root, where the engine check does not look"),
+    ("RootImage=/srv/os.raw", "the unit runs in RootImage=/srv/os.raw, where the engine check does not look"),
+])
+def test_a_unit_in_another_root_is_not_checked(unit: str, why: str):
+    run = engine_run_for("m", spec(f"[Service]\n{unit}\nExecStart=/opt/s/bin/python3 -m sglang.launch_server\n"))
+    assert run is not None and engine.refusal(run) == why
+
+
+def test_a_setting_with_a_line_break_is_not_sent():
+    run = engine_run_for("m", spec("[Service]\nExecStart=/opt/s/bin/python3 -m sglang.launch_server\n",
+                                   {"PYTHONPATH": "/a\nprop=User=root"}))
+    assert run is not None and engine.refusal(run) == "a unit setting holds a line break"

@@ -753,51 +753,99 @@ def test_dry_run_path_model_facts_feed_the_rules():
 # ---- the server version on the host (versions.py) --------------------------------------------
 
 
-def test_probe_reads_versions_then_answers_from_the_stamp(tmp_path: Path):
-    """The probe run for real: a python, a console script's shebang (also through /usr/bin/env),
-    an executable found on PATH, odd version strings; then, with the stamps cached, only `stat`."""
-    import sys
+def _python_that_marks(tmp_path: Path, name: str = "python3") -> str:
+    """An "interpreter" that leaves a marker when anything runs it: the version read must not."""
+    bindir = tmp_path / "venv" / "bin"
+    bindir.mkdir(parents=True, exist_ok=True)
+    py = bindir / name
+    py.write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\n")
+    py.chmod(0o755)
+    return str(py)
 
+
+def _dist(d: Path, module: str, version: str) -> None:
+    info = d / f"{module}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: {version}\n\n"
+                                   f"Version: 9.9.9 (the long description, not the header)\n")
+
+
+def test_versions_are_read_from_the_files_in_import_order_and_nothing_is_run(tmp_path: Path):
+    """Review 2026-12-03 N2: the version read ran the unit's interpreter as root with its
+    PYTHONPATH. It reads files now: the first directory in the interpreter's import order that
+    holds the package's dist-info (its Version:) or the package (its __version__ line)."""
     from reconciler.host.versions import Probe, parse_probe, probe_command
-    py = sys.executable
-    pkgs = {"p1": "0.5.12", "p2": " 1.0+cu121.post1 ", "p3": "v1.2", "p4": "0.5\n0.6", "p5": "1.0 beta"}
-    for mod, v in pkgs.items():
-        (tmp_path / mod / mod).mkdir(parents=True)
-        (tmp_path / mod / mod / "__init__.py").write_text(f"__version__ = {v!r}\n")
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
+    py = _python_that_marks(tmp_path)
+    venv = tmp_path / "venv"
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\n")
+    own = venv / "lib" / "python3.11" / "site-packages"
+    own.mkdir(parents=True)
+    _dist(own, "sglang", "0.5.12")
+    pp1, pp2, src = tmp_path / "pp1", tmp_path / "pp2", tmp_path / "src"
+    (pp2 / "sglang").mkdir(parents=True)
+    (pp2 / "sglang" / "__init__.py").write_text('"""docs"""\n__version__ = "0.5.14"\n')
+    pp1.mkdir()
+    (src / "vllm").mkdir(parents=True)
+    (own / "__editable__.vllm.pth").write_text(f"import os\n{src}\n")
+    _dist(src, "vllm", "0.33.0")
+    odd = tmp_path / "odd"
+    for mod, v in {"p1": "' 1.0+cu121.post1 '", "p2": "'v1.2'", "p3": "'0.5\\n0.6'", "p4": "'1.0 beta'"}.items():
+        (odd / mod).mkdir(parents=True)
+        (odd / mod / "__init__.py").write_text(f"__version__ = {v}\n")
+    bindir = venv / "bin"
+    (bindir / "vllm").write_text(f"#!  {py} -s\nprint(1)\n")
+    (bindir / "vllm").chmod(0o755)
+    (tmp_path / "wrapper").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "wrapper").chmod(0o755)
+    probes = [Probe("venv", py, "sglang"),
+              Probe("pythonpath-first", py, "sglang", f"{pp1}:relative:{pp2}:/no such dir"),
+              Probe("editable", py, "vllm"),
+              Probe("shebang", str(bindir / "vllm"), "vllm"),
+              *(Probe(f"odd-{m}", py, m, str(odd)) for m in ("p1", "p2", "p3", "p4")),
+              Probe("wrapper", str(tmp_path / "wrapper"), "sglang"),
+              Probe("missing", "/no/such/python3", "sglang"),
+              Probe("not-there", py, "nothing")]
+    cmd, token = probe_command(probes)
+    res = asyncio.run(LocalTransport().run(cmd, check=True, timeout=120, what="probe"))
+    assert parse_probe(res.stdout, token) == {
+        "venv": "0.5.12", "pythonpath-first": "0.5.14", "editable": "0.33.0", "shebang": "0.33.0",
+        "odd-p1": "1.0+cu121.post1", "odd-p2": None, "odd-p3": None, "odd-p4": None,
+        "wrapper": None, "missing": None, "not-there": None}
+    assert not (tmp_path / "ran").exists()               # no interpreter was started
 
-    def script(name: str, text: str) -> str:
-        (bindir / name).write_text(text)
-        (bindir / name).chmod(0o755)
-        return str(bindir / name)
 
-    probes = [Probe(f"s-{m}", py, m, f"{tmp_path / m}:/no such dir") for m in pkgs]
-    probes += [Probe("shebang", script("vllm", f"#!  {py} -s\nprint(1)\n"), "p1", str(tmp_path / "p1")),
-               Probe("env", script("sglang", "#!/usr/bin/env python3\n"), "p1", str(tmp_path / "p1")),
-               Probe("wrapper", script("wrapper", "#!/bin/sh\nexit 0\n"), "p1", ""),
-               Probe("path", "python3", "p1", str(tmp_path / "p1")),
-               Probe("missing", "/no/such/python3", "p1", "")]
+def test_a_venv_with_the_system_site_reads_the_users_dir_first_and_without_it_only_its_own(tmp_path: Path):
+    """A venv without the system's site packages sees only its own; with them, the user's site
+    directory (the unit's user's home: none here, root's) comes before its own, as site.py
+    orders them; `-s` (user_site off) leaves the user's out."""
+    from reconciler.host.versions import Probe, parse_probe, probe_command
+    py = _python_that_marks(tmp_path)
+    venv = tmp_path / "venv"
+    own = venv / "lib" / "python3.11" / "site-packages"
+    own.mkdir(parents=True)
+    _dist(own, "reconciler_probe_test_pkg", "1.0")
+    user_site = Path("/root/.local/lib/python3.11/site-packages")
+    if list(user_site.glob("reconciler_probe_test_pkg*")):
+        pytest.fail(f"{user_site} holds this test's package already")
 
-    def run(cached: dict[str, str]):
-        cmd, token = probe_command(probes, cached)
-        res = asyncio.run(LocalTransport().run(cmd, check=True, timeout=120, what="probe"))
-        return parse_probe(res.stdout, token)
-    first = run({})
-    assert {n: a.version for n, a in first.items()} == {
-        "s-p1": "0.5.12", "s-p2": "1.0+cu121.post1", "s-p3": None, "s-p4": "0.6", "s-p5": None,
-        "shebang": "0.5.12", "env": "0.5.12", "wrapper": None, "path": "0.5.12", "missing": None}
-    assert first["missing"].stamp is None and all(a.stamp for n, a in first.items() if n != "missing")
-    assert first["s-p1"].stamp.endswith(".") and not any(a.cached for a in first.values())
-    again = run({p.key: first[p.service].stamp or "" for p in probes})
-    assert {n for n, a in again.items() if a.cached} == set(first) - {"missing"}
-    assert all(again[n].stamp == first[n].stamp for n in again)
+    def read(system: bool, user_site_on: bool = True) -> str | None:
+        (venv / "pyvenv.cfg").write_text(f"include-system-site-packages = {'true' if system else 'false'}\n")
+        cmd, token = probe_command([Probe("s", py, "reconciler_probe_test_pkg", user_site=user_site_on)])
+        res = asyncio.run(LocalTransport().run(cmd, check=True, timeout=60, what="probe"))
+        return parse_probe(res.stdout, token)["s"]
+    made = [p for p in (user_site, *user_site.parents) if not p.exists()]
+    user_site.mkdir(parents=True, exist_ok=True)
+    try:
+        _dist(user_site, "reconciler_probe_test_pkg", "2.0")
+        assert (read(system=False), read(system=True), read(system=True, user_site_on=False)) == ("1.0", "2.0", "1.0")
+    finally:
+        shutil.rmtree(user_site / "reconciler_probe_test_pkg-2.0.dist-info")
+        for p in made:
+            p.rmdir()
+    assert not (tmp_path / "ran").exists()
 
 
 def test_parse_probe_payloads():
-    from reconciler.host.versions import Answer, parse_probe
-    out = "\n".join(["T V a 1.2. @0.5.12", "T V b 1.2. IDAuNS4xMyAK", "T V c 1.2. =", "T V d - -",
-                     "T V e 1.2. @", "T V f 1.2. !!", "U V g 1.2. @1"])
-    assert parse_probe(out, "T") == {"a": Answer("0.5.12", "1.2."), "b": Answer("0.5.13", "1.2."),
-                                     "c": Answer(None, "1.2.", cached=True), "d": Answer(None, None),
-                                     "e": Answer(None, "1.2."), "f": Answer(None, "1.2.")}
+    from reconciler.host.versions import parse_probe
+    out = "\n".join(["T V a @0.5.12", "T V b -", "T V c @", "T V d @!!", "T V e 0.5.13", "U V g @1", "T V h @1 x"])
+    assert parse_probe(out, "T") == {"a": "0.5.12", "b": None, "c": None, "d": None, "e": None}
