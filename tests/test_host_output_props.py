@@ -12,9 +12,7 @@ base64, JSON nested past the parser's depth, Infinity, byte arrays that are no b
 lines of noise, with and without their END line. Each known case that once raised is an explicit
 example, so the property fails at once, not by chance, where it regresses.
 
-The GPU and engine/version parsers belong to other work (issue 39's GPU reading and engine
-check); they are listed here too. Those that are not total yet are marked xfail(strict=True):
-the mark must go when they are made total (strict: an unexpected pass fails the suite).
+The GPU and engine/version parsers are here too: every parser of host output is total.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from __future__ import annotations
 import base64
 import json
 
-import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -45,7 +42,6 @@ INV = "a" * 32                              # an invocation a follower reads
 DEEP = "[" * 5000                           # nested past json's depth: RecursionError
 INDEX_400 = '{"weight_map":{"a":"x.safetensors"},"metadata":{"total_size":' + "9" * 400 + "}}"
 E4 = "Loading safetensors checkpoint shards:  50% Completed | " + "9" * 400 + "/1 ["
-ENGINE_OWNED = "owned by the GPU/engine work (issue 39: the engine check)"
 
 
 def decoded(data: bytes) -> str:
@@ -360,8 +356,6 @@ def test_the_version_read_never_raises(stdout: str) -> None:
     parse_probe(stdout, T)
 
 
-@pytest.mark.xfail(strict=True, reason=f"{ENGINE_OWNED}: engine.read_answer() base64 without validation raises "
-                                       "binascii.Error; a status of '²' passes isdigit() and int() raises")
 @PROPERTY
 @given(framed(["N", "S", "C", "R", "O", "E"]))
 @example(f"{T} O !\n{T} END\n")
@@ -371,8 +365,6 @@ def test_the_engine_checks_answer_never_raises(stdout: str) -> None:
     read_answer(EngineRun("m", "sglang", "/opt/sglang/bin/python3", ()), stdout, T)
 
 
-@pytest.mark.xfail(strict=True, reason=f"{ENGINE_OWNED}: _engine.parse_verdict() lets RecursionError out of "
-                                       "json.loads, and sums a 400-digit int with a float (OverflowError)")
 @PROPERTY
 @given(st.one_of(json_texts, json_values.map(lambda v: json.dumps({"verdict": "ok", "seconds": v}))), noise)
 @example(DEEP, "")

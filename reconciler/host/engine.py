@@ -38,7 +38,7 @@ from pathlib import Path
 
 from .. import engines, shell
 from ..errors import ReconcilerError
-from ..frames import frames
+from ..frames import decode, frames, number
 from ..plan.facts import CREDSTORE, ENV_DIR
 from ..plan.files import render_env_file
 from ..preflight import EngineRun, EngineVerdict, elsewhere, parse_verdict, probe_env, probe_properties
@@ -145,10 +145,13 @@ def read_answer(run: EngineRun, stdout: str, token: str) -> Answer:
             stamp = fields[0]
         elif f.kind == "C":
             cached = True
-        elif f.kind == "R" and fields and fields[0].isdigit():
-            status = int(fields[0])
+        elif f.kind == "R" and fields and (n := number(fields[0], 3)) is not None:
+            status = n
         elif f.kind in ("O", "E"):
-            text = base64.b64decode(fields[0]).decode(errors="replace") if fields else ""
+            try:
+                text = decode(fields[0], plain=False) if fields else ""
+            except ValueError:
+                text = ""                # not base64: no output we can read
             out, err = (text, err) if f.kind == "O" else (out, text)
     if cached:
         return Answer(stamp, None)

@@ -227,12 +227,12 @@ def parse_verdict(service: str, server: str, stdout: str, *, exit_status: int | 
                              message=f"the probe gave no answer ({status}){': ' + why if why else ''}")
     try:
         data = json.loads(line[len(MARKER):])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):     # not JSON, a number past int()'s limit, nested too deep
         data = None
     if not isinstance(data, dict) or data.get("verdict") not in ("ok", "rejected", "inconclusive"):
         return EngineVerdict(service, server, "inconclusive", message="the probe's answer could not be read")
     seconds = data.get("seconds")
-    total = sum(v for v in seconds.values() if isinstance(v, (int, float))) if isinstance(seconds, dict) else None
+    total = sum(v for v in seconds.values() if _seconds(v)) if isinstance(seconds, dict) else None
     resolved = data.get("resolved")
     version = data.get("version")
     return EngineVerdict(
@@ -244,6 +244,12 @@ def parse_verdict(service: str, server: str, stdout: str, *, exit_status: int | 
         where=_clean(data.get("where")) or None,
         resolved=resolved if isinstance(resolved, dict) else {},
         seconds=total, warnings=_texts(data.get("warnings")), notes=_texts(data.get("notes")))
+
+
+def _seconds(value: Any) -> bool:
+    """A stage's time as the probe reports it: a number of seconds a probe can take (a day at
+    most), so the sum is a plain float (a 400-digit int beside a float would overflow it)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 86400
 
 
 def _texts(value: Any) -> tuple[str, ...]:
