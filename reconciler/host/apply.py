@@ -41,9 +41,7 @@ from .. import faults, redact
 from ..errors import CommandError
 from ..frames import number
 from ..plan import confirm
-from ..plan.facts import (
-    parse_show,
-)
+from ..plan.facts.show import parse_show
 from ..plan.gpuhealth import FAULT_FILE, GpuFault
 from ..plan.model import ORDER, Action, HostPlan, Kind
 from ..plan.records import ServiceRecord

@@ -19,11 +19,11 @@ from .. import faults, shell
 from ..desired import secrets
 from ..desired.spec import SecretSpec
 from ..plan import confirm
-from ..plan.facts import (
+from ..plan.layout import (
     CREDSTORE,
     HOST_RECORD,
     LOCK_OWNER,
-    STATE_DIR,
+    REMOVED_DIR,
     adopted_copy,
     cred_env_path,
     cred_path,
@@ -34,7 +34,6 @@ from ..plan.model import Action, HostPlan, Kind, Reason
 from ..plan.records import HostRecord, ServiceRecord
 from .health import WATCH_PROPS
 
-REMOVED_DIR = f"{STATE_DIR}/removed"
 # Seconds an apply script waits, in all, for the jobs of the starts and restarts it runs (job()):
 # a restart that is done by then (a quick stop, a Type=simple start) needs no poll of the watch
 # after the script's own reading; a slower one adds at most this much before the watch begins.

@@ -29,19 +29,18 @@ from typing import TYPE_CHECKING
 from .. import faults
 from ..desired.spec import HostSpec, ServiceSpec
 from ..errors import CommandError, HostError, ReconcilerError
-from ..host import lock
+from ..host import lock, programs
 from ..host.apply import Applied, apply_plan, write_gpu_fault, write_record
 from ..host.gpu import gpu_facts
 from ..host.health import Outcome, Phase, SystemdWatch, inconclusive, watch_service
 from ..host.transport import SSHTransport, Transport
 from ..plan.actions import plan_host
-from ..plan.facts import HostFacts, observe_command, parse_observation
+from ..plan.facts import HostFacts, Observe
 from ..plan.files import secret_files
 from ..plan.gpuhealth import GPU_FAULT, blames_gpu, mark_note, recorded_after, start_fault
 from ..plan.model import Action, Context, HostPlan, Kind
 from ..plan.records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
-from ..shell import ShCommand
 from .options import Connector, RunIO, RunOptions
 from .preview import engine_check
 from .results import Event, HostResult, ServiceEvent, fold, merge_plans, running_after
@@ -60,18 +59,16 @@ def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0) ->
     return connect
 
 
-def observation(host: HostSpec, *, secrets: bool = True) -> tuple[ShCommand, str]:
-    """The command that reads everything the planner needs from the host, and its token.
-    `secrets=False`: without the keyed hashes of secret files (the one part that may write on
-    the host: its hash key, made on first use), for a read-only look."""
-    return observe_command(list(host.services), secret_files=secret_files(host) if secrets else None)
+def observation(host: HostSpec, *, secrets: bool = True) -> Observe:
+    """The program that reads everything the planner needs from the host. `secrets=False`:
+    without the keyed hashes of secret files (the one part that may write on the host: its hash
+    key, made on first use), for a read-only look."""
+    return Observe(tuple(host.services), tuple(secret_files(host)) if secrets else None)
 
 
 async def observe(t: Transport, host: HostSpec, *, secrets: bool = True) -> HostFacts:
     """Read everything the planner needs from the host, in one round trip."""
-    cmd, token = observation(host, secrets=secrets)
-    res = await t.run(cmd, check=True, timeout=30, what="observe")
-    return parse_observation(res.stdout, token, host.name)
+    return await programs.run(t, observation(host, secrets=secrets), timeout=30, what="observe")
 
 
 async def lock_and_observe(t: Transport, host: HostSpec, wait: float,
@@ -83,15 +80,15 @@ async def lock_and_observe(t: Transport, host: HostSpec, wait: float,
     look: facts read just before, without the lock. When no run held the lock while they were
     read and none took it since (its count has not moved), they are the facts under the lock
     too: the holder reads nothing, and they come back as they are."""
-    cmd, token = observation(host)
+    program = observation(host)
     since = look.lock_count if look is not None else None
-    held = await lock.acquire(t, wait=wait, then=(cmd, f"{token} END"), since=since)
+    held = await lock.acquire(t, wait=wait, then=program, since=since)
     if held.same:
         return held, look
-    if held.output is None:
+    if held.answer is None:
         return held, None
     try:
-        return held, parse_observation(held.output, token, host.name)
+        return held, program.parse(held.answer)
     except ReconcilerError:
         return held, None
 

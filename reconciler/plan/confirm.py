@@ -36,14 +36,19 @@ import shlex
 from dataclasses import dataclass
 
 from .. import shell
-from .facts import (
-    CONFIRM_SUBDIR,
+from .layout import (
+    CONFIRM_DIR,
     CREDSTORE,
+    KEPT,
     LOCK_COUNT,
     LOCK_OWNER,
-    STATE_DIR,
+    REARM_LINK,
+    REARM_PATH,
+    REARM_SCRIPT,
+    REARM_UNIT,
+    TRANSIENT,
     UNIT_DIR,
-    count_holder,
+    WANTS,
     env_path,
     envfile_path,
     record_path,
@@ -52,12 +57,7 @@ from .facts import (
 )
 from .records import Quarantine, ServiceRecord
 
-CONFIRM_DIR = f"{STATE_DIR}/{CONFIRM_SUBDIR}"
-WANTS = f"{UNIT_DIR}/timers.target.wants"      # where the switch's timer was linked before it was transient
-REARM_UNIT = "reconciler-rearm-switches.service"
-REARM_PATH = f"{UNIT_DIR}/{REARM_UNIT}"
-REARM_LINK = f"{UNIT_DIR}/multi-user.target.wants/{REARM_UNIT}"
-REARM_SCRIPT = f"{STATE_DIR}/rearm-switches.sh"
+__all__ = ["CONFIRM_DIR", "KEPT", "REARM_LINK", "REARM_PATH", "REARM_SCRIPT", "REARM_UNIT", "WANTS"]
 
 
 def unit_name(service: str) -> str:
@@ -73,8 +73,6 @@ def paths(service: str) -> tuple[str, str, str]:
     name = unit_name(service)
     return script_path(service), f"{UNIT_DIR}/{name}.service", f"{UNIT_DIR}/{name}.timer"
 
-
-TRANSIENT = "/run/systemd/transient"     # where systemd keeps a transient unit while it is loaded
 
 
 def stop_if_armed(service: str) -> str:
@@ -119,7 +117,13 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
-KEPT = f"{CREDSTORE}/.previous"
+def count_holder(count: str) -> str:
+    """sh that a new holder of the host lock runs first: $g the count as it found it (0 when
+    there is none yet), and the file moved on by one. Builtins only, no process. Where the count
+    cannot be written (a full disk), the file goes: a look that saw a count never finds it again."""
+    return (f"g=0; [ ! -f {count} ] || {{ read -r g < {count} || :; }}; "
+            f"case $g in ''|*[!0-9]*) n=1 ;; *) n=$((g + 1)) ;; esac; "
+            f"{{ echo $n > {count}; }} 2>/dev/null || rm -f {count}")
 
 
 def restore_secrets_script(service: str) -> str:

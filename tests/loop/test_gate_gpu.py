@@ -10,11 +10,11 @@ import subprocess
 
 from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.host.apply import apply_plan
-from reconciler.host.gpu import Gpu, GpuFacts
 from reconciler.host.transport import Completed, LocalTransport
 from reconciler.loop.checks import gpu_waiter
 from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import HostFacts, ServiceFacts
+from reconciler.plan.facts.gpu import Gpu, GpuFacts
 from reconciler.plan.files import render_env_dropin, render_env_file
 from reconciler.plan.model import Checks, Context, Kind
 from reconciler.plan.records import ServiceRecord

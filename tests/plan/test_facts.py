@@ -6,24 +6,24 @@ import asyncio
 import base64
 import os
 import re
-import shlex
 import shutil
 import stat
 import subprocess
+from collections.abc import Mapping
+from typing import ClassVar
 
 import pytest
 
-from reconciler import shell
 from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.errors import CommandError, ObserveError
 from reconciler.host.apply import apply_plan, parse_results, write_record
 from reconciler.host.script import build_script
 from reconciler.host.transport import Completed
 from reconciler.plan.actions import plan_host
-from reconciler.plan.facts import HostFacts, ServiceFacts, observe_command, parse_observation, parse_show
+from reconciler.plan.facts import HostFacts, Observe, ServiceFacts, parse_observation, parse_show
 from reconciler.plan.model import Context, Kind
 from reconciler.plan.records import ServiceRecord
-from reconciler.shell import program
+from tests.host.programs import answer
 
 # Captured on a test host (systemd 252): two units in one `systemctl show` call.
 SHOW = """Id=crashy.service
@@ -104,16 +104,15 @@ def test_the_observation_reads_files_exactly_with_no_process_per_file(tmp_path):
     (dropins / "m.service.d/my drop in.conf").write_text("[Service]\nNice=5\n")
     (tmp_path / "env").mkdir()
     (tmp_path / "env/m.env").write_text('A="1 $x"\nB="2"')
-    script = with_constants(program("observe"), D=str(state), UNIT_DIR=str(units),
-                            ENV_DIR=str(tmp_path / "env"), DROPIN_DIRS=str(dropins))
+    class Here(Observe):      # the host's directories, under tmp_path
+        constants: ClassVar[Mapping[str, str]] = {
+            **Observe.constants, "D": str(state), "UNIT_DIR": str(units), "ENV_DIR": str(tmp_path / "env"),
+            "DROPIN_DIRS": str(dropins)}
     bindir = tmp_path / "bin"          # systemctl shows the one unit
     bindir.mkdir()
     (bindir / "systemctl").write_text("#!/bin/sh\nprintf 'Id=m.service\\n'\n")
     (bindir / "systemctl").chmod(0o755)
-    r = subprocess.run(["sh", "-c", script, "observe", "tok", "m", "gone"], capture_output=True, timeout=10,
-                       env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
-    assert r.returncode == 0, r.stderr
-    f = parse_observation(r.stdout.decode(), "tok")
+    f = answer(Here(("m", "gone")), path=f"{bindir}:{os.environ['PATH']}")
     m = f.services["m"]
     assert m.unit_text == tricky and m.env_text == "" and m.record is not None and m.record.hash == "h"
     assert m.envfile_text == 'A="1 $x"\nB="2"' and f.services["gone"].envfile_text is None
@@ -121,18 +120,10 @@ def test_the_observation_reads_files_exactly_with_no_process_per_file(tmp_path):
     assert f.services["gone"].unit_text is None and f.record is None and f.services["m"].props["Id"] == "m.service"
 
 
-def with_constants(text: str, **values: str) -> str:
-    """A program with some of its constants (the `NAME=value` lines at its top) set otherwise."""
-    for name, value in values.items():
-        line = f"{name}={shlex.quote(value)}"
-        text, n = re.subn(rf"^{name}=.*$", lambda _, line=line: line, text, count=1, flags=re.M)
-        assert n == 1, name
-    return text
-
-
-def test_observe_command_quotes_names():
-    cmd, token = observe_command(["a", "b"])
-    assert token in cmd and cmd.endswith(" a b")
+def test_the_observation_names_its_services_and_secret_files_as_named_parameters():
+    stdin = Observe(("b", "a"), ("/s/x", "/s/x", "/s/a b")).stdin("T")
+    assert stdin == "token=T\nservice=a\nservice=b\nsecret=/s/a b\nsecret=/s/x\n\n"
+    assert Observe(("a",)).stdin("T") == "token=T\nservice=a\n\n"          # no secret asked: none hashed
 
 
 class FakeTransport:
@@ -299,9 +290,10 @@ def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
     script is still there by that script, its window from the script, and runs nothing when
     none is. Run by sh, with a
     fake systemd-run and systemctl that log their calls, in a scratch root."""
+    from reconciler.host import lock
     from reconciler.host.script import PRELUDE as _PRELUDE
     from reconciler.host.script import _fatal
-    from reconciler.plan import confirm
+    from reconciler.plan import confirm, layout
     h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", INSTALLED.format("m"), {"A": "1"})})
     p = plan_host(h, HostFacts(services={}), Context("f" * 40, confirm_margin=60.0))
     arm = next(a for a in p.actions if a.kind is Kind.ARM_TIMER)
@@ -309,11 +301,11 @@ def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
     # the step, its paths moved under the scratch root
     paths = sorted({confirm.REARM_PATH, confirm.REARM_LINK, confirm.REARM_SCRIPT, confirm.REARM_LINK.rsplit("/", 1)[0],
                     confirm.REARM_PATH.rsplit("/", 1)[0], confirm.REARM_SCRIPT.rsplit("/", 1)[0],
-                    confirm.CONFIRM_DIR, confirm.TRANSIENT, confirm.STATE_DIR}, key=len, reverse=True)
+                    confirm.CONFIRM_DIR, confirm.TRANSIENT, layout.STATE_DIR}, key=len, reverse=True)
     moved = re.compile("|".join(map(re.escape, paths)))
     step = moved.sub(lambda m: f"{root}{m.group(0)}", _fatal(arm, p, 0))
     holder = tmp_path / "holder.sh"          # the lock holder, its state directory under root
-    holder.write_text(moved.sub(lambda m: f"{root}{m.group(0)}", shell.program("holder")))
+    holder.write_text(moved.sub(lambda m: f"{root}{m.group(0)}", lock.installed_texts()[0]))
     bindir = tmp_path / "bin"
     bindir.mkdir()
     for tool in ("systemd-run", "systemctl"):
@@ -326,8 +318,9 @@ def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
     def run(script: str | None) -> list[str]:
         """The script by sh; None: the holder, its controller gone at once (EOF), as it lets go."""
         log.unlink(missing_ok=True)
-        argv = ["sh", "-s"] if script is not None else ["sh", str(holder), "1", "", "test owner", "/nonexistent"]
-        r = subprocess.run(argv, input=script or "", capture_output=True, text=True, timeout=10,
+        argv = ["sh", "-s"] if script is not None else ["sh", str(holder)]
+        stdin = script if script is not None else lock.holder_stdin("T", 1, "test owner").split("\n\n", 1)[1]
+        r = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=10,
                            env={"PATH": f"{bindir}:/usr/bin:/bin", "LOG": str(log)})
         assert r.returncode == 0, r.stdout + r.stderr
         return log.read_text().splitlines() if log.exists() else []
