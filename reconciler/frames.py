@@ -124,11 +124,13 @@ T_co = TypeVar("T_co", covariant=True)
 @dataclass(frozen=True)
 class Records:
     """One program's answer in a command's output: the records of its token, and where they
-    came from (`host`, for messages)."""
+    came from (`host`, for messages); `stderr`, for a program that says there what its steps
+    printed (the apply script)."""
 
     stdout: str
     token: str
     host: str = "?"
+    stderr: str = ""
 
     def __iter__(self) -> Iterator[Frame]:
         """The records, as far as they go (an answer cut short is read up to where it ends)."""
@@ -155,6 +157,10 @@ class HostProgram(ABC, Generic[T_co]):
     # Its answer runs to the end of the output (the shell becomes its last command: show.sh),
     # so in a batch it goes last.
     last: ClassVar[bool] = False
+    # The shell reads the program itself from stdin (`sh -s`), its parameters first as
+    # assignments, then its text, then its payload (the apply script's steps, which are calls
+    # of the program's functions): it runs alone.
+    script_on_stdin: ClassVar[bool] = False
 
     def params(self) -> shell.Params:
         """The named parameters (a sequence: the name once per item; None: left out; or
@@ -177,8 +183,13 @@ class HostProgram(ABC, Generic[T_co]):
         return shell.with_constants(shell.program(cls.name), cls.constants)
 
     def stdin(self, token: str) -> str:
-        """Its stdin: `token=TOKEN`, its parameters, an empty line, then its payload."""
+        """Its stdin: `token=TOKEN`, its parameters, an empty line, then its payload. A program
+        read from stdin: its text, then `T=TOKEN` and its parameters as assignments, then its
+        payload."""
         params = self.params()
+        if self.script_on_stdin:
+            assert isinstance(params, Mapping)
+            return self.text() + shell.assignments({"T": token, **params}) + self.payload()
         head = {"token": token, **params} if isinstance(params, Mapping) else [("token", token), *params]
         return shell.param_lines(head) + self.payload()
 
@@ -191,6 +202,10 @@ def batch(programs: Sequence[HostProgram[Any]], tokens: Sequence[str]) -> tuple[
         raise ValueError("one token per program, and at least one program")
     if any(p.last for p in programs[:-1]):
         raise ValueError("a program whose answer runs to the end of the output goes last")
+    if programs[0].script_on_stdin:
+        if len(programs) > 1:
+            raise ValueError("a program read from stdin runs alone")
+        return "sh -s", programs[0].stdin(tokens[0])
     texts = [p.text() for p in programs]
     script = "".join(f"(\n{t})\n" for t in texts[:-1]) + texts[-1]
     name = f"reconciler-{programs[0].name}" if len(programs) == 1 else "reconciler-batch"

@@ -69,3 +69,17 @@ def param_lines(params: Params) -> str:
 def sh_c(script: str, name: str = "sh") -> str:
     """`sh -c SCRIPT NAME`: the command line that runs a program's text."""
     return f"sh -c {shlex.quote(script)} {shlex.quote(name)}"
+
+
+def assignments(values: Mapping[str, str | int | Sequence[str] | None]) -> str:
+    """Named parameters of a program the shell reads from stdin: `NAME='value'` lines (a
+    sequence: its items a word each, for a list of plain words; None: left out)."""
+    out = []
+    for name, value in values.items():
+        if not name.replace("_", "a").isalnum() or name[0].isdigit():
+            raise ValueError(f"parameter name {name!r}")
+        if value is None:
+            continue
+        text = str(value) if isinstance(value, (str, int)) else " ".join(value)
+        out.append(f"{name}={shlex.quote(text)}\n")
+    return "".join(out)

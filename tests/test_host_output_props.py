@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 from reconciler import frames as framing
 from reconciler.errors import ObserveError
 from reconciler.host import progress as following
-from reconciler.host.apply import parse_results
 from reconciler.host.lock import holder_said
 from reconciler.host.session import ended
 from reconciler.plan import gpuhealth, judges
 from reconciler.plan.facts import parse_observation, parse_show, progress
+from reconciler.plan.facts.apply import parse_apply
 from reconciler.plan.facts.journal import parse_journal
 from reconciler.plan.facts.verify import parse_verify
 from reconciler.plan.model import Action, HostPlan, Kind, Reason
@@ -266,18 +266,20 @@ def test_the_model_check_is_model_facts_or_an_observe_error(stdout: str) -> None
 
 PLAN = HostPlan("h", "r", (Action(Kind.START, Reason.NEW_SERVICE, "m"), Action(Kind.RESTART, Reason.NEW_SERVICE, "m")),
                 {})
-apply_lines = st.builds(lambda mark, fs: " ".join([mark, *fs]), st.sampled_from(["@@now", "@@fail", "@@fatal", "@@ok"]),
-                        st.lists(st.one_of(numbers, fields), max_size=4))
+shown = st.lists(st.one_of(noise, st.builds(lambda k, v: f"{k}={v}", st.sampled_from(["Id", "ActiveState", "X"]),
+                                               noise)), max_size=6).map(lambda ls: [f"{T} S -", *ls])
 
 
 @PROPERTY
-@given(st.lists(st.one_of(apply_lines, noise), max_size=12).map("\n".join),
-       st.lists(st.one_of(st.builds(lambda n: f"@@step {n}", numbers), noise), max_size=6).map("\n".join))
-@example("@@now nan\n@@now 1e999\n@@fail ² 1 x\n@@fail 0 ² !!!\n@@fatal " + "9" * 5000 + " 1", "")
+@given(framed(["now", "fail", "fatal", "ok"], extra=shown),
+       st.lists(st.one_of(st.builds(lambda n: f"{T} step {n}", numbers), noise), max_size=6).map("\n".join))
+@example(f"{T} now nan\n{T} now 1e999\n{T} fail ² 1 x\n{T} fail 0 ² !!!\n{T} fatal " + "9" * 5000 + " 1", "")
+@example(f"{T} fatal 1 1\n{T} S -\nId=m.service\n", f"{T} step 1\n" + "x" * 5000)
 def test_the_apply_scripts_results_never_raise(stdout: str, stderr: str) -> None:
-    clock, failures, fatal = parse_results(PLAN, stdout, stderr)
-    assert clock is None or clock >= 0
-    assert all(0 <= f.exit_status <= 999 for f in failures) and (fatal is None or 0 <= fatal[1] <= 999)
+    answer = parse_apply(framing.Records(stdout, T, "h", stderr), len(PLAN.actions))
+    assert answer.clock is None or answer.clock >= 0
+    ends = [*answer.failures, *([answer.fatal] if answer.fatal else [])]
+    assert all(0 <= f.status <= 255 and 0 <= f.step < len(PLAN.actions) and len(f.message) <= 2000 for f in ends)
 
 
 @PROPERTY

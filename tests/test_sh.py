@@ -23,3 +23,55 @@ def test_there_are_programs_and_shellcheck_is_here():
 def test_each_program_is_shellcheck_clean(path: Path):
     res = subprocess.run(["shellcheck", "--external-sources", str(path)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def sent() -> dict[str, str]:
+    """Every program as a host gets it: its text with its constants in front (and for a script
+    the shell reads whole, an example of its parameters and calls; a dead-man's switch as it is
+    written), from its file as it is (the comment lines, shellcheck's directives among them,
+    are dropped only as it is sent)."""
+    from unittest import mock
+
+    from reconciler import shell
+    with mock.patch.object(shell, "program", lambda name: (ROOT / "reconciler" / "sh" / f"{name}.sh").read_text()):
+        return _sent()
+
+
+def _sent() -> dict[str, str]:
+    from reconciler import shell
+    from reconciler.frames import HostProgram
+    from reconciler.host import engine, gpu, lock
+    from reconciler.host.script import ApplyScript
+    from reconciler.plan import confirm
+    from reconciler.plan.facts import gpu as gpu_facts
+    from reconciler.plan.facts import journal, observe, progress, show, verify, versions
+    from reconciler.plan.records import ServiceRecord
+    from reconciler.preflight import _hostcheck
+    from tests.host.test_apply import _plan
+    programs: list[type[HostProgram[object]]] = [
+        observe.Observe, verify.Verify, gpu_facts.GpuRead, versions.Versions, _hostcheck.ModelCheck,
+        progress.JournalTail,
+        show.UnitShow, journal.Journal, engine.EngineProbe, gpu.Signal]
+    out = {p.name: p.text() for p in programs}
+    plan = _plan()
+    out["apply"] = ApplyScript.of(plan, plan.actions, 0).stdin("0123456789abcdef")
+    out["holder"], out["session"] = lock.installed_texts()[:2]
+    out["launch"], out["rearm"] = shell.program("launch"), confirm.rearm_text()
+    out["confirm"] = confirm.arm("m", revision="f" * 40, new_hash="h", window=60, record=ServiceRecord(),
+                                 previous=confirm.Previous("r", "[Service]\n", None)).script
+    return out
+
+
+SENT = sent()
+
+
+@pytest.mark.parametrize("name", sorted(SENT))
+def test_each_program_as_it_is_sent_is_shellcheck_clean(name: str):
+    shebang = SENT[name].split("\n", 1)[0]
+    args = ["--shell=bash"] if "bash" in shebang else ["--shell=sh"]
+    if name == "apply":         # its calls' arguments are texts (a unit, the re-arm script) quoted as data
+        args.append("--exclude=SC2016")
+    if name == "holder":        # it sources session.sh, checked on its own (from stdin, shellcheck cannot follow)
+        args.append("--exclude=SC1091")
+    res = subprocess.run(["shellcheck", *args, "-"], input=SENT[name], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr

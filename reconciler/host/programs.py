@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ..frames import HostProgram, Records, batch
-from .transport import Transport
+from .transport import Completed, Transport
 
 T = TypeVar("T")
 
@@ -33,6 +33,16 @@ async def run(t: Transport, program: HostProgram[T], *, what: str, timeout: floa
     return answer  # type: ignore[no-any-return]
 
 
+async def run_with_status(t: Transport, program: HostProgram[T], *, what: str,
+                          timeout: float = 60.0) -> tuple[T, Completed]:
+    """Run one program: its answer, and how the command ended (its exit status and stderr),
+    for a caller that judges both (the executor: a step that failed, or the script itself)."""
+    tok = tokens(1)[0]
+    cmd, stdin = batch([program], [tok])
+    res = await t.run(cmd, input=stdin, check=False, timeout=timeout, what=what)
+    return program.parse(Records(res.stdout, tok, t.host, res.stderr)), res
+
+
 async def run_all(t: Transport, programs: Sequence[HostProgram[Any]], *, what: str, timeout: float = 60.0,
                   check: bool = True) -> list[Any]:
     """Run programs one after the other in one sh (frames.batch) and read each one's answer, in
@@ -42,4 +52,4 @@ async def run_all(t: Transport, programs: Sequence[HostProgram[Any]], *, what: s
     toks = tokens(len(programs))
     cmd, stdin = batch(programs, toks)
     res = await t.run(cmd, input=stdin, check=check, timeout=timeout, what=what)
-    return [p.parse(Records(res.stdout, tok, t.host)) for p, tok in zip(programs, toks, strict=True)]
+    return [p.parse(Records(res.stdout, tok, t.host, res.stderr)) for p, tok in zip(programs, toks, strict=True)]

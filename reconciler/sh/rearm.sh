@@ -3,9 +3,7 @@
 # (reconciler-rearm-switches.service) and when the controller went (the lock holder's last act,
 # holder.sh). A switch whose script is still there got no verdict: its transient timer is made
 # again, its window (the script's "# window=" line) counted from now. $1: why, for the description.
-D=/var/lib/reconciler
-CONFIRM=$D/confirm
-LOCK=$D/.lock
+# Constants (the sender's, from reconciler/plan/layout.py): CONFIRM, LOCK.
 
 why=${1:-armed again at boot}
 for s in "$CONFIRM"/*.sh; do

@@ -20,6 +20,7 @@
 # token), IDLE (seconds), let_go (what it runs as it ends).
 # shellcheck disable=SC2154  # T and IDLE are set by holder.sh, which sources this file
 
+HERE_MAX=60000    # bytes of input given as a here-string: under a pipe's 64 KiB
 exec 4>&2 2>/dev/null
 printf '%s READY\n' "$T" >&4
 set -m
@@ -42,8 +43,16 @@ while IFS= read -r -t "$IDLE" line && [ -n "$line" ]; do
         printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
         eval "$cmd" 4>&- 9>&-
       } </dev/null 2>&4 &
-    else
+    elif [ "$more" -le "$HERE_MAX" ]; then
+      # Input that fits a pipe: a here-string, which bash writes into a pipe itself (no process,
+      # and no file), its final newline the input's own (one is added where it has none).
       {
+        trap 'printf "\n%s END %s\n" "$tok" "$?"; printf "\n%s END\n" "$tok" >&2' EXIT
+        printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
+        eval "$cmd" 4>&- 9>&- <<< "${inp%$'\n'}"
+      } </dev/null 2>&4 &
+    else
+      {   # more than a pipe holds: bash would put a here-string in a temp file; never a file
         trap 'printf "\n%s END %s\n" "$tok" "$?"; printf "\n%s END\n" "$tok" >&2' EXIT
         printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
         printf %s "$inp" | eval "$cmd" 4>&- 9>&-

@@ -11,7 +11,7 @@ import os
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -73,3 +73,32 @@ def headers(stdin: str) -> list[dict[str, list[str]]]:
             params.setdefault(name, []).append(value)
         out.append(params)
     return out
+
+
+def moved(constants: Mapping[str, str], root: Path) -> dict[str, str]:
+    """A program's constants with every absolute path under `root` (a scratch host's /)."""
+    return {k: " ".join(str(root) + w if w.startswith("/") else w for w in v.split(" ")) for k, v in constants.items()}
+
+
+def apply_here(calls: Sequence[str], *, root: Path | None = None, steps: int = 100, path: str | None = None,
+               env: Mapping[str, str] | None = None) -> tuple[Any, subprocess.CompletedProcess[str]]:
+    """apply.sh with these calls, run by sh on this machine as a host runs it (`sh -s`), its
+    constants' paths under `root` where given: its answer (plan/facts/apply.py) for a plan of
+    `steps` actions, and how the script ended."""
+    from reconciler.host.script import ApplyScript
+
+    class Here(ApplyScript):
+        constants: ClassVar[Mapping[str, str]] = (moved(ApplyScript.constants, root) if root is not None
+                                                  else ApplyScript.constants)
+
+    program = Here(tuple(calls), steps)
+    res = run_here(program, tokens=["T0"], env=env, path=path, check=False)
+    return program.parse(Records(res.stdout, "T0", "here", res.stderr)), res
+
+
+def token_of(stdin: str) -> str:
+    """The token an apply script was given (its `T=` assignment)."""
+    import re
+    m = re.search(r"^T='?([0-9a-f]+)'?$", stdin, re.M)
+    assert m is not None, stdin[-500:]
+    return m.group(1)

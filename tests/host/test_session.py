@@ -174,17 +174,11 @@ def test_an_end_line_of_another_command_is_output_and_every_command_reads_the_sa
 def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(locked: Path,
                                                                                 tmp_path: Path) -> None:
     """Each command in the session finds the host's clock in RECONCILER_NOW (bash's printf, no
-    process), taken when it starts; the apply script's @@now uses it and runs no `date`, which
+    process), taken when it starts; the apply script's `now` uses it and runs no `date`, which
     it still runs on a channel of its own (no RECONCILER_NOW there)."""
-    from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
-    from reconciler.host.script import PRELUDE as _PRELUDE
-    from reconciler.host.script import build_script
-    from reconciler.plan.actions import plan_host
-    from reconciler.plan.facts import HostFacts
-    from reconciler.plan.model import Context
-    h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", "[Service]\nExecStart=/bin/m\n", {})})
-    p = plan_host(h, HostFacts(services={}), Context("f" * 40))
-    now_line = next(line for line in build_script(p, p.actions, 0).splitlines() if "@@now" in line) + "\n"
+    from reconciler.frames import batch
+    from reconciler.host.script import ApplyScript
+    cmd, script = batch([ApplyScript(("now",), 0)], ["T0"])
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "date").write_text("#!/bin/sh\necho 12345\n")
@@ -193,9 +187,9 @@ def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(
     async def go() -> None:
         ch, held, t = await _session()
         t0 = time.time()
-        r = await t.run("sh -s", input=f"PATH={fake}:$PATH\n" + _PRELUDE + now_line)
+        r = await t.run(cmd, input=f"PATH={fake}:$PATH\n" + script)
         assert r.exit_status == 0, r.stderr
-        clock = float(r.stdout.split("@@now ", 1)[1].split()[0])
+        clock = float(r.stdout.split("T0 now ", 1)[1].split()[0])
         assert t0 - 2 <= clock <= time.time() + 1            # the session's clock, not the fake date
         # taken anew for each command: once the host's clock is past that second, a command says so
         while (now := int((await t.run("echo $RECONCILER_NOW")).stdout)) <= clock and time.time() < clock + 10:
@@ -203,8 +197,8 @@ def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(
         assert now >= clock + 1
         await held.release()
         # on a channel of its own, the script asks `date`
-        own = await ch.run("sh -s", input=f"PATH={fake}:$PATH\n" + _PRELUDE + now_line)
-        assert "@@now 12345" in own.stdout
+        own = await ch.run(cmd, input=f"PATH={fake}:$PATH\n" + script)
+        assert "T0 now 12345" in own.stdout
     asyncio.run(go())
 
 def test_a_timed_out_command_is_killed_whole_and_the_session_left(locked: Path) -> None:

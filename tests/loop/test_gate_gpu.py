@@ -6,6 +6,7 @@ here); stopping the service kills the stand-in process."""
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 
 from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
@@ -41,13 +42,18 @@ class GpuHost(LocalTransport):
     async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
         if input is not None and cmd == "sh -s":
             self.log.append(("apply", input))
-            if "u_stop m.service" in input:
+            if STOP.search(input):
                 self.old.terminate()
                 self.old.wait()               # gone (and the GPU free) once the stop returns
-            return Completed(0, "@@now 1\n", "")
+            return Completed(0, "", "")
         self.log.append(("read", cmd[:40]))
         return await super().run(f"export PATH={self.path}:$PATH; {cmd}", input=input, check=check,
                                  timeout=timeout, what=what)
+
+
+# apply.sh's calls (host/script.py) that stop and start service m
+STOP = re.compile(r"^stop step=[0-9]+ unit=m\.service$", re.M)
+START = re.compile(r"^start step=[0-9]+ unit=m\.service wait=1\.00$", re.M)
 
 
 def gpu_host_setup(tmp_path, holder_pid: int, old_pid: int, unit: str):
@@ -90,9 +96,9 @@ def test_restart_on_a_gpu_host_waits_for_release_before_start(tmp_path):
                                                                              Kind.RESTART)]
     assert steps == [Kind.STOP, Kind.WAIT_GPUS, Kind.START]   # the plan says it, so a dry run shows it
     kinds = [k for k, _ in t.log]
-    assert kinds[0] == "apply" and "u_stop m.service" in t.log[0][1]
-    assert "systemctl restart" not in t.log[0][1] and "u_start 1.00 m.service" not in t.log[0][1]
-    assert kinds[-1] == "apply" and "u_start 1.00 m.service" in t.log[-1][1]
+    assert kinds[0] == "apply" and STOP.search(t.log[0][1])
+    assert "restart=1" not in t.log[0][1] and not START.search(t.log[0][1])
+    assert kinds[-1] == "apply" and START.search(t.log[-1][1])
     assert "read" in kinds[1:-1]                      # the gate polled between stop and start
     assert applied.skipped == {} and any("GPUs free" in n for n in notes)
     assert clock.slept == []                          # free at the first look after the stop
@@ -116,5 +122,5 @@ def test_gpus_that_stay_busy_keep_the_service_from_starting(tmp_path):
     assert clock.elapsed() == 0.5                      # it gave up at its timeout (virtual seconds)
     assert any(f"stray GPU holder pid {stray.pid}" in n for n in notes)
     assert stray_alive                                 # policy "report": reported, never killed
-    assert "u_start 1.00 m.service" not in t.log[-1][1]
+    assert not START.search(t.log[-1][1])
     assert "services/m.json" not in t.log[-1][1]       # not recorded as started: the next run tries again
