@@ -56,6 +56,7 @@ from .fields import (
     host_key_problem,
     parse_duration,
 )
+from .schema_drain import DrainTable, MinAvailable, SmokeTable
 
 # What other modules import from here, wherever it is defined (fields.py).
 __all__ = ["ENV_KEY", "HOST_NAME", "LABEL", "RESERVED_PREFIX", "SERVICE_NAME", "USER", "VAR_NAME",
@@ -80,11 +81,13 @@ class HealthTable(Table):
 
 
 class RolloutTable(Table):
-    """rollout = { canary, max_unavailable } in fleet.toml [rollout], a definition or a service;
+    """rollout = { canary, max_unavailable, min_available } in fleet.toml [rollout], a definition or a service;
     unset keys fall through to the layer below."""
 
     canary: Canary | None = None
     max_unavailable: MaxUnavailable | None = None
+    # The hosts of the group that must stay ready (serving) through the rollout (issue 42).
+    min_available: MinAvailable | None = None
 
 
 class NotifyTable(Table):
@@ -161,6 +164,10 @@ class ServiceDefinition(Table):
     allow_dropins: list[DropIn] | None = None
     # Secrets by name (the name the server sees), by reference or encrypted in the repo.
     secrets: dict[EnvKey, SecretRef] = Field(default_factory=dict)
+    # How the host leaves and rejoins rotation around a restart, and the answers that judge the
+    # new server before it rejoins (schema_drain.py).
+    drain: DrainTable | None = None
+    smoke: SmokeTable | None = None
 
 
 class ServiceTable(ServiceDefinition):
