@@ -1,9 +1,9 @@
 """STAND-IN for the `vllm` package on the test hosts: not vLLM.
 
-The test hosts have it on python3's path beside the stand-in `sglang` (tests/fleet.py binds it
-into dist-packages), so a unit runs the project's stand-in server (tests/standin.py) playing vLLM
-with vLLM's own command line, `python3 -m vllm.entrypoints.openai.api_server --model ...`, and
-the reconciler's version read finds `vllm.__version__` as it would in a real install.
+tests/fleet.py binds it at /opt/standin/vllm, off python's path (the engine tests expect system
+python to have no vllm), so a unit runs the project's stand-in server (tests/standin.py) playing
+vLLM with a command line the reconciler reads as vLLM's:
+`python3 /opt/standin/vllm/entrypoints/openai/api_server.py --model ...` (fleet.VLLM_STANDIN).
 """
 
 __version__ = "0.33.0"

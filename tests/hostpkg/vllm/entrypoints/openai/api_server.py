@@ -1,4 +1,4 @@
-"""STAND-IN for `python3 -m vllm.entrypoints.openai.api_server` on the test hosts: runs
+"""STAND-IN for vLLM's `vllm/entrypoints/openai/api_server.py` on the test hosts: runs
 tests/standin.py (bound at /usr/local/bin/sglang-standin) playing vLLM (STANDIN_ENGINE=vllm):
 vLLM's flags, its /metrics names, and its stop (--shutdown-timeout 0 aborts what is in flight)."""
 
