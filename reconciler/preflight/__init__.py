@@ -65,7 +65,8 @@ the engine's probe runs with), _models (model knowledge), _schema (the rule-file
 schema), _rules (loading the rule pack, evaluating declarative rules), _registry (what a
 built-in rule is given and returns, and their registry), _builtin (the built-in rules), _shapes
 (MoE and FP8-block shapes per rank), _hardware (the host's GPUs as the rules see them),
-_capacity (memory and compute capability), _check (check_service, check_host, check_desired), _hostcheck
+_capacity (memory and compute capability), _drain (what a stop does to the requests in flight),
+_check (check_service, check_host, check_desired), _hostcheck
 (model presence on the host) and _secrets (secret-looking env values, undecryptable secrets).
 """
 
