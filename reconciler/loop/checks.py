@@ -54,6 +54,7 @@ from ..preflight import (
     parse_model_check,
     weights_bytes,
 )
+from ..reasons import Reason
 from ..shell import ShCommand, one_sh
 from .preview import REAL_RUN, EngineCheck
 
@@ -80,7 +81,7 @@ class Preflight:
                       gpu_gate=self.gpu is not None and self.gpu.has_nvidia_smi,
                       gpu_health=self.gpu.health if self.gpu is not None else None)
 
-    def block(self, service: str, reason: str, message: str) -> None:
+    def block(self, service: str, reason: Reason, message: str) -> None:
         self.blocked.setdefault(service, []).append(Block(reason, message))
 
 
@@ -234,7 +235,7 @@ def _read_units(out: Preflight, units: Mapping[str, tuple[str, str | None]], std
     if not available:
         out.warnings.append("systemd-analyze not found: units not verified before writing")
     for name, lines in problems.items():
-        out.block(name, "UnitInvalid", f"{name}: systemd rejects the unit: " + "; ".join(lines)
+        out.block(name, Reason.UNIT_INVALID, f"{name}: systemd rejects the unit: " + "; ".join(lines)
                   + f" (source: {UNIT_SOURCE})")
 
 
@@ -257,7 +258,7 @@ def _judge_engines(out: Preflight, verdicts: Mapping[str, EngineVerdict]) -> set
     the service (EngineRejected), any other answer is a note; the services it answered."""
     for _, v in sorted(verdicts.items()):
         if v.verdict == "rejected":
-            out.block(v.service, "EngineRejected", v.block())
+            out.block(v.service, Reason.ENGINE_REJECTED, v.block())
         else:
             out.warnings.append(v.note())
     return {v.service for v in verdicts.values() if v.verdict != "inconclusive"}
@@ -354,7 +355,7 @@ def _judge_strays(out: Preflight, gpu: GpuFacts, specs: Mapping[str, ServiceSpec
             out.warnings.append(f"{name}: stray GPU holder(s) on its GPUs, killed after the stop "
                                 f"(gpu_policy = \"kill\"): {what}")
         else:
-            out.block(name, "GpuBusy", f"{name}: its GPUs are held by a process that is not a managed service: "
+            out.block(name, Reason.GPU_BUSY, f"{name}: its GPUs are held by a process that is not a managed service: "
                                        f"{what}. Nothing was stopped. Fix: stop it, or set gpu_policy = \"kill\"")
 
 
@@ -391,7 +392,7 @@ def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Map
                                 f"downloads it at start, so it is checked only once it is there")
             continue
         if fetched.get(m.path):
-            out.block(name, "ModelFetchFailed", f"{name}: {fetched[m.path]}")
+            out.block(name, Reason.MODEL_FETCH_FAILED, f"{name}: {fetched[m.path]}")
             continue
         if facts.complete:
             continue
@@ -399,7 +400,7 @@ def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Map
             out.fetch[name] = f"fetch {m.id} into {m.path} first ({m.fetch})"
             out.models.pop(m.path)       # judged after the fetch, not now
             continue
-        out.block(name, "PreflightFailed",
+        out.block(name, Reason.PREFLIGHT_FAILED,
                   f"{name}: model-incomplete: {m.path}: {', '.join(facts.problems())}. "
                   f"Fix: finish the download (or set model.fetch) before deploying (source: {MODEL_RULE_SOURCE})")
 
@@ -425,7 +426,7 @@ def _judge_rules(out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec
         if f.service in answered and rules.origin.get(f.rule_id, "").startswith("reconciler/"):
             continue
         if f.blocking:
-            out.block(f.service, "PreflightFailed", str(f))
+            out.block(f.service, Reason.PREFLIGHT_FAILED, str(f))
         else:
             out.warnings.append(str(f))
 

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..desired.spec import DesiredState, HostSpec
@@ -31,19 +31,23 @@ from ..host import lock
 from ..host.transport import Transport
 from ..plan.actions import starting
 from ..plan.model import Kind
-from ..plan.records import Quarantine, Result, halt_where
+from ..plan.records import Quarantine, Result
 from ..plan.rollout import (
     Halt,
     HostOutcome,
     RolloutResult,
-    Wave,
+    RolloutStatus,
+    Stop,
     excuses_on_record,
     group_members,
+    halt,
+    halted_reason,
     judge_wave,
     natural_key,
     plan_rollouts,
     quarantine_cover,
 )
+from ..reasons import Reason
 from .host import lock_and_observe, observe, reconcile_host, ssh_connector
 from .options import RunIO, RunOptions
 from .results import Event, FleetResult, HostResult, merge_result, running_after
@@ -61,6 +65,18 @@ def restarting(r: HostResult) -> set[str]:
 def writes(r: HostResult) -> bool:
     """Whether a host's surveyed plan would write anything there (a hold alone does not)."""
     return r.plan is not None and any(a.kind is not Kind.HOLD for a in r.plan.actions)
+
+
+def wave_outcome(service: str, host: str, r: HostResult) -> HostOutcome:
+    """What a wave host's pass made of the group's service, for rollout.judge_wave: its failed
+    deploy (started and watched to that verdict), else the host's own failure, else healthy."""
+    bad = next((e.outcome for e in r.events if e.service == service and e.action == Event.DEPLOY
+                and e.outcome is not None and not e.outcome.healthy), None)
+    if bad is not None:
+        return HostOutcome(host, bad.reason, bad.message, bad.quote, started=True)
+    if r.status is Result.FAILED:
+        return HostOutcome(host, r.reason or Reason.FAILED, r.message or "", observed=r.plan is not None)
+    return HostOutcome(host)
 
 
 class _FleetRun:
@@ -132,7 +148,7 @@ class _FleetRun:
             try:
                 t = await self.connect(h)
             except ReconcilerError as e:
-                reason = e.reason if isinstance(e, HostError) else "Failed"
+                reason = e.reason if isinstance(e, HostError) else Reason.FAILED
                 message = e.message if isinstance(e, HostError) else str(e)
                 self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=reason,
                                                   message=message, seconds=time.monotonic() - t0)
@@ -168,7 +184,7 @@ class _FleetRun:
                                      self.rev.descends(self.state.revision, applied), f"host {h.name}")
             if problem:
                 # The host is the truth about what runs there: a rewind changes nothing on it.
-                self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason="NotDescendant",
+                self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=Reason.NOT_DESCENDANT,
                                                   message=problem, seconds=r.seconds, facts=r.facts)
         if self.results[h.name].plan is None and self.results[h.name].status is Result.FAILED:
             # It could not even be observed: report it, and leave it out of every pass.
@@ -267,8 +283,11 @@ class _FleetRun:
     # -- passes --
 
     async def _pass(self, h: HostSpec, *, hold: frozenset[str], fresh: bool,
-                    quarantine: Mapping[str, Quarantine] | None = None) -> HostResult:
-        """One converge pass on one host, never two at once on it; folded into its result."""
+                    quarantine: Mapping[str, Quarantine] | None = None,
+                    say: Callable[[HostResult, HostResult], None] | None = None) -> HostResult:
+        """One converge pass on one host, never two at once on it; folded into its result.
+        `say`: puts the pass's result (first) in the words of what ran it (a halt), before the
+        host's result so far (second) takes it in."""
         async with self.passes[h.name]:
             async with self.sem:
                 t = self.transports[h.name]
@@ -282,6 +301,8 @@ class _FleetRun:
                                          checked=before.checked)
                 if unlocked and r.plan is not None and r.facts is not None:
                     r.running = {n: running_after(r.plan, r.facts, n) for n in h.services}
+            if say is not None:
+                say(r, before)
             if h.name not in self.passed:
                 # The survey's result was a plan, not an outcome: the first pass replaces it.
                 self.passed.add(h.name)
@@ -311,81 +332,66 @@ class _FleetRun:
         """Run one group's waves; after each, rollout.judge_wave says whether it halts there."""
         p, t0 = ro.plan, time.monotonic()
         svc = p.group.service
-        ro.status = "running"
+        ro.status = RolloutStatus.RUNNING
         self._send("rollout.start", ro, hosts=list(p.pending), waves=[w.to_json() for w in p.waves])
         self._tell("start", ro)
         by_name = {h.name: h for h in self.hosts}
         # Starts of this revision that failed with sick GPUs in an earlier run count here too
         faulted = excuses_on_record(svc, self.state.revision, {
             h: r.facts.gpu_fault for h in p.members if (r := self.results.get(h)) is not None and r.facts is not None})
-
-        def outcome(h: str, r: HostResult) -> HostOutcome:
-            bad = next((e.outcome for e in r.events if e.service == svc and e.action == Event.DEPLOY
-                        and e.outcome is not None and not e.outcome.healthy), None)
-            if bad is not None:
-                return HostOutcome(h, bad.reason, bad.message, bad.quote, started=True)
-            if r.status is Result.FAILED:
-                return HostOutcome(h, r.reason or "Failed", r.message or "", observed=r.plan is not None)
-            return HostOutcome(h)
-
         for wave in p.waves:
             if self.io.supersede is not None and self.io.supersede.is_set():
-                ro.status = "superseded"      # a newer revision rolls out instead
+                ro.status = RolloutStatus.SUPERSEDED      # a newer revision rolls out instead
                 ro.seconds = time.monotonic() - t0
                 self._tell("superseded", ro)
                 return
             self._tell("wave", ro)
             others = {h: frozenset(by_name[h].services) - {svc} for h in wave.hosts}
             results = await asyncio.gather(*(self._pass(by_name[h], hold=others[h], fresh=True) for h in wave.hosts))
-            verdict = judge_wave(wave, (outcome(h, r) for h, r in zip(wave.hosts, results, strict=True)), faulted)
+            verdict = judge_wave(wave, (wave_outcome(svc, h, r) for h, r in zip(wave.hosts, results, strict=True)),
+                                 faulted)
             ro.excused += verdict.excused
             ro.skipped += verdict.skipped
             faulted += verdict.faulted
             ro.waves_done = wave.number
             if verdict.halt:
-                await self._halt(ro, wave, [(o.host, o.reason or "Failed", o.message, o.quote) for o in verdict.halt])
+                hashes = {h: by_name[h].services[svc].content_hash() for h in (*wave.hosts, *p.after(wave))}
+                stop = halt(p, wave, verdict.halt, self.state.revision, hashes, now=int(time.time()))
+                ro.halted(stop)
+                await self._halt(ro, stop)
                 ro.seconds = time.monotonic() - t0
                 self._tell("halted", ro)
                 return
-        ro.status = "done"
+        ro.status = RolloutStatus.DONE
         ro.seconds = time.monotonic() - t0
         self._send("rollout.finish", ro, hosts=list(p.pending), seconds=round(ro.seconds, 2))
         self._tell("done", ro)
 
-    async def _halt(self, ro: RolloutResult, wave: Wave, failed: list[tuple[str, str, str, str | None]]) -> None:
-        """Stop the group: quarantine this revision's content of the service on the failed hosts
-        (marking where it halted) and on every host of the later waves, which stay untouched."""
-        p, svc, rev = ro.plan, ro.plan.group.service, self.state.revision
-        host, reason, message, quote = failed[0]
-        ro.status, ro.halted_at, ro.halted_wave = "halted", host, wave.number
-        ro.reason, ro.message, ro.quote = reason, message, quote
-        ro.untouched = p.after(wave)
+    async def _halt(self, ro: RolloutResult, stop: Stop) -> None:
+        """Record the halt (rollout.halt): a pass on each failed and each untouched host writes
+        its quarantine, and its result says the halt in the rollout's words."""
+        svc = ro.plan.group.service
         by_name = {h.name: h for h in self.hosts}
-        where = halt_where(host, wave.canary, wave.number)
-        left = f"{len(ro.untouched)} host{'s' * (len(ro.untouched) != 1)} left untouched"
 
-        async def mark(name: str, is_failed: bool) -> None:
+        def untouched(r: HostResult, before: HostResult) -> None:
+            if r.status is Result.QUARANTINED and r.message:
+                r.message = stop.untouched_message(svc, r.running.get(svc) or before.running.get(svc))
+
+        async def mark(name: str, failed: bool) -> None:
             spec = by_name[name]
-            q = Quarantine(hash=spec.services[svc].content_hash(), revision=rev,
-                           reason=reason if is_failed else "RolloutHalted", quote=quote, at=int(time.time()),
-                           halted_at=host, canary=wave.canary, wave=wave.number, cause=reason)
             hold = frozenset(spec.services) - {svc}
-            r = await self._pass(spec, hold=hold, fresh=True, quarantine={svc: q})
+            r = await self._pass(spec, hold=hold, fresh=True, quarantine={svc: stop.quarantines[name]},
+                                 say=None if failed else untouched)
             res = self.results[name]
-            if is_failed:
-                res.message = (res.message + "; " if res.message else "") + f"rollout halted here, {left}"
-            elif r.status is Result.QUARANTINED and r.message and res.message and r.message in res.message:
-                # Say it in the rollout's words; the journal line is in the event (status shows
-                # it as the quote), not repeated here. Other services' messages stay.
-                res.reason = "RolloutHalted" if res.reason in ("Quarantined", None) else res.reason
-                res.message = res.message.replace(
-                    r.message, f"{svc}: rollout halted at {where}: {reason}; not restarted, "
-                               f"still running {str(res.running.get(svc) or '?')[:7]}")
+            if failed:
+                res.message = stop.failed_message(res.message)
+            elif r.status is Result.QUARANTINED and res.status is Result.QUARANTINED:
+                res.reason = halted_reason(res.reason)
 
-        await asyncio.gather(*(mark(h, True) for h, *_ in failed), *(mark(h, False) for h in ro.untouched))
-        self._send("rollout.halt", ro, host=host, wave=wave.number, in_canary=wave.canary, reason=reason,
-                   message=message, journal_line=quote, untouched=list(ro.untouched),
-                   failed=[h for h, *_ in failed])
+        await asyncio.gather(*(mark(h, True) for h in stop.failed), *(mark(h, False) for h in stop.untouched))
+        self._send("rollout.halt", ro, host=stop.at.host, wave=stop.wave.number, in_canary=stop.wave.canary,
+                   reason=stop.at.reason, message=stop.at.message, journal_line=stop.at.quote,
+                   untouched=list(stop.untouched), failed=list(stop.failed))
 
     def _tell(self, event: str, ro: RolloutResult) -> None:
         if self.io.on_rollout is not None:
@@ -439,7 +445,7 @@ async def _look(rev: Revision, opts: RunOptions, io: RunIO, hosts: list[HostSpec
 
 
 def _unreachable(h: HostSpec, e: ReconcilerError, t0: float) -> HostResult:
-    reason = e.reason if isinstance(e, HostError) else "Failed"
+    reason = e.reason if isinstance(e, HostError) else Reason.FAILED
     message = e.message if isinstance(e, HostError) else str(e)
     return HostResult(h.name, h.ssh.address, Result.FAILED, reason=reason, message=message,
                       seconds=time.monotonic() - t0)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .. import faults
 from ..desired.spec import HostSpec, ServiceSpec
-from ..errors import CommandError, HostError, ReconcilerError
+from ..errors import HostError, ReconcilerError
 from ..host import lock
 from ..host.apply import Applied, apply_plan, write_gpu_fault, write_record
 from ..host.gpu import gpu_facts
@@ -41,10 +41,11 @@ from ..plan.gpuhealth import GPU_FAULT, blames_gpu, mark_note, recorded_after, s
 from ..plan.model import Action, Context, HostPlan, Kind
 from ..plan.records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
+from ..reasons import Reason
 from ..shell import ShCommand
 from .options import Connector, RunIO, RunOptions
 from .preview import engine_check
-from .results import Event, HostResult, ServiceEvent, fold, merge_plans, running_after
+from .results import Event, HostResult, ServiceEvent, Step, fold, host_failure, merge_plans, running_after
 from .revision import Revision
 
 if TYPE_CHECKING:     # checks.py (pre-flight, the rule pack, the GPU gate) loads when a plan starts something
@@ -186,7 +187,7 @@ class _HostRun:
             sp = plan.services[name]
             self.result.events.append(ServiceEvent(name, Event.BLOCKED, plan.revision,
                                                    sp.target.hash if sp.target else "", note=why))
-            self.result.worsen(Result.FAILED, "GpuBusy", f"{name}: {why}")
+            self.result.worsen(Result.FAILED, Reason.GPU_BUSY, f"{name}: {why}")
             await self._record_gate_block(plan, name, why)
         watches = [a for a in plan.watches if a.service not in applied.skipped]
         if not watches:
@@ -313,18 +314,22 @@ async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: Ru
     t: Transport | None = transport
     held: lock.HostLock | None = None
     connect = io.connect or ssh_connector(opts.identity)
+    step = Step.CONNECT
     try:
         if t is None:
             t = await connect(host)
             if not dry_run:
+                step = Step.LOCK
                 held, locked = await lock_and_observe(t, host, opts.lock_wait)
                 t = held.over(t)        # the run's commands through the holder's shell
                 facts = facts or locked
         if facts is None:
+            step = Step.OBSERVE
             facts = await observe(t, host)
         result.facts = facts
         run = _HostRun(host, rev, opts, io, t, result, deferred=hold, fleet_quarantine=quarantine or {},
                        check=check, reuse=checked)
+        step = Step.PREFLIGHT
         plan = await run.plan(facts)
         result.plan = plan
         if not dry_run:
@@ -334,25 +339,27 @@ async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: Ru
             for rnd in range(MAX_ROUNDS):
                 if rnd:
                     run.retry = False     # --retry is one more try: the first round's, not every round's
+                    step = Step.OBSERVE
                     facts = await observe(t, host)
+                    step = Step.PREFLIGHT
                     plan = await run.plan(facts)
                     result.plan = merge_plans(result.plan, plan)
                 if not plan.actions:
                     break
                 if any(a.kind is Kind.FETCH for a in plan.actions):
+                    step = Step.PREFLIGHT      # the fetches report their failures; the model is checked again
                     plan = await run.fetch(plan, facts)
                     result.plan = plan if rnd == 0 else merge_plans(result.plan, plan)
+                step = Step.APPLY
                 if await run.execute(plan, facts):
                     break
         fold(result, plan, dry_run)
         if not dry_run:
             result.running = {n: running_after(plan, facts, n) for n in host.services}
     except HostError as e:
-        result.status, result.reason, result.message = Result.FAILED, e.reason, e.message
-        if isinstance(e, CommandError) and e.what not in ("observe", "pre-flight"):
-            result.reason = "ApplyFailed"
+        result.status, result.reason, result.message = Result.FAILED, host_failure(e, step), e.message
     except ReconcilerError as e:
-        result.status, result.reason, result.message = Result.FAILED, "Failed", str(e)
+        result.status, result.reason, result.message = Result.FAILED, Reason.FAILED, str(e)
     finally:
         if held is not None:
             await held.release()

@@ -23,6 +23,7 @@ from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..plan.facts import HostFacts, ServiceFacts
 from ..plan.records import ServiceRecord
 from ..plan.state import live_quarantine
+from ..reasons import Reason
 from .results import FleetResult
 
 RUNNING = ("active", "activating", "reloading", "refreshing")
@@ -150,7 +151,7 @@ def rows_of(result: FleetResult, state: DesiredState) -> list[dict[str, Any]]:
     for r in result.hosts:
         host = state.hosts[r.host]
         if r.facts is None:
-            reason = "ObserveFailed" if r.reason == "CommandFailed" else r.reason or "Failed"
+            reason = Reason.OBSERVE_FAILED if r.reason is Reason.COMMAND_FAILED else r.reason or Reason.FAILED
             out.append(failed_row(host, result.revision, reason, r.message or ""))
         else:
             out.extend(host_rows(host, r.facts, result.revision))

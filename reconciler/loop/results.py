@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from ..plan.model import HostPlan, Kind, Reason, ServicePlan, State
+from ..errors import CommandError, HostError
+from ..plan.model import HostPlan, Kind, ServicePlan, State
 from ..plan.records import NO_VERDICT, SUPERSEDED, Result
 from ..plan.rollout import RolloutResult
+from ..reasons import Reason
 
 if TYPE_CHECKING:
     from ..host.health import Outcome
@@ -59,7 +61,7 @@ class HostResult:
     address: str
     status: Result = Result.IN_SYNC
     plan: HostPlan | None = None
-    reason: str | None = None          # CamelCase, for failures
+    reason: Reason | None = None       # for failures
     message: str | None = None
     seconds: float = 0.0
     events: list[ServiceEvent] = field(default_factory=list)
@@ -68,7 +70,7 @@ class HostResult:
     notes: list[str] = field(default_factory=list)      # pre-flight warnings, GPU gate notes
     checked: Preflight | None = field(default=None, repr=False, compare=False)   # the last pre-flight
 
-    def worsen(self, status: Result, reason: str | None = None, message: str | None = None) -> None:
+    def worsen(self, status: Result, reason: Reason | None = None, message: str | None = None) -> None:
         """Keep the worst status; messages of equally bad failures add up."""
         status = Result(status)
         if status.rank > Result(self.status).rank:
@@ -128,13 +130,32 @@ def merge_result(into: HostResult, r: HostResult) -> None:
     into.worsen(Result(r.status), r.reason, r.message)
 
 
+class Step(StrEnum):
+    """Where a host's run is: what it was doing when an error ended it (host_failure)."""
+
+    CONNECT = "connect"
+    LOCK = "lock"                # taking the host's lock (the holder installed first)
+    OBSERVE = "observe"
+    PREFLIGHT = "pre-flight"     # planning, with the host-side pre-flight's one round trip
+    APPLY = "apply"              # fetching, applying, the GPU gate, watching, recording verdicts
+
+
+def host_failure(e: HostError, step: Step) -> Reason:
+    """PURE: the reason a host's result gives for an error that ended its run: a command that
+    failed while the run changed the host (or locked it) is ApplyFailed; one that only read it
+    (the observation, the pre-flight) keeps its own reason, as does every other host error."""
+    if isinstance(e, CommandError) and step not in (Step.OBSERVE, Step.PREFLIGHT):
+        return Reason.APPLY_FAILED
+    return e.reason
+
+
 _STATE_EVENT = {State.QUARANTINED: Event.QUARANTINED, State.HALTED: Event.QUARANTINED,
                 State.QUARANTINED_NO_GOOD: Event.HELD, State.ROLLBACK_FAILED: Event.HELD,
                 State.BLOCKED: Event.BLOCKED, State.FOREIGN: Event.FOREIGN, State.INCONCLUSIVE: Event.HELD}
 
 
 def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
-                   changes: bool) -> tuple[Result, str | None, str | None]:
+                   changes: bool) -> tuple[Result, Reason | None, str | None]:
     """PURE: what one service's run comes to (result, reason, message), from its state and the
     verdicts of this run. The one place that turns verdicts into a host's result."""
     judged = [e for e in events if e.outcome is not None and e.outcome.reason not in NO_VERDICT]
@@ -144,22 +165,22 @@ def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
         return _after_failure(sp, failed, rollback)
     if rollback is not None and rollback.outcome is not None:
         if rollback.outcome.healthy:
-            return Result.ROLLED_BACK, "RolledBack", f"{sp.name}: {sp.note or 'running the last good version'}"
-        return (Result.FAILED, "RollbackFailed",
+            return Result.ROLLED_BACK, Reason.ROLLED_BACK, f"{sp.name}: {sp.note or 'running the last good version'}"
+        return (Result.FAILED, Reason.ROLLBACK_FAILED,
                 f"{sp.name}: last good {rollback.revision[:7]} failed too: {rollback.outcome.message}")
     last = next((e.outcome for e in reversed(events) if e.outcome is not None), None)
     if last is not None and last.reason in NO_VERDICT - {SUPERSEDED} and sp.state is not State.INCONCLUSIVE:
         # the run ended on a watch without a verdict (its rounds ran out): not done
         return Result.FAILED, last.reason, f"{sp.name}: {last.message}"
     if sp.result.rank >= Result.QUARANTINED.rank:
-        return sp.result, sp.reason or None, f"{sp.name}: {sp.note}" if sp.note else sp.name
+        return sp.result, sp.reason, f"{sp.name}: {sp.note}" if sp.note else sp.name
     if dry_run and changes:
         return Result.WOULD_CHANGE, None, None
     return sp.result if changes else Result.IN_SYNC, None, None
 
 
 def _after_failure(sp: ServicePlan, failed: ServiceEvent,
-                   rollback: ServiceEvent | None) -> tuple[Result, str | None, str | None]:
+                   rollback: ServiceEvent | None) -> tuple[Result, Reason | None, str | None]:
     """A deploy (or re-verify) failed in this run: rolled back, rollback failed, or nothing to
     roll back to."""
     o = failed.outcome
@@ -168,12 +189,12 @@ def _after_failure(sp: ServicePlan, failed: ServiceEvent,
     rb = rollback.outcome if rollback is not None else None
     if rollback is not None and rb is not None:
         if rb.healthy:
-            return Result.ROLLED_BACK, "RolledBack", f"{head}; rolled back to {rollback.revision[:7]}"
-        return (Result.FAILED, "RollbackFailed",
+            return Result.ROLLED_BACK, Reason.ROLLED_BACK, f"{head}; rolled back to {rollback.revision[:7]}"
+        return (Result.FAILED, Reason.ROLLBACK_FAILED,
                 f"{head}; rollback to {rollback.revision[:7]} failed too: {rb.quote or rb.message}")
     if sp.state is State.QUARANTINED_NO_GOOD and "first deploy failed" in sp.note:
-        return Result.FAILED, "FirstDeployFailed", f"{head}; first deploy failed; service left stopped"
-    return Result.FAILED, "RollbackFailed", f"{head}; {sp.note or 'no rollback possible'}"
+        return Result.FAILED, Reason.FIRST_DEPLOY_FAILED, f"{head}; first deploy failed; service left stopped"
+    return Result.FAILED, Reason.ROLLBACK_FAILED, f"{head}; {sp.note or 'no rollback possible'}"
 
 
 def fold(result: HostResult, plan: HostPlan, dry_run: bool) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ..desired.spec import SecretSpec, ServiceSpec
+from ..reasons import Reason as Reason  # the planner's reasons are the one vocabulary (reasons.py)
 from .confirm import Switch
 from .gpuhealth import GpuHealth
 from .records import Quarantine, Result, ServiceRecord
@@ -66,43 +67,6 @@ class State(StrEnum):
     DEFERRED = "Deferred"
     ORPHAN = "Orphan"
     INCONCLUSIVE = "Inconclusive"
-
-
-class Reason(StrEnum):
-    """Why an action is in the plan (CamelCase, like Flux's condition reasons)."""
-
-    NEW_SERVICE = "NewService"
-    UNIT_CHANGED = "UnitChanged"
-    ENV_CHANGED = "EnvChanged"
-    SECRET_CHANGED = "SecretChanged"
-    DRIFT = "Drift"
-    FOREIGN_DROPIN = "ForeignDropIn"
-    NOT_RUNNING = "NotRunning"
-    STALE_PROCESS = "ProcessPredatesFiles"
-    INTERRUPTED = "InterruptedDeploy"
-    REVERIFY = "Reverify"
-    SUBSTITUTE = "SubstituteLastGood"
-    HOLD_LAST_GOOD = "HoldLastGood"
-    HOLD_STOPPED = "HoldStopped"
-    HOLD_HALTED = "HoldHalted"
-    FOREIGN = "Foreign"
-    BLOCKED = "Blocked"
-    ADOPT = "Adopt"
-    REMOVED = "RemovedFromGit"
-    RESTORE = "RestoreAdopted"
-    RESTORE_MASK = "RestoreMask"
-    KEEP_ORPHAN = "KeptWhileBlocked"
-    GPU_GATE = "GpuGate"
-    FETCH_MODEL = "FetchModel"
-    START_AT_BOOT = "StartAtBoot"
-    RELOAD = "UnitFilesChanged"
-    HEALTH = "HealthCheck"
-    RECORD = "Record"
-    QUARANTINE = "RecordQuarantine"
-    CONFIRM = "DeadMansSwitch"
-    START_AGAIN = "StartAgain"
-    HOLD_UNJUDGED = "HoldUnjudged"
-    STALE_TEMP = "StaleTempFile"
 
 
 @dataclass(frozen=True)
@@ -168,7 +132,7 @@ class ServicePlan:
     state: State
     target: Target | None = None
     result: Result = Result.IN_SYNC  # before any verdict: what this state alone makes of the host
-    reason: str = ""                 # CamelCase, when result is not a success
+    reason: Reason | None = None     # when result is not a success
     note: str = ""                   # for people: quarantine, foreign path, blocked reasons
     quote: str | None = None         # the journal line recorded with a quarantine
 
@@ -177,7 +141,7 @@ class ServicePlan:
 class Block:
     """Why pre-flight (or systemd's own check of the unit) refuses to start a service."""
 
-    reason: str                      # PreflightFailed | UnitInvalid | ModelFetchFailed | GpuBusy | GpuFault
+    reason: Reason    # PreflightFailed | UnitInvalid | EngineRejected | ModelFetchFailed | GpuBusy | GpuFault | Secret*
     message: str
 
 

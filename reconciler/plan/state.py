@@ -48,7 +48,7 @@ from .facts import (
     envfile_path,
 )
 from .files import desired_files, foreign_dropins, legacy_env_dropin, secret_changes
-from .model import Block, Context, ServicePlan, State, Target
+from .model import Block, Context, Reason, ServicePlan, State, Target
 from .records import MAX_UNJUDGED, Pending, Quarantine, Result, ServiceRecord
 
 
@@ -156,7 +156,7 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
     rec = (f.record if f else None) or ServiceRecord()
     foreign = f.foreign_path() if f is not None else None
     if foreign is not None and not svc.adopt:
-        return ServicePlan(name, State.FOREIGN, result=Result.FAILED, reason="Foreign",
+        return ServicePlan(name, State.FOREIGN, result=Result.FAILED, reason=Reason.FOREIGN,
                            note=f"{foreign} was not installed by the reconciler: left untouched "
                                 f"(set adopt = true on the service to take it over)")
     desired = Target(svc, ctx.revision)
@@ -165,29 +165,29 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
         rev7 = q.revision[:7] or "?"
         why = q.why(host)
         if q.rollback_failed:
-            return ServicePlan(name, State.ROLLBACK_FAILED, result=Result.FAILED, reason="RollbackFailed",
+            return ServicePlan(name, State.ROLLBACK_FAILED, result=Result.FAILED, reason=Reason.ROLLBACK_FAILED,
                                note=f"desired {rev7} quarantined ({why}); its rollback failed too: left stopped "
                                     f"until a new commit changes it or --retry", quote=q.quote)
         good = ctx.last_good.get(name)
         if good is not None and rec.last_good_revision and rec.last_good_hash == good.content_hash() \
                 and good.content_hash() != svc.content_hash():
             target = Target(good, rec.last_good_revision, rollback=True)
-            return ServicePlan(name, State.QUARANTINED, target, result=Result.QUARANTINED, reason="Quarantined",
+            return ServicePlan(name, State.QUARANTINED, target, result=Result.QUARANTINED, reason=Reason.QUARANTINED,
                                note=f"desired {rev7} quarantined ({why}), running {rec.last_good_revision[:7]}",
                                quote=q.quote)
         if q.halted_at and q.halted_at != host:
-            return ServicePlan(name, State.HALTED, result=Result.QUARANTINED, reason="RolloutHalted",
+            return ServicePlan(name, State.HALTED, result=Result.QUARANTINED, reason=Reason.ROLLOUT_HALTED,
                                note=f"desired {rev7} quarantined ({why}); left as it is until a new commit "
                                     f"changes it or --retry", quote=q.quote)
         what = "first deploy failed" if not rec.last_good_revision else \
             f"last good {rec.last_good_revision[:7]} cannot be rendered"
-        return ServicePlan(name, State.QUARANTINED_NO_GOOD, result=Result.FAILED, reason="QuarantinedNoRollback",
+        return ServicePlan(name, State.QUARANTINED_NO_GOOD, result=Result.FAILED, reason=Reason.NO_ROLLBACK,
                            note=f"desired {rev7} quarantined ({why}); {what}: left stopped until a new commit "
                                 f"changes it or --retry", quote=q.quote)
     pend = rec.pending
     if (pend is not None and pend.hash == desired.hash and pend.started and pend.unjudged is not None
             and pend.attempts >= MAX_UNJUDGED and not ctx.retry):
-        return ServicePlan(name, State.INCONCLUSIVE, result=Result.FAILED, reason="Inconclusive",
+        return ServicePlan(name, State.INCONCLUSIVE, result=Result.FAILED, reason=Reason.INCONCLUSIVE,
                            note=f"no verdict on {pend.revision[:7]} after {pend.attempts} tries ({pend.unjudged}); "
                                 f"not quarantined: left as it is until a new commit changes it or --retry")
     if foreign is not None:
