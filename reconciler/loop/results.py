@@ -192,7 +192,7 @@ def _after_failure(sp: ServicePlan, failed: ServiceEvent,
             return Result.ROLLED_BACK, Reason.ROLLED_BACK, f"{head}; rolled back to {rollback.revision[:7]}"
         return (Result.FAILED, Reason.ROLLBACK_FAILED,
                 f"{head}; rollback to {rollback.revision[:7]} failed too: {rb.quote or rb.message}")
-    if sp.state is State.QUARANTINED_NO_GOOD and "first deploy failed" in sp.note:
+    if sp.state is State.QUARANTINED_NO_GOOD and sp.first_deploy:
         return Result.FAILED, Reason.FIRST_DEPLOY_FAILED, f"{head}; first deploy failed; service left stopped"
     return Result.FAILED, Reason.ROLLBACK_FAILED, f"{head}; {sp.note or 'no rollback possible'}"
 

@@ -135,6 +135,7 @@ class ServicePlan:
     reason: Reason | None = None     # when result is not a success
     note: str = ""                   # for people: quarantine, foreign path, blocked reasons
     quote: str | None = None         # the journal line recorded with a quarantine
+    first_deploy: bool = False       # QuarantinedNoLastGood: no version of it ever passed health here
 
 
 @dataclass(frozen=True)

@@ -179,11 +179,11 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
             return ServicePlan(name, State.HALTED, result=Result.QUARANTINED, reason=Reason.ROLLOUT_HALTED,
                                note=f"desired {rev7} quarantined ({why}); left as it is until a new commit "
                                     f"changes it or --retry", quote=q.quote)
-        what = "first deploy failed" if not rec.last_good_revision else \
-            f"last good {rec.last_good_revision[:7]} cannot be rendered"
+        first = not rec.last_good_revision
+        what = "first deploy failed" if first else f"last good {rec.last_good_revision[:7]} cannot be rendered"
         return ServicePlan(name, State.QUARANTINED_NO_GOOD, result=Result.FAILED, reason=Reason.NO_ROLLBACK,
                            note=f"desired {rev7} quarantined ({why}); {what}: left stopped until a new commit "
-                                f"changes it or --retry", quote=q.quote)
+                                f"changes it or --retry", quote=q.quote, first_deploy=first)
     pend = rec.pending
     if (pend is not None and pend.hash == desired.hash and pend.started and pend.unjudged is not None
             and pend.attempts >= MAX_UNJUDGED and not ctx.retry):
