@@ -179,8 +179,9 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
             return ServicePlan(name, State.HALTED, result=Result.QUARANTINED, reason=Reason.ROLLOUT_HALTED,
                                note=f"desired {rev7} quarantined ({why}); left as it is until a new commit "
                                     f"changes it or --retry", quote=q.quote)
-        first = not rec.last_good_revision
-        what = "first deploy failed" if first else f"last good {rec.last_good_revision[:7]} cannot be rendered"
+        good_rev = rec.last_good_revision
+        first = not good_rev
+        what = f"last good {good_rev[:7]} cannot be rendered" if good_rev else "first deploy failed"
         return ServicePlan(name, State.QUARANTINED_NO_GOOD, result=Result.FAILED, reason=Reason.NO_ROLLBACK,
                            note=f"desired {rev7} quarantined ({why}); {what}: left stopped until a new commit "
                                 f"changes it or --retry", quote=q.quote, first_deploy=first)
