@@ -17,6 +17,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..plan.unit import UnitState
 from ..reasons import Reason
 
 JOURNAL_LINES = 200          # journal entries read for a failure
@@ -47,10 +48,7 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
     load = props.get("LoadState", "")
     active, sub = props.get("ActiveState", ""), props.get("SubState", "")
     result = props.get("Result", "")
-    try:
-        restarts = int(props.get("NRestarts", "0") or 0)
-    except ValueError:
-        restarts = 0
+    restarts = UnitState.parse(props).n_restarts      # the one parse of it (plan/unit.py)
     summary = f"ActiveState={active} SubState={sub} Result={result} NRestarts={restarts}"
     if load and load != "loaded":
         return Verdict("not-loaded", Reason.UNIT_NOT_LOADED, f"LoadState={load}: the unit file is invalid")

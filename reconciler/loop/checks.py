@@ -345,7 +345,7 @@ def _judge_strays(out: Preflight, gpu: GpuFacts, specs: Mapping[str, ServiceSpec
     managed = {f"{n}.service" for n in host.services} | {f"{n}.service" for n in facts.inventory}
     for name, svc in sorted(specs.items()):
         f = facts.services.get(name)
-        pid = int((f.props.get("ExecMainPID", "0") if f else "0") or 0)
+        pid = f.unit.exec_main_pid if f is not None else 0
         strays = strays_on(gpu, _claimed_gpus(svc, gpu), own_unit=f"{name}.service", own_pids={pid} - {0},
                            managed=managed - {f"{name}.service"})
         if not strays:
@@ -460,7 +460,7 @@ def gpu_waiter(t: Transport, plan: HostPlan, facts: HostFacts, gpu: GpuFacts, no
 
     async def wait(name: str) -> str | None:
         f = facts.services.get(name)
-        pid = int((f.props.get("ExecMainPID", "0") if f else "0") or 0)
+        pid = f.unit.exec_main_pid if f is not None else 0
         pids = {pid} if pid else set()
         sp = plan.services.get(name)
         svc = sp.target.spec if sp is not None and sp.target is not None else None

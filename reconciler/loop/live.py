@@ -23,10 +23,11 @@ from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..plan.facts import HostFacts, ServiceFacts
 from ..plan.records import ServiceRecord
 from ..plan.state import live_quarantine
+from ..plan.unit import UP
 from ..reasons import Reason
 from .results import FleetResult
 
-RUNNING = ("active", "activating", "reloading", "refreshing")
+RUNNING = UP
 
 
 def desired_hash(spec: ServiceSpec | None) -> str | None:
@@ -46,7 +47,7 @@ def _running_rev(rec: ServiceRecord, active: str) -> str | None:
 
 
 def record_health(rec: ServiceRecord, f: ServiceFacts) -> str:
-    active, sub = f.props.get("ActiveState", ""), f.props.get("SubState", "")
+    active, sub = f.unit.active_state, f.unit.sub_state
     if rec.pending is not None:
         return "pending"
     if active == "failed" or sub == "auto-restart":
@@ -75,7 +76,7 @@ def _event(name: str, host: str, rec: ServiceRecord, f: ServiceFacts, spec: Serv
     want = desired_hash(spec)
     q = live_quarantine(rec.quarantine, None, want) if want is not None else rec.quarantine
     if q is not None:
-        running = f.props.get("ActiveState", "") in RUNNING
+        running = f.unit.active_state in RUNNING
         why = q.why(host)
         if q.rollback_failed:
             return (f"failed: desired {q.revision[:7]} quarantined ({why}); its rollback failed too: "
@@ -102,7 +103,7 @@ def host_rows(host: HostSpec, facts: HostFacts, revision: str) -> list[dict[str,
         f = facts.services.get(name) or ServiceFacts(name)
         spec = host.services.get(name)
         rec = f.record
-        active, sub = f.props.get("ActiveState") or None, f.props.get("SubState") or None
+        active, sub = f.unit.active_state or None, f.unit.sub_state or None
         row: dict[str, Any] = {"host": host.name, "service": name, "desired_rev": revision,
                                "address": host.ssh.address, "active_state": active, "sub_state": sub,
                                "applied_rev": applied}

@@ -32,6 +32,7 @@ from .gpuhealth import GPU_FAULT, GpuFault, in_force
 from .model import ORDER, Action, Block, Context, HostPlan, Kind, Reason, ServicePlan, State, Target, Watch
 from .records import Adopted, Pending, Result, ServiceRecord
 from .state import Sync, blocked_plan, classify, is_up, live_quarantine, sync_with
+from .unit import UnitState
 
 
 class _Builder:
@@ -126,7 +127,7 @@ class _Builder:
                 p for p in sorted(f.dropins) if p not in own_files(sp.name))
             rec = replace(rec, adopted=Adopted(files=files, was_enabled=f.enabled, was_active=f.running,
                                                fragment=f.foreign_path(),
-                                               masked=f.props.get("LoadState") == "masked"))
+                                               masked=f.unit.load_state == "masked"))
         replaces = (s.pending.replaces_hash, s.pending.replaces_revision) if s.pending else (rec.hash, rec.revision)
         tried = s.pending if s.pending is not None and not self.ctx.retry else None
         pending = Pending(hash=target.hash, revision=target.revision, rollback=target.rollback,
@@ -162,7 +163,7 @@ class _Builder:
             self.add(Kind.SECRETS, Reason.SECRET_CHANGED, sp.name, secrets=target.spec.secrets,
                      detail=why_sub or describe_secret_changes(s.secrets))
         self.reload |= any(needs_reload(p) for p, _, _ in s.files) or bool(s.dropins) \
-            or (f is not None and f.props.get("NeedDaemonReload") == "yes")
+            or (f is not None and f.unit.need_daemon_reload)
 
     def _start(self, sp: ServicePlan, f: ServiceFacts | None, s: Sync, rec: ServiceRecord, why_sub: str) -> None:
         """(Re)start it (through the GPU gate on a GPU host), record it started, watch it."""
@@ -175,7 +176,7 @@ class _Builder:
                 self.add(Kind.STOP, Reason.GPU_GATE, sp.name, detail="stop first, start when its GPUs are free")
             self.add(Kind.WAIT_GPUS, Reason.GPU_GATE, sp.name, detail="wait until the GPUs it claims are released")
         self._arm(sp, f, s, rec)
-        fresh = f is not None and f.props.get("LoadState") == "not-found" and f.active_state == "inactive"
+        fresh = f is not None and f.unit.load_state == "not-found" and f.unit.active_state == "inactive"
         self.add(Kind.RESTART if s.running and not gated else Kind.START, reason, sp.name, detail=detail,
                  fresh=fresh)
         self._enable(target.spec, f)
@@ -253,17 +254,13 @@ class _Builder:
     @staticmethod
     def _watch(target: Target, f: ServiceFacts | None, *, fresh: bool = False, reverify: bool = False,
                since: int | None = None) -> Watch:
-        props = f.props if f is not None else {}
-        try:
-            restarts = int(props.get("NRestarts", "0") or 0)
-        except ValueError:
-            restarts = 0
+        u = f.unit if f is not None else UnitState()
         # A start (also a gated stop + start) resets NRestarts to 0; a restart keeps counting
-        # (../shared/SYSTEMD.md). A re-verify judges from what runs now.
+        # (systemd.service(5), NRestarts=). A re-verify judges from what runs now.
         return Watch(hash=target.hash, revision=target.revision, rollback=target.rollback,
-                     baseline_restarts=0 if fresh else restarts,
-                     baseline_invocation="" if reverify else props.get("InvocationID", ""),
-                     baseline_active_enter="" if reverify else props.get("ActiveEnterTimestampMonotonic", ""),
+                     baseline_restarts=0 if fresh else u.n_restarts,
+                     baseline_invocation="" if reverify else u.invocation_id,
+                     baseline_active_enter="" if reverify else u.active_enter or "",
                      reverify=reverify, since=since)
 
     def orphan(self, name: str, f: ServiceFacts) -> None:

@@ -121,10 +121,7 @@ def sync_with(target: Target, f: ServiceFacts | None, observed: Mapping[str, str
 
 def is_up(f: ServiceFacts | None) -> bool:
     """Up, or on its way up by a start job: not failed, stopped, or waiting out a restart."""
-    if f is None:
-        return False
-    return f.active_state in ("active", "activating", "reloading", "refreshing") \
-        and not f.props.get("SubState", "").startswith("auto-restart")
+    return f is not None and f.unit.up
 
 
 def _absent(f: ServiceFacts | None) -> bool:
