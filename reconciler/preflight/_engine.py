@@ -140,6 +140,8 @@ class EngineVerdict:
     cached: bool = False
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # False: the probe printed no answer (a timeout, a crash): no answer to keep (the cache)
+    answered: bool = True
 
     def __post_init__(self) -> None:
         # a verdict read back from the cache's JSON has lists here
@@ -223,7 +225,7 @@ def parse_verdict(service: str, server: str, stdout: str, *, exit_status: int | 
     if line is None:
         why = _clean(tail.strip().splitlines()[-1]) if tail.strip() else ""
         status = "killed at its time limit" if exit_status in (124, 137) else f"exit status {exit_status}"
-        return EngineVerdict(service, server, "inconclusive",
+        return EngineVerdict(service, server, "inconclusive", answered=False,
                              message=f"the probe gave no answer ({status}){': ' + why if why else ''}")
     try:
         data = json.loads(line[len(MARKER):])
