@@ -1,6 +1,6 @@
 """The fleet: every host surveyed and planned first, then converged, with the hosts that share a
 service definition rolled out in waves (canary first, at most max_unavailable at once, halting
-at the first failure). Each host's own work is loop.host.reconcile_host.
+at the first failure). Each host's own work is loop.host_run.reconcile_host, one Pass at a time.
 
 The fleet run (run_fleet) in passes, never two at once on one host:
 
@@ -22,11 +22,10 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 
-from ..desired.spec import DesiredState, HostSpec
+from ..desired.spec import HostSpec
 from ..desired.trust import rewind_problem
-from ..errors import HostError, ReconcilerError, SourceError
+from ..errors import HostError, ReconcilerError
 from ..host import lock
 from ..host.transport import Transport
 from ..plan.actions import starting
@@ -48,10 +47,13 @@ from ..plan.rollout import (
     quarantine_cover,
 )
 from ..reasons import Reason
-from .host import lock_and_observe, observe, reconcile_host, ssh_connector
+from .host_run import Pass, lock_and_observe, reconcile_host, ssh_connector
+from .live import look
 from .options import RunIO, RunOptions
-from .results import Event, FleetResult, HostResult, merge_result, running_after
+from .results import Event, FleetResult, HostResult, failed_result, merge_result, running_after
 from .revision import Revision
+from .select import select_hosts as select_hosts  # what a run is limited to (loop/select.py)
+from .select import selected
 
 
 def restarting(r: HostResult) -> set[str]:
@@ -101,9 +103,9 @@ class _FleetRun:
             from ..host.notify import Notifier
             self.notifier = Notifier(rev.state.settings.notify)
 
-    async def host_pass(self, h: HostSpec, **kw: Any) -> HostResult:
+    async def host_pass(self, h: HostSpec, p: Pass) -> HostResult:
         """reconcile_host for one of this run's passes: this run's revision, options and io."""
-        return await reconcile_host(h, self.rev, self.opts, self.io, **kw)
+        return await reconcile_host(h, self.rev, self.opts, self.io, p)
 
     async def run(self) -> FleetResult:
         rollouts: list[RolloutResult] = []
@@ -148,10 +150,7 @@ class _FleetRun:
             try:
                 t = await self.connect(h)
             except ReconcilerError as e:
-                reason = e.reason if isinstance(e, HostError) else Reason.FAILED
-                message = e.message if isinstance(e, HostError) else str(e)
-                self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=reason,
-                                                  message=message, seconds=time.monotonic() - t0)
+                self.results[h.name] = failed_result(h.name, h.ssh.address, e, time.monotonic() - t0)
                 return
             self.transports[h.name] = t
             # A dry run shows this plan, pre-flight included; a real run's first look only
@@ -159,7 +158,7 @@ class _FleetRun:
             # A host expected to change (last left in sync with another revision) is locked at
             # once: its first look would only say what is expected.
             ahead = not self.dry_run and h.name in self.io.expect_changes
-            r = None if ahead else await self.host_pass(h, dry_run=True, transport=t, check=self.dry_run)
+            r = None if ahead else await self.host_pass(h, Pass(t, dry_run=True, preflight=self.dry_run))
             if r is None or (not self.dry_run and writes(r)):
                 # One reconcile of a host at a time: a host with anything to do is locked, then
                 # observed again under the lock where another run may have changed it since the
@@ -179,7 +178,7 @@ class _FleetRun:
         """The survey's result for a host: its plan, or why it takes no part in the passes."""
         self.results[h.name] = r
         applied = r.facts.record.applied_revision if r.facts and r.facts.record else None
-        if applied and self.rev.descends is not None and not self.opts.allow_rewind:
+        if applied and not self.opts.allow_rewind:
             problem = rewind_problem(self.state.revision, applied,
                                      self.rev.descends(self.state.revision, applied), f"host {h.name}")
             if problem:
@@ -211,7 +210,7 @@ class _FleetRun:
         self.raw[h.name] = t
         self.locks[h.name], t = held, held.over(t)
         self.transports[h.name] = t
-        r = await self.host_pass(h, dry_run=True, transport=t, facts=locked)
+        r = await self.host_pass(h, Pass(t, dry_run=True, facts=locked))
         r.seconds = time.monotonic() - t0
         return r, t
 
@@ -269,13 +268,13 @@ class _FleetRun:
             if name not in self.transports:
                 continue        # refused or unreachable: nothing is planned there
             host, old = self.state.hosts[name], self.results[name]
-            r = await self.host_pass(host, dry_run=True, quarantine=qs, transport=self.transports[name],
-                                     facts=old.facts, checked=old.checked)
+            r = await self.host_pass(host, Pass(self.transports[name], dry_run=True, quarantine=qs, facts=old.facts,
+                                                checked=old.checked))
             r.seconds += old.seconds
             self.results[name] = r
 
     def _hash_at(self, revision: str, host: str, service: str) -> str | None:
-        state = self.rev.render_at(revision) if self.rev.render_at is not None else None
+        state = self.rev.render_at(revision)
         h = state.hosts.get(host) if state is not None else None
         spec = h.services.get(service) if h is not None else None
         return spec.content_hash() if spec is not None else None
@@ -296,9 +295,9 @@ class _FleetRun:
                 # A host surveyed in sync was never locked: it is planned again from the survey's
                 # look and never written to (only hosts with something to do are locked).
                 unlocked = self._unlocked(h)
-                r = await self.host_pass(h, dry_run=unlocked, hold=hold, quarantine=qs, transport=t,
-                                         facts=None if fresh and not unlocked else before.facts,
-                                         checked=before.checked)
+                r = await self.host_pass(h, Pass(t, dry_run=unlocked, hold=hold, quarantine=qs,
+                                                 facts=None if fresh and not unlocked else before.facts,
+                                                 checked=before.checked))
                 if unlocked and r.plan is not None and r.facts is not None:
                     r.running = {n: running_after(r.plan, r.facts, n) for n in h.services}
             if say is not None:
@@ -416,75 +415,5 @@ async def run_fleet(rev: Revision, opts: RunOptions, io: RunIO = RunIO()) -> Fle
     """
     hosts = list(selected(rev.state, opts).values())
     if opts.look:
-        return await _look(rev, opts, io, hosts)
+        return await look(rev, opts, io, hosts)
     return await _FleetRun(rev, opts, io, hosts).run()
-
-
-async def _look(rev: Revision, opts: RunOptions, io: RunIO, hosts: list[HostSpec]) -> FleetResult:
-    """Read every host's records and systemd's state, read-only: the observation without the
-    keyed hashes of secret files (the one part that writes: the host's key), no lock."""
-    connect = io.connect or ssh_connector(opts.identity)
-    sem = asyncio.Semaphore(opts.concurrency or rev.state.settings.concurrency)
-
-    async def one(h: HostSpec) -> HostResult:
-        t0 = time.monotonic()
-        async with sem:
-            try:
-                t = await connect(h)
-            except ReconcilerError as e:
-                return _unreachable(h, e, t0)
-            try:
-                facts = await observe(t, h, secrets=False)
-            except ReconcilerError as e:
-                return _unreachable(h, e, t0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await t.close()
-        return HostResult(h.name, h.ssh.address, facts=facts, seconds=time.monotonic() - t0)
-    return FleetResult(rev.revision, True, list(await asyncio.gather(*(one(h) for h in hosts))))
-
-
-def _unreachable(h: HostSpec, e: ReconcilerError, t0: float) -> HostResult:
-    reason = e.reason if isinstance(e, HostError) else Reason.FAILED
-    message = e.message if isinstance(e, HostError) else str(e)
-    return HostResult(h.name, h.ssh.address, Result.FAILED, reason=reason, message=message,
-                      seconds=time.monotonic() - t0)
-
-
-def selected(state: DesiredState, opts: RunOptions) -> dict[str, HostSpec]:
-    """The hosts a run is limited to, in natural order (every host without --host or --label)."""
-    names = select_hosts(state, list(opts.hosts) or None, list(opts.labels) or None)
-    return {n: h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
-            if names is None or n in names}
-
-
-def select_hosts(state: DesiredState, names: list[str] | None, labels: list[str] | None) -> list[str] | None:
-    """The hosts a run is limited to: any of `names` (--host) and, of those, the ones carrying
-    every label KEY=VALUE (--label, repeatable: AND). None: no selector, every host.
-
-    Raises SourceError (exit 1, nothing applied) for an unknown name, a malformed label or a
-    selection that matches no host, so a typo never turns into "nothing to do".
-    """
-    if not names and not labels:
-        return None
-    from ..desired.schema import LABEL
-    unknown = sorted(set(names or []) - set(state.hosts))
-    if unknown:
-        raise SourceError(f"unknown host(s) {', '.join(unknown)} at {state.short} "
-                          f"(known: {', '.join(sorted(state.hosts, key=natural_key))})")
-    wanted: dict[str, str] = {}
-    for item in labels or []:
-        key, sep, value = item.partition("=")
-        if not sep or not LABEL.match(key) or not LABEL.match(value):
-            raise SourceError(f"--label expects KEY=VALUE (letters, digits, '_', '.', '-'), got {item!r}")
-        if wanted.get(key, value) != value:
-            raise SourceError(f"--label {key}= given twice with different values: no host can match both")
-        wanted[key] = value
-    chosen = [n for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
-              if (not names or n in names) and all(h.labels.get(k) == v for k, v in wanted.items())]
-    if not chosen:
-        have = sorted({f"{k}={v}" for h in state.hosts.values() for k, v in h.labels.items()})
-        raise SourceError(f"no host matches {' '.join('--label ' + k + '=' + v for k, v in wanted.items())}"
-                          + (f" among {', '.join(sorted(names or []))}" if names else "")
-                          + f" at {state.short} (labels in use: {', '.join(have) or 'none'})")
-    return chosen

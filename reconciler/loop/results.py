@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from ..errors import CommandError, HostError
+from ..errors import CommandError, HostError, ReconcilerError
 from ..plan.model import HostPlan, Kind, ServicePlan, State
 from ..plan.records import NO_VERDICT, SUPERSEDED, Result
 from ..plan.rollout import RolloutResult
@@ -130,11 +130,17 @@ def merge_result(into: HostResult, r: HostResult) -> None:
     into.worsen(Result(r.status), r.reason, r.message)
 
 
+def failed_result(host: str, address: str, e: ReconcilerError, seconds: float) -> HostResult:
+    """A host that could not be reached or read: failed, for the error's reason (Failed for an
+    error that is not a host's)."""
+    if isinstance(e, HostError):
+        return HostResult(host, address, Result.FAILED, reason=e.reason, message=e.message, seconds=seconds)
+    return HostResult(host, address, Result.FAILED, reason=Reason.FAILED, message=str(e), seconds=seconds)
+
+
 class Step(StrEnum):
     """Where a host's run is: what it was doing when an error ended it (host_failure)."""
 
-    CONNECT = "connect"
-    LOCK = "lock"                # taking the host's lock (the holder installed first)
     OBSERVE = "observe"
     PREFLIGHT = "pre-flight"     # planning, with the host-side pre-flight's one round trip
     APPLY = "apply"              # fetching, applying, the GPU gate, watching, recording verdicts
@@ -142,8 +148,8 @@ class Step(StrEnum):
 
 def host_failure(e: HostError, step: Step) -> Reason:
     """PURE: the reason a host's result gives for an error that ended its run: a command that
-    failed while the run changed the host (or locked it) is ApplyFailed; one that only read it
-    (the observation, the pre-flight) keeps its own reason, as does every other host error."""
+    failed while the run changed the host is ApplyFailed; one that only read it (the
+    observation, the pre-flight) keeps its own reason, as does every other host error."""
     if isinstance(e, CommandError) and step not in (Step.OBSERVE, Step.PREFLIGHT):
         return Reason.APPLY_FAILED
     return e.reason

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 
 from ..desired.spec import HostSpec, ServiceSpec
@@ -24,14 +23,13 @@ from .files import (
     own_files,
     parse_env,
     parse_env_file,
-    secret_blocks,
     secret_versions,
     unified_diff,
 )
-from .gpuhealth import GPU_FAULT, GpuFault, in_force
-from .model import ORDER, Action, Block, Context, HostPlan, Kind, Reason, ServicePlan, State, Target, Watch
+from .gpuhealth import in_force
+from .model import ORDER, Action, Context, HostPlan, Kind, Reason, ServicePlan, State, Target, Watch
 from .records import Adopted, Pending, Result, ServiceRecord
-from .state import Sync, blocked_plan, classify, is_up, live_quarantine, sync_with
+from .state import Sync, blocked_plan, blocks_of, classify, is_up, live_quarantine, sync_with
 from .unit import UnitState
 
 
@@ -89,8 +87,11 @@ class _Builder:
             self.reload = True
         if self._nothing_to_apply(sp, f, s, why_sub):
             return
-        if sp.name in self.ctx.checks.fetch and not sp.target.rollback:
-            self.add(Kind.FETCH, Reason.FETCH_MODEL, sp.name, detail=self.ctx.checks.fetch[sp.name])
+        fetch = self.ctx.checks.fetch.get(sp.name)
+        if fetch is not None and not sp.target.rollback:
+            m = fetch.model
+            self.add(Kind.FETCH, Reason.FETCH_MODEL, sp.name, model=m,
+                     detail=f"fetch {m.id} into {m.path} first ({m.fetch})")
         rec = self._intent(sp, f, s)
         self._files(sp, f, s, why_sub)
         self._start(sp, f, s, rec, why_sub)
@@ -174,6 +175,9 @@ class _Builder:
         if gated:
             if s.running:
                 self.add(Kind.STOP, Reason.GPU_GATE, sp.name, detail="stop first, start when its GPUs are free")
+            if target.spec.gpu_policy == "kill":
+                self.add(Kind.KILL_STRAYS, Reason.GPU_GATE, sp.name,
+                         detail='kill what else holds the GPUs it claims, after the stop (gpu_policy = "kill")')
             self.add(Kind.WAIT_GPUS, Reason.GPU_GATE, sp.name, detail="wait until the GPUs it claims are released")
         self._arm(sp, f, s, rec)
         fresh = f is not None and f.unit.load_state == "not-found" and f.unit.active_state == "inactive"
@@ -187,6 +191,20 @@ class _Builder:
         self.add(Kind.WATCH, Reason.SUBSTITUTE if target.rollback else Reason.HEALTH, sp.name,
                  watch=self._watch(target, f, fresh=not s.running or gated),
                  detail=why_sub or f"until healthy (start-up timeout {target.spec.health.startup_timeout:.0f}s)")
+
+    def gate_closed(self, sp: ServicePlan, f: ServiceFacts | None, why: str) -> None:
+        """Its GPUs stayed busy after this run stopped it (the gate's answer, Checks.gate): it was
+        not started. Its record says so (pending, not started, and why), so the next run applies
+        it again through the gate."""
+        target = sp.target
+        assert target is not None
+        rec = self.base_record(sp.name, f)
+        pending = rec.pending or Pending(hash=target.hash, revision=target.revision, rollback=target.rollback,
+                                         replaces_hash=rec.hash, replaces_revision=rec.revision)
+        blocked = replace(pending, started=False, blocked=why)
+        if blocked != rec.pending:
+            self.add(Kind.RECORD, Reason.GPU_BUSY, sp.name, record=replace(rec, pending=blocked),
+                     detail=f"not started: {why}")
 
     def _arm(self, sp: ServicePlan, f: ServiceFacts | None, s: Sync, rec: ServiceRecord) -> None:
         """Arm the deploy's dead-man's switch (not for a rollback: the last good is what it would
@@ -305,22 +323,6 @@ _HOLDS = {State.QUARANTINED_NO_GOOD: Reason.HOLD_STOPPED, State.ROLLBACK_FAILED:
 _RECORDS_QUARANTINE = frozenset({State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED, State.HALTED, State.QUARANTINED})
 
 
-def _service_plan(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str, ctx: Context,
-                  observed: Mapping[str, str | None], gpu: GpuFault | None = None) -> ServicePlan:
-    sp = classify(name, svc, f, host, ctx, observed)
-    blocks = tuple(ctx.checks.blocked.get(name, ()))
-    if gpu is not None:
-        # The host's fault, not this version's: nothing starts here until the GPUs read healthy
-        blocks = (Block(GPU_FAULT, f"not started: the host's {gpu.why()} (the revision is not judged; "
-                                   f"cleared by the next healthy GPU reading)"), *blocks)
-    if sp.target is not None:
-        blocks += secret_blocks(sp.target.spec, observed)
-    if blocks and sp.target is not None and sp.state is not State.IN_SYNC:
-        out = blocked_plan(sp, blocks)
-        return replace(out, quote=gpu.quote) if gpu is not None else out
-    return sp
-
-
 def _orphans(b: _Builder, facts: HostFacts, services: dict[str, ServicePlan]) -> list[str]:
     """Services in the inventory that left the desired state: removed (returned), or kept while
     a service on the host is blocked (a rename whose new service is refused must not leave
@@ -346,7 +348,13 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
     gpu = in_force(facts.gpu_fault, ctx.checks.gpu_health, retry=ctx.retry)
     for name, svc in sorted(desired.services.items()):
         f = facts.services.get(name)
-        sp = services[name] = _service_plan(name, svc, f, desired.name, ctx, facts.secret_files, gpu)
+        sp = classify(name, svc, f, desired.name, ctx, facts.secret_files)
+        blocks = blocks_of(sp, ctx, facts.secret_files, gpu)
+        if blocks and sp.target is not None and sp.state is not State.IN_SYNC:
+            if name in ctx.checks.gate:
+                b.gate_closed(sp, f, ctx.checks.gate[name])
+            sp = blocked_plan(sp, blocks, gpu.quote if gpu is not None else None)
+        services[name] = sp
         if sp.state in _HOLDS:
             b.hold(sp, _HOLDS[sp.state], f)
         if sp.state in _RECORDS_QUARANTINE:
@@ -363,7 +371,9 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
     blocked = any(sp.state is State.BLOCKED for sp in services.values())
     # A revision is recorded as applied when something was applied, or when nothing at it was
     # refused: a blocked deploy writes nothing at all, not even the record.
-    if any(a.kind.mutating for a in b.actions) or dropped or (host_rev != ctx.revision and not blocked):
+    # A closed GPU gate stopped a start after its files were applied: that revision is on the host.
+    if any(a.kind.mutating for a in b.actions) or dropped or (host_rev != ctx.revision and not blocked) \
+            or ctx.checks.gate:
         b.add(Kind.RECORD, Reason.RECORD, detail=f"record revision {b.short} and the inventory")
     actions = sorted(b.actions, key=lambda a: ORDER[a.kind])
     return HostPlan(desired.name, ctx.revision, tuple(actions), services, tuple(dropped))

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ..desired.spec import SecretSpec, ServiceSpec
+from ..desired.spec import ModelSpec, SecretSpec, ServiceSpec
 from ..reasons import Reason as Reason  # the planner's reasons are the one vocabulary (reasons.py)
 from .confirm import Switch
 from .gpuhealth import GpuHealth
@@ -30,6 +30,7 @@ class Kind(StrEnum):
     RESTORE = "restore"          # put an adopted unit's original files back
     ARM = "arm"                  # write the deploy's dead-man's switch (confirm.py)
     DAEMON_RELOAD = "daemon-reload"
+    KILL_STRAYS = "kill-strays"  # controller: kill stray GPU holders on its GPUs after the stop (gpu_policy "kill")
     WAIT_GPUS = "wait-gpus"      # controller: wait until the GPUs are free before starting
     ARM_TIMER = "arm-timer"      # ready the switch's timer (made if the controller goes), right before the start
     ENABLE = "enable"
@@ -111,6 +112,7 @@ class Action:
     watch: Watch | None = None
     switch: Switch | None = field(default=None, repr=False)          # ARM, ARM_TIMER: the dead-man's switch
     secrets: tuple[SecretSpec, ...] = field(default=(), repr=False)   # SECRETS: what to deliver (no values)
+    model: ModelSpec | None = field(default=None, repr=False)         # FETCH: the model, its command and time limit
     # START: systemd had never loaded the unit (no failed state, restart count or start limit to
     # reset first)
     fresh: bool = False
@@ -147,13 +149,26 @@ class Block:
 
 
 @dataclass(frozen=True)
+class ModelFetch:
+    """A model pre-flight found missing or incomplete on the host, with `model.fetch` set: what a
+    FETCH runs, and the room it has (the planner decides whether it may: state.fetch_refused)."""
+
+    model: ModelSpec
+    total_size: int | None = None    # bytes, as the checkpoint's index says (None: no index)
+    free_bytes: int | None = None    # free space of the file system it goes to (None: unknown)
+
+
+@dataclass(frozen=True)
 class Checks:
-    """What host-side pre-flight decided; the planner only reads it."""
+    """What the host said before this plan: host-side pre-flight's findings and the answers of
+    this run's steps so far (the GPU gate). The planner only reads them."""
 
     blocked: Mapping[str, tuple[Block, ...]] = field(default_factory=dict)
-    fetch: Mapping[str, str] = field(default_factory=dict)   # service -> what would be fetched
+    fetch: Mapping[str, ModelFetch] = field(default_factory=dict)   # service -> its model to fetch first
     gpu_gate: bool = False           # the host has GPUs: starts wait until they are free
     gpu_health: GpuHealth | None = None   # the GPUs' health read for this plan's starts (None: not read)
+    # service -> why its GPUs stayed busy after this run stopped it: the gate's answer (not started)
+    gate: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -213,7 +228,7 @@ class HostPlan:
             if n:
                 parts.append(f"{word} {n} file{'s' * (n != 1)}")
         for kind in (Kind.FETCH, Kind.ADOPT, Kind.SECRETS, Kind.RESTORE, Kind.DAEMON_RELOAD, Kind.STOP, Kind.DISABLE,
-                     Kind.WAIT_GPUS, Kind.ENABLE, Kind.START, Kind.RESTART):
+                     Kind.KILL_STRAYS, Kind.WAIT_GPUS, Kind.ENABLE, Kind.START, Kind.RESTART):
             names = sorted({a.service for a in self.actions if a.kind is kind and a.service})
             if kind is Kind.DAEMON_RELOAD and any(a.kind is kind for a in self.actions):
                 parts.append("daemon-reload")

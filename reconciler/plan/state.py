@@ -47,8 +47,9 @@ from .facts import (
     env_path,
     envfile_path,
 )
-from .files import desired_files, foreign_dropins, legacy_env_dropin, secret_changes
-from .model import Block, Context, Reason, ServicePlan, State, Target
+from .files import desired_files, foreign_dropins, legacy_env_dropin, secret_blocks, secret_changes
+from .gpuhealth import GpuFault
+from .model import Block, Context, ModelFetch, Reason, ServicePlan, State, Target
 from .records import MAX_UNJUDGED, Pending, Quarantine, Result, ServiceRecord
 
 
@@ -198,13 +199,48 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
     return ServicePlan(name, state, desired, result=Result.IN_SYNC if in_sync else Result.CONVERGED)
 
 
-def blocked_plan(sp: ServicePlan, blocks: tuple[Block, ...]) -> ServicePlan:
+def fetch_refused(fetch: ModelFetch) -> str | None:
+    """PURE: why a model's fetch may not run (None: it may): the file system it goes to has less
+    room than the model needs (model.size_gb, else its index's total_size; unknown: it runs)."""
+    m = fetch.model
+    need = m.size_gb * 1e9 if m.size_gb else fetch.total_size
+    if need and fetch.free_bytes is not None and fetch.free_bytes < need:
+        return (f"model-fetch: not enough disk for {m.id} at {m.path}: needs {need / 1e9:.1f} GB, "
+                f"{fetch.free_bytes / 1e9:.1f} GB free")
+    return None
+
+
+def blocks_of(sp: ServicePlan, ctx: Context, observed: Mapping[str, str | None],
+              gpu: GpuFault | None) -> tuple[Block, ...]:
+    """PURE: why a service may not (re)start now, first reason first: the host's GPU fault (the
+    host's, not the version's: nothing starts until the GPUs read healthy), pre-flight's blocks,
+    the GPU gate's answer earlier in this run (its GPUs stayed busy after the stop), a model
+    fetch the disk cannot hold, a secret that is not there."""
+    blocks = list(ctx.checks.blocked.get(sp.name, ()))
+    if gpu is not None:
+        blocks.insert(0, Block(Reason.GPU_FAULT, f"not started: the host's {gpu.why()} (the revision is not judged; "
+                                                 f"cleared by the next healthy GPU reading)"))
+    if sp.name in ctx.checks.gate:
+        blocks.append(Block(Reason.GPU_BUSY, ctx.checks.gate[sp.name]))
+    if sp.target is not None:
+        fetch = ctx.checks.fetch.get(sp.name)
+        refused = fetch_refused(fetch) if fetch is not None and not sp.target.rollback else None
+        if refused:
+            blocks.append(Block(Reason.MODEL_FETCH_FAILED, f"{sp.name}: {refused}"))
+        blocks += secret_blocks(sp.target.spec, observed)
+    return tuple(blocks)
+
+
+def blocked_plan(sp: ServicePlan, blocks: tuple[Block, ...], quote: str | None = None) -> ServicePlan:
+    """A service that `blocks` keep from starting: Blocked, for the first one's reason; nothing
+    is written for it. `quote`: the line that says why (the GPU fault's), else the plan's own."""
     reason = blocks[0].reason
     # Pre-flight messages name their service ("m: ..."); the result names it once already.
     note = " | ".join(b.message.removeprefix(f"{sp.name}: ") for b in blocks)
     if sp.state is State.QUARANTINED:
         note = f"{sp.note}; the last good version cannot start: {note}"
-    return ServicePlan(sp.name, State.BLOCKED, None, result=Result.FAILED, reason=reason, note=note, quote=sp.quote)
+    return ServicePlan(sp.name, State.BLOCKED, None, result=Result.FAILED, reason=reason, note=note,
+                       quote=quote or sp.quote)
 
 
 def needs_last_good(desired: HostSpec, facts: HostFacts, ctx: Context) -> dict[str, str]:

@@ -110,13 +110,10 @@ COMMAND = CommandError("h1", "anything at all", 1, "boom")     # what it ran say
     (COMMAND, Step.PREFLIGHT, Reason.COMMAND_FAILED),
     # one that failed while the run changed the host (or locked it) is the apply's
     (COMMAND, Step.APPLY, Reason.APPLY_FAILED),
-    (COMMAND, Step.LOCK, Reason.APPLY_FAILED),
-    (COMMAND, Step.CONNECT, Reason.APPLY_FAILED),
     # every other host error keeps its own, wherever it happened
     (ObserveError("h1", "garbled"), Step.APPLY, Reason.OBSERVE_FAILED),
-    (ConnectError("h1", "refused"), Step.CONNECT, Reason.UNREACHABLE),
     (ConnectError("h1", "dropped"), Step.APPLY, Reason.UNREACHABLE),
-    (LockedError("h1", "held by another run"), Step.LOCK, Reason.LOCKED),
+    (LockedError("h1", "held by another run"), Step.OBSERVE, Reason.LOCKED),
     (HostError("h1", "?"), Step.APPLY, Reason.HOST_FAILED),
 ])
 def test_a_host_errors_reason(error: HostError, step: Step, want: Reason) -> None:

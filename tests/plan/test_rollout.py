@@ -15,8 +15,8 @@ from reconciler.desired.load import MemorySnapshot, load_desired
 from reconciler.desired.spec import DesiredState, NotifySpec, RolloutPolicy
 from reconciler.errors import ConfigError, SourceError
 from reconciler.host.notify import ALLOW_ENV, Notifier, slack_text, where
-from reconciler.loop.fleet import select_hosts
 from reconciler.loop.results import HostResult, ServiceEvent, merge_result
+from reconciler.loop.select import select_hosts
 from reconciler.plan.gpuhealth import GpuFault
 from reconciler.plan.records import Quarantine
 from reconciler.plan.rollout import (
