@@ -28,12 +28,9 @@ from ..desired.trust import rewind_problem
 from ..errors import HostError, ReconcilerError
 from ..host import lock
 from ..host.transport import Transport
-from ..plan.actions import starting
-from ..plan.model import Kind
 from ..plan.records import Quarantine, Result
 from ..plan.rollout import (
     Halt,
-    HostOutcome,
     RolloutResult,
     RolloutStatus,
     Stop,
@@ -50,35 +47,19 @@ from ..reasons import Reason
 from .host_run import Pass, lock_and_observe, reconcile_host, ssh_connector
 from .live import look
 from .options import RunIO, RunOptions
-from .results import Event, FleetResult, HostResult, failed_result, merge_result, running_after
+from .results import (
+    FleetResult,
+    HostResult,
+    failed_result,
+    merge_result,
+    restarting,
+    rollback_notices,
+    running_after,
+    wave_outcome,
+    writes,
+)
 from .revision import Revision
-from .select import select_hosts as select_hosts  # what a run is limited to (loop/select.py)
 from .select import selected
-
-
-def restarting(r: HostResult) -> set[str]:
-    """Services a surveyed host would restart or start with their desired version (not those
-    swapped for last good, which are repairs, not a rollout)."""
-    if r.plan is None:
-        return set()
-    return {n for n, tg in starting(r.plan).items() if not tg.rollback}
-
-
-def writes(r: HostResult) -> bool:
-    """Whether a host's surveyed plan would write anything there (a hold alone does not)."""
-    return r.plan is not None and any(a.kind is not Kind.HOLD for a in r.plan.actions)
-
-
-def wave_outcome(service: str, host: str, r: HostResult) -> HostOutcome:
-    """What a wave host's pass made of the group's service, for rollout.judge_wave: its failed
-    deploy (started and watched to that verdict), else the host's own failure, else healthy."""
-    bad = next((e.outcome for e in r.events if e.service == service and e.action == Event.DEPLOY
-                and e.outcome is not None and not e.outcome.healthy), None)
-    if bad is not None:
-        return HostOutcome(host, bad.reason, bad.message, bad.quote, started=True)
-    if r.status is Result.FAILED:
-        return HostOutcome(host, r.reason or Reason.FAILED, r.message or "", observed=r.plan is not None)
-    return HostOutcome(host)
 
 
 class _FleetRun:
@@ -313,17 +294,9 @@ class _FleetRun:
             return r
 
     def _notify_failures(self, host: str, r: HostResult) -> None:
-        if self.notifier is None:
-            return
-        for i, e in enumerate(r.events):
-            if e.action == Event.ROLLBACK or e.outcome is None or e.outcome.healthy:
-                continue
-            rb = next((x for x in r.events[i + 1:] if x.service == e.service and x.action == Event.ROLLBACK), None)
-            ok = rb is not None and rb.outcome is not None and rb.outcome.healthy
-            self.notifier.send("rollback", host=host, service=e.service, revision=e.revision, short=e.revision[:7],
-                               reason=e.outcome.reason, message=e.outcome.message, journal_line=e.outcome.quote,
-                               result="rolled-back" if ok else "failed",
-                               rolled_back_to=rb.revision if rb is not None and ok else None)
+        if self.notifier is not None:
+            for fields in rollback_notices(host, r):
+                self.notifier.send("rollback", **fields)
 
     # -- rollouts --
 

@@ -12,9 +12,10 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from ..errors import CommandError, HostError, ReconcilerError
+from ..plan.actions import starting
 from ..plan.model import HostPlan, Kind, ServicePlan, State
 from ..plan.records import NO_VERDICT, SUPERSEDED, Result
-from ..plan.rollout import RolloutResult
+from ..plan.rollout import HostOutcome, RolloutResult
 from ..reasons import Reason
 
 if TYPE_CHECKING:
@@ -246,3 +247,46 @@ def merge_plans(a: HostPlan | None, b: HostPlan | None) -> HostPlan | None:
                                                              any(y.kind is Kind.RECORD and y.service is None
                                                                  for y in a.actions)))
     return HostPlan(a.host, b.revision, actions, services, a.dropped_records + b.dropped_records)
+
+
+# ---- what a surveyed or converged host means to the fleet run (fleet.py) ----------------------------
+
+
+def rollback_notices(host: str, r: HostResult) -> list[dict[str, object]]:
+    """The webhook notice of each failed deploy of a pass: rolled back (to which revision) or failed."""
+    out: list[dict[str, object]] = []
+    for i, e in enumerate(r.events):
+        if e.action == Event.ROLLBACK or e.outcome is None or e.outcome.healthy:
+            continue
+        rb = next((x for x in r.events[i + 1:] if x.service == e.service and x.action == Event.ROLLBACK), None)
+        ok = rb is not None and rb.outcome is not None and rb.outcome.healthy
+        out.append({"host": host, "service": e.service, "revision": e.revision, "short": e.revision[:7],
+                    "reason": e.outcome.reason, "message": e.outcome.message, "journal_line": e.outcome.quote,
+                    "result": "rolled-back" if ok else "failed",
+                    "rolled_back_to": rb.revision if rb is not None and ok else None})
+    return out
+
+
+def restarting(r: HostResult) -> set[str]:
+    """Services a surveyed host would restart or start with their desired version (not those
+    swapped for last good, which are repairs, not a rollout)."""
+    if r.plan is None:
+        return set()
+    return {n for n, tg in starting(r.plan).items() if not tg.rollback}
+
+
+def writes(r: HostResult) -> bool:
+    """Whether a host's surveyed plan would write anything there (a hold alone does not)."""
+    return r.plan is not None and any(a.kind is not Kind.HOLD for a in r.plan.actions)
+
+
+def wave_outcome(service: str, host: str, r: HostResult) -> HostOutcome:
+    """What a wave host's pass made of the group's service, for rollout.judge_wave: its failed
+    deploy (started and watched to that verdict), else the host's own failure, else healthy."""
+    bad = next((e.outcome for e in r.events if e.service == service and e.action == Event.DEPLOY
+                and e.outcome is not None and not e.outcome.healthy), None)
+    if bad is not None:
+        return HostOutcome(host, bad.reason, bad.message, bad.quote, started=True)
+    if r.status is Result.FAILED:
+        return HostOutcome(host, r.reason or Reason.FAILED, r.message or "", observed=r.plan is not None)
+    return HostOutcome(host)

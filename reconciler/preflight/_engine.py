@@ -32,8 +32,9 @@ from typing import Any, Literal
 
 from ..desired.spec import ServiceSpec
 from ..redact import redact
-from ._command import _PYTHON, Command, Server, parse_command, unit_entries
+from ._command import _PYTHON, Command, Server, parse_command
 from ._enginebox import unit_settings
+from ._unitfile import unit_entries
 
 MARKER = "RECONCILER-ENGINE "
 Verdict = Literal["ok", "rejected", "inconclusive"]
