@@ -122,7 +122,7 @@ class _HostRun:
     def __init__(self, host: HostSpec, rev: Revision, opts: RunOptions, io: RunIO, result: HostResult, p: Pass):
         self.host, self.rev, self.opts, self.io, self.t, self.result = host, rev, opts, io, p.transport, result
         self.revision = rev.revision
-        self.check = p.preflight
+        self.run_preflight = p.preflight
         self.reuse = p.checked if p.facts is not None else None    # only with the facts it was run on
         self.retry, self.deferred = opts.retry, p.hold
         self.fleet_q = {n: q for n, q in p.quarantine.items() if n in host.services and n not in p.hold}
@@ -148,7 +148,7 @@ class _HostRun:
         its findings (blocked services, fetches, the GPU gate)."""
         plan = plan_host(self.host, facts, self._context(facts))
         self.preflight = None       # this plan's own pre-flight, if it starts anything
-        if not any(a.kind in (Kind.START, Kind.RESTART, Kind.WRITE) for a in plan.actions) or not self.check:
+        if not any(a.kind in (Kind.START, Kind.RESTART, Kind.WRITE) for a in plan.actions) or not self.run_preflight:
             return plan
         if self.reuse is not None and fetched is None:
             # The survey's pre-flight, of these same facts: a pass that did not look again

@@ -33,11 +33,11 @@ from ..host.engine import check_engines
 from ..host.gpu import GpuFacts
 from ..host.transport import Transport
 from ..host.versions import probes_for
-from ..plan.actions import starting, writing_units
-from ..plan.facts import HostFacts
+from ..plan.actions import starting
+from ..plan.facts import HostFacts, unit_path
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
 from ..plan.gpuhealth import xid_since
-from ..plan.model import HostPlan, ModelFetch
+from ..plan.model import HostPlan, Kind, ModelFetch
 from ..preflight import (
     EngineVerdict,
     Hardware,
@@ -73,11 +73,14 @@ def effective_spec(svc: ServiceSpec, facts: HostFacts) -> ServiceSpec:
 
 
 def _units(plan: HostPlan) -> dict[str, tuple[str, str | None]]:
-    """The units the plan writes, each with its env drop-in (None when it has no env)."""
+    """The units the plan writes (what systemd must accept before the rename), each with its env
+    drop-in (None when it has no env)."""
     units: dict[str, tuple[str, str | None]] = {}
-    for n, u in writing_units(plan).items():
-        target = plan.services[n].target
-        units[n] = (u, render_env_dropin(n) if target is not None and target.spec.env else None)
+    for a in plan.actions:
+        if a.kind is Kind.WRITE and a.service and a.content is not None and a.path == unit_path(a.service):
+            target = plan.services[a.service].target
+            units[a.service] = (a.content, render_env_dropin(a.service) if target is not None and target.spec.env
+                                else None)
     return units
 
 

@@ -26,7 +26,7 @@ from .files import (
     secret_versions,
     unified_diff,
 )
-from .gpuhealth import in_force
+from .gpuhealth import GpuFault, in_force
 from .model import ORDER, Action, Context, HostPlan, Kind, Reason, ServicePlan, State, Target, Watch
 from .records import Adopted, Pending, Result, ServiceRecord
 from .state import Sync, blocked_plan, blocks_of, classify, is_up, live_quarantine, sync_with
@@ -323,6 +323,19 @@ _HOLDS = {State.QUARANTINED_NO_GOOD: Reason.HOLD_STOPPED, State.ROLLBACK_FAILED:
 _RECORDS_QUARANTINE = frozenset({State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED, State.HALTED, State.QUARANTINED})
 
 
+def _service_plan(b: _Builder, svc: ServiceSpec, f: ServiceFacts | None, gpu: GpuFault | None) -> ServicePlan:
+    """One service's state (classify), Blocked when something keeps it from (re)starting
+    (state.blocks_of); a start the GPU gate kept from happening earlier in this run is recorded."""
+    ctx, observed = b.ctx, b.facts.secret_files
+    sp = classify(svc.name, svc, f, b.host.name, ctx, observed)
+    blocks = blocks_of(sp, ctx, observed, gpu)
+    if not blocks or sp.target is None or sp.state is State.IN_SYNC:
+        return sp
+    if sp.name in ctx.checks.gate:
+        b.gate_closed(sp, f, ctx.checks.gate[sp.name])
+    return blocked_plan(sp, blocks, gpu.quote if gpu is not None else None)
+
+
 def _orphans(b: _Builder, facts: HostFacts, services: dict[str, ServicePlan]) -> list[str]:
     """Services in the inventory that left the desired state: removed (returned), or kept while
     a service on the host is blocked (a rename whose new service is refused must not leave
@@ -348,13 +361,7 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
     gpu = in_force(facts.gpu_fault, ctx.checks.gpu_health, retry=ctx.retry)
     for name, svc in sorted(desired.services.items()):
         f = facts.services.get(name)
-        sp = classify(name, svc, f, desired.name, ctx, facts.secret_files)
-        blocks = blocks_of(sp, ctx, facts.secret_files, gpu)
-        if blocks and sp.target is not None and sp.state is not State.IN_SYNC:
-            if name in ctx.checks.gate:
-                b.gate_closed(sp, f, ctx.checks.gate[name])
-            sp = blocked_plan(sp, blocks, gpu.quote if gpu is not None else None)
-        services[name] = sp
+        sp = services[name] = _service_plan(b, svc, f, gpu)
         if sp.state in _HOLDS:
             b.hold(sp, _HOLDS[sp.state], f)
         if sp.state in _RECORDS_QUARANTINE:
@@ -388,9 +395,3 @@ def starting(plan: HostPlan) -> dict[str, Target]:
             if sp is not None and sp.target is not None:
                 out[a.service] = sp.target
     return out
-
-
-def writing_units(plan: HostPlan) -> dict[str, str]:
-    """Service -> the unit text the plan writes (what systemd must accept before the rename)."""
-    return {a.service: a.content for a in plan.actions
-            if a.kind is Kind.WRITE and a.service and a.content is not None and a.path == unit_path(a.service)}
