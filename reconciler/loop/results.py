@@ -41,7 +41,7 @@ class ServiceEvent:
     """What happened to one service in this run (for reports, status and history)."""
 
     service: str
-    action: str                     # an Event
+    action: Event
     revision: str
     content_hash: str
     outcome: Outcome | None = None
