@@ -67,7 +67,7 @@ from ..errors import ConfigError, ReconcilerError, SourceError
 from ..host import notify
 from ..host.pool import Pool
 from ..loop.fleet import run_fleet, selected
-from ..loop.host import ssh_connector
+from ..loop.host_run import ssh_connector
 from ..loop.options import RunIO, RunOptions, confirm_margin_from
 from ..loop.report import PhaseView, print_config_error, print_result
 from ..loop.revision import open_revision

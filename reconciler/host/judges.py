@@ -17,6 +17,9 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..plan.unit import UnitState
+from ..reasons import Reason
+
 JOURNAL_LINES = 200          # journal entries read for a failure
 JOURNAL_BYTES = 1 << 20      # the newest bytes of them kept (a cut first entry is no JSON: skipped)
 EXPLAIN_SCAN = 4096          # characters of a line that explain() matches its patterns in
@@ -27,7 +30,7 @@ class Verdict:
     """What systemd says about a unit right now."""
 
     state: str            # "running" | "starting" | "crashed" | "not-loaded" | "exited" | "refused"
-    reason: str = ""      # CamelCase when not fine
+    reason: Reason | None = None    # when not fine
     detail: str = ""
 
 
@@ -45,24 +48,21 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
     load = props.get("LoadState", "")
     active, sub = props.get("ActiveState", ""), props.get("SubState", "")
     result = props.get("Result", "")
-    try:
-        restarts = int(props.get("NRestarts", "0") or 0)
-    except ValueError:
-        restarts = 0
+    restarts = UnitState.parse(props).n_restarts      # the one parse of it (plan/unit.py)
     summary = f"ActiveState={active} SubState={sub} Result={result} NRestarts={restarts}"
     if load and load != "loaded":
-        return Verdict("not-loaded", "UnitNotLoaded", f"LoadState={load}: the unit file is invalid")
+        return Verdict("not-loaded", Reason.UNIT_NOT_LOADED, f"LoadState={load}: the unit file is invalid")
     if baseline_invocation and props.get("InvocationID", "") == baseline_invocation:
         if active == "failed" and props.get("Job", "") in ("", "0"):
             # systemd refused our start (more starts than StartLimitBurst= within
             # StartLimitIntervalSec=): no job left and no new invocation, so none will begin.
             # Result= says start-limit-hit only where the unit had not already failed: a restart
             # of a unit in its crash loop (auto-restart) keeps that crash's exit-code.
-            return Verdict("refused", "StartLimitHit", f"systemd refused the start: start limit hit ({summary})")
+            return Verdict("refused", Reason.START_LIMIT_HIT, f"systemd refused the start: start limit hit ({summary})")
         return Verdict("starting", detail=f"waiting for the start to begin: {summary}")
     entered = props.get("ActiveEnterTimestampMonotonic")     # absent: unknown, judged a crash
     never_active = entered == "0" or (bool(baseline_active_enter) and entered == baseline_active_enter)
-    crash = "StartFailed" if never_active else "CrashLoop"
+    crash = Reason.START_FAILED if never_active else Reason.CRASH_LOOP
     if active == "failed":
         why = "start limit hit" if result == "start-limit-hit" else f"Result={result}"
         what = "start failed" if never_active else "unit failed"
@@ -77,8 +77,8 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
             # a job is queued (our start, still waiting): nothing is judged before it runs
             return Verdict("starting", detail=f"waiting for the start job {props['Job']}: {summary}")
         if never_active:   # e.g. a start timeout: systemd is stopping what never came up
-            return Verdict("crashed", "StartFailed", f"start failed: {summary}")
-        return Verdict("exited", "Exited", f"process ended: {summary}")
+            return Verdict("crashed", Reason.START_FAILED, f"start failed: {summary}")
+        return Verdict("exited", Reason.EXITED, f"process ended: {summary}")
     return Verdict("starting", detail=summary)
 
 

@@ -38,6 +38,7 @@ from .. import redact, shell
 from ..errors import HostError
 from ..frames import number
 from ..plan.facts import LOCK, LOCK_COUNT, LOCK_OWNER, STATE_DIR
+from ..reasons import Reason
 from ..shell import ShCommand
 from .session import HostSession, SessionTransport
 from .transport import Spawned, StreamSpawned, Transport
@@ -52,7 +53,7 @@ WAIT = 30.0          # default: how long a run waits for another run's lock
 class LockedError(HostError):
     """Another run holds the host's lock (reason Locked, exit 4; nothing was changed there)."""
 
-    reason = "Locked"
+    reason = Reason.LOCKED
 
 
 BIN = f"{STATE_DIR}/bin"      # the holder's programs, by content (root's own directory)

@@ -214,7 +214,7 @@ def _fatal(a: Action, plan: HostPlan, now: int) -> str:
 
 
 # Steps the controller runs itself (not in the host script).
-CONTROLLER = frozenset({Kind.FETCH, Kind.HOLD, Kind.WAIT_GPUS, Kind.WATCH})
+CONTROLLER = frozenset({Kind.FETCH, Kind.HOLD, Kind.KILL_STRAYS, Kind.WAIT_GPUS, Kind.WATCH})
 
 
 # A path the batched writes may name unquoted in a word list: what the planner produces (unit,

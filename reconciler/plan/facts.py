@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .. import shell
 from ..errors import ObserveError
@@ -23,6 +24,7 @@ from ..frames import Frame, decode, frames, malformed, number, raw_section
 from ..shell import ShCommand
 from .gpuhealth import GpuFault
 from .records import HostRecord, ServiceRecord
+from .unit import UnitState
 
 UNIT_DIR = "/etc/systemd/system"
 STATE_DIR = "/var/lib/reconciler"
@@ -116,6 +118,11 @@ class ServiceFacts:
     props: dict[str, str] = field(default_factory=dict)
     dropins: dict[str, str] = field(default_factory=dict)
     envfile_text: str | None = None       # the env file (envfile_path)
+
+    @cached_property
+    def unit(self) -> UnitState:
+        """systemd's state of the unit, typed (plan/unit.py), parsed once."""
+        return UnitState.parse(self.props)
 
     @property
     def managed(self) -> bool:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
+from ..reasons import Reason
 from .gpuhealth import GPU_FAULT
 
 SCHEMA = 2
@@ -117,14 +118,14 @@ class Quarantine:
 
     hash: str
     revision: str
-    reason: str                      # CamelCase: CrashLoop, StartFailed, StartTimeout, RolloutHalted ...
+    reason: Reason                   # CrashLoop, StartFailed, StartTimeout, RolloutHalted ...
     quote: str | None = None         # the journal line that explains the failure
     at: int = 0                      # epoch seconds
     rollback_failed: bool = False    # the last good failed too: the service is left stopped
     halted_at: str | None = None     # a halted rollout: the host where it halted
     canary: bool = False             # ... in the canary wave
     wave: int | None = None          # ... in this wave
-    cause: str | None = None         # ... for this reason (the failed host's reason)
+    cause: Reason | None = None      # ... for this reason (the failed host's reason)
 
     @classmethod
     def from_json(cls, data: object) -> Quarantine | None:
@@ -132,11 +133,11 @@ class Quarantine:
             return None
         wave = data.get("wave")
         return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "",
-                   reason=_str(data, "reason") or "Failed",
+                   reason=Reason.read(_str(data, "reason")),
                    quote=_str(data, "quote"), at=_int(data, "at"), rollback_failed=_bool(data, "rollback_failed"),
                    halted_at=_str(data, "halted_at"), canary=_bool(data, "canary"),
                    wave=wave if isinstance(wave, int) and not isinstance(wave, bool) else None,
-                   cause=_str(data, "cause"))
+                   cause=Reason.read(cause) if (cause := _str(data, "cause")) else None)
 
     def to_json(self) -> dict[str, Any]:
         return _drop_none({"hash": self.hash, "revision": self.revision, "reason": self.reason, "quote": self.quote,
@@ -296,14 +297,14 @@ class HostRecord:
                            "applied_at": self.applied_at}, sort_keys=True) + "\n"
 
 
-SUPERSEDED = "Superseded"
+SUPERSEDED = Reason.SUPERSEDED
 # A watch that came to no verdict on the version: a crash sign without evidence that the service
 # itself failed (systemd could not start its process: health.spawn_failure), or a start that
 # systemd refused for its start limit (our own starts in quick succession). The version is
 # neither last good nor quarantined; the pending deploy stays, and the planner starts it again,
 # at most MAX_UNJUDGED times in all.
-INCONCLUSIVE = "Inconclusive"
-START_LIMIT_HIT = "StartLimitHit"
+INCONCLUSIVE = Reason.INCONCLUSIVE
+START_LIMIT_HIT = Reason.START_LIMIT_HIT
 # A start that failed while the host's GPUs were sick (gpuhealth.blames_gpu): the host's fault,
 # no verdict on the version either (the host is marked GpuFault; the unit is stopped).
 NO_VERDICT = frozenset({SUPERSEDED, INCONCLUSIVE, START_LIMIT_HIT, GPU_FAULT})
@@ -315,7 +316,7 @@ class Verdict:
     """The health verdict on one watched service (what the planner needs of health.Outcome)."""
 
     healthy: bool
-    reason: str
+    reason: Reason
     quote: str | None = None
     message: str = ""
 
@@ -352,7 +353,7 @@ def judge(rec: ServiceRecord, *, hash: str, revision: str, rollback: bool, verdi
     kept = rec.pending if rec.pending is not None and rec.pending.hash == hash else None
     if verdict.reason == START_LIMIT_HIT and kept is not None and (kept.unjudged or "").startswith(START_LIMIT_HIT):
         # refused again after the planner started it again (reset-failed first): that start failed
-        verdict = replace(verdict, reason="StartFailed", message=f"{verdict.message}, again after systemctl "
+        verdict = replace(verdict, reason=Reason.START_FAILED, message=f"{verdict.message}, again after systemctl "
                                                                   f"reset-failed")
     elif verdict.reason in NO_VERDICT:
         pending = kept or Pending(hash=hash, revision=revision, rollback=rollback, started=True, at=now)

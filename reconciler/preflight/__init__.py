@@ -59,15 +59,16 @@ Message placeholders: {flag:--name} (its value), {model}, {model.why}, {missing}
 never appear in messages (they may be secrets).
 
 The package, one concern a module (all private; this module's `__all__` is the interface):
-_command (the server command line), _engine (the engine's own check of a command line: which
-services have one, what its answers mean), _enginebox (the environment and systemd properties
-the engine's probe runs with), _models (model knowledge), _schema (the rule-file
-schema), _rules (loading the rule pack, evaluating declarative rules), _registry (what a
-built-in rule is given and returns, and their registry), _builtin (the built-in rules), _shapes
-(MoE and FP8-block shapes per rank), _hardware (the host's GPUs as the rules see them),
-_capacity (memory and compute capability), _drain (what a stop does to the requests in flight),
-_check (check_service, check_host, check_desired), _hostcheck
-(model presence on the host) and _secrets (secret-looking env values, undecryptable secrets).
+_unitfile (a unit file as systemd reads it), _command (the server command line), _engine (the
+engine's own check of a command line: which services have one, what its answers mean),
+_enginebox (the environment and systemd properties the engine's probe runs with), _models
+(model knowledge), _schema (the rule-file schema), _rules (loading the rule pack, evaluating
+declarative rules), _registry (what a built-in rule is given and returns, and their registry),
+_builtin (the built-in rules), _shapes (MoE and FP8-block shapes per rank), _hardware (the
+host's GPUs as the rules see them), _capacity (memory and compute capability), _drain (what a
+stop does to the requests in flight), _check (check_service, check_host, check_desired),
+_hostcheck (model presence on the host) and _secrets (secret-looking env values,
+undecryptable secrets).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._builtin import BUILTIN_RULES
     from ._check import check_desired, check_host, check_service
-    from ._command import Command, gpu_claim, parse_command, unit_entries
+    from ._command import Command, gpu_claim, parse_command
     from ._engine import EngineRun, EngineVerdict, engine_run_for, parse_verdict, reads_user_site
     from ._enginebox import elsewhere, probe_env, probe_properties
     from ._hardware import GpuHolder, GpuState, Hardware, weights_bytes
@@ -86,13 +87,14 @@ if TYPE_CHECKING:
     from ._models import ModelInfo, model_info
     from ._rules import Finding, RuleSet, load_rules
     from ._secrets import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems, secret_warnings
+    from ._unitfile import unit_entries
 
 # Each name is imported from its module on first use (PEP 562): a run that checks no secrets
 # and starts nothing never loads the rule schema (pydantic) or the built-in rules.
 _HOME = {
     "BUILTIN_RULES": "_builtin",
     "check_desired": "_check", "check_host": "_check", "check_service": "_check",
-    "Command": "_command", "gpu_claim": "_command", "parse_command": "_command", "unit_entries": "_command",
+    "Command": "_command", "gpu_claim": "_command", "parse_command": "_command", "unit_entries": "_unitfile",
     "EngineRun": "_engine", "EngineVerdict": "_engine", "engine_run_for": "_engine", "parse_verdict": "_engine",
     "reads_user_site": "_engine",
     "elsewhere": "_enginebox", "probe_env": "_enginebox", "probe_properties": "_enginebox",

@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # What --help, parsing the arguments or the hooks must not pay for at import.
 HEAVY = ("asyncssh", "cryptography", "starlette", "uvicorn", "prometheus_client", "httpx", "apscheduler",
          "watchfiles", "pydantic", "pygit2", "tomlkit", "rich", "sqlite3", "pyrage", "typer")
-OURS = ("reconciler.desired.load", "reconciler.desired.schema", "reconciler.loop.fleet", "reconciler.loop.host",
-        "reconciler.loop.checks", "reconciler.preflight._rules", "reconciler.controller.daemon",
-        "reconciler.host.transport", "reconciler.host.probe")
+OURS = ("reconciler.desired.load", "reconciler.desired.schema", "reconciler.loop.fleet", "reconciler.loop.host_run",
+        "reconciler.loop.checks", "reconciler.loop.preflight", "reconciler.loop.gpu_gate",
+        "reconciler.preflight._rules", "reconciler.controller.daemon", "reconciler.host.transport",
+        "reconciler.host.probe")
 
 
 def loaded(code: str, env: dict[str, str] | None = None) -> set[str]:
