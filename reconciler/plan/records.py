@@ -29,12 +29,15 @@ state store, the metrics and the report.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Hashable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any, TypeVar, cast, get_args, get_origin, get_type_hints
+
+import msgspec
 
 from .gpuhealth import GPU_FAULT
 
@@ -71,42 +74,104 @@ _EXIT = {Result.IN_SYNC: 0, Result.CONVERGED: 0, Result.WOULD_CHANGE: 2, Result.
          Result.ROLLED_BACK: 3, Result.FAILED: 4}
 
 
-def _str(data: Mapping[str, Any], key: str) -> str | None:
-    v = data.get(key)
-    return v if isinstance(v, str) and v else None
-
-
-_INT_MAX = 2**63         # a number in a record beyond a signed 64-bit one is no number we take
-
-
-def _int(data: Mapping[str, Any], key: str) -> int:
-    """A whole number of a record: 0 for anything else (JSON's Infinity and NaN, a bool, a
-    number beyond 64 bits)."""
-    v = data.get(key)
-    if isinstance(v, float) and math.isfinite(v):
-        v = int(v)
-    return v if isinstance(v, int) and not isinstance(v, bool) and -_INT_MAX < v < _INT_MAX else 0
+# A record's values as msgspec reads them (the project's one serialiser, docs/architecture.md):
+# a string of a record is never empty ("" reads as absent), and a whole number is one that fits
+# in a signed 64-bit integer (a larger one, a float, a bool is no number we take: review N5).
+Text = Annotated[str, msgspec.Meta(min_length=1)]
+Whole = Annotated[int, msgspec.Meta(ge=-(2**63) + 1, le=2**63 - 1)]
+Schema = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
 
 
 def load_json(text: str) -> object:
-    """A record's JSON, read as data: None for any text that is not JSON (nor a number of over
-    4,300 digits, which int() refuses, nor a nesting deeper than the parser goes)."""
+    """A record's JSON, read as data: None for any text that is not JSON as RFC 8259 has it (NaN
+    and Infinity are not), nor a number past 64 bits' worth of digits that int() refuses, nor a
+    nesting deeper than the decoder goes."""
     try:
-        return json.loads(text)
-    except (ValueError, RecursionError):     # JSONDecodeError is a ValueError
+        return msgspec.json.decode(text)
+    except (msgspec.MsgspecError, RecursionError):
         return None
 
 
-def _str_map(v: object) -> dict[str, str]:
-    if not isinstance(v, Mapping):
-        return {}
-    return {k: x for k, x in v.items() if isinstance(k, str) and isinstance(x, str)}
+R = TypeVar("R")
+# What a key that is absent (or does not read as its type) means when a record is read, where
+# that is not the field's default: a record written before `schema` existed is of schema 1.
+_ABSENT: dict[type, dict[str, Any]] = {}
 
 
-def _bool(data: Mapping[str, Any], key: str) -> bool:
-    return data.get(key) is True
+def read(cls: type[R], data: object) -> R | None:
+    """PURE: a record of type `cls` from JSON data, read leniently: unknown keys are ignored, a
+    missing key or one whose value does not read as the field's type is the field's default
+    (a nested record is read the same way); None when `data` is no JSON object or a field
+    without a default (a quarantine's hash) is missing. msgspec checks each value against the
+    dataclass's annotations; one decode of the whole record when all is well, field by field
+    only when it is not."""
+    if not isinstance(data, Mapping):
+        return None
+    absent = _ABSENT.get(cls, {})
+    try:
+        return msgspec.convert({**absent, **data}, cls)
+    except msgspec.ValidationError:
+        pass
+    kept: dict[str, Any] = {}
+    for name, tp in _hints(cast(Hashable, cls)).items():
+        if name not in data:
+            if name in absent:
+                kept[name] = absent[name]
+            continue
+        nested = _record_of(tp)
+        try:
+            kept[name] = read(nested, data[name]) if nested else msgspec.convert(data[name], tp)
+        except msgspec.ValidationError:
+            if name in absent:
+                kept[name] = absent[name]
+            elif (part := _readable_part(data[name], tp)) is not None:
+                kept[name] = part
+    try:
+        return cls(**kept)
+    except TypeError:            # a field without a default is missing
+        return None
 
 
+@functools.cache
+def _hints(cls: Any) -> dict[str, Any]:
+    """A record's fields and their annotations (Text, Whole ... as msgspec reads them)."""
+    hints = get_type_hints(cls, include_extras=True)
+    return {f.name: hints[f.name] for f in fields(cls) if f.init}
+
+
+def _readable_part(value: object, tp: Any) -> int | dict[str, Any] | tuple[Any, ...] | None:
+    """What still reads of a value that does not read as its field's type: of a whole number
+    written as a finite float, its whole part; of a table or an array, the entries (items) that
+    read as the field's (a secret's version that is no string is left out, the others kept);
+    None for anything else."""
+    if tp in (Whole, Schema) and isinstance(value, float) and math.isfinite(value):
+        return int(value) if _reads(int(value), tp) else None
+    args = get_args(tp)
+    if isinstance(value, dict) and get_origin(tp) in (Mapping, dict) and len(args) == 2:
+        return {k: v for k, v in value.items() if _reads(v, args[1])}
+    if isinstance(value, list) and get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return tuple(v for v in value if _reads(v, args[0]))
+    return None
+
+
+def _reads(value: object, tp: Any) -> bool:
+    try:
+        msgspec.convert(value, tp)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+def _record_of(tp: object) -> type | None:
+    """The record class a field holds (`Quarantine | None` -> Quarantine), or None."""
+    for arm in get_args(tp) or (tp,):
+        if isinstance(arm, type) and arm in _RECORDS:
+            return arm
+    return None
+
+
+# Written with dataclasses.asdict, not msgspec.to_builtins: a dataclass msgspec decoded holds a
+# field left at its default only on its class, and to_builtins leaves such a field out.
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None and v is not False}
 
@@ -115,33 +180,25 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
 class Quarantine:
     """A rendered service (by content hash) that failed on this host, or whose rollout halted."""
 
-    hash: str
+    hash: Text
     revision: str
-    reason: str                      # CamelCase: CrashLoop, StartFailed, StartTimeout, RolloutHalted ...
-    quote: str | None = None         # the journal line that explains the failure
-    at: int = 0                      # epoch seconds
+    reason: Text                     # CamelCase: CrashLoop, StartFailed, StartTimeout, RolloutHalted ...
+    quote: Text | None = None        # the journal line that explains the failure
+    at: Whole = 0                    # epoch seconds
     rollback_failed: bool = False    # the last good failed too: the service is left stopped
-    halted_at: str | None = None     # a halted rollout: the host where it halted
+    halted_at: Text | None = None    # a halted rollout: the host where it halted
     canary: bool = False             # ... in the canary wave
-    wave: int | None = None          # ... in this wave
-    cause: str | None = None         # ... for this reason (the failed host's reason)
+    wave: Whole | None = None        # ... in this wave
+    cause: Text | None = None        # ... for this reason (the failed host's reason)
 
     @classmethod
     def from_json(cls, data: object) -> Quarantine | None:
-        if not isinstance(data, Mapping) or not _str(data, "hash"):
-            return None
-        wave = data.get("wave")
-        return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "",
-                   reason=_str(data, "reason") or "Failed",
-                   quote=_str(data, "quote"), at=_int(data, "at"), rollback_failed=_bool(data, "rollback_failed"),
-                   halted_at=_str(data, "halted_at"), canary=_bool(data, "canary"),
-                   wave=wave if isinstance(wave, int) and not isinstance(wave, bool) else None,
-                   cause=_str(data, "cause"))
+        """Read leniently (`read`); None without a hash."""
+        return read(cls, data)
 
     def to_json(self) -> dict[str, Any]:
-        return _drop_none({"hash": self.hash, "revision": self.revision, "reason": self.reason, "quote": self.quote,
-                           "at": self.at, "rollback_failed": self.rollback_failed, "halted_at": self.halted_at,
-                           "canary": self.canary, "wave": self.wave, "cause": self.cause})
+        """Every field that is set (None and False left out)."""
+        return _drop_none(asdict(self))
 
     def merged(self, other: Quarantine | None) -> Quarantine:
         """This quarantine, with what it lacks filled in from another one for the same hash (the
@@ -171,31 +228,25 @@ def halt_where(host: str, canary: bool, wave: object) -> str:
 class Pending:
     """A deploy that was started and has no verdict yet (the durable intent)."""
 
-    hash: str
+    hash: Text
     revision: str
     rollback: bool = False           # a substitution of the last good, not the desired version
-    replaces_hash: str | None = None
-    replaces_revision: str | None = None
-    at: int = 0                      # host clock (epoch s) when the intent was written
+    replaces_hash: Text | None = None
+    replaces_revision: Text | None = None
+    at: Whole = 0                    # host clock (epoch s) when the intent was written
     started: bool = False            # the start/restart was issued after the files were in place
-    blocked: str | None = None       # why the start did not happen (GPUs still busy): tried again next run
-    unjudged: str | None = None      # why the last watch of it came to no verdict: it is started again
-    attempts: int = 0                # watches of it that came to no verdict (capped: MAX_UNJUDGED)
+    blocked: Text | None = None      # why the start did not happen (GPUs still busy): tried again next run
+    unjudged: Text | None = None     # why the last watch of it came to no verdict: it is started again
+    attempts: Whole = 0              # watches of it that came to no verdict (capped: MAX_UNJUDGED)
 
     @classmethod
     def from_json(cls, data: object) -> Pending | None:
-        if not isinstance(data, Mapping) or not _str(data, "hash"):
-            return None
-        return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "", rollback=_bool(data, "rollback"),
-                   replaces_hash=_str(data, "replaces_hash"), replaces_revision=_str(data, "replaces_revision"),
-                   at=_int(data, "at"), started=_bool(data, "started"), blocked=_str(data, "blocked"),
-                   unjudged=_str(data, "unjudged"), attempts=_int(data, "attempts"))
+        """Read leniently (`read`); None without a hash."""
+        return read(cls, data)
 
     def to_json(self) -> dict[str, Any]:
-        return {"hash": self.hash, "revision": self.revision, "rollback": self.rollback,
-                "replaces_hash": self.replaces_hash, "replaces_revision": self.replaces_revision,
-                "at": self.at, "started": self.started, "blocked": self.blocked,
-                "unjudged": self.unjudged, "attempts": self.attempts}
+        """Every field."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -205,52 +256,39 @@ class Adopted:
     files: tuple[str, ...] = ()      # original paths, copies kept under adopted/<service>/<path>
     was_enabled: bool = False
     was_active: bool = False
-    fragment: str | None = None      # where systemd loaded it from at adoption
+    fragment: Text | None = None     # where systemd loaded it from at adoption
     masked: bool = False             # it was masked (a link to /dev/null): masked again on the way out
 
     @classmethod
     def from_json(cls, data: object) -> Adopted | None:
-        if not isinstance(data, Mapping):
-            return None
-        files = data.get("files")
-        return cls(files=tuple(f for f in files if isinstance(f, str)) if isinstance(files, list) else (),
-                   was_enabled=_bool(data, "was_enabled"), was_active=_bool(data, "was_active"),
-                   fragment=_str(data, "fragment"), masked=_bool(data, "masked"))
+        """Read leniently (`read`)."""
+        return read(cls, data)
 
     def to_json(self) -> dict[str, Any]:
-        return {"files": list(self.files), "was_enabled": self.was_enabled, "was_active": self.was_active,
-                "fragment": self.fragment, "masked": self.masked}
+        """Every field."""
+        return {**asdict(self), "files": list(self.files)}
 
 
 @dataclass(frozen=True)
 class ServiceRecord:
     """What the reconciler knows about one service it installed on a host."""
 
-    hash: str | None = None
-    revision: str | None = None
-    last_good_hash: str | None = None
-    last_good_revision: str | None = None
+    hash: Text | None = None
+    revision: Text | None = None
+    last_good_hash: Text | None = None
+    last_good_revision: Text | None = None
     quarantine: Quarantine | None = None
     pending: Pending | None = None
     adopted: Adopted | None = None
     secrets: Mapping[str, str] = field(default_factory=dict)   # NAME -> keyed hash of the delivered value
     corrupt: bool = False            # unreadable on the host: kept in the inventory, trusted for nothing
-    schema: int = SCHEMA
+    schema: Schema = SCHEMA
 
     @classmethod
     def from_json(cls, data: object) -> ServiceRecord:
-        """Read leniently: older schemas, unknown keys and missing keys are fine; anything that is
-        not a JSON object is a corrupt record (still in the inventory)."""
-        if not isinstance(data, Mapping):
-            return cls(corrupt=True)
-        return cls(hash=_str(data, "hash"), revision=_str(data, "revision"),
-                   last_good_hash=_str(data, "last_good_hash"), last_good_revision=_str(data, "last_good_revision"),
-                   quarantine=Quarantine.from_json(data.get("quarantine")),
-                   pending=Pending.from_json(data.get("pending")),
-                   adopted=Adopted.from_json(data.get("adopted")),
-                   secrets=_str_map(data.get("secrets")),
-                   corrupt=_bool(data, "corrupt"),
-                   schema=_int(data, "schema") or 1)
+        """Read leniently (`read`): older schemas, unknown keys and missing keys are fine; anything
+        that is not a JSON object is a corrupt record (still in the inventory)."""
+        return read(cls, data) or cls(corrupt=True)
 
     @classmethod
     def parse(cls, text: str) -> ServiceRecord:
@@ -267,7 +305,7 @@ class ServiceRecord:
                 "secrets": dict(sorted(self.secrets.items()))}
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), sort_keys=True) + "\n"
+        return _dumps(self.to_json())
 
     @property
     def verified(self) -> bool:
@@ -279,21 +317,28 @@ class ServiceRecord:
 class HostRecord:
     """/var/lib/reconciler/host.json: the last revision applied to the host, and when."""
 
-    applied_revision: str | None = None
-    applied_at: int = 0
-    schema: int = SCHEMA
+    applied_revision: Text | None = None
+    applied_at: Whole = 0
+    schema: Schema = SCHEMA
 
     @classmethod
     def parse(cls, text: str) -> HostRecord:
-        data = load_json(text)
-        if not isinstance(data, Mapping):
-            return cls()
-        return cls(applied_revision=_str(data, "applied_revision"), applied_at=_int(data, "applied_at"),
-                   schema=_int(data, "schema") or 1)
+        """Any text: the record, read leniently (`read`), or an empty one."""
+        return read(cls, load_json(text)) or cls()
 
     def dumps(self) -> str:
-        return json.dumps({"schema": SCHEMA, "applied_revision": self.applied_revision,
-                           "applied_at": self.applied_at}, sort_keys=True) + "\n"
+        return _dumps({**asdict(self), "schema": SCHEMA})
+
+
+def _dumps(data: dict[str, Any]) -> str:
+    """A record as written on the host: JSON, keys sorted, one line, ASCII (json's escapes: the
+    text travels inside the shell programs that write it, byte for byte as before)."""
+    return json.dumps(data, sort_keys=True) + "\n"
+
+
+_RECORDS = (Quarantine, Pending, Adopted)
+_ABSENT.update({Quarantine: {"revision": "", "reason": "Failed"}, Pending: {"revision": ""},
+                ServiceRecord: {"schema": 1}, HostRecord: {"schema": 1}})
 
 
 SUPERSEDED = "Superseded"
