@@ -442,6 +442,7 @@ class Daemon:
         if page is not None and self.hub is not None:
             await page.stop(self.hub)
         await self.pool.close()
+        await self.commit_status.close()
         self.store.close()
 
     async def _watchdog(self) -> None:
