@@ -33,7 +33,8 @@ load cache).
     sudo .venv/bin/python -m bench.compare --sizes 1 10 --rounds 2 --scenarios no-change env-change
 
 Needs root (systemd-nspawn). Boots its own hosts on 127.0.0.40 and up (RECONCILER_BENCH_FIRST;
-30 hosts take 127.0.0.40-69) and stops them at the end. The machine's other load shows in the
+30 hosts take 127.0.0.40-69; machine names cmp40 ..., RECONCILER_BENCH_PREFIX) and stops them at
+the end. The machine's other load shows in the
 figures: take them on a quiet machine. Prints tables; asserts only that every run converged.
 """
 
@@ -57,6 +58,7 @@ from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 
 FIRST = int(os.environ.get("RECONCILER_BENCH_FIRST", "40"))
+PREFIX = os.environ.get("RECONCILER_BENCH_PREFIX", "cmp")     # the hosts' machine names: cmp40, cmp41 ...
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "bench"
 SCENARIOS = ("help", "no-change", "converge", "env-change")
@@ -295,7 +297,7 @@ def main() -> None:
                     help="Another checkout (e.g. `git worktree add --detach DIR REV`) whose CLI runs beside ours.")
     args = ap.parse_args()
     fleetlib.build()
-    hosts = fleetlib.up(max(args.sizes), first=FIRST, prefix="cmp")
+    hosts = fleetlib.up(max(args.sizes), first=FIRST, prefix=PREFIX)
     results: dict[int, dict[str, Cell]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
