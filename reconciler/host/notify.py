@@ -36,17 +36,14 @@ import json
 import logging
 import os
 import socket
-import ssl
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
+
+import httpx
 
 from ..desired.spec import NotifySpec
 from ..redact import redact, redact_data
-
-if TYPE_CHECKING:
-    import httpx
 
 log = logging.getLogger("reconciler.host.notify")
 
@@ -109,7 +106,7 @@ def check_address(address: str) -> None:
                          f"allows its network (webhook_allow, or ${ALLOW_ENV} for `reconcile`)")
 
 
-class AllowListTransport:
+class AllowListTransport(httpx.AsyncBaseTransport):
     """An httpx transport that reaches only addresses check_address lets through: the name is
     resolved once, every address it resolves to is checked (one refused refuses the webhook),
     and the connection goes to a checked address itself (the request's URL rewritten to it; the
@@ -118,11 +115,9 @@ class AllowListTransport:
     redirect and uses no proxy (webhook_client)."""
 
     def __init__(self) -> None:
-        import httpx
         self._inner = httpx.AsyncHTTPTransport(trust_env=False, retries=0)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        import httpx
         host, port = request.url.host, request.url.port or (443 if request.url.scheme == "https" else 80)
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
         addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
@@ -145,8 +140,7 @@ class AllowListTransport:
 def webhook_client(timeout: float, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
     """The client webhooks go out on: the allow-list transport (or a test's), no redirects, no
     proxy from the environment, `timeout` seconds for each step of a request."""
-    import httpx
-    return httpx.AsyncClient(transport=transport or cast("httpx.AsyncBaseTransport", AllowListTransport()),
+    return httpx.AsyncClient(transport=transport or AllowListTransport(),
                              timeout=timeout, follow_redirects=False, trust_env=False,
                              headers={"User-Agent": "reconciler"})
 
@@ -171,16 +165,12 @@ async def post(client: httpx.AsyncClient, url: str, body: bytes) -> None:
 def failure(e: BaseException, timeout: float) -> str:
     """Why a request failed, in words the controller chose: the status code of an answer, the
     kind of a malformed one, never text the target sent (a reason phrase, a status line)."""
-    import httpx
     if isinstance(e, WebhookStatus):
         return str(e)
     if isinstance(e, httpx.TimeoutException):
         return f"{type(e).__name__}: timed out after {timeout:g}s"
     if isinstance(e, httpx.RemoteProtocolError | httpx.DecodingError):
         return f"{type(e).__name__} (the answer is not shown)"
-    if isinstance(e, ssl.SSLError) or isinstance(e.__context__, ssl.SSLError):
-        tls = e if isinstance(e, ssl.SSLError) else cast(ssl.SSLError, e.__context__)
-        return f"{type(e).__name__}: {tls.reason or 'TLS failed'}"
     return f"{type(e).__name__}: {e}"
 
 
