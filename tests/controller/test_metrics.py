@@ -78,3 +78,5 @@ def test_metrics_on_the_pages_address_are_served_by_the_page(tmp_path: Path, cap
     (status, body), (front, _page) = asyncio.run(main())
     assert status == 200 and 'reconciler_runs_total{result="ok"} 1.0' in body
     assert front == 200
+    out = capsys.readouterr().out
+    assert "reconciler: metrics on http://127.0.0.1:" in out and out.count("/metrics") == 1

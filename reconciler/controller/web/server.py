@@ -105,4 +105,6 @@ async def serve_page(address: str, hub: Hub, state_dir: Path, *, repo: str = "",
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}/"
     print(f"reconciler: fleet page on {url}{public_note('web', host)}", flush=True)
+    if metrics is not None:
+        print(f"reconciler: metrics on {url}metrics{public_note('metrics', host)}", flush=True)
     return PageServer(server, task, url, executor, streams, refusals, clients)
