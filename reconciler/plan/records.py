@@ -29,17 +29,15 @@ state store, the metrics and the report.
 
 from __future__ import annotations
 
-import functools
 import json
-import math
-from collections.abc import Hashable, Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
-from typing import Annotated, Any, TypeVar, cast, get_args, get_origin, get_type_hints
+from typing import Any, TypeVar
 
-import msgspec
-
+from . import lenient
 from .gpuhealth import GPU_FAULT
+from .lenient import Schema, Text, Whole, load_json
 
 SCHEMA = 2
 
@@ -74,24 +72,6 @@ _EXIT = {Result.IN_SYNC: 0, Result.CONVERGED: 0, Result.WOULD_CHANGE: 2, Result.
          Result.ROLLED_BACK: 3, Result.FAILED: 4}
 
 
-# A record's values as msgspec reads them (the project's one serialiser, docs/architecture.md):
-# a string of a record is never empty ("" reads as absent), and a whole number is one that fits
-# in a signed 64-bit integer (a larger one, a float, a bool is no number we take: review N5).
-Text = Annotated[str, msgspec.Meta(min_length=1)]
-Whole = Annotated[int, msgspec.Meta(ge=-(2**63) + 1, le=2**63 - 1)]
-Schema = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
-
-
-def load_json(text: str) -> object:
-    """A record's JSON, read as data: None for any text that is not JSON as RFC 8259 has it (NaN
-    and Infinity are not), nor a number past 64 bits' worth of digits that int() refuses, nor a
-    nesting deeper than the decoder goes."""
-    try:
-        return msgspec.json.decode(text)
-    except (msgspec.MsgspecError, RecursionError):
-        return None
-
-
 R = TypeVar("R")
 # What a key that is absent (or does not read as its type) means when a record is read, where
 # that is not the field's default: a record written before `schema` existed is of schema 1.
@@ -99,75 +79,9 @@ _ABSENT: dict[type, dict[str, Any]] = {}
 
 
 def read(cls: type[R], data: object) -> R | None:
-    """PURE: a record of type `cls` from JSON data, read leniently: unknown keys are ignored, a
-    missing key or one whose value does not read as the field's type is the field's default
-    (a nested record is read the same way); None when `data` is no JSON object or a field
-    without a default (a quarantine's hash) is missing. msgspec checks each value against the
-    dataclass's annotations; one decode of the whole record when all is well, field by field
-    only when it is not."""
-    if not isinstance(data, Mapping):
-        return None
-    absent = _ABSENT.get(cls, {})
-    try:
-        return msgspec.convert({**absent, **data}, cls)
-    except msgspec.ValidationError:
-        pass
-    kept: dict[str, Any] = {}
-    for name, tp in _hints(cast(Hashable, cls)).items():
-        if name not in data:
-            if name in absent:
-                kept[name] = absent[name]
-            continue
-        nested = _record_of(tp)
-        try:
-            kept[name] = read(nested, data[name]) if nested else msgspec.convert(data[name], tp)
-        except msgspec.ValidationError:
-            if name in absent:
-                kept[name] = absent[name]
-            elif (part := _readable_part(data[name], tp)) is not None:
-                kept[name] = part
-    try:
-        return cls(**kept)
-    except TypeError:            # a field without a default is missing
-        return None
-
-
-@functools.cache
-def _hints(cls: Any) -> dict[str, Any]:
-    """A record's fields and their annotations (Text, Whole ... as msgspec reads them)."""
-    hints = get_type_hints(cls, include_extras=True)
-    return {f.name: hints[f.name] for f in fields(cls) if f.init}
-
-
-def _readable_part(value: object, tp: Any) -> int | dict[str, Any] | tuple[Any, ...] | None:
-    """What still reads of a value that does not read as its field's type: of a whole number
-    written as a finite float, its whole part; of a table or an array, the entries (items) that
-    read as the field's (a secret's version that is no string is left out, the others kept);
-    None for anything else."""
-    if tp in (Whole, Schema) and isinstance(value, float) and math.isfinite(value):
-        return int(value) if _reads(int(value), tp) else None
-    args = get_args(tp)
-    if isinstance(value, dict) and get_origin(tp) in (Mapping, dict) and len(args) == 2:
-        return {k: v for k, v in value.items() if _reads(v, args[1])}
-    if isinstance(value, list) and get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis:
-        return tuple(v for v in value if _reads(v, args[0]))
-    return None
-
-
-def _reads(value: object, tp: Any) -> bool:
-    try:
-        msgspec.convert(value, tp)
-    except msgspec.ValidationError:
-        return False
-    return True
-
-
-def _record_of(tp: object) -> type | None:
-    """The record class a field holds (`Quarantine | None` -> Quarantine), or None."""
-    for arm in get_args(tp) or (tp,):
-        if isinstance(arm, type) and arm in _RECORDS:
-            return arm
-    return None
+    """PURE: a record of type `cls` from JSON data, read leniently (lenient.read): unknown keys
+    ignored, a missing key or one that does not read as its field's type is its default."""
+    return lenient.read(cls, data, _ABSENT)
 
 
 # Written with dataclasses.asdict, not msgspec.to_builtins: a dataclass msgspec decoded holds a
@@ -336,7 +250,6 @@ def _dumps(data: dict[str, Any]) -> str:
     return json.dumps(data, sort_keys=True) + "\n"
 
 
-_RECORDS = (Quarantine, Pending, Adopted)
 _ABSENT.update({Quarantine: {"revision": "", "reason": "Failed"}, Pending: {"revision": ""},
                 ServiceRecord: {"schema": 1}, HostRecord: {"schema": 1}})
 

@@ -1,21 +1,10 @@
-"""The page's HTTP server: uvicorn inside the daemon's event loop, behind gate.py's limits, which
-keep the loop, and the daemon's file descriptors, free for deploys whatever the clients do.
-
-- At most MAX_CONNECTIONS sockets at once, and MAX_CONNECTIONS_PER_CLIENT of one client (peer.py:
-  a local user by the uid owning the connecting socket, `ssh -L` included; a remote peer by its
-  address): the next one is answered 503 and closed as soon as it is accepted, so one client
-  cannot take every slot (review N10).
-- A connection must send its request's head within HEAD_TIMEOUT seconds, the first one and every
-  next one on a kept-alive connection (a client that trickles a header byte by byte is dropped).
-- What a client has not read yet is bounded: the kernel's send buffer of its socket is set to
-  SEND_BUFFER, the transport's to its 64 KiB high-water mark (the server's next send waits for
-  it), and a client that does not read for SLOW_CLIENT seconds while both are full is dropped: it
-  never holds memory or a stream slot for long.
-- Event streams have their own caps, global and per client, and share one render per change
-  (stream.py).
-- `/metrics` is served here too when the daemon's metrics share the page's address (metrics.py).
-
-What is turned away is said in the log, at most once a minute (stream.Refusals).
+"""The page's HTTP server: uvicorn inside the daemon's event loop, behind gate.py's limits (which
+say how), so that the loop and the daemon's file descriptors stay free for deploys whatever the
+clients do: at most MAX_CONNECTIONS sockets, MAX_CONNECTIONS_PER_CLIENT of one client (peer.py:
+a local user by uid, `ssh -L` included; a remote peer by address; review N10), a request's head
+within HEAD_TIMEOUT seconds, a client that leaves SEND_BUFFER unread for SLOW_CLIENT seconds
+dropped. Event streams have caps of their own and share one render per change (stream.py).
+`/metrics` is served here too when the daemon's metrics share the page's address (metrics.py).
 
 A port it cannot listen on (taken by someone else, a bad address) is said once and the page is
 left off: deploys never wait on it, and the daemon still starts. A local user who binds the port
