@@ -33,7 +33,8 @@ load cache).
     sudo .venv/bin/python -m bench.compare --sizes 1 10 --rounds 2 --scenarios no-change env-change
 
 Needs root (systemd-nspawn). Boots its own hosts on 127.0.0.40 and up (RECONCILER_BENCH_FIRST;
-30 hosts take 127.0.0.40-69) and stops them at the end. The machine's other load shows in the
+30 hosts take 127.0.0.40-69; machine names cmp40 ..., RECONCILER_BENCH_PREFIX) and stops them at
+the end. The machine's other load shows in the
 figures: take them on a quiet machine. Prints tables; asserts only that every run converged.
 """
 
@@ -57,6 +58,7 @@ from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 
 FIRST = int(os.environ.get("RECONCILER_BENCH_FIRST", "40"))
+PREFIX = os.environ.get("RECONCILER_BENCH_PREFIX", "cmp")     # the hosts' machine names: cmp40, cmp41 ...
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "bench"
 SCENARIOS = ("help", "no-change", "converge", "env-change")
@@ -222,6 +224,11 @@ class Bench:
             self.desired(repo, hosts, self.value)
             self.unlimit(hosts)
             cells["env-change"].ours.append(self.ours(repo, n, "converged"))
+            if self.baseline is not None:         # its own new value: a new tree for it too
+                self.value += 1
+                self.desired(repo, hosts, self.value)
+                self.unlimit(hosts)
+                cells["env-change"].base.append(self.ours(repo, n, "converged", self.baseline))
             self.unlimit(hosts)
             cells["env-change"].floor.append(self.floor(repo, hosts, -self.value, "converged"))
             self.unlimit(hosts)
@@ -249,7 +256,7 @@ def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool, baseli
                f"all hosts at once; systemd-only health, stable_for = 0"
                + (f"; baseline: {baseline}" if baseline else "") + "\n")
     out.append(f"{'scenario':<28}{'hosts':>6}{'floor s':>10}{'reconcile s':>13}{'ratio':>8}"
-               + (f"{'baseline s':>12}{'ratio':>8}" if baseline else "")
+               + (f"{'baseline s':>12}{'ratio':>8}{'CPU s':>7}" if baseline else "")
                + f"{'CPU s floor/ours':>19}{'peak RSS MB floor/ours':>25}{'machine CPU s':>17}{'processes':>15}")
     for s in scenarios:
         for n in sizes:
@@ -260,9 +267,9 @@ def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool, baseli
             base = ""
             if baseline and c.base:
                 b = med(c.base, "seconds")
-                base = f"{b:>12.2f}{b / f:>7.2f}x"
+                base = f"{b:>12.2f}{b / f:>7.2f}x{med(c.base, 'cpu'):>7.2f}"
             elif baseline:
-                base = f"{'-':>12}{'':>8}"
+                base = f"{'-':>12}{'':>8}{'':>7}"
             out.append(f"{TITLES[s]:<28}{n if s != 'help' else '-':>6}{f:>10.2f}{o:>13.2f}{o / f:>7.2f}x{base}"
                        f"{med(c.floor, 'cpu'):>10.2f} / {med(c.ours, 'cpu'):<6.2f}"
                        f"{max(r.rss_mb for r in c.floor):>14.0f} / {max(r.rss_mb for r in c.ours):<6.0f}"
@@ -295,7 +302,7 @@ def main() -> None:
                     help="Another checkout (e.g. `git worktree add --detach DIR REV`) whose CLI runs beside ours.")
     args = ap.parse_args()
     fleetlib.build()
-    hosts = fleetlib.up(max(args.sizes), first=FIRST, prefix="cmp")
+    hosts = fleetlib.up(max(args.sizes), first=FIRST, prefix=PREFIX)
     results: dict[int, dict[str, Cell]] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:

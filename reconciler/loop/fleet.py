@@ -113,7 +113,7 @@ class _FleetRun:
         res = FleetResult(self.state.revision, self.dry_run, [self.results[h.name] for h in self.hosts],
                           rollouts)
         if self.notifier is not None:
-            await asyncio.to_thread(self.notifier.close)
+            await self.notifier.close()
             res.warnings.extend(self.notifier.failures)
         return res
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, overload
 
 from ._command import Command
-from ._compiled import Severity
 from ._hardware import Hardware
+from ._message import Severity
 from ._models import ModelInfo
 
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from reconciler.desired.cache import from_data, to_data
-from reconciler.desired.spec import CallSpec, DesiredState, InflightSpec, RolloutPolicy, SmokeCheck
+from reconciler.desired import cache
+from reconciler.desired.spec import CallSpec, InflightSpec, RolloutPolicy, SmokeCheck
 from reconciler.errors import Problem
 from tests.desired.test_load import base_files, load, problems
 
@@ -112,7 +112,9 @@ def test_drain_and_smoke_restart_nothing_and_survive_the_cache() -> None:
     plain, declared = load(repo()), load(repo("rollout = { min_available = 2 }\n" + HAPROXY + SMOKE))
     for h in ("a", "b", "c"):
         assert plain.hosts[h].services["web"].content_hash() == declared.hosts[h].services["web"].content_hash()
-    again = from_data(DesiredState, to_data(declared))
+    entry = cache.decode(cache.encode(cache.Entry(cache.FORMAT, "t", "f", declared)))
+    assert entry is not None
+    again = entry.state
     assert again == declared
     assert again.hosts["a"].services["web"].rollout == RolloutPolicy(canary=1, max_unavailable="25%", min_available=2)
 

@@ -4,12 +4,14 @@ webhooks, the push stream, tracebacks), the age round trip (keygen, encrypt, Dec
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import secrets as pysecrets
 import stat
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 from prometheus_client import generate_latest
@@ -405,11 +407,14 @@ def test_webhook_bodies_are_redacted() -> None:
     value = canary()
     redact.register(value)
     bodies: list[bytes] = []
-    for fmt in ("json", "slack"):
-        n = Notifier(NotifySpec(webhook="http://127.0.0.1:9/hook", format=fmt), post=lambda _u, b, _t: bodies.append(b))
+    async def run(fmt: str) -> None:
+        n = Notifier(NotifySpec(webhook="http://127.0.0.1:9/hook", format=fmt),
+                     transport=httpx.MockTransport(lambda r: bodies.append(r.content) or httpx.Response(204)))
         n.send("rollback", host="h1", service="m", revision="ab" * 20, short="ababab", reason="CrashLoop",
                journal_line=f"auth failed for {value} ({HF})", result="failed")
-        n.close()
+        await n.close()
+    for fmt in ("json", "slack"):
+        asyncio.run(run(fmt))
     assert len(bodies) == 2
     for body in bodies:
         assert value.encode() not in body and HF.encode() not in body and b"***" in body

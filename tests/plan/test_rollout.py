@@ -3,6 +3,7 @@ and the webhook notifier (against a real HTTP server on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import threading
@@ -318,38 +319,49 @@ def hook(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, type[_Hook]]]:
 
 def test_json_events_arrive_in_order(hook) -> None:
     url, handler = hook
-    n = Notifier(NotifySpec(url))
-    n.send("rollout.start", service="m", short="abc1234", hosts=["h1", "h2"])
-    n.send("rollout.halt", service="m", host="h1", reason="CrashLoop", journal_line="needs --x")
-    n.close(5)
+
+    async def run() -> Notifier:
+        n = Notifier(NotifySpec(url))
+        n.send("rollout.start", service="m", short="abc1234", hosts=["h1", "h2"])
+        n.send("rollout.halt", service="m", host="h1", reason="CrashLoop", journal_line="needs --x")
+        await n.close(5)
+        return n
+    n = asyncio.run(run())
     assert [e["event"] for e in handler.received] == ["rollout.start", "rollout.halt"]
     assert handler.received[1]["journal_line"] == "needs --x" and n.failures == []
 
 
 def test_slack_shape(hook) -> None:
     url, handler = hook
-    n = Notifier(NotifySpec(url, "slack"))
-    n.send("rollback", host="h1", service="m", short="abc1234", reason="CrashLoop", result="rolled-back",
-           rolled_back_to="def5678aaaa", journal_line="needs --x")
-    n.close(5)
+
+    async def run() -> None:
+        n = Notifier(NotifySpec(url, "slack"))
+        n.send("rollback", host="h1", service="m", short="abc1234", reason="CrashLoop", result="rolled-back",
+               rolled_back_to="def5678aaaa", journal_line="needs --x")
+        await n.close(5)
+    asyncio.run(run())
     (msg,) = handler.received
     assert set(msg) == {"text"} and "rolled back to `def5678`" in msg["text"] and "> needs --x" in msg["text"]
 
 
 def test_failing_or_slow_webhook_never_blocks(hook) -> None:
     url, handler = hook
+    asyncio.run(_failing_or_slow(url, handler))
+
+
+async def _failing_or_slow(url: str, handler: type[_Hook]) -> None:
     handler.status, handler.gate = 500, threading.Event()      # the webhook holds the request
     n = Notifier(NotifySpec(url))
     n.send("rollout.finish", service="m")
     assert not handler.answered.is_set()         # send returned before the webhook answered: it never waits
     handler.gate.set()
-    n.close(5)
+    await n.close(5)
     assert len(n.failures) == 1 and "500" in n.failures[0]
     assert "SECRET" not in n.failures[0] and where(url) in n.failures[0]
     # nothing listens: refused, reported, not raised
     closed = Notifier(NotifySpec("http://127.0.0.1:9/x", timeout=1))
     closed.send("rollout.start", service="m")
-    closed.close(5)
+    await closed.close(5)
     assert closed.failures and "not delivered" in closed.failures[0]
     # a webhook slower than the wait at the end: the run goes on; the event is dropped
     handler.status, handler.gate = 200, threading.Event()
@@ -358,8 +370,8 @@ def test_failing_or_slow_webhook_never_blocks(hook) -> None:
     slow = Notifier(NotifySpec(url, timeout=10))
     slow.send("rollout.start", service="m")
     slow.send("rollout.finish", service="m")
-    assert handler.arrived.wait(10)              # the first is at the webhook, which holds it
-    slow.close(0)                                # the wait at the end, spent
+    assert await asyncio.to_thread(handler.arrived.wait, 10)   # the first is at the webhook, which holds it
+    await slow.close(0)                          # the wait at the end, spent
     assert not handler.answered.is_set()         # close returned while the webhook still held it
     assert "still busy" in slow.failures[-1] and "1 event(s) dropped" in slow.failures[-1]
 
