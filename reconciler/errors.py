@@ -119,16 +119,9 @@ def describe(value: object) -> str:
 
 def kind_of(value: object) -> str:
     """The TOML kind of a value ('a string', 'an integer', 'a table' ...), never the value."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a float"
-    if isinstance(value, dict):
-        return "a table"
-    if isinstance(value, list):
-        return "an array"
-    return "a date or time"
+    return next((word for kind, word in _KINDS if isinstance(value, kind)), "a date or time")
+
+
+# bool before int: a TOML boolean is a Python int too.
+_KINDS: tuple[tuple[type, str], ...] = ((bool, "a boolean"), (str, "a string"), (int, "an integer"),
+                                        (float, "a float"), (dict, "a table"), (list, "an array"))

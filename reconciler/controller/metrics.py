@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from ..loop.results import FleetResult
 from ..plan.model import State
 from ..redact import redact
-from .config import cannot_listen, parse_address, public_note
+from .config import parse_address, public_note
 from .web.gate import Limits
 
 if TYPE_CHECKING:
@@ -112,15 +112,12 @@ class Metrics:
         their own behind the page's gate (web/gate.py; LIMITS, or `limits` for tests). A port taken
         by someone else or a bad address is said once and the metrics stay off (the daemon goes on,
         and still starts: a local user who binds the port first must not be able to crash-loop it)."""
-        from .web.gate import Gated, listen, serve
+        from .web.gate import Gated, listen_at, serve
         from .web.peer import Clients
         from .web.stream import Refusals
-        try:
-            host, port = parse_address(address)
-            sock = listen(host, port)
-        except (ValueError, OSError) as e:
-            print(redact(f"reconciler: metrics off: {cannot_listen(address, e)}"), flush=True)
+        if (bound := listen_at(address, "metrics")) is None:
             return None
+        host, sock = bound
         gated = Gated(replace(LIMITS, **limits), Refusals(name="metrics endpoint"), Clients())
         server, task = serve(self.app(), sock, gated)
         shown = f"[{host}]" if ":" in host else host

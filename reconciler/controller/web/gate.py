@@ -188,6 +188,20 @@ class _Requests:
         await self.app(scope, receive, sent)
 
 
+def listen_at(address: str, what: str) -> tuple[str, socket.socket] | None:
+    """The listening socket for `address` (host:port) and its host; None, said once as "`what`
+    off: why" (a port in use, a bad address), where it cannot be had: a server of the daemon's
+    that cannot listen stays off, the daemon goes on."""
+    from ...redact import redact
+    from ..config import cannot_listen, parse_address
+    try:
+        host, port = parse_address(address)
+        return host, listen(host, port)
+    except (ValueError, OSError) as e:
+        print(redact(f"reconciler: {what} off: {cannot_listen(address, e)}"), flush=True)
+        return None
+
+
 def listen(host: str, port: int) -> socket.socket:
     """The listening socket (IPv6 for a v6 address); OSError, with the system's own words, when it
     cannot be had."""

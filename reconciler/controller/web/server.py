@@ -25,10 +25,9 @@ import uvicorn
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ...redact import redact
-from ..config import cannot_listen, parse_address, public_note
+from ..config import public_note
 from .app import create_app
-from .gate import Gated, Limits, listen, serve
+from .gate import Gated, Limits, listen_at, serve
 from .hub import Hub
 from .peer import Clients
 from .stream import MAX_STREAMS, MAX_STREAMS_PER_CLIENT, Refusals, Streams
@@ -76,12 +75,9 @@ async def serve_page(address: str, hub: Hub, state_dir: Path, *, repo: str = "",
     at /metrics). A page that cannot listen (address in use, bad address) is said once and left
     off: deploys never wait on it. One that listens beyond loopback (the config allowed it:
     web_public) says so. `limits`: gate.Limits' fields other than the defaults (tests, bench)."""
-    try:
-        host, port = parse_address(address)
-        sock = listen(host, port)
-    except (ValueError, OSError) as e:
-        print(redact(f"reconciler: fleet page off: {cannot_listen(address, e)}"), flush=True)
+    if (bound := listen_at(address, "fleet page")) is None:
         return None
+    host, sock = bound
     refusals, clients = Refusals(), Clients()
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleet-page")
     app = create_app(hub, state_dir, repo=repo, branch=branch, bind=host, executor=executor, refusals=refusals,
