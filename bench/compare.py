@@ -60,7 +60,7 @@ from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 
 FIRST = int(os.environ.get("RECONCILER_BENCH_FIRST", "40"))
-PREFIX = os.environ.get("RECONCILER_BENCH_PREFIX", "cmp")
+PREFIX = os.environ.get("RECONCILER_BENCH_PREFIX", "cmp")     # the hosts' machine names: cmp40, cmp41 ...
 ROOT = Path(__file__).resolve().parent.parent
 SERVICE = "bench"
 SCENARIOS = ("help", "no-change", "converge", "env-change")
@@ -270,6 +270,11 @@ class Bench:
             self.desired(repo, hosts, self.value)
             self.unlimit(hosts)
             cells["env-change"].ours.append(self.ours(repo, n, "converged"))
+            if self.baseline is not None:         # its own new value: a new tree for it too
+                self.value += 1
+                self.desired(repo, hosts, self.value)
+                self.unlimit(hosts)
+                cells["env-change"].base.append(self.ours(repo, n, "converged", self.baseline))
             self.unlimit(hosts)
             cells["env-change"].floor.append(self.floor(repo, hosts, -self.value, "converged"))
             self.unlimit(hosts)
@@ -297,7 +302,7 @@ def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool, baseli
                f"all hosts at once; systemd-only health, stable_for = 0"
                + (f"; baseline: {baseline}" if baseline else "") + "\n")
     out.append(f"{'scenario':<28}{'hosts':>6}{'floor s':>10}{'reconcile s':>13}{'ratio':>8}"
-               + (f"{'baseline s':>12}{'ratio':>8}" if baseline else "")
+               + (f"{'baseline s':>12}{'ratio':>8}{'CPU s':>7}" if baseline else "")
                + f"{'CPU s floor/ours':>19}{'peak RSS MB floor/ours':>25}{'machine CPU s':>17}{'processes':>15}"
                + f"{'on hosts':>15}")
     for s in scenarios:
@@ -309,9 +314,9 @@ def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool, baseli
             base = ""
             if baseline and c.base:
                 b = med(c.base, "seconds")
-                base = f"{b:>12.2f}{b / f:>7.2f}x"
+                base = f"{b:>12.2f}{b / f:>7.2f}x{med(c.base, 'cpu'):>7.2f}"
             elif baseline:
-                base = f"{'-':>12}{'':>8}"
+                base = f"{'-':>12}{'':>8}{'':>7}"
             out.append(f"{TITLES[s]:<28}{n if s != 'help' else '-':>6}{f:>10.2f}{o:>13.2f}{o / f:>7.2f}x{base}"
                        f"{med(c.floor, 'cpu'):>10.2f} / {med(c.ours, 'cpu'):<6.2f}"
                        f"{max(r.rss_mb for r in c.floor):>14.0f} / {max(r.rss_mb for r in c.ours):<6.0f}"

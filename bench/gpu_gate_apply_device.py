@@ -85,8 +85,8 @@ async def scenarios(gib: float) -> bool:
     from reconciler.desired.spec import DesiredState, HealthSpec, HostSpec, ServiceSpec, SSHSpec
     from reconciler.host.gpu import gpu_facts
     from reconciler.host.transport import LocalTransport
-    from reconciler.loop.host import reconcile_host
-    from reconciler.loop.options import RunOptions
+    from reconciler.loop.host_run import Pass, reconcile_host
+    from reconciler.loop.options import RunIO, RunOptions
     from reconciler.loop.revision import Revision
     from reconciler.preflight import load_rules
 
@@ -110,7 +110,7 @@ async def scenarios(gib: float) -> bool:
         started = time.monotonic()
         spec = host(tag, policy)
         rev = Revision(DesiredState(tag.ljust(40, "0"), {spec.name: spec}), rules=lambda: rules)
-        r = await reconcile_host(spec, rev, RunOptions(), transport=t)
+        r = await reconcile_host(spec, rev, RunOptions(), RunIO(), Pass(t))
         wall = time.monotonic() - started
         plan = [a.describe() for a in (r.plan.actions if r.plan else ()) if a.kind.value in
                 ("stop", "wait-gpus", "start", "restart")]

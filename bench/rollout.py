@@ -25,7 +25,7 @@ from pathlib import Path
 
 from reconciler.desired import load, source
 from reconciler.loop.fleet import run_fleet
-from reconciler.loop.host import ssh_connector
+from reconciler.loop.host_run import ssh_connector
 from reconciler.loop.options import RunIO, RunOptions
 from reconciler.loop.results import FleetResult
 from reconciler.loop.revision import Revision

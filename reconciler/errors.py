@@ -3,11 +3,16 @@
     ReconcilerError
      ├── ConfigError          bad desired state: a list of Problems (file, key, message); exit 1
      ├── SourceError          the git repo or revision cannot be read; exit 1
-     └── HostError            one host failed; the others go on (reason is CamelCase)
-          ├── ConnectError        unreachable, refused, timed out, auth failed (Unreachable)
-          ├── HostKeyError        host key unknown or changed (HostKeyUnverified)
-          ├── CommandError        a command on the host failed (ApplyFailed / ObserveFailed)
-          └── ObserveError        the host's answer could not be understood (ObserveFailed)
+     ├── HostError            one host failed; the others go on (`reason`: a reasons.Reason)
+     │    ├── ConnectError        unreachable, refused, timed out, auth failed (Unreachable)
+     │    ├── HostKeyError        host key unknown or changed (HostKeyUnverified)
+     │    ├── CommandError        a command on the host failed (CommandFailed; the host run
+     │    │                       reports ApplyFailed for one that changes the host: loop/results.py)
+     │    ├── ObserveError        the host's answer could not be understood (ObserveFailed)
+     │    └── LockedError         another run holds the host's lock (Locked; host/lock.py)
+     ├── RevisionRefused      the trust policy refuses a revision (desired/trust.py)
+     ├── PublishError         pull mode's report could not be written or pushed (pull/_git.py)
+     └── NotesError           the deploy notes could not be written (controller/gitnotes.py)
 
 Messages never include environment values: they may carry tokens.
 """
@@ -15,6 +20,8 @@ Messages never include environment values: they may carry tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .reasons import Reason
 
 
 class ReconcilerError(Exception):
@@ -47,9 +54,9 @@ class SourceError(ReconcilerError):
 
 
 class HostError(ReconcilerError):
-    """Something failed on one host. `reason` is a short CamelCase code for reports."""
+    """Something failed on one host. `reason` says what, in one word, for reports."""
 
-    reason = "HostFailed"
+    reason = Reason.HOST_FAILED
 
     def __init__(self, host: str, message: str):
         self.host = host
@@ -58,17 +65,17 @@ class HostError(ReconcilerError):
 
 
 class ConnectError(HostError):
-    reason = "Unreachable"
+    reason = Reason.UNREACHABLE
 
 
 class HostKeyError(HostError):
-    reason = "HostKeyUnverified"
+    reason = Reason.HOST_KEY_UNVERIFIED
 
 
 class CommandError(HostError):
     """A command on the host exited non-zero. stderr is kept short and never holds env values."""
 
-    reason = "CommandFailed"
+    reason = Reason.COMMAND_FAILED
 
     def __init__(self, host: str, what: str, exit_status: int | None, stderr: str):
         self.what = what
@@ -92,7 +99,7 @@ def _tail(text: str, limit: int) -> str:
 
 
 class ObserveError(HostError):
-    reason = "ObserveFailed"
+    reason = Reason.OBSERVE_FAILED
 
 
 # ---- how a value is named in a message (schema and rule-pack messages) ----
@@ -112,16 +119,9 @@ def describe(value: object) -> str:
 
 def kind_of(value: object) -> str:
     """The TOML kind of a value ('a string', 'an integer', 'a table' ...), never the value."""
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a float"
-    if isinstance(value, dict):
-        return "a table"
-    if isinstance(value, list):
-        return "an array"
-    return "a date or time"
+    return next((word for kind, word in _KINDS if isinstance(value, kind)), "a date or time")
+
+
+# bool before int: a TOML boolean is a Python int too.
+_KINDS: tuple[tuple[type, str], ...] = ((bool, "a boolean"), (str, "a string"), (int, "an integer"),
+                                        (float, "a float"), (dict, "a table"), (list, "an array"))

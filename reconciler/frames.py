@@ -89,6 +89,16 @@ def raw_section(stdout: str, token: str, mark: str, host: str, early: str) -> tu
     return head + f"{token} END\n", section
 
 
+def ended(stdout: str, token: str) -> tuple[str, int | None]:
+    """A stream cut at its last END record that carries a status (`TOKEN END STATUS`: the
+    holder's session ends each command's stdout so, host/session.py): the text before that
+    record ("" where there is none), and the status (0-255; None where the record says none, or
+    there is no record)."""
+    body, end, status = stdout.rpartition(f"\n{token} END ")
+    code = number(status.strip(), 3) if end else None
+    return body, (code if code is not None and code <= 255 else None)
+
+
 def malformed(host: str, what: str, frame: Frame) -> ObserveError:
     """The error for a record that does not read as its kind says (its line redacted, then cut)."""
     return ObserveError(host, f"malformed {what} line: {redact.clip(frame.line, 80)!r}")

@@ -9,6 +9,9 @@ Besides the base system, every host gets (read-only bind mounts):
   /usr/local/lib/python3.11/dist-packages/sglang
                                   a stand-in `sglang` package (tests/hostpkg): units run the
                                   stand-in as `python3 -m sglang.launch_server`, as in production
+  /opt/standin/vllm               a stand-in `vllm` package, off python's path: `python3
+                                  /opt/standin/vllm/entrypoints/openai/api_server.py` runs the
+                                  stand-in playing vLLM (VLLM_STANDIN below)
   /models                         small fake model directories (tests/models)
   /opt/engines                    the real SGLang and vLLM environments of the engine-probe
                                   tests, and /usr/lib/x86_64-linux-gnu/libcuda.so.1, the
@@ -49,12 +52,16 @@ HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("RECONCILER_FLEET_CACHE", "/var/cache/reconciler-testfleet"))
 RUN_DIR = Path(os.environ.get("RECONCILER_FLEET_RUN", "/run/reconciler-testfleet"))
 # git and python3-venv: what a control host needs (the install test follows the runbook in one).
-PACKAGES = "systemd,systemd-sysv,dbus,openssh-server,iproute2,procps,python3,git,python3-venv"
+# haproxy: the load balancer of the drain tests (tests/balancer.py), off at boot.
+PACKAGES = "systemd,systemd-sysv,dbus,openssh-server,iproute2,procps,python3,git,python3-venv,haproxy"
 # Bump when the build steps below change, so cached root filesystems are rebuilt.
 BUILD_VERSION = "2"
 STANDIN = HERE / "standin.py"
 HOSTPKG = HERE / "hostpkg"
 SITE = "/usr/local/lib/python3.11/dist-packages"
+STANDIN_VLLM = "/opt/standin/vllm"
+# The command that runs the stand-in as vLLM's OpenAI server (the reconciler reads it as vLLM).
+VLLM_STANDIN = f"/usr/bin/python3 {STANDIN_VLLM}/entrypoints/openai/api_server.py"
 MODELS = HERE / "models"
 
 
@@ -120,6 +127,8 @@ def build() -> Path:
             (tmp / "etc/systemd/system" / unit).unlink(missing_ok=True)
             link = tmp / "etc/systemd/system/timers.target.wants" / unit
             link.unlink(missing_ok=True)
+        # HAProxy runs only where a test starts it (tests/balancer.py), with that test's config.
+        (tmp / "etc/systemd/system/multi-user.target.wants/haproxy.service").unlink(missing_ok=True)
         (tmp / ".complete").write_text(_rootfs_key())
         tmp.rename(root)
     ssh_dir = root / "root/.ssh"
@@ -170,6 +179,8 @@ def boot(name: str, address: str, binds: list[str] | None = None) -> Host:
         f"--bind-ro={conf}:/etc/ssh/sshd_config.d/test.conf",
         f"--bind-ro={STANDIN}:/usr/local/bin/sglang-standin",
         f"--bind-ro={HOSTPKG / 'sglang'}:{SITE}/sglang",
+        # off python's path: the engine tests expect no vllm there (a unit names the file)
+        f"--bind-ro={HOSTPKG / 'vllm'}:{STANDIN_VLLM}",
         # A stand-in nvidia-smi, off PATH: a test makes a host a "GPU host" with `gpu_host()`.
         f"--bind-ro={HOSTPKG / 'nvidia-smi'}:/usr/local/lib/fake-nvidia-smi",
         f"--bind-ro={MODELS}:/models",

@@ -45,7 +45,22 @@ bind-mounted as the executable /usr/local/bin/sglang-standin and run by systemd 
 * like SGLang, the HTTP port only listens once the (simulated) model load is over; then it
   serves ``GET /health`` (and ``/health_generate``), ``GET /get_model_info`` and
   ``GET /v1/models`` on ``--host``:``--port``;
-* SIGTERM (or SIGINT) exits 0.
+* traffic (issue 42), in the engine's own shapes and names: ``POST /v1/completions`` and
+  ``/v1/chat/completions`` answer every greedy request with the same text (``STANDIN_ANSWER``),
+  whole or streamed (``"stream": true``: server-sent events ending ``data: [DONE]``), after
+  ``STANDIN_REQUEST_SECONDS``; ``GET /metrics`` has the requests in flight as
+  ``sglang:num_running_reqs`` (with ``--enable-metrics`` only, as SGLang) or
+  ``vllm:num_requests_running``; ``GET /ready`` from SGLang 0.5.20 (200 while up, 503 once
+  stopping; vLLM has none outside its DP supervisor);
+* it plays vLLM when run as the stand-in ``vllm`` package's ``python3 -m
+  vllm.entrypoints.openai.api_server`` (``STANDIN_ENGINE=vllm``): vLLM's flags (``--model`` or
+  the model first, ``--port`` 8000, ``--shutdown-timeout``), /metrics always, and a request for
+  a model it does not serve is 404;
+* SIGTERM (or SIGINT) stops it as the engine it plays stops (``stop_like_engine``): SGLang
+  finishes every request in flight, without a bound (/health and /ready answer 503 meanwhile,
+  new requests are still taken), unless ``SGL_FORCE_SHUTDOWN=1``; vLLM with
+  ``--shutdown-timeout 0`` (its default) aborts them (each ends with HTTP 500), with ``S > 0``
+  refuses new ones (503) and waits up to S seconds for them. Then it exits 0.
 
 Environment knobs for tests:
 
@@ -67,6 +82,14 @@ Environment knobs for tests:
                            came from and its length, never the value.
 ``STANDIN_REJECT_SECRET``  a name: exit 1 with an error that quotes that secret's value (a badly
                            behaved server echoing a token it rejects), for redaction tests.
+``STANDIN_ENGINE``         ``vllm``: play vLLM (set by the stand-in ``vllm`` package); else SGLang.
+``STANDIN_ANSWER``         the text of every answer (default ``" Paris."``; a chat answer is stripped).
+``STANDIN_WRONG_ANSWER=1`` every answer is ``" the the the the"``: a server that is up and wrong.
+``STANDIN_BROKEN_CHAT_TEMPLATE=1``  chat answers only are template tokens
+                           (``<|im_start|>assistant...``), as with a wrong chat template.
+``STANDIN_REQUEST_SECONDS`` float, default 0: how long each completion takes.
+``STANDIN_TTFT_SECONDS``   float, default 0: a streamed answer's first chunk comes after this.
+``SGL_FORCE_SHUTDOWN=1``   SGLang's own: on SIGTERM exit at once, dropping the requests in flight.
 
 Python 3.11 standard library only: the test hosts have nothing else.
 """
@@ -118,7 +141,8 @@ def server_version() -> str:
     (tests/hostpkg, on the test hosts), else STANDIN_VERSION, else DEFAULT_VERSION."""
     try:
         import importlib
-        return str(getattr(importlib.import_module("sglang"), "__version__", DEFAULT_VERSION))
+        return str(getattr(importlib.import_module("vllm" if engine() == "vllm" else "sglang"), "__version__",
+                           DEFAULT_VERSION))
     except ImportError:
         return os.environ.get("STANDIN_VERSION", DEFAULT_VERSION)
 
@@ -164,6 +188,7 @@ def build_parser(version: str = DEFAULT_VERSION) -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--chunked-prefill-size", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--enable-metrics", action="store_true")
     return p
 
 
@@ -346,8 +371,9 @@ def probe_port(host: str, port: int) -> None:
         bind_error(e)
 
 
-def make_handler(args, health_status: int):
+def make_handler(args, health_status: int, traffic: "Traffic | None" = None):
     served = args.served_model_name or args.model_path
+    traffic = traffic or Traffic(engine(), DEFAULT_VERSION, 0)
 
     class Handler(http.server.BaseHTTPRequestHandler):
         server_version = "sglang-standin"
@@ -360,22 +386,74 @@ def make_handler(args, health_status: int):
             if self.command != "HEAD":
                 self.wfile.write(body)
 
-        def _json(self, obj) -> None:
-            self._send(200, json.dumps(obj).encode(), "application/json")
+        def _json(self, obj, status: int = 200) -> None:
+            self._send(status, json.dumps(obj).encode(), "application/json")
 
         def do_GET(self):  # http.server's naming
             path = self.path.split("?", 1)[0]
             if path in ("/health", "/health_generate"):
-                self._send(health_status, b"" if health_status == 200 else b"unhealthy\n")
+                # SGLang answers 503 once SIGTERM started its drain (gracefully_exit); vLLM's stays 200
+                status = 503 if traffic.engine == "sglang" and traffic.stopping else health_status
+                self._send(status, b"" if status == 200 else b"unhealthy\n")
+            elif path == "/ready" and traffic.has_ready():
+                self._send(200 if traffic.ready() and health_status == 200 else 503, b"")
+            elif path == "/metrics" and traffic.has_metrics(args):
+                self._send(200, traffic.metrics(served).encode(), "text/plain; version=0.0.4")
             elif path == "/get_model_info":
                 self._json({"model_path": args.model_path, "served_model_name": served, "is_generation": True})
             elif path == "/v1/models":
                 self._json({"object": "list", "data": [{"id": served, "object": "model", "created": int(START),
-                                                        "owned_by": "sglang", "root": args.model_path}]})
+                                                        "owned_by": traffic.engine, "root": args.model_path}]})
             else:
                 self._send(404, b'{"detail":"Not Found"}', "application/json")
 
         do_HEAD = do_GET
+
+        def do_POST(self):  # http.server's naming
+            path = self.path.split("?", 1)[0]
+            if path not in ("/v1/completions", "/v1/chat/completions"):
+                self._send(404, b'{"detail":"Not Found"}', "application/json")
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(min(length, 1 << 20)) or b"{}")
+            except ValueError:
+                self._json(_error("the body is not JSON", 400), 400)
+                return
+            model = body.get("model") if isinstance(body, dict) else None
+            if traffic.engine == "vllm" and model not in (served, args.model_path):
+                self._json(_error(f"The model `{model}` does not exist.", 404, "NotFoundError"), 404)
+                return
+            if not traffic.begin():
+                self._json(_error("the server is shutting down", 503, "ServiceUnavailable"), 503)
+                return
+            try:
+                self._complete(path.endswith("/chat/completions"), body, served)
+            finally:
+                traffic.end()
+
+        def _complete(self, chat: bool, body: dict, served: str) -> None:
+            text = answer_text(chat)
+            ttft = env_float("STANDIN_TTFT_SECONDS", 0.0) or 0.0
+            total = env_float("STANDIN_REQUEST_SECONDS", 0.0) or 0.0
+            if not body.get("stream"):
+                if traffic.aborted(max(total, ttft)):
+                    self._json(_error("the request was aborted: the engine is shutting down", 500), 500)
+                    return
+                self._json(completion(chat, text, served))
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            pieces = [text[i:i + 4] for i in range(0, len(text), 4)] or [""]
+            rest = max(0.0, total - ttft) / len(pieces)
+            for i, piece in enumerate(pieces):
+                if traffic.aborted(ttft if i == 0 else rest):
+                    self.wfile.write(b"data: " + json.dumps(_error("aborted", 500)).encode() + b"\n\n")
+                    return
+                self.wfile.write(b"data: " + json.dumps(chunk(chat, piece, served)).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
 
         def log_message(self, format, *a):  # http.server's signature
             pass  # quiet: no journald line per health probe
@@ -410,12 +488,214 @@ def on_signal(signum, frame):
     raise Stop(signum)
 
 
+# ---- traffic: completions, in-flight work, and each engine's stop (issue 42) ----------------
+
+ANSWER = " Paris."                                         # STANDIN_ANSWER's default
+WRONG_TEXT = " the the the the"                            # STANDIN_WRONG_ANSWER=1
+BROKEN_TEMPLATE_TEXT = "<|im_start|>assistant<|im_start|>assistant"   # STANDIN_BROKEN_CHAT_TEMPLATE=1, chat only
+DRAIN_LOG_EVERY = 5.0                                      # SGLang logs the remaining requests every 5 s
+
+
+def engine() -> str:
+    """The engine the stand-in plays: "vllm" when run as the stand-in `vllm` package's api_server
+    (STANDIN_ENGINE=vllm), else "sglang"."""
+    return "vllm" if os.environ.get("STANDIN_ENGINE", "").strip().lower() == "vllm" else "sglang"
+
+
+def build_vllm_parser() -> argparse.ArgumentParser:
+    """vLLM's flags the stand-in knows (python -m vllm.entrypoints.openai.api_server), under the
+    names run() reads (model_path, tp_size ...); unknown flags exit 2 as vLLM's parser does."""
+    p = argparse.ArgumentParser(prog="vllm-standin",
+                                description="Stand-in for vLLM's OpenAI API server (tests only; no real model).")
+    p.add_argument("model_tag", nargs="?", default=None)
+    p.add_argument("--model", dest="model_path", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor-parallel-size", "-tp", dest="tp_size", type=int, default=1)
+    p.add_argument("--shutdown-timeout", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.set_defaults(speculative_algorithm=None, mamba_scheduler_strategy="auto", enable_metrics=True)
+    return _VllmParser(p)
+
+
+class _VllmParser:
+    """vLLM takes the model as --model or as the first word (`vllm serve MODEL`)."""
+
+    def __init__(self, parser: argparse.ArgumentParser):
+        self.parser = parser
+
+    def parse_args(self, argv=None):
+        args = self.parser.parse_args(argv)
+        args.model_path = args.model_path or args.model_tag
+        if not args.model_path:
+            self.parser.error("the following arguments are required: --model")
+        return args
+
+
+def answer_text(chat: bool) -> str:
+    """The greedy answer, the same for every prompt: STANDIN_ANSWER, or a wrong one."""
+    if env_bool("STANDIN_WRONG_ANSWER"):
+        return WRONG_TEXT
+    if chat and env_bool("STANDIN_BROKEN_CHAT_TEMPLATE"):
+        return BROKEN_TEMPLATE_TEXT
+    text = os.environ.get("STANDIN_ANSWER", ANSWER)
+    return text.strip() if chat else text
+
+
+def completion(chat: bool, text: str, model: str) -> dict:
+    """An OpenAI-style completion or chat completion of `text`."""
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"} if chat
+              else {"index": 0, "text": text, "finish_reason": "length"})
+    return {"id": f"cmpl-standin-{time.monotonic_ns()}", "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": {"prompt_tokens": 1, "completion_tokens": max(1, len(text.split())), "total_tokens": 2}}
+
+
+def chunk(chat: bool, text: str, model: str) -> dict:
+    """One streamed chunk of `text`."""
+    choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+    return {"object": "chat.completion.chunk" if chat else "text_completion", "model": model, "choices": [choice]}
+
+
+def _error(message: str, code: int, kind: str = "BadRequestError") -> dict:
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
+class Traffic:
+    """The completions in flight and the engine's state around a stop: what /metrics, /ready and
+    /health say, and what SIGTERM does to the requests (stop_like_engine)."""
+
+    def __init__(self, engine_name: str, version: str, shutdown_timeout: int):
+        self.engine, self.version, self.shutdown_timeout = engine_name, version, shutdown_timeout
+        self.cond = threading.Condition()
+        self.inflight = 0
+        self.served = 0
+        self.stopping = False            # SIGTERM came
+        self.refusing = False            # new requests get 503 (vLLM while it drains)
+        self.abort = threading.Event()   # requests in flight end with an error (vLLM's abort)
+
+    def has_ready(self) -> bool:
+        """SGLang has /ready from 0.5.20; vLLM only under its DP supervisor (not played here)."""
+        return self.engine == "sglang" and version_tuple(self.version) >= (0, 5, 20)
+
+    def ready(self) -> bool:
+        return not self.stopping
+
+    def has_metrics(self, args) -> bool:
+        """vLLM always serves /metrics; SGLang only with --enable-metrics."""
+        return self.engine == "vllm" or bool(getattr(args, "enable_metrics", False))
+
+    def metrics(self, model: str) -> str:
+        """The in-flight gauges in the engine's own names and labels (Prometheus text format)."""
+        with self.cond:
+            running = self.inflight
+        if self.engine == "vllm":
+            labels = f'engine="0",model_name="{model}"'
+            return ("# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+                    "# TYPE vllm:num_requests_running gauge\n"
+                    f"vllm:num_requests_running{{{labels}}} {float(running)}\n"
+                    f"vllm:num_requests_waiting{{{labels}}} 0.0\n")
+        labels = f'engine_type="unified",model_name="{model}",tp_rank="0"'
+        return ("# HELP sglang:num_running_reqs The number of running requests.\n"
+                "# TYPE sglang:num_running_reqs gauge\n"
+                f"sglang:num_running_reqs{{{labels}}} {float(running)}\n"
+                f"sglang:num_queue_reqs{{{labels}}} 0.0\n")
+
+    def begin(self) -> bool:
+        with self.cond:
+            if self.refusing:
+                return False
+            self.inflight += 1
+            return True
+
+    def end(self) -> None:
+        with self.cond:
+            self.inflight -= 1
+            self.served += 1
+            self.cond.notify_all()
+
+    def aborted(self, seconds: float) -> bool:
+        """Generate for `seconds`; True when the engine aborted the request meanwhile."""
+        return self.abort.wait(seconds) if seconds > 0 else self.abort.is_set()
+
+    def wait_idle(self, seconds: float | None) -> int:
+        """Wait until nothing is in flight (or `seconds` passed); what is still in flight."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        with self.cond:
+            while self.inflight and (deadline is None or time.monotonic() < deadline):
+                self.cond.wait(0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic())))
+            return self.inflight
+
+
+def stop_like_engine(traffic: Traffic, signum: int) -> None:
+    """What the engine does with the requests in flight on SIGTERM (the anchors review, section
+    1.4, read from the wheels):
+
+    * SGLang: "Draining requests and shutting down...": /health and /ready answer 503, requests
+      are still taken, and it waits until none is in flight, without a bound, logging the count
+      every 5 s (the stand-in looks every 0.1 s; SGLang every 5 s). SGL_FORCE_SHUTDOWN=1: it
+      exits at once, dropping them.
+    * vLLM: --shutdown-timeout 0 (its default) aborts them (each ends with an error); S > 0 takes
+      no new request (503) and waits up to S seconds, then aborts what is left.
+    """
+    signal.signal(signal.SIGTERM, lambda *_: log("[standin] another signal while stopping: ignored"))
+    signal.signal(signal.SIGINT, lambda *_: log("[standin] another signal while stopping: ignored"))
+    with traffic.cond:
+        traffic.stopping = True
+        left = traffic.inflight
+    if traffic.engine == "sglang":
+        log(f"SIGTERM received. signum={signum}. Draining requests and shutting down...")
+        if env_bool("SGL_FORCE_SHUTDOWN"):
+            log("Signal SIGTERM received while force shutdown flag set. Force exiting.")
+            return
+        while left:
+            log(f"Gracefully exiting... Remaining number of requests {left}.")
+            left = traffic.wait_idle(DRAIN_LOG_EVERY)
+        log("Gracefully exiting... Remaining number of requests 0.")
+        return
+    timeout = traffic.shutdown_timeout
+    log(f"[shutdown] API server: stopping engine client mode={'abort' if timeout == 0 else 'drain'} "
+        f"timeout={timeout}s")
+    with traffic.cond:
+        traffic.refusing = True
+    if timeout > 0 and left:
+        log(f"[shutdown] EngineCore: draining in-flight requests count={left} timeout={timeout}s")
+        left = traffic.wait_idle(float(timeout))
+    if left:
+        log(f"[shutdown] EngineCore: aborting in-flight requests count={left}")
+        traffic.abort.set()
+        traffic.wait_idle(2.0)           # the handlers write their errors before the process goes
+
+
+def serve(server: "Server", crash_after: float | None, traffic: Traffic) -> int:
+    """Serve until SIGTERM (the engine's stop behaviour, then exit 0) or the simulated crash."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True)
+    thread.start()
+    log(f"Uvicorn running on http://{server.server_name}:{server.server_port} (Press CTRL+C to quit)")
+    log("The server is fired up and ready to roll!")
+    try:
+        deadline = None if crash_after is None else time.monotonic() + crash_after
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(0.1 if deadline is not None else 3600)
+    except Stop as e:
+        stop_like_engine(traffic, e.args[0])
+        raise
+    finally:
+        server.shutdown()
+        server.server_close()
+    fail(CRASH_LINE)
+
+
 def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
         version = server_version()
-        return run(build_parser(version).parse_args(argv), version)
+        parser = build_vllm_parser() if engine() == "vllm" else build_parser(version)
+        return run(parser.parse_args(argv), version)
     except Stop as e:
         log(f"Received signal {e.args[0]}, shutting down (stand-in).")
         return 0
@@ -473,23 +753,11 @@ def run(args, version: str = DEFAULT_VERSION) -> int:
     capture_graphs(load * (1 - WEIGHTS_SHARE))
 
     try:
-        server = Server((args.host, args.port), make_handler(args, health_status))
+        traffic = Traffic(engine(), version, getattr(args, "shutdown_timeout", 0))
+        server = Server((args.host, args.port), make_handler(args, health_status, traffic))
     except OSError as e:
         bind_error(e)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
-                              daemon=True)
-    thread.start()
-    log(f"Uvicorn running on http://{args.host}:{args.port} (Press CTRL+C to quit)")
-    log("The server is fired up and ready to roll!")
-
-    try:
-        deadline = None if crash_after is None else time.monotonic() + crash_after
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(0.1 if deadline is not None else 3600)
-        fail(CRASH_LINE)
-    finally:
-        server.shutdown()
-        server.server_close()
+    return serve(server, crash_after, traffic)
 
 
 if __name__ == "__main__":

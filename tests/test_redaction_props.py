@@ -6,6 +6,7 @@ page, a webhook body and a ConfigError. No secret may come out, in any escaped f
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import html
 import io
@@ -18,6 +19,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -228,11 +230,14 @@ def test_no_secret_survives_onto_the_fleet_page(secret: Secret) -> None:
 @given(secret=SECRETS, fmt=st.sampled_from(["json", "slack"]))
 def test_no_secret_survives_into_a_webhook_body(secret: Secret, fmt: str) -> None:
     bodies: list[bytes] = []
-    notifier = Notifier(NotifySpec(webhook="http://127.0.0.1:9/hooks", format=fmt),
-                        post=lambda _url, body, _timeout: bodies.append(body))
-    notifier.send("rollback", host="gpu-1", service="sglang", short="bcdefab", result="rolled-back",
-                  reason=f"CrashLoop: {secret.text}", journal_line=secret.text, rolled_back_to=REV)
-    notifier.close()
+
+    async def run() -> None:
+        notifier = Notifier(NotifySpec(webhook="http://127.0.0.1:9/hooks", format=fmt),
+                            transport=httpx.MockTransport(lambda r: bodies.append(r.content) or httpx.Response(204)))
+        notifier.send("rollback", host="gpu-1", service="sglang", short="bcdefab", result="rolled-back",
+                      reason=f"CrashLoop: {secret.text}", journal_line=secret.text, rolled_back_to=REV)
+        await notifier.close()
+    asyncio.run(run())
     assert len(bodies) == 1
     assert_hidden(secret, bodies[0].decode())
 

@@ -43,15 +43,15 @@ def _sent() -> dict[str, str]:
     from reconciler.host import engine, gpu, lock
     from reconciler.host.script import ApplyScript
     from reconciler.plan import confirm
+    from reconciler.plan.facts import fetch, journal, observe, progress, show, verify, versions
     from reconciler.plan.facts import gpu as gpu_facts
-    from reconciler.plan.facts import journal, observe, progress, show, verify, versions
     from reconciler.plan.records import ServiceRecord
     from reconciler.preflight import _hostcheck
     from tests.host.test_apply import _plan
     programs: list[type[HostProgram[object]]] = [
         observe.Observe, verify.Verify, gpu_facts.GpuRead, versions.Versions, _hostcheck.ModelCheck,
         progress.JournalTail,
-        show.UnitShow, journal.Journal, engine.EngineProbe, gpu.Signal]
+        show.UnitShow, journal.Journal, engine.EngineProbe, gpu.Signal, fetch.FetchCommand, lock.Install]
     out = {p.name: p.text() for p in programs}
     plan = _plan()
     out["apply"] = ApplyScript.of(plan, plan.actions, 0).stdin("0123456789abcdef")

@@ -1,7 +1,7 @@
 """The daemon's deploy status on the commit: git notes on the deploy repo (gitnotes.py) and, when
 configured, the forge's commit status (forge.py). Neither ever fails or holds up a deploy: a
 note that cannot be written is a warning line in the run's output; forge statuses go out from
-their own thread.
+a task of the daemon's event loop (forge.py).
 
 Notes are written on a local deploy repo (the bare repo `reconcile init-repo` makes); with a URL
 repo the daemon reads a mirror, where notes would reach nobody, so it writes none.
@@ -65,6 +65,11 @@ class CommitStatus:
         """A run ended without a result (its pending status must not stay pending)."""
         if len(revision) == 40:
             self._post(revision, forge.failed(revision, why, self.target_url))
+
+    async def close(self) -> None:
+        """The daemon stops: statuses still queued are dropped (the next start posts afresh)."""
+        if self.forge is not None:
+            await self.forge.close()
 
     def finished(self, repo: Any, result: FleetResult) -> list[str]:
         """A run ended: its notes, its forge statuses. Returns warnings (never raises)."""

@@ -67,7 +67,7 @@ from ..errors import ConfigError, ReconcilerError, SourceError
 from ..host import notify
 from ..host.pool import Pool
 from ..loop.fleet import run_fleet, selected
-from ..loop.host import ssh_connector
+from ..loop.host_run import ssh_connector
 from ..loop.options import RunIO, RunOptions, confirm_margin_from
 from ..loop.report import PhaseView, print_config_error, print_result
 from ..loop.revision import open_revision
@@ -75,7 +75,7 @@ from ..preflight import RuleSet, load_rules, secret_warnings
 from . import notify_systemd as sd
 from .commitstatus import CommitStatus
 from .config import ControllerConfig
-from .metrics import Metrics
+from .metrics import Metrics, on_the_page
 from .store import Store, remember
 from .trigger import prepare_trigger
 from .web.hub import Hub
@@ -415,8 +415,10 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
-        if self.cfg.metrics:
-            self.metrics.serve(self.cfg.metrics)     # a port it cannot listen on is said; the daemon goes on
+        # /metrics: on the page when both share an address, else on a server of its own; a port
+        # it cannot listen on is said, and the daemon goes on.
+        shared = bool(self.hub is not None and self.cfg.metrics and on_the_page(self.cfg.metrics, self.cfg.web))
+        metrics = await self.metrics.serve(self.cfg.metrics) if self.cfg.metrics and not shared else None
         sched = AsyncIOScheduler(event_loop=loop)
         sched.add_job(self.ask, "interval", seconds=self.interval, args=["interval"], coalesce=True,
                       max_instances=1, id="interval")
@@ -430,7 +432,7 @@ class Daemon:
         if self.hub is not None:
             from .web.server import serve_page  # starlette, uvicorn, Jinja2: only when the page is on
             page = await serve_page(self.cfg.web, self.hub, self.state_dir, repo=self.cfg.repo,
-                                    branch=self.cfg.branch)
+                                    branch=self.cfg.branch, metrics=self.metrics.app() if shared else None)
         sd.notify("READY=1\nSTATUS=watching " + self.cfg.repo)
         await self.stopping.wait()
         print("reconciler: stopping", flush=True)
@@ -441,7 +443,10 @@ class Daemon:
         await asyncio.gather(runner, watcher, pinger, return_exceptions=True)
         if page is not None and self.hub is not None:
             await page.stop(self.hub)
+        if metrics is not None:
+            await metrics.stop()
         await self.pool.close()
+        await self.commit_status.close()
         self.store.close()
 
     async def _watchdog(self) -> None:

@@ -15,9 +15,10 @@ starts, then one status per host (success: converged or in sync; failure: rolled
 quarantined or failed, with the journal line) and one for the fleet.
 
 A failing, slow or unreachable forge never blocks or fails a deploy (as notify.py does for
-webhooks): statuses go to a queue that one daemon thread posts from. The queue keeps only the
-newest status per commit and context (a forge that is down does not make it grow run after run),
-and at most MAX_PENDING of them. Every failure is a warning line on stderr (the journal), naming
+webhooks): statuses go to a queue that one task of the daemon's event loop posts from, on
+httpx's async client (host/outbox.py). The queue keeps only the newest status per commit and
+context (a forge that is down does not make it grow run after run), and at most MAX_PENDING of
+them. No redirect is followed. Every failure is a warning line on stderr (the journal), naming
 the forge by scheme, host and port only. The token is read from its file or variable for each
 request (a rotated token is picked up), registered with redact, sent only in the Authorization
 header and never printed; every payload is redacted before it is queued.
@@ -26,13 +27,8 @@ header and never printed; every payload is redacted before it is queued.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import sys
-import threading
-import urllib.error
-import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,10 +36,13 @@ from urllib.parse import quote
 
 from .. import redact
 from ..host.notify import where
+from ..host.outbox import Outbox
 from ..plan.records import Result
 from .gitnotes import host_detail, one_line
 
 if TYPE_CHECKING:
+    import httpx
+
     from ..loop.results import FleetResult
 
 DESCRIPTION_MAX = 140            # GitHub's limit on a status description
@@ -51,9 +50,6 @@ MAX_PENDING = 500
 FLEET_CONTEXT = "reconciler/fleet"
 _STATE = {Result.IN_SYNC: "success", Result.CONVERGED: "success", Result.WOULD_CHANGE: "pending",
           Result.QUARANTINED: "failure", Result.ROLLED_BACK: "failure", Result.FAILED: "failure"}
-
-# (url, body, headers, timeout); raises on failure
-Post = Callable[[str, bytes, dict[str, str], float], None]
 
 
 @dataclass(frozen=True)
@@ -134,77 +130,70 @@ def failed(revision: str, why: str, target_url: str | None = None) -> dict[str, 
     return payload("error", FLEET_CONTEXT, f"run failed: {why}", _target(target_url, revision, "fleet"))
 
 
-def http_post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> None:
-    """POST a JSON body; raise unless the answer is 2xx."""
-    req = urllib.request.Request(url, data=body, method="POST", headers=headers)
-    with urllib.request.urlopen(req, timeout=timeout) as resp:    # http(s) only: the config checks the scheme
-        if not 200 <= resp.status < 300:
-            raise urllib.error.HTTPError(url, resp.status, resp.reason, resp.headers, None)
-
-
 class ForgeStatus:
-    """Posts commit statuses from a background thread; never raises into the caller, never waits."""
+    """Posts commit statuses from the daemon's event loop (host/outbox.py); never raises into the
+    caller, never waits. `transport`: a test's (httpx.MockTransport); httpx's own else."""
 
-    def __init__(self, spec: ForgeSpec, post: Post = http_post):
+    def __init__(self, spec: ForgeSpec, transport: httpx.AsyncBaseTransport | None = None):
         self.spec = spec
-        self._post = post
-        self._pending: collections.OrderedDict[tuple[str, str], dict[str, str]] = collections.OrderedDict()
-        self._cv = threading.Condition()
-        self._busy = False
-        self._thread: threading.Thread | None = None
         self.failures: collections.deque[str] = collections.deque(maxlen=100)
-        self.sent = 0
+        self._outbox: Outbox[tuple[str, dict[str, str]]] = Outbox(
+            lambda: _client(spec.timeout, transport), self._deliver, self._failed, self._warn,
+            max_pending=MAX_PENDING, dropped=lambda item: f"forge {where(spec.url)}: too many statuses queued; "
+                                                          f"dropped {item[1]['context']} on {item[0][:7]}")
+
+    @property
+    def sent(self) -> int:
+        return self._outbox.sent
 
     def send(self, sha: str, status: dict[str, str]) -> None:
-        """Queue one status; returns at once. A newer status for the same commit and context
-        replaces one still queued."""
+        """Queue one status; returns at once (call it from the daemon's loop). A newer status for
+        the same commit and context replaces one still queued."""
         status = redact.redact_data(status)
-        with self._cv:
-            key = (sha, status["context"])
-            self._pending.pop(key, None)
-            self._pending[key] = status
-            while len(self._pending) > MAX_PENDING:
-                (old_sha, ctx), _ = self._pending.popitem(last=False)
-                self._warn(f"forge {where(self.spec.url)}: too many statuses queued; dropped {ctx} on {old_sha[:7]}")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._worker, name="reconciler-forge", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+        self._outbox.put((sha, status["context"]), (sha, status))
 
-    def wait_idle(self, timeout: float) -> bool:
+    async def drain(self, timeout: float) -> bool:
         """Wait until every queued status went out or failed (tests, a clean stop)."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
+        return await self._outbox.drain(timeout)
 
-    def _worker(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: bool(self._pending))
-                (sha, _context), status = self._pending.popitem(last=False)
-                self._busy = True
-            try:
-                self._deliver(sha, status)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+    async def close(self) -> None:
+        """Drop what is still queued; close the client (the daemon stops)."""
+        await self._outbox.close()
 
-    def _deliver(self, sha: str, status: dict[str, str]) -> None:
+    async def _deliver(self, client: httpx.AsyncClient, item: tuple[str, dict[str, str]]) -> None:
+        sha, status = item
+        headers = {"Accept": "application/vnd.github+json", "Authorization": f"token {self.spec.token()}"}
+        response = await client.post(self.spec.status_url(sha), json=status, headers=headers)
+        if not 200 <= response.status_code < 300:
+            raise ForgeAnswer(response.status_code, response.reason_phrase)
+
+    def _failed(self, item: tuple[str, dict[str, str]], e: Exception) -> None:
+        import httpx
+        sha, status = item
         what = f"forge {where(self.spec.url)}: status {status['context']} on {sha[:7]} not delivered"
-        try:
-            token = self.spec.token()
-            headers = {"Content-Type": "application/json", "Accept": "application/vnd.github+json",
-                       "User-Agent": "reconciler", "Authorization": f"token {token}"}
-            self._post(self.spec.status_url(sha), json.dumps(status).encode(), headers, self.spec.timeout)
-            self.sent += 1
-        except ForgeTokenError as e:
+        if isinstance(e, ForgeTokenError | ForgeAnswer):
             self._warn(f"{what}: {e}")
-        except urllib.error.HTTPError as e:
-            self._warn(f"{what}: HTTP {e.code} {e.reason}")
-        except Exception as e:      # any failure of the forge is only a warning
-            self._warn(f"{what}: {type(e).__name__}: {getattr(e, 'reason', None) or e}")
+        elif isinstance(e, httpx.TimeoutException):
+            self._warn(f"{what}: {type(e).__name__}: timed out after {self.spec.timeout:g}s")
+        else:
+            self._warn(f"{what}: {type(e).__name__}: {e}")
 
     def _warn(self, msg: str) -> None:
         msg = redact.redact(msg)
         self.failures.append(msg)
         print(f"reconciler: warning: {msg}", file=sys.stderr, flush=True)
+
+
+class ForgeAnswer(Exception):
+    """The forge answered with a status other than 2xx (a redirect included: never followed)."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(f"HTTP {code} {reason}".rstrip())
+
+
+def _client(timeout: float, transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+    """The forge's client: its API base is the controller's own config (not the pushed repo's),
+    so httpx's defaults stand (the environment's proxy, certificate checks), redirects aside."""
+    import httpx
+    return httpx.AsyncClient(transport=transport, timeout=timeout, follow_redirects=False,
+                             headers={"User-Agent": "reconciler"})

@@ -2,9 +2,9 @@
 rollbacks, the last applied revision, drift found. Served on 127.0.0.1 by default. Label values
 pass through redact (they are names and revisions, but nothing printed bypasses it).
 
-The endpoint is prometheus-client's WSGI app on a bounded server of our own (prometheus-client's
-start_http_server starts a thread per connection with no timeout, so idle sockets would pile up
-threads and file descriptors in the daemon's process): at most MAX_SCRAPES requests at once (more
+The endpoint is prometheus-client's ASGI app in the daemon's own event loop, no thread: at
+/metrics of the fleet page when both share an address (web/server.py), else on an uvicorn server
+of its own behind the page's gate (web/gate.py): at most MAX_SCRAPES connections at once (more
 are answered 503 at once), and a client that takes SCRAPE_TIMEOUT to send its request or to read
 the answer is dropped. A port it cannot listen on (taken by someone else, a bad address) is said
 once and the daemon goes on without metrics: it must never keep the daemon from starting.
@@ -12,81 +12,62 @@ once and the daemon goes on without metrics: it must never keep the daemon from 
 
 from __future__ import annotations
 
-import socket
-import sys
-import threading
-from socketserver import ThreadingMixIn
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+import asyncio
+import contextlib
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, cast
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..loop.results import FleetResult
 from ..plan.model import State
 from ..redact import redact
-from .config import cannot_listen, parse_address, public_note
+from .config import parse_address, public_note
+from .web.gate import Limits
 
-MAX_SCRAPES = 8             # requests served at once: Prometheus asks one at a time
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.types import ASGIApp
+
+    from .web.gate import Gated
+
+MAX_SCRAPES = 8             # connections at once: Prometheus asks one at a time
 SCRAPE_TIMEOUT = 10.0       # seconds a client may take to send its request or to read the answer
-BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n"
-        b"Connection: close\r\nRetry-After: 5\r\n\r\nbusy\n")
-
-
-class _Quiet(WSGIRequestHandler):
-    """No access log; the socket times out (an idle or slow client is dropped, its thread ends)."""
-
-    timeout = SCRAPE_TIMEOUT
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Nothing: a scrape every 15 s would fill the journal."""
-
-
-class MetricsServer(ThreadingMixIn, WSGIServer):
-    """A thread per request, at most MAX_SCRAPES at once; the next one gets 503 and is closed."""
-
-    daemon_threads = True
-    request_queue_size = 64         # the listen backlog (socketserver's 5 drops connects under a burst)
-
-    def __init__(self, address: tuple[str, int], handler: type[WSGIRequestHandler]):
-        self.slots = threading.BoundedSemaphore(MAX_SCRAPES)
-        super().__init__(address, handler)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            try:
-                request.settimeout(1.0)
-                request.sendall(BUSY)
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:           # no thread could start: the slot is free again
-            self.slots.release()
-            self.shutdown_request(request)
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that timed out or went away is not an error of ours: no traceback for it."""
-        if not isinstance(sys.exc_info()[1], OSError):
-            super().handle_error(request, client_address)
-
-
-class MetricsServer6(MetricsServer):
-    address_family = socket.AF_INET6
+LIMITS = Limits(max_connections=MAX_SCRAPES, max_connections_per_client=MAX_SCRAPES, head_timeout=SCRAPE_TIMEOUT,
+                slow_client=SCRAPE_TIMEOUT, send_buffer=256 * 1024)
 
 
 # Health of a service that this run did not (re)start, from its state: in sync means verified
 # healthy here; quarantined runs its last good; held ones are stopped.
 _HEALTH_OF_STATE = {State.IN_SYNC: 1, State.QUARANTINED: 1, State.QUARANTINED_NO_GOOD: 0,
                     State.ROLLBACK_FAILED: 0}
+
+
+def on_the_page(metrics: str, web: str) -> bool:
+    """Whether the metrics are served at the page's /metrics: both listen on one address (a
+    port of 0, any free port, is never one)."""
+    try:
+        where = parse_address(metrics)
+        return where == parse_address(web) and where[1] != 0
+    except ValueError:
+        return False
+
+
+@dataclass
+class MetricsServer:
+    """The metrics' own server: its uvicorn server and task, the port it listens on, what its
+    gate turned away."""
+
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+    port: int
+    gated: Gated
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(self.task, 5)
+        self.gated.clients.owners.close()
 
 
 class Metrics:
@@ -120,26 +101,29 @@ class Metrics:
 
     _seen: tuple[int, int] = (0, 0)
 
-    server: MetricsServer | None = None
+    def app(self) -> ASGIApp:
+        """prometheus-client's ASGI app of this registry (the page mounts it at /metrics when the
+        metrics share its address)."""
+        from prometheus_client import make_asgi_app
+        return cast("ASGIApp", make_asgi_app(self.registry))
 
-    def serve(self, address: str) -> MetricsServer | None:
-        """Serve the metrics on `address` (host:port) from a thread. A port taken by someone else
-        or a bad address is said once and the metrics stay off (the daemon goes on, and still
-        starts: a local user who binds the port first must not be able to crash-loop it)."""
-        try:
-            host, port = parse_address(address)
-            cls = MetricsServer6 if ":" in host else MetricsServer
-            server = make_server(host, port, make_wsgi_app(self.registry), cls, handler_class=_Quiet)
-        except (ValueError, OSError) as e:
-            print(redact(f"reconciler: metrics off: {cannot_listen(address, e)}"), flush=True)
+    async def serve(self, address: str, **limits: float) -> MetricsServer | None:
+        """Serve the metrics on `address` (host:port) from the running loop, on an uvicorn server of
+        their own behind the page's gate (web/gate.py; LIMITS, or `limits` for tests). A port taken
+        by someone else or a bad address is said once and the metrics stay off (the daemon goes on,
+        and still starts: a local user who binds the port first must not be able to crash-loop it)."""
+        from .web.gate import Gated, listen_at, serve
+        from .web.peer import Clients
+        from .web.stream import Refusals
+        if (bound := listen_at(address, "metrics")) is None:
             return None
-        assert isinstance(server, MetricsServer)
-        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+        host, sock = bound
+        gated = Gated(replace(LIMITS, **limits), Refusals(name="metrics endpoint"), Clients())
+        server, task = serve(self.app(), sock, gated)
         shown = f"[{host}]" if ":" in host else host
-        url = f"http://{shown}:{server.server_address[1]}/metrics"
+        url = f"http://{shown}:{sock.getsockname()[1]}/metrics"
         print(f"reconciler: metrics on {url}{public_note('metrics', host)}", flush=True)
-        self.server = server
-        return server
+        return MetricsServer(server, task, sock.getsockname()[1], gated)
 
     def observe_run(self, res: FleetResult, seconds: float) -> None:
         code = res.exit_code()

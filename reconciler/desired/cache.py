@@ -8,8 +8,9 @@ the same files hits), holding the DesiredState as data (dataclass fields, bytes 
 the fingerprint of the loader's own code (a changed loader never reads an old entry). Only a
 load that succeeded is kept; a ConfigError is raised again by the loader every time.
 
-Nothing read from the cache runs as code: it is parsed by `json` and turned into the spec's
-frozen dataclasses field by field, typed by their annotations. Still, what it says is deployed,
+Nothing read from the cache runs as code: msgspec (the project's one serialiser, see
+docs/architecture.md) decodes it straight into the spec's frozen dataclasses, checking every
+value against their annotations as it reads (a value of another type is a miss). Still, what it says is deployed,
 so it is used only when the cache directory, its `desired/` and the entry are this user's and
 writable by no one else: looked at (lstat) before anything in them is opened, so another user's
 cache directory (`sudo -E` keeps XDG_CACHE_HOME) is never opened at all, and checked again on
@@ -21,18 +22,16 @@ every error, is a miss: the loader runs, and nothing is written there.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import dataclasses
 import functools
 import hashlib
-import json
 import os
 import sys
-import types
-import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import msgspec
 
 from .. import dirs
 from .spec import DesiredState
@@ -43,7 +42,7 @@ if TYPE_CHECKING:
     from .repo import SnapshotLike
     from .source import Snapshot
 
-FORMAT = 1
+FORMAT = 2                  # 2: msgspec's JSON (bytes as a base64 string; 1 wrote {"base64": ...})
 KEEP = 32                   # entries kept; the oldest go when a new one is written
 MAX_BYTES = 64 << 20        # an entry larger than this is not read
 _DIR = "desired"
@@ -53,19 +52,18 @@ _CODE = Path(__file__).resolve().parent
 def load_desired(snap: SnapshotLike, cache_dir: Path | None = None) -> DesiredState:
     """The desired state of the snapshot: from the cache when this tree was loaded before by
     this loader, else loaded (desired.load.load_desired: ConfigError on bad input) and kept."""
-    tree = getattr(snap, "tree_id", None)
-    revision = getattr(snap, "revision", None)
+    tree: str | None = getattr(snap, "tree_id", None)
+    revision: str | None = getattr(snap, "revision", None)
     where = _where(cache_dir) if tree and revision else None
     if where is not None and dirs.usable_dir(where.parent) and dirs.usable_dir(where):
-        data = _read(where, f"{tree}.json")
-        if data is not None and data.get("tree") == tree and data.get("fingerprint") == fingerprint():
-            with contextlib.suppress(KeyError, TypeError, ValueError, AttributeError):
-                return dataclasses.replace(from_data(DesiredState, data["state"]), revision=revision)
+        entry = _read(where, f"{tree}.json")
+        if entry is not None and revision and (entry.format, entry.tree, entry.fingerprint) == (FORMAT, tree,
+                                                                                            fingerprint()):
+            return dataclasses.replace(entry.state, revision=revision)
     from .load import load_desired as load  # pydantic and the schema: only on a miss
     state = load(snap)
-    if where is not None and _prepare(where):
-        _write(where, f"{tree}.json", {"format": FORMAT, "tree": tree, "fingerprint": fingerprint(),
-                                       "state": to_data(state)})
+    if where is not None and tree and _prepare(where):
+        _write(where, f"{tree}.json", Entry(FORMAT, tree, fingerprint(), state))
     return state
 
 
@@ -106,66 +104,31 @@ def fingerprint() -> str:
     return h.hexdigest()[:32]
 
 
-# ---- plain data <-> the spec's dataclasses ------------------------------------------------------
+# ---- the entry as JSON: msgspec, typed by the spec's own dataclasses -----------------------------
 
 
-def to_data(value: Any) -> Any:
-    """A spec value as JSON data: dataclasses as their fields, tuples as lists, bytes as base64."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, bytes):
-        return {"base64": base64.b64encode(value).decode()}
-    if isinstance(value, dict):
-        return {k: to_data(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_data(v) for v in value]
-    return value
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One kept load: the tree it is of, the loader that made it, and the state."""
+
+    format: int
+    tree: str
+    fingerprint: str
+    state: DesiredState
 
 
-_hints = functools.cache(typing.get_type_hints)
+def encode(entry: Entry) -> bytes:
+    """An entry as JSON (msgspec: dataclasses as objects, tuples as arrays, bytes as base64)."""
+    return msgspec.json.encode(entry)
 
 
-def from_data(tp: Any, data: Any) -> Any:
-    """The value of type `tp` (a spec annotation) that `to_data` made `data` from."""
-    origin = typing.get_origin(tp)
-    if origin in (types.UnionType, typing.Union):
-        arms = typing.get_args(tp)
-        if data is None and type(None) in arms:
-            return None
-        dataclass_arms = [a for a in arms if dataclasses.is_dataclass(a)]
-        return from_data(dataclass_arms[0], data) if dataclass_arms else _scalar(arms, data)
-    if origin is dict:
-        _key, value = typing.get_args(tp)
-        return {str(k): from_data(value, v) for k, v in _mapping(data).items()}
-    if origin is tuple:
-        item = typing.get_args(tp)[0]
-        return tuple(from_data(item, v) for v in _sequence(data))
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        hints = _hints(tp)
-        fields = _mapping(data)
-        return tp(**{f.name: from_data(hints[f.name], fields[f.name]) for f in dataclasses.fields(tp) if f.init})
-    if tp is bytes:
-        return base64.b64decode(_mapping(data)["base64"], validate=True)
-    return _scalar((tp,), data)
-
-
-def _scalar(types_: tuple[Any, ...], data: Any) -> Any:
-    """A str, int, float or bool that is one of the types asked for (JSON keeps int and float apart)."""
-    if type(data) in types_ or (float in types_ and type(data) is int):
-        return data
-    raise TypeError(f"{type(data).__name__} where {types_} was expected")
-
-
-def _mapping(data: Any) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        raise TypeError("a table was expected")
-    return data
-
-
-def _sequence(data: Any) -> list[Any]:
-    if not isinstance(data, list):
-        raise TypeError("a list was expected")
-    return data
+def decode(raw: bytes) -> Entry | None:
+    """The entry `encode` made, checked against the spec's annotations as it is read (a value of
+    another type, a missing field: None); None for anything that is not such an entry."""
+    try:
+        return msgspec.json.decode(raw, type=Entry)
+    except (msgspec.MsgspecError, RecursionError, ValueError, TypeError):
+        return None
 
 
 # ---- the files: this user's, writable by no one else (the checks are dirs.py's) ---------------
@@ -189,7 +152,7 @@ def _open_dir(where: Path) -> int | None:
         return None
 
 
-def _read(where: Path, name: str) -> dict[str, Any] | None:
+def _read(where: Path, name: str) -> Entry | None:
     d = _open_dir(where)
     if d is None:
         return None
@@ -197,23 +160,17 @@ def _read(where: Path, name: str) -> dict[str, Any] | None:
         raw = dirs.read_own(d, name, MAX_BYTES)
     finally:
         os.close(d)
-    if raw is None:
-        return None
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    return data if isinstance(data, dict) and data.get("format") == FORMAT else None
+    return decode(raw) if raw is not None else None
 
 
-def _write(where: Path, name: str, data: dict[str, Any]) -> None:
+def _write(where: Path, name: str, entry: Entry) -> None:
     """Kept atomically (a fresh temp file renamed over the entry) in a 0700 directory; best
     effort: a cache that cannot be written is only a slower next run."""
     d = _open_dir(where)
     if d is None:
         return
     try:
-        dirs.write_own(d, name, json.dumps(data, separators=(",", ":")).encode())
+        dirs.write_own(d, name, encode(entry))
         _prune(d)
     except (OSError, TypeError, ValueError):
         pass

@@ -68,14 +68,20 @@ class GitAuth:
             check_known_hosts(Path(self.known_hosts))
 
 
-def check_key(path: Path) -> None:
-    """A private key of this user's alone: a regular file it owns, no permission for anyone else."""
+def _regular_file(path: Path, what: str) -> os.stat_result:
+    """`path`'s stat, where it is a regular file (followed through a link); SourceError else."""
     try:
         st = path.stat()
     except OSError as e:
-        raise SourceError(f"SSH key {path}: {e.strerror or e}") from None
+        raise SourceError(f"{what} {path}: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise SourceError(f"SSH key {path} is not a regular file")
+        raise SourceError(f"{what} {path} is not a regular file")
+    return st
+
+
+def check_key(path: Path) -> None:
+    """A private key of this user's alone: a regular file it owns, no permission for anyone else."""
+    st = _regular_file(path, "SSH key")
     if st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise SourceError(f"SSH key {path} must be uid {os.geteuid()}'s alone (owner uid {st.st_uid}, mode "
                           f"{stat.S_IMODE(st.st_mode):04o}): chown {os.geteuid()} {path} && chmod 600 {path}")
@@ -84,12 +90,7 @@ def check_key(path: Path) -> None:
 def check_known_hosts(path: Path) -> None:
     """A known_hosts file that only root or this user could have written: whoever writes it
     chooses which server is trusted."""
-    try:
-        st = path.stat()
-    except OSError as e:
-        raise SourceError(f"known_hosts file {path}: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise SourceError(f"known_hosts file {path} is not a regular file")
+    st = _regular_file(path, "known_hosts file")
     if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
         raise SourceError(f"known_hosts file {path} may be rewritten by others (owner uid {st.st_uid}, mode "
                           f"{stat.S_IMODE(st.st_mode):04o}): make it root's, not group- or world-writable")

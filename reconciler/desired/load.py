@@ -182,6 +182,8 @@ class _Loader:
             )
         specs: dict[str, ServiceSpec] = {}
         for service_name, table in host.services.items():
+            if table.use is not None:      # its group counts it, even when it has problems of its own
+                self.groups.declare(service_name, table.use, path)
             if under(("services", service_name), bad):
                 continue
             spec = services.load(name, path, host, service_name, table)

@@ -1,10 +1,11 @@
 """A service's layers merged into one table, every value remembering the file and key that set it.
 
 Lowest layer first: fleet.toml [health]/[rollout] < services/<def>.toml < the host's table.
-env, vars, model, health, rollout and secrets merge key by key; unit and unit_file replace each
-other as a pair. A value keeps where it was set (At) because a problem found later, after
-rendering or when a file it names is read, must name the file and key the user wrote it in,
-which for a shared definition is not the host's file.
+env, vars, model, health, rollout, secrets, drain and smoke merge key by key (drain's and
+smoke's sub-tables and lists whole); unit and unit_file replace each other as a pair. A value
+keeps where it was set (At) because a problem found later, after rendering or when a file it
+names is read, must name the file and key the user wrote it in, which for a shared definition
+is not the host's file.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import schema
+from .fields import Table
 from .problems import dotted
 from .spec import RolloutPolicy
 
@@ -42,6 +44,9 @@ class Merged:
     adopt: bool = False
     allow_dropins: tuple[str, ...] = ()
     secrets: dict[str, tuple[schema.SecretRef, At]] = field(default_factory=dict)
+    drain: dict[str, tuple[Any, At]] = field(default_factory=dict)   # key -> value (sub-tables whole)
+    smoke: dict[str, tuple[Any, At]] = field(default_factory=dict)
+    tables: dict[str, At] = field(default_factory=dict)   # "drain"/"smoke" -> where the top layer wrote it
 
     def add_rollout(self, table: schema.RolloutTable | None, file: str, prefix: tuple[str, ...]) -> None:
         if table is None:
@@ -80,6 +85,11 @@ class Merged:
         for k, ref in table.secrets.items():
             self.secrets[k] = (ref, At(file, dotted(*prefix, "secrets", k)))
         self.add_rollout(table.rollout, file, prefix)
+        for name, keys in (("drain", self.drain), ("smoke", self.smoke)):
+            sub = getattr(table, name)
+            if sub is not None:
+                self.tables[name] = At(file, dotted(*prefix, name))
+                _add_keys(keys, sub, file, (*prefix, name))
 
     def _add_unit(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
         if table.unit is not None and table.unit_file is not None:
@@ -90,3 +100,12 @@ class Merged:
             self.unit_file = (
                 (table.unit_file, At(file, dotted(*prefix, "unit_file"))) if table.unit_file is not None else None
             )
+
+
+def _add_keys(into: dict[str, tuple[Any, At]], table: Table, file: str, prefix: tuple[str, ...]) -> None:
+    """A table's set keys over the layer below, each value as written (a sub-table or a list
+    replaces the one below whole: a call or the smoke checks are never merged part by part)."""
+    for name in type(table).model_fields:
+        value = getattr(table, name)
+        if value is not None:
+            into[name] = (value, At(file, dotted(*prefix, name)))

@@ -61,6 +61,7 @@ class _Member:
     own_rollout: At | None   # the host's own `rollout` table, if it has one
     policy: RolloutPolicy    # the merged policy
     base: RolloutPolicy      # the policy without the host's layer
+    floor_at: At | None = None   # where min_available was set, if it was
 
 
 class RolloutGroups:
@@ -68,18 +69,27 @@ class RolloutGroups:
 
     def __init__(self) -> None:
         self._groups: dict[tuple[str, str], list[_Member]] = {}
+        self._hosts: dict[tuple[str, str], set[str]] = {}    # every host file that uses it, loaded or not
+
+    def declare(self, service: str, definition: str, host_file: str) -> None:
+        """A host's service uses the definition (counted even when it fails to load: the group's
+        size is what the repo says, not what survived this load's problems)."""
+        self._hosts.setdefault((service, definition), set()).add(host_file)
 
     def add(
         self, service: str, definition: str, host_file: str, own_rollout: At | None,
-        policy: RolloutPolicy, base: RolloutPolicy,
+        policy: RolloutPolicy, base: RolloutPolicy, floor_at: At | None = None,
     ) -> None:
-        self._groups.setdefault((service, definition), []).append(_Member(host_file, own_rollout, policy, base))
+        self._groups.setdefault((service, definition), []).append(
+            _Member(host_file, own_rollout, policy, base, floor_at))
 
     def check(self, problems: Problems) -> None:
         """The hosts that share a definition roll out as one group, so under one policy: a host
         whose own `rollout` makes its policy differ from the others' is an error (the fleet would
-        otherwise have to pick one silently)."""
+        otherwise have to pick one silently). A min_available that the group can never keep
+        while one of its hosts restarts is an error too: the rollout could never take a host."""
         for (service, definition), members in self._groups.items():
+            _check_floor(service, definition, members, self._hosts.get((service, definition), set()), problems)
             if len({m.policy for m in members}) < 2:
                 continue
             for m in members:
@@ -90,3 +100,20 @@ class RolloutGroups:
                         f"services/{definition}.toml ({m.base.describe()}): the hosts that share a definition "
                         f"roll out {service} as one group under one policy; set rollout in "
                         f"services/{definition}.toml")
+
+
+def _check_floor(service: str, definition: str, members: list[_Member], host_files: set[str],
+                 problems: Problems) -> None:
+    """min_available >= the hosts that serve the group: no host could ever restart."""
+    files = host_files | {m.host_file for m in members}
+    for m in members:
+        floor = m.policy.min_available
+        if floor is None or m.floor_at is None or floor < len(files):
+            continue
+        names = sorted(f.rsplit("/", 1)[-1].removesuffix(".toml") for f in files)
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        problems.add(m.floor_at.file, m.floor_at.key,
+                     f"min_available = {floor} can never be met: {service} (services/{definition}.toml) runs on "
+                     f"{len(files)} host{'s' * (len(files) != 1)} ({shown}), and a restart takes one of them "
+                     f"out of service, so a rollout could never restart any; at most {len(files) - 1}"
+                     + (" (or add hosts)" if len(files) > 1 else " (a single host has no budget to keep)"))

@@ -16,13 +16,14 @@ from typing import Any
 
 from . import schema
 from .collect import Problems, Use
+from .drain import drain_spec, smoke_spec
 from .health import check_health_url, read_ca_bundle
 from .merge import At, Merged
 from .placeholders import PLACEHOLDER, Context, render
 from .problems import dotted
 from .repo import FLEET_FILE, SERVICES_DIR, SnapshotLike
 from .rollout import RolloutGroups
-from .spec import HealthSpec, ModelSpec, RolloutPolicy, SecretSpec, ServiceSpec
+from .spec import DrainSpec, HealthSpec, ModelSpec, RolloutPolicy, SecretSpec, ServiceSpec, SmokeSpec
 from .units import UnitFiles, managed_unit
 
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
@@ -104,10 +105,11 @@ class ServiceLoader:
         env = {k: self._render_value(site, v, at, ctx) for k, (v, at) in layers.merged.env.items()}
         model = self._fetch(site, layers.merged, model, ctx)
         health = self._health(site, layers.merged, ctx)
+        drain, smoke = self._drain(site, layers.merged, ctx, health.get("http"))
         unit_text = self._render_unit(site, unit, ctx)
         if unit_text is None or self.problems.count != problems_before:
             return None
-        return self._spec(site, table, layers, unit_text, env, health, model)
+        return replace(self._spec(site, table, layers, unit_text, env, health, model), drain=drain, smoke=smoke)
 
     # -- the steps, in order --
 
@@ -222,6 +224,22 @@ class ServiceLoader:
             values["http"] = url
         return values
 
+    def _drain(self, site: _Site, merged: Merged, ctx: Context,
+               health_url: str | None) -> tuple[DrainSpec | None, SmokeSpec | None]:
+        """The drain and smoke test, rendered and checked across their layers (drain.py)."""
+        def render_at(value: str, at: At) -> str:
+            # Not _render_value: a controller's stdin may span lines (every value here was
+            # checked by the schema, and a placeholder renders no control character).
+            rendered, unknown = render(value, ctx)
+            for _, why in unknown:
+                self._report(site, at, why)
+            return rendered
+
+        def report(at: At, message: str) -> None:
+            self._report(site, at, message)
+        return (drain_spec(merged.drain, merged.tables.get("drain"), health_url, render_at, report),
+                smoke_spec(merged.smoke, merged.tables.get("smoke"), health_url, render_at, report))
+
     def _render_unit(self, site: _Site, unit: _Unit | None, ctx: Context) -> str | None:
         """The unit text as written on the host; None when there is no usable unit."""
         if unit is None or unit.text is None:
@@ -246,7 +264,9 @@ class ServiceLoader:
         merged = layers.merged
         policy = merged.policy()
         if table.use is not None:
-            self.groups.add(site.name, table.use, site.host_file, layers.own_rollout, policy, layers.base_policy)
+            floor = merged.rollout.get("min_available")
+            self.groups.add(site.name, table.use, site.host_file, layers.own_rollout, policy, layers.base_policy,
+                            floor[1] if floor is not None else None)
         return ServiceSpec(
             name=site.name,
             unit_text=unit_text,

@@ -33,10 +33,13 @@ class RolloutPolicy:
     or a percentage of the hosts that run the service ("25%"), rounded down but at least 1.
     A host counts as unavailable from the moment its service stops until it is healthy again;
     each wave waits for the health of all its hosts, so the wave size is the bound.
+    min_available: the hosts of the group that must stay ready (serving), counting hosts already
+    down; None: no such floor. A rollout takes a host only while the others keep it.
     """
 
     canary: int = 1
     max_unavailable: int | str = "25%"
+    min_available: int | None = None      # hosts of the group that stay ready throughout (plan/budget.py)
 
     def bound(self, members: int) -> int:
         """max_unavailable as a number of hosts, for a group of `members` hosts (>= 1)."""
@@ -48,7 +51,8 @@ class RolloutPolicy:
     def describe(self) -> str:
         """The policy as TOML would spell it: 'canary = 1, max_unavailable = "25%"'."""
         mu = f'"{self.max_unavailable}"' if isinstance(self.max_unavailable, str) else str(self.max_unavailable)
-        return f"canary = {self.canary}, max_unavailable = {mu}"
+        floor = f", min_available = {self.min_available}" if self.min_available is not None else ""
+        return f"canary = {self.canary}, max_unavailable = {mu}{floor}"
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,82 @@ class SecretSpec:
 
 
 @dataclass(frozen=True)
+class CallSpec:
+    """One call of a drain (leave, rejoin, serving), rendered: an HTTP request made from the host
+    (as the health probe), a command run on the controller (argv, never a shell; `input` its
+    stdin), a shell line run on the host, or one line to HAProxy's runtime API on its socket."""
+
+    kind: str                        # "http" | "controller" | "host" | "haproxy"
+    target: str = ""                 # http: the URL; host: the shell line; haproxy: the socket
+    argv: tuple[str, ...] = ()       # controller: the command's words
+    input: str | None = None         # controller: its stdin; haproxy: the runtime API line
+    method: str = "POST"             # http
+    body: str | None = None          # http
+    expect_status: int | None = None  # http: None = any 2xx
+    server: str | None = None        # haproxy: "<backend>/<server>", whose state `serving` reads
+    timeout: float = 30.0
+
+    def describe(self) -> str:
+        """One line for a plan or a dry run: what is called, where."""
+        if self.kind == "http":
+            return f"{self.method} {self.target} (from the host)"
+        if self.kind == "controller":
+            words = " ".join(self.argv)
+            return f"run on the controller: {words}" + (f" <<< {self.input.strip()!r}" if self.input else "")
+        if self.kind == "host":
+            return f"run on the host: {self.target}"
+        return f"HAProxy {self.target}: {self.input}"
+
+
+@dataclass(frozen=True)
+class InflightSpec:
+    """Where the server's in-flight work is read (from the host, as the health probe): `metric`
+    summed over its label sets in the Prometheus text at `url`, or (metric None) the number `url`
+    answers."""
+
+    url: str
+    metric: str | None = None
+
+
+@dataclass(frozen=True)
+class DrainSpec:
+    """How a host leaves rotation before its server stops, and rejoins once the new one is ready
+    and judged (plan/drain.py has the steps). Without `inflight`, the drain waits `timeout`."""
+
+    leave: CallSpec
+    rejoin: CallSpec
+    serving: CallSpec | None = None  # whether the balancer sends the host traffic (None: not asked)
+    inflight: InflightSpec | None = None
+    timeout: float = 120.0           # the drain timeout: at most this long for in-flight work to reach 0
+    interval: float = 1.0            # seconds between in-flight reads
+
+
+@dataclass(frozen=True)
+class SmokeCheck:
+    """One greedy completion: a prompt (/v1/completions) or one user message
+    (/v1/chat/completions), and the text its answer must hold (`match`: contains, prefix, exact)."""
+
+    kind: str                        # "completion" | "chat"
+    text: str
+    expect: str
+    match: str = "contains"
+    max_tokens: int = 16
+
+
+@dataclass(frozen=True)
+class SmokeSpec:
+    """The answers that judge a new server before it rejoins (plan/smoke.py judges them). url:
+    the server's base URL; model: the name asked for (None: the first /v1/models lists); ttft:
+    the longest time to the first token (None: not measured); timeout: per answer."""
+
+    url: str
+    checks: tuple[SmokeCheck, ...]
+    model: str | None = None
+    ttft: float | None = None
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
 class ServiceSpec:
     """One systemd service on one host, fully rendered.
 
@@ -124,6 +204,10 @@ class ServiceSpec:
     # paths). Every other drop-in for the service is drift and is removed on apply.
     allow_dropins: tuple[str, ...] = ()
     secrets: tuple[SecretSpec, ...] = ()
+    # Issue 42: how the host leaves and rejoins rotation around a restart, and the answers that
+    # judge the new server. Neither is in the content hash: changing them restarts nothing.
+    drain: DrainSpec | None = None
+    smoke: SmokeSpec | None = None
 
     def allows_dropin(self, path: str) -> bool:
         """True when a drop-in at `path` (not the reconciler's own) may stay."""

@@ -27,6 +27,7 @@ must not import anything itself that probe.py does not (no ``from __future__`` h
 
 import argparse
 import importlib
+import importlib.util
 import os
 import stat
 import tempfile
@@ -111,6 +112,8 @@ class VLLM:
         return {"hook": PLATFORM_HOOK[0], "capability": list(capability), "count": seen.device_count()}
 
     def registry(self) -> "Registry | None":
+        if importlib.util.find_spec("vllm.envs") is None:
+            return None          # a build without the registry: its variables are not judged
         envs = importlib.import_module("vllm.envs")
         known = getattr(envs, "environment_variables", None)
         if not isinstance(known, dict):
@@ -121,6 +124,9 @@ class VLLM:
     def environ_refusal(self) -> BaseException | None:
         """What vLLM's own ``validate_environ`` raises on this environment (0.34: a removed
         variable, ``VLLM_USE_V2_MODEL_RUNNER`` other than 1), or None."""
+        if importlib.util.find_spec("vllm.platforms") is None \
+                or importlib.util.find_spec("vllm.platforms.interface") is None:
+            return None
         interface = importlib.import_module("vllm.platforms.interface")
         validate = getattr(getattr(interface, "Platform", None), "validate_environ", None)
         if validate is None:

@@ -1,7 +1,10 @@
 """The executor: the only code that changes a host. Runs a HostPlan over a Transport.
 
 A plan goes to the host as one shell script (one round trip); a plan with a GPU gate goes as
-two, with the wait for the GPUs between them. Each step reports its own result:
+two, with the gate's steps between them (KILL_STRAYS, WAIT_GPUS: run by the caller's GpuWait).
+A gate that stays closed ends the apply there: nothing after it runs, and the next plan says what
+follows (a start the GPUs kept from happening is recorded as such). A model fetch (FETCH) runs
+before anything else, by itself (`fetch_model`). Each step reports its own result:
 
   * files and records (intent, adopt, write, remove, restore, daemon-reload, record) are fatal
     when they fail: the script stops there and `CommandError` names the step. The durable intent
@@ -29,12 +32,15 @@ Safety:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from .. import faults
+from ..clock import REAL, Clock
 from ..errors import CommandError
+from ..plan.facts.fetch import FetchCommand
 from ..plan.gpuhealth import FAULT_FILE, GpuFault
 from ..plan.model import ORDER, Action, HostPlan, Kind
 from ..plan.records import ServiceRecord
@@ -58,7 +64,7 @@ class Applied:
 
     host_clock: float | None = None
     failures: list[StepFailure] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)    # service -> why its start was skipped
+    skipped: dict[str, str] = field(default_factory=dict)    # service -> why its GPUs stayed busy (the gate)
     # systemd's reading of the started units at the script's end (unit -> WATCH_PROPS), and
     # when it came back (time.monotonic()): the health watch's first reading
     shown: dict[str, dict[str, str]] = field(default_factory=dict)
@@ -86,14 +92,16 @@ async def _run(t: Transport, plan: HostPlan, actions: Sequence[Action], now: int
         raise CommandError(t.host, "apply", res.exit_status, res.stderr)
 
 
-# Waits until a service's GPUs are free: None when they are, else why they are not.
-GpuWait = Callable[[str], Awaitable[str | None]]
+# Runs one GPU gate step of the plan (KILL_STRAYS, WAIT_GPUS): None when done (the GPUs are
+# free), else why they are not.
+GpuWait = Callable[[Action], Awaitable[str | None]]
 
 
 async def apply_plan(t: Transport, plan: HostPlan, *, now: int, gpu_wait: GpuWait | None = None,
                      timeout: float = 120.0) -> Applied:
-    """Run a plan's host steps. With WAIT_GPUS steps, the script runs in two parts and `gpu_wait`
-    runs between them; a service whose GPUs stay busy is not started (nor recorded as started).
+    """Run a plan's host steps. With GPU gate steps, the script runs in two parts and `gpu_wait`
+    runs each gate step between them; when a service's GPUs stay busy (`skipped`: why), the
+    second part does not run at all: the plan is never edited here, the next one says what follows.
 
     Raises CommandError when a file or record step fails (the script stops there).
     """
@@ -103,20 +111,18 @@ async def apply_plan(t: Transport, plan: HostPlan, *, now: int, gpu_wait: GpuWai
         if first_write is not None:
             await _run(t, plan, plan.actions[:first_write + 1], now, timeout, out)
             faults.hit("mid-apply")
-    waits = [a for a in plan.actions if a.kind is Kind.WAIT_GPUS and a.service]
-    if not waits or gpu_wait is None:
+    gate = [a for a in plan.actions if a.kind in (Kind.KILL_STRAYS, Kind.WAIT_GPUS) and a.service]
+    if not gate or gpu_wait is None:
         await _run(t, plan, plan.actions, now, timeout, out)
         return out
-    cut = ORDER[Kind.WAIT_GPUS]
-    await _run(t, plan, [a for a in plan.actions if ORDER[a.kind] < cut], now, timeout, out)
-    for a in waits:
+    await _run(t, plan, [a for a in plan.actions if ORDER[a.kind] < ORDER[Kind.KILL_STRAYS]], now, timeout, out)
+    for a in gate:
         assert a.service is not None
-        why = await gpu_wait(a.service)
+        why = await gpu_wait(a)
         if why is not None:
             out.skipped[a.service] = why
-    later = [a for a in plan.actions if ORDER[a.kind] > cut
-             and not (a.service in out.skipped and a.kind in (Kind.START, Kind.RECORD, Kind.ENABLE, Kind.ARM_TIMER))]
-    await _run(t, plan, later, now, timeout, out)
+    if not out.skipped:
+        await _run(t, plan, [a for a in plan.actions if ORDER[a.kind] > ORDER[Kind.WAIT_GPUS]], now, timeout, out)
     return out
 
 
@@ -126,6 +132,39 @@ async def _calls(t: Transport, calls: tuple[str, ...], steps: int, what: str, ti
     answer, res = await programs.run_with_status(t, ApplyScript(calls, steps), timeout=timeout, what=what)
     if answer.fatal is not None or not res.ok:
         raise CommandError(t.host, what, res.exit_status, answer.fatal.message if answer.fatal else res.stderr)
+
+
+# Told every second while a model is fetched: service, what goes on, seconds so far, the limit.
+FetchPhase = Callable[[str, str, float, float], None]
+
+
+async def fetch_model(t: Transport, a: Action, *, clock: Clock = REAL,
+                      on_phase: FetchPhase | None = None) -> str | None:
+    """Run a FETCH step (the planner decided it may: plan/state.fetch_refused): the model's own
+    fetch command in its directory, made first (reconciler/sh/fetch.sh, plan/facts/fetch.py),
+    within model.fetch_timeout, telling `on_phase` every second (on `clock`) while it runs.
+    Returns why it failed, or None."""
+    model = a.model
+    assert a.kind is Kind.FETCH and model is not None and model.fetch
+    started = clock.now()
+
+    async def tick() -> None:
+        while True:
+            if on_phase is not None:
+                on_phase(a.service or "", f"fetching {model.id}", clock.now() - started, model.fetch_timeout)
+            await clock.sleep(1.0)
+    ticker = asyncio.create_task(tick())
+    try:
+        done, res = await programs.run_with_status(t, FetchCommand(model.path, model.fetch),
+                                                   timeout=model.fetch_timeout, what=f"fetch {model.id}")
+    except CommandError as e:
+        return f"model-fetch: {model.fetch!r} did not finish within {model.fetch_timeout:.0f}s: {e.stderr}"
+    finally:
+        ticker.cancel()
+    if not done.ok:
+        status = done.status if done.status is not None else res.exit_status
+        return f"model-fetch: {model.fetch!r} failed (exit {status}): {' / '.join(done.tail)}"
+    return None
 
 
 async def write_record(t: Transport, name: str, rec: ServiceRecord, *, stop: bool = False,

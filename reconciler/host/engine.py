@@ -223,7 +223,7 @@ class VerdictCache(CacheFile):
         return v
 
     def remember(self, host: str, key: str, stamp: str, verdict: EngineVerdict) -> None:
-        if not stamp or (verdict.verdict == "inconclusive" and "gave no answer" in verdict.message):
+        if not stamp or not verdict.answered:
             return            # a timeout or a crash of the probe is not an answer to keep
         known = self.data.setdefault(host, {})
         known.pop(key, None)

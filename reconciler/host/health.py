@@ -40,6 +40,7 @@ from ..plan.facts.progress import LoadProgress, Progressed
 from ..plan.facts.show import UnitShow
 from ..plan.judges import UnitReading, explain, judge_systemd, spawn_failure
 from ..plan.records import INCONCLUSIVE, NO_VERDICT, START_LIMIT_HIT, SUPERSEDED
+from ..reasons import Reason
 from . import programs
 from .progress import LoadFollower
 from .transport import Transport
@@ -61,7 +62,7 @@ class Outcome:
 
     service: str
     healthy: bool
-    reason: str                     # Healthy | CrashLoop | StartTimeout | Unstable | UnitNotLoaded | Exited ...
+    reason: Reason                  # Healthy | CrashLoop | StartTimeout | Unstable | UnitNotLoaded | Exited ...
     message: str
     quote: str | None = None        # the journal line that explains a failure
     journal: list[str] = field(default_factory=list)
@@ -217,7 +218,7 @@ async def _watch(w: _Watch, baseline_restarts: int, baseline_active_enter: str, 
     name, systemd, baseline_invocation = w.name, w.systemd, w.baseline_invocation
     w.report(w.phase)
     if start_error is not None:
-        out = await w.fail("StartFailed", f"systemctl could not start it: {redact.clip(start_error, QUOTE_MAX)}")
+        out = await w.fail(Reason.START_FAILED, f"systemctl could not start it: {redact.clip(start_error, QUOTE_MAX)}")
         if start_error and not out.quote:
             out.quote = redact.clip(start_error.splitlines()[-1], QUOTE_MAX)
         return out
@@ -274,7 +275,7 @@ class _Watch:
         if self.on_phase:
             self.on_phase(self.name, p, self.elapsed(), self.health.startup_timeout)
 
-    async def fail(self, reason: str, message: str, props: dict[str, str] | None = None) -> Outcome:
+    async def fail(self, reason: Reason, message: str, props: dict[str, str] | None = None) -> Outcome:
         """The failed verdict, with the journal line that explains it; with `props` (a crash
         sign), a verdict only with evidence that the service itself failed."""
         lines = await programs.run(self.t, Journal(self.unit, int(self.since_epoch)), timeout=20, what="journal",
@@ -304,21 +305,22 @@ class _Watch:
             return await self.fail(START_LIMIT_HIT, v.detail)
         if v.state in ("crashed", "not-loaded", "exited"):
             if self.first_ok is not None and v.state == "crashed":
-                return await self.fail("Unstable", f"crashed {now - self.first_ok:.1f}s after becoming healthy: "
-                                                   f"{v.detail}", props)
-            return await self.fail(v.reason, v.detail, props if v.state != "not-loaded" else None)
+                return await self.fail(Reason.UNSTABLE, f"crashed {now - self.first_ok:.1f}s after becoming healthy: "
+                                                          f"{v.detail}", props)
+            return await self.fail(v.reason or Reason.FAILED, v.detail, props if v.state != "not-loaded" else None)
         if v.state == "running" and now >= self.next_http:
             out = await self.probed(now)
             if out is not None:
                 return out
         if self.first_ok is not None and now - self.first_ok >= self.health.stable_for:
             self.report("healthy")
-            return Outcome(self.name, True, "Healthy", f"healthy after {now - self.t0:.1f}s", seconds=now - self.t0)
+            took = now - self.t0
+            return Outcome(self.name, True, Reason.HEALTHY, f"healthy after {took:.1f}s", seconds=took)
         if self.first_ok is None and now - self.t0 >= self.health.startup_timeout:
             h = self.health
             what = f"{h.http} never answered {h.expect_status}" if h.http else "never ran"
-            return await self.fail("StartTimeout", f"not healthy within startup_timeout={h.startup_timeout:.0f}s: "
-                                                   f"{what}")
+            return await self.fail(Reason.START_TIMEOUT,
+                                   f"not healthy within startup_timeout={h.startup_timeout:.0f}s: {what}")
         return None
 
     async def probed(self, now: float) -> Outcome | None:
@@ -340,8 +342,8 @@ class _Watch:
                 self.report(self.phase)
         elif not ok and self.first_ok is not None:
             got = status if status is not None else body
-            return await self.fail("Unstable", f"{h.http} failed ({got}) {now - self.first_ok:.1f}s after "
-                                               f"becoming healthy")
+            return await self.fail(Reason.UNSTABLE, f"{h.http} failed ({got}) {now - self.first_ok:.1f}s after "
+                                                      f"becoming healthy")
         elif not ok and self.phase != "loading" and self.load is None:
             self.phase = "loading"
             self.report(self.phase)

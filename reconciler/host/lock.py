@@ -31,17 +31,19 @@ import base64
 import contextlib
 import os
 import secrets
-import shlex
 import socket
 import time
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from .. import redact, shell
 from ..errors import HostError
-from ..frames import HostProgram, Records, number
+from ..frames import HostProgram, Param, Records, number
 from ..plan import confirm
 from ..plan.layout import BIN, LOCK, LOCK_COUNT, LOCK_OWNER
+from ..reasons import Reason
+from . import programs
 from .session import HostSession, SessionTransport
 from .transport import Spawned, StreamSpawned, Transport
 
@@ -55,7 +57,7 @@ WAIT = 30.0          # default: how long a run waits for another run's lock
 class LockedError(HostError):
     """Another run holds the host's lock (reason Locked, exit 4; nothing was changed there)."""
 
-    reason = "Locked"
+    reason = Reason.LOCKED
 
 
 def holder_constants() -> Mapping[str, str]:
@@ -95,25 +97,33 @@ def launch_command() -> str:
     return shell.sh_c(shell.program("launch"), "reconciler-lock")
 
 
-def install_script(programs: list[str]) -> str:
-    """sh that installs programs by content under BIN (root-only, each written atomically) and
-    removes the ones no longer used (an older release's)."""
-    keep = " ".join(shlex.quote(shell.digest(text) + ".sh") for text in programs)
-    lines = ["set -e", "umask 077", f"mkdir -p {BIN}", f"chmod 0700 {BIN}",
-             f'for f in {BIN}/*.sh; do [ -e "$f" ] || continue; case " {keep} " in *" ${{f##*/}} "*) ;; '
-             f'*) rm -f "$f" ;; esac; done']
-    for text in programs:
-        blob = base64.b64encode(text.encode()).decode()
-        lines.append(f't=$(mktemp {BIN}/.reconciler-tmp.XXXXXX); printf %s {blob} | base64 -d > "$t"; '
-                     f'mv -f "$t" {shlex.quote(installed_as(text))}')
-    return "\n".join(lines) + "\n"
+@dataclass(frozen=True)
+class Install(HostProgram[tuple[str, ...]]):
+    """reconciler/sh/install.sh: the given program texts installed under BIN by content (root's
+    alone, each written atomically), the ones no longer given removed. Its answer: the names it
+    installed; an answer cut short (a failed write) is an ObserveError."""
+
+    name: ClassVar[str] = "install"
+    texts: tuple[str, ...]
+
+    @classmethod
+    def text(cls) -> str:
+        """install.sh with its one constant, BIN: this module's, as installed_as names the
+        programs by it."""
+        return shell.with_constants(shell.program(cls.name), {"BIN": BIN})
+
+    def params(self) -> Mapping[str, Param]:
+        return {"file": [f"{shell.digest(x)}.sh {base64.b64encode(x.encode()).decode()}" for x in self.texts]}
+
+    def parse(self, answer: Records) -> tuple[str, ...]:
+        return tuple(f.payload for f in answer.whole("the lock holder's programs were not all installed")
+                     if f.kind == "I")
 
 
 async def install(t: Transport, then: HostProgram[Any] | None = None) -> None:
     """Install the holder, its command loop and `then`'s program on the host (the first run of
     a release on a host: one round trip more)."""
-    await t.run("sh -s", input=install_script(installed_texts(then)), check=True, timeout=30,
-                what="install the lock holder")
+    await programs.run(t, Install(tuple(installed_texts(then))), timeout=30, what="install the lock holder")
 
 
 def owner_line() -> str:

@@ -7,11 +7,11 @@ Configured in fleet.toml::
     format = "json"        # or "slack": {"text": ...}, the shape Slack's incoming webhooks take
     timeout = 5            # seconds per request
 
-A failing, slow or unreachable webhook never blocks or fails a deploy: events go into a queue
-that one daemon thread POSTs from, in order (stdlib urllib; no extra dependency). The fleet run
-never waits on a request; at its end it waits at most a few seconds for the queue to drain and
-then leaves whatever is still pending behind (the thread is a daemon, so the process can exit).
-Every failure is logged as a warning and listed in the run's result.
+A failing, slow or unreachable webhook never blocks or fails a deploy: events go into a bounded
+queue that one task of the run's event loop POSTs from, in order, on httpx's async client
+(host/outbox.py). The fleet run never waits on a request; at its end it waits at most a few
+seconds for the queue to drain and then drops whatever is still pending. Every failure is
+logged as a warning and listed in the run's result.
 
 The webhook URL may carry a token (Slack's does): warnings name only its scheme, host and port.
 Every event is redacted when it is queued (the values of the secrets the controller decrypted,
@@ -22,26 +22,25 @@ it goes only where the controller's own config lets it. A target address that is
 (loopback, private, link-local, shared, reserved, multicast: anything `ipaddress` says is not
 global) is refused unless its network is in the controller's `webhook_allow` (config.toml, or
 $RECONCILER_WEBHOOK_ALLOW for the `reconcile` command), checked on the addresses the name
-resolves to, and the connection goes to the checked address itself (no second lookup to rebind).
-No redirect is followed, no proxy is used, and of the answer only the status code is shown (a
-warning never carries text the target chose).
+resolves to, and the connection goes to the checked address itself (no second lookup to rebind):
+the client's transport does all of it (AllowListTransport). No redirect is followed, no proxy is
+used, and of the answer only the status code is shown (a warning never carries text the target
+chose).
 """
 
 from __future__ import annotations
 
-import base64
-import http.client
+import asyncio
 import ipaddress
 import json
 import logging
 import os
-import queue
 import socket
-import ssl
-import threading
 import time
-from collections.abc import Callable, Iterable
-from urllib.parse import unquote, urlsplit
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+import httpx
 
 from ..desired.spec import NotifySpec
 from ..redact import redact, redact_data
@@ -50,7 +49,6 @@ log = logging.getLogger("reconciler.host.notify")
 
 EVENTS = ("rollout.start", "rollout.finish", "rollout.halt", "rollback")
 
-Post = Callable[[str, bytes, float], None]     # (url, body, timeout); raises on failure
 ALLOW_ENV = "RECONCILER_WEBHOOK_ALLOW"           # the `reconcile` command's webhook_allow
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _allowed: tuple[Network, ...] | None = None      # set by the daemon from its config (allow())
@@ -108,43 +106,43 @@ def check_address(address: str) -> None:
                          f"allows its network (webhook_allow, or ${ALLOW_ENV} for `reconcile`)")
 
 
-def _connect_checked(address: tuple[str, int], timeout: float | None = None,
-                     source_address: tuple[str, int] | None = None, **_kw: object) -> socket.socket:
-    """socket.create_connection, to an address check_address passed: every address the name
-    resolves to is checked (one refused refuses the webhook), then one of them is connected."""
-    host, port = address
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    for info in infos:
-        check_address(str(info[4][0]))
-    error: OSError = OSError(f"{host}: no address")
-    for family, kind, proto, _name, sockaddr in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.settimeout(timeout)
-            if source_address:
-                sock.bind(source_address)
-            sock.connect(sockaddr)
-            return sock
-        except OSError as e:
-            sock.close()
-            error = e
-    raise error
+class AllowListTransport(httpx.AsyncBaseTransport):
+    """An httpx transport that reaches only addresses check_address lets through: the name is
+    resolved once, every address it resolves to is checked (one refused refuses the webhook),
+    and the connection goes to a checked address itself (the request's URL rewritten to it; the
+    Host header, TLS's server name and its certificate check keep the name), so nothing can
+    rebind the name between the check and the connect. A client built on it follows no
+    redirect and uses no proxy (webhook_client)."""
+
+    def __init__(self) -> None:
+        self._inner = httpx.AsyncHTTPTransport(trust_env=False, retries=0)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        host, port = request.url.host, request.url.port or (443 if request.url.scheme == "https" else 80)
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        for address in addresses:
+            check_address(address)
+        error: Exception = OSError(f"{host}: no address")
+        for address in addresses:
+            request.url = request.url.copy_with(host=address)
+            request.extensions = {**request.extensions, "sni_hostname": host}
+            try:
+                return await self._inner.handle_async_request(request)
+            except httpx.ConnectError as e:       # the next address, as a connect to a name would
+                error = e
+        raise error
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
-class _HTTP(http.client.HTTPConnection):
-    """http.client's connection, connecting only where check_address lets it."""
-
-    def __init__(self, host: str, port: int | None, timeout: float):
-        super().__init__(host, port, timeout=timeout)
-        self._create_connection = _connect_checked
-
-
-class _HTTPS(http.client.HTTPSConnection):
-    """The same over TLS (the default context: the certificate and the host name are checked)."""
-
-    def __init__(self, host: str, port: int | None, timeout: float):
-        super().__init__(host, port, timeout=timeout)
-        self._create_connection = _connect_checked
+def webhook_client(timeout: float, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The client webhooks go out on: the allow-list transport (or a test's), no redirects, no
+    proxy from the environment, `timeout` seconds for each step of a request."""
+    return httpx.AsyncClient(transport=transport or AllowListTransport(),
+                             timeout=timeout, follow_redirects=False, trust_env=False,
+                             headers={"User-Agent": "reconciler"})
 
 
 def where(url: str) -> str:
@@ -156,33 +154,23 @@ def where(url: str) -> str:
         return "(unparsable URL)"
 
 
-def http_post(url: str, body: bytes, timeout: float) -> None:
-    """POST a JSON body to a checked address (_connect_checked); raise WebhookStatus unless the
-    answer is 2xx (a redirect is not followed), WebhookRefused for a target not allowed."""
-    u = urlsplit(url)                     # http(s) only: the schema checks the scheme
-    conn = (_HTTPS if u.scheme == "https" else _HTTP)(u.hostname or "", u.port, timeout=timeout)
-    headers = {"Content-Type": "application/json", "User-Agent": "reconciler"}
-    if u.username is not None:
-        pair = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
-        headers["Authorization"] = "Basic " + base64.b64encode(pair).decode()
-    try:
-        conn.request("POST", (u.path or "/") + (f"?{u.query}" if u.query else ""), body=body, headers=headers)
-        status = conn.getresponse().status
-    finally:
-        conn.close()
-    if not 200 <= status < 300:
-        raise WebhookStatus(status)
+async def post(client: httpx.AsyncClient, url: str, body: bytes) -> None:
+    """POST a JSON body; raise WebhookStatus unless the answer is 2xx (a redirect is not
+    followed), WebhookRefused for a target not allowed (the transport's)."""
+    response = await client.post(url, content=body, headers={"Content-Type": "application/json"})
+    if not 200 <= response.status_code < 300:
+        raise WebhookStatus(response.status_code)
 
 
-def failure(e: BaseException) -> str:
+def failure(e: BaseException, timeout: float) -> str:
     """Why a request failed, in words the controller chose: the status code of an answer, the
     kind of a malformed one, never text the target sent (a reason phrase, a status line)."""
     if isinstance(e, WebhookStatus):
         return str(e)
-    if isinstance(e, http.client.HTTPException):
+    if isinstance(e, httpx.TimeoutException):
+        return f"{type(e).__name__}: timed out after {timeout:g}s"
+    if isinstance(e, httpx.RemoteProtocolError | httpx.DecodingError):
         return f"{type(e).__name__} (the answer is not shown)"
-    if isinstance(e, ssl.SSLError):
-        return f"{type(e).__name__}: {e.reason or 'TLS failed'}"
     return f"{type(e).__name__}: {e}"
 
 
@@ -211,34 +199,38 @@ def slack_text(p: dict) -> str:
     return text
 
 
-class Notifier:
-    """Sends events to one webhook from a background thread; never raises into the caller."""
+MAX_PENDING = 1000          # events queued at most; past it the oldest is dropped (and that is said)
 
-    def __init__(self, spec: NotifySpec, post: Post = http_post):
+
+class Notifier:
+    """Sends events to one webhook from the run's event loop (host/outbox.py); never raises into
+    the caller, never waits. `transport`: a test's (httpx.MockTransport); the allow-list's else."""
+
+    def __init__(self, spec: NotifySpec, transport: httpx.AsyncBaseTransport | None = None):
+        from .outbox import Outbox
         self.spec = spec
-        self._post = post
-        self._queue: queue.Queue[dict | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
         self.failures: list[str] = []
-        self.sent = 0
+        self._seq = 0
+        self._outbox: Outbox[dict] = Outbox(
+            lambda: webhook_client(spec.timeout, transport), self._post, self._failed, self._warn,
+            max_pending=MAX_PENDING, dropped=lambda p: f"webhook {where(spec.webhook)}: too many events queued; "
+                                                       f"dropped {p['event']}")
+
+    @property
+    def sent(self) -> int:
+        return self._outbox.sent
 
     def send(self, event: str, **fields: object) -> None:
-        """Queue an event; returns at once."""
-        payload = redact_data({"event": event, "at": round(time.time(), 3), **fields})
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._worker, name="reconciler-notify", daemon=True)
-            self._thread.start()
-        self._queue.put(payload)
+        """Queue an event; returns at once (call it from the run's event loop)."""
+        self._seq += 1
+        self._outbox.put(self._seq, redact_data({"event": event, "at": round(time.time(), 3), **fields}))
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Wait at most `timeout` seconds for queued events to go out; then give up on the rest."""
-        if self._thread is None:
-            return
-        self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():     # the end marker just queued is no event
+    async def close(self, timeout: float = 5.0) -> None:
+        """Wait at most `timeout` seconds for queued events to go out; then drop the rest."""
+        if not await self._outbox.drain(timeout):
             self._warn(f"webhook {where(self.spec.webhook)} still busy after {timeout:.0f}s; "
-                       f"{self._queue.qsize() - 1} event(s) dropped")
+                       f"{self._outbox.pending} event(s) dropped")
+        await self._outbox.close()
 
     def body(self, payload: dict) -> bytes:
         """The request body in the configured format, redacted."""
@@ -247,16 +239,12 @@ class Notifier:
             return json.dumps({"text": redact(slack_text(payload))}).encode()
         return json.dumps(payload).encode()
 
-    def _worker(self) -> None:
-        while True:
-            payload = self._queue.get()
-            if payload is None:
-                return
-            try:
-                self._post(self.spec.webhook, self.body(payload), self.spec.timeout)
-                self.sent += 1
-            except Exception as e:   # any failure of the webhook is only a warning
-                self._warn(f"webhook {where(self.spec.webhook)}: {payload['event']} not delivered: {failure(e)}")
+    async def _post(self, client: httpx.AsyncClient, payload: dict) -> None:
+        await post(client, self.spec.webhook, self.body(payload))
+
+    def _failed(self, payload: dict, e: Exception) -> None:
+        self._warn(f"webhook {where(self.spec.webhook)}: {payload['event']} not delivered: "
+                   f"{failure(e, self.spec.timeout)}")
 
     def _warn(self, msg: str) -> None:
         msg = redact(msg)

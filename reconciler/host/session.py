@@ -34,8 +34,8 @@ import asyncio
 import contextlib
 import secrets
 
+from .. import frames
 from ..errors import CommandError, ConnectError
-from ..frames import number
 from .transport import Completed, Spawned, StreamSpawned, Transport, checked
 
 
@@ -117,11 +117,10 @@ class HostSession:
 
 def ended(out: str, tok: str, err: str) -> Completed:
     """A command's result from what the session read of it (pure): stdout up to its END record
-    (`TOKEN END STATUS`), and the exit status that record says; 255 (as ssh's own for a command
-    it could not run) where it says no status of 0-255."""
-    body, _, status = out.rpartition(f"\n{tok} END ")
-    code = number(status.strip(), 3)
-    return Completed(code if code is not None and code <= 255 else 255, body, err)
+    (`TOKEN END STATUS`, read by frames.ended), and the exit status that record says; 255 (as
+    ssh's own for a command it could not run) where it says no status of 0-255."""
+    body, code = frames.ended(out, tok)
+    return Completed(code if code is not None else 255, body, err)
 
 
 class SessionTransport:

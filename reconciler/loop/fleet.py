@@ -1,6 +1,6 @@
 """The fleet: every host surveyed and planned first, then converged, with the hosts that share a
 service definition rolled out in waves (canary first, at most max_unavailable at once, halting
-at the first failure). Each host's own work is loop.host.reconcile_host.
+at the first failure). Each host's own work is loop.host_run.reconcile_host, one Pass at a time.
 
 The fleet run (run_fleet) in passes, never two at once on one host:
 
@@ -21,46 +21,45 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
 
-from ..desired.spec import DesiredState, HostSpec
+from ..desired.spec import HostSpec
 from ..desired.trust import rewind_problem
-from ..errors import HostError, ReconcilerError, SourceError
+from ..errors import HostError, ReconcilerError
 from ..host import lock
 from ..host.transport import Transport
-from ..plan.actions import starting
-from ..plan.model import Kind
-from ..plan.records import Quarantine, Result, halt_where
+from ..plan.records import Quarantine, Result
 from ..plan.rollout import (
     Halt,
-    HostOutcome,
     RolloutResult,
-    Wave,
+    RolloutStatus,
+    Stop,
     excuses_on_record,
     group_members,
+    halt,
+    halted_reason,
     judge_wave,
     natural_key,
     plan_rollouts,
     quarantine_cover,
 )
-from .host import lock_and_observe, observe, reconcile_host, ssh_connector
+from ..reasons import Reason
+from .host_run import Pass, lock_and_observe, reconcile_host, ssh_connector
+from .live import look
 from .options import RunIO, RunOptions
-from .results import Event, FleetResult, HostResult, merge_result, running_after
+from .results import (
+    FleetResult,
+    HostResult,
+    failed_result,
+    merge_result,
+    restarting,
+    rollback_notices,
+    running_after,
+    wave_outcome,
+    writes,
+)
 from .revision import Revision
-
-
-def restarting(r: HostResult) -> set[str]:
-    """Services a surveyed host would restart or start with their desired version (not those
-    swapped for last good, which are repairs, not a rollout)."""
-    if r.plan is None:
-        return set()
-    return {n for n, tg in starting(r.plan).items() if not tg.rollback}
-
-
-def writes(r: HostResult) -> bool:
-    """Whether a host's surveyed plan would write anything there (a hold alone does not)."""
-    return r.plan is not None and any(a.kind is not Kind.HOLD for a in r.plan.actions)
+from .select import selected
 
 
 class _FleetRun:
@@ -85,9 +84,9 @@ class _FleetRun:
             from ..host.notify import Notifier
             self.notifier = Notifier(rev.state.settings.notify)
 
-    async def host_pass(self, h: HostSpec, **kw: Any) -> HostResult:
+    async def host_pass(self, h: HostSpec, p: Pass) -> HostResult:
         """reconcile_host for one of this run's passes: this run's revision, options and io."""
-        return await reconcile_host(h, self.rev, self.opts, self.io, **kw)
+        return await reconcile_host(h, self.rev, self.opts, self.io, p)
 
     async def run(self) -> FleetResult:
         rollouts: list[RolloutResult] = []
@@ -114,7 +113,7 @@ class _FleetRun:
         res = FleetResult(self.state.revision, self.dry_run, [self.results[h.name] for h in self.hosts],
                           rollouts)
         if self.notifier is not None:
-            await asyncio.to_thread(self.notifier.close)
+            await self.notifier.close()
             res.warnings.extend(self.notifier.failures)
         return res
 
@@ -132,10 +131,7 @@ class _FleetRun:
             try:
                 t = await self.connect(h)
             except ReconcilerError as e:
-                reason = e.reason if isinstance(e, HostError) else "Failed"
-                message = e.message if isinstance(e, HostError) else str(e)
-                self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=reason,
-                                                  message=message, seconds=time.monotonic() - t0)
+                self.results[h.name] = failed_result(h.name, h.ssh.address, e, time.monotonic() - t0)
                 return
             self.transports[h.name] = t
             # A dry run shows this plan, pre-flight included; a real run's first look only
@@ -143,7 +139,7 @@ class _FleetRun:
             # A host expected to change (last left in sync with another revision) is locked at
             # once: its first look would only say what is expected.
             ahead = not self.dry_run and h.name in self.io.expect_changes
-            r = None if ahead else await self.host_pass(h, dry_run=True, transport=t, check=self.dry_run)
+            r = None if ahead else await self.host_pass(h, Pass(t, dry_run=True, preflight=self.dry_run))
             if r is None or (not self.dry_run and writes(r)):
                 # One reconcile of a host at a time: a host with anything to do is locked, then
                 # observed again under the lock where another run may have changed it since the
@@ -163,12 +159,12 @@ class _FleetRun:
         """The survey's result for a host: its plan, or why it takes no part in the passes."""
         self.results[h.name] = r
         applied = r.facts.record.applied_revision if r.facts and r.facts.record else None
-        if applied and self.rev.descends is not None and not self.opts.allow_rewind:
+        if applied and not self.opts.allow_rewind:
             problem = rewind_problem(self.state.revision, applied,
                                      self.rev.descends(self.state.revision, applied), f"host {h.name}")
             if problem:
                 # The host is the truth about what runs there: a rewind changes nothing on it.
-                self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason="NotDescendant",
+                self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=Reason.NOT_DESCENDANT,
                                                   message=problem, seconds=r.seconds, facts=r.facts)
         if self.results[h.name].plan is None and self.results[h.name].status is Result.FAILED:
             # It could not even be observed: report it, and leave it out of every pass.
@@ -195,7 +191,7 @@ class _FleetRun:
         self.raw[h.name] = t
         self.locks[h.name], t = held, held.over(t)
         self.transports[h.name] = t
-        r = await self.host_pass(h, dry_run=True, transport=t, facts=locked)
+        r = await self.host_pass(h, Pass(t, dry_run=True, facts=locked))
         r.seconds = time.monotonic() - t0
         return r, t
 
@@ -253,13 +249,13 @@ class _FleetRun:
             if name not in self.transports:
                 continue        # refused or unreachable: nothing is planned there
             host, old = self.state.hosts[name], self.results[name]
-            r = await self.host_pass(host, dry_run=True, quarantine=qs, transport=self.transports[name],
-                                     facts=old.facts, checked=old.checked)
+            r = await self.host_pass(host, Pass(self.transports[name], dry_run=True, quarantine=qs, facts=old.facts,
+                                                checked=old.checked))
             r.seconds += old.seconds
             self.results[name] = r
 
     def _hash_at(self, revision: str, host: str, service: str) -> str | None:
-        state = self.rev.render_at(revision) if self.rev.render_at is not None else None
+        state = self.rev.render_at(revision)
         h = state.hosts.get(host) if state is not None else None
         spec = h.services.get(service) if h is not None else None
         return spec.content_hash() if spec is not None else None
@@ -267,8 +263,11 @@ class _FleetRun:
     # -- passes --
 
     async def _pass(self, h: HostSpec, *, hold: frozenset[str], fresh: bool,
-                    quarantine: Mapping[str, Quarantine] | None = None) -> HostResult:
-        """One converge pass on one host, never two at once on it; folded into its result."""
+                    quarantine: Mapping[str, Quarantine] | None = None,
+                    say: Callable[[HostResult, HostResult], None] | None = None) -> HostResult:
+        """One converge pass on one host, never two at once on it; folded into its result.
+        `say`: puts the pass's result (first) in the words of what ran it (a halt), before the
+        host's result so far (second) takes it in."""
         async with self.passes[h.name]:
             async with self.sem:
                 t = self.transports[h.name]
@@ -277,11 +276,13 @@ class _FleetRun:
                 # A host surveyed in sync was never locked: it is planned again from the survey's
                 # look and never written to (only hosts with something to do are locked).
                 unlocked = self._unlocked(h)
-                r = await self.host_pass(h, dry_run=unlocked, hold=hold, quarantine=qs, transport=t,
-                                         facts=None if fresh and not unlocked else before.facts,
-                                         checked=before.checked)
+                r = await self.host_pass(h, Pass(t, dry_run=unlocked, hold=hold, quarantine=qs,
+                                                 facts=None if fresh and not unlocked else before.facts,
+                                                 checked=before.checked))
                 if unlocked and r.plan is not None and r.facts is not None:
                     r.running = {n: running_after(r.plan, r.facts, n) for n in h.services}
+            if say is not None:
+                say(r, before)
             if h.name not in self.passed:
                 # The survey's result was a plan, not an outcome: the first pass replaces it.
                 self.passed.add(h.name)
@@ -293,17 +294,9 @@ class _FleetRun:
             return r
 
     def _notify_failures(self, host: str, r: HostResult) -> None:
-        if self.notifier is None:
-            return
-        for i, e in enumerate(r.events):
-            if e.action == Event.ROLLBACK or e.outcome is None or e.outcome.healthy:
-                continue
-            rb = next((x for x in r.events[i + 1:] if x.service == e.service and x.action == Event.ROLLBACK), None)
-            ok = rb is not None and rb.outcome is not None and rb.outcome.healthy
-            self.notifier.send("rollback", host=host, service=e.service, revision=e.revision, short=e.revision[:7],
-                               reason=e.outcome.reason, message=e.outcome.message, journal_line=e.outcome.quote,
-                               result="rolled-back" if ok else "failed",
-                               rolled_back_to=rb.revision if rb is not None and ok else None)
+        if self.notifier is not None:
+            for fields in rollback_notices(host, r):
+                self.notifier.send("rollback", **fields)
 
     # -- rollouts --
 
@@ -311,81 +304,66 @@ class _FleetRun:
         """Run one group's waves; after each, rollout.judge_wave says whether it halts there."""
         p, t0 = ro.plan, time.monotonic()
         svc = p.group.service
-        ro.status = "running"
+        ro.status = RolloutStatus.RUNNING
         self._send("rollout.start", ro, hosts=list(p.pending), waves=[w.to_json() for w in p.waves])
         self._tell("start", ro)
         by_name = {h.name: h for h in self.hosts}
         # Starts of this revision that failed with sick GPUs in an earlier run count here too
         faulted = excuses_on_record(svc, self.state.revision, {
             h: r.facts.gpu_fault for h in p.members if (r := self.results.get(h)) is not None and r.facts is not None})
-
-        def outcome(h: str, r: HostResult) -> HostOutcome:
-            bad = next((e.outcome for e in r.events if e.service == svc and e.action == Event.DEPLOY
-                        and e.outcome is not None and not e.outcome.healthy), None)
-            if bad is not None:
-                return HostOutcome(h, bad.reason, bad.message, bad.quote, started=True)
-            if r.status is Result.FAILED:
-                return HostOutcome(h, r.reason or "Failed", r.message or "", observed=r.plan is not None)
-            return HostOutcome(h)
-
         for wave in p.waves:
             if self.io.supersede is not None and self.io.supersede.is_set():
-                ro.status = "superseded"      # a newer revision rolls out instead
+                ro.status = RolloutStatus.SUPERSEDED      # a newer revision rolls out instead
                 ro.seconds = time.monotonic() - t0
                 self._tell("superseded", ro)
                 return
             self._tell("wave", ro)
             others = {h: frozenset(by_name[h].services) - {svc} for h in wave.hosts}
             results = await asyncio.gather(*(self._pass(by_name[h], hold=others[h], fresh=True) for h in wave.hosts))
-            verdict = judge_wave(wave, (outcome(h, r) for h, r in zip(wave.hosts, results, strict=True)), faulted)
+            verdict = judge_wave(wave, (wave_outcome(svc, h, r) for h, r in zip(wave.hosts, results, strict=True)),
+                                 faulted)
             ro.excused += verdict.excused
             ro.skipped += verdict.skipped
             faulted += verdict.faulted
             ro.waves_done = wave.number
             if verdict.halt:
-                await self._halt(ro, wave, [(o.host, o.reason or "Failed", o.message, o.quote) for o in verdict.halt])
+                hashes = {h: by_name[h].services[svc].content_hash() for h in (*wave.hosts, *p.after(wave))}
+                stop = halt(p, wave, verdict.halt, self.state.revision, hashes, now=int(time.time()))
+                ro.halted(stop)
+                await self._halt(ro, stop)
                 ro.seconds = time.monotonic() - t0
                 self._tell("halted", ro)
                 return
-        ro.status = "done"
+        ro.status = RolloutStatus.DONE
         ro.seconds = time.monotonic() - t0
         self._send("rollout.finish", ro, hosts=list(p.pending), seconds=round(ro.seconds, 2))
         self._tell("done", ro)
 
-    async def _halt(self, ro: RolloutResult, wave: Wave, failed: list[tuple[str, str, str, str | None]]) -> None:
-        """Stop the group: quarantine this revision's content of the service on the failed hosts
-        (marking where it halted) and on every host of the later waves, which stay untouched."""
-        p, svc, rev = ro.plan, ro.plan.group.service, self.state.revision
-        host, reason, message, quote = failed[0]
-        ro.status, ro.halted_at, ro.halted_wave = "halted", host, wave.number
-        ro.reason, ro.message, ro.quote = reason, message, quote
-        ro.untouched = p.after(wave)
+    async def _halt(self, ro: RolloutResult, stop: Stop) -> None:
+        """Record the halt (rollout.halt): a pass on each failed and each untouched host writes
+        its quarantine, and its result says the halt in the rollout's words."""
+        svc = ro.plan.group.service
         by_name = {h.name: h for h in self.hosts}
-        where = halt_where(host, wave.canary, wave.number)
-        left = f"{len(ro.untouched)} host{'s' * (len(ro.untouched) != 1)} left untouched"
 
-        async def mark(name: str, is_failed: bool) -> None:
+        def untouched(r: HostResult, before: HostResult) -> None:
+            if r.status is Result.QUARANTINED and r.message:
+                r.message = stop.untouched_message(svc, r.running.get(svc) or before.running.get(svc))
+
+        async def mark(name: str, failed: bool) -> None:
             spec = by_name[name]
-            q = Quarantine(hash=spec.services[svc].content_hash(), revision=rev,
-                           reason=reason if is_failed else "RolloutHalted", quote=quote, at=int(time.time()),
-                           halted_at=host, canary=wave.canary, wave=wave.number, cause=reason)
             hold = frozenset(spec.services) - {svc}
-            r = await self._pass(spec, hold=hold, fresh=True, quarantine={svc: q})
+            r = await self._pass(spec, hold=hold, fresh=True, quarantine={svc: stop.quarantines[name]},
+                                 say=None if failed else untouched)
             res = self.results[name]
-            if is_failed:
-                res.message = (res.message + "; " if res.message else "") + f"rollout halted here, {left}"
-            elif r.status is Result.QUARANTINED and r.message and res.message and r.message in res.message:
-                # Say it in the rollout's words; the journal line is in the event (status shows
-                # it as the quote), not repeated here. Other services' messages stay.
-                res.reason = "RolloutHalted" if res.reason in ("Quarantined", None) else res.reason
-                res.message = res.message.replace(
-                    r.message, f"{svc}: rollout halted at {where}: {reason}; not restarted, "
-                               f"still running {str(res.running.get(svc) or '?')[:7]}")
+            if failed:
+                res.message = stop.failed_message(res.message)
+            elif r.status is Result.QUARANTINED and res.status is Result.QUARANTINED:
+                res.reason = halted_reason(res.reason)
 
-        await asyncio.gather(*(mark(h, True) for h, *_ in failed), *(mark(h, False) for h in ro.untouched))
-        self._send("rollout.halt", ro, host=host, wave=wave.number, in_canary=wave.canary, reason=reason,
-                   message=message, journal_line=quote, untouched=list(ro.untouched),
-                   failed=[h for h, *_ in failed])
+        await asyncio.gather(*(mark(h, True) for h in stop.failed), *(mark(h, False) for h in stop.untouched))
+        self._send("rollout.halt", ro, host=stop.at.host, wave=stop.wave.number, in_canary=stop.wave.canary,
+                   reason=stop.at.reason, message=stop.at.message, journal_line=stop.at.quote,
+                   untouched=list(stop.untouched), failed=list(stop.failed))
 
     def _tell(self, event: str, ro: RolloutResult) -> None:
         if self.io.on_rollout is not None:
@@ -410,75 +388,5 @@ async def run_fleet(rev: Revision, opts: RunOptions, io: RunIO = RunIO()) -> Fle
     """
     hosts = list(selected(rev.state, opts).values())
     if opts.look:
-        return await _look(rev, opts, io, hosts)
+        return await look(rev, opts, io, hosts)
     return await _FleetRun(rev, opts, io, hosts).run()
-
-
-async def _look(rev: Revision, opts: RunOptions, io: RunIO, hosts: list[HostSpec]) -> FleetResult:
-    """Read every host's records and systemd's state, read-only: the observation without the
-    keyed hashes of secret files (the one part that writes: the host's key), no lock."""
-    connect = io.connect or ssh_connector(opts.identity)
-    sem = asyncio.Semaphore(opts.concurrency or rev.state.settings.concurrency)
-
-    async def one(h: HostSpec) -> HostResult:
-        t0 = time.monotonic()
-        async with sem:
-            try:
-                t = await connect(h)
-            except ReconcilerError as e:
-                return _unreachable(h, e, t0)
-            try:
-                facts = await observe(t, h, secrets=False)
-            except ReconcilerError as e:
-                return _unreachable(h, e, t0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await t.close()
-        return HostResult(h.name, h.ssh.address, facts=facts, seconds=time.monotonic() - t0)
-    return FleetResult(rev.revision, True, list(await asyncio.gather(*(one(h) for h in hosts))))
-
-
-def _unreachable(h: HostSpec, e: ReconcilerError, t0: float) -> HostResult:
-    reason = e.reason if isinstance(e, HostError) else "Failed"
-    message = e.message if isinstance(e, HostError) else str(e)
-    return HostResult(h.name, h.ssh.address, Result.FAILED, reason=reason, message=message,
-                      seconds=time.monotonic() - t0)
-
-
-def selected(state: DesiredState, opts: RunOptions) -> dict[str, HostSpec]:
-    """The hosts a run is limited to, in natural order (every host without --host or --label)."""
-    names = select_hosts(state, list(opts.hosts) or None, list(opts.labels) or None)
-    return {n: h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
-            if names is None or n in names}
-
-
-def select_hosts(state: DesiredState, names: list[str] | None, labels: list[str] | None) -> list[str] | None:
-    """The hosts a run is limited to: any of `names` (--host) and, of those, the ones carrying
-    every label KEY=VALUE (--label, repeatable: AND). None: no selector, every host.
-
-    Raises SourceError (exit 1, nothing applied) for an unknown name, a malformed label or a
-    selection that matches no host, so a typo never turns into "nothing to do".
-    """
-    if not names and not labels:
-        return None
-    from ..desired.schema import LABEL
-    unknown = sorted(set(names or []) - set(state.hosts))
-    if unknown:
-        raise SourceError(f"unknown host(s) {', '.join(unknown)} at {state.short} "
-                          f"(known: {', '.join(sorted(state.hosts, key=natural_key))})")
-    wanted: dict[str, str] = {}
-    for item in labels or []:
-        key, sep, value = item.partition("=")
-        if not sep or not LABEL.match(key) or not LABEL.match(value):
-            raise SourceError(f"--label expects KEY=VALUE (letters, digits, '_', '.', '-'), got {item!r}")
-        if wanted.get(key, value) != value:
-            raise SourceError(f"--label {key}= given twice with different values: no host can match both")
-        wanted[key] = value
-    chosen = [n for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
-              if (not names or n in names) and all(h.labels.get(k) == v for k, v in wanted.items())]
-    if not chosen:
-        have = sorted({f"{k}={v}" for h in state.hosts.values() for k, v in h.labels.items()})
-        raise SourceError(f"no host matches {' '.join('--label ' + k + '=' + v for k, v in wanted.items())}"
-                          + (f" among {', '.join(sorted(names or []))}" if names else "")
-                          + f" at {state.short} (labels in use: {', '.join(have) or 'none'})")
-    return chosen

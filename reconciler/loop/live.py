@@ -1,8 +1,8 @@
 """`reconcile status --live`: the fleet as the hosts' own records say, from any machine.
 
-The local store (status.py) is the controller's memory and is empty anywhere else; the truth is
+The local store (controller/store.py) is the controller's memory and is empty anywhere else; the truth is
 on each host: /var/lib/reconciler/services/<name>.json and host.json (records.py). This reads
-them over SSH, every selected host at once, with facts.observe_command and no secret files (the
+them over SSH, every selected host at once, with the observation (plan/facts/observe.py) and no secret files (the
 one part of an observation that writes: the host's hash key), so it writes nothing and takes no
 lock. It never waits for a running reconcile, and never changes what one sees.
 
@@ -11,21 +11,31 @@ last_event, quote, updated_at: report.print_status prints both), plus what only 
 systemd's ActiveState and SubState, the revision its files hold, the last good revision, the
 pending deploy and the quarantine, each as its record has it.
 
-`host_rows` is pure: a host's facts and its desired services at the revision -> rows. A host
-that cannot be reached or read is one row (service "*") that says why.
+`look` reads every selected host (fleet.run_fleet with RunOptions.look). `host_rows` is pure: a
+host's facts and its desired services at the revision -> rows. A host that cannot be reached or
+read is one row (service "*") that says why.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from typing import Any
 
 from ..desired.spec import DesiredState, HostSpec, ServiceSpec
+from ..errors import ReconcilerError
 from ..plan.facts import HostFacts, ServiceFacts
 from ..plan.records import ServiceRecord
 from ..plan.state import live_quarantine
-from .results import FleetResult
+from ..plan.unit import UP
+from ..reasons import Reason
+from .host_run import observe, ssh_connector
+from .options import RunIO, RunOptions
+from .results import FleetResult, HostResult, failed_result
+from .revision import Revision
 
-RUNNING = ("active", "activating", "reloading", "refreshing")
+RUNNING = UP
 
 
 def desired_hash(spec: ServiceSpec | None) -> str | None:
@@ -45,7 +55,7 @@ def _running_rev(rec: ServiceRecord, active: str) -> str | None:
 
 
 def record_health(rec: ServiceRecord, f: ServiceFacts) -> str:
-    active, sub = f.props.get("ActiveState", ""), f.props.get("SubState", "")
+    active, sub = f.unit.active_state, f.unit.sub_state
     if rec.pending is not None:
         return "pending"
     if active == "failed" or sub == "auto-restart":
@@ -74,7 +84,7 @@ def _event(name: str, host: str, rec: ServiceRecord, f: ServiceFacts, spec: Serv
     want = desired_hash(spec)
     q = live_quarantine(rec.quarantine, None, want) if want is not None else rec.quarantine
     if q is not None:
-        running = f.props.get("ActiveState", "") in RUNNING
+        running = f.unit.active_state in RUNNING
         why = q.why(host)
         if q.rollback_failed:
             return (f"failed: desired {q.revision[:7]} quarantined ({why}); its rollback failed too: "
@@ -101,7 +111,7 @@ def host_rows(host: HostSpec, facts: HostFacts, revision: str) -> list[dict[str,
         f = facts.services.get(name) or ServiceFacts(name)
         spec = host.services.get(name)
         rec = f.record
-        active, sub = f.props.get("ActiveState") or None, f.props.get("SubState") or None
+        active, sub = f.unit.active_state or None, f.unit.sub_state or None
         row: dict[str, Any] = {"host": host.name, "service": name, "desired_rev": revision,
                                "address": host.ssh.address, "active_state": active, "sub_state": sub,
                                "applied_rev": applied}
@@ -150,8 +160,32 @@ def rows_of(result: FleetResult, state: DesiredState) -> list[dict[str, Any]]:
     for r in result.hosts:
         host = state.hosts[r.host]
         if r.facts is None:
-            reason = "ObserveFailed" if r.reason == "CommandFailed" else r.reason or "Failed"
+            reason = Reason.OBSERVE_FAILED if r.reason is Reason.COMMAND_FAILED else r.reason or Reason.FAILED
             out.append(failed_row(host, result.revision, reason, r.message or ""))
         else:
             out.extend(host_rows(host, r.facts, result.revision))
     return out
+
+
+async def look(rev: Revision, opts: RunOptions, io: RunIO, hosts: list[HostSpec]) -> FleetResult:
+    """Read every host's records and systemd's state, read-only: the observation without the
+    keyed hashes of secret files (the one part that writes: the host's key), no lock."""
+    connect = io.connect or ssh_connector(opts.identity)
+    sem = asyncio.Semaphore(opts.concurrency or rev.state.settings.concurrency)
+
+    async def one(h: HostSpec) -> HostResult:
+        t0 = time.monotonic()
+        async with sem:
+            try:
+                t = await connect(h)
+            except ReconcilerError as e:
+                return failed_result(h.name, h.ssh.address, e, time.monotonic() - t0)
+            try:
+                facts = await observe(t, h, secrets=False)
+            except ReconcilerError as e:
+                return failed_result(h.name, h.ssh.address, e, time.monotonic() - t0)
+            finally:
+                with contextlib.suppress(Exception):
+                    await t.close()
+        return HostResult(h.name, h.ssh.address, facts=facts, seconds=time.monotonic() - t0)
+    return FleetResult(rev.revision, True, list(await asyncio.gather(*(one(h) for h in hosts))))

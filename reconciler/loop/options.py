@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..clock import REAL, Clock
 from ..desired.trust import TrustPolicy
 
 if TYPE_CHECKING:
@@ -84,3 +85,4 @@ class RunIO:
     supersede: asyncio.Event | None = None        # set when a newer revision arrives (the daemon)
     expect_changes: frozenset[str] = frozenset()  # hosts locked at once, without a first look (the store's hint)
     on_planned: Callable[[HostResult], None] | None = None   # a host's plan, before it is applied (the report)
+    clock: Clock = REAL                           # what the run's waits are measured on (the GPU gate, a fetch's ticks)

@@ -128,11 +128,6 @@ def diff_lines(diff: str, plain: bool = False) -> list[str]:
     return out
 
 
-def print_diff(console: Console, diff: str) -> None:
-    plain = _plain(console)
-    _say(console, diff_lines(diff, plain), plain)
-
-
 def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
     """Diffs and actions with reasons for one host that has changes (or failed): one print of
     all its lines (rich's cost is per call; a fleet of hosts printed line by line adds up)."""

@@ -11,9 +11,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from ..plan.model import HostPlan, Kind, Reason, ServicePlan, State
+from ..errors import CommandError, HostError, ReconcilerError
+from ..plan.actions import starting
+from ..plan.model import HostPlan, Kind, ServicePlan, State
 from ..plan.records import NO_VERDICT, SUPERSEDED, Result
-from ..plan.rollout import RolloutResult
+from ..plan.rollout import HostOutcome, RolloutResult
+from ..reasons import Reason
 
 if TYPE_CHECKING:
     from ..host.health import Outcome
@@ -38,7 +41,7 @@ class ServiceEvent:
     """What happened to one service in this run (for reports, status and history)."""
 
     service: str
-    action: str                     # an Event
+    action: Event
     revision: str
     content_hash: str
     outcome: Outcome | None = None
@@ -59,7 +62,7 @@ class HostResult:
     address: str
     status: Result = Result.IN_SYNC
     plan: HostPlan | None = None
-    reason: str | None = None          # CamelCase, for failures
+    reason: Reason | None = None       # for failures
     message: str | None = None
     seconds: float = 0.0
     events: list[ServiceEvent] = field(default_factory=list)
@@ -68,7 +71,7 @@ class HostResult:
     notes: list[str] = field(default_factory=list)      # pre-flight warnings, GPU gate notes
     checked: Preflight | None = field(default=None, repr=False, compare=False)   # the last pre-flight
 
-    def worsen(self, status: Result, reason: str | None = None, message: str | None = None) -> None:
+    def worsen(self, status: Result, reason: Reason | None = None, message: str | None = None) -> None:
         """Keep the worst status; messages of equally bad failures add up."""
         status = Result(status)
         if status.rank > Result(self.status).rank:
@@ -128,13 +131,38 @@ def merge_result(into: HostResult, r: HostResult) -> None:
     into.worsen(Result(r.status), r.reason, r.message)
 
 
+def failed_result(host: str, address: str, e: ReconcilerError, seconds: float) -> HostResult:
+    """A host that could not be reached or read: failed, for the error's reason (Failed for an
+    error that is not a host's)."""
+    if isinstance(e, HostError):
+        return HostResult(host, address, Result.FAILED, reason=e.reason, message=e.message, seconds=seconds)
+    return HostResult(host, address, Result.FAILED, reason=Reason.FAILED, message=str(e), seconds=seconds)
+
+
+class Step(StrEnum):
+    """Where a host's run is: what it was doing when an error ended it (host_failure)."""
+
+    OBSERVE = "observe"
+    PREFLIGHT = "pre-flight"     # planning, with the host-side pre-flight's one round trip
+    APPLY = "apply"              # fetching, applying, the GPU gate, watching, recording verdicts
+
+
+def host_failure(e: HostError, step: Step) -> Reason:
+    """PURE: the reason a host's result gives for an error that ended its run: a command that
+    failed while the run changed the host is ApplyFailed; one that only read it (the
+    observation, the pre-flight) keeps its own reason, as does every other host error."""
+    if isinstance(e, CommandError) and step not in (Step.OBSERVE, Step.PREFLIGHT):
+        return Reason.APPLY_FAILED
+    return e.reason
+
+
 _STATE_EVENT = {State.QUARANTINED: Event.QUARANTINED, State.HALTED: Event.QUARANTINED,
                 State.QUARANTINED_NO_GOOD: Event.HELD, State.ROLLBACK_FAILED: Event.HELD,
                 State.BLOCKED: Event.BLOCKED, State.FOREIGN: Event.FOREIGN, State.INCONCLUSIVE: Event.HELD}
 
 
 def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
-                   changes: bool) -> tuple[Result, str | None, str | None]:
+                   changes: bool) -> tuple[Result, Reason | None, str | None]:
     """PURE: what one service's run comes to (result, reason, message), from its state and the
     verdicts of this run. The one place that turns verdicts into a host's result."""
     judged = [e for e in events if e.outcome is not None and e.outcome.reason not in NO_VERDICT]
@@ -144,22 +172,22 @@ def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
         return _after_failure(sp, failed, rollback)
     if rollback is not None and rollback.outcome is not None:
         if rollback.outcome.healthy:
-            return Result.ROLLED_BACK, "RolledBack", f"{sp.name}: {sp.note or 'running the last good version'}"
-        return (Result.FAILED, "RollbackFailed",
+            return Result.ROLLED_BACK, Reason.ROLLED_BACK, f"{sp.name}: {sp.note or 'running the last good version'}"
+        return (Result.FAILED, Reason.ROLLBACK_FAILED,
                 f"{sp.name}: last good {rollback.revision[:7]} failed too: {rollback.outcome.message}")
     last = next((e.outcome for e in reversed(events) if e.outcome is not None), None)
     if last is not None and last.reason in NO_VERDICT - {SUPERSEDED} and sp.state is not State.INCONCLUSIVE:
         # the run ended on a watch without a verdict (its rounds ran out): not done
         return Result.FAILED, last.reason, f"{sp.name}: {last.message}"
     if sp.result.rank >= Result.QUARANTINED.rank:
-        return sp.result, sp.reason or None, f"{sp.name}: {sp.note}" if sp.note else sp.name
+        return sp.result, sp.reason, f"{sp.name}: {sp.note}" if sp.note else sp.name
     if dry_run and changes:
         return Result.WOULD_CHANGE, None, None
     return sp.result if changes else Result.IN_SYNC, None, None
 
 
 def _after_failure(sp: ServicePlan, failed: ServiceEvent,
-                   rollback: ServiceEvent | None) -> tuple[Result, str | None, str | None]:
+                   rollback: ServiceEvent | None) -> tuple[Result, Reason | None, str | None]:
     """A deploy (or re-verify) failed in this run: rolled back, rollback failed, or nothing to
     roll back to."""
     o = failed.outcome
@@ -168,12 +196,12 @@ def _after_failure(sp: ServicePlan, failed: ServiceEvent,
     rb = rollback.outcome if rollback is not None else None
     if rollback is not None and rb is not None:
         if rb.healthy:
-            return Result.ROLLED_BACK, "RolledBack", f"{head}; rolled back to {rollback.revision[:7]}"
-        return (Result.FAILED, "RollbackFailed",
+            return Result.ROLLED_BACK, Reason.ROLLED_BACK, f"{head}; rolled back to {rollback.revision[:7]}"
+        return (Result.FAILED, Reason.ROLLBACK_FAILED,
                 f"{head}; rollback to {rollback.revision[:7]} failed too: {rb.quote or rb.message}")
-    if sp.state is State.QUARANTINED_NO_GOOD and "first deploy failed" in sp.note:
-        return Result.FAILED, "FirstDeployFailed", f"{head}; first deploy failed; service left stopped"
-    return Result.FAILED, "RollbackFailed", f"{head}; {sp.note or 'no rollback possible'}"
+    if sp.state is State.QUARANTINED_NO_GOOD and sp.first_deploy:
+        return Result.FAILED, Reason.FIRST_DEPLOY_FAILED, f"{head}; first deploy failed; service left stopped"
+    return Result.FAILED, Reason.ROLLBACK_FAILED, f"{head}; {sp.note or 'no rollback possible'}"
 
 
 def fold(result: HostResult, plan: HostPlan, dry_run: bool) -> None:
@@ -219,3 +247,46 @@ def merge_plans(a: HostPlan | None, b: HostPlan | None) -> HostPlan | None:
                                                              any(y.kind is Kind.RECORD and y.service is None
                                                                  for y in a.actions)))
     return HostPlan(a.host, b.revision, actions, services, a.dropped_records + b.dropped_records)
+
+
+# ---- what a surveyed or converged host means to the fleet run (fleet.py) ----------------------------
+
+
+def rollback_notices(host: str, r: HostResult) -> list[dict[str, object]]:
+    """The webhook notice of each failed deploy of a pass: rolled back (to which revision) or failed."""
+    out: list[dict[str, object]] = []
+    for i, e in enumerate(r.events):
+        if e.action == Event.ROLLBACK or e.outcome is None or e.outcome.healthy:
+            continue
+        rb = next((x for x in r.events[i + 1:] if x.service == e.service and x.action == Event.ROLLBACK), None)
+        ok = rb is not None and rb.outcome is not None and rb.outcome.healthy
+        out.append({"host": host, "service": e.service, "revision": e.revision, "short": e.revision[:7],
+                    "reason": e.outcome.reason, "message": e.outcome.message, "journal_line": e.outcome.quote,
+                    "result": "rolled-back" if ok else "failed",
+                    "rolled_back_to": rb.revision if rb is not None and ok else None})
+    return out
+
+
+def restarting(r: HostResult) -> set[str]:
+    """Services a surveyed host would restart or start with their desired version (not those
+    swapped for last good, which are repairs, not a rollout)."""
+    if r.plan is None:
+        return set()
+    return {n for n, tg in starting(r.plan).items() if not tg.rollback}
+
+
+def writes(r: HostResult) -> bool:
+    """Whether a host's surveyed plan would write anything there (a hold alone does not)."""
+    return r.plan is not None and any(a.kind is not Kind.HOLD for a in r.plan.actions)
+
+
+def wave_outcome(service: str, host: str, r: HostResult) -> HostOutcome:
+    """What a wave host's pass made of the group's service, for rollout.judge_wave: its failed
+    deploy (started and watched to that verdict), else the host's own failure, else healthy."""
+    bad = next((e.outcome for e in r.events if e.service == service and e.action == Event.DEPLOY
+                and e.outcome is not None and not e.outcome.healthy), None)
+    if bad is not None:
+        return HostOutcome(host, bad.reason, bad.message, bad.quote, started=True)
+    if r.status is Result.FAILED:
+        return HostOutcome(host, r.reason or Reason.FAILED, r.message or "", observed=r.plan is not None)
+    return HostOutcome(host)

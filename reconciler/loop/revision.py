@@ -27,16 +27,33 @@ if TYPE_CHECKING:
 RenderAt = Callable[[str], DesiredState | None]
 # Whether a revision descends from another: True, False, or None (the other is not in the repo).
 Descends = Callable[[str, str], "bool | None"]
+Rules = Callable[[], "RuleSet | None"]
+
+
+def nowhere(revision: str) -> DesiredState | None:
+    """No repository: no other revision to render (nothing to roll back to)."""
+    return None
+
+
+def no_rules() -> RuleSet | None:
+    """No repository: no rule pack (the host-side pre-flight runs without its rules)."""
+    return None
+
+
+def no_history(target: str, applied: str) -> bool | None:
+    """No repository: no history to rewind, so no rewind check (every revision may follow)."""
+    return True
 
 
 @dataclass(frozen=True)
 class Revision:
-    """The desired state at one revision (secrets decrypted), and what a run asks of its repo."""
+    """The desired state at one revision (secrets decrypted), and what a run asks of its repo.
+    `Revision(state)` alone is a revision without a repository (a benchmark's, a test's)."""
 
     state: DesiredState
-    render_at: RenderAt | None = None             # the state at another revision (rollbacks)
-    rules: Callable[[], RuleSet] | None = None    # the pre-flight rule pack (None: no pre-flight)
-    descends: Descends | None = None              # None: no rewind check
+    render_at: RenderAt = nowhere                 # the state at another revision (rollbacks)
+    rules: Rules = no_rules                       # the pre-flight rule pack
+    descends: Descends = no_history               # whether one revision descends from another
     signer: str | None = None                     # who signed it (None: the policy asks no signature)
     # rollback targets the trust policy refused (revision -> why), filled as the run renders them
     refused: dict[str, str] = field(default_factory=dict)

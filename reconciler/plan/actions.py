@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import replace
 
 from ..desired.spec import HostSpec, ServiceSpec
@@ -24,14 +23,14 @@ from .files import (
     own_files,
     parse_env,
     parse_env_file,
-    secret_blocks,
     secret_versions,
     unified_diff,
 )
-from .gpuhealth import GPU_FAULT, GpuFault, in_force
-from .model import ORDER, Action, Block, Context, HostPlan, Kind, Reason, ServicePlan, State, Target, Watch
+from .gpuhealth import GpuFault, in_force
+from .model import ORDER, Action, Context, HostPlan, Kind, Reason, ServicePlan, State, Target, Watch
 from .records import Adopted, Pending, Result, ServiceRecord
-from .state import Sync, blocked_plan, classify, is_up, live_quarantine, sync_with
+from .state import Sync, blocked_plan, blocks_of, classify, is_up, live_quarantine, sync_with
+from .unit import UnitState
 
 
 class _Builder:
@@ -88,8 +87,11 @@ class _Builder:
             self.reload = True
         if self._nothing_to_apply(sp, f, s, why_sub):
             return
-        if sp.name in self.ctx.checks.fetch and not sp.target.rollback:
-            self.add(Kind.FETCH, Reason.FETCH_MODEL, sp.name, detail=self.ctx.checks.fetch[sp.name])
+        fetch = self.ctx.checks.fetch.get(sp.name)
+        if fetch is not None and not sp.target.rollback:
+            m = fetch.model
+            self.add(Kind.FETCH, Reason.FETCH_MODEL, sp.name, model=m,
+                     detail=f"fetch {m.id} into {m.path} first ({m.fetch})")
         rec = self._intent(sp, f, s)
         self._files(sp, f, s, why_sub)
         self._start(sp, f, s, rec, why_sub)
@@ -126,7 +128,7 @@ class _Builder:
                 p for p in sorted(f.dropins) if p not in own_files(sp.name))
             rec = replace(rec, adopted=Adopted(files=files, was_enabled=f.enabled, was_active=f.running,
                                                fragment=f.foreign_path(),
-                                               masked=f.props.get("LoadState") == "masked"))
+                                               masked=f.unit.load_state == "masked"))
         replaces = (s.pending.replaces_hash, s.pending.replaces_revision) if s.pending else (rec.hash, rec.revision)
         tried = s.pending if s.pending is not None and not self.ctx.retry else None
         pending = Pending(hash=target.hash, revision=target.revision, rollback=target.rollback,
@@ -162,7 +164,7 @@ class _Builder:
             self.add(Kind.SECRETS, Reason.SECRET_CHANGED, sp.name, secrets=target.spec.secrets,
                      detail=why_sub or describe_secret_changes(s.secrets))
         self.reload |= any(needs_reload(p) for p, _, _ in s.files) or bool(s.dropins) \
-            or (f is not None and f.props.get("NeedDaemonReload") == "yes")
+            or (f is not None and f.unit.need_daemon_reload)
 
     def _start(self, sp: ServicePlan, f: ServiceFacts | None, s: Sync, rec: ServiceRecord, why_sub: str) -> None:
         """(Re)start it (through the GPU gate on a GPU host), record it started, watch it."""
@@ -173,9 +175,12 @@ class _Builder:
         if gated:
             if s.running:
                 self.add(Kind.STOP, Reason.GPU_GATE, sp.name, detail="stop first, start when its GPUs are free")
+            if target.spec.gpu_policy == "kill":
+                self.add(Kind.KILL_STRAYS, Reason.GPU_GATE, sp.name,
+                         detail='kill what else holds the GPUs it claims, after the stop (gpu_policy = "kill")')
             self.add(Kind.WAIT_GPUS, Reason.GPU_GATE, sp.name, detail="wait until the GPUs it claims are released")
         self._arm(sp, f, s, rec)
-        fresh = f is not None and f.props.get("LoadState") == "not-found" and f.active_state == "inactive"
+        fresh = f is not None and f.unit.load_state == "not-found" and f.unit.active_state == "inactive"
         self.add(Kind.RESTART if s.running and not gated else Kind.START, reason, sp.name, detail=detail,
                  fresh=fresh)
         self._enable(target.spec, f)
@@ -186,6 +191,20 @@ class _Builder:
         self.add(Kind.WATCH, Reason.SUBSTITUTE if target.rollback else Reason.HEALTH, sp.name,
                  watch=self._watch(target, f, fresh=not s.running or gated),
                  detail=why_sub or f"until healthy (start-up timeout {target.spec.health.startup_timeout:.0f}s)")
+
+    def gate_closed(self, sp: ServicePlan, f: ServiceFacts | None, why: str) -> None:
+        """Its GPUs stayed busy after this run stopped it (the gate's answer, Checks.gate): it was
+        not started. Its record says so (pending, not started, and why), so the next run applies
+        it again through the gate."""
+        target = sp.target
+        assert target is not None
+        rec = self.base_record(sp.name, f)
+        pending = rec.pending or Pending(hash=target.hash, revision=target.revision, rollback=target.rollback,
+                                         replaces_hash=rec.hash, replaces_revision=rec.revision)
+        blocked = replace(pending, started=False, blocked=why)
+        if blocked != rec.pending:
+            self.add(Kind.RECORD, Reason.GPU_BUSY, sp.name, record=replace(rec, pending=blocked),
+                     detail=f"not started: {why}")
 
     def _arm(self, sp: ServicePlan, f: ServiceFacts | None, s: Sync, rec: ServiceRecord) -> None:
         """Arm the deploy's dead-man's switch (not for a rollback: the last good is what it would
@@ -253,17 +272,13 @@ class _Builder:
     @staticmethod
     def _watch(target: Target, f: ServiceFacts | None, *, fresh: bool = False, reverify: bool = False,
                since: int | None = None) -> Watch:
-        props = f.props if f is not None else {}
-        try:
-            restarts = int(props.get("NRestarts", "0") or 0)
-        except ValueError:
-            restarts = 0
+        u = f.unit if f is not None else UnitState()
         # A start (also a gated stop + start) resets NRestarts to 0; a restart keeps counting
-        # (../shared/SYSTEMD.md). A re-verify judges from what runs now.
+        # (systemd.service(5), NRestarts=). A re-verify judges from what runs now.
         return Watch(hash=target.hash, revision=target.revision, rollback=target.rollback,
-                     baseline_restarts=0 if fresh else restarts,
-                     baseline_invocation="" if reverify else props.get("InvocationID", ""),
-                     baseline_active_enter="" if reverify else props.get("ActiveEnterTimestampMonotonic", ""),
+                     baseline_restarts=0 if fresh else u.n_restarts,
+                     baseline_invocation="" if reverify else u.invocation_id,
+                     baseline_active_enter="" if reverify else u.active_enter or "",
                      reverify=reverify, since=since)
 
     def orphan(self, name: str, f: ServiceFacts) -> None:
@@ -308,20 +323,17 @@ _HOLDS = {State.QUARANTINED_NO_GOOD: Reason.HOLD_STOPPED, State.ROLLBACK_FAILED:
 _RECORDS_QUARANTINE = frozenset({State.QUARANTINED_NO_GOOD, State.ROLLBACK_FAILED, State.HALTED, State.QUARANTINED})
 
 
-def _service_plan(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str, ctx: Context,
-                  observed: Mapping[str, str | None], gpu: GpuFault | None = None) -> ServicePlan:
-    sp = classify(name, svc, f, host, ctx, observed)
-    blocks = tuple(ctx.checks.blocked.get(name, ()))
-    if gpu is not None:
-        # The host's fault, not this version's: nothing starts here until the GPUs read healthy
-        blocks = (Block(GPU_FAULT, f"not started: the host's {gpu.why()} (the revision is not judged; "
-                                   f"cleared by the next healthy GPU reading)"), *blocks)
-    if sp.target is not None:
-        blocks += secret_blocks(sp.target.spec, observed)
-    if blocks and sp.target is not None and sp.state is not State.IN_SYNC:
-        out = blocked_plan(sp, blocks)
-        return replace(out, quote=gpu.quote) if gpu is not None else out
-    return sp
+def _service_plan(b: _Builder, svc: ServiceSpec, f: ServiceFacts | None, gpu: GpuFault | None) -> ServicePlan:
+    """One service's state (classify), Blocked when something keeps it from (re)starting
+    (state.blocks_of); a start the GPU gate kept from happening earlier in this run is recorded."""
+    ctx, observed = b.ctx, b.facts.secret_files
+    sp = classify(svc.name, svc, f, b.host.name, ctx, observed)
+    blocks = blocks_of(sp, ctx, observed, gpu)
+    if not blocks or sp.target is None or sp.state is State.IN_SYNC:
+        return sp
+    if sp.name in ctx.checks.gate:
+        b.gate_closed(sp, f, ctx.checks.gate[sp.name])
+    return blocked_plan(sp, blocks, gpu.quote if gpu is not None else None)
 
 
 def _orphans(b: _Builder, facts: HostFacts, services: dict[str, ServicePlan]) -> list[str]:
@@ -349,7 +361,7 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
     gpu = in_force(facts.gpu_fault, ctx.checks.gpu_health, retry=ctx.retry)
     for name, svc in sorted(desired.services.items()):
         f = facts.services.get(name)
-        sp = services[name] = _service_plan(name, svc, f, desired.name, ctx, facts.secret_files, gpu)
+        sp = services[name] = _service_plan(b, svc, f, gpu)
         if sp.state in _HOLDS:
             b.hold(sp, _HOLDS[sp.state], f)
         if sp.state in _RECORDS_QUARANTINE:
@@ -366,7 +378,9 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
     blocked = any(sp.state is State.BLOCKED for sp in services.values())
     # A revision is recorded as applied when something was applied, or when nothing at it was
     # refused: a blocked deploy writes nothing at all, not even the record.
-    if any(a.kind.mutating for a in b.actions) or dropped or (host_rev != ctx.revision and not blocked):
+    # A closed GPU gate stopped a start after its files were applied: that revision is on the host.
+    if any(a.kind.mutating for a in b.actions) or dropped or (host_rev != ctx.revision and not blocked) \
+            or ctx.checks.gate:
         b.add(Kind.RECORD, Reason.RECORD, detail=f"record revision {b.short} and the inventory")
     actions = sorted(b.actions, key=lambda a: ORDER[a.kind])
     return HostPlan(desired.name, ctx.revision, tuple(actions), services, tuple(dropped))
@@ -381,9 +395,3 @@ def starting(plan: HostPlan) -> dict[str, Target]:
             if sp is not None and sp.target is not None:
                 out[a.service] = sp.target
     return out
-
-
-def writing_units(plan: HostPlan) -> dict[str, str]:
-    """Service -> the unit text the plan writes (what systemd must accept before the rename)."""
-    return {a.service: a.content for a in plan.actions
-            if a.kind is Kind.WRITE and a.service and a.content is not None and a.path == unit_path(a.service)}

@@ -37,6 +37,7 @@ import base64
 from dataclasses import dataclass
 
 from .. import shell
+from ..reasons import Reason
 from . import layout
 from .layout import (
     CONFIRM_DIR,
@@ -111,7 +112,7 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
 
     record: the service's record as the deploy writes it (the base of what the switch records).
     previous: the verified version to restore, or None (the switch then stops the service)."""
-    q = Quarantine(hash=new_hash, revision=revision, reason="NotConfirmed",
+    q = Quarantine(hash=new_hash, revision=revision, reason=Reason.NOT_CONFIRMED,
                    quote=f"the controller did not confirm {revision[:7]}: it died or lost the host, and nobody "
                          f"came back within {window}s; --retry or a new commit tries again")
     if previous is not None:

@@ -20,7 +20,7 @@ from .facts import (
     secrets_path,
     unit_path,
 )
-from .model import Block
+from .model import Block, Reason
 from .records import ServiceRecord
 
 ENV_HEADER = "# Managed by reconciler from git; edits on this host are reverted.\n"
@@ -155,10 +155,11 @@ def secret_blocks(svc: ServiceSpec, observed: Mapping[str, str | None]) -> tuple
     out: list[Block] = []
     for s in sorted(svc.secrets, key=lambda s: s.name):
         if s.problem:
-            out.append(Block("SecretUndecryptable", f"secret {s.name}: {s.problem}"))
+            out.append(Block(Reason.SECRET_UNDECRYPTABLE, f"secret {s.name}: {s.problem}"))
         elif s.source == "file" and s.path in observed and observed[s.path] is None:
-            out.append(Block("SecretMissing", f"secret {s.name}: {s.path} does not exist on the host (a referenced "
-                                              f"secret is provisioned there by other means); nothing written"))
+            out.append(Block(Reason.SECRET_MISSING, f"secret {s.name}: {s.path} does not exist on the host (a "
+                                                    f"referenced secret is provisioned there by other means); "
+                                                    f"nothing written"))
     return tuple(out)
 
 

@@ -34,10 +34,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..reasons import Reason
 from .xid import bus_key
 from .xid import xid_health as xid_health  # the kernel log's reader, for gpuhealth's callers
 
-GPU_FAULT = "GpuFault"
+GPU_FAULT = Reason.GPU_FAULT
 # The sections of `nvidia-smi -q` (under each GPU) that say its health: what gpu.sh keeps.
 SMI_SECTIONS = ("ECC Errors", "Retired Pages", "Remapped Rows", "GPU Reset Status", "GPU Recovery Action")
 FAULT_FILE = "/var/lib/reconciler/gpu-fault.json"
@@ -45,7 +46,7 @@ FAULT_FILE = "/var/lib/reconciler/gpu-fault.json"
 REMAP_SOURCE = "https://docs.nvidia.com/deploy/a100-gpu-mem-error-mgmt/error-recovery-and-response-flags.html"
 
 # Start failures a GPU fault can explain (health.py's reasons for a start that did not come up).
-BLAMABLE = frozenset({"CrashLoop", "StartFailed", "StartTimeout", "Exited", "Unstable"})
+BLAMABLE = frozenset({Reason.CRASH_LOOP, Reason.START_FAILED, Reason.START_TIMEOUT, Reason.EXITED, Reason.UNSTABLE})
 
 _LONGEST = 8192            # the longest quote a record of ours holds (an Xid message and the catalog's words)
 MARK_EXPIRES = 24 * 3600   # a mark outlives no reading for longer than this (seconds, host clock)

@@ -6,7 +6,7 @@ line that explains a failure (`explain`), and whether a crash was the service's 
 The journal is host output, read as data (review N5): `explain` looks for its patterns in the
 first EXPLAIN_SCAN characters of a line only (a pattern with `.*` on a 48 KiB line of a hostile
 service would take seconds), and the read itself keeps the newest JOURNAL_BYTES of what
-journalctl prints. The watch (host/watch.py) redacts a quote before it cuts it.
+journalctl prints. The watch (host/health.py) redacts a quote before it cuts it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..reasons import Reason
 from .facts.journal import Entry
+from .unit import UnitState
 
 EXPLAIN_SCAN = 4096          # characters of a line that explain() matches its patterns in
 
@@ -26,7 +28,7 @@ class UnitReading:
     version is records.py's)."""
 
     state: str            # "running" | "starting" | "crashed" | "not-loaded" | "exited" | "refused"
-    reason: str = ""      # CamelCase when not fine
+    reason: Reason | None = None    # when not fine
     detail: str = ""
 
 
@@ -44,24 +46,22 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
     load = props.get("LoadState", "")
     active, sub = props.get("ActiveState", ""), props.get("SubState", "")
     result = props.get("Result", "")
-    try:
-        restarts = int(props.get("NRestarts", "0") or 0)
-    except ValueError:
-        restarts = 0
+    restarts = UnitState.parse(props).n_restarts      # the one parse of it (plan/unit.py)
     summary = f"ActiveState={active} SubState={sub} Result={result} NRestarts={restarts}"
     if load and load != "loaded":
-        return UnitReading("not-loaded", "UnitNotLoaded", f"LoadState={load}: the unit file is invalid")
+        return UnitReading("not-loaded", Reason.UNIT_NOT_LOADED, f"LoadState={load}: the unit file is invalid")
     if baseline_invocation and props.get("InvocationID", "") == baseline_invocation:
         if active == "failed" and props.get("Job", "") in ("", "0"):
             # systemd refused our start (more starts than StartLimitBurst= within
             # StartLimitIntervalSec=): no job left and no new invocation, so none will begin.
             # Result= says start-limit-hit only where the unit had not already failed: a restart
             # of a unit in its crash loop (auto-restart) keeps that crash's exit-code.
-            return UnitReading("refused", "StartLimitHit", f"systemd refused the start: start limit hit ({summary})")
+            return UnitReading("refused", Reason.START_LIMIT_HIT,
+                               f"systemd refused the start: start limit hit ({summary})")
         return UnitReading("starting", detail=f"waiting for the start to begin: {summary}")
     entered = props.get("ActiveEnterTimestampMonotonic")     # absent: unknown, judged a crash
     never_active = entered == "0" or (bool(baseline_active_enter) and entered == baseline_active_enter)
-    crash = "StartFailed" if never_active else "CrashLoop"
+    crash = Reason.START_FAILED if never_active else Reason.CRASH_LOOP
     if active == "failed":
         why = "start limit hit" if result == "start-limit-hit" else f"Result={result}"
         what = "start failed" if never_active else "unit failed"
@@ -76,8 +76,8 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
             # a job is queued (our start, still waiting): nothing is judged before it runs
             return UnitReading("starting", detail=f"waiting for the start job {props['Job']}: {summary}")
         if never_active:   # e.g. a start timeout: systemd is stopping what never came up
-            return UnitReading("crashed", "StartFailed", f"start failed: {summary}")
-        return UnitReading("exited", "Exited", f"process ended: {summary}")
+            return UnitReading("crashed", Reason.START_FAILED, f"start failed: {summary}")
+        return UnitReading("exited", Reason.EXITED, f"process ended: {summary}")
     return UnitReading("starting", detail=summary)
 
 

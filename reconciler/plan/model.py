@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from ..desired.spec import SecretSpec, ServiceSpec
+from ..desired.spec import ModelSpec, SecretSpec, ServiceSpec
+from ..reasons import Reason as Reason  # the planner's reasons are the one vocabulary (reasons.py)
 from .confirm import Switch
 from .gpuhealth import GpuHealth
 from .records import Quarantine, Result, ServiceRecord
@@ -29,6 +30,7 @@ class Kind(StrEnum):
     RESTORE = "restore"          # put an adopted unit's original files back
     ARM = "arm"                  # write the deploy's dead-man's switch (confirm.py)
     DAEMON_RELOAD = "daemon-reload"
+    KILL_STRAYS = "kill-strays"  # controller: kill stray GPU holders on its GPUs after the stop (gpu_policy "kill")
     WAIT_GPUS = "wait-gpus"      # controller: wait until the GPUs are free before starting
     ARM_TIMER = "arm-timer"      # ready the switch's timer (made if the controller goes), right before the start
     ENABLE = "enable"
@@ -66,43 +68,6 @@ class State(StrEnum):
     DEFERRED = "Deferred"
     ORPHAN = "Orphan"
     INCONCLUSIVE = "Inconclusive"
-
-
-class Reason(StrEnum):
-    """Why an action is in the plan (CamelCase, like Flux's condition reasons)."""
-
-    NEW_SERVICE = "NewService"
-    UNIT_CHANGED = "UnitChanged"
-    ENV_CHANGED = "EnvChanged"
-    SECRET_CHANGED = "SecretChanged"
-    DRIFT = "Drift"
-    FOREIGN_DROPIN = "ForeignDropIn"
-    NOT_RUNNING = "NotRunning"
-    STALE_PROCESS = "ProcessPredatesFiles"
-    INTERRUPTED = "InterruptedDeploy"
-    REVERIFY = "Reverify"
-    SUBSTITUTE = "SubstituteLastGood"
-    HOLD_LAST_GOOD = "HoldLastGood"
-    HOLD_STOPPED = "HoldStopped"
-    HOLD_HALTED = "HoldHalted"
-    FOREIGN = "Foreign"
-    BLOCKED = "Blocked"
-    ADOPT = "Adopt"
-    REMOVED = "RemovedFromGit"
-    RESTORE = "RestoreAdopted"
-    RESTORE_MASK = "RestoreMask"
-    KEEP_ORPHAN = "KeptWhileBlocked"
-    GPU_GATE = "GpuGate"
-    FETCH_MODEL = "FetchModel"
-    START_AT_BOOT = "StartAtBoot"
-    RELOAD = "UnitFilesChanged"
-    HEALTH = "HealthCheck"
-    RECORD = "Record"
-    QUARANTINE = "RecordQuarantine"
-    CONFIRM = "DeadMansSwitch"
-    START_AGAIN = "StartAgain"
-    HOLD_UNJUDGED = "HoldUnjudged"
-    STALE_TEMP = "StaleTempFile"
 
 
 @dataclass(frozen=True)
@@ -147,6 +112,7 @@ class Action:
     watch: Watch | None = None
     switch: Switch | None = field(default=None, repr=False)          # ARM, ARM_TIMER: the dead-man's switch
     secrets: tuple[SecretSpec, ...] = field(default=(), repr=False)   # SECRETS: what to deliver (no values)
+    model: ModelSpec | None = field(default=None, repr=False)         # FETCH: the model, its command and time limit
     # START: systemd had never loaded the unit (no failed state, restart count or start limit to
     # reset first)
     fresh: bool = False
@@ -168,27 +134,41 @@ class ServicePlan:
     state: State
     target: Target | None = None
     result: Result = Result.IN_SYNC  # before any verdict: what this state alone makes of the host
-    reason: str = ""                 # CamelCase, when result is not a success
+    reason: Reason | None = None     # when result is not a success
     note: str = ""                   # for people: quarantine, foreign path, blocked reasons
     quote: str | None = None         # the journal line recorded with a quarantine
+    first_deploy: bool = False       # QuarantinedNoLastGood: no version of it ever passed health here
 
 
 @dataclass(frozen=True)
 class Block:
     """Why pre-flight (or systemd's own check of the unit) refuses to start a service."""
 
-    reason: str                      # PreflightFailed | UnitInvalid | ModelFetchFailed | GpuBusy | GpuFault
+    reason: Reason    # PreflightFailed | UnitInvalid | EngineRejected | ModelFetchFailed | GpuBusy | GpuFault | Secret*
     message: str
 
 
 @dataclass(frozen=True)
+class ModelFetch:
+    """A model pre-flight found missing or incomplete on the host, with `model.fetch` set: what a
+    FETCH runs, and the room it has (the planner decides whether it may: state.fetch_refused)."""
+
+    model: ModelSpec
+    total_size: int | None = None    # bytes, as the checkpoint's index says (None: no index)
+    free_bytes: int | None = None    # free space of the file system it goes to (None: unknown)
+
+
+@dataclass(frozen=True)
 class Checks:
-    """What host-side pre-flight decided; the planner only reads it."""
+    """What the host said before this plan: host-side pre-flight's findings and the answers of
+    this run's steps so far (the GPU gate). The planner only reads them."""
 
     blocked: Mapping[str, tuple[Block, ...]] = field(default_factory=dict)
-    fetch: Mapping[str, str] = field(default_factory=dict)   # service -> what would be fetched
+    fetch: Mapping[str, ModelFetch] = field(default_factory=dict)   # service -> its model to fetch first
     gpu_gate: bool = False           # the host has GPUs: starts wait until they are free
     gpu_health: GpuHealth | None = None   # the GPUs' health read for this plan's starts (None: not read)
+    # service -> why its GPUs stayed busy after this run stopped it: the gate's answer (not started)
+    gate: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -248,7 +228,7 @@ class HostPlan:
             if n:
                 parts.append(f"{word} {n} file{'s' * (n != 1)}")
         for kind in (Kind.FETCH, Kind.ADOPT, Kind.SECRETS, Kind.RESTORE, Kind.DAEMON_RELOAD, Kind.STOP, Kind.DISABLE,
-                     Kind.WAIT_GPUS, Kind.ENABLE, Kind.START, Kind.RESTART):
+                     Kind.KILL_STRAYS, Kind.WAIT_GPUS, Kind.ENABLE, Kind.START, Kind.RESTART):
             names = sorted({a.service for a in self.actions if a.kind is kind and a.service})
             if kind is Kind.DAEMON_RELOAD and any(a.kind is kind for a in self.actions):
                 parts.append("daemon-reload")

@@ -30,13 +30,15 @@ state store, the metrics and the report.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
+from ..reasons import Reason
+from . import lenient
 from .gpuhealth import GPU_FAULT
+from .lenient import Schema, Text, Whole, load_json
 
 SCHEMA = 2
 
@@ -71,42 +73,20 @@ _EXIT = {Result.IN_SYNC: 0, Result.CONVERGED: 0, Result.WOULD_CHANGE: 2, Result.
          Result.ROLLED_BACK: 3, Result.FAILED: 4}
 
 
-def _str(data: Mapping[str, Any], key: str) -> str | None:
-    v = data.get(key)
-    return v if isinstance(v, str) and v else None
+R = TypeVar("R")
+# What a key that is absent (or does not read as its type) means when a record is read, where
+# that is not the field's default: a record written before `schema` existed is of schema 1.
+_ABSENT: dict[type, dict[str, Any]] = {}
 
 
-_INT_MAX = 2**63         # a number in a record beyond a signed 64-bit one is no number we take
+def read(cls: type[R], data: object) -> R | None:
+    """PURE: a record of type `cls` from JSON data, read leniently (lenient.read): unknown keys
+    ignored, a missing key or one that does not read as its field's type is its default."""
+    return lenient.read(cls, data, _ABSENT)
 
 
-def _int(data: Mapping[str, Any], key: str) -> int:
-    """A whole number of a record: 0 for anything else (JSON's Infinity and NaN, a bool, a
-    number beyond 64 bits)."""
-    v = data.get(key)
-    if isinstance(v, float) and math.isfinite(v):
-        v = int(v)
-    return v if isinstance(v, int) and not isinstance(v, bool) and -_INT_MAX < v < _INT_MAX else 0
-
-
-def load_json(text: str) -> object:
-    """A record's JSON, read as data: None for any text that is not JSON (nor a number of over
-    4,300 digits, which int() refuses, nor a nesting deeper than the parser goes)."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):     # JSONDecodeError is a ValueError
-        return None
-
-
-def _str_map(v: object) -> dict[str, str]:
-    if not isinstance(v, Mapping):
-        return {}
-    return {k: x for k, x in v.items() if isinstance(k, str) and isinstance(x, str)}
-
-
-def _bool(data: Mapping[str, Any], key: str) -> bool:
-    return data.get(key) is True
-
-
+# Written with dataclasses.asdict, not msgspec.to_builtins: a dataclass msgspec decoded holds a
+# field left at its default only on its class, and to_builtins leaves such a field out.
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None and v is not False}
 
@@ -115,33 +95,26 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
 class Quarantine:
     """A rendered service (by content hash) that failed on this host, or whose rollout halted."""
 
-    hash: str
+    hash: Text
     revision: str
-    reason: str                      # CamelCase: CrashLoop, StartFailed, StartTimeout, RolloutHalted ...
-    quote: str | None = None         # the journal line that explains the failure
-    at: int = 0                      # epoch seconds
+    reason: Reason                   # CrashLoop, StartFailed, StartTimeout, RolloutHalted ...
+    quote: Text | None = None        # the journal line that explains the failure
+    at: Whole = 0                    # epoch seconds
     rollback_failed: bool = False    # the last good failed too: the service is left stopped
-    halted_at: str | None = None     # a halted rollout: the host where it halted
+    halted_at: Text | None = None    # a halted rollout: the host where it halted
     canary: bool = False             # ... in the canary wave
-    wave: int | None = None          # ... in this wave
-    cause: str | None = None         # ... for this reason (the failed host's reason)
+    wave: Whole | None = None        # ... in this wave
+    cause: Reason | None = None      # ... for this reason (the failed host's reason)
 
     @classmethod
     def from_json(cls, data: object) -> Quarantine | None:
-        if not isinstance(data, Mapping) or not _str(data, "hash"):
-            return None
-        wave = data.get("wave")
-        return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "",
-                   reason=_str(data, "reason") or "Failed",
-                   quote=_str(data, "quote"), at=_int(data, "at"), rollback_failed=_bool(data, "rollback_failed"),
-                   halted_at=_str(data, "halted_at"), canary=_bool(data, "canary"),
-                   wave=wave if isinstance(wave, int) and not isinstance(wave, bool) else None,
-                   cause=_str(data, "cause"))
+        """Read leniently (`read`); None without a hash. A reason this version does not know
+        reads as Failed (Reason.read)."""
+        return read(cls, data)
 
     def to_json(self) -> dict[str, Any]:
-        return _drop_none({"hash": self.hash, "revision": self.revision, "reason": self.reason, "quote": self.quote,
-                           "at": self.at, "rollback_failed": self.rollback_failed, "halted_at": self.halted_at,
-                           "canary": self.canary, "wave": self.wave, "cause": self.cause})
+        """Every field that is set (None and False left out)."""
+        return _drop_none(asdict(self))
 
     def merged(self, other: Quarantine | None) -> Quarantine:
         """This quarantine, with what it lacks filled in from another one for the same hash (the
@@ -171,31 +144,25 @@ def halt_where(host: str, canary: bool, wave: object) -> str:
 class Pending:
     """A deploy that was started and has no verdict yet (the durable intent)."""
 
-    hash: str
+    hash: Text
     revision: str
     rollback: bool = False           # a substitution of the last good, not the desired version
-    replaces_hash: str | None = None
-    replaces_revision: str | None = None
-    at: int = 0                      # host clock (epoch s) when the intent was written
+    replaces_hash: Text | None = None
+    replaces_revision: Text | None = None
+    at: Whole = 0                    # host clock (epoch s) when the intent was written
     started: bool = False            # the start/restart was issued after the files were in place
-    blocked: str | None = None       # why the start did not happen (GPUs still busy): tried again next run
-    unjudged: str | None = None      # why the last watch of it came to no verdict: it is started again
-    attempts: int = 0                # watches of it that came to no verdict (capped: MAX_UNJUDGED)
+    blocked: Text | None = None      # why the start did not happen (GPUs still busy): tried again next run
+    unjudged: Text | None = None     # why the last watch of it came to no verdict: it is started again
+    attempts: Whole = 0              # watches of it that came to no verdict (capped: MAX_UNJUDGED)
 
     @classmethod
     def from_json(cls, data: object) -> Pending | None:
-        if not isinstance(data, Mapping) or not _str(data, "hash"):
-            return None
-        return cls(hash=str(data["hash"]), revision=_str(data, "revision") or "", rollback=_bool(data, "rollback"),
-                   replaces_hash=_str(data, "replaces_hash"), replaces_revision=_str(data, "replaces_revision"),
-                   at=_int(data, "at"), started=_bool(data, "started"), blocked=_str(data, "blocked"),
-                   unjudged=_str(data, "unjudged"), attempts=_int(data, "attempts"))
+        """Read leniently (`read`); None without a hash."""
+        return read(cls, data)
 
     def to_json(self) -> dict[str, Any]:
-        return {"hash": self.hash, "revision": self.revision, "rollback": self.rollback,
-                "replaces_hash": self.replaces_hash, "replaces_revision": self.replaces_revision,
-                "at": self.at, "started": self.started, "blocked": self.blocked,
-                "unjudged": self.unjudged, "attempts": self.attempts}
+        """Every field."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -205,52 +172,39 @@ class Adopted:
     files: tuple[str, ...] = ()      # original paths, copies kept under adopted/<service>/<path>
     was_enabled: bool = False
     was_active: bool = False
-    fragment: str | None = None      # where systemd loaded it from at adoption
+    fragment: Text | None = None     # where systemd loaded it from at adoption
     masked: bool = False             # it was masked (a link to /dev/null): masked again on the way out
 
     @classmethod
     def from_json(cls, data: object) -> Adopted | None:
-        if not isinstance(data, Mapping):
-            return None
-        files = data.get("files")
-        return cls(files=tuple(f for f in files if isinstance(f, str)) if isinstance(files, list) else (),
-                   was_enabled=_bool(data, "was_enabled"), was_active=_bool(data, "was_active"),
-                   fragment=_str(data, "fragment"), masked=_bool(data, "masked"))
+        """Read leniently (`read`)."""
+        return read(cls, data)
 
     def to_json(self) -> dict[str, Any]:
-        return {"files": list(self.files), "was_enabled": self.was_enabled, "was_active": self.was_active,
-                "fragment": self.fragment, "masked": self.masked}
+        """Every field."""
+        return {**asdict(self), "files": list(self.files)}
 
 
 @dataclass(frozen=True)
 class ServiceRecord:
     """What the reconciler knows about one service it installed on a host."""
 
-    hash: str | None = None
-    revision: str | None = None
-    last_good_hash: str | None = None
-    last_good_revision: str | None = None
+    hash: Text | None = None
+    revision: Text | None = None
+    last_good_hash: Text | None = None
+    last_good_revision: Text | None = None
     quarantine: Quarantine | None = None
     pending: Pending | None = None
     adopted: Adopted | None = None
     secrets: Mapping[str, str] = field(default_factory=dict)   # NAME -> keyed hash of the delivered value
     corrupt: bool = False            # unreadable on the host: kept in the inventory, trusted for nothing
-    schema: int = SCHEMA
+    schema: Schema = SCHEMA
 
     @classmethod
     def from_json(cls, data: object) -> ServiceRecord:
-        """Read leniently: older schemas, unknown keys and missing keys are fine; anything that is
-        not a JSON object is a corrupt record (still in the inventory)."""
-        if not isinstance(data, Mapping):
-            return cls(corrupt=True)
-        return cls(hash=_str(data, "hash"), revision=_str(data, "revision"),
-                   last_good_hash=_str(data, "last_good_hash"), last_good_revision=_str(data, "last_good_revision"),
-                   quarantine=Quarantine.from_json(data.get("quarantine")),
-                   pending=Pending.from_json(data.get("pending")),
-                   adopted=Adopted.from_json(data.get("adopted")),
-                   secrets=_str_map(data.get("secrets")),
-                   corrupt=_bool(data, "corrupt"),
-                   schema=_int(data, "schema") or 1)
+        """Read leniently (`read`): older schemas, unknown keys and missing keys are fine; anything
+        that is not a JSON object is a corrupt record (still in the inventory)."""
+        return read(cls, data) or cls(corrupt=True)
 
     @classmethod
     def parse(cls, text: str) -> ServiceRecord:
@@ -267,7 +221,7 @@ class ServiceRecord:
                 "secrets": dict(sorted(self.secrets.items()))}
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), sort_keys=True) + "\n"
+        return _dumps(self.to_json())
 
     @property
     def verified(self) -> bool:
@@ -279,31 +233,37 @@ class ServiceRecord:
 class HostRecord:
     """/var/lib/reconciler/host.json: the last revision applied to the host, and when."""
 
-    applied_revision: str | None = None
-    applied_at: int = 0
-    schema: int = SCHEMA
+    applied_revision: Text | None = None
+    applied_at: Whole = 0
+    schema: Schema = SCHEMA
 
     @classmethod
     def parse(cls, text: str) -> HostRecord:
-        data = load_json(text)
-        if not isinstance(data, Mapping):
-            return cls()
-        return cls(applied_revision=_str(data, "applied_revision"), applied_at=_int(data, "applied_at"),
-                   schema=_int(data, "schema") or 1)
+        """Any text: the record, read leniently (`read`), or an empty one."""
+        return read(cls, load_json(text)) or cls()
 
     def dumps(self) -> str:
-        return json.dumps({"schema": SCHEMA, "applied_revision": self.applied_revision,
-                           "applied_at": self.applied_at}, sort_keys=True) + "\n"
+        return _dumps({**asdict(self), "schema": SCHEMA})
 
 
-SUPERSEDED = "Superseded"
+def _dumps(data: dict[str, Any]) -> str:
+    """A record as written on the host: JSON, keys sorted, one line, ASCII (json's escapes: the
+    text travels inside the shell programs that write it, byte for byte as before)."""
+    return json.dumps(data, sort_keys=True) + "\n"
+
+
+_ABSENT.update({Quarantine: {"revision": "", "reason": Reason.FAILED}, Pending: {"revision": ""},
+                ServiceRecord: {"schema": 1}, HostRecord: {"schema": 1}})
+
+
+SUPERSEDED = Reason.SUPERSEDED
 # A watch that came to no verdict on the version: a crash sign without evidence that the service
 # itself failed (systemd could not start its process: health.spawn_failure), or a start that
 # systemd refused for its start limit (our own starts in quick succession). The version is
 # neither last good nor quarantined; the pending deploy stays, and the planner starts it again,
 # at most MAX_UNJUDGED times in all.
-INCONCLUSIVE = "Inconclusive"
-START_LIMIT_HIT = "StartLimitHit"
+INCONCLUSIVE = Reason.INCONCLUSIVE
+START_LIMIT_HIT = Reason.START_LIMIT_HIT
 # A start that failed while the host's GPUs were sick (gpuhealth.blames_gpu): the host's fault,
 # no verdict on the version either (the host is marked GpuFault; the unit is stopped).
 NO_VERDICT = frozenset({SUPERSEDED, INCONCLUSIVE, START_LIMIT_HIT, GPU_FAULT})
@@ -315,7 +275,7 @@ class Verdict:
     """The health verdict on one watched service (what the planner needs of health.Outcome)."""
 
     healthy: bool
-    reason: str
+    reason: Reason
     quote: str | None = None
     message: str = ""
 
@@ -352,7 +312,7 @@ def judge(rec: ServiceRecord, *, hash: str, revision: str, rollback: bool, verdi
     kept = rec.pending if rec.pending is not None and rec.pending.hash == hash else None
     if verdict.reason == START_LIMIT_HIT and kept is not None and (kept.unjudged or "").startswith(START_LIMIT_HIT):
         # refused again after the planner started it again (reset-failed first): that start failed
-        verdict = replace(verdict, reason="StartFailed", message=f"{verdict.message}, again after systemctl "
+        verdict = replace(verdict, reason=Reason.START_FAILED, message=f"{verdict.message}, again after systemctl "
                                                                   f"reset-failed")
     elif verdict.reason in NO_VERDICT:
         pending = kept or Pending(hash=hash, revision=revision, rollback=rollback, started=True, at=now)

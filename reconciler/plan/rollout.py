@@ -26,17 +26,21 @@ is the host's fault, not the change's (``host_fault``), so the rollout goes on w
 unless it is the canary, or the second host whose start of this revision failed so: a revision
 can provoke a GPU fault, so then the rollout halts as for a failure (``judge_wave``). A host
 already marked GpuFault is left out of the waves (its plan starts nothing until its GPUs read
-healthy again).
+healthy again). Where a wave halts, ``halt`` says which host gets which quarantine and how the
+hosts' results say it; the executor only runs the passes that record them.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from ..desired.spec import DesiredState, RolloutPolicy
-from .gpuhealth import GPU_FAULT, GpuFault
+from ..reasons import Reason
+from .gpuhealth import GpuFault
+from .records import Quarantine, halt_where
 
 CANARY_LABEL = ("canary", "true")
 
@@ -89,22 +93,38 @@ class RolloutPlan:
                 "waves": [w.to_json() for w in self.waves]}
 
 
+class RolloutStatus(StrEnum):
+    """Where a rollout stands."""
+
+    PLANNED = "planned"
+    RUNNING = "running"
+    DONE = "done"
+    HALTED = "halted"
+    SUPERSEDED = "superseded"    # a newer revision rolls out instead (the daemon's supersede)
+
+
 @dataclass
 class RolloutResult:
     """What became of one planned rollout (filled in by the executor)."""
 
     plan: RolloutPlan
-    status: str = "planned"      # planned | running | done | halted
+    status: RolloutStatus = RolloutStatus.PLANNED
     waves_done: int = 0
     halted_at: str | None = None          # the host whose failure stopped the rollout
     halted_wave: int | None = None
-    reason: str | None = None             # CamelCase: CrashLoop, StartTimeout, ApplyFailed ...
+    reason: Reason | None = None          # CrashLoop, StartTimeout, ApplyFailed ...
     message: str | None = None
     quote: str | None = None              # the journal line that explains it
     untouched: tuple[str, ...] = ()       # pending hosts that were never restarted
     skipped: tuple[str, ...] = ()         # wave hosts that failed before anything changed
     excused: tuple[str, ...] = ()         # wave hosts whose start failed with sick GPUs (host_fault)
     seconds: float = 0.0
+
+    def halted(self, stop: Stop) -> None:
+        """The rollout halted where `stop` says (rollout.halt)."""
+        self.status, self.halted_at, self.halted_wave = RolloutStatus.HALTED, stop.at.host, stop.wave.number
+        self.reason, self.message, self.quote = stop.at.reason, stop.at.message, stop.at.quote
+        self.untouched = stop.untouched
 
     def to_json(self) -> dict[str, object]:
         return {**self.plan.to_json(), "status": self.status, "waves_done": self.waves_done,
@@ -115,11 +135,11 @@ class RolloutResult:
                 "seconds": round(self.seconds, 2)}
 
 
-def host_fault(reason: str | None) -> bool:
+def host_fault(reason: Reason | None) -> bool:
     """A wave host's failure that its host's GPUs may explain: its GPUs were sick when the start
     failed, or before it (GpuFault). Alone it neither halts the rollout nor quarantines the
     change; judge_wave says when it stops being an excuse."""
-    return reason == GPU_FAULT
+    return reason == Reason.GPU_FAULT
 
 
 @dataclass(frozen=True)
@@ -130,7 +150,7 @@ class HostOutcome:
     pre-flight block, an apply that failed); `observed` False when the host was never planned."""
 
     host: str
-    reason: str | None = None
+    reason: Reason | None = None
     message: str = ""
     quote: str | None = None
     started: bool = False
@@ -198,10 +218,65 @@ def judge_wave(wave: Wave, outcomes: Iterable[HostOutcome], before: Iterable[Exc
             said = "; ".join(f"{e.host}: {e.quote}" for e in seen)
             why = (f"GPU faults on {len({e.host for e in seen})} hosts at this revision ({said}): a revision "
                    f"that provokes GPU faults is not excused twice")
-        halt = tuple(HostOutcome(e.host, GPU_FAULT, why, e.quote, started=True) for e in faulted)
+        halt = tuple(HostOutcome(e.host, Reason.GPU_FAULT, why, e.quote, started=True) for e in faulted)
         return WaveVerdict(halt, tuple(h for h in excused if h not in {e.host for e in faulted}), tuple(faulted),
                            tuple(skipped))
     return WaveVerdict((), tuple(excused), tuple(faulted), tuple(skipped))
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Where a group's rollout halts and what it leaves on each host (`halt`): the failed hosts
+    of the wave (the first named is where it halted) and the later waves' hosts, which stay
+    untouched; each of them gets `quarantines[host]`, recorded by a pass of its own."""
+
+    at: HostOutcome
+    wave: Wave
+    failed: tuple[str, ...]
+    untouched: tuple[str, ...]
+    quarantines: Mapping[str, Quarantine]
+
+    @property
+    def where(self) -> str:
+        return halt_where(self.at.host, self.wave.canary, self.wave.number)
+
+    def failed_message(self, message: str | None) -> str:
+        """A failed host's result message, with where the rollout halted and what it left."""
+        n = len(self.untouched)
+        return (message + "; " if message else "") + f"rollout halted here, {n} host{'s' * (n != 1)} left untouched"
+
+    def untouched_message(self, service: str, running: str | None) -> str:
+        """An untouched host's message for the service, in the rollout's words (its journal line
+        is in the failed host's event, not repeated here)."""
+        return (f"{service}: rollout halted at {self.where}: {self.at.reason}; not restarted, "
+                f"still running {str(running or '?')[:7]}")
+
+
+def halt(plan: RolloutPlan, wave: Wave, failed: Sequence[HostOutcome], revision: str, hashes: Mapping[str, str],
+         now: int) -> Stop:
+    """PURE: a wave's halt (judge_wave's `halt`, the first named is where it halted): this
+    revision's content of the service is quarantined on the failed hosts, for the first one's
+    reason, and on every host of the later waves as RolloutHalted; each quarantine says where
+    the rollout halted (halted_at, canary, wave) and why (cause), so quarantine_cover can extend
+    it to members that hold no record of it. `hashes`: each host's desired content hash of the
+    service."""
+    at = failed[0]
+    reason = at.reason or Reason.FAILED
+    untouched = plan.after(wave)
+
+    def quarantine(host: str, why: Reason) -> Quarantine:
+        return Quarantine(hash=hashes[host], revision=revision, reason=why, quote=at.quote, at=now,
+                          halted_at=at.host, canary=wave.canary, wave=wave.number, cause=reason)
+    marks = {o.host: quarantine(o.host, reason) for o in failed}
+    marks.update({h: quarantine(h, Reason.ROLLOUT_HALTED) for h in untouched})
+    return Stop(HostOutcome(at.host, reason, at.message, at.quote, at.started, at.observed), wave,
+                tuple(o.host for o in failed), untouched, marks)
+
+
+def halted_reason(reason: Reason | None) -> Reason | None:
+    """PURE: an untouched host's reason once the halt's quarantine is recorded there: the halt,
+    unless the host failed for a reason of its own (a quarantine elsewhere on it is no failure)."""
+    return Reason.ROLLOUT_HALTED if reason in (Reason.QUARANTINED, None) else reason
 
 
 def excuses_on_record(service: str, revision: str, marks: Mapping[str, GpuFault | None]) -> tuple[Excuse, ...]:
@@ -314,7 +389,7 @@ def quarantine_cover(group: GroupKey, desired_hashes: Mapping[str, str], halts: 
                 continue
             then = want if rev == revision else hash_at(rev, host, group.service)
             if then == want:
-                out[host] = {"hash": want, "revision": rev, "reason": "RolloutHalted",
+                out[host] = {"hash": want, "revision": rev, "reason": Reason.ROLLOUT_HALTED,
                              "halted_at": q.get("halted_at") or halt.host,
                              "cause": q.get("cause") or q.get("reason"), "quote": q.get("quote")}
     return out

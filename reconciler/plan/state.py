@@ -47,8 +47,9 @@ from .facts import (
     env_path,
     envfile_path,
 )
-from .files import desired_files, foreign_dropins, legacy_env_dropin, secret_changes
-from .model import Block, Context, ServicePlan, State, Target
+from .files import desired_files, foreign_dropins, legacy_env_dropin, secret_blocks, secret_changes
+from .gpuhealth import GpuFault
+from .model import Block, Context, ModelFetch, Reason, ServicePlan, State, Target
 from .records import MAX_UNJUDGED, Pending, Quarantine, Result, ServiceRecord
 
 
@@ -121,10 +122,7 @@ def sync_with(target: Target, f: ServiceFacts | None, observed: Mapping[str, str
 
 def is_up(f: ServiceFacts | None) -> bool:
     """Up, or on its way up by a start job: not failed, stopped, or waiting out a restart."""
-    if f is None:
-        return False
-    return f.active_state in ("active", "activating", "reloading", "refreshing") \
-        and not f.props.get("SubState", "").startswith("auto-restart")
+    return f is not None and f.unit.up
 
 
 def _absent(f: ServiceFacts | None) -> bool:
@@ -156,7 +154,7 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
     rec = (f.record if f else None) or ServiceRecord()
     foreign = f.foreign_path() if f is not None else None
     if foreign is not None and not svc.adopt:
-        return ServicePlan(name, State.FOREIGN, result=Result.FAILED, reason="Foreign",
+        return ServicePlan(name, State.FOREIGN, result=Result.FAILED, reason=Reason.FOREIGN,
                            note=f"{foreign} was not installed by the reconciler: left untouched "
                                 f"(set adopt = true on the service to take it over)")
     desired = Target(svc, ctx.revision)
@@ -165,29 +163,30 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
         rev7 = q.revision[:7] or "?"
         why = q.why(host)
         if q.rollback_failed:
-            return ServicePlan(name, State.ROLLBACK_FAILED, result=Result.FAILED, reason="RollbackFailed",
+            return ServicePlan(name, State.ROLLBACK_FAILED, result=Result.FAILED, reason=Reason.ROLLBACK_FAILED,
                                note=f"desired {rev7} quarantined ({why}); its rollback failed too: left stopped "
                                     f"until a new commit changes it or --retry", quote=q.quote)
         good = ctx.last_good.get(name)
         if good is not None and rec.last_good_revision and rec.last_good_hash == good.content_hash() \
                 and good.content_hash() != svc.content_hash():
             target = Target(good, rec.last_good_revision, rollback=True)
-            return ServicePlan(name, State.QUARANTINED, target, result=Result.QUARANTINED, reason="Quarantined",
+            return ServicePlan(name, State.QUARANTINED, target, result=Result.QUARANTINED, reason=Reason.QUARANTINED,
                                note=f"desired {rev7} quarantined ({why}), running {rec.last_good_revision[:7]}",
                                quote=q.quote)
         if q.halted_at and q.halted_at != host:
-            return ServicePlan(name, State.HALTED, result=Result.QUARANTINED, reason="RolloutHalted",
+            return ServicePlan(name, State.HALTED, result=Result.QUARANTINED, reason=Reason.ROLLOUT_HALTED,
                                note=f"desired {rev7} quarantined ({why}); left as it is until a new commit "
                                     f"changes it or --retry", quote=q.quote)
-        what = "first deploy failed" if not rec.last_good_revision else \
-            f"last good {rec.last_good_revision[:7]} cannot be rendered"
-        return ServicePlan(name, State.QUARANTINED_NO_GOOD, result=Result.FAILED, reason="QuarantinedNoRollback",
+        good_rev = rec.last_good_revision
+        first = not good_rev
+        what = f"last good {good_rev[:7]} cannot be rendered" if good_rev else "first deploy failed"
+        return ServicePlan(name, State.QUARANTINED_NO_GOOD, result=Result.FAILED, reason=Reason.NO_ROLLBACK,
                            note=f"desired {rev7} quarantined ({why}); {what}: left stopped until a new commit "
-                                f"changes it or --retry", quote=q.quote)
+                                f"changes it or --retry", quote=q.quote, first_deploy=first)
     pend = rec.pending
     if (pend is not None and pend.hash == desired.hash and pend.started and pend.unjudged is not None
             and pend.attempts >= MAX_UNJUDGED and not ctx.retry):
-        return ServicePlan(name, State.INCONCLUSIVE, result=Result.FAILED, reason="Inconclusive",
+        return ServicePlan(name, State.INCONCLUSIVE, result=Result.FAILED, reason=Reason.INCONCLUSIVE,
                            note=f"no verdict on {pend.revision[:7]} after {pend.attempts} tries ({pend.unjudged}); "
                                 f"not quarantined: left as it is until a new commit changes it or --retry")
     if foreign is not None:
@@ -200,13 +199,48 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
     return ServicePlan(name, state, desired, result=Result.IN_SYNC if in_sync else Result.CONVERGED)
 
 
-def blocked_plan(sp: ServicePlan, blocks: tuple[Block, ...]) -> ServicePlan:
+def fetch_refused(fetch: ModelFetch) -> str | None:
+    """PURE: why a model's fetch may not run (None: it may): the file system it goes to has less
+    room than the model needs (model.size_gb, else its index's total_size; unknown: it runs)."""
+    m = fetch.model
+    need = m.size_gb * 1e9 if m.size_gb else fetch.total_size
+    if need and fetch.free_bytes is not None and fetch.free_bytes < need:
+        return (f"model-fetch: not enough disk for {m.id} at {m.path}: needs {need / 1e9:.1f} GB, "
+                f"{fetch.free_bytes / 1e9:.1f} GB free")
+    return None
+
+
+def blocks_of(sp: ServicePlan, ctx: Context, observed: Mapping[str, str | None],
+              gpu: GpuFault | None) -> tuple[Block, ...]:
+    """PURE: why a service may not (re)start now, first reason first: the host's GPU fault (the
+    host's, not the version's: nothing starts until the GPUs read healthy), pre-flight's blocks,
+    the GPU gate's answer earlier in this run (its GPUs stayed busy after the stop), a model
+    fetch the disk cannot hold, a secret that is not there."""
+    blocks = list(ctx.checks.blocked.get(sp.name, ()))
+    if gpu is not None:
+        blocks.insert(0, Block(Reason.GPU_FAULT, f"not started: the host's {gpu.why()} (the revision is not judged; "
+                                                 f"cleared by the next healthy GPU reading)"))
+    if sp.name in ctx.checks.gate:
+        blocks.append(Block(Reason.GPU_BUSY, ctx.checks.gate[sp.name]))
+    if sp.target is not None:
+        fetch = ctx.checks.fetch.get(sp.name)
+        refused = fetch_refused(fetch) if fetch is not None and not sp.target.rollback else None
+        if refused:
+            blocks.append(Block(Reason.MODEL_FETCH_FAILED, f"{sp.name}: {refused}"))
+        blocks += secret_blocks(sp.target.spec, observed)
+    return tuple(blocks)
+
+
+def blocked_plan(sp: ServicePlan, blocks: tuple[Block, ...], quote: str | None = None) -> ServicePlan:
+    """A service that `blocks` keep from starting: Blocked, for the first one's reason; nothing
+    is written for it. `quote`: the line that says why (the GPU fault's), else the plan's own."""
     reason = blocks[0].reason
     # Pre-flight messages name their service ("m: ..."); the result names it once already.
     note = " | ".join(b.message.removeprefix(f"{sp.name}: ") for b in blocks)
     if sp.state is State.QUARANTINED:
         note = f"{sp.note}; the last good version cannot start: {note}"
-    return ServicePlan(sp.name, State.BLOCKED, None, result=Result.FAILED, reason=reason, note=note, quote=sp.quote)
+    return ServicePlan(sp.name, State.BLOCKED, None, result=Result.FAILED, reason=reason, note=note,
+                       quote=quote or sp.quote)
 
 
 def needs_last_good(desired: HostSpec, facts: HostFacts, ctx: Context) -> dict[str, str]:

@@ -6,7 +6,8 @@ Everything here is pure except the text of one shell command:
   ExecStart=, after systemd's prefixes and line continuations), splits it into flags and env,
   and detects the server kind (sglang or vllm).
 * The rule pack is data: TOML files shipped in reconciler/rules/ plus the desired-state repo's
-  own rules/*.toml (`load_rules`), validated with pydantic; a bad user file is a ConfigError
+  own rules/*.toml (`load_rules`), validated with pydantic (imported with the first rule file
+  read: a run that starts nothing never loads it); a bad user file is a ConfigError
   naming file and key. `check_service` and `check_host` evaluate them, together with a few
   built-in checks that need arithmetic or look across services (parallel sizes vs GPUs, heads
   divisibility, quantization vs checkpoint, GPUs and ports shared on one host), each one
@@ -59,58 +60,32 @@ Message placeholders: {flag:--name} (its value), {model}, {model.why}, {missing}
 never appear in messages (they may be secrets).
 
 The package, one concern a module (all private; this module's `__all__` is the interface):
-_command (the server command line), _engine (the engine's own check of a command line: which
-services have one, what its answers mean), _enginebox (the environment and systemd properties
-the engine's probe runs with), _models (model knowledge), _schema (the rule-file
-schema), _rules (loading the rule pack, evaluating declarative rules), _registry (what a
-built-in rule is given and returns, and their registry), _builtin (the built-in rules), _shapes
-(MoE and FP8-block shapes per rank), _hardware (the host's GPUs as the rules see them),
-_capacity (memory and compute capability), _check (check_service, check_host, check_desired), _hostcheck
-(model presence on the host) and _secrets (secret-looking env values, undecryptable secrets).
+_unitfile (a unit file as systemd reads it), _command (the server command line), _engine (the
+engine's own check of a command line: which services have one, what its answers mean),
+_enginebox (the environment and systemd properties the engine's probe runs with), _models
+(model knowledge), _schema (the rule-file schema, whose models the checks evaluate), _message
+(a finding's severity and placeholders), _versions (server version ranges), _rules (loading the
+rule pack, evaluating declarative rules), _registry (what a built-in rule is given and returns,
+and their registry), _builtin (the built-in rules), _shapes (MoE and FP8-block shapes per rank),
+_hardware (the host's GPUs as the rules see them), _capacity (memory and compute capability),
+_drain (what a stop does to the requests in flight), _check (check_service, check_host,
+check_desired), _hostcheck (model presence on the host) and _secrets (secret-looking env
+values, undecryptable secrets).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._builtin import BUILTIN_RULES
-    from ._check import check_desired, check_host, check_service
-    from ._command import Command, gpu_claim, parse_command, unit_entries
-    from ._engine import EngineRun, EngineVerdict, engine_run_for, parse_verdict, reads_user_site
-    from ._enginebox import elsewhere, probe_env, probe_properties
-    from ._hardware import GpuHolder, GpuState, Hardware, weights_bytes
-    from ._hostcheck import ModelCheck, ModelFacts, parse_model_check
-    from ._models import ModelInfo, model_info
-    from ._rules import Finding, RuleSet, load_rules
-    from ._secrets import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems, secret_warnings
-
-# Each name is imported from its module on first use (PEP 562): a run that checks no secrets
-# and starts nothing never loads the rule schema (pydantic) or the built-in rules.
-_HOME = {
-    "BUILTIN_RULES": "_builtin",
-    "check_desired": "_check", "check_host": "_check", "check_service": "_check",
-    "Command": "_command", "gpu_claim": "_command", "parse_command": "_command", "unit_entries": "_command",
-    "EngineRun": "_engine", "EngineVerdict": "_engine", "engine_run_for": "_engine", "parse_verdict": "_engine",
-    "reads_user_site": "_engine",
-    "elsewhere": "_enginebox", "probe_env": "_enginebox", "probe_properties": "_enginebox",
-    "GpuHolder": "_hardware", "GpuState": "_hardware", "Hardware": "_hardware", "weights_bytes": "_hardware",
-    "ModelFacts": "_hostcheck", "ModelCheck": "_hostcheck", "parse_model_check": "_hostcheck",
-    "ModelInfo": "_models", "model_info": "_models",
-    "Finding": "_rules", "RuleSet": "_rules", "load_rules": "_rules",
-    "argv_secret_warnings": "_secrets", "env_secret_warnings": "_secrets", "secret_file": "_secrets",
-    "secret_problems": "_secrets", "secret_warnings": "_secrets",
-}
-
-
-def __getattr__(name: str) -> Any:
-    home = _HOME.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
+from ._builtin import BUILTIN_RULES
+from ._check import check_desired, check_host, check_service
+from ._command import Command, gpu_claim, parse_command
+from ._engine import EngineRun, EngineVerdict, engine_run_for, parse_verdict, reads_user_site
+from ._enginebox import elsewhere, probe_env, probe_properties
+from ._hardware import GpuHolder, GpuState, Hardware, weights_bytes
+from ._hostcheck import ModelCheck, ModelFacts, parse_model_check
+from ._models import ModelInfo, model_info
+from ._rules import Finding, RuleSet, load_rules
+from ._secrets import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems, secret_warnings
+from ._unitfile import unit_entries
 
 __all__ = [
     "BUILTIN_RULES",

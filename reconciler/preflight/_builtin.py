@@ -4,7 +4,8 @@ check is given and returns, is in _registry).
 Here: parallel sizes vs GPUs, GPUs and ports shared on one host, dp-attention, attention and KV
 heads vs tensor parallelism, quantization vs checkpoint. The model-shape rules (FP8 blocks and
 MoE partitions per rank) are in _shapes, the hardware rules (memory, compute capability) in
-_capacity; importing this module registers all of them, in that order.
+_capacity, what a stop does to the requests in flight in _drain; importing this module registers
+all of them, in that order.
 """
 
 from __future__ import annotations
@@ -261,5 +262,5 @@ def _quantization(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed 
                   "or point the service at a checkpoint quantized that way")
 
 
-# The model-shape and hardware rules register after these (RuleSet.ids keeps this order).
-from . import _capacity, _shapes  # noqa: E402, F401
+# The model-shape, hardware and stop rules register after these (RuleSet.ids keeps this order).
+from . import _capacity, _drain, _shapes  # noqa: E402, F401

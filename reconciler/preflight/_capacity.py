@@ -27,11 +27,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._command import Command
-from ._compiled import plain_covers
 from ._hardware import GpuState, Hardware, service_gpus
 from ._models import ModelInfo, checkpoint_quantization, text_config
 from ._registry import Failed, ServiceFacts, builtin, positive_int
 from ._shapes import moe_shape
+from ._versions import plain_covers
 
 _SGL = "https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt"
 _VLLM = "https://github.com/vllm-project/vllm/blob/v0.33.0/vllm"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..errors import Problem
 from ._builtin import BUILTIN_RULES, HostRule, ServiceFacts, ServiceRule
 from ._command import Command, parse_command
+from ._drain import stop_timeout
 from ._hardware import Hardware
 from ._models import model_info
 from ._rules import Finding, RuleSet, evaluate_rule
@@ -38,6 +40,8 @@ def _check_command(svc: ServiceSpec, cmd: Command, rules: RuleSet, model_config:
                    facts: ServiceFacts) -> list[Finding]:
     if cmd.server is None:
         return []
+    facts = replace(facts, drain_timeout=svc.drain.timeout if svc.drain is not None else None,
+                    stop_timeout=stop_timeout(svc.unit_text))
     version = facts.version
     info = model_info(svc, model_config, rules.models)
     findings: list[Finding] = []

@@ -1,7 +1,7 @@
 """The server command line of a rendered unit: Command and parse_command (pure).
 
 The last ExecStart= of the unit's [Service] section, after systemd's prefixes, line
-continuations and ${VAR}/$VAR expansion, split into flags (canonical names: every alias of a
+continuations and ${VAR}/$VAR expansion (_unitfile.py), split into flags (canonical names: every alias of a
 flag reads as one name) and env, with the server kind (sglang or vllm) detected from the entry
 point. Also which GPUs a server claims (`gpu_claim`).
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..desired.spec import ServiceSpec
+from ._unitfile import ENV_ASSIGNMENT, SYSTEMD_EXEC_PREFIX, environment_lines, expand, unit_entries
 
 Server = Literal["sglang", "vllm"]
 
@@ -68,10 +69,6 @@ PARALLEL_FLAGS: dict[str, tuple[str, str, str]] = {
     "sglang": ("--tp-size", "--pp-size", "--dp-size"),
     "vllm": ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size"),
 }
-_SYSTEMD_EXEC_PREFIX = re.compile(r"^[-@+!:|]+")
-_ENV_ASSIGNMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)=(.*)$", re.DOTALL)
-_VAR_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_BARE_VAR = re.compile(r"^\$([A-Za-z_][A-Za-z0-9_]*)\Z")
 _PYTHON = re.compile(r"^python[0-9.]*\Z")
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh"})
 
@@ -187,73 +184,6 @@ def _is_flag(token: str) -> bool:
     return len(token) > 1 and token.startswith("-") and not re.match(r"^-\d", token)
 
 
-def unit_entries(unit_text: str, section: str = "Service") -> list[tuple[str, str]]:
-    """(key, value) pairs of one section of a unit file, in order.
-
-    Follows systemd's syntax: comment lines start with # or ;, a trailing backslash continues
-    a line (comment lines inside a continuation are skipped), keys and values are stripped.
-    """
-    out: list[tuple[str, str]] = []
-    current: str | None = None
-    pending = ""
-    for raw in unit_text.splitlines():
-        line = raw.strip()
-        if pending:
-            if line.startswith(("#", ";")):
-                continue
-            line = pending + " " + line
-            pending = ""
-        elif not line or line.startswith(("#", ";")):
-            continue
-        if line.endswith("\\"):
-            pending = line[:-1].rstrip()
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            current = line[1:-1].strip()
-            continue
-        key, sep, value = line.partition("=")
-        if sep and current == section:
-            out.append((key.strip(), value.strip()))
-    if pending:
-        key, sep, value = pending.partition("=")
-        if sep and current == section:
-            out.append((key.strip(), value.strip()))
-    return out
-
-
-def _environment_lines(entries: list[tuple[str, str]]) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for key, value in entries:
-        if key != "Environment":
-            continue
-        if not value:
-            continue  # an empty Environment= in a drop-in does not clear; nothing to add
-        try:
-            words = shlex.split(value)
-        except ValueError:
-            continue
-        for word in words:
-            m = _ENV_ASSIGNMENT.match(word)
-            if m:
-                env[m.group(1)] = m.group(2)
-    return env
-
-
-def _expand(tokens: list[str], env: Mapping[str, str]) -> list[str]:
-    """systemd's ExecStart expansion: ${VAR} inside a word, $VAR alone splits into words."""
-    out: list[str] = []
-    for tok in tokens:
-        bare = _BARE_VAR.match(tok)
-        if bare:
-            if bare.group(1) in env:
-                out.extend(env[bare.group(1)].split())
-                continue
-            out.append(tok)
-            continue
-        out.append(_VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), tok))
-    return out
-
-
 def _basename(token: str) -> str:
     return token.rsplit("/", 1)[-1]
 
@@ -268,7 +198,7 @@ def _locate_server(tokens: list[str], env: dict[str, str]) -> tuple[Server | Non
     while i < len(tokens):
         tok = tokens[i]
         base = _basename(tok)
-        m = _ENV_ASSIGNMENT.match(tok)
+        m = ENV_ASSIGNMENT.match(tok)
         if m:
             # Before the server's entry point, VAR=value is an assignment (`env A=1 python ...`,
             # `sh -c "A=1 exec python ..."`); the server process sees it.
@@ -375,7 +305,7 @@ def parse_command(svc: ServiceSpec) -> Command:
     Command whose server is None (no server rules apply to it).
     """
     entries = unit_entries(svc.unit_text)
-    env = _environment_lines(entries)
+    env = environment_lines(entries)
     env.update(svc.env)              # the reconciler's env file: EnvironmentFile= wins over Environment=
     exec_start: str | None = None
     for key, value in entries:
@@ -383,7 +313,7 @@ def parse_command(svc: ServiceSpec) -> Command:
             exec_start = value or None   # an empty ExecStart= resets the list
     if exec_start is None:
         return Command(server=None, env=env, error="no ExecStart= in [Service]")
-    m = _SYSTEMD_EXEC_PREFIX.match(exec_start)
+    m = SYSTEMD_EXEC_PREFIX.match(exec_start)
     prefix = m.group(0) if m else ""
     try:
         tokens = shlex.split(exec_start[len(prefix):])
@@ -391,7 +321,7 @@ def parse_command(svc: ServiceSpec) -> Command:
         return Command(server=None, env=env, error=f"ExecStart= cannot be split: {e}")
     if "@" in prefix and len(tokens) > 1:
         tokens = [tokens[0], *tokens[2:]]
-    tokens = _expand(tokens, env)
+    tokens = expand(tokens, env)
     server, args = _locate_server(tokens, env)
     if server is None:
         return Command(server=None, argv=tuple(tokens), env=env)

@@ -32,8 +32,9 @@ from typing import Any, Literal
 
 from ..desired.spec import ServiceSpec
 from ..redact import redact
-from ._command import _PYTHON, Command, Server, parse_command, unit_entries
+from ._command import _PYTHON, Command, Server, parse_command
 from ._enginebox import unit_settings
+from ._unitfile import unit_entries
 
 MARKER = "RECONCILER-ENGINE "
 Verdict = Literal["ok", "rejected", "inconclusive"]
@@ -140,6 +141,8 @@ class EngineVerdict:
     cached: bool = False
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # False: the probe printed no answer (a timeout, a crash): no answer to keep (the cache)
+    answered: bool = True
 
     def __post_init__(self) -> None:
         # a verdict read back from the cache's JSON has lists here
@@ -223,7 +226,7 @@ def parse_verdict(service: str, server: str, stdout: str, *, exit_status: int | 
     if line is None:
         why = _clean(tail.strip().splitlines()[-1]) if tail.strip() else ""
         status = "killed at its time limit" if exit_status in (124, 137) else f"exit status {exit_status}"
-        return EngineVerdict(service, server, "inconclusive",
+        return EngineVerdict(service, server, "inconclusive", answered=False,
                              message=f"the probe gave no answer ({status}){': ' + why if why else ''}")
     try:
         data = json.loads(line[len(MARKER):])

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..desired.spec import ServiceSpec
 
 if TYPE_CHECKING:
-    from ._compiled import ModelEntry
+    from ._schema import ModelEntry
 
 # Layer kinds that carry recurrent state (Gated DeltaNet / linear attention, Mamba SSM) in the
 # layer lists of hybrid configs: Qwen3.5 / Qwen3-Next `layer_types`, Granite-4.0-H `layer_types`,

@@ -8,7 +8,7 @@ A built-in rule is one decorated function; its docstring is the rule's summary::
         \"\"\"The parallel size (tp x pp x dp) exceeds the GPUs the service may use.\"\"\"
 
 `BUILTIN_RULES` is all the rest of the package knows of them: `RuleSet.ids` lists them in the
-order they are registered (_builtin, then _shapes, then _capacity), `disable = [...]` turns one
+order they are registered (_builtin, then _shapes, _capacity and _drain), `disable = [...]` turns one
 off by id, a repo rule may not take an id, and a finding cites the rule's source for the
 service's server. A check returns what is wrong (`Failed`, an error unless it says "warning")
 or None.
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, overload
 
 from ._command import Command
-from ._compiled import Severity
 from ._hardware import Hardware
+from ._message import Severity
 from ._models import ModelInfo
 
 
@@ -47,7 +47,9 @@ class ServiceFacts:
     (None: unknown). weights_bytes: the checkpoint's size on the host (the index's total_size,
     else the weight files' sizes; None: unknown). hardware: the GPUs' memory, holders and
     compute capability (None: not read, e.g. validate or a host without nvidia-smi). unit: the
-    service's systemd unit, whose GPU memory is freed when it is replaced.
+    service's systemd unit, whose GPU memory is freed when it is replaced. drain_timeout: the
+    service's declared drain timeout (None: no drain); stop_timeout: its unit's TimeoutStopSec=
+    in seconds (None: unset, systemd's default; inf: none).
     """
 
     gpu_count: int | None = None
@@ -55,6 +57,8 @@ class ServiceFacts:
     weights_bytes: int | None = None
     hardware: Hardware | None = None
     unit: str | None = None
+    drain_timeout: float | None = None
+    stop_timeout: float | None = None
 
 
 ServiceCheck = Callable[[Command, ModelInfo, ServiceFacts], Failed | None]

@@ -10,14 +10,17 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..desired.spec import ServiceSpec
 from ..errors import ConfigError, Problem
 from ._builtin import BUILTIN_RULES
 from ._command import Command
-from ._compiled import PLACEHOLDER, CompiledFile, Condition, ModelEntry, Require, Rule, Severity
+from ._message import PLACEHOLDER, Severity
 from ._models import ModelInfo, glob_any
+
+if TYPE_CHECKING:        # the rule file's own types (pydantic), loaded only by parse_rule_file
+    from ._schema import Condition, ModelEntry, Require, Rule, RuleFile
 
 RULES_DIR = "rules"          # in the desired-state repo, and in the reconciler package
 
@@ -71,15 +74,16 @@ class RuleSet:
             i for i in BUILTIN_RULES if self.enabled(i)]
 
 
-def parse_rule_file(data: bytes, file: str) -> CompiledFile:
-    """Parse and validate one rule file (the pydantic schema, loaded here and only here), and
-    compile it; raise ConfigError with file and key on any problem."""
+def parse_rule_file(data: bytes, file: str) -> RuleFile:
+    """Parse and validate one rule file (the pydantic schema, loaded here and only here: its
+    frozen models are what the checks evaluate); raise ConfigError with file and key on any
+    problem."""
     import tomllib
 
     from pydantic import ValidationError
 
     from ..desired.toml_files import MAX_DEPTH, MAX_FILE_BYTES, nesting_depth
-    from ._schema import RuleFile, compile_rule_file
+    from ._schema import RuleFile
     if len(data) > MAX_FILE_BYTES:      # the limits of every desired-state TOML file (toml_files.py)
         raise ConfigError([Problem(file, "", f"the file is {len(data):,} bytes: a rule file may be at most "
                                              f"{MAX_FILE_BYTES:,} bytes (1 MiB); it was not read")])
@@ -95,7 +99,7 @@ def parse_rule_file(data: bytes, file: str) -> CompiledFile:
         raise ConfigError([Problem(file, "", f"tables or arrays nested more than {MAX_DEPTH} deep: not a rule "
                                              "file; it was not read")])
     try:
-        return compile_rule_file(RuleFile.model_validate(raw))
+        return RuleFile.model_validate(raw)
     except ValidationError as e:
         # problems.py (and the desired-state schema it reads) loads only to explain a bad file
         from ..desired.problems import validation_problems
@@ -103,7 +107,7 @@ def parse_rule_file(data: bytes, file: str) -> CompiledFile:
 
 
 def _package_files() -> list[tuple[str, bytes]]:
-    import importlib.resources  # only a load reads the rule pack (a run gets it compiled)
+    import importlib.resources  # only a load reads the rule pack
     root = importlib.resources.files("reconciler").joinpath(RULES_DIR)
     out = []
     for entry in sorted(root.iterdir(), key=lambda p: p.name):
@@ -236,7 +240,8 @@ def missing_requirements(req: Require, cmd: Command) -> list[str]:
     return out
 
 
-def _render(text: str, cmd: Command, info: ModelInfo, missing: list[str]) -> str:
+def render(text: str, cmd: Command, info: ModelInfo, missing: list[str]) -> str:
+    """A message with its placeholders filled in for this command and model."""
     def sub(m: re.Match[str]) -> str:
         name = m.group(1)
         if name == "model":
@@ -269,5 +274,5 @@ def evaluate_rule(rule: Rule, svc: ServiceSpec, cmd: Command, info: ModelInfo,
         missing = missing_requirements(rule.require, cmd)
         if not missing:
             return None
-    return Finding(rule.id, svc.name, rule.severity, _render(rule.message, cmd, info, missing),
-                   _render(rule.fix, cmd, info, missing), rule.source)
+    return Finding(rule.id, svc.name, rule.severity, render(rule.message, cmd, info, missing),
+                   render(rule.fix, cmd, info, missing), rule.source)

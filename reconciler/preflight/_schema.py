@@ -3,6 +3,10 @@
 Every table forbids unknown keys, and every name (rule id, flag, env variable, trait) is
 checked by a small validator of our own, so that a wrong value reads "expected a flag such as
 '--tp-size', got 'tp-size'"; `..problems` turns the errors into file and dotted key.
+
+These frozen models are also what the checks evaluate (_rules): one definition of a rule. The
+modules that evaluate import them for their annotations only, so a run that loads no rule file
+never imports pydantic; pydantic comes with the first rule file read (_rules.parse_rule_file).
 """
 
 from __future__ import annotations
@@ -13,14 +17,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from ..errors import describe
-from . import _compiled as compiled
-from ._compiled import PLACEHOLDER, Severity
+from ._message import Severity, placeholder_problem
+from ._versions import Unknown, covers
 
 _RULE_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,79}\Z")
 _FLAG_NAME = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_-]*\Z")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _TRAIT = re.compile(r"^[a-z][a-z0-9_-]{0,39}\Z")
-_PLACEHOLDERS_FIXED = ("model", "model.why", "missing")
 
 
 def _checked_str(pattern: re.Pattern[str], what: str) -> BeforeValidator:
@@ -99,7 +102,11 @@ class Rule(_Strict):
     # fires ("apply", the default: as if no range were given) or does not ("skip": for a rule
     # that would wrongly block what other versions need, e.g. a flag that a later release removed).
     versions: str | None = None
-    unknown_version: Literal["apply", "skip"] = "apply"
+    unknown_version: Unknown = "apply"
+
+    def covers(self, version: str | None) -> bool:
+        """Whether the rule is true for this server version (None: unknown)."""
+        return covers(self.versions, self.unknown_version, version)
 
     @field_validator("versions")
     @classmethod
@@ -118,14 +125,9 @@ class Rule(_Strict):
     def _placeholders(cls, v: str) -> str:
         if not v.strip():
             raise ValueError("must not be empty")
-        for m in PLACEHOLDER.finditer(v):
-            name = m.group(1)
-            if name in _PLACEHOLDERS_FIXED:
-                continue
-            if name.startswith("flag:") and _FLAG_NAME.match(name[5:]):
-                continue
-            raise ValueError(f"unknown placeholder {{{name}}} (allowed: {{flag:--name}}, "
-                             + ", ".join("{" + p + "}" for p in _PLACEHOLDERS_FIXED) + ")")
+        problem = placeholder_problem(v)
+        if problem is not None:
+            raise ValueError(problem)
         return v
 
     @field_validator("source")
@@ -153,23 +155,3 @@ class RuleFile(_Strict):
     rule: list[Rule] = []
     model: list[ModelEntry] = []
     disable: list[RuleId] = []
-
-
-def _condition(c: Condition) -> compiled.Condition:
-    return compiled.Condition(flag_any=tuple(c.flag_any), flag_none=tuple(c.flag_none), flags=dict(c.flags),
-                     flags_not=dict(c.flags_not), env_any=tuple(c.env_any), env=dict(c.env),
-                     env_not=dict(c.env_not), model=tuple(c.model), architecture=tuple(c.architecture),
-                     model_type=tuple(c.model_type), model_id=tuple(c.model_id))
-
-
-def compile_rule_file(f: RuleFile) -> compiled.CompiledFile:
-    """What a validated rule file says, as the checks read it."""
-    rules = tuple(compiled.Rule(id=r.id, server=r.server, message=r.message, fix=r.fix, source=r.source,
-                       severity=r.severity, when=_condition(r.when),
-                       unless=_condition(r.unless) if r.unless is not None else None,
-                       require=compiled.Require(flags=dict(r.require.flags), env=dict(r.require.env))
-                       if r.require is not None else None,
-                       versions=r.versions, unknown_version=r.unknown_version) for r in f.rule)
-    models = tuple(compiled.ModelEntry(traits=tuple(m.traits), ids=tuple(m.ids), architectures=tuple(m.architectures),
-                              model_types=tuple(m.model_types), note=m.note) for m in f.model)
-    return compiled.CompiledFile(rules, models, tuple(f.disable))

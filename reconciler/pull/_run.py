@@ -194,10 +194,6 @@ def signed_head(repo: pygit2.Repository, head: source.Snapshot,
                                               f"ancestors signed by a trusted key") from None
 
 
-def _has_age(state: DesiredState) -> bool:
-    return any(s.source == "age" for h in state.hosts.values() for svc in h.services.values() for s in svc.secrets)
-
-
 def _deadline(host: HostSpec, lock_wait: float) -> float:
     """How long a deploy of this host may take before its pending report goes stale: the longest
     fetch, start-up and stable window of its services, the lock wait, and a margin."""

@@ -25,9 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # What --help, parsing the arguments or the hooks must not pay for at import.
 HEAVY = ("asyncssh", "cryptography", "starlette", "uvicorn", "prometheus_client", "httpx", "apscheduler",
          "watchfiles", "pydantic", "pygit2", "tomlkit", "rich", "sqlite3", "pyrage", "typer")
-OURS = ("reconciler.desired.load", "reconciler.desired.schema", "reconciler.loop.fleet", "reconciler.loop.host",
-        "reconciler.loop.checks", "reconciler.preflight._rules", "reconciler.controller.daemon",
-        "reconciler.host.transport", "reconciler.host.probe")
+OURS = ("reconciler.desired.load", "reconciler.desired.schema", "reconciler.loop.fleet", "reconciler.loop.host_run",
+        "reconciler.loop.checks", "reconciler.loop.preflight", "reconciler.loop.gpu_gate",
+        "reconciler.preflight._rules", "reconciler.controller.daemon", "reconciler.host.transport",
+        "reconciler.host.probe")
 
 
 def loaded(code: str, env: dict[str, str] | None = None) -> set[str]:
@@ -189,3 +190,21 @@ def test_a_new_revision_is_parsed_without_tomlkit_which_still_words_a_syntax_err
         load_desired(MemorySnapshot({"fleet.toml": "concurrency = 1\nconcurrency = 2\n"}))
     said = [(p.file, p.message) for p in e.value.problems]
     assert ("fleet.toml", 'TOML syntax error at line 2, column 0: Key "concurrency" already exists.') in said, said
+
+
+def test_a_run_of_a_tree_loaded_before_imports_no_pydantic(tmp_path):
+    """What a run imports to plan and apply (the fleet run, the pre-flight checks, the records)
+    and a cached tree read back (msgspec) load no pydantic: only reading a new tree or a rule file
+    does (the rule schema's models are the checks' types only in annotations)."""
+    repo = small_repo(tmp_path / "desired")
+    rev = repo.commit()
+    cache_dir = tmp_path / "cache"
+    load = (f"from reconciler.desired import cache, source\n"
+            f"snap = source.snapshot(source.open_repo({str(repo.path)!r}), {rev!r}, 'fleet')\n"
+            f"state = cache.load_desired(snap, __import__('pathlib').Path({str(cache_dir)!r}))\n")
+    assert "pydantic" in loaded(load)                          # a miss: the loader, then kept
+    mods = loaded("import reconciler.loop.fleet, reconciler.loop.checks, reconciler.host.versions\n"
+                  "import reconciler.preflight, reconciler.plan.records\n" + load
+                  + "assert state.hosts['h1'].services['s'].env == {'A': '1'}\n")
+    assert "reconciler.preflight._rules" in mods and "msgspec" in mods
+    assert heavy(mods, ("pydantic", "reconciler.preflight._schema", "reconciler.desired.load")) == []

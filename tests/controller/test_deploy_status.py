@@ -6,6 +6,7 @@ tests/e2e/test_e2e_deploy_status.py."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import os
@@ -279,10 +280,14 @@ def test_statuses_reach_a_forge_with_the_token_in_the_header_only(fake_forge, tm
     spec = forge.ForgeSpec(f"http://127.0.0.1:{fake_forge.server_address[1]}/api/v1", "ops/fleet",
                            token_file=str(tmp_path / "token"))
     sender = forge.ForgeStatus(spec)
-    sender.send(B, forge.started(B, 2))
-    for p in forge.finished(FleetResult(B, False, [converged("gpu-1"), rolled_back("gpu-2")])):
-        sender.send(B, p)
-    assert sender.wait_idle(10)
+
+    async def run() -> None:
+        sender.send(B, forge.started(B, 2))
+        for p in forge.finished(FleetResult(B, False, [converged("gpu-1"), rolled_back("gpu-2")])):
+            sender.send(B, p)
+        assert await sender.drain(10)
+        await sender.close()
+    asyncio.run(run())
     paths = {g[0] for g in fake_forge.got}
     assert paths == {f"/api/v1/repos/ops/fleet/statuses/{B}"}
     assert {g[1] for g in fake_forge.got} == {f"token {token}"}
@@ -300,13 +305,17 @@ def test_a_slow_or_failing_forge_never_holds_up_the_caller(fake_forge, monkeypat
     spec = forge.ForgeSpec(f"http://127.0.0.1:{fake_forge.server_address[1]}", "ops/fleet",
                            token_env="FORGE_TOKEN_FOR_TEST", timeout=30)
     sender = forge.ForgeStatus(spec)
-    sender.send(B, forge.payload("failure", "reconciler/gpu-0", "x"))
-    assert fake_forge.arrived.wait(10)                 # the first status is at the forge, which holds it
-    for i in range(1, 50):                             # fifty runs' worth while the forge hangs
-        sender.send(B, forge.payload("failure", f"reconciler/gpu-{i % 5}", "x"))
-    assert not fake_forge.answered.is_set()           # every send returned while the forge held the first
-    fake_forge.gate.set()
-    assert sender.wait_idle(30)
+
+    async def run() -> None:
+        sender.send(B, forge.payload("failure", "reconciler/gpu-0", "x"))
+        assert await asyncio.to_thread(fake_forge.arrived.wait, 10)   # the first status is at the forge, held
+        for i in range(1, 50):                             # fifty runs' worth while the forge hangs
+            sender.send(B, forge.payload("failure", f"reconciler/gpu-{i % 5}", "x"))
+        assert not fake_forge.answered.is_set()           # every send returned while the forge held the first
+        fake_forge.gate.set()
+        assert await sender.drain(30)
+        await sender.close()
+    asyncio.run(run())
     assert len(fake_forge.got) == 6                    # the first, then the newest per context: not fifty
     assert sorted(g[2]["context"] for g in fake_forge.got[1:]) == [f"reconciler/gpu-{i}" for i in range(5)]
     err = capsys.readouterr().err
@@ -320,16 +329,24 @@ def test_a_forge_slower_than_the_timeout_is_a_warning(fake_forge, monkeypatch) -
     spec = forge.ForgeSpec(f"http://127.0.0.1:{fake_forge.server_address[1]}", "ops/fleet",
                            token_env="FORGE_TOKEN_FOR_TEST", timeout=0.1)
     sender = forge.ForgeStatus(spec)
-    sender.send(B, forge.started(B, 1))
-    assert sender.wait_idle(30)                        # the client's own timeout ended the request
+
+    async def run() -> None:
+        sender.send(B, forge.started(B, 1))
+        assert await sender.drain(30)                      # the client's own timeout ended the request
+        await sender.close()
+    asyncio.run(run())
     assert not fake_forge.answered.is_set() and sender.sent == 0
     assert len(sender.failures) == 1 and "not delivered" in sender.failures[0] and "timed out" in sender.failures[0]
 
 
 def test_a_missing_token_is_a_warning_naming_the_file(tmp_path) -> None:
     sender = forge.ForgeStatus(forge.ForgeSpec("http://127.0.0.1:9", "o/r", token_file=str(tmp_path / "none")))
-    sender.send(B, forge.started(B, 1))
-    assert sender.wait_idle(5)
+
+    async def run() -> None:
+        sender.send(B, forge.started(B, 1))
+        assert await sender.drain(5)
+        await sender.close()
+    asyncio.run(run())
     assert f"cannot read forge_token_file {tmp_path / 'none'}" in sender.failures[0]
 
 

@@ -4,12 +4,14 @@ webhooks, the push stream, tracebacks), the age round trip (keygen, encrypt, Dec
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import secrets as pysecrets
 import stat
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
 from prometheus_client import generate_latest
@@ -26,9 +28,10 @@ from reconciler.desired.load import MemorySnapshot, load_desired
 from reconciler.desired.spec import DesiredState, HostSpec, NotifySpec, SecretSpec, ServiceSpec, SSHSpec
 from reconciler.host.notify import Notifier
 from reconciler.loop.options import RunOptions
-from reconciler.loop.report import print_diff, print_result
+from reconciler.loop.report import print_host, print_result
 from reconciler.loop.results import FleetResult, HostResult
 from reconciler.loop.revision import open_revision
+from reconciler.plan.model import Action, HostPlan, Kind, Reason
 from reconciler.plan.records import Result
 from reconciler.preflight import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems
 from tests.conftest import DesiredRepo
@@ -110,7 +113,9 @@ def test_a_wrapped_or_truncated_line_leaks_no_part_of_a_value() -> None:
     redact.register(value)
     buf = io.StringIO()
     console = Console(file=buf, width=40, highlight=False)
-    print_diff(console, f'+Environment="X={value}"\n')
+    write = Action(Kind.WRITE, Reason.ENV_CHANGED, "m", path="/etc/reconciler/env/m.env",
+                   diff=f'+Environment="X={value}"\n')
+    print_host(console, HostResult("h1", "127.0.0.5", plan=HostPlan("h1", "ab" * 20, (write,), {})), dry_run=True)
     res = FleetResult(revision="ab" * 20, dry_run=True, hosts=[
         HostResult("h1", "127.0.0.5", status=Result.FAILED, reason="Unreachable",
                    message=f"connection refused by {value}", notes=[f"note {value}"])])
@@ -402,11 +407,14 @@ def test_webhook_bodies_are_redacted() -> None:
     value = canary()
     redact.register(value)
     bodies: list[bytes] = []
-    for fmt in ("json", "slack"):
-        n = Notifier(NotifySpec(webhook="http://127.0.0.1:9/hook", format=fmt), post=lambda _u, b, _t: bodies.append(b))
+    async def run(fmt: str) -> None:
+        n = Notifier(NotifySpec(webhook="http://127.0.0.1:9/hook", format=fmt),
+                     transport=httpx.MockTransport(lambda r: bodies.append(r.content) or httpx.Response(204)))
         n.send("rollback", host="h1", service="m", revision="ab" * 20, short="ababab", reason="CrashLoop",
                journal_line=f"auth failed for {value} ({HF})", result="failed")
-        n.close()
+        await n.close()
+    for fmt in ("json", "slack"):
+        asyncio.run(run(fmt))
     assert len(bodies) == 2
     for body in bodies:
         assert value.encode() not in body and HF.encode() not in body and b"***" in body

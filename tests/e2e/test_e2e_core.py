@@ -245,7 +245,7 @@ def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
 
     from reconciler.controller.store import Store, expect_changes
     from reconciler.loop.fleet import run_fleet
-    from reconciler.loop.host import ssh_connector
+    from reconciler.loop.host_run import ssh_connector
     from reconciler.loop.options import RunIO, RunOptions
     from reconciler.loop.revision import load_revision
 

@@ -274,7 +274,7 @@ def test_a_probe_that_prints_more_than_its_cap_is_stopped_and_the_check_is_incon
     install_fake_vllm(fleet, h, SYS_SITE)
     desired(repo, [h], {"chatty": vllm_service("/usr/bin/python3", "chatty", env={"VLLM_FAKE_CHATTY": "1"})})
     r = dry_run(repo, 2)
-    [note] = [n for n in r["notes"] if n.startswith("chatty: ")]
+    [note] = [n for n in r["notes"] if n.startswith("chatty: engine check")]
     assert note == ("chatty: engine check inconclusive (vllm): the probe gave no answer (exit status 120): "
                     "chatter 018724 xxxxxxxxxxxxxxxxx; the static rules decide"), note
     assert len(reports(fleet, h, "chatty")) == 1                         # it ran, and was stopped

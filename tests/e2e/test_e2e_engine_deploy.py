@@ -150,7 +150,7 @@ def test_a_release_without_its_platform_hook_is_inconclusive_naming_it_and_the_r
     write_fleet(repo, [h], {"llm": {"port": 30000, "model": None, "args": f"--model-path {MODEL} {SEED}"}}, extra={})
     repo.write("units/standin.service", unit_at(python, "sglang.launch_server"))
     repo.commit("the seed on an SGLang older than the probe's hooks")
-    code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(4,))
+    code, out = run_json("--repo", str(repo.path), "--dry-run", "--engine-check", check_codes=(4,))
     r = out["hosts"][0]
     [note] = [n for n in r["notes"] if n.startswith("llm: engine check inconclusive")]
     assert note == ("llm: engine check inconclusive (sglang 0.5.11): sglang 0.5.11 has no platform hook: no "
@@ -167,7 +167,7 @@ def test_a_release_without_its_platform_hook_is_inconclusive_naming_it_and_the_r
                 extra={})
     repo.write("units/standin.service", unit_at(python, "sglang.launch_server"))
     repo.commit("an unknown flag on the same release")
-    code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(4,))
+    code, out = run_json("--repo", str(repo.path), "--dry-run", "--engine-check", check_codes=(4,))
     r = out["hosts"][0]
     assert (r["reason"], r["message"].split(". Nothing")[0]) == \
         ("EngineRejected", "llm: the installed sglang 0.5.11 refuses this command line: unrecognized arguments: "
@@ -188,7 +188,7 @@ def test_an_engine_upgrade_is_a_new_interpreter_path_checked_by_the_new_engine_b
     def dry_run(python: str, message: str) -> dict:
         repo.write("units/standin.service", unit(python, "sglang.launch_server"))
         repo.commit(message)
-        code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2, 4))
+        code, out = run_json("--repo", str(repo.path), "--dry-run", "--engine-check", check_codes=(2, 4))
         return {"code": code, **out["hosts"][0]}
 
     before = dry_run("sglang-0.5.12", "llm on SGLang 0.5.12, fixed as its error said")
@@ -217,6 +217,6 @@ def test_an_engine_upgrade_is_a_new_interpreter_path_checked_by_the_new_engine_b
     # the rollback: the previous revision's interpreter path, checked by the old engine again
     subprocess.run(["git", "-C", str(repo.path), "revert", "--no-edit", "HEAD", "HEAD~1"], check=True,
                    capture_output=True, timeout=30)
-    code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2,))
+    code, out = run_json("--repo", str(repo.path), "--dry-run", "--engine-check", check_codes=(2,))
     [note] = engine_notes(out["hosts"][0])
     assert note.startswith("llm: sglang 0.5.12 accepts the command line"), note

@@ -144,8 +144,12 @@ def forwarded(ssh: list[str], target: str) -> tuple[bytes, str]:
             while chunk := conn.recv(65536):
                 got += chunk
     finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=10)
+        proc.terminate()                # ssh may sit out a refused channel's close: then it is killed
+        try:
+            _, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
     return got, err.decode(errors="replace")
 
 

@@ -123,6 +123,7 @@ def test_no_answer_is_inconclusive_and_says_why(stdout: str, status: int, tail: 
     v = parse_verdict("m", "vllm", stdout, exit_status=status, tail=tail)
     assert v.seconds is None
     assert (v.verdict, v.message) == ("inconclusive", message)
+    assert v.answered is ("gave no answer" not in message)     # an answer that cannot be read is still one
     assert v.note() == f"m: engine check inconclusive (vllm): {message}; the static rules decide"
 
 
@@ -168,11 +169,15 @@ def test_the_verdict_cache_keeps_answers_per_host_and_request_and_drops_probe_cr
     store = engine.VerdictCache(tmp_path / "v.json", wall=lambda: 1000.0)
     ok = EngineVerdict("m", "sglang", "ok", version="0.5.23", resolved={"tp_size": 4}, seconds=8.0)
     store.remember("h1", "k", "s1", ok)
-    store.remember("h1", "k2", "s1", EngineVerdict("m", "sglang", "inconclusive",
-                                                   message="the probe gave no answer (exit status 1)"))
+    store.remember("h1", "k2", "s1", parse_verdict("m", "sglang", "partial\n", exit_status=1))
+    # an answer is kept whatever its words: the probe's own inconclusive verdict that quotes them too
+    said = EngineVerdict("m", "sglang", "inconclusive", message="the engine says: the probe gave no answer")
+    store.remember("h1", "k3", "s1", said)
     store.save()
     again = engine.VerdictCache(tmp_path / "v.json", wall=lambda: 1000.0)
     assert again.stamp("h1", "k") == "s1" and again.stamp("h1", "k2") == "" and again.stamp("h2", "k") == ""
+    assert again.verdict("h1", "k3", "m") == EngineVerdict("m", "sglang", "inconclusive", message=said.message,
+                                                          cached=True)
     cached = again.verdict("h1", "k", "other-name")
     assert cached == EngineVerdict("other-name", "sglang", "ok", version="0.5.23", resolved={"tp_size": 4},
                                    seconds=8.0, cached=True)

@@ -39,7 +39,7 @@ from tests.host.programs import headers
 ])
 def test_judge_systemd(props, baseline, state, reason):
     v = judge_systemd(props, baseline)
-    assert (v.state, v.reason) == (state, reason)
+    assert (v.state, v.reason or "") == (state, reason)
 
 
 # Captured on a test host (systemd 252): ExecStartPre= failing under Restart=always, and a
@@ -94,7 +94,7 @@ NOTIFY_TIMEOUT = {"LoadState": "loaded", "ActiveState": "failed", "SubState": "f
 ])
 def test_judge_systemd_start_failures(props, kw, state, reason):
     v = judge_systemd(props, 0, **kw)
-    assert (v.state, v.reason) == (state, reason)
+    assert (v.state, v.reason or "") == (state, reason)
 
 
 INCIDENT = "MTP with the hybrid GDN model needs --mamba-scheduler-strategy extra_buffer and SGLANG_ENABLE_SPEC_V2=1"

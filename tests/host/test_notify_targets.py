@@ -4,6 +4,7 @@ its status code reaches the run's output."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import socket
 import threading
@@ -30,12 +31,14 @@ class Answer(http.server.BaseHTTPRequestHandler):
     """Answers every POST with `status`, a reason phrase of the target's choosing and `headers`."""
 
     hits: ClassVar[list[str]]
+    hosts: ClassVar[list[str]]
     status: ClassVar[int] = 200
     headers_out: ClassVar[dict[str, str]] = {}
 
     def do_POST(self) -> None:  # http.server's naming
         self.rfile.read(int(self.headers["Content-Length"]))
         type(self).hits.append(self.path)
+        type(self).hosts.append(self.headers["Host"])
         self.send_response(type(self).status, "TARGET-CHOSEN-REASON secret=hunter2")
         for k, v in type(self).headers_out.items():
             self.send_header(k, v)
@@ -48,7 +51,7 @@ class Answer(http.server.BaseHTTPRequestHandler):
 
 
 def serve(status: int = 200, **headers: str) -> tuple[http.server.ThreadingHTTPServer, type[Answer]]:
-    handler = type("A", (Answer,), {"hits": [], "status": status, "headers_out": headers})
+    handler = type("A", (Answer,), {"hits": [], "hosts": [], "status": status, "headers_out": headers})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, handler
@@ -62,10 +65,12 @@ def target() -> Iterator[tuple[str, type[Answer]]]:
 
 
 def deliver(url: str) -> Notifier:
-    n = Notifier(NotifySpec(url, timeout=5))
-    n.send("rollout.start", service="m")
-    n.close(10)
-    return n
+    async def run() -> Notifier:
+        n = Notifier(NotifySpec(url, timeout=5))
+        n.send("rollout.start", service="m")
+        await n.close(10)
+        return n
+    return asyncio.run(run())
 
 
 def test_a_loopback_webhook_is_refused_unless_the_controller_allows_it(target, monkeypatch):
@@ -92,6 +97,16 @@ def test_a_name_is_judged_by_every_address_it_resolves_to(target):
     url, handler = target
     n = deliver(url.replace("127.0.0.1", "localhost"))
     assert handler.hits == [] and len(n.failures) == 1 and "WebhookRefused" in n.failures[0]
+
+
+def test_an_allowed_name_is_reached_at_its_checked_address_under_its_own_name(target, monkeypatch):
+    # The transport connects to the address it checked (the URL rewritten to it); the request
+    # still names the host as the URL did.
+    url, handler = target
+    monkeypatch.setenv(ALLOW_ENV, "127.0.0.0/8, ::1/128")
+    named = url.replace("127.0.0.1", "localhost")
+    assert deliver(named).failures == [] and handler.hits == ["/hook"]
+    assert handler.hosts == [named.split("/")[2]]
 
 
 def test_a_redirect_is_not_followed(monkeypatch):
@@ -133,7 +148,7 @@ def test_a_malformed_answer_is_named_by_its_kind_not_its_text(monkeypatch):
         threading.Thread(target=answer, daemon=True).start()
         n = deliver(f"http://127.0.0.1:{port}/x")
     assert n.failures == [f"webhook http://127.0.0.1:{port}: rollout.start not delivered: "
-                          f"BadStatusLine (the answer is not shown)"]
+                          f"RemoteProtocolError (the answer is not shown)"]
 
 
 @pytest.mark.parametrize("address", ["127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254",

@@ -211,7 +211,7 @@ def test_a_look_stands_under_the_lock_until_another_holder_has_had_it(tmp_path: 
     nothing and the look comes back as it was. Once another holder has had the lock, or while
     one holds it as the look is read, the host is read again under the lock."""
     from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
-    from reconciler.loop.host import lock_and_observe, observe
+    from reconciler.loop.host_run import lock_and_observe, observe
     from reconciler.plan import facts
     local_programs(monkeypatch, tmp_path)
     monkeypatch.setattr(facts, "STATE_DIR", str(tmp_path))

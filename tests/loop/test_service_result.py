@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from reconciler.errors import CommandError, ConnectError, HostError, ObserveError
 from reconciler.host.health import Outcome
-from reconciler.loop.results import Event, ServiceEvent, service_result
+from reconciler.host.lock import LockedError
+from reconciler.loop.results import Event, ServiceEvent, Step, host_failure, service_result
 from reconciler.plan.model import ServicePlan, State
 from reconciler.plan.records import Result
+from reconciler.reasons import Reason
 
 REV = "a" * 40
 
@@ -20,7 +23,11 @@ def ev(action: Event, reason: str, healthy: bool = False, message: str = "m") ->
 PENDING = ServicePlan("m", State.PENDING, result=Result.CONVERGED)
 CHANGED = ServicePlan("m", State.CHANGED, result=Result.CONVERGED)   # the plan a run executed last
 HELD = ServicePlan("m", State.INCONCLUSIVE, result=Result.FAILED, reason="Inconclusive", note="no verdict ...")
-NO_GOOD = ServicePlan("m", State.QUARANTINED_NO_GOOD, result=Result.FAILED, note="desired q; first deploy failed")
+NO_GOOD = ServicePlan("m", State.QUARANTINED_NO_GOOD, result=Result.FAILED, note="desired q; first deploy failed",
+                      first_deploy=True)
+# the same state whose last good cannot be rendered: no first deploy (the words say nothing to the result)
+NO_RENDER = ServicePlan("m", State.QUARANTINED_NO_GOOD, result=Result.FAILED,
+                        note="desired q; first deploy failed (the words of a note decide nothing)")
 GPU_BLOCKED = ServicePlan("m", State.BLOCKED, result=Result.FAILED, reason="GpuFault", note="not started: ...")
 
 
@@ -40,6 +47,7 @@ GPU_BLOCKED = ServicePlan("m", State.BLOCKED, result=Result.FAILED, reason="GpuF
     (CHANGED, [ev(Event.DEPLOY, "CrashLoop"), ev(Event.ROLLBACK, "Inconclusive"),
                ev(Event.ROLLBACK, "Healthy", True)], (Result.ROLLED_BACK, "RolledBack")),
     (NO_GOOD, [ev(Event.DEPLOY, "CrashLoop")], (Result.FAILED, "FirstDeployFailed")),
+    (NO_RENDER, [ev(Event.DEPLOY, "CrashLoop")], (Result.FAILED, "RollbackFailed")),
     # a start that failed with the host's GPUs sick: the host's failure, never a rollback's or the
     # version's ("RollbackFailed", "FirstDeployFailed"), whether the next round was blocked or not
     (GPU_BLOCKED, [ev(Event.DEPLOY, "GpuFault")], (Result.FAILED, "GpuFault")),
@@ -91,3 +99,31 @@ def test_a_rollout_halted_by_a_gpu_fault_says_why_it_counted() -> None:
         text = console.export_text()
         assert f"halted at gpu-1 (wave 1, canary): {reason}\n    journal: ECC\n" in text
         assert (f"    journal: ECC\n    {why}\n" in text) is shown and "exited 3 times" not in text
+
+
+COMMAND = CommandError("h1", "anything at all", 1, "boom")     # what it ran says nothing of the reason
+
+
+@pytest.mark.parametrize("error, step, want", [
+    # a command that only read the host keeps its own reason
+    (COMMAND, Step.OBSERVE, Reason.COMMAND_FAILED),
+    (COMMAND, Step.PREFLIGHT, Reason.COMMAND_FAILED),
+    # one that failed while the run changed the host (or locked it) is the apply's
+    (COMMAND, Step.APPLY, Reason.APPLY_FAILED),
+    # every other host error keeps its own, wherever it happened
+    (ObserveError("h1", "garbled"), Step.APPLY, Reason.OBSERVE_FAILED),
+    (ConnectError("h1", "dropped"), Step.APPLY, Reason.UNREACHABLE),
+    (LockedError("h1", "held by another run"), Step.OBSERVE, Reason.LOCKED),
+    (HostError("h1", "?"), Step.APPLY, Reason.HOST_FAILED),
+])
+def test_a_host_errors_reason(error: HostError, step: Step, want: Reason) -> None:
+    assert host_failure(error, step) is want
+
+
+@pytest.mark.parametrize("text, want", [
+    ("CrashLoop", Reason.CRASH_LOOP), ("RolloutHalted", Reason.ROLLOUT_HALTED), ("NotConfirmed", Reason.NOT_CONFIRMED),
+    ("SomethingNewer", Reason.FAILED), ("", Reason.FAILED), (None, Reason.FAILED), (3, Reason.FAILED),
+])
+def test_a_recorded_reason_reads_as_its_member_or_failed(text: object, want: Reason) -> None:
+    assert Reason.read(text) is want
+    assert want == str(want) and f"{want}" == want.value       # it is its string, in JSON and f-strings alike

@@ -11,12 +11,24 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
+from reconciler.desired.spec import HostSpec, ModelSpec, ServiceSpec, SSHSpec
 from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
 from reconciler.plan.files import mask_secrets, parse_env_file, render_env_dropin, render_env_file
 from reconciler.plan.gpuhealth import GPU_FAULT, GpuFault, GpuHealth
-from reconciler.plan.model import ORDER, Action, Block, Checks, Context, HostPlan, Kind, Reason, State, Watch
+from reconciler.plan.model import (
+    ORDER,
+    Action,
+    Block,
+    Checks,
+    Context,
+    HostPlan,
+    Kind,
+    ModelFetch,
+    Reason,
+    State,
+    Watch,
+)
 from reconciler.plan.records import (
     INCONCLUSIVE,
     START_LIMIT_HIT,
@@ -29,6 +41,7 @@ from reconciler.plan.records import (
     Verdict,
     judge,
 )
+from reconciler.plan.state import fetch_refused
 
 REV = "a" * 40        # the revision being applied
 OLD = "b" * 40        # what the host ran before
@@ -104,6 +117,17 @@ UNREAD = Checks(gpu_gate=True, gpu_health=GpuHealth(read=False, notes=("nvidia-s
 MARKED = GpuFault(quote=ECC, at=400, lines=(ECC,), service="m", revision=REV)
 GPU_FAILED_M = replace(STARTED_M, pending=replace(STARTED_M.pending, attempts=1,  # type: ignore[arg-type]
                                                   unjudged=f"{GPU_FAULT}: the start failed while the GPUs were sick"))
+
+# A model pre-flight found missing, with model.fetch: room for it, no room, room unknown
+MODEL = ModelSpec(id="org/model", path="/models/m", fetch="hf download org/model --local-dir .", size_gb=16)
+FETCH_OK = Checks(fetch={"m": ModelFetch(MODEL, free_bytes=100 * 10**9)})
+FETCH_FULL = Checks(fetch={"m": ModelFetch(MODEL, free_bytes=10 * 10**9)})
+# The GPU gate's answer earlier in this run: m's GPUs stayed busy after its stop
+BUSY = "GPUs still busy 120s after stopping m: 1 GPU, 21090 MiB used (stray-process policy report)"
+GATE = Checks(gate={"m": BUSY})
+STOPPED_BY_GATE = verified(M_ENV0, OLD, pending=INTENT_M)           # the intent written, the unit stopped
+BLOCKED_M = verified(M_ENV0, OLD, pending=replace(INTENT_M, blocked=BUSY))   # ... and recorded as not started
+KILL = svc(gpu_policy="kill")
 
 OVERRIDE = "/etc/systemd/system/m.service.d/override.conf"
 RUNTIME = "/run/systemd/system/m.service.d/x.conf"
@@ -337,9 +361,15 @@ CASES = [
                                                                                      active="inactive"),),
          {"m": State.BLOCKED, "n": State.STOPPED}, ("hold m Blocked", "start n", "record n", "record", "watch n"),
          host_rev=OLD, ctx={"checks": Checks(blocked={"m": (Block("PreflightFailed", "no"),)})}),
-    Case("model to fetch: fetch first", (M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),), {"m": State.CHANGED},
+    Case("model to fetch, room for it: fetch first", (M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),),
+         {"m": State.CHANGED},
          ("fetch-model m FetchModel", "intent m", "write m", "restart m", "record m", "record", "watch m"),
-         ctx={"checks": Checks(fetch={"m": "org/model into /models/m"})}),
+         ctx={"checks": FETCH_OK}),
+    Case("model to fetch, no room for it: blocked, nothing fetched or written", (M,),
+         (on_host(M_ENV0, verified(M_ENV0, OLD)),), {"m": State.BLOCKED}, ("hold m Blocked",),
+         ctx={"checks": FETCH_FULL}, host_rev=OLD),
+    Case("model to fetch for an in-sync service: nothing", (M,), (on_host(M, verified(M)),), {"m": State.IN_SYNC},
+         (), ctx={"checks": FETCH_FULL}),
     Case("GPU gate on a change: stop, wait for the GPUs, start", (M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),),
          {"m": State.CHANGED},
          ("intent m", "stop m GpuGate", "write m", "wait-gpus m GpuGate", "start m UnitChanged",
@@ -350,6 +380,22 @@ CASES = [
     Case("GPU gate on a stopped service: no stop", (M,), (on_host(M, verified(M), active="inactive"),),
          {"m": State.STOPPED}, ("wait-gpus m", "start m NotRunning", "record m", "record", "watch m"),
          ctx={"checks": Checks(gpu_gate=True)}),
+    Case("GPU gate, gpu_policy kill: kill the strays after the stop, then wait", (KILL,),
+         (on_host(M_ENV0, verified(M_ENV0, OLD)),), {"m": State.CHANGED},
+         ("intent m", "stop m GpuGate", "write m", "kill-strays m GpuGate", "wait-gpus m GpuGate",
+          "start m UnitChanged", "record m", "record", "watch m"), ctx={"checks": Checks(gpu_gate=True)}),
+    Case("gpu_policy kill on a host without GPUs: no gate, nothing killed", (KILL,),
+         (on_host(M_ENV0, verified(M_ENV0, OLD)),), {"m": State.CHANGED},
+         ("intent m", "write m", "restart m UnitChanged", "record m", "record", "watch m")),
+    Case("the GPUs stayed busy after the stop: record it not started, and why", (M,),
+         (on_host(M, STOPPED_BY_GATE, active="inactive"),), {"m": State.BLOCKED},
+         ("hold m Blocked", "record m GpuBusy", "record"), ctx={"checks": GATE}, host_rev=OLD),
+    Case("... recorded already: nothing more", (M,), (on_host(M, BLOCKED_M, active="inactive"),),
+         {"m": State.BLOCKED}, ("hold m Blocked", "record"), ctx={"checks": GATE}, host_rev=OLD),
+    Case("a start the gate kept from happening, in a later run: through the gate again", (M,),
+         (on_host(M, BLOCKED_M, active="inactive"),), {"m": State.PENDING},
+         ("intent m", "wait-gpus m GpuGate", "start m InterruptedDeploy", "record m", "record", "watch m"),
+         ctx={"checks": Checks(gpu_gate=True)}, host_rev=OLD),
     Case("GPU gate with the last good in place: nothing to gate", (BAD,), (on_host(LAST, HELD_GOOD),),
          {"m": State.QUARANTINED}, ("hold m HoldLastGood",),
          ctx={"last_good": {"m": LAST}, "checks": Checks(gpu_gate=True)}),
@@ -443,7 +489,11 @@ def test_plan_invariants(case: Case) -> None:
             if sp.state is State.ORPHAN:
                 allowed = {Kind.STOP, Kind.DISABLE, Kind.REMOVE, Kind.RESTORE, Kind.ENABLE, Kind.START}
             assert {a.kind for _, a in mine} <= allowed, sp.state
-            assert all(a.reason is Reason.QUARANTINE for _, a in mine if a.kind is Kind.RECORD)
+            # a record without a target: a quarantine made durable, or a start the GPU gate stopped
+            assert all(a.reason is Reason.QUARANTINE or (a.reason is Reason.GPU_BUSY and a.record is not None
+                                                         and a.record.pending is not None
+                                                         and not a.record.pending.started and a.record.pending.blocked)
+                       for _, a in mine if a.kind is Kind.RECORD)
             continue
         files = at[Kind.WRITE] + at[Kind.REMOVE] + at[Kind.ADOPT]
         if files:
@@ -918,3 +968,53 @@ def test_a_start_that_failed_with_sick_gpus_is_no_verdict_and_stops_the_unit() -
     # the same failure without a GPU fault is the revision's: quarantined
     bad, _ = judged(STARTED_M, "CrashLoop")
     assert bad.quarantine is not None and bad.quarantine.reason == "CrashLoop" and bad.pending is None
+
+
+# ---- the steps of this run as facts: the GPU gate's answer, the model fetch -------------------------
+
+
+def test_a_closed_gate_is_recorded_as_a_start_that_did_not_happen() -> None:
+    plan = plan_of((M,), (on_host(M, STOPPED_BY_GATE, active="inactive"),), checks=GATE, host_rev=OLD)
+    rec = record_of(plan)
+    assert rec.pending == replace(INTENT_M, started=False, blocked=BUSY)    # the intent kept, and why not started
+    assert (rec.hash, rec.last_good_hash) == (M_ENV0.content_hash(), M_ENV0.content_hash())   # nothing judged
+    sp = plan.services["m"]
+    assert (sp.state, sp.result, sp.reason, sp.note) == (State.BLOCKED, Result.FAILED, Reason.GPU_BUSY, BUSY)
+    assert only(plan, Kind.RECORD, None).detail.startswith("record revision")   # the files at REV are there
+
+
+def test_a_closed_gate_without_an_intent_on_record_says_what_was_to_start() -> None:
+    """A stopped service starts without an intent (nothing is written): its record says the start."""
+    plan = plan_of((M,), (on_host(M, verified(M_ENV0, OLD), active="inactive"),), checks=GATE, host_rev=OLD)
+    assert pending_of(record_of(plan)) == Pending(hash=H, revision=REV, replaces_hash=M_ENV0.content_hash(),
+                                                  replaces_revision=OLD, blocked=BUSY)
+
+
+def test_the_fetch_step_carries_its_model() -> None:
+    fetch = only(plan_of((M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),), checks=FETCH_OK), Kind.FETCH)
+    assert fetch.model == MODEL
+    assert fetch.detail == "fetch org/model into /models/m first (hf download org/model --local-dir .)"
+    # a rollback's start never fetches (it ran here before)
+    plan = plan_of((BAD,), (on_host(BAD, FAILED_BAD),), host_rev=OLD,
+                   checks=Checks(fetch={"m": ModelFetch(MODEL, free_bytes=1)}), last_good={"m": LAST})
+    assert not [a for a in plan.actions if a.kind is Kind.FETCH] and plan.services["m"].state is State.QUARANTINED
+
+
+def test_no_room_for_a_fetch_blocks_with_why() -> None:
+    sp = plan_of((M,), (on_host(M_ENV0, verified(M_ENV0, OLD)),), checks=FETCH_FULL).services["m"]
+    assert (sp.reason, sp.note) == (Reason.MODEL_FETCH_FAILED, "model-fetch: not enough disk for org/model at "
+                                                               "/models/m: needs 16.0 GB, 10.0 GB free")
+
+
+@pytest.mark.parametrize("model, total, free, refused", [
+    (MODEL, None, 100 * 10**9, None),                            # size_gb 16, 100 GB free
+    (MODEL, None, 16 * 10**9, None),                             # exactly enough
+    (MODEL, None, 16 * 10**9 - 1, "needs 16.0 GB, 16.0 GB free"),
+    (MODEL, 99 * 10**9, 20 * 10**9, None),                       # the declared size wins over the index's
+    (replace(MODEL, size_gb=None), 30 * 10**9, 20 * 10**9, "needs 30.0 GB, 20.0 GB free"),   # the index's size
+    (replace(MODEL, size_gb=None), None, 1, None),               # size unknown: it runs
+    (MODEL, None, None, None),                                   # free space unknown: it runs
+])
+def test_fetch_refused(model: ModelSpec, total: int | None, free: int | None, refused: str | None) -> None:
+    why = fetch_refused(ModelFetch(model, total, free))
+    assert why == (None if refused is None else f"model-fetch: not enough disk for org/model at /models/m: {refused}")

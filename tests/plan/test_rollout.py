@@ -3,6 +3,7 @@ and the webhook notifier (against a real HTTP server on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
 import threading
@@ -15,16 +16,22 @@ from reconciler.desired.load import MemorySnapshot, load_desired
 from reconciler.desired.spec import DesiredState, NotifySpec, RolloutPolicy
 from reconciler.errors import ConfigError, SourceError
 from reconciler.host.notify import ALLOW_ENV, Notifier, slack_text, where
-from reconciler.loop.fleet import select_hosts
 from reconciler.loop.results import HostResult, ServiceEvent, merge_result
+from reconciler.loop.select import select_hosts
 from reconciler.plan.gpuhealth import GpuFault
+from reconciler.plan.records import Quarantine
 from reconciler.plan.rollout import (
     Excuse,
     GroupKey,
     Halt,
     HostOutcome,
+    RolloutPlan,
+    RolloutResult,
+    RolloutStatus,
     Wave,
     excuses_on_record,
+    halt,
+    halted_reason,
     judge_wave,
     natural_key,
     order_hosts,
@@ -32,6 +39,7 @@ from reconciler.plan.rollout import (
     plan_waves,
     quarantine_cover,
 )
+from reconciler.reasons import Reason
 
 # ---- waves ----------------------------------------------------------------------------------
 
@@ -311,38 +319,49 @@ def hook(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, type[_Hook]]]:
 
 def test_json_events_arrive_in_order(hook) -> None:
     url, handler = hook
-    n = Notifier(NotifySpec(url))
-    n.send("rollout.start", service="m", short="abc1234", hosts=["h1", "h2"])
-    n.send("rollout.halt", service="m", host="h1", reason="CrashLoop", journal_line="needs --x")
-    n.close(5)
+
+    async def run() -> Notifier:
+        n = Notifier(NotifySpec(url))
+        n.send("rollout.start", service="m", short="abc1234", hosts=["h1", "h2"])
+        n.send("rollout.halt", service="m", host="h1", reason="CrashLoop", journal_line="needs --x")
+        await n.close(5)
+        return n
+    n = asyncio.run(run())
     assert [e["event"] for e in handler.received] == ["rollout.start", "rollout.halt"]
     assert handler.received[1]["journal_line"] == "needs --x" and n.failures == []
 
 
 def test_slack_shape(hook) -> None:
     url, handler = hook
-    n = Notifier(NotifySpec(url, "slack"))
-    n.send("rollback", host="h1", service="m", short="abc1234", reason="CrashLoop", result="rolled-back",
-           rolled_back_to="def5678aaaa", journal_line="needs --x")
-    n.close(5)
+
+    async def run() -> None:
+        n = Notifier(NotifySpec(url, "slack"))
+        n.send("rollback", host="h1", service="m", short="abc1234", reason="CrashLoop", result="rolled-back",
+               rolled_back_to="def5678aaaa", journal_line="needs --x")
+        await n.close(5)
+    asyncio.run(run())
     (msg,) = handler.received
     assert set(msg) == {"text"} and "rolled back to `def5678`" in msg["text"] and "> needs --x" in msg["text"]
 
 
 def test_failing_or_slow_webhook_never_blocks(hook) -> None:
     url, handler = hook
+    asyncio.run(_failing_or_slow(url, handler))
+
+
+async def _failing_or_slow(url: str, handler: type[_Hook]) -> None:
     handler.status, handler.gate = 500, threading.Event()      # the webhook holds the request
     n = Notifier(NotifySpec(url))
     n.send("rollout.finish", service="m")
     assert not handler.answered.is_set()         # send returned before the webhook answered: it never waits
     handler.gate.set()
-    n.close(5)
+    await n.close(5)
     assert len(n.failures) == 1 and "500" in n.failures[0]
     assert "SECRET" not in n.failures[0] and where(url) in n.failures[0]
     # nothing listens: refused, reported, not raised
     closed = Notifier(NotifySpec("http://127.0.0.1:9/x", timeout=1))
     closed.send("rollout.start", service="m")
-    closed.close(5)
+    await closed.close(5)
     assert closed.failures and "not delivered" in closed.failures[0]
     # a webhook slower than the wait at the end: the run goes on; the event is dropped
     handler.status, handler.gate = 200, threading.Event()
@@ -351,8 +370,8 @@ def test_failing_or_slow_webhook_never_blocks(hook) -> None:
     slow = Notifier(NotifySpec(url, timeout=10))
     slow.send("rollout.start", service="m")
     slow.send("rollout.finish", service="m")
-    assert handler.arrived.wait(10)              # the first is at the webhook, which holds it
-    slow.close(0)                                # the wait at the end, spent
+    assert await asyncio.to_thread(handler.arrived.wait, 10)   # the first is at the webhook, which holds it
+    await slow.close(0)                          # the wait at the end, spent
     assert not handler.answered.is_set()         # close returned while the webhook still held it
     assert "still busy" in slow.failures[-1] and "1 event(s) dropped" in slow.failures[-1]
 
@@ -448,3 +467,74 @@ def test_the_starts_that_failed_with_sick_gpus_at_this_revision_on_record() -> N
              "h3": GpuFault(ECC, 7, service="m", revision=other), "h4": GpuFault(ECC, 8, service="n", revision=rev),
              "h5": GpuFault(ECC, 9), "h6": None}
     assert excuses_on_record("m", rev, marks) == (Excuse("h2", "xid"), Excuse("h10", ECC))
+
+
+# ---- the halt: which host gets which quarantine, and how its result says it -------------------
+
+def rollout_of(*waves: Wave) -> RolloutPlan:
+    members = tuple(h for w in waves for h in w.hosts)
+    return RolloutPlan(GroupKey("m", "sglang"), RolloutPolicy(1, 2), members, members, 2, waves)
+
+
+W1, W2, W3 = Wave(1, ("h1",), canary=True), Wave(2, ("h2", "h3")), Wave(3, ("h4",))
+HASHES = {f"h{i}": f"hash{i}" for i in range(1, 5)}
+REV = "c3" * 20
+
+
+def q(h: str, reason: str, at: HostOutcome, wave: Wave) -> Quarantine:
+    return Quarantine(hash=HASHES[h], revision=REV, reason=Reason(reason), quote=at.quote, at=77, halted_at=at.host,
+                      canary=wave.canary, wave=wave.number, cause=at.reason)
+
+
+@pytest.mark.parametrize("wave, failed, untouched, reasons", [
+    # the canary fails: it is quarantined for its own reason, every later wave's host as RolloutHalted
+    (W1, [crash("h1")], ("h2", "h3", "h4"),
+     {"h1": "CrashLoop", "h2": "RolloutHalted", "h3": "RolloutHalted", "h4": "RolloutHalted"}),
+    # two hosts of a middle wave: both for the first one's reason (it halted there); the last wave untouched
+    (W2, [crash("h3"), HostOutcome("h2", Reason.APPLY_FAILED, "write failed")], ("h4",),
+     {"h3": "CrashLoop", "h2": "CrashLoop", "h4": "RolloutHalted"}),
+    # the last wave: nothing left untouched
+    (W3, [gpu("h4")], (), {"h4": "GpuFault"}),
+    # a failure without a reason is Failed
+    (W3, [HostOutcome("h4", None, "?")], (), {"h4": "Failed"}),
+])
+def test_the_halt(wave: Wave, failed: list[HostOutcome], untouched: tuple[str, ...], reasons: dict[str, str]) -> None:
+    stop = halt(rollout_of(W1, W2, W3), wave, failed, REV, HASHES, now=77)
+    at = failed[0]
+    assert (stop.at.host, stop.failed, stop.untouched) == (at.host, tuple(o.host for o in failed), untouched)
+    assert stop.at.reason == (at.reason or Reason.FAILED)
+    cause = HostOutcome(at.host, at.reason or Reason.FAILED, at.message, at.quote)
+    assert dict(stop.quarantines) == {h: q(h, r, cause, wave) for h, r in reasons.items()}
+
+
+def test_the_halt_in_the_results_words() -> None:
+    canary = halt(rollout_of(W1, W2, W3), W1, [crash("h1")], REV, HASHES, now=77)
+    assert canary.failed_message(None) == "rollout halted here, 3 hosts left untouched"
+    assert canary.failed_message("m: CrashLoop: ValueError: bad flag") == \
+        "m: CrashLoop: ValueError: bad flag; rollout halted here, 3 hosts left untouched"
+    assert canary.untouched_message("m", "c1" * 20) == \
+        "m: rollout halted at canary h1: CrashLoop; not restarted, still running c1c1c1c"
+    middle = halt(rollout_of(W1, W2, W3), W2, [crash("h3")], REV, HASHES, now=77)
+    assert middle.failed_message("") == "rollout halted here, 1 host left untouched"
+    assert middle.untouched_message("m", None) == "m: rollout halted at h3 (wave 2): CrashLoop; not restarted, " \
+                                                  "still running ?"
+
+
+@pytest.mark.parametrize("before, after", [
+    (None, Reason.ROLLOUT_HALTED),                        # the halt is the host's only news
+    (Reason.QUARANTINED, Reason.ROLLOUT_HALTED),          # another service on its last good is no failure
+    (Reason.ROLLOUT_HALTED, Reason.ROLLOUT_HALTED),
+    (Reason.CRASH_LOOP, Reason.CRASH_LOOP),               # a failure of its own keeps its reason
+    (Reason.GPU_BUSY, Reason.GPU_BUSY),
+])
+def test_an_untouched_hosts_reason(before: Reason | None, after: Reason) -> None:
+    assert halted_reason(before) == after
+
+
+def test_a_rollout_result_takes_the_halt() -> None:
+    ro = RolloutResult(rollout_of(W1, W2, W3), RolloutStatus.RUNNING)
+    ro.halted(halt(rollout_of(W1, W2, W3), W2, [crash("h2")], REV, HASHES, now=77))
+    assert (ro.status, ro.halted_at, ro.halted_wave, ro.reason, ro.quote, ro.untouched) == \
+        (RolloutStatus.HALTED, "h2", 2, Reason.CRASH_LOOP, "ValueError: bad flag", ("h4",))
+    assert ro.to_json()["status"] == "halted" and json.loads(json.dumps(ro.to_json()))["halted"]["reason"] == \
+        "CrashLoop"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from reconciler import preflight as pf
-from reconciler.desired.spec import HostSpec, ModelSpec, ServiceSpec, SSHSpec
+from reconciler.desired.spec import CallSpec, DrainSpec, HostSpec, ModelSpec, ServiceSpec, SSHSpec
 from reconciler.errors import ConfigError, ObserveError
 from reconciler.host.transport import LocalTransport
 
@@ -41,10 +41,15 @@ def sglang(flags: str = "", *, name: str = "sglang-qwen", env: dict[str, str] | 
                        model=ModelSpec(id=model_id, path=path, architecture=architecture))
 
 
+# A drain declared (a balancer takes the host out first), so that vLLM's default stop, which
+# aborts what is in flight, is no finding here; tests/preflight/test_drain_rules.py has those.
+DRAINED = DrainSpec(leave=CallSpec("host", "true"), rejoin=CallSpec("host", "true"))
+
+
 def vllm(flags: str = "", *, name: str = "vllm-qwen", env: dict[str, str] | None = None,
          model_id: str = "Qwen/Qwen3-8B", path: str = "/models/Qwen3-8B") -> ServiceSpec:
     return ServiceSpec(name=name, unit_text=unit(f"/usr/local/bin/vllm serve {path} {flags}".strip()),
-                       env=env or {}, model=ModelSpec(id=model_id, path=path))
+                       env=env or {}, model=ModelSpec(id=model_id, path=path), drain=DRAINED)
 
 
 RULES = pf.load_rules()

@@ -15,7 +15,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from reconciler.preflight import _models
-from reconciler.preflight._compiled import Rule, plain_covers
+from reconciler.preflight._schema import Rule
+from reconciler.preflight._versions import plain_covers
 
 releases = st.lists(st.integers(0, 15), min_size=1, max_size=4).map(lambda xs: ".".join(map(str, xs)))
 clauses = st.tuples(st.sampled_from(["<", "<=", ">", ">=", "==", "!="]), st.sampled_from(["", " "]), releases)
@@ -35,9 +36,9 @@ def test_anything_but_plain_is_left_to_packaging():
                           (">=0.5.10", "0.5.\u0661"), ("", "1.0")]:
         assert plain_covers(spec, version) is None, (spec, version)
     # ...and the rule still answers through packaging
-    rule = Rule(id="r", server="sglang", message="m", fix="f", source="s", versions="<0.5.14")
+    rule = Rule(id="r", server="sglang", message="m", fix="f", source="https://s", versions="<0.5.14")
     assert rule.covers("0.5.12rc1") and not rule.covers("0.5.14.post1") and rule.covers("0.5.13")
-    assert Rule(id="r", server="sglang", message="m", fix="f", source="s", versions="~=0.5.10").covers("0.5.12")
+    assert Rule(id="r", server="sglang", message="m", fix="f", source="https://s", versions="~=0.5.10").covers("0.5.12")
 
 
 def test_a_name_with_no_wildcard_is_compared_without_fnmatch(monkeypatch):

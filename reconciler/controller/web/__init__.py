@@ -4,9 +4,12 @@
     view.py    PURE: store rows + the hub's snapshot -> the page's model (grid, rollout, commits)
     app.py     the ASGI app (starlette): the routes, rendered in a thread of their own
     stream.py  the event streams: one render per change shared by all, a cap, what was refused
-    server.py  uvicorn in the daemon's event loop, with limits on connections, idle and slow
-               clients; app, stream and server are imported only when the page is on, so other
-               `reconcile` runs never load them
+    server.py  the page served by uvicorn in the daemon's event loop (and /metrics, when the
+               metrics share its address); app, stream and server are imported only when the page
+               is on, so other `reconcile` runs never load them
+    gate.py    limits on connections, idle and slow clients, in front of uvicorn's own protocol
+               (the page's server and the metrics' own)
+    peer.py    who a connection's client is (a local user by uid, a remote one by address)
     templates/ server-rendered HTML (Jinja2, autoescaped);  static/ the CSS and a little JS
 
 Read-only: GET routes only, no form changes anything. Loopback by default (`web` in the

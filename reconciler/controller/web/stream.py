@@ -56,8 +56,9 @@ class Refusals:
     clients), said in the daemon's log: the first at once, then at most one line per SAY_EVERY
     with the counts since the last line (a flood must not flood the journal too)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, every: float = SAY_EVERY):
-        self.clock, self.every = clock, every
+    def __init__(self, clock: Callable[[], float] = time.monotonic, every: float = SAY_EVERY,
+                 name: str = "fleet page"):
+        self.clock, self.every, self.name = clock, every, name
         self.counts: Counter[str] = Counter()
         self.total: Counter[str] = Counter()
         self.said: float | None = None
@@ -72,7 +73,7 @@ class Refusals:
         self.said = now
         told = ", ".join(f"{n} {w}" for w, n in sorted(self.counts.items()))
         self.counts.clear()
-        print(f"reconciler: fleet page turned away {told} (said at most once a minute; deploys go on)", flush=True)
+        print(f"reconciler: {self.name} turned away {told} (said at most once a minute; deploys go on)", flush=True)
 
 
 class SharedEvents:

@@ -78,7 +78,7 @@ class GpuFacts:
     gpus: list[Gpu] = field(default_factory=list)
     holders: list[Holder] = field(default_factory=list)
     error: str | None = None         # nvidia-smi exists but failed (driver not loaded, ...)
-    health: GpuHealth | None = None  # the GPUs' health, when it was asked for (gpu_command's health_since)
+    health: GpuHealth | None = None  # the GPUs' health, when it was asked for (GpuRead's health_since)
 
     @property
     def gpu_count(self) -> int:

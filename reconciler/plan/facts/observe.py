@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import ClassVar
 
 from ...errors import ObserveError
@@ -24,6 +25,7 @@ from .. import layout
 from ..gpuhealth import GpuFault
 from ..layout import unit_path
 from ..records import HostRecord, ServiceRecord
+from ..unit import UnitState
 from .show import parse_show
 
 SHOW_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,"
@@ -46,6 +48,11 @@ class ServiceFacts:
     props: dict[str, str] = field(default_factory=dict)
     dropins: dict[str, str] = field(default_factory=dict)
     envfile_text: str | None = None       # the env file (envfile_path)
+
+    @cached_property
+    def unit(self) -> UnitState:
+        """systemd's state of the unit, typed (plan/unit.py), parsed once."""
+        return UnitState.parse(self.props)
 
     @property
     def managed(self) -> bool:

@@ -18,7 +18,9 @@ from typing import Any
 from reconciler.frames import HostProgram
 from reconciler.host.engine import EngineProbe
 from reconciler.host.gpu import Signal
+from reconciler.host.lock import Install
 from reconciler.host.script import ApplyScript
+from reconciler.plan.facts.fetch import FetchCommand
 from reconciler.plan.facts.gpu import GpuRead
 from reconciler.plan.facts.journal import Journal
 from reconciler.plan.facts.observe import Observe
@@ -50,6 +52,8 @@ BUILD: dict[str, Callable[[Mapping[str, Any]], HostProgram[Any]]] = {
     "engine-probe": _engine,
     "signal": lambda p: Signal(p["action"], tuple((pid, comm) for pid, comm in p["holders"])),
     "apply": lambda p: ApplyScript(tuple(p["calls"]), p["steps"]),
+    "fetch": lambda p: FetchCommand(p["path"], p["command"]),
+    "install": lambda p: Install(tuple(p["texts"])),
 }
 
 

@@ -80,6 +80,10 @@ def cases(invocation: str) -> list[tuple[str, str, dict[str, Any]]]:
         ("apply", "a-write-and-a-refused-stop", {"calls": [
             "now", "write_file step=0 path=/srv/written.txt mode=0600 'text=a\nb'",
             "stop step=1 unit=gone.service", "finish units=m.service"], "steps": 2}),
+        ("fetch", "a-copy-then-a-failure", {"path": "/srv/fetched/model dir", "command":
+            "cp -r /models/Qwen3-8B/. . && ls | head -2\necho 'no space left' >&2\nexit 3"}),
+        ("fetch", "a-directory-that-cannot-be-made", {"path": "/proc/none/model", "command": "true"}),
+        ("install", "two-programs", {"texts": ["#!/bin/sh\necho one\n", "#!/bin/sh\necho two\n"]}),
         ("apply", "a-file-step-that-fails", {"calls": [
             "now", "stage_file step=0 path=/srv/a.txt mode=0644 text=a", "commit",
             "write_file step=1 path=/proc/none/b.txt mode=0600 text=b", "stop step=2 unit=m.service",

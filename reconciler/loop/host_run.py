@@ -1,11 +1,14 @@
 """One host: observe -> plan -> apply -> watch -> record, until the plan has nothing left to do.
 
-Level-based: every round observes afresh and asks the pure planner (plan.py) what to do; this
-module decides nothing about failures. A health verdict is recorded on the host at once, by
-itself (records.judge), and the next round's plan picks the follow-up from the new state: the
-last good version substituted (a rollback), or the service held stopped. A run that dies at any
-point leaves on the host what the next run needs to end in the same place: the `pending` intent
-(watch it again, or finish it), or the verdict (roll back, or hold).
+Level-based: every round observes afresh and asks the pure planner (plan/: state.classify,
+actions.plan_host) what to do; this module decides nothing. A health verdict is recorded on the
+host at once, by itself (records.judge), and the next round's plan picks the follow-up from the
+new state: the last good version substituted (a rollback), or the service held stopped. What a
+step of this run answered is a fact for the next round's plan too: a model fetch that failed
+(pre-flight blocks the service), a GPU gate that stayed closed (Checks.gate: the start is
+recorded as blocked). A run that dies at any point leaves on the host what the next run needs to
+end in the same place: the `pending` intent (watch it again, or finish it), or the verdict (roll
+back, or hold).
 
     round 1   deploy the desired version          -> verdict: healthy (done) or failed (quarantine)
     round 2   substitute the last good, if any    -> verdict: healthy (rolled back) or failed
@@ -23,30 +26,31 @@ import asyncio
 import functools
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from .. import faults
 from ..desired.spec import HostSpec, ServiceSpec
-from ..errors import CommandError, HostError, ReconcilerError
+from ..errors import HostError, ReconcilerError
 from ..host import lock, programs
-from ..host.apply import Applied, apply_plan, write_gpu_fault, write_record
+from ..host.apply import Applied, apply_plan, fetch_model, write_gpu_fault, write_record
 from ..host.gpu import gpu_facts
 from ..host.health import Outcome, Phase, SystemdWatch, inconclusive, watch_service
 from ..host.transport import SSHTransport, Transport
 from ..plan.actions import plan_host
 from ..plan.facts import HostFacts, Observe
 from ..plan.files import secret_files
-from ..plan.gpuhealth import GPU_FAULT, blames_gpu, mark_note, recorded_after, start_fault
-from ..plan.model import Action, Context, HostPlan, Kind
-from ..plan.records import SUPERSEDED, Pending, Quarantine, Result, ServiceRecord, Verdict, judge
+from ..plan.gpuhealth import blames_gpu, mark_note, recorded_after, start_fault
+from ..plan.model import Action, Checks, Context, HostPlan, Kind
+from ..plan.records import Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
+from ..reasons import Reason
 from .options import Connector, RunIO, RunOptions
 from .preview import engine_check
-from .results import Event, HostResult, ServiceEvent, fold, merge_plans, running_after
+from .results import Event, HostResult, ServiceEvent, Step, fold, host_failure, merge_plans, running_after
 from .revision import Revision
 
-if TYPE_CHECKING:     # checks.py (pre-flight, the rule pack, the GPU gate) loads when a plan starts something
+if TYPE_CHECKING:     # pre-flight (the rule pack) and the GPU gate load when a plan starts something
     from .checks import Preflight
 
 MAX_ROUNDS = 6
@@ -93,25 +97,36 @@ async def lock_and_observe(t: Transport, host: HostSpec, wait: float,
         return held, None
 
 
-# ---- results ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pass:
+    """One pass of a fleet run over one host (fleet.py: the survey, the look under the lock, a
+    halt's re-plan, the free pass, a wave's pass): what it may do and what it starts from."""
 
-# ---- one host -----------------------------------------------------------------------------------
+    transport: Transport                    # the host's open connection (the caller closes it)
+    dry_run: bool = False                   # only plan
+    hold: frozenset[str] = frozenset()      # services another pass converges (a rollout wave)
+    # fleet-wide quarantines (service -> a halted rollout): they act like recorded ones and are
+    # written into the host's records
+    quarantine: Mapping[str, Quarantine] = field(default_factory=dict)
+    facts: HostFacts | None = None          # the host as just read (None: read it first)
+    preflight: bool = True                  # False: plan without the host-side pre-flight (a first look)
+    checked: Preflight | None = None        # a pre-flight already run on these `facts`
 
 
 class _HostRun:
     """One host's run: the open transport, the revision, the run's options, and what the rounds found."""
 
-    def __init__(self, host: HostSpec, rev: Revision, opts: RunOptions, io: RunIO, t: Transport,
-                 result: HostResult, *, deferred: frozenset[str], fleet_quarantine: Mapping[str, Quarantine],
-                 check: bool = True, reuse: Preflight | None = None):
-        self.host, self.rev, self.opts, self.io, self.t, self.result = host, rev, opts, io, t, result
+    def __init__(self, host: HostSpec, rev: Revision, opts: RunOptions, io: RunIO, result: HostResult, p: Pass):
+        self.host, self.rev, self.opts, self.io, self.t, self.result = host, rev, opts, io, p.transport, result
         self.revision = rev.revision
-        self.check, self.reuse = check, reuse
-        self.retry, self.deferred = opts.retry, deferred
-        self.fleet_q = {n: q for n, q in fleet_quarantine.items() if n in host.services and n not in deferred}
+        self.run_preflight = p.preflight
+        self.reuse = p.checked if p.facts is not None else None    # only with the facts it was run on
+        self.retry, self.deferred = opts.retry, p.hold
+        self.fleet_q = {n: q for n, q in p.quarantine.items() if n in host.services and n not in p.hold}
         self.preflight: Preflight | None = None
         self.facts: HostFacts | None = None
-        self.systemd = SystemdWatch(t)      # every health watch on this host: one round trip per tick
+        self.gate: dict[str, str] = {}      # service -> why its GPUs stayed busy after this run stopped it
+        self.systemd = SystemdWatch(self.t)      # every health watch on this host: one round trip per tick
 
     def _context(self, facts: HostFacts, pf: Preflight | None = None) -> Context:
         ctx = Context(self.revision, fleet_quarantine=self.fleet_q, deferred=self.deferred, retry=self.retry,
@@ -119,27 +134,28 @@ class _HostRun:
         wanted = needs_last_good(self.host, facts, ctx)
         last_good: dict[str, ServiceSpec | None] = {}
         for name, rev in wanted.items():
-            state = self.rev.render_at(rev) if self.rev.render_at is not None else None
+            state = self.rev.render_at(rev)
             h = state.hosts.get(self.host.name) if state is not None else None
             last_good[name] = h.services.get(name) if h is not None else None
-        return replace(ctx, last_good=last_good, checks=pf.checks() if pf is not None else ctx.checks)
+        checks = pf.checks() if pf is not None else Checks()
+        return replace(ctx, last_good=last_good, checks=replace(checks, gate=dict(self.gate)))
 
     async def plan(self, facts: HostFacts, *, fetched: Mapping[str, str | None] | None = None) -> HostPlan:
         """Plan, then run the host-side pre-flight for what that plan starts, and plan again with
         its findings (blocked services, fetches, the GPU gate)."""
         plan = plan_host(self.host, facts, self._context(facts))
         self.preflight = None       # this plan's own pre-flight, if it starts anything
-        if not any(a.kind in (Kind.START, Kind.RESTART, Kind.WRITE) for a in plan.actions) or not self.check:
+        if not any(a.kind in (Kind.START, Kind.RESTART, Kind.WRITE) for a in plan.actions) or not self.run_preflight:
             return plan
         if self.reuse is not None and fetched is None:
             # The survey's pre-flight, of these same facts: a pass that did not look again
             # does not check again (a wave's pass, which looks again, checks again too).
             pf, self.reuse = self.reuse, None
         else:
-            from .checks import preflight_host
-            rules = self.rev.rules() if self.rev.rules is not None else None
+            from .preflight import preflight_host
             engine = engine_check(self.opts.dry_run, self.opts.engine_check, self.rev.signer)
-            pf = await preflight_host(self.t, self.host, plan, facts, rules, fetched=fetched, engine=engine)
+            pf = await preflight_host(self.t, self.host, plan, facts, self.rev.rules(), fetched=fetched,
+                                      engine=engine)
         self.preflight = self.result.checked = pf
         self.result.notes.extend(w for w in pf.warnings if w not in self.result.notes)
         return plan_host(self.host, facts, self._context(facts, pf))
@@ -151,19 +167,14 @@ class _HostRun:
         return cb
 
     async def fetch(self, plan: HostPlan, facts: HostFacts) -> HostPlan:
-        """Run the plan's model fetches (before anything stops), then plan again: the fetched
-        models are judged as they are now, and a failed fetch blocks its service."""
+        """Run the plan's model fetches (host/apply.fetch_model: before anything stops), then plan
+        again: the fetched models are judged as they are now, and a failed fetch blocks its service."""
         fetched: dict[str, str | None] = {}
         for a in plan.actions:
-            sp = plan.services.get(a.service or "")
-            if a.kind is not Kind.FETCH or sp is None or sp.target is None or sp.target.spec.model is None:
+            if a.kind is not Kind.FETCH or a.model is None or a.model.path in fetched:
                 continue
-            m = sp.target.spec.model
-            if m.path in fetched:
-                continue
-            models = self.preflight.models if self.preflight else {}
-            from .fetch import fetch_model
-            fetched[m.path] = await fetch_model(self.t, sp.name, m, models.get(m.path), self._progress())
+            m = a.model
+            fetched[m.path] = await fetch_model(self.t, a, clock=self.io.clock, on_phase=self._progress())
             self.result.notes.append(fetched[m.path] or f"fetched {m.id} into {m.path}")
         return await self.plan(facts, fetched=fetched)
 
@@ -171,24 +182,27 @@ class _HostRun:
         """Apply one plan and judge what it started. True when every verdict was healthy."""
         self.facts = facts
         gpu = self.preflight.gpu if self.preflight is not None else None
-        from .checks import gpu_waiter
-        waiter = gpu_waiter(self.t, plan, facts, gpu, self.result.notes) if gpu is not None and gpu.has_nvidia_smi \
-            else None
+        gate = None
+        if gpu is not None and gpu.has_nvidia_smi:
+            from .gpu_gate import GpuGate
+            gate = GpuGate(self.t, plan, facts, gpu, clock=self.io.clock)
         await self._record_gpu(facts)
         faults.hit("before-apply")
-        applied = await apply_plan(self.t, plan, now=int(time.time()), gpu_wait=waiter)
+        try:
+            applied = await apply_plan(self.t, plan, now=int(time.time()), gpu_wait=gate)
+        finally:
+            if gate is not None:
+                self.result.notes.extend(gate.notes)
         self.systemd.seed(applied.shown, applied.shown_at)
         faults.hit("after-apply")
-        for name, why in sorted(applied.skipped.items()):
-            sp = plan.services[name]
-            self.result.events.append(ServiceEvent(name, Event.BLOCKED, plan.revision,
-                                                   sp.target.hash if sp.target else "", note=why))
-            self.result.worsen(Result.FAILED, "GpuBusy", f"{name}: {why}")
-            await self._record_gate_block(plan, name, why)
-        watches = [a for a in plan.watches if a.service not in applied.skipped]
-        if not watches:
+        if applied.skipped:
+            # GPUs stayed busy after a stop: nothing past the gate ran. A fact for the next
+            # round's plan, which records each such start as blocked and starts the others.
+            self.gate.update(applied.skipped)
+            return False
+        if not plan.watches:
             return True
-        verdicts = await asyncio.gather(*(self.watch(a, plan, applied) for a in watches))
+        verdicts = await asyncio.gather(*(self.watch(a, plan, applied) for a in plan.watches))
         return all(verdicts)
 
     async def watch(self, a: Action, plan: HostPlan, applied: Applied) -> bool:
@@ -227,7 +241,7 @@ class _HostRun:
         unjudged = judged.record.pending is not None       # no verdict: the switch stays armed
         await write_record(self.t, name, judged.record, stop=judged.stop, disarm=not unjudged or judged.stop)
         faults.hit("after-verdict")
-        if out.reason == GPU_FAULT:
+        if out.reason == Reason.GPU_FAULT:
             self.result.notes.append(f"{name}: {w.revision[:7]} not judged: {out.message}; nothing starts on this "
                                      f"host until its GPUs read healthy")
             return False
@@ -235,7 +249,7 @@ class _HostRun:
             self.result.notes.append(f"{name}: no verdict on {w.revision[:7]} ({out.reason}: {out.message}); "
                                      f"starting it again")
             return False
-        if out.reason == SUPERSEDED:
+        if out.reason == Reason.SUPERSEDED:
             self.result.notes.append(f"{name}: {w.revision[:7]} superseded by a newer revision during its health "
                                      f"wait (no verdict: neither last good nor quarantined)")
             return True         # nothing to follow up here: the newer revision's run takes over
@@ -265,97 +279,57 @@ class _HostRun:
             return out
         fault = start_fault(reading, name, revision)
         await write_gpu_fault(self.t, fault)
-        return replace(out, reason=GPU_FAULT, quote=fault.quote,
+        return replace(out, reason=Reason.GPU_FAULT, quote=fault.quote,
                        message=f"GpuFault: the start failed ({out.reason}: {out.message}) while the host's GPUs "
                                f"were sick: {fault.quote}")
-
-    async def _record_gate_block(self, plan: HostPlan, name: str, why: str) -> None:
-        """The GPUs stayed busy, so the start did not happen: the record says so (pending, not
-        started), and the next run gates the start again."""
-        sp = plan.services[name]
-        intent = next((a.record for a in plan.actions if a.kind is Kind.INTENT and a.service == name), None)
-        rec = intent or self._record(name)
-        if sp.target is None:
-            return
-        pending = rec.pending or Pending(hash=sp.target.hash, revision=sp.target.revision,
-                                         rollback=sp.target.rollback, replaces_hash=rec.hash,
-                                         replaces_revision=rec.revision, at=int(time.time()))
-        await write_record(self.t, name, replace(rec, pending=replace(pending, started=False, blocked=why)))
 
     def _record(self, name: str) -> ServiceRecord:
         f = self.facts.services.get(name) if self.facts else None
         return (f.record if f is not None else None) or ServiceRecord()
 
 
-async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: RunIO = RunIO(), *,
-                         dry_run: bool | None = None, hold: frozenset[str] = frozenset(),
-                         quarantine: Mapping[str, Quarantine] | None = None, transport: Transport | None = None,
-                         facts: HostFacts | None = None, check: bool = True,
-                         checked: Preflight | None = None) -> HostResult:
-    """Converge one host to `rev` (or, dry run, only plan it). Never raises for host failures.
-
-    `dry_run`: this pass only plans (default: the run's own `opts.dry_run`). For the fleet's
-    passes: `hold` names services another pass converges (a rollout wave); `quarantine` adds
-    fleet-wide quarantines (service -> a halted rollout) that act like recorded ones and are
-    written into the host's records; `transport` reuses an open connection (the caller closes
-    it); `facts` skips the first observation. `check=False` plans without the host-side
-    pre-flight (a first look that only decides whether the host needs its lock); `checked` is a
-    pre-flight already run on these `facts`.
-    """
-    dry_run = opts.dry_run if dry_run is None else dry_run
+async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: RunIO, p: Pass) -> HostResult:
+    """Converge one host to `rev` over `p.transport` (or, `p.dry_run`, only plan it) in rounds,
+    within one pass of the fleet run (`Pass`). Never raises for host failures: the result says them."""
     started = time.monotonic()
     result = HostResult(host.name, host.ssh.address)
-    if facts is None:
-        checked = None          # a pre-flight is reused only with the facts it was run on
-    t: Transport | None = transport
-    held: lock.HostLock | None = None
-    connect = io.connect or ssh_connector(opts.identity)
+    t = p.transport
+    step = Step.OBSERVE
     try:
-        if t is None:
-            t = await connect(host)
-            if not dry_run:
-                held, locked = await lock_and_observe(t, host, opts.lock_wait)
-                t = held.over(t)        # the run's commands through the holder's shell
-                facts = facts or locked
-        if facts is None:
-            facts = await observe(t, host)
+        facts = p.facts if p.facts is not None else await observe(t, host)
         result.facts = facts
-        run = _HostRun(host, rev, opts, io, t, result, deferred=hold, fleet_quarantine=quarantine or {},
-                       check=check, reuse=checked)
+        run = _HostRun(host, rev, opts, io, result, p)
+        step = Step.PREFLIGHT
         plan = await run.plan(facts)
         result.plan = plan
-        if not dry_run:
+        if not p.dry_run:
             # The door's report shows this plan before it is applied (report.PhaseView).
             if io.on_planned is not None and plan.changes:
                 io.on_planned(result)
             for rnd in range(MAX_ROUNDS):
                 if rnd:
                     run.retry = False     # --retry is one more try: the first round's, not every round's
+                    step = Step.OBSERVE
                     facts = await observe(t, host)
+                    step = Step.PREFLIGHT
                     plan = await run.plan(facts)
                     result.plan = merge_plans(result.plan, plan)
                 if not plan.actions:
                     break
                 if any(a.kind is Kind.FETCH for a in plan.actions):
+                    step = Step.PREFLIGHT      # a fetch says why it failed; the models are checked again
                     plan = await run.fetch(plan, facts)
                     result.plan = plan if rnd == 0 else merge_plans(result.plan, plan)
+                step = Step.APPLY
                 if await run.execute(plan, facts):
                     break
-        fold(result, plan, dry_run)
-        if not dry_run:
+        fold(result, plan, p.dry_run)
+        if not p.dry_run:
             result.running = {n: running_after(plan, facts, n) for n in host.services}
     except HostError as e:
-        result.status, result.reason, result.message = Result.FAILED, e.reason, e.message
-        if isinstance(e, CommandError) and e.what not in ("observe", "pre-flight"):
-            result.reason = "ApplyFailed"
+        result.status, result.reason, result.message = Result.FAILED, host_failure(e, step), e.message
     except ReconcilerError as e:
-        result.status, result.reason, result.message = Result.FAILED, "Failed", str(e)
+        result.status, result.reason, result.message = Result.FAILED, Reason.FAILED, str(e)
     finally:
-        if held is not None:
-            await held.release()
-        if t is not None and transport is None:
-            await t.close()
         result.seconds = time.monotonic() - started
     return result
-
-

@@ -1,0 +1,98 @@
+"""Outbound HTTP that must never hold up a deploy (webhooks: notify.py; forge commit statuses:
+controller/forge.py), on httpx's async client in the caller's own event loop.
+
+`Outbox.put` queues one request and returns at once; one task of the running loop sends them in
+order through one `httpx.AsyncClient`, each bounded by the client's timeouts. The queue is
+bounded too: at most `max_pending` wait, and a request put under a key still queued replaces it
+(the forge keeps only the newest status per commit and context); past the bound the oldest is
+dropped and that is said. What fails is handed to `warn` as words the owner chooses (`Outbox`
+never raises into the caller); `drain` waits a bounded time for the queue to empty, `close`
+drops what is left and closes the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Awaitable, Callable, Hashable
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    import httpx
+
+T = TypeVar("T")
+# Sends one queued item with the outbox's client (raises on any failure).
+Deliver = Callable[["httpx.AsyncClient", T], Awaitable[None]]
+
+
+class Outbox(Generic[T]):
+    """A bounded queue of requests, sent one at a time by a task of the running loop."""
+
+    def __init__(self, client: Callable[[], httpx.AsyncClient], deliver: Deliver[T],
+                 failed: Callable[[T, Exception], None], warn: Callable[[str], None], *, max_pending: int,
+                 dropped: Callable[[T], str]):
+        self._client_of, self._deliver, self._failed, self._warn = client, deliver, failed, warn
+        self._dropped, self.max_pending = dropped, max_pending
+        self._pending: collections.OrderedDict[Hashable, T] = collections.OrderedDict()
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.sent = 0
+
+    @property
+    def pending(self) -> int:
+        """Requests queued and not yet taken up (the one being sent is not counted)."""
+        return len(self._pending)
+
+    def put(self, key: Hashable, item: T) -> None:
+        """Queue `item` (replacing one queued under the same key); returns at once. Call it from
+        the loop that is to send it."""
+        self._pending.pop(key, None)
+        self._pending[key] = item
+        while len(self._pending) > self.max_pending:
+            _key, old = self._pending.popitem(last=False)
+            self._warn(self._dropped(old))
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="reconciler-outbox")
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait at most `timeout` seconds until every queued request went out or failed."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Drop whatever is still queued or being sent, and close the client."""
+        self._pending.clear()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        self._idle.set()
+
+    async def _run(self) -> None:
+        while True:
+            if not self._pending:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            _key, item = self._pending.popitem(last=False)
+            try:
+                if self._client is None:
+                    self._client = self._client_of()
+                await self._deliver(self._client, item)
+                self.sent += 1
+            except Exception as e:      # any failure of the other end is only a warning
+                self._failed(item, e)
