@@ -75,3 +75,18 @@ def test_each_program_as_it_is_sent_is_shellcheck_clean(name: str):
         args.append("--exclude=SC1091")
     res = subprocess.run(["shellcheck", *args, "-"], input=SENT[name], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _layout_values() -> list[str]:
+    """The host's layout as plan/layout.py writes it once: every path and name it defines."""
+    from reconciler.plan import layout
+    return sorted({v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str) and len(v) > 4})
+
+
+@pytest.mark.parametrize("path", PROGRAMS, ids=[p.name for p in PROGRAMS])
+def test_no_program_writes_a_value_of_the_layout_itself(path: Path):
+    """A path or name the Python side holds (plan/layout.py) reaches a program as a constant in
+    front of its text, never written in the file as well, where the two could drift apart."""
+    from reconciler import shell
+    text = shell.program(path.stem)          # as it is sent: comment lines dropped
+    assert [v for v in _layout_values() if v in text] == []

@@ -41,7 +41,7 @@ from .. import redact, shell
 from ..errors import HostError
 from ..frames import HostProgram, Param, Records, number
 from ..plan import confirm
-from ..plan.layout import BIN, LOCK, LOCK_COUNT, LOCK_OWNER
+from ..plan.layout import BIN, LOCK, LOCK_COUNT, LOCK_OWNER, TEMP
 from ..reasons import Reason
 from . import programs
 from .session import HostSession, SessionTransport
@@ -108,9 +108,9 @@ class Install(HostProgram[tuple[str, ...]]):
 
     @classmethod
     def text(cls) -> str:
-        """install.sh with its one constant, BIN: this module's, as installed_as names the
-        programs by it."""
-        return shell.with_constants(shell.program(cls.name), {"BIN": BIN})
+        """install.sh with its constants: BIN (this module's, as installed_as names the programs
+        by it) and the temp files' prefix."""
+        return shell.with_constants(shell.program(cls.name), {"BIN": BIN, "TEMP": TEMP})
 
     def params(self) -> Mapping[str, Param]:
         return {"file": [f"{shell.digest(x)}.sh {base64.b64encode(x.encode()).decode()}" for x in self.texts]}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import re
 import shlex
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -123,40 +123,67 @@ def _secrets(i: int, service: str, wanted: Sequence[SecretSpec], *, remove: bool
     yield call("secrets_env", step=i, service=service, keep=" ".join(keep), env=" ".join(env))
 
 
-def _fatal(i: int, a: Action, plan: HostPlan, now: int) -> Iterator[str]:
-    """A file or record step that is no batch (paths and names are validated upstream)."""
-    written = _files(a, plan, now)
-    if written is not None:                                   # what a batch cannot carry
-        if a.kind is Kind.RECORD and not a.service:
-            yield from (call("drop_record", step=i, service=n) for n in plan.dropped_records)
-        yield from (_write(i, p, c, m) for p, c, m in written)
-    elif a.kind is Kind.REMOVE and a.reason is Reason.STALE_TEMP:
+def _remove(i: int, a: Action, now: int) -> Iterator[str]:
+    assert a.path is not None
+    if a.reason is Reason.STALE_TEMP:
         yield call("remove_stale", step=i, path=a.path)
-    elif a.kind is Kind.REMOVE:
-        assert a.path is not None and a.service is not None
-        backup = f"{REMOVED_DIR}/{a.service}/{now}{a.path}" if a.reason is Reason.FOREIGN_DROPIN else None
-        yield call("remove", step=i, path=a.path, backup=backup)
-    elif a.kind is Kind.ADOPT:
-        assert a.path is not None and a.service is not None
-        yield call("copy_file", step=i, **{"from": a.path}, to=adopted_copy(a.service, a.path))
-    elif a.kind is Kind.RESTORE and a.reason is Reason.RESTORE_MASK:
+        return
+    assert a.service is not None
+    backup = f"{REMOVED_DIR}/{a.service}/{now}{a.path}" if a.reason is Reason.FOREIGN_DROPIN else None
+    yield call("remove", step=i, path=a.path, backup=backup)
+
+
+def _adopt(i: int, a: Action, now: int) -> Iterator[str]:
+    assert a.path is not None and a.service is not None
+    yield call("copy_file", step=i, **{"from": a.path}, to=adopted_copy(a.service, a.path))
+
+
+def _restore(i: int, a: Action, now: int) -> Iterator[str]:
+    assert a.path is not None
+    if a.reason is Reason.RESTORE_MASK:
         yield call("mask", step=i, path=a.path)
-    elif a.kind is Kind.RESTORE:
-        assert a.path is not None and a.service is not None
-        yield call("copy_file", step=i, **{"from": adopted_copy(a.service, a.path)}, to=a.path)
-    elif a.kind is Kind.SECRETS:
-        assert a.service is not None
-        yield from _secrets(i, a.service, a.secrets, remove=a.reason is Reason.REMOVED)
-    elif a.kind is Kind.DAEMON_RELOAD:
-        yield call("reload", step=i)
-    elif a.kind is Kind.ARM_TIMER:
-        assert a.switch is not None
-        yield call("arm_timer", step=i, service=a.switch.service, script=confirm.rearm_text(),
-                   unit=confirm.REARM_UNIT_TEXT)
-    elif a.kind is Kind.DISARM:
-        yield call("disarm", step=i, service=a.service, wait=1)
-    else:
-        raise ValueError(a.kind)
+        return
+    assert a.service is not None
+    yield call("copy_file", step=i, **{"from": adopted_copy(a.service, a.path)}, to=a.path)
+
+
+def _deliver(i: int, a: Action, now: int) -> Iterator[str]:
+    assert a.service is not None
+    yield from _secrets(i, a.service, a.secrets, remove=a.reason is Reason.REMOVED)
+
+
+def _reload(i: int, a: Action, now: int) -> Iterator[str]:
+    yield call("reload", step=i)
+
+
+def _arm(i: int, a: Action, now: int) -> Iterator[str]:
+    assert a.switch is not None
+    yield call("arm_timer", step=i, service=a.switch.service, script=confirm.rearm_text(), unit=confirm.REARM_UNIT_TEXT)
+
+
+def _disarm(i: int, a: Action, now: int) -> Iterator[str]:
+    yield call("disarm", step=i, service=a.service, wait=1)
+
+
+# The calls of each file step that writes no file of its own (a step of kind N is step i).
+_FILE_STEPS: dict[Kind, Callable[[int, Action, int], Iterator[str]]] = {
+    Kind.REMOVE: _remove, Kind.ADOPT: _adopt, Kind.RESTORE: _restore, Kind.SECRETS: _deliver,
+    Kind.DAEMON_RELOAD: _reload, Kind.ARM_TIMER: _arm, Kind.DISARM: _disarm}
+
+
+def _fatal(i: int, a: Action, plan: HostPlan, now: int) -> Iterator[str]:
+    """A file or record step that is no batch (paths and names are validated upstream): its
+    calls stop the script where they fail."""
+    written = _files(a, plan, now)
+    if written is None:
+        step = _FILE_STEPS.get(a.kind)
+        if step is None:
+            raise ValueError(a.kind)
+        yield from step(i, a, now)
+        return
+    if a.kind is Kind.RECORD and not a.service:          # what a batch cannot carry, by itself
+        yield from (call("drop_record", step=i, service=n) for n in plan.dropped_records)
+    yield from (_write(i, p, c, m) for p, c, m in written)
 
 
 def _soft(i: int, a: Action, wait: str) -> str | None:
@@ -194,18 +221,45 @@ def _enable_start_pairs(actions: Sequence[Action]) -> dict[int, Action]:
     return pairs
 
 
+class _Calls:
+    """The script's calls, a line each, as steps() adds them: file steps that a batch can carry
+    staged and committed together (the intents a batch of their own)."""
+
+    def __init__(self, plan: HostPlan, now: int) -> None:
+        self.plan, self.now = plan, now
+        self.lines = ["now"]
+        self.batch: list[str] = []
+        self.intents = False
+
+    def commit(self) -> None:
+        if self.batch:
+            self.lines.extend([*self.batch, "commit"])
+            self.batch.clear()
+
+    def staged(self, i: int, a: Action) -> bool:
+        """Stage a file step's files in the batch; False where the step is no batchable one."""
+        files = _files(a, self.plan, self.now)
+        if files is None or not _batchable(files):
+            return False
+        # The intents are a batch of their own: on disk before anything they announce is replaced.
+        if self.batch and (a.kind is Kind.INTENT) != self.intents:
+            self.commit()
+        self.intents = a.kind is Kind.INTENT
+        if a.kind is Kind.RECORD and not a.service:
+            self.batch.extend(call("drop_record", step=i, service=n) for n in self.plan.dropped_records)
+        self.batch.extend(call("stage_file", step=i, path=p, mode=m, text=c) for p, c, m in files)
+        return True
+
+    def add(self, lines: Iterable[str]) -> None:
+        """Calls of a step that is no batch: the batch before it goes first."""
+        self.commit()
+        self.lines.extend(lines)
+
+
 def steps(plan: HostPlan, actions: Sequence[Action], now: int) -> list[str]:
     """The given actions of a plan as calls, a line each; step N is plan.actions[N]."""
     index = {id(a): i for i, a in enumerate(plan.actions)}
-    lines = ["now"]
-    batch: list[str] = []
-    intents = False
-
-    def commit() -> None:
-        if batch:
-            lines.extend([*batch, "commit"])
-            batch.clear()
-
+    out = _Calls(plan, now)
     paired = _enable_start_pairs(actions)
     wait = _job_wait(actions)
     started_by_enable = {id(s) for s in paired.values()}
@@ -213,28 +267,19 @@ def steps(plan: HostPlan, actions: Sequence[Action], now: int) -> list[str]:
         if a.kind in CONTROLLER or id(a) in started_by_enable:
             continue
         i = index[id(a)]
-        files = _files(a, plan, now)
-        if files is not None and _batchable(files):
-            # The intents are a batch of their own: on disk before anything they announce is replaced.
-            if batch and (a.kind is Kind.INTENT) != intents:
-                commit()
-            intents = a.kind is Kind.INTENT
-            if a.kind is Kind.RECORD and not a.service:
-                batch.extend(call("drop_record", step=i, service=n) for n in plan.dropped_records)
-            batch.extend(call("stage_file", step=i, path=p, mode=m, text=c) for p, c, m in files)
+        if out.staged(i, a):
             continue
-        commit()
         start = paired.get(id(a))
         if start is not None:
-            lines.append(call("enable_now", step=i, start=index[id(start)], unit=unit_name(a.service), wait=wait,
-                              fresh=1 if start.fresh else None))
+            out.add([call("enable_now", step=i, start=index[id(start)], unit=unit_name(a.service), wait=wait,
+                          fresh=1 if start.fresh else None)])
             continue
         soft = _soft(i, a, wait)
-        lines.extend([soft] if soft is not None else _fatal(i, a, plan, now))
-    commit()
+        out.add([soft] if soft is not None else _fatal(i, a, plan, now))
+    out.commit()
     started = sorted({unit_name(a.service) for a in actions if a.kind in (Kind.START, Kind.RESTART) and a.service})
-    lines.append(call("finish", units=" ".join(started) or None))
-    return lines
+    out.lines.append(call("finish", units=" ".join(started) or None))
+    return out.lines
 
 
 @dataclass(frozen=True)
@@ -249,6 +294,7 @@ class ApplyScript(HostProgram[ApplyAnswer]):
         "STATE": layout.STATE_DIR, "UNIT_DIR": layout.UNIT_DIR, "CREDSTORE": layout.CREDSTORE, "KEPT": layout.KEPT,
         "TRANSIENT": layout.TRANSIENT, "WANTS": layout.WANTS, "REARM_PATH": layout.REARM_PATH,
         "REARM_LINK": layout.REARM_LINK, "REARM_SCRIPT": layout.REARM_SCRIPT, "LOCK_OWNER": layout.LOCK_OWNER,
+        "TEMP": layout.TEMP, "SWITCH": layout.SWITCH, "CONFIRM": layout.CONFIRM_DIR,
         "WATCH_PROPS": WATCH_PROPS}
     calls: tuple[str, ...]
     steps: int

@@ -55,7 +55,8 @@ __all__ = ["CONFIRM_DIR", "KEPT", "REARM_LINK", "REARM_PATH", "REARM_SCRIPT", "R
 
 
 def unit_name(service: str) -> str:
-    return f"reconciler-confirm-{service}"
+    """The name of a service's switch units (.timer, .service): layout.SWITCH-<service>."""
+    return f"{layout.SWITCH}-{service}"
 
 
 def script_path(service: str) -> str:
@@ -64,9 +65,12 @@ def script_path(service: str) -> str:
 
 # The script that arms pending switches (at boot, and as a holder lets go), installed once per
 # host by the first deploy that arms one (apply.sh's arm_timer), and the unit that runs it at boot.
+REARM_CONSTANTS = {"CONFIRM": CONFIRM_DIR, "LOCK": layout.LOCK, "SWITCH": layout.SWITCH}
+
+
 def rearm_text() -> str:
     """reconciler/sh/rearm.sh as it is installed, its constants in front."""
-    return shell.with_constants(shell.program("rearm"), {"CONFIRM": CONFIRM_DIR, "LOCK": layout.LOCK})
+    return shell.with_constants(shell.program("rearm"), REARM_CONSTANTS)
 
 
 REARM_UNIT_TEXT = (f"[Unit]\nDescription=reconciler: arm again the dead-man's switches a reboot cut short\n\n"
@@ -76,7 +80,8 @@ REARM_UNIT_TEXT = (f"[Unit]\nDescription=reconciler: arm again the dead-man's sw
 SWITCH_CONSTANTS = {"STATE": layout.STATE_DIR, "UNIT_DIR": layout.UNIT_DIR, "ENV_DIR": layout.ENV_DIR,
                     "ENV_DROPIN": layout.ENV_DROPIN, "SECRETS_DROPIN_NAME": layout.SECRETS_DROPIN,
                     "CREDSTORE": layout.CREDSTORE, "KEPT": KEPT, "COUNT": layout.LOCK_COUNT,
-                    "OWNER": layout.LOCK_OWNER, "WANTS": WANTS}
+                    "OWNER": layout.LOCK_OWNER, "WANTS": WANTS, "TEMP": layout.TEMP,
+                    "SWITCH": layout.SWITCH, "CONFIRM": CONFIRM_DIR}
 
 
 @dataclass(frozen=True)

@@ -51,14 +51,7 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
     if load and load != "loaded":
         return UnitReading("not-loaded", Reason.UNIT_NOT_LOADED, f"LoadState={load}: the unit file is invalid")
     if baseline_invocation and props.get("InvocationID", "") == baseline_invocation:
-        if active == "failed" and props.get("Job", "") in ("", "0"):
-            # systemd refused our start (more starts than StartLimitBurst= within
-            # StartLimitIntervalSec=): no job left and no new invocation, so none will begin.
-            # Result= says start-limit-hit only where the unit had not already failed: a restart
-            # of a unit in its crash loop (auto-restart) keeps that crash's exit-code.
-            return UnitReading("refused", Reason.START_LIMIT_HIT,
-                               f"systemd refused the start: start limit hit ({summary})")
-        return UnitReading("starting", detail=f"waiting for the start to begin: {summary}")
+        return _not_begun(active, props.get("Job", ""), summary)
     entered = props.get("ActiveEnterTimestampMonotonic")     # absent: unknown, judged a crash
     never_active = entered == "0" or (bool(baseline_active_enter) and entered == baseline_active_enter)
     crash = Reason.START_FAILED if never_active else Reason.CRASH_LOOP
@@ -72,13 +65,29 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
     if active == "active" and sub in ("running", "exited", "reload"):
         return UnitReading("running", detail=summary)
     if active in ("inactive", "deactivating"):
-        if props.get("Job", "") not in ("", "0"):
-            # a job is queued (our start, still waiting): nothing is judged before it runs
-            return UnitReading("starting", detail=f"waiting for the start job {props['Job']}: {summary}")
-        if never_active:   # e.g. a start timeout: systemd is stopping what never came up
-            return UnitReading("crashed", Reason.START_FAILED, f"start failed: {summary}")
-        return UnitReading("exited", Reason.EXITED, f"process ended: {summary}")
+        return _stopped(props.get("Job", ""), never_active, summary)
     return UnitReading("starting", detail=summary)
+
+
+def _not_begun(active: str, job: str, summary: str) -> UnitReading:
+    """A reading whose InvocationID is still the one before our start: it has not begun."""
+    if active == "failed" and job in ("", "0"):
+        # systemd refused our start (more starts than StartLimitBurst= within
+        # StartLimitIntervalSec=): no job left and no new invocation, so none will begin.
+        # Result= says start-limit-hit only where the unit had not already failed: a restart
+        # of a unit in its crash loop (auto-restart) keeps that crash's exit-code.
+        return UnitReading("refused", Reason.START_LIMIT_HIT, f"systemd refused the start: start limit hit ({summary})")
+    return UnitReading("starting", detail=f"waiting for the start to begin: {summary}")
+
+
+def _stopped(job: str, never_active: bool, summary: str) -> UnitReading:
+    """A unit inactive or deactivating since our start."""
+    if job not in ("", "0"):
+        # a job is queued (our start, still waiting): nothing is judged before it runs
+        return UnitReading("starting", detail=f"waiting for the start job {job}: {summary}")
+    if never_active:   # e.g. a start timeout: systemd is stopping what never came up
+        return UnitReading("crashed", Reason.START_FAILED, f"start failed: {summary}")
+    return UnitReading("exited", Reason.EXITED, f"process ended: {summary}")
 
 
 # Lines that explain a failure, best first. Matching is case-sensitive where case carries meaning.

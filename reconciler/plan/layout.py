@@ -47,6 +47,7 @@ CONFIRM_SUBDIR = "confirm"               # where an armed dead-man's switch keep
 CONFIRM_DIR = f"{STATE_DIR}/{CONFIRM_SUBDIR}"
 KEPT = f"{CREDSTORE}/.previous"          # the secrets a deploy replaced, until its verdict (confirm.py)
 TEMP = ".reconciler-tmp"                 # the prefix of every temp file the reconciler writes
+SWITCH = "reconciler-confirm"            # a dead-man's switch's transient units: SWITCH-<service>.{timer,service}
 # The dead-man's switches' unit that arms them again at boot, and its script (confirm.py)
 REARM_UNIT = "reconciler-rearm-switches.service"
 REARM_PATH = f"{UNIT_DIR}/{REARM_UNIT}"

@@ -8,7 +8,8 @@
 # goes on), "$T fatal N STATUS" for a file step (the script stops there). The script ends with
 # "$T now EPOCH" ... "$T S -", systemd's reading of the units it started, as it is, and "$T END".
 # Constants (the sender's, from reconciler/plan/layout.py and host/): STATE, CREDSTORE, KEPT,
-# REMOVED, TRANSIENT, WANTS, REARM_PATH, REARM_LINK, REARM_SCRIPT, LOCK_OWNER, WATCH_PROPS.
+# REMOVED, TRANSIENT, WANTS, REARM_PATH, REARM_LINK, REARM_SCRIPT, LOCK_OWNER, WATCH_PROPS, TEMP, SWITCH,
+# CONFIRM.
 # shellcheck disable=SC2034  # the named arguments each function resets, some unused by it
 set -u
 umask 022
@@ -46,8 +47,8 @@ args() {  # "NAME..." WORD...
 # killed run of the same PID (it is created anew, so its mode is the umask's). Sets d and t.
 tmp_beside() {
   d=${1%/*}; [ -d "$d" ] || mkdir -p "$d" || return 1
-  N=$((N + 1)); t="$d/.reconciler-tmp.$$.$N"
-  while [ -e "$t" ] || [ -L "$t" ]; do N=$((N + 1)); t="$d/.reconciler-tmp.$$.$N"; done
+  N=$((N + 1)); t="$d/$TEMP.$$.$N"
+  while [ -e "$t" ] || [ -L "$t" ]; do N=$((N + 1)); t="$d/$TEMP.$$.$N"; done
   TMPS="$TMPS $t"
 }
 modes() {  # mode file: made with umask 022 (0644) or 077 (0600); any other mode takes a chmod
@@ -248,7 +249,7 @@ env_line() {  # NAME file: NAME="value" for an EnvironmentFile= (systemd's doubl
 stop_if_armed() {  # service: queue the stop of a switch's timer and service only where one is
   # loaded (a holder armed it as its controller went, or it fired and waits for the lock): a
   # builtin test of their transient unit files, no systemctl otherwise
-  n=reconciler-confirm-$1
+  n=$SWITCH-$1
   if [ -e "$TRANSIENT/$n.timer" ] || [ -e "$TRANSIENT/$n.service" ]; then
     systemctl stop --no-block "$n.timer" "$n.service" >/dev/null 2>&1 || :
   fi
@@ -278,9 +279,9 @@ disarm() {  # step service [wait]: a switch disarmed: the timer (wait: stopped, 
   step='' service='' wait=''
   args "step service wait" "$@" || fatal "$STEP" 2
   [ -z "$step" ] || { settle; mark "$step"; }
-  n=reconciler-confirm-$service
+  n=$SWITCH-$service
   if [ -n "$wait" ]; then systemctl stop "$n.timer" "$n.service" >/dev/null 2>&1; else stop_if_armed "$service"; fi
-  rm -rf "$STATE/confirm/$service.sh" "$UNIT_DIR/$n.service" "$UNIT_DIR/$n.timer" "$WANTS/$n.timer" \
+  rm -rf "$CONFIRM/$service.sh" "$UNIT_DIR/$n.service" "$UNIT_DIR/$n.timer" "$WANTS/$n.timer" \
     "${KEPT:?}/$service" "$KEPT/$service.env"
   true
 }

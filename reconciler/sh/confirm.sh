@@ -12,7 +12,8 @@
 # SECRETS_DROPIN (the previous version's files, base64; "-": it had none), RESTORE_SECRETS (1: put
 # back the secrets the deploy replaced), RECORD (the record it writes, base64). ACTION stop: no
 # previous version, the service is stopped. Constants (the sender's, plan/layout.py): STATE, UNIT_DIR,
-# ENV_DIR, ENV_DROPIN, SECRETS_DROPIN_NAME, CREDSTORE, KEPT, COUNT, OWNER, WANTS.
+# ENV_DIR, ENV_DROPIN, SECRETS_DROPIN_NAME, CREDSTORE, KEPT, COUNT, OWNER, WANTS, TEMP, SWITCH,
+# CONFIRM.
 set -u
 # A holder of the host lock: counted, and named, before it changes anything (host/lock.py). Where
 # the count cannot be written (a full disk), the file goes: a look that saw a count never stands.
@@ -20,11 +21,11 @@ g=0
 [ ! -f "$COUNT" ] || { read -r g < "$COUNT" || :; }
 case $g in ''|*[!0-9]*) n=1 ;; *) n=$((g + 1)) ;; esac
 { echo "$n" > "$COUNT"; } 2>/dev/null || rm -f "$COUNT"
-echo "the dead-man switch of $SERVICE (reconciler-confirm-$SERVICE.service)" > "$OWNER"
+echo "the dead-man switch of $SERVICE ($SWITCH-$SERVICE.service)" > "$OWNER"
 
 put() {  # path base64 [mode]: written atomically ("-": removed)
   if [ "$2" = - ]; then rm -f "$1"; return; fi
-  d=${1%/*}; mkdir -p "$d"; t=$(mktemp "$d/.reconciler-tmp.XXXXXX")
+  d=${1%/*}; mkdir -p "$d"; t=$(mktemp "$d/$TEMP.XXXXXX")
   printf "%s" "$2" | base64 -d > "$t" && chmod "${3:-0644}" "$t" && sync "$t" && mv -f "$t" "$1"
 }
 svc_unit=$SERVICE.service
@@ -48,6 +49,6 @@ else
   systemctl stop "$svc_unit"
 fi
 # Disarmed: its transient timer is gone once it fired; an older reconciler's files go with it.
-n=reconciler-confirm-$SERVICE
-rm -f "$STATE/confirm/$SERVICE.sh" "$UNIT_DIR/$n.service" "$UNIT_DIR/$n.timer" "$WANTS/$n.timer"
+n=$SWITCH-$SERVICE
+rm -f "$CONFIRM/$SERVICE.sh" "$UNIT_DIR/$n.service" "$UNIT_DIR/$n.timer" "$WANTS/$n.timer"
 rm -f "$OWNER"

@@ -8,7 +8,7 @@
 # the name it is installed as, and its text in base64, one line).
 # The answer: "TOKEN I NAME" for each program installed, then "TOKEN END". A failure ends it
 # before its END, with exit status 1 (a name that is not a content name is one).
-# Constants (the sender's, plan/layout.py): BIN.
+# Constants (the sender's, plan/layout.py): BIN, TEMP.
 T='' files=''
 nl='
 '
@@ -30,7 +30,7 @@ for e in $files; do
   name=${e%% *} blob=${e#* }
   case ${name%.sh} in ''|*[!0-9a-f]*) exit 1 ;; esac
   [ "${name%.sh}" != "$name" ] || exit 1
-  t=$(mktemp "$BIN/.reconciler-tmp.XXXXXX") || exit 1
+  t=$(mktemp "$BIN/$TEMP.XXXXXX") || exit 1
   { printf '%s' "$blob" | base64 -d > "$t" && mv -f "$t" "$BIN/$name"; } || { rm -f "$t"; exit 1; }
   printf '%s I %s\n' "$T" "$name"
 done

@@ -71,7 +71,8 @@ def test_script_records_intent_then_writes_atomically_then_reloads_once_then_rec
     assert intent < first_commit < unit < lines.index("commit", unit) < _at(lines, "reload ")
     assert _at(lines, "start step=7 unit=m.service ") < max(i for i, x in enumerate(lines) if "host.json" in x)
     text = ApplyScript.text()
-    assert '/.reconciler-tmp.$$.' in text and "rm -f $TMPS" in text      # the clean-up: this script's own temps
+    assert f"TEMP={layout.TEMP}\n" in text and 't="$d/$TEMP.$$.' in text  # the temps' names: this script's own
+    assert "rm -f $TMPS" in text                                          # the clean-up: only those
     assert "rm -f /etc/systemd/system/.reconciler-tmp.*" not in text
 
 
@@ -200,8 +201,7 @@ def test_the_switch_timer_is_made_only_when_the_controller_goes(tmp_path):
     root = tmp_path / "root"
     rearm = tmp_path / "rearm.sh"           # the re-arm script as installed, its paths under root
     from reconciler import shell
-    rearm_text = shell.with_constants(program("rearm"), moved({"CONFIRM": confirm.CONFIRM_DIR, "LOCK": layout.LOCK},
-                                                              root))
+    rearm_text = shell.with_constants(program("rearm"), moved(confirm.REARM_CONSTANTS, root))
     holder = tmp_path / "holder.sh"          # the lock holder, its state directory under root
     holder.write_text(shell.with_constants(program("holder"), {**moved(lock.holder_constants(), root),
                                                                 "REARM": str(rearm)}))
