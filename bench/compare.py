@@ -33,8 +33,10 @@ load cache).
     sudo .venv/bin/python -m bench.compare --sizes 1 10 --rounds 2 --scenarios no-change env-change
 
 Needs root (systemd-nspawn). Boots its own hosts on 127.0.0.40 and up (RECONCILER_BENCH_FIRST;
-30 hosts take 127.0.0.40-69; machine names cmp40 ..., RECONCILER_BENCH_PREFIX) and stops them at
-the end. The machine's other load shows in the
+30 hosts take 127.0.0.40-69; RECONCILER_BENCH_PREFIX names them, "cmp" by default) and stops
+them at the end. "on hosts" counts the processes started on the test hosts themselves, exactly
+(HostPids: each host's own PID namespace), where "processes" counts the whole machine's, other
+engineers' test runs included. The machine's other load shows in the
 figures: take them on a quiet machine. Prints tables; asserts only that every run converged.
 """
 
@@ -80,6 +82,7 @@ class Run:
     rss_mb: float
     machine_cpu: float = 0.0
     forks: int = 0
+    host_procs: int = 0       # processes started on the test hosts themselves (HostPids): exact
 
 
 def machine() -> tuple[float, int]:
@@ -95,6 +98,41 @@ def machine() -> tuple[float, int]:
     return busy, forks
 
 
+class HostPids:
+    """Processes started on test hosts, counted exactly: each container's PID namespace allocates
+    its PIDs in order, so the change of its last PID (/proc/sys/kernel/ns_last_pid, read from
+    inside it) is how many processes it started, whatever else runs on this machine. Each read
+    starts one process there (its own `cat`), counted and taken off (`since`)."""
+
+    def __init__(self, hosts: list[fleetlib.Host]):
+        self.inits = {h.name: _init_of(h) for h in hosts}
+        self.reads = 0
+
+    def last(self, name: str) -> int:
+        self.reads += 1
+        res = subprocess.run(["nsenter", "-t", str(self.inits[name]), "-p", "-m", "cat",
+                              "/proc/sys/kernel/ns_last_pid"], capture_output=True, text=True, check=True)
+        return int(res.stdout)
+
+    def now(self, hosts: list[fleetlib.Host]) -> tuple[dict[str, int], int]:
+        """Every host's last PID, and the reads made so far (this one's included)."""
+        return {h.name: self.last(h.name) for h in hosts}, self.reads
+
+    def since(self, before: tuple[dict[str, int], int], hosts: list[fleetlib.Host]) -> int:
+        """Processes the hosts started since `before` (the reads' own taken off)."""
+        pids, reads0 = before
+        after = {h.name: self.last(h.name) for h in hosts}
+        # each host's reads since `before` (this one's included) each started one process there
+        per_host = (self.reads - reads0) // max(1, len(hosts))
+        return sum(after[n] - pids[n] - per_host for n in after)
+
+
+def _init_of(h: fleetlib.Host) -> int:
+    """The container's PID 1, as this machine sees it: systemd-nspawn's child."""
+    children = Path(f"/proc/{h.pid}/task/{h.pid}/children").read_text().split()
+    return int(children[0])
+
+
 @dataclass
 class Cell:
     floor: list[Run] = field(default_factory=list)
@@ -102,9 +140,12 @@ class Cell:
     base: list[Run] = field(default_factory=list)     # the baseline checkout's CLI, when asked
 
 
-def spawn(cmd: list[str], env: dict[str, str], expect: str, cwd: Path = ROOT) -> Run:
+def spawn(cmd: list[str], env: dict[str, str], expect: str, cwd: Path = ROOT,
+          pids: tuple[HostPids, list[fleetlib.Host]] | None = None) -> Run:
     """Run a command to its end; its own peak RSS and CPU come from wait4. `expect` must be in
-    its last line of output (what it says it did), else the benchmark stops with its output."""
+    its last line of output (what it says it did), else the benchmark stops with its output.
+    `pids`: count the processes it starts on these hosts (read before and after, untimed)."""
+    before = pids[0].now(pids[1]) if pids is not None else None
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         m0, f0 = machine()
         t0 = time.perf_counter()
@@ -120,7 +161,8 @@ def spawn(cmd: list[str], env: dict[str, str], expect: str, cwd: Path = ROOT) ->
     if p.returncode != 0 or expect not in last:
         raise SystemExit(f"{' '.join(cmd)}: exit {p.returncode}, wanted {expect!r} in {last!r}\n{text[-3000:]}\n"
                          f"{errors[-3000:]}")
-    return Run(seconds, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024, m1 - m0, f1 - f0 - 1)
+    host_procs = pids[0].since(before, pids[1]) if pids is not None and before is not None else 0
+    return Run(seconds, ru.ru_utime + ru.ru_stime, ru.ru_maxrss / 1024, m1 - m0, f1 - f0 - 1, host_procs)
 
 
 class Bench:
@@ -134,6 +176,8 @@ class Bench:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         self.env = env
         self.value = 0
+        self.pids = HostPids(hosts)
+        self.at: list[fleetlib.Host] = hosts          # the hosts of the size being run
 
     def desired(self, repo: DesiredRepo, hosts: list[fleetlib.Host], value: int) -> None:
         """Commit one stand-in service per host with env BENCH_VALUE=value; systemd-only health."""
@@ -146,7 +190,7 @@ class Bench:
         """This checkout's CLI (or, `where`, another checkout's: its code first on the path)."""
         env = self.env if where == ROOT else {**self.env, "PYTHONPATH": str(where)}
         return spawn([sys.executable, "-m", "reconciler", "--repo", str(repo.path), "--concurrency", str(n)],
-                     env, f"{n} {expect}", cwd=where)
+                     env, f"{n} {expect}", cwd=where, pids=(self.pids, self.at))
 
     def both(self, cell: Cell, repo: DesiredRepo, n: int, expect: str) -> None:
         """One timed run of ours, and of the baseline's where there is one (alternated)."""
@@ -172,7 +216,8 @@ class Bench:
                           for h in hosts]}
         path = self.tmp / "floor.json"
         path.write_text(json.dumps(spec))
-        return spawn([sys.executable, "-m", "bench.floor", str(path)], self.env, f"{len(hosts)} {expect}")
+        return spawn([sys.executable, "-m", "bench.floor", str(path)], self.env, f"{len(hosts)} {expect}",
+                     pids=(self.pids, hosts))
 
     def reset(self, hosts: list[fleetlib.Host], script: str = RESET) -> None:
         def one(h: fleetlib.Host) -> None:
@@ -199,6 +244,7 @@ class Bench:
 
     def size(self, n: int, rounds: int, scenarios: list[str]) -> dict[str, Cell]:
         hosts = self.hosts[:n]
+        self.at = hosts
         repo = DesiredRepo(self.tmp / f"repo{n}")
         cells = {s: Cell() for s in scenarios}
         self.value += 1
@@ -257,7 +303,8 @@ def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool, baseli
                + (f"; baseline: {baseline}" if baseline else "") + "\n")
     out.append(f"{'scenario':<28}{'hosts':>6}{'floor s':>10}{'reconcile s':>13}{'ratio':>8}"
                + (f"{'baseline s':>12}{'ratio':>8}{'CPU s':>7}" if baseline else "")
-               + f"{'CPU s floor/ours':>19}{'peak RSS MB floor/ours':>25}{'machine CPU s':>17}{'processes':>15}")
+               + f"{'CPU s floor/ours':>19}{'peak RSS MB floor/ours':>25}{'machine CPU s':>17}{'processes':>15}"
+               + f"{'on hosts':>15}")
     for s in scenarios:
         for n in sizes:
             if s == "help" and n != sizes[0]:
@@ -274,7 +321,8 @@ def report(results: dict[int, dict[str, Cell]], rounds: int, draft: bool, baseli
                        f"{med(c.floor, 'cpu'):>10.2f} / {med(c.ours, 'cpu'):<6.2f}"
                        f"{max(r.rss_mb for r in c.floor):>14.0f} / {max(r.rss_mb for r in c.ours):<6.0f}"
                        f"{med(c.floor, 'machine_cpu'):>9.2f} / {med(c.ours, 'machine_cpu'):<6.2f}"
-                       f"{med(c.floor, 'forks'):>7.0f} / {med(c.ours, 'forks'):<6.0f}")
+                       f"{med(c.floor, 'forks'):>7.0f} / {med(c.ours, 'forks'):<6.0f}"
+                       f"{med(c.floor, 'host_procs'):>7.0f} / {med(c.ours, 'host_procs'):<6.0f}")
     out.append("")
     label = " / ".join(str(n) for n in sizes)
     out.append("| scenario | floor | reconcile | goal |\n|---|---|---|---|")

@@ -23,7 +23,6 @@ import asyncio
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))    # run as a script from anywhere: `reconciler` is at ROOT
 
 from reconciler.host import gpu  # noqa: E402  (standard library only at run time)
+from reconciler.host.transport import LocalTransport, Transport  # noqa: E402
 
 CHILD = r"""
 import sys, time
@@ -44,43 +44,9 @@ time.sleep(600)
 """
 
 
-@dataclass(frozen=True)
-class Completed:
-    """Same shape as reconciler.host.transport.Completed."""
-
-    exit_status: int | None
-    stdout: str
-    stderr: str
-
-
-class LocalShell:
-    """A minimal local transport (reconciler.host.transport needs asyncssh, which may be absent)."""
-
-    host = "local"
-
-    async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
-                  timeout: float | None = 60.0, what: str = "command") -> Completed:
-        proc = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", cmd, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout)
-        except asyncio.TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise RuntimeError(f"{what} timed out after {timeout}s") from None
-        res = Completed(proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
-        if check and res.exit_status != 0:
-            raise RuntimeError(f"{what} failed (exit {res.exit_status}): {res.stderr.strip()[-300:]}")
-        return res
-
-
-def transport() -> gpu.Runner:
-    """reconciler's own LocalTransport when its imports are there, else LocalShell."""
-    try:
-        from reconciler.host.transport import LocalTransport
-    except ImportError:
-        return LocalShell()
+def transport() -> Transport:
+    """reconciler's own LocalTransport (the standard library only: asyncssh loads when a
+    connection is made, which this never makes)."""
     return LocalTransport()
 
 
@@ -145,7 +111,7 @@ async def run(gib: int, dry: bool) -> int:
         say("gpus", "; ".join(f"GPU {g.index}: {g.used_mib}/{g.total_mib} MiB used" for g in facts.gpus))
 
         # The stray check: with no service PIDs, the child is a stray; "report" leaves it alone.
-        strays = gpu.stray_holders(facts, service_pids=set())
+        strays = facts.holders            # no service here: every holder is a stray
         reported = await gpu.kill_strays(t, [s for s in strays if s.pid == child.pid], "report")
         alive = child.returncode is None
         say("stray", f"{len(strays)} stray holder(s); policy report -> "

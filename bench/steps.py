@@ -13,7 +13,9 @@ server-version probe is cached after the first round, as in a real fleet.
     sudo .venv/bin/python -m bench.steps --scenario env-change     # one env value changes each round
 
 Needs root (systemd-nspawn). Prints a table; asserts only that every run converged. The
-machine's other load shows in the figures: take them on a quiet machine.
+machine's other load shows in the figures: take them on a quiet machine. "on host" counts the
+processes started on the test host itself, exactly (compare.HostPids), whatever else runs here.
+RECONCILER_BENCH_STEPS_ADDRESS and RECONCILER_BENCH_PREFIX place and name the host.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Any
 import asyncssh
 
 from bench import compare, floor
-from bench.compare import machine
+from bench.compare import HostPids, machine
 from reconciler.desired import load, source
 from reconciler.host import session, transport
 from tests import fleet as fleetlib
@@ -43,24 +45,44 @@ from tests.conftest import DesiredRepo
 
 FIRST = int(os.environ.get("RECONCILER_BENCH_STEPS_ADDRESS", "96"))
 
-Steps = dict[str, list[tuple[float, float, int]]]     # step -> [(wall ms, machine CPU ms, processes)]
+Steps = dict[str, list[tuple[float, float, int, int]]]  # step -> [(wall ms, machine CPU ms, processes, on host)]
 
 
 class Meter:
-    """Times each awaited step: wall, the machine's busy CPU and processes started meanwhile."""
+    """Times each awaited step: wall, the machine's busy CPU and processes started meanwhile, and
+    the processes started on the test host itself (compare.HostPids: exact, whatever else runs
+    on this machine). The host's counter is read outside each step's own measures; what reading
+    it costs inside an enclosing step (a few ms and two processes of this machine's per read) is
+    taken off that step's figures."""
 
-    def __init__(self) -> None:
-        self.steps: list[tuple[str, float, float, int]] = []
+    def __init__(self, pids: HostPids, host: fleetlib.Host) -> None:
+        self.steps: list[tuple[str, float, float, int, int]] = []
+        self.pids, self.host = pids, host
+        self.spent = 0.0          # seconds spent reading the host's counter, so far
+
+    def _read(self) -> tuple[dict[str, int], int]:
+        t0 = time.perf_counter()
+        try:
+            return self.pids.now([self.host])
+        finally:
+            self.spent += time.perf_counter() - t0
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[None]:
+        before = self._read()
+        spent0 = self.spent
         m0, f0 = machine()
         t0 = time.perf_counter()
         try:
             yield
         finally:
+            wall = time.perf_counter() - t0 - (self.spent - spent0)
             m1, f1 = machine()
-            self.steps.append((name, 1000 * (time.perf_counter() - t0), 1000 * (m1 - m0), f1 - f0))
+            inner = self.pids.reads - before[1]          # reads of steps inside this one
+            t1 = time.perf_counter()
+            on_host = self.pids.since(before, [self.host])
+            self.spent += time.perf_counter() - t1
+            self.steps.append((name, 1000 * wall, 1000 * (m1 - m0), f1 - f0 - 2 * inner, on_host))
 
 
 def instrument_ours(meter: Meter) -> None:
@@ -164,8 +186,8 @@ def _restore() -> None:
     asyncssh.connect, asyncssh.SSHClientConnection.run = _ORIG_F     # type: ignore[method-assign]
 
 
-def ours_round(repo: DesiredRepo, env: dict[str, str]) -> Meter:
-    meter = Meter()
+def ours_round(repo: DesiredRepo, env: dict[str, str], pids: HostPids, host: fleetlib.Host) -> Meter:
+    meter = Meter(pids, host)
     instrument_ours(meter)
     from reconciler import cli
     saved = dict(os.environ)
@@ -186,8 +208,8 @@ def ours_round(repo: DesiredRepo, env: dict[str, str]) -> Meter:
     return meter
 
 
-def floor_round(h: dict[str, str], key: str, kh: str) -> Meter:
-    meter = Meter()
+def floor_round(h: dict[str, Any], key: str, kh: str, pids: HostPids, host: fleetlib.Host) -> Meter:
+    meter = Meter(pids, host)
     instrument_floor(meter)
 
     async def go() -> str:
@@ -213,20 +235,20 @@ def table(title: str, rounds: list[Meter]) -> list[str]:
     by: Steps = defaultdict(list)
     order: list[str] = []
     for m in rounds:
-        seen: dict[str, tuple[float, float, int]] = {}
-        for name, wall, cpu, procs in m.steps:
-            w, c, p = seen.get(name, (0.0, 0.0, 0))
-            seen[name] = (w + wall, c + cpu, p + procs)      # a step met twice in a run adds up
+        seen: dict[str, tuple[float, float, int, int]] = {}
+        for name, wall, cpu, procs, on_host in m.steps:
+            w, c, p, h = seen.get(name, (0.0, 0.0, 0, 0))
+            seen[name] = (w + wall, c + cpu, p + procs, h + on_host)      # a step met twice in a run adds up
             if name not in order:
                 order.append(name)
         for name, v in seen.items():
             by[name].append(v)
-    out = [title, f"  {'step':<44}{'wall ms':>9}{'machine CPU ms':>16}{'processes':>11}"]
+    out = [title, f"  {'step':<44}{'wall ms':>9}{'machine CPU ms':>16}{'processes':>11}{'on host':>9}"]
     whole = "whole run (in process, after start-up)"
     for name in [n for n in order if n != whole] + [whole]:
         v = by[name]
         out.append(f"  {name:<44}{statistics.median(x[0] for x in v):>9.1f}{statistics.median(x[1] for x in v):>16.0f}"
-                   f"{statistics.median(x[2] for x in v):>11.0f}")
+                   f"{statistics.median(x[2] for x in v):>11.0f}{statistics.median(x[3] for x in v):>9.0f}")
     return out
 
 
@@ -238,7 +260,7 @@ def main() -> None:
                          "(the host keeps its unit, records and lock holder)")
     args = ap.parse_args()
     fleetlib.build()
-    hosts = fleetlib.up(1, first=FIRST, prefix="stp")
+    hosts = fleetlib.up(1, first=FIRST, prefix=os.environ.get("RECONCILER_BENCH_PREFIX", "stp"))
     try:
         with tempfile.TemporaryDirectory() as tmp:
             b = compare.Bench(hosts, Path(tmp))
@@ -251,24 +273,25 @@ def main() -> None:
             ours: list[Meter] = []
             floors: list[Meter] = []
             b.reset(hosts)
-            ours_round(repo, b.env)                  # untimed: bytecode, the load cache, the version probe
+            h, pids = hosts[0], b.pids
+            ours_round(repo, b.env, pids, h)         # untimed: bytecode, the load cache, the version probe
             for _ in range(args.rounds):
                 if args.scenario == "converge":
                     b.reset(hosts)
-                    ours.append(ours_round(repo, b.env))
+                    ours.append(ours_round(repo, b.env, pids, h))
                     b.reset(hosts)
-                    floors.append(floor_round(spec, b.key, str(b.kh)))
+                    floors.append(floor_round(spec, b.key, str(b.kh), pids, h))
                     continue
                 # env-change, as bench/compare.py's: ours from the last value to a new one; the floor
                 # to another; untimed, the reconciler's value back (its records name it)
                 b.value += 1
                 b.desired(repo, hosts, b.value)
                 b.unlimit(hosts)
-                ours.append(ours_round(repo, b.env))
+                ours.append(ours_round(repo, b.env, pids, h))
                 b.unlimit(hosts)
-                floors.append(floor_round(env_spec(repo, hosts[0], -b.value), b.key, str(b.kh)))
+                floors.append(floor_round(env_spec(repo, h, -b.value), b.key, str(b.kh), pids, h))
                 b.unlimit(hosts)
-                floor_round(env_spec(repo, hosts[0], b.value), b.key, str(b.kh))
+                floor_round(env_spec(repo, h, b.value), b.key, str(b.kh), pids, h)
     finally:
         fleetlib.down(hosts)
     what = "converge from nothing" if args.scenario == "converge" else "one env change"

@@ -1,6 +1,15 @@
-"""How every program the reconciler runs on a host frames its output, read one way (pure).
+"""What a program run on a host is, and how its output is framed and read (pure).
 
-A program (reconciler/sh/*.sh) is given a TOKEN, random per run, and prints its answer as
+Every program the reconciler runs on a host is a `HostProgram`: a shell file
+(reconciler/sh/<name>.sh, shellcheck-clean), its named parameters, and a pure parser of its
+answer into a typed result, as pyinfra writes a fact (a command and `process(output)`). The
+program reads its parameters as `name=value` lines on stdin, ended by an empty line (a list is
+its name repeated), then its payload, if it has one; the constants it shares with the Python
+side (paths, limits) are assignments the sender puts in front of its text (`HostProgram.text`),
+never written twice. host/programs.py runs programs, several in one sh where a round trip
+reads several facts.
+
+The program is given a TOKEN (its `token` parameter), random per run, and prints its answer as
 records, one a line: `TOKEN KIND PAYLOAD`, the last `TOKEN END`. No file's content, no process
 name and no other program's output can forge a record, since none holds the token: lines
 without it (a login banner, another program of the same batch) are not records. An answer
@@ -9,10 +18,10 @@ without its END line was cut short: the facts that must be whole refuse it (`ear
 A program may end with a section printed as it is (observe.sh: `systemctl show`, unencoded):
 from its `TOKEN MARK` line up to the last END line, read by `raw_section`.
 
-Each fact is a command builder and a parser of these records, a handler per kind, next to
-each other: facts.py (observe.sh), host/gpu.py (gpu.sh), host/versions.py (versions.sh),
-loop/checks.py (verify.sh) and preflight/_hostcheck.py (model-check.sh; the preflight layer
-may not import plan/, so it keeps a copy of `frames`, tested to read the same).
+Where each program and its parser live: plan/facts/ (observe, verify, GPU, versions, progress,
+the journal, the apply script's answer), preflight/ (the model check and the engine check,
+whose types are the rule pack's: preflight may not import plan/), host/ (the lock holder and
+its session, which are the transport's). docs/architecture.md shows one worked example.
 
 Host output is data: every parser of it answers any text (decoded as the transport decodes it)
 with a value, or, where a fact must be whole, an ObserveError; never another exception. Its
@@ -24,10 +33,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterator
-from typing import NamedTuple
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
-from . import redact
+from . import redact, shell
 from .errors import ObserveError
 
 
@@ -78,6 +89,16 @@ def raw_section(stdout: str, token: str, mark: str, host: str, early: str) -> tu
     return head + f"{token} END\n", section
 
 
+def ended(stdout: str, token: str) -> tuple[str, int | None]:
+    """A stream cut at its last END record that carries a status (`TOKEN END STATUS`: the
+    holder's session ends each command's stdout so, host/session.py): the text before that
+    record ("" where there is none), and the status (0-255; None where the record says none, or
+    there is no record)."""
+    body, end, status = stdout.rpartition(f"\n{token} END ")
+    code = number(status.strip(), 3) if end else None
+    return body, (code if code is not None and code <= 255 else None)
+
+
 def malformed(host: str, what: str, frame: Frame) -> ObserveError:
     """The error for a record that does not read as its kind says (its line redacted, then cut)."""
     return ObserveError(host, f"malformed {what} line: {redact.clip(frame.line, 80)!r}")
@@ -102,3 +123,100 @@ def decode(payload: str, *, plain: bool = True) -> str:
         return base64.b64decode(payload, validate=True).decode("utf-8", errors="replace")
     except (binascii.Error, ValueError):
         raise ValueError("bad base64") from None
+
+
+# ---- the program: a file, its named parameters, its parser -------------------------------------
+
+Param = str | int | Sequence[str] | None
+T_co = TypeVar("T_co", covariant=True)
+
+
+@dataclass(frozen=True)
+class Records:
+    """One program's answer in a command's output: the records of its token, and where they
+    came from (`host`, for messages); `stderr`, for a program that says there what its steps
+    printed (the apply script)."""
+
+    stdout: str
+    token: str
+    host: str = "?"
+    stderr: str = ""
+
+    def __iter__(self) -> Iterator[Frame]:
+        """The records, as far as they go (an answer cut short is read up to where it ends)."""
+        return frames(self.stdout, self.token, self.host)
+
+    def whole(self, early: str) -> Iterator[Frame]:
+        """The records of an answer that must be whole: ObserveError(early) without its END."""
+        return frames(self.stdout, self.token, self.host, early=early)
+
+    def section(self, mark: str, early: str) -> tuple[Records, str | None]:
+        """The records before the section printed as it is after `TOKEN MARK`, and that section
+        (None where there is none): raw_section."""
+        head, raw = raw_section(self.stdout, self.token, mark, self.host, early)
+        return Records(head, self.token, self.host), raw
+
+
+class HostProgram(ABC, Generic[T_co]):
+    """A program run on a host: reconciler/sh/<name>.sh with its constants in front (`text`),
+    its named parameters and payload on stdin (`stdin`), and a pure parser of its answer
+    (`parse`). A subclass is a frozen dataclass of what it asks; host/programs.run runs it."""
+
+    name: ClassVar[str]
+    constants: ClassVar[Mapping[str, str]] = {}
+    # Its answer runs to the end of the output (the shell becomes its last command: show.sh),
+    # so in a batch it goes last.
+    last: ClassVar[bool] = False
+    # The shell reads the program itself from stdin (`sh -s`), its parameters first as
+    # assignments, then its text, then its payload (the apply script's steps, which are calls
+    # of the program's functions): it runs alone.
+    script_on_stdin: ClassVar[bool] = False
+
+    def params(self) -> shell.Params:
+        """The named parameters (a sequence: the name once per item; None: left out; or
+        (name, value) pairs in the order a program reads them, as groups)."""
+        return {}
+
+    def payload(self) -> str:
+        """What follows the parameters on stdin (the program reads exactly this much: a batch's
+        next program reads what follows)."""
+        return ""
+
+    @abstractmethod
+    def parse(self, answer: Records) -> T_co:
+        """The answer, read (pure): any text gives a value, or an ObserveError where the fact
+        must be whole."""
+
+    @classmethod
+    def text(cls) -> str:
+        """The program as it is sent: its file without comment lines, its constants first."""
+        return shell.with_constants(shell.program(cls.name), cls.constants)
+
+    def stdin(self, token: str) -> str:
+        """Its stdin: `token=TOKEN`, its parameters, an empty line, then its payload. A program
+        read from stdin: its text, then `T=TOKEN` and its parameters as assignments, then its
+        payload."""
+        params = self.params()
+        if self.script_on_stdin:
+            assert isinstance(params, Mapping)
+            return self.text() + shell.assignments({"T": token, **params}) + self.payload()
+        head = {"token": token, **params} if isinstance(params, Mapping) else [("token", token), *params]
+        return shell.param_lines(head) + self.payload()
+
+
+def batch(programs: Sequence[HostProgram[Any]], tokens: Sequence[str]) -> tuple[str, str]:
+    """The command line that runs these programs one after the other in one sh (each but the
+    last in a subshell of its own: its `exit`, traps and settings its own; the last in the sh
+    itself, one process fewer), and the stdin that gives each its parameters, in order."""
+    if len(programs) != len(tokens) or not programs:
+        raise ValueError("one token per program, and at least one program")
+    if any(p.last for p in programs[:-1]):
+        raise ValueError("a program whose answer runs to the end of the output goes last")
+    if programs[0].script_on_stdin:
+        if len(programs) > 1:
+            raise ValueError("a program read from stdin runs alone")
+        return "sh -s", programs[0].stdin(tokens[0])
+    texts = [p.text() for p in programs]
+    script = "".join(f"(\n{t})\n" for t in texts[:-1]) + texts[-1]
+    name = f"reconciler-{programs[0].name}" if len(programs) == 1 else "reconciler-batch"
+    return shell.sh_c(script, name), "".join(p.stdin(t) for p, t in zip(programs, tokens, strict=True))

@@ -53,7 +53,7 @@ class Reason(StrEnum):
     HOLD_UNJUDGED = "HoldUnjudged"
     STALE_TEMP = "StaleTempFile"
 
-    # -- a health watch's verdict (host/health.py, host/judges.py) --
+    # -- a health watch's verdict (host/health.py, plan/judges.py) --
     HEALTHY = "Healthy"
     CRASH_LOOP = "CrashLoop"
     START_FAILED = "StartFailed"

@@ -1,50 +1,21 @@
-"""Shell commands the reconciler sends to hosts: `sh -c SCRIPT NAME ARGS...`, kept with their parts,
-and the programs they run, which are real shell files: reconciler/sh/*.sh.
+"""The texts of the programs the reconciler runs on hosts, and how they are sent (base: pure).
 
 Every program that runs on a host is a file in reconciler/sh/ (shellcheck-clean: tests/test_sh.py),
-read once (`program`). Its constants are shell variables with defaults at the top, which the
-Python side's constants are tested to equal; its variable parts are positional parameters.
-
-`ShCommand` is the command line itself (a str, run as it is), and it keeps its script and
-arguments, so that several can run in one sh (`one_sh`): each in a subshell of its own (its
-positional parameters, variables, traps and `exit` its own), one exec of sh for all of them
-instead of one each. Every process counts on a host that also loads a model: pre-flight's four
-checks were four `sh` processes.
+read once (`program`). The constants it shares with the Python side are assignments put in
+front of its text (`with_constants`), never written in the file; its variable parts are named
+parameters, `name=value` lines on its stdin (`param_lines`). frames.HostProgram puts these
+together; the command line is `sh -c TEXT NAME` (`sh_c`), several programs in one sh where a
+round trip reads several facts (frames.batch): every process counts on a host that also loads
+a model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from importlib import resources
-
-
-class ShCommand(str):
-    """`sh -c SCRIPT NAME ARGS...` (ARGS shell-quoted here), as a string with its parts."""
-
-    script: str
-    args: tuple[str, ...]
-
-    def __new__(cls, script: str, name: str = "sh", args: Sequence[str] = ()) -> ShCommand:
-        line = " ".join(["sh -c", shlex.quote(script), shlex.quote(name), *(shlex.quote(a) for a in args)])
-        self = super().__new__(cls, line)
-        self.script, self.args = script, tuple(args)
-        return self
-
-    def subshell(self) -> str:
-        """The same script as a subshell of another sh, its positional parameters set."""
-        params = " ".join(shlex.quote(a) for a in self.args)
-        return f"(set -- {params}\n{self.script}\n)"
-
-
-def one_sh(commands: Sequence[ShCommand], name: str = "sh") -> ShCommand:
-    """Several commands run one after another in one sh, each in its own subshell (its exit
-    status does not stop the next); stdin is the outer sh's, read by whichever reads it."""
-    if len(commands) == 1:
-        return commands[0]
-    return ShCommand("\n".join(c.subshell() for c in commands), name)
 
 
 @cache
@@ -62,3 +33,53 @@ def program(name: str) -> str:
 def digest(text: str) -> str:
     """A program's content name: the first 16 hex digits of its SHA-256 (installed by content)."""
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def with_constants(text: str, constants: Mapping[str, str]) -> str:
+    """A program's text with its constants assigned after its first line (the shebang): the
+    values the Python side holds, written once there (`NAME='value'`)."""
+    if not constants:
+        return text
+    first, _, rest = text.partition("\n")
+    head = "".join(f"{k}={shlex.quote(v)}\n" for k, v in constants.items())
+    return f"{first}\n{head}{rest}"
+
+
+Params = Mapping[str, str | int | Sequence[str] | None] | Sequence[tuple[str, str]]
+
+
+def param_lines(params: Params) -> str:
+    """Named parameters as a program reads them on stdin: `name=value` lines (a sequence: one
+    line per item; pairs: in their order, for a program that reads groups), then an empty line.
+    ValueError for a value with a line break (it would end its line) or a name that is not a
+    lowercase word."""
+    out: list[str] = []
+    pairs = params.items() if isinstance(params, Mapping) else params
+    for name, value in pairs:
+        if not name.replace("_", "a").isalnum() or not name.islower():
+            raise ValueError(f"parameter name {name!r}")
+        items = [] if value is None else [str(value)] if isinstance(value, (str, int)) else list(value)
+        for v in items:
+            if "\n" in v or "\r" in v:
+                raise ValueError(f"parameter {name} holds a line break")
+            out.append(f"{name}={v}\n")
+    return "".join(out) + "\n"
+
+
+def sh_c(script: str, name: str = "sh") -> str:
+    """`sh -c SCRIPT NAME`: the command line that runs a program's text."""
+    return f"sh -c {shlex.quote(script)} {shlex.quote(name)}"
+
+
+def assignments(values: Mapping[str, str | int | Sequence[str] | None]) -> str:
+    """Named parameters of a program the shell reads from stdin: `NAME='value'` lines (a
+    sequence: its items a word each, for a list of plain words; None: left out)."""
+    out = []
+    for name, value in values.items():
+        if not name.replace("_", "a").isalnum() or name[0].isdigit():
+            raise ValueError(f"parameter name {name!r}")
+        if value is None:
+            continue
+        text = str(value) if isinstance(value, (str, int)) else " ".join(value)
+        out.append(f"{name}={shlex.quote(text)}\n")
+    return "".join(out)

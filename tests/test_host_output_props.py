@@ -25,13 +25,14 @@ from hypothesis import strategies as st
 
 from reconciler import frames as framing
 from reconciler.errors import ObserveError
-from reconciler.host import judges, progress
-from reconciler.host.apply import parse_results
+from reconciler.host import progress as following
 from reconciler.host.lock import holder_said
-from reconciler.host.session import END, ended
-from reconciler.loop.checks import parse_verify
-from reconciler.plan import gpuhealth
-from reconciler.plan.facts import parse_observation, parse_show
+from reconciler.host.session import ended
+from reconciler.plan import gpuhealth, judges
+from reconciler.plan.facts import parse_observation, parse_show, progress
+from reconciler.plan.facts.apply import parse_apply
+from reconciler.plan.facts.journal import parse_journal
+from reconciler.plan.facts.verify import parse_verify
 from reconciler.plan.model import Action, HostPlan, Kind, Reason
 from reconciler.plan.records import HostRecord, ServiceRecord
 from reconciler.preflight import _hostcheck
@@ -136,18 +137,18 @@ def test_progress_advance_and_its_words_never_raise(lines: list[str]) -> None:
 @given(tails)
 @example(f"{T} U {INV}\n{T} L {E4}\n{T} END\n")
 def test_progress_tail_and_the_follower_never_raise(stdout: str) -> None:
-    sections, rest = progress.parse_tail(stdout, T)
-    assert isinstance(rest, str) and all(len(c or "") < 300 for _, c in sections.values())
-    f = progress.LoadFollower(token=T)
+    sections = progress.parse_tail(stdout, T)
+    assert all(len(c or "") < 300 for _, c in sections.values())
+    f = following.LoadFollower()
     f.follow("m.service")
     f.saw("m.service", {"InvocationID": INV})
-    f.take(stdout)
+    f.take(sections)
     assert f.failed("m.service") is None
     p = f.progress("m.service")
     assert p is None or (p.text() and len(p.line) <= 4 * progress.QUOTE_MAX)
 
 
-# ---- the health watch's readings (host/judges.py, plan/facts.py parse_show) -----------------------
+# ---- the health watch's readings (plan/judges.py, plan/facts/ journal and show) -----------------------
 
 journal_entries = st.dictionaries(
     st.sampled_from(["MESSAGE", "_PID", "SYSLOG_IDENTIFIER", "INVOCATION_ID", "_SYSTEMD_INVOCATION_ID", "EXIT_CODE",
@@ -165,7 +166,7 @@ journals = st.lists(st.one_of(journal_entries, json_texts), max_size=12).map("\n
 @example('{"MESSAGE": [256]}\n{"MESSAGE": ["a"]}\n' + DEEP + '\n{"_PID": "1", "EXIT_STATUS": ' + "9" * 5000 + "}",
          {"NRestarts": "9" * 5000}, 0)
 def test_journal_and_systemd_judges_never_raise(stdout: str, props: dict[str, str], baseline: int) -> None:
-    entries = judges.parse_journal(stdout)
+    entries = parse_journal(stdout)
     judges.explain(entries)
     judges.spawn_failure(props, entries, INV)
     judges.judge_systemd(props, baseline, baseline_invocation=INV, baseline_active_enter="0")
@@ -216,7 +217,7 @@ def test_a_record_on_a_host_reads_as_a_record_whatever_it_holds(text: str) -> No
                                         rec.pending.attempts if rec.pending else 0))
 
 
-# ---- pre-flight: systemd's check of a unit, the model check (loop/checks.py, _hostcheck.py) -------
+# ---- pre-flight: systemd's check of a unit, the model check (plan/facts/verify.py, _hostcheck.py) -------
 
 verify_records = st.lists(st.builds(
     lambda k, n, rest: f"{T} {k} {n} {rest}", st.sampled_from("OBV"), st.sampled_from(["m", "-"]),
@@ -228,13 +229,21 @@ verify_records = st.lists(st.builds(
 @given(framed(["O", "B", "V"], extra=verify_records))
 @example(f"{T} B m !!!\n{T} O m /x/reconciler-verify-0a-m.service:{'9' * 5000}: bad\n{T} V m 1\n{T} END\n")
 def test_systemds_unit_check_never_raises(stdout: str) -> None:
-    problems, available = parse_verify(stdout, T, {"m": ("[Service]\nExecStart=/bin/true\n", "[Service]\n")})
-    assert isinstance(available, bool) and all(isinstance(p, str) for ps in problems.values() for p in ps)
+    verified = parse_verify(stdout, T, {"m": ("[Service]\nExecStart=/bin/true\n", "[Service]\n")})
+    assert isinstance(verified.available, bool)
+    assert all(isinstance(p, str) for ps in verified.problems.values() for p in ps)
+
+
+def file_lines(name: str, text: str) -> list[str]:
+    """A JSON file as model-check.sh sends it: line by line, then its end."""
+    *lines, last = text.split("\n")
+    return ([f"{T} F {name} L {x}" for x in lines] + ([f"{T} F {name} P {last}"] if last else [])
+            + [f"{T} F {name} E"])
 
 
 model_paths = st.lists(st.builds(
-    lambda path, d, cfg, index, size, kb: [f"{T} P {b64(path)}", f"{T} D {d}", f"{T} F config.json {b64(cfg)}-",
-                                          f"{T} F {_hostcheck.INDEX_FILE} {b64(index)}-",
+    lambda path, d, cfg, index, size, kb: [f"{T} P {b64(path)}", f"{T} D {d}", *file_lines("config.json", cfg),
+                                          *file_lines(_hostcheck.INDEX_FILE, index),
                                           f"{T} S {size} {b64('x.safetensors')}", f"{T} A {kb}"],
     noise, st.sampled_from(["0", "1", "²"]), json_texts, json_texts, numbers, numbers), max_size=3)
 
@@ -242,7 +251,7 @@ model_paths = st.lists(st.builds(
 @PROPERTY
 @given(framed(["P", "D", "F", "S", "A"], extra=model_paths.map(lambda groups: [x for g in groups for x in g])))
 @example(f"{T} P {b64('/m')}\n{T} D 1\n{T} S ² {b64('x.safetensors')}\n{T} A {'9' * 5000}\n"
-         f"{T} F {_hostcheck.INDEX_FILE} {b64(INDEX_400)}-\n{T} END\n")
+         + "\n".join(file_lines(_hostcheck.INDEX_FILE, INDEX_400)) + f"\n{T} END\n")
 def test_the_model_check_is_model_facts_or_an_observe_error(stdout: str) -> None:
     from reconciler.preflight._hardware import weights_bytes
     found = allowing(lambda: _hostcheck.parse_model_check(stdout, T, "h"), ObserveError)
@@ -257,18 +266,20 @@ def test_the_model_check_is_model_facts_or_an_observe_error(stdout: str) -> None
 
 PLAN = HostPlan("h", "r", (Action(Kind.START, Reason.NEW_SERVICE, "m"), Action(Kind.RESTART, Reason.NEW_SERVICE, "m")),
                 {})
-apply_lines = st.builds(lambda mark, fs: " ".join([mark, *fs]), st.sampled_from(["@@now", "@@fail", "@@fatal", "@@ok"]),
-                        st.lists(st.one_of(numbers, fields), max_size=4))
+shown = st.lists(st.one_of(noise, st.builds(lambda k, v: f"{k}={v}", st.sampled_from(["Id", "ActiveState", "X"]),
+                                               noise)), max_size=6).map(lambda ls: [f"{T} S -", *ls])
 
 
 @PROPERTY
-@given(st.lists(st.one_of(apply_lines, noise), max_size=12).map("\n".join),
-       st.lists(st.one_of(st.builds(lambda n: f"@@step {n}", numbers), noise), max_size=6).map("\n".join))
-@example("@@now nan\n@@now 1e999\n@@fail ² 1 x\n@@fail 0 ² !!!\n@@fatal " + "9" * 5000 + " 1", "")
+@given(framed(["now", "fail", "fatal", "ok"], extra=shown),
+       st.lists(st.one_of(st.builds(lambda n: f"{T} step {n}", numbers), noise), max_size=6).map("\n".join))
+@example(f"{T} now nan\n{T} now 1e999\n{T} fail ² 1 x\n{T} fail 0 ² !!!\n{T} fatal " + "9" * 5000 + " 1", "")
+@example(f"{T} fatal 1 1\n{T} S -\nId=m.service\n", f"{T} step 1\n" + "x" * 5000)
 def test_the_apply_scripts_results_never_raise(stdout: str, stderr: str) -> None:
-    clock, failures, fatal = parse_results(PLAN, stdout, stderr)
-    assert clock is None or clock >= 0
-    assert all(0 <= f.exit_status <= 999 for f in failures) and (fatal is None or 0 <= fatal[1] <= 999)
+    answer = parse_apply(framing.Records(stdout, T, "h", stderr), len(PLAN.actions))
+    assert answer.clock is None or answer.clock >= 0
+    ends = [*answer.failures, *([answer.fatal] if answer.fatal else [])]
+    assert all(0 <= f.status <= 255 and 0 <= f.step < len(PLAN.actions) and len(f.message) <= 2000 for f in ends)
 
 
 @PROPERTY
@@ -277,7 +288,7 @@ def test_the_apply_scripts_results_never_raise(stdout: str, stderr: str) -> None
 @example("out", "²")
 def test_a_session_commands_end_and_the_lock_holders_word_never_raise(body: str, status: str) -> None:
     tok = "s3ss:" + T
-    res = ended(f"{body}\n{END}{tok} {status}\n", tok, "")
+    res = ended(f"{body}\n{tok} END {status}\n", tok, "")
     assert 0 <= res.exit_status <= 255                                 # type: ignore[operator]
     assert len(holder_said(body + status)) <= 200
 
@@ -311,16 +322,17 @@ gpu_outputs = framed(["H", "C", "SMI", "G", "A", "GRC", "ARC", "NOW", "Q", "K", 
 @given(gpu_outputs)
 @example(f"{T} G 0, GPU-1, inf, 81559, 9.0\n{T} END\n")
 def test_the_gpu_reading_is_gpu_facts_or_an_observe_error(stdout: str) -> None:
-    from reconciler.host.gpu import parse_gpu
+    from reconciler.plan.facts.gpu import parse_gpu
     allowing(lambda: parse_gpu(stdout, T, "h"), ObserveError)
 
 
 @PROPERTY
-@given(st.lists(st.builds(lambda m, n: f"{m} {n}", st.sampled_from("SF"), numbers), max_size=6).map("\n".join))
-@example("S ²")
+@given(framed(["S", "F", "A"]))
+@example(f"{T} S ²\n{T} A {'9' * 5000}\n{T} END\n")
 def test_the_gpu_kill_report_never_raises(stdout: str) -> None:
-    from reconciler.host.gpu import _marked
-    _marked(stdout, "S")
+    from reconciler.host.gpu import Signal
+    said = Signal("alive", ()).parse(framing.Records(stdout, T))
+    assert all(isinstance(p, int) and p < 10**12 for pids in said.values() for p in pids)
 
 
 @PROPERTY
@@ -352,8 +364,8 @@ def test_a_gpu_fault_record_reads_whatever_it_holds(text: str) -> None:
 @PROPERTY
 @given(framed(["V"], extra=st.lists(st.builds(lambda s, v: f"{T} V m {s} {v}", fields, fields), max_size=4)))
 def test_the_version_read_never_raises(stdout: str) -> None:
-    from reconciler.host.versions import parse_probe
-    parse_probe(stdout, T)
+    from reconciler.plan.facts.versions import parse_versions
+    parse_versions(stdout, T)
 
 
 @PROPERTY

@@ -1,104 +1,59 @@
-"""The programs that read a host (reconciler/sh/*.sh), each a fact's command next to its pure
-parser: their constants are the Python side's, and each runs on its own under sh on this
-machine, its answer read by its parser. Batched with one_sh, as the pre-flight runs them, each
-parser still finds its own answer."""
+"""The programs run on hosts (reconciler/sh/*.sh), each a file with named parameters and a pure
+parser beside it (frames.HostProgram): each runs on its own under sh on this machine, its answer
+read by its parser; batched in one sh, as the pre-flight runs them, each parser still finds its
+own answer, each program its own parameters. Their constants are the Python side's, generated
+into the text they are sent as: never written twice."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
+import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
-from reconciler.host import engine, gpu, versions
-from reconciler.loop import checks
-from reconciler.plan import facts
-from reconciler.preflight import _enginebox, _hostcheck
-from reconciler.shell import ShCommand, one_sh, program
+from reconciler import shell
+from reconciler.frames import HostProgram, Records, batch
+from reconciler.plan.facts.gpu import GpuRead
+from reconciler.plan.facts.observe import Observe
+from reconciler.plan.facts.verify import Verify
+from reconciler.plan.facts.versions import VersionRead, Versions
+from reconciler.preflight._hostcheck import ModelCheck
+from tests.host.programs import answer, run_here
 
 SH = Path(__file__).resolve().parents[1] / "reconciler" / "sh"
-_ASSIGNMENT = re.compile(r"^([A-Z_][A-Z0-9_]*)=")
+PROGRAMS: list[type[HostProgram[object]]] = [Observe, GpuRead, ModelCheck, Verify, Versions]
 
 
-def constants(name: str) -> dict[str, str]:
-    """The `NAME=value` lines at the top of a program (after its comments), each value as sh
-    reads it (quotes, and $NAME of an earlier one)."""
-    lines = (SH / f"{name}.sh").read_text().split("\n")
-    head: list[str] = []
-    names: list[str] = []
-    open_quote = False
-    for line in lines[1:]:
-        if open_quote:                     # a single-quoted value over several lines
-            head.append(line)
-            open_quote = line.count("'") % 2 == 0
-            continue
-        m = _ASSIGNMENT.match(line)
-        if m:
-            names.append(m.group(1))
-            head.append(line)
-            open_quote = line.count("'") % 2 == 1
-        elif line.startswith("#"):
-            continue
-        else:
-            break
-    script = "\n".join(head) + "\n" + "".join(f'printf "%s\\0" "${n}"\n' for n in names)
-    res = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=10, check=True)
-    return dict(zip(names, res.stdout.split("\0")[:-1], strict=True))
+@pytest.mark.parametrize("program", PROGRAMS, ids=[p.name for p in PROGRAMS])
+def test_each_program_is_its_file_with_the_python_sides_constants_in_front(program: type[HostProgram[object]]):
+    text = program.text()
+    assert text.startswith("#!/bin/sh\n") and text.endswith(shell.program(program.name).split("\n", 1)[1])
+    head = text.split("\n")[1:1 + len(program.constants)]
+    assert head == [f"{k}={shlex.quote(v)}" for k, v in program.constants.items()]
+    # sh reads each constant back as the Python side holds it
+    probe = "\n".join(head) + "\n" + "".join(f'printf "%s\\0" "${k}"\n' for k in program.constants)
+    got = subprocess.run(["sh", "-c", probe], capture_output=True, text=True, timeout=10, check=True).stdout
+    assert dict(zip(program.constants, got.split("\0")[:-1], strict=True)) == dict(program.constants)
+    assert "%(" not in text
 
 
-EXPECTED = {
-    "observe": {"D": facts.STATE_DIR, "LOCK": facts.LOCK, "COUNT": facts.LOCK_COUNT, "OWNER": facts.LOCK_OWNER,
-                "CONFIRM": f"{facts.STATE_DIR}/{facts.CONFIRM_SUBDIR}", "UNIT_DIR": facts.UNIT_DIR,
-                "ENV_DIR": facts.ENV_DIR, "ENV_DROPIN": facts.ENV_DROPIN, "DROPIN_DIRS": " ".join(facts.DROPIN_DIRS),
-                "SHOW_PROPS": facts.SHOW_PROPS},
-    "gpu": {"GPU_FIELDS": gpu.GPU_FIELDS, "OLD_GPU_FIELDS": gpu.OLD_GPU_FIELDS,
-            "APP_FIELDS": gpu.APP_FIELDS, "SMI_FORMAT": gpu.SMI_FORMAT,
-            "HEALTH_SECTIONS": gpu.HEALTH_SECTIONS, "XID_LINES": str(gpu.XID_LINES), "XID_MATCH": gpu.XID_MATCH,
-            "XID_FIELDS": gpu.XID_FIELDS, "XID_GREP": gpu.XID_GREP},
-    "model-check": {"CONFIG_FILE": _hostcheck.CONFIG_FILE, "INDEX_FILE": _hostcheck.INDEX_FILE},
-    "verify": {"ENV_DROPIN": facts.ENV_DROPIN},
-    "engine-probe": {"SLICE_BYTES": str(engine.SLICE_BYTES), "ENV_FILE_BYTES": str(engine.ENV_FILE_BYTES),
-                     "ENV_ALLOW": " ".join([*(p + "*" for p in _enginebox.ENV_PREFIXES), *_enginebox.ENV_NAMES]),
-                     "ENV_DENY": " ".join(_enginebox.ENV_DENY)},
-    "versions": {},
-}
-
-
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_each_programs_constants_are_the_python_sides(name: str):
-    assert constants(name) == EXPECTED[name]
-
-
-def test_each_fact_runs_its_program_with_the_token_first():
-    cases = [(facts.observe_command(["a"])[0], "observe"), (gpu.gpu_command()[0], "gpu"),
-             (_hostcheck.model_check_command(["/m"])[0], "model-check"),
-             (checks.verify_command({"a": ("[Unit]\n", None)})[0], "verify"),
-             (versions.probe_command([versions.Probe("a", "python3", "sglang")])[0], "versions")]
-    for cmd, name in cases:
-        assert isinstance(cmd, ShCommand) and cmd.script == program(name) and cmd.script.startswith("#!/bin/sh\n")
-        assert re.fullmatch(r"[0-9a-f]{16}", cmd.args[0]), (name, cmd.args)
-        assert "%(" not in cmd.script
-
-
-def run(cmd: ShCommand, name: str | None = None, *, stdin: str | None = None, path: str | None = None) -> str:
-    """The program's file itself run by sh with the command's arguments (name), else the
-    command line as a host runs it."""
-    argv = ["/bin/sh", str(SH / f"{name}.sh"), *cmd.args] if name else ["/bin/sh", "-c", cmd]
-    res = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PATH": path} if path is not None else None)
-    assert res.returncode == 0, res.stderr
-    return res.stdout
+def test_a_program_reads_its_named_parameters_and_no_value_with_a_line_break_is_sent():
+    assert Versions([VersionRead("a", "/p y/python3", "sglang", user="u")]).stdin("T") == (
+        "token=T\nservice=a\nexe=/p y/python3\nmodule=sglang\npythonpath=\nuser=u\nusersite=1\n\n")
+    with pytest.raises(ValueError, match="line break"):
+        Observe(("a\nb",)).stdin("T")
 
 
 def test_observe_a_service_that_does_not_exist():
     """Read-only (no secret files): on this machine, whatever it runs, the service is absent."""
-    cmd, token = facts.observe_command(["reconciler-test-no-such-service"])
-    f = facts.parse_observation(run(cmd, "observe"), token, "here")
+    f = answer(Observe(("reconciler-test-no-such-service",)))
     s = f.services["reconciler-test-no-such-service"]
     assert (s.unit_text, s.env_text, s.envfile_text, s.record, s.dropins) == (None, None, None, None, {})
     assert not s.managed and not s.running and s.foreign_path() is None
@@ -107,64 +62,66 @@ def test_observe_a_service_that_does_not_exist():
 def test_observe_hashes_secret_files_with_a_key_of_the_hosts_own(tmp_path: Path):
     state = tmp_path / "state"
     (tmp_path / "secret").write_text("s3cret")
-    cmd, token = facts.observe_command([], secret_files=[str(tmp_path / "secret"), str(tmp_path / "gone")])
-    script = cmd.script.replace(f"\nD={facts.STATE_DIR}\n", f"\nD={state}\n", 1)
-    f = facts.parse_observation(run(ShCommand(script, "reconciler-observe", cmd.args)), token)
-    assert re.fullmatch(r"[0-9a-f]{32}", f.secret_files[str(tmp_path / "secret")] or "")
+
+    class Here(Observe):
+        constants: ClassVar[Mapping[str, str]] = {**Observe.constants, "D": str(state),
+                                                  "KEY": str(state / "secret.key"), "LOCK": str(state / ".lock")}
+    f = answer(Here((), (str(tmp_path / "secret"), str(tmp_path / "gone"))))
+    assert len(f.secret_files[str(tmp_path / "secret")] or "") == 32
     assert f.secret_files[str(tmp_path / "gone")] is None and f.services == {}
     assert (state / "secret.key").stat().st_mode & 0o077 == 0 and f.lock_count == "0"
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi", path="/usr/bin:/bin") is not None, reason="nvidia-smi is here")
 def test_gpu_without_nvidia_smi_or_a_device_node(tmp_path: Path):
-    cmd, token = gpu.gpu_command(device_prefix=str(tmp_path / "nvidia"))
-    out = run(cmd, "gpu", path="/usr/bin:/bin")
-    assert out.startswith(f"{token} BEGIN\n") and out.endswith(f"{token} END\n")
-    facts_ = gpu.parse_gpu(out, token, "here")
+    out = run_here(GpuRead(device_prefix=str(tmp_path / "nvidia")), path="/usr/bin:/bin").stdout
+    assert out.startswith("TOKEN0 BEGIN\n") and out.endswith("TOKEN0 END\n")
+    facts_ = GpuRead().parse(Records(out, "TOKEN0", "here"))
     assert facts_.summary() == "no GPUs (nvidia-smi not found); no process holds /dev/nvidia*"
 
 
 def test_model_check_of_a_model_and_of_a_missing_one(tmp_path: Path):
     model = tmp_path / "m"
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"architectures": ["X"]}))
+    (model / "config.json").write_text(json.dumps({"architectures": ["X"]}, indent=2))
     (model / "model.safetensors").write_bytes(b"x" * 8)
-    cmd, token = _hostcheck.model_check_command([str(model), str(tmp_path / "gone")])
-    got = _hostcheck.parse_model_check(run(cmd, "model-check"), token, "here")
+    got = answer(ModelCheck([str(model), str(tmp_path / "gone")]))
     assert got[str(model)].complete and got[str(model)].files == {"model.safetensors": 8}
+    assert got[str(model)].config == {"architectures": ["X"]}
     assert got[str(tmp_path / "gone")].problems() == [f"model directory {tmp_path / 'gone'} missing"]
 
 
 def test_verify_without_systemd_analyze(tmp_path: Path):
     units = {"a": ("[Service]\nExecStart=/bin/true\n", None)}
-    cmd, stdin, token = checks.verify_command(units)
-    assert checks.parse_verify(run(cmd, "verify", stdin=stdin, path=str(tmp_path)), token, units) == ({}, False)
+    (tmp_path / "sh").symlink_to("/bin/sh")           # sh alone on the PATH
+    verified = answer(Verify(units), path=str(tmp_path), shell_="/bin/sh")
+    assert (dict(verified.problems), verified.available) == ({}, False)
 
 
 def test_versions_with_no_server_installed():
-    probes = [versions.Probe("here", sys.executable, "sglang"), versions.Probe("gone", "/no/such/python3", "sglang")]
-    cmd, token = versions.probe_command(probes)
-    out = run(cmd, "versions")
-    assert out.endswith(f"{token} END\n")
-    assert versions.parse_probe(out, token) == {"here": None, "gone": None}
+    reads = [VersionRead("here", sys.executable, "sglang"), VersionRead("gone", "/no/such/python3", "sglang")]
+    res = run_here(Versions(reads))
+    assert res.stdout.endswith("TOKEN0 END\n")
+    assert Versions(reads).parse(Records(res.stdout, "TOKEN0")) == {"here": None, "gone": None}
 
 
 def test_the_preflights_programs_in_one_sh_each_read_by_its_parser(tmp_path: Path):
-    """As pre-flight batches them (one_sh: one sh, each program a subshell): the units on stdin
-    still reach verify.sh, and each parser finds its own answer by its token."""
-    units = {"a": ("[Service]\nExecStart=/bin/true\n", None)}
-    vcmd, stdin, vtok = checks.verify_command(units)
-    mcmd, mtok = _hostcheck.model_check_command([str(tmp_path)])
-    gcmd, gtok = gpu.gpu_command(device_prefix=str(tmp_path / "nvidia"))
-    pcmd, ptok = versions.probe_command([versions.Probe("gone", "/no/such/python3", "sglang")])
-    out = run(one_sh([vcmd, mcmd, gcmd, pcmd], "reconciler-preflight"), stdin=stdin)
-    problems, _ = checks.parse_verify(out, vtok, units)
-    assert problems == {}
-    assert _hostcheck.parse_model_check(out, mtok)[str(tmp_path)].exists
-    assert gpu.parse_gpu(out, gtok).holders == []
-    assert versions.parse_probe(out, ptok) == {"gone": None}
-
-
+    """As pre-flight batches them (one sh, each program but the last a subshell): the units on
+    stdin still reach verify.sh, each program reads its own parameters, and each parser finds
+    its own answer by its token."""
+    units = {"a": ("[Service]\nExecStart=/bin/true\n", "[Service]\nEnvironmentFile=/x\n")}
+    (tmp_path / "m").mkdir()
+    progs: list[HostProgram[object]] = [Verify(units), ModelCheck([str(tmp_path / "m")]),
+                                        GpuRead(device_prefix=str(tmp_path / "nvidia")),
+                                        Versions([VersionRead("gone", "/no/such/python3", "sglang")])]
+    out = run_here(*progs).stdout
+    got = [p.parse(Records(out, f"TOKEN{i}")) for i, p in enumerate(progs)]
+    assert got[0].problems == {}
+    assert got[1][str(tmp_path / "m")].exists
+    assert got[2].holders == []
+    assert got[3] == {"gone": None}
+    cmd, _ = batch(progs, ["a", "b", "c", "d"])
+    assert cmd.count("(\n#!/bin/sh") == 3           # the last runs in the sh itself
 
 
 STANDIN_SMI = Path(__file__).resolve().parent / "hostpkg" / "nvidia-smi"
@@ -232,13 +189,10 @@ def test_gpu_health_through_the_stand_in_nvidia_smi_journalctl_and_dcgmi(tmp_pat
         (bin_ / f).chmod(0o755)
     faults = tmp_path / "faults"
     faults.write_text("1 ecc-uncorrectable 2\n1 remap-pending\n")
-    cmd, token = gpu.gpu_command(device_prefix=str(tmp_path / "nvidia"), health_since=1796288000)
-    env = {**os.environ, "PATH": f"{bin_}:/usr/bin:/bin", "FAKE_GPU_FAULTS": str(faults),
-           **({"JOURNALCTL_WITHOUT_GREP": "1"} if without_grep else {})}
-    res = subprocess.run(["/bin/sh", str(SH / "gpu.sh"), *cmd.args], capture_output=True, text=True, timeout=60,
-                         env=env)
-    assert res.returncode == 0, res.stderr
-    h = gpu.parse_gpu(res.stdout, token, "here").health
+    read = GpuRead(health_since=1796288000, device_prefix=str(tmp_path / "nvidia"))
+    env = {"FAKE_GPU_FAULTS": str(faults), **({"JOURNALCTL_WITHOUT_GREP": "1"} if without_grep else {})}
+    res = run_here(read, tokens=[token := "TOKEN0"], env=env, path=f"{bin_}:/usr/bin:/bin")
+    h = read.parse(Records(res.stdout, token, "here")).health
     calls = [json.loads(x) for x in (tmp_path / "journalctl.calls").read_text().splitlines()]
     since = ["-k", "-q", "--no-pager", "-o", "json"]
     with_g = [*since, "--output-fields=MESSAGE,_TRANSPORT,SYSLOG_FACILITY", "--since", "@1796288000", "-g",
@@ -269,9 +223,7 @@ def test_gpu_health_of_a_lost_gpu_and_without_the_health_asked_for(tmp_path: Pat
     env = {**os.environ, "PATH": f"{bin_}:/usr/bin:/bin", "FAKE_GPU_FAULTS": str(faults)}
     for since, want in ((0, ("nvidia-smi: Unable to determine the device handle for GPU00000000:18:00.0: GPU is "
                              "lost.  Reboot the system to recover this GPU",)), (None, None)):
-        cmd, token = gpu.gpu_command(device_prefix=str(tmp_path / "nvidia"), health_since=since)
-        res = subprocess.run(["/bin/sh", str(SH / "gpu.sh"), *cmd.args], capture_output=True, text=True,
-                             timeout=60, env=env)
-        h = gpu.parse_gpu(res.stdout, token, "here").health
+        h = answer(GpuRead(health_since=since, device_prefix=str(tmp_path / "nvidia")),
+                   env={"FAKE_GPU_FAULTS": env["FAKE_GPU_FAULTS"]}, path=env["PATH"]).health
         assert (h.faults if h is not None else None) == want
         assert h is None or h.read          # nvidia-smi -q exited 15, and said why: that is a reading

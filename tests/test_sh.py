@@ -1,6 +1,6 @@
 """The programs that run on hosts are real shell files (reconciler/sh/*.sh): each is clean
-under shellcheck (POSIX sh unless its shebang says bash), and each one's constants equal the
-Python side's."""
+under shellcheck (POSIX sh unless its shebang says bash), and so is each as it is sent, its
+constants in front (their values are the Python side's, generated: tests/test_host_programs.py)."""
 
 from __future__ import annotations
 
@@ -25,21 +25,68 @@ def test_each_program_is_shellcheck_clean(path: Path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def constants(path: Path) -> dict[str, str]:
-    """The NAME=value lines at a program's top (its constants), $D expanded."""
-    out: dict[str, str] = {}
-    for line in path.read_text().splitlines():
-        name, sep, value = line.partition("=")
-        if sep and name.isupper() and name.isidentifier() and " " not in value:
-            out[name] = value.replace("$D", out.get("D", "$D"))
+def sent() -> dict[str, str]:
+    """Every program as a host gets it: its text with its constants in front (and for a script
+    the shell reads whole, an example of its parameters and calls; a dead-man's switch as it is
+    written), from its file as it is (the comment lines, shellcheck's directives among them,
+    are dropped only as it is sent)."""
+    from unittest import mock
+
+    from reconciler import shell
+    with mock.patch.object(shell, "program", lambda name: (ROOT / "reconciler" / "sh" / f"{name}.sh").read_text()):
+        return _sent()
+
+
+def _sent() -> dict[str, str]:
+    from reconciler import shell
+    from reconciler.frames import HostProgram
+    from reconciler.host import engine, gpu, lock
+    from reconciler.host.script import ApplyScript
+    from reconciler.plan import confirm
+    from reconciler.plan.facts import fetch, journal, observe, progress, show, verify, versions
+    from reconciler.plan.facts import gpu as gpu_facts
+    from reconciler.plan.records import ServiceRecord
+    from reconciler.preflight import _hostcheck
+    from tests.host.test_apply import _plan
+    programs: list[type[HostProgram[object]]] = [
+        observe.Observe, verify.Verify, gpu_facts.GpuRead, versions.Versions, _hostcheck.ModelCheck,
+        progress.JournalTail,
+        show.UnitShow, journal.Journal, engine.EngineProbe, gpu.Signal, fetch.FetchCommand, lock.Install]
+    out = {p.name: p.text() for p in programs}
+    plan = _plan()
+    out["apply"] = ApplyScript.of(plan, plan.actions, 0).stdin("0123456789abcdef")
+    out["holder"], out["session"] = lock.installed_texts()[:2]
+    out["launch"], out["rearm"] = shell.program("launch"), confirm.rearm_text()
+    out["confirm"] = confirm.arm("m", revision="f" * 40, new_hash="h", window=60, record=ServiceRecord(),
+                                 previous=confirm.Previous("r", "[Service]\n", None)).script
     return out
 
 
-def test_the_holders_constants_are_the_python_sides():
-    from reconciler.host import lock
-    from reconciler.plan import confirm, facts
-    held = constants(ROOT / "reconciler" / "sh" / "holder.sh")
-    assert held == {"D": facts.STATE_DIR, "LOCK": lock.LOCK, "COUNT": lock.COUNT, "OWNER": lock.OWNER,
-                    "CONFIRM": confirm.CONFIRM_DIR, "REARM": confirm.REARM_SCRIPT, "IDLE": str(lock.IDLE)}
-    rearm = constants(ROOT / "reconciler" / "sh" / "rearm.sh")
-    assert rearm == {"D": facts.STATE_DIR, "CONFIRM": confirm.CONFIRM_DIR, "LOCK": lock.LOCK}
+SENT = sent()
+
+
+@pytest.mark.parametrize("name", sorted(SENT))
+def test_each_program_as_it_is_sent_is_shellcheck_clean(name: str):
+    shebang = SENT[name].split("\n", 1)[0]
+    args = ["--shell=bash"] if "bash" in shebang else ["--shell=sh"]
+    if name == "apply":         # its calls' arguments are texts (a unit, the re-arm script) quoted as data
+        args.append("--exclude=SC2016")
+    if name == "holder":        # it sources session.sh, checked on its own (from stdin, shellcheck cannot follow)
+        args.append("--exclude=SC1091")
+    res = subprocess.run(["shellcheck", *args, "-"], input=SENT[name], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _layout_values() -> list[str]:
+    """The host's layout as plan/layout.py writes it once: every path and name it defines."""
+    from reconciler.plan import layout
+    return sorted({v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str) and len(v) > 4})
+
+
+@pytest.mark.parametrize("path", PROGRAMS, ids=[p.name for p in PROGRAMS])
+def test_no_program_writes_a_value_of_the_layout_itself(path: Path):
+    """A path or name the Python side holds (plan/layout.py) reaches a program as a constant in
+    front of its text, never written in the file as well, where the two could drift apart."""
+    from reconciler import shell
+    text = shell.program(path.stem)          # as it is sent: comment lines dropped
+    assert [v for v in _layout_values() if v in text] == []

@@ -198,7 +198,7 @@ def test_healthy_only_after_load_then_serves_endpoints(standin):
 def _progress_texts(stderr: str) -> list[str]:
     """What the reconciler's progress view would show, line by line, of this stderr as journald
     stores it (records split at newlines only)."""
-    from reconciler.host.progress import advance
+    from reconciler.plan.facts.progress import advance
     texts, now = [], None
     for record in stderr.split("\n"):
         now = advance(now, [record])

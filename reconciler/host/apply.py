@@ -33,26 +33,19 @@ Safety:
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import re
-import shlex
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from .. import faults, redact
+from .. import faults
 from ..clock import REAL, Clock
 from ..errors import CommandError
-from ..frames import number
-from ..plan import confirm
-from ..plan.facts import (
-    parse_show,
-)
+from ..plan.facts.fetch import FetchCommand
 from ..plan.gpuhealth import FAULT_FILE, GpuFault
 from ..plan.model import ORDER, Action, HostPlan, Kind
 from ..plan.records import ServiceRecord
-from .script import CONTROLLER, PRELUDE, RECORD_MODE, build_script, record_step, unit_word
+from . import programs
+from .script import CONTROLLER, RECORD_MODE, ApplyScript, call, record_calls
 from .transport import Transport
 
 
@@ -83,75 +76,18 @@ class Applied:
                      and f.action.kind in (Kind.START, Kind.RESTART)), None)
 
 
-_CLOCK = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,9})?")     # epoch seconds, as `date +%s` prints them
-MESSAGE_MAX = 2000        # characters kept of what a failed step printed (redacted first)
-
-
-def parse_results(plan: HostPlan, stdout: str, stderr: str) -> tuple[float | None, list[StepFailure],
-                                                                       tuple[int, int, str] | None]:
-    """From the script's output: the host clock, the soft failures, and the fatal step (index,
-    exit status, what it printed) if the script stopped at one. Any text: a line that does not
-    read as its mark says (a step number past the plan's, a status of many digits, a clock that
-    is no number, a message that is not base64) is read as far as it goes, never raised."""
-    clock: float | None = None
-    failures: list[StepFailure] = []
-    fatal: tuple[int, int, str] | None = None
-    for line in stdout.splitlines():
-        parts = line.split(" ")
-        step = number(parts[1], 9) if len(parts) >= 3 else None
-        if parts[0] == "@@now" and len(parts) > 1:
-            clock = float(parts[1]) if _CLOCK.fullmatch(parts[1]) else clock
-        elif parts[0] == "@@fail" and step is not None and step < len(plan.actions):
-            failures.append(StepFailure(plan.actions[step], _status(parts[2]), _message(parts[3:4])))
-        elif parts[0] == "@@fatal" and step is not None:
-            fatal = (step, _status(parts[2]), redact.clip(_stderr_of(stderr, parts[1]), MESSAGE_MAX))
-    return clock, failures, fatal
-
-
-def _status(text: str) -> int:
-    """An exit status as the script prints it ($?: 0-255); 1 for anything else."""
-    status = number(text, 3)
-    return status if status is not None else 1
-
-
-def _message(field: list[str]) -> str:
-    """A failed step's message (base64 of its last lines), redacted, then cut; "" when absent or
-    not base64."""
-    try:
-        text = base64.b64decode(field[0], validate=True).decode(errors="replace") if field else ""
-    except (binascii.Error, ValueError):
-        text = ""
-    return redact.clip(text.strip(), MESSAGE_MAX)
-
-
-def _stderr_of(stderr: str, step: str) -> str:
-    """What the script printed on stderr during one step."""
-    out: list[str] = []
-    inside = False
-    for line in stderr.splitlines():
-        if line.startswith("@@step "):
-            inside = line.split(" ", 1)[1] == step
-        elif inside:
-            out.append(line)
-    return "\n".join(out).strip()
-
-
 async def _run(t: Transport, plan: HostPlan, actions: Sequence[Action], now: int, timeout: float,
                out: Applied) -> None:
     if not any(a.kind not in CONTROLLER for a in actions):
         return
-    res = await t.run("sh -s", input=build_script(plan, actions, now), timeout=timeout, what="apply")
-    clock, failures, fatal = parse_results(plan, res.stdout, res.stderr)
-    _, mark, rest = res.stdout.partition("@@show\n")
-    shown, end, _tail = rest.rpartition("\n@@shown\n")
-    if mark and end:
-        out.shown, out.shown_at = parse_show(shown), time.monotonic()
+    answer, res = await programs.run_with_status(t, ApplyScript.of(plan, actions, now), timeout=timeout, what="apply")
+    if answer.shown is not None:
+        out.shown, out.shown_at = answer.shown, time.monotonic()
     if out.host_clock is None:
-        out.host_clock = clock
-    out.failures.extend(failures)
-    if fatal is not None:
-        idx, status, err = fatal
-        raise CommandError(t.host, plan.actions[idx].describe(), status, err)
+        out.host_clock = answer.clock
+    out.failures.extend(StepFailure(plan.actions[f.step], f.status, f.message) for f in answer.failures)
+    if (fatal := answer.fatal) is not None:
+        raise CommandError(t.host, plan.actions[fatal.step].describe(), fatal.status, fatal.message)
     if not res.ok:
         raise CommandError(t.host, "apply", res.exit_status, res.stderr)
 
@@ -190,6 +126,14 @@ async def apply_plan(t: Transport, plan: HostPlan, *, now: int, gpu_wait: GpuWai
     return out
 
 
+async def _calls(t: Transport, calls: tuple[str, ...], steps: int, what: str, timeout: float) -> None:
+    """A few of apply.sh's calls by themselves (a verdict, a GPU fault), numbering `steps`
+    steps: CommandError when a file step failed, or the script did not end."""
+    answer, res = await programs.run_with_status(t, ApplyScript(calls, steps), timeout=timeout, what=what)
+    if answer.fatal is not None or not res.ok:
+        raise CommandError(t.host, what, res.exit_status, answer.fatal.message if answer.fatal else res.stderr)
+
+
 # Told every second while a model is fetched: service, what goes on, seconds so far, the limit.
 FetchPhase = Callable[[str, str, float, float], None]
 
@@ -197,11 +141,11 @@ FetchPhase = Callable[[str, str, float, float], None]
 async def fetch_model(t: Transport, a: Action, *, clock: Clock = REAL,
                       on_phase: FetchPhase | None = None) -> str | None:
     """Run a FETCH step (the planner decided it may: plan/state.fetch_refused): the model's own
-    fetch command in its directory, made first, within model.fetch_timeout, telling `on_phase`
-    every second (on `clock`) while it runs. Returns why it failed, or None."""
+    fetch command in its directory, made first (reconciler/sh/fetch.sh, plan/facts/fetch.py),
+    within model.fetch_timeout, telling `on_phase` every second (on `clock`) while it runs.
+    Returns why it failed, or None."""
     model = a.model
     assert a.kind is Kind.FETCH and model is not None and model.fetch
-    cmd = f"mkdir -p {shlex.quote(model.path)} && cd {shlex.quote(model.path)} && {model.fetch}"
     started = clock.now()
 
     async def tick() -> None:
@@ -211,14 +155,15 @@ async def fetch_model(t: Transport, a: Action, *, clock: Clock = REAL,
             await clock.sleep(1.0)
     ticker = asyncio.create_task(tick())
     try:
-        res = await t.run(cmd, timeout=model.fetch_timeout, what=f"fetch {model.id}")
+        done, res = await programs.run_with_status(t, FetchCommand(model.path, model.fetch),
+                                                   timeout=model.fetch_timeout, what=f"fetch {model.id}")
     except CommandError as e:
         return f"model-fetch: {model.fetch!r} did not finish within {model.fetch_timeout:.0f}s: {e.stderr}"
     finally:
         ticker.cancel()
-    if not res.ok:
-        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        return f"model-fetch: {model.fetch!r} failed (exit {res.exit_status}): {' / '.join(tail)}"
+    if not done.ok:
+        status = done.status if done.status is not None else res.exit_status
+        return f"model-fetch: {model.fetch!r} failed (exit {status}): {' / '.join(done.tail)}"
     return None
 
 
@@ -229,25 +174,13 @@ async def write_record(t: Transport, name: str, rec: ServiceRecord, *, stop: boo
     The record comes first: if the connection drops after it, the next run knows the verdict.
     A verdict disarms the deploy's dead-man's switch (confirm.py) right after the record.
     """
-    body = f"{record_step(name, rec, 0)} || fatal 0 $?"
-    if disarm:
-        body += f"\n{confirm.disarm_script(name, wait=False)}"
-    if stop:
-        body += f"\nsoft 1 u_stop {unit_word(name)}"
-    res = await t.run("sh -s", input=PRELUDE + body + "\n", timeout=120, what=f"record verdict of {name}")
-    _, _, fatal = parse_results(HostPlan(t.host, "", (), {}), res.stdout, res.stderr)
-    if fatal is not None or not res.ok:
-        raise CommandError(t.host, f"record verdict of {name}", res.exit_status, res.stderr)
+    await _calls(t, record_calls(name, rec, stop=stop, disarm=disarm), 2, f"record verdict of {name}", 120)
 
 
 async def write_gpu_fault(t: Transport, fault: GpuFault | None) -> None:
     """Mark the host GpuFault (gpuhealth.FAULT_FILE, root's alone, written atomically), or clear
     the mark (None): what the planner decided after a GPU reading (gpuhealth.recorded_after,
     start_fault)."""
-    path = shlex.quote(FAULT_FILE)
-    body = (f"atomic_text {path} {RECORD_MODE} {shlex.quote(fault.dumps())} || fatal 0 $?" if fault is not None
-            else f"rm -f {path} || fatal 0 $?")
-    res = await t.run("sh -s", input=PRELUDE + body + "\n", timeout=60, what="record the GPU fault")
-    _, _, fatal = parse_results(HostPlan(t.host, "", (), {}), res.stdout, res.stderr)
-    if fatal is not None or not res.ok:
-        raise CommandError(t.host, "record the GPU fault", res.exit_status, res.stderr)
+    write = (call("write_file", step=0, path=FAULT_FILE, mode=RECORD_MODE, text=fault.dumps()) if fault is not None
+             else call("remove", step=0, path=FAULT_FILE))
+    await _calls(t, (write, "finish"), 1, "record the GPU fault", 60)

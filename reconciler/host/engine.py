@@ -2,13 +2,13 @@
 preflight/_engine.py for what the answers mean, preflight/_enginebox.py for the box the probe
 runs in).
 
-`engine_command(run, ...)` is reconciler/sh/engine-probe.sh with its arguments (the token and
-the server's arguments) and stdin: a header of named parameters (the interpreter, the probe,
-the unit's user, PYTHONPATH entries, EnvironmentFile=s and the probe's systemd properties, one
-a line), then the service's environment, allowlisted, as an env file (values never go on a
-command line). On the host it runs the probe as `python -I` under `systemd-run` with the
-unit's identity (a unit that would run as root: a dynamic user) and sandbox and the probe's
-own (no network, the file system read-only, no capabilities), `MemoryMax=`, `RuntimeMaxSec=`,
+`EngineProbe(run, ...)` is reconciler/sh/engine-probe.sh with its named parameters (the token,
+the server's arguments, the interpreter, the probe, the unit's user, PYTHONPATH entries,
+EnvironmentFile=s and the probe's systemd properties, one a line), then the service's
+environment, allowlisted, as an env file (values never go on a command line). On the host it
+runs the probe as `python -I` under `systemd-run` with the unit's identity (a unit that would
+run as root: a dynamic user) and sandbox and the probe's own (no network, the file system
+read-only, no capabilities), `MemoryMax=`, `RuntimeMaxSec=`,
 `TasksMax=`, `LimitFSIZE=`, `Nice=19`, idle I/O, no hub downloads (`HF_HUB_OFFLINE=1`) and, by
 default, no GPU visible (`CUDA_VISIBLE_DEVICES=`, `PrivateDevices=yes`) with the host's GPU
 facts from nvidia-smi passed in instead: the old server keeps its GPUs untouched while the new
@@ -29,21 +29,22 @@ import asyncio
 import base64
 import hashlib
 import json
-import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
+from typing import ClassVar
 
-from .. import engines, shell
+from .. import engines
 from ..errors import ReconcilerError
-from ..frames import decode, frames, number
-from ..plan.facts import CREDSTORE, ENV_DIR
+from ..frames import HostProgram, Param, Records, decode, number
 from ..plan.files import render_env_file
+from ..plan.layout import CREDSTORE, ENV_DIR
 from ..preflight import EngineRun, EngineVerdict, elsewhere, parse_verdict, probe_env, probe_properties
+from ..preflight._enginebox import ENV_DENY, ENV_NAMES, ENV_PREFIXES
 from ..redact import redact_data
-from ..shell import ShCommand
+from . import programs
 from .cachefile import CacheFile
 from .transport import Transport
 
@@ -100,25 +101,9 @@ def refusal(run: EngineRun) -> str | None:
     if where:
         return where
     if any("\n" in v or "\r" in v for v in (run.interpreter, run.user or "", run.env.get("PYTHONPATH", ""),
-                                             *run.env_files, *(v for _, v in run.unit))):
+                                             *run.env_files, *(v for _, v in run.unit), *run.args)):
         return "a unit setting holds a line break"
     return None
-
-
-def engine_command(run: EngineRun, *, cached: str = "", memory_max: str = MEMORY_MAX,
-                   seconds: int = SECONDS, token: str | None = None) -> tuple[ShCommand, str, str]:
-    """The command that runs one service's engine check, its stdin (the named parameters, then
-    the allowlisted environment) and token."""
-    token = token or secrets.token_hex(8)
-    head = [f"interp={run.interpreter}", f"probe={base64.b64encode(probe_text(run.server).encode()).decode()}",
-            f"user={run.user or ''}", f"mem={memory_max}", f"secs={seconds}", f"mode={run.mode}",
-            f"model={_model_dir(run)}", f"cached={cached}", f"stage={STAGE[run.server]}",
-            f"usersite={int(run.user_site)}"]
-    head += [f"pythonpath={p}" for p in run.env.get("PYTHONPATH", "").split(":") if p]
-    head += [f"envfile={f}" for f in _unit_files(run)]
-    head += [f"prop={p}" for p in probe_properties(run.unit, run.mode)]
-    stdin = "".join(h + "\n" for h in head) + "\n" + render_env_file(probe_env(run.env))
-    return ShCommand(shell.program("engine-probe"), "reconciler-engine", [token, *run.args]), stdin, token
 
 
 @dataclass(frozen=True)
@@ -129,10 +114,41 @@ class Answer:
     verdict: EngineVerdict | None
 
 
+@dataclass(frozen=True)
+class EngineProbe(HostProgram[Answer]):
+    """reconciler/sh/engine-probe.sh for one service: its named parameters, then the allowlisted
+    environment as an env file. `cached`: the host's stamp of a cached answer (the host then
+    only says whether it still stands)."""
+
+    name: ClassVar[str] = "engine-probe"
+    constants: ClassVar[Mapping[str, str]] = {
+        "SLICE_BYTES": str(SLICE_BYTES), "ENV_FILE_BYTES": str(ENV_FILE_BYTES),
+        "ENV_ALLOW": " ".join([*(p + "*" for p in ENV_PREFIXES), *ENV_NAMES]), "ENV_DENY": " ".join(ENV_DENY)}
+    run: EngineRun
+    cached: str = ""
+    memory_max: str = MEMORY_MAX
+    seconds: int = SECONDS
+
+    def params(self) -> Mapping[str, Param]:
+        run = self.run
+        return {"arg": list(run.args), "env": str(self.payload().count("\n")), "interp": run.interpreter,
+                "probe": base64.b64encode(probe_text(run.server).encode()).decode(), "user": run.user or "",
+                "mem": self.memory_max, "secs": str(self.seconds), "mode": run.mode, "model": _model_dir(run),
+                "cached": self.cached, "stage": STAGE[run.server], "usersite": str(int(run.user_site)),
+                "pythonpath": [p for p in run.env.get("PYTHONPATH", "").split(":") if p],
+                "envfile": _unit_files(run), "prop": list(probe_properties(run.unit, run.mode))}
+
+    def payload(self) -> str:
+        return render_env_file(probe_env(self.run.env))
+
+    def parse(self, answer: Records) -> Answer:
+        return read_answer(self.run, answer.stdout, answer.token)
+
+
 def read_answer(run: EngineRun, stdout: str, token: str) -> Answer:
     """The framed output of engine-probe.sh (pure)."""
     stamp, status, out, err, cached = "", None, "", "", False
-    for f in frames(stdout, token):
+    for f in Records(stdout, token):
         fields = f.fields()
         if f.kind == "N":
             return Answer("", EngineVerdict(run.service, run.server, "inconclusive",
@@ -238,12 +254,11 @@ async def check_engine(t: Transport, host: str, run: EngineRun, *, store: Verdic
         return EngineVerdict(run.service, run.server, "inconclusive", message=f"no probe for {run.server}: {e}")
     cached = store.verdict(host, key, run.service)
     taken = store.stamp(host, key) if cached else ""
-    cmd, stdin, token = engine_command(run, cached=taken, seconds=seconds)
     try:
-        res = await t.run(cmd, input=stdin, timeout=seconds + 30, what=f"engine check of {run.service}")
+        answer = await programs.run(t, EngineProbe(run, cached=taken, seconds=seconds), timeout=seconds + 30,
+                                    what=f"engine check of {run.service}", check=False)
     except ReconcilerError as e:
         return EngineVerdict(run.service, run.server, "inconclusive", message=f"the check could not run: {e}")
-    answer = read_answer(run, res.stdout, token)
     if answer.verdict is None:
         if cached is not None and taken and answer.stamp == taken:
             return cached                # taken on the host's stamp of now: it stands

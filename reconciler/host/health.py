@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shlex
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,12 +35,15 @@ from .. import redact
 from ..clock import REAL, Clock
 from ..desired.spec import HealthSpec
 from ..errors import ReconcilerError
-from ..plan.facts import parse_show
+from ..plan.facts.journal import Journal
+from ..plan.facts.progress import LoadProgress, Progressed
+from ..plan.facts.show import UnitShow
+from ..plan.judges import UnitReading, explain, judge_systemd, spawn_failure
 from ..plan.records import INCONCLUSIVE, NO_VERDICT, START_LIMIT_HIT, SUPERSEDED
 from ..reasons import Reason
-from .judges import Verdict, explain, journal_command, judge_systemd, parse_journal, spawn_failure
-from .progress import LoadFollower, LoadProgress, Progressed
-from .transport import Completed, Transport
+from . import programs
+from .progress import LoadFollower
+from .transport import Transport
 
 WATCH_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID,"
                "ActiveEnterTimestampMonotonic,Job")
@@ -138,8 +140,7 @@ class SystemdWatch:
                 self._last = self.clock.now()
                 self._ticks += 1
                 try:
-                    res = await self._show(units)
-                    shown = parse_show(res.stdout)
+                    shown = await self._show(units)
                 except Exception as e:     # each watch of the tick meets it (and contains it)
                     _answer(asked, error=e)
                     continue
@@ -150,14 +151,19 @@ class SystemdWatch:
             _answer(self._asked)
             self._asked = {}
 
-    async def _show(self, units: list[str]) -> Completed:
-        """One `systemctl show` of all the units (blocks keyed by Id, facts.parse_show), after
-        the journal read of those loading, when one is due (its answer goes to `loads`)."""
-        names = " ".join(shlex.quote(u) for u in units)
+    async def _show(self, units: list[str]) -> dict[str, dict[str, str]]:
+        """One `systemctl show` of all the units (blocks keyed by Id: plan/facts/show.py), after
+        the journal read of those loading, when one is due (its answer goes to `loads`): one
+        round trip."""
         journal = self.loads.command(self.clock.now(), units)
-        show = f"systemctl show -p {WATCH_PROPS} {names}"
-        res = await self.t.run(f"{journal}; {show}" if journal else show, timeout=20, what="health")
-        return Completed(res.exit_status, self.loads.take(res.stdout), res.stderr) if journal else res
+        show = UnitShow(units, WATCH_PROPS)
+        if journal is None:
+            shown: dict[str, dict[str, str]] = await programs.run(self.t, show, timeout=20, what="health",
+                                                                  check=False)
+            return shown
+        tail, shown = await programs.run_all(self.t, [journal, show], timeout=20, what="health", check=False)
+        self.loads.take(tail)
+        return shown
 
 
 def _answer(asked: dict[str, list[asyncio.Future[dict[str, str]]]], props: dict[str, str] | None = None,
@@ -272,8 +278,8 @@ class _Watch:
     async def fail(self, reason: Reason, message: str, props: dict[str, str] | None = None) -> Outcome:
         """The failed verdict, with the journal line that explains it; with `props` (a crash
         sign), a verdict only with evidence that the service itself failed."""
-        res = await self.t.run(journal_command(self.unit, self.since_epoch), timeout=20, what="journal")
-        lines = parse_journal(res.stdout)
+        lines = await programs.run(self.t, Journal(self.unit, int(self.since_epoch)), timeout=20, what="journal",
+                                   check=False)
         quote = explain(lines)
         if props is not None:
             why = spawn_failure(props, lines, self.baseline_invocation)
@@ -289,7 +295,7 @@ class _Watch:
             self.report(f"no verdict: {INCONCLUSIVE}")
         return inconclusive(self.name, "the health watch", e, self.elapsed())
 
-    async def judged(self, v: Verdict, props: dict[str, str]) -> Outcome | None:
+    async def judged(self, v: UnitReading, props: dict[str, str]) -> Outcome | None:
         """What one systemd reading comes to: a verdict (the watch ends), or None (watch on)."""
         now = self.clock.now()
         if v.state == "refused":

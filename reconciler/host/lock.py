@@ -30,16 +30,20 @@ import asyncio
 import base64
 import contextlib
 import os
-import shlex
+import secrets
 import socket
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from .. import redact, shell
 from ..errors import HostError
-from ..frames import number
-from ..plan.facts import LOCK, LOCK_COUNT, LOCK_OWNER, STATE_DIR
+from ..frames import HostProgram, Param, Records, number
+from ..plan import confirm
+from ..plan.layout import BIN, LOCK, LOCK_COUNT, LOCK_OWNER, TEMP
 from ..reasons import Reason
-from ..shell import ShCommand
+from . import programs
 from .session import HostSession, SessionTransport
 from .transport import Spawned, StreamSpawned, Transport
 
@@ -56,7 +60,17 @@ class LockedError(HostError):
     reason = Reason.LOCKED
 
 
-BIN = f"{STATE_DIR}/bin"      # the holder's programs, by content (root's own directory)
+def holder_constants() -> Mapping[str, str]:
+    """What holder.sh shares with the Python side (plan/layout.py, this module's IDLE)."""
+    return {"LOCK": LOCK, "COUNT": COUNT, "OWNER": OWNER, "CONFIRM": confirm.CONFIRM_DIR,
+            "REARM": confirm.REARM_SCRIPT, "IDLE": str(IDLE)}
+
+
+def installed_texts(then: HostProgram[Any] | None = None) -> list[str]:
+    """The programs a lock installs on a host, as they are installed: the holder (its constants
+    in front), its command loop, and the program it runs first."""
+    texts = [shell.with_constants(shell.program("holder"), holder_constants()), shell.program("session")]
+    return texts + ([then.text()] if then is not None else [])
 
 
 def installed_as(text: str) -> str:
@@ -64,43 +78,52 @@ def installed_as(text: str) -> str:
     return f"{BIN}/{shell.digest(text)}.sh"
 
 
-def holder_command(wait: float, owner: str, then: ShCommand | None = None, since: str | None = None) -> str:
-    """The command line that starts the installed holder (reconciler/sh/holder.sh) with its
-    arguments, in bash where the host has it (the holder then runs the run's command loop,
-    session.sh, in its own shell), else in sh; it says MISSING where the holder (or `then`'s
-    program) is not installed yet. `then`: a program the holder runs once it holds the lock (the
-    observation under the lock, in the same round trip), its own program installed by content
-    too. Nothing but paths and short words on the command line (`ps` shows no program)."""
-    holder, session = installed_as(shell.program("holder")), installed_as(shell.program("session"))
-    want = [holder, session] + ([installed_as(then.script)] if then is not None else [])
-    args = [str(int(wait)), since if since is not None and number(since) is not None else "", owner, session]
-    if then is not None:
-        args += [installed_as(then.script), *then.args]
-    words = " ".join(shlex.quote(a) for a in args)
-    present = " && ".join(f"[ -f {shlex.quote(w)} ]" for w in want)
-    return (f"if {present}; then if command -v bash >/dev/null 2>&1; then exec bash {shlex.quote(holder)} {words}; "
-            f"else exec sh {shlex.quote(holder)} {words}; fi; else echo MISSING; fi")
+def holder_stdin(token: str, wait: float, owner: str, then: HostProgram[Any] | None = None,
+                 then_token: str = "", since: str | None = None) -> str:
+    """What the lock's launcher (sh/launch.sh), then the holder (sh/holder.sh), then `then`
+    read on stdin, in that order: each its named parameters. `then`: a program the holder runs
+    once it holds the lock (the observation under the lock, in the same round trip), installed
+    by content too. The command line holds nothing of it (`ps` shows the launcher alone)."""
+    holder, session, *first = [installed_as(x) for x in installed_texts(then)]
+    launch = shell.param_lines({"token": token, "need": [holder, session, *first], "run": holder})
+    held = shell.param_lines({"token": token, "wait": str(int(wait)), "owner": owner, "session": session,
+                              "since": since if since is not None and number(since) is not None else None,
+                              "then": first[0] if first else None})
+    return launch + held + (then.stdin(then_token) if then is not None else "")
 
 
-def install_script(programs: list[str]) -> str:
-    """sh that installs programs by content under BIN (root-only, each written atomically) and
-    removes the ones no longer used (an older release's)."""
-    keep = " ".join(shlex.quote(shell.digest(text) + ".sh") for text in programs)
-    lines = ["set -e", "umask 077", f"mkdir -p {BIN}", f"chmod 0700 {BIN}",
-             f'for f in {BIN}/*.sh; do [ -e "$f" ] || continue; case " {keep} " in *" ${{f##*/}} "*) ;; '
-             f'*) rm -f "$f" ;; esac; done']
-    for text in programs:
-        blob = base64.b64encode(text.encode()).decode()
-        lines.append(f't=$(mktemp {BIN}/.reconciler-tmp.XXXXXX); printf %s {blob} | base64 -d > "$t"; '
-                     f'mv -f "$t" {shlex.quote(installed_as(text))}')
-    return "\n".join(lines) + "\n"
+def launch_command() -> str:
+    """The command line that starts the installed holder: sh/launch.sh's text."""
+    return shell.sh_c(shell.program("launch"), "reconciler-lock")
 
 
-async def install(t: Transport, then: ShCommand | None = None) -> None:
+@dataclass(frozen=True)
+class Install(HostProgram[tuple[str, ...]]):
+    """reconciler/sh/install.sh: the given program texts installed under BIN by content (root's
+    alone, each written atomically), the ones no longer given removed. Its answer: the names it
+    installed; an answer cut short (a failed write) is an ObserveError."""
+
+    name: ClassVar[str] = "install"
+    texts: tuple[str, ...]
+
+    @classmethod
+    def text(cls) -> str:
+        """install.sh with its constants: BIN (this module's, as installed_as names the programs
+        by it) and the temp files' prefix."""
+        return shell.with_constants(shell.program(cls.name), {"BIN": BIN, "TEMP": TEMP})
+
+    def params(self) -> Mapping[str, Param]:
+        return {"file": [f"{shell.digest(x)}.sh {base64.b64encode(x.encode()).decode()}" for x in self.texts]}
+
+    def parse(self, answer: Records) -> tuple[str, ...]:
+        return tuple(f.payload for f in answer.whole("the lock holder's programs were not all installed")
+                     if f.kind == "I")
+
+
+async def install(t: Transport, then: HostProgram[Any] | None = None) -> None:
     """Install the holder, its command loop and `then`'s program on the host (the first run of
     a release on a host: one round trip more)."""
-    programs = [shell.program("holder"), shell.program("session")] + ([then.script] if then is not None else [])
-    await t.run("sh -s", input=install_script(programs), check=True, timeout=30, what="install the lock holder")
+    await programs.run(t, Install(tuple(installed_texts(then))), timeout=30, what="install the lock holder")
 
 
 def owner_line() -> str:
@@ -111,14 +134,14 @@ def owner_line() -> str:
 class HostLock:
     """The held lock of one host; release() lets go (closing the connection does too).
 
-    `output`: what the command run under the lock printed (acquire's `then`), or None when it
+    `answer`: what the program run under the lock answered (acquire's `then`), or None when it
     was not asked for, did not end within its time, or was not run: `same` says that (the count
     was still acquire's `since`). `session`: the holder's command loop, where it runs one
     (over(t) sends the run's commands through it)."""
 
-    def __init__(self, proc: Spawned, output: str | None = None, session: HostSession | None = None,
+    def __init__(self, proc: Spawned, answer: Records | None = None, session: HostSession | None = None,
                  same: bool = False):
-        self.proc, self.output, self.session, self.same = proc, output, session, same
+        self.proc, self.answer, self.session, self.same = proc, answer, session, same
         self.beat = asyncio.create_task(self._heartbeat())
 
     def over(self, t: Transport) -> Transport:
@@ -141,41 +164,41 @@ class HostLock:
             await self.proc.close()
 
 
-async def acquire(t: Transport, *, wait: float = WAIT, then: tuple[ShCommand, str] | None = None,
+async def acquire(t: Transport, *, wait: float = WAIT, then: HostProgram[Any] | None = None,
                   then_timeout: float = 30.0, since: str | None = None) -> HostLock:
     """Take the host's lock, waiting at most `wait` seconds; raise LockedError when another
     run keeps it that long.
 
-    then: (program, last line) to run on the host once the lock is held, its output read up to
-    and including that line (HostLock.output; None if it did not come within then_timeout).
-    since: the lock's count as a look saw it; when it has not moved, `then` is not run
-    (HostLock.same). The holder's programs are installed first where they are missing."""
-    program_then = then[0] if then is not None else None
-    command = holder_command(wait, owner_line(), program_then, since)
-    proc = await t.spawn(command)
-    first = await _first_line(proc, wait)
-    if first.strip() == "MISSING":
+    then: a program to run on the host once the lock is held, its answer read through its END
+    record (HostLock.answer; None if it did not come within then_timeout). since: the lock's
+    count as a look saw it; when it has not moved, `then` is not run (HostLock.same). The
+    holder's programs are installed first where they are missing."""
+    token, then_token = secrets.token_hex(8), secrets.token_hex(8)
+    stdin = holder_stdin(token, wait, owner_line(), then, then_token, since)
+
+    async def start() -> tuple[Spawned, list[str]]:
+        proc = await t.spawn(launch_command())
+        proc.write(stdin)
+        return proc, await _said(proc, token, wait)
+    proc, words = await start()
+    if words[:1] == ["MISSING"]:
         await proc.close()
-        await install(t, program_then)
-        proc = await t.spawn(command)
-        first = await _first_line(proc, wait)
-    words = first.split()       # LOCKED [bash] [same]: bash runs the session loop; same: see since
-    if words[:1] == ["LOCKED"]:
-        output = None
+        await install(t, then)
+        proc, words = await start()
+    if words[:1] == ["LOCKED"]:       # LOCKED [bash] [same]: bash runs the session loop; same: see since
+        answer = None
         same = "same" in words[1:]
         if then is not None and not same:
             with contextlib.suppress(TimeoutError):
-                output = await asyncio.wait_for(_read_through(proc, then[1]), then_timeout)
+                out = await asyncio.wait_for(_read_through(proc, f"{then_token} END"), then_timeout)
+                answer = Records(out, then_token, t.host) if out is not None else None
         # The session only when the holder's output was read whole: what is left unread would
         # pass for a command's
-        whole = then is None or output is not None or same
+        whole = then is None or answer is not None or same
         looping = "bash" in words[1:] and whole
-        session = HostSession(t.host, proc) if looping and isinstance(proc, StreamSpawned) else None
-        return HostLock(proc, output, session, same)
-    who = ""
-    if first.strip() == "BUSY":
-        with contextlib.suppress(TimeoutError):
-            who = holder_said(await asyncio.wait_for(proc.readline(), 5))
+        session = HostSession(t.host, proc, token) if looping and isinstance(proc, StreamSpawned) else None
+        return HostLock(proc, answer, session, same)
+    who = holder_said(" ".join(words[1:])) if words[:1] == ["BUSY"] else ""
     await proc.close()
     holder = f" (held by {who})" if who else ""
     raise LockedError(t.host, f"another reconcile holds {LOCK} on this host{holder}; waited {wait:.0f}s, "
@@ -191,11 +214,20 @@ def holder_said(line: str) -> str:
     return redact.clip(line.strip(), OWNER_MAX)
 
 
-async def _first_line(proc: Spawned, wait: float) -> str:
+async def _said(proc: Spawned, token: str, wait: float) -> list[str]:
+    """What the launcher or the holder says first, its record's words after the token
+    (MISSING; BUSY and who; LOCKED and how): [] when it says nothing of the kind in time. A
+    line without the token (a login banner) is not its."""
+    async def first() -> list[str]:
+        while line := await proc.readline():
+            words = line.split()
+            if words[:1] == [token]:
+                return words[1:]
+        return []
     try:
-        return await asyncio.wait_for(proc.readline(), wait + 15)
+        return await asyncio.wait_for(first(), wait + 15)
     except TimeoutError:
-        return ""
+        return []
 
 
 async def _read_through(proc: Spawned, last: str) -> str | None:

@@ -1,209 +1,35 @@
-"""Load progress: what the engine says in its journal while it starts (checkpoint shards, CUDA
-graphs, its ready line), read with the health watch's own round trip.
+"""Load progress while a service starts, read with the health watch's own round trip.
 
-`advance` is PURE: journal lines in, a `LoadProgress` out (the stage, done/total, the line it
-was read from). `LoadFollower` keeps, per host, the journal cursor of every service being
-started, and adds the bounded read of what is new (reconciler/sh/progress.sh) to the health
-watch's `systemctl show` tick (health.SystemdWatch): no round trip of its own, at most every
-PROGRESS_EVERY seconds, only the service's own lines of its current invocation, at most
-progress.sh's LINES lines and MAX_BYTES bytes per service and read.
+`LoadFollower` keeps, per host, the journal cursor of every service being started, and adds
+the bounded read of what is new (plan/facts/progress.py's JournalTail, reconciler/sh/progress.sh)
+to the health watch's `systemctl show` tick (watch.SystemdWatch): no round trip of its own, at
+most every PROGRESS_EVERY seconds, only the service's own lines of its current invocation. What
+the lines say is plan/facts/progress.py's (`advance`, pure).
 
-The formats are the engines' own, copied from their sources:
-
-- SGLang 0.5.12 and 0.5.23 (sglang/srt/model_executor/model_runner.py: "Load weight begin.
-  avail mem=...", "Load weight end. elapsed=..."; 0.5.12 model_runner.py "Capture cuda graph
-  begin. This can take up to several minutes. ...", "Capture cuda graph end. Time elapsed: ...";
-  0.5.12 cuda_graph_runner.py "Capture cuda graph bs [...]" and its tqdm bar "Capturing batches
-  (bs=... avail_mem=... GB)"; 0.5.23 model_runner_components/cuda_graph_setup.py "Capture target
-  decode CUDA graph begin. ..." / "... end. ..."; model_loader/weight_utils.py the tqdm bar
-  "Loading safetensors checkpoint shards:  50% Completed | 2/4 [...]" with utils/common.py's
-  BAR_FORMAT; entrypoints/http_server.py "The server is fired up and ready to roll!").
-- vLLM 0.33.0 (model_executor/model_loader/weight_utils.py: the same shard bar, its _BAR_FORMAT
-  ending in a newline; default_loader.py "Loading weights took ... seconds";
-  v1/worker/gpu_model_runner.py "Starting to load model ...", "Model loading took ...",
-  "Capturing CUDA graphs (decode, FULL): ...%|...| n/N" and "Graph capturing finished in ...";
-  uvicorn's "Application startup complete.").
-
-What journald makes of a tqdm bar (measured on a test host, systemd 252): it splits records at
-newlines only, so a bar redrawn with carriage returns (SGLang's BAR_FORMAT and tqdm's default
-have no newline) is stored as one record when the bar ends, or when another line of the same
-stream follows; vLLM's shard bar ends each redraw with a newline, one record each. A record
-is read as its carriage-return segments, in order.
-
-Its lines are data (review N5, N6): every count is at most COUNT_DIGITS ASCII digits (a
-400-digit shard count is no count: the line says nothing), a bar whose count is past its total
-says nothing either, and the percentage is integer arithmetic; a line is redacted whole before
-anything cuts it (`take`; progress.sh drops the word its own cut went through). `advance` never
-raises; an exception in reading one unit's lines all the same is kept for that unit
-(`LoadFollower.failed`), and its health watch ends in no verdict (health.py), never the run.
+Its lines are data (review N5, N6): a line is redacted whole before anything cuts it (`take`);
+an exception in reading one unit's lines all the same is kept for that unit
+(`LoadFollower.failed`), and its health watch ends in no verdict, never the run.
 """
 
 from __future__ import annotations
 
 import re
-import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from .. import faults, redact
-from ..frames import frames
-from ..shell import ShCommand, program
-
-WEIGHTS, GRAPHS, READY = "weights", "graphs", "ready"
-PROGRESS_EVERY = 1.0      # seconds between journal reads of one host (piggy-backed on a systemd tick)
-LINES = 200               # progress.sh: lines per service and read
-LINE_MAX = 2000           # progress.sh: bytes kept of a line (its end)
-MAX_BYTES = 32768         # progress.sh: bytes per service and read
-QUOTE_MAX = 240           # characters of the line a progress quotes
-COUNT_DIGITS = 6          # the most digits of a count taken (done, total): a longer one is no count
-
-
-@dataclass(frozen=True)
-class LoadProgress:
-    """Where the engine's start-up is, by its own lines: the stage, how far (done of total, where
-    the engine counts), whether the stage's end line was seen, and the line it was read from."""
-
-    stage: str                     # WEIGHTS | GRAPHS | READY
-    done: int | None = None
-    total: int | None = None
-    finished: bool = False
-    line: str = ""
-
-    def percent(self) -> int | None:
-        """done of total in percent, rounded as round() does (half to even), in integers: no
-        float, so no count can overflow it."""
-        if self.done is None or self.total is None or self.total <= 0 or self.done < 0:
-            return None
-        q, r = divmod(100 * self.done, self.total)
-        if 2 * r > self.total or (2 * r == self.total and q % 2):
-            q += 1
-        return min(100, q)
-
-    def text(self) -> str:
-        """In words, as the progress views show it (the health phase while the engine loads)."""
-        if self.stage == READY:
-            return "engine ready"
-        if self.stage == WEIGHTS:
-            if self.finished:
-                return "weights loaded" + (f" ({self.total} checkpoint shards)" if self.total else "")
-            if self.done is not None and self.total:
-                return f"loading weights: {self.done}/{self.total} checkpoint shards ({self.percent()}%)"
-            return "loading weights"
-        if self.finished:
-            return "CUDA graphs captured"
-        if self.done is not None and self.total:
-            return f"capturing CUDA graphs: {self.done}/{self.total} ({self.percent()}%)"
-        return "capturing CUDA graphs" + (f" ({self.total} batch sizes)" if self.total else "")
-
-    def to_json(self) -> dict[str, object]:
-        return {"stage": self.stage, "done": self.done, "total": self.total, "finished": self.finished,
-                "percent": self.percent(), "text": self.text(), "line": self.line}
-
-
-Progressed = Callable[[str, "LoadProgress"], None]   # (service, its load progress): told of each change
-
-
-# What each line says: (kind, pattern). A record may hold several (carriage-return redraws, or
-# a bar followed by another process's line): every match counts, in the order of the text.
-_COUNT = rf"([0-9]{{1,{COUNT_DIGITS}}})"
-_BAR_TAIL = rf":\s*[0-9]{{1,4}}%(?: Completed \||\|[^|\r\n]*\|)\s*{_COUNT}/{_COUNT}(?![0-9])"
-_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("shards", re.compile(r"[Ll]oading (?:safetensors|pt|np_cache)[^:\r\n]*" + _BAR_TAIL)),
-    ("graph-bar", re.compile(r"(?:Capturing batches \([^)\r\n]*\)|Capturing CUDA graphs(?: \([^)\r\n]*\))?)"
-                             + _BAR_TAIL)),
-    ("weights-begin", re.compile(r"\bLoad weight begin\b|\bStarting to load model\b")),
-    ("weights-end", re.compile(r"\bLoad weight end\b|\bLoading weights took [0-9.]{1,32} s|\bModel loading took\b")),
-    ("graph-sizes", re.compile(r"\bCapture cuda graph bs \[([0-9, ]{0,1000})\]")),
-    ("graph-begin", re.compile(r"\bCapture [\w -]{0,60}? begin\b")),
-    ("graph-end", re.compile(r"\bCapture [\w -]{0,60}? end\. |\bGraph capturing finished in\b")),
-    ("ready", re.compile(r"The server is fired up and ready to roll!|\bApplication startup complete\.")),
+from ..plan.facts.progress import (
+    COUNT_DIGITS,
+    LINE_MAX,
+    LINES,
+    JournalTail,
+    LoadProgress,
+    Tail,
+    advance,
 )
 
-
-def _quote(segment: str, start: int, kind: str) -> str:
-    """The words a progress quotes: a bar from its name to its closing bracket (not what another
-    process appended), a log line whole; stripped and bounded (its start kept: what `take` hands
-    `advance` was redacted whole before this cut)."""
-    text = segment[start:] if kind in ("shards", "graph-bar") else segment
-    if kind in ("shards", "graph-bar") and "]" in text:
-        text = text[:text.index("]") + 1]
-    return text.strip()[:QUOTE_MAX]
-
-
-def _step(before: LoadProgress | None, kind: str, m: re.Match[str], quote: str) -> LoadProgress:
-    """One recognised line on top of what was known: counts carry within a stage."""
-    same = before if before is not None else LoadProgress(WEIGHTS)
-    if kind == "shards":
-        return LoadProgress(WEIGHTS, int(m.group(1)), int(m.group(2)), line=quote)
-    if kind == "graph-bar":
-        return LoadProgress(GRAPHS, int(m.group(1)), int(m.group(2)), line=quote)
-    if kind == "weights-begin":
-        return LoadProgress(WEIGHTS, line=quote)
-    if kind == "weights-end":
-        carry = same.stage == WEIGHTS
-        return LoadProgress(WEIGHTS, same.done if carry else None, same.total if carry else None, True, quote)
-    if kind == "graph-sizes":
-        sizes = [s for s in m.group(1).replace(" ", "").split(",") if s]
-        return LoadProgress(GRAPHS, None, len(sizes) or None, line=quote)
-    if kind == "graph-begin":
-        return LoadProgress(GRAPHS, line=quote)
-    if kind == "graph-end":
-        carry = same.stage == GRAPHS
-        return LoadProgress(GRAPHS, same.done if carry else None, same.total if carry else None, True, quote)
-    return LoadProgress(READY, line=quote)
-
-
-def advance(before: LoadProgress | None, lines: Iterable[str]) -> LoadProgress | None:
-    """PURE: the progress after these journal lines (oldest first), from `before` (None: nothing
-    seen yet). The latest line the engine wrote decides the stage; lines that say nothing about
-    the load leave it as it was."""
-    now = before
-    for record in lines:
-        for segment in record.split("\r"):
-            hits = sorted((m.start(), i, m) for i, (_, pat) in enumerate(_RULES) for m in pat.finditer(segment))
-            for start, i, m in hits:
-                kind = _RULES[i][0]
-                if kind in ("shards", "graph-bar") and int(m.group(1)) > int(m.group(2)):
-                    continue            # past its total: no count we take
-                now = _step(now, kind, m, _quote(segment, start, kind))
-    return now
-
-
-# -- the journal read: a command and its parser ------------------------------------------------
-
+PROGRESS_EVERY = 1.0      # seconds between journal reads of one host (piggy-backed on a systemd tick)
 _INVOCATION = re.compile(r"[0-9a-f]{32}")
-_CURSOR = re.compile(r"-- cursor: (s=[0-9a-f]{1,32};i=[0-9a-f]{1,32};b=[0-9a-f]{1,32};m=[0-9a-f]{1,32};"
-                     r"t=[0-9a-f]{1,32};x=[0-9a-f]{1,32})")
-
-
-def tail_command(token: str, reads: Iterable[tuple[str, str | None]]) -> ShCommand:
-    """progress.sh for (invocation, cursor) pairs: each invocation's lines after its cursor (None:
-    its last LINES lines), framed with `token`."""
-    args = [token]
-    for invocation, cursor in reads:
-        args += [invocation, cursor or "-"]
-    return ShCommand(program("progress"), "progress", args)
-
-
-def parse_tail(stdout: str, token: str) -> tuple[dict[str, tuple[list[str], str | None]], str]:
-    """PURE: progress.sh's answer -> ({invocation: (its new lines, the cursor after them)}, the
-    output after its END line (what ran next in the same command)). journalctl's own cursor
-    line is the last line of an invocation's section; a line of the service that looks like one
-    is only a line."""
-    out: dict[str, tuple[list[str], str | None]] = {}
-    current: list[str] | None = None
-    for f in frames(stdout, token):
-        if f.kind == "U":
-            current = []
-            out[f.payload] = (current, None)
-        elif f.kind == "L" and current is not None:
-            current.append(f.payload)
-    for inv, (lines, _) in list(out.items()):
-        m = _CURSOR.fullmatch(lines[-1]) if lines else None
-        out[inv] = (lines[:-1], m.group(1)) if m else (lines, None)
-    end = f"{token} END\n"
-    at = 0 if stdout.startswith(end) else stdout.find("\n" + end)
-    return out, (stdout if at < 0 else stdout[at + len(end) + (at > 0):])
 
 
 @dataclass
@@ -222,7 +48,6 @@ class LoadFollower:
     (`command`) and hands it the answer (`take`)."""
 
     every: float = PROGRESS_EVERY
-    token: str = field(default_factory=lambda: secrets.token_hex(8))
     units: dict[str, _Followed] = field(default_factory=dict)
     last: float = float("-inf")
 
@@ -240,20 +65,19 @@ class LoadFollower:
         if f is not None and _INVOCATION.fullmatch(inv) and inv not in (f.baseline, f.invocation):
             self.units[unit] = _Followed(f.baseline, inv)
 
-    def command(self, now: float, units: Iterable[str]) -> ShCommand | None:
+    def command(self, now: float, units: Iterable[str]) -> JournalTail | None:
         """The journal read to run before this tick's `systemctl show` of `units`: None when none
         of them is followed with a known invocation, or the last read was under `every` ago."""
         reads = [(f.invocation, f.cursor) for u in units if (f := self.units.get(u)) is not None and f.invocation]
         if not reads or now - self.last < self.every:
             return None
         self.last = now
-        return tail_command(self.token, reads)
+        return JournalTail(tuple(reads))
 
-    def take(self, stdout: str) -> str:
-        """Read the journal's answer into each unit's progress; returns the rest of stdout. An
-        exception in reading one unit's lines is that unit's alone (`failed`): the others' are
-        read, and the tick's `systemctl show` reading stands."""
-        sections, rest = parse_tail(stdout, self.token)
+    def take(self, sections: Tail) -> None:
+        """Read the journal's answer into each unit's progress. An exception in reading one
+        unit's lines is that unit's alone (`failed`): the others' are read, and the tick's
+        `systemctl show` reading stands."""
         for f in self.units.values():
             if f.invocation not in sections or f.error is not None:
                 continue
@@ -263,7 +87,6 @@ class LoadFollower:
             except Exception as e:      # a bug, or a line nothing expected: its watch says so
                 f.error = e
             f.cursor = cursor or f.cursor
-        return rest
 
     def progress(self, unit: str) -> LoadProgress | None:
         f = self.units.get(unit)

@@ -15,9 +15,9 @@ after the run went silent.
     .                                                 heartbeat
     (empty line, EOF, or IDLE s of silence)           kill any running command, let go
 
-A command's stdout and stderr go to the channel's own streams, each ended by a line with the
-frame's token (and, on stdout, the exit status): nothing is parsed from the command's output,
-and output of another command never passes for it. The command text and its input travel on
+A command's stdout and stderr go to the channel's own streams, each ended by its token's END
+record (frames.py), on stdout with the exit status: `TOKEN END STATUS`. Nothing is parsed from
+the command's output, and output of another command never passes for it. The command text and its input travel on
 the channel, never on a command line (`ps` would show it to every user), and no file holds
 them. The command runs as it would in its own channel: `sh -c ...` or `sh -s` with its input
 on stdin, in a process group of its own (so a kill reaches all of it).
@@ -34,12 +34,9 @@ import asyncio
 import contextlib
 import secrets
 
+from .. import frames
 from ..errors import CommandError, ConnectError
-from ..frames import number
 from .transport import Completed, Spawned, StreamSpawned, Transport, checked
-
-END = "@@end:"
-READY = "@@ready"
 
 
 class _NotSent(Exception):
@@ -49,15 +46,15 @@ class _NotSent(Exception):
 class HostSession:
     """The controller's end of the holder's command loop."""
 
-    def __init__(self, host: str, proc: StreamSpawned):
-        self.host, self.proc = host, proc
+    def __init__(self, host: str, proc: StreamSpawned, token: str):
+        self.host, self.proc, self.token = host, proc, token
         self.busy = False
         self.broken = False
         self._ready = False
-        # A frame's token is this session's, then the command's own: the ends are looked for
-        # by the session's part, the same text for every command (asyncssh compiles a reader's
-        # separator to a regex per call, and Python keeps the ones it compiled last).
-        self._prefix = secrets.token_hex(8) + ":"
+        # A command's token is the holder's (`token`), then the command's own: the ends are
+        # looked for by the holder's part, the same text for every command (asyncssh compiles a
+        # reader's separator to a regex per call, and Python keeps the ones it compiled last).
+        self._prefix = token + ":"
 
     def takes(self, cmd: str, input: str | None) -> bool:
         """Whether this command can go through the session now (bash reads no NUL byte)."""
@@ -94,19 +91,19 @@ class HostSession:
 
     async def _collect(self, tok: str) -> tuple[str, str]:
         if not self._ready:             # whatever the holder wrote to stderr before its loop
-            await self.proc.readuntil(f"{READY}\n", stderr=True)
+            await self.proc.readuntil(f"{self.token} READY\n", stderr=True)
             self._ready = True
         own = tok[len(self._prefix):]
-        out, err = await asyncio.gather(self._until(f"{own} "), self._until(f"{own}\n", stderr=True))
-        return out, err[: -len(f"\n{END}{tok}\n")]
+        out, err = await asyncio.gather(self._until(f"{own} END "), self._until(f"{own} END\n", stderr=True))
+        return out, err[: -len(f"\n{tok} END\n")]
 
     async def _until(self, own: str, *, stderr: bool = False) -> str:
-        """The stream up to and including the frame's end line: `@@end:`, the session's part of
-        the token, then `own` (the command's part, and what follows it up to the line end: on
-        stdout the exit status). An end line with another token is output like any other."""
+        """The stream up to and including the command's END record: the holder's part of the
+        token, then `own` (the command's part, END, and on stdout the exit status, up to the
+        line's end). An END record with another token is output like any other line."""
         got = ""
         while True:
-            got += await self.proc.readuntil(f"\n{END}{self._prefix}", stderr=stderr)
+            got += await self.proc.readuntil(f"\n{self._prefix}", stderr=stderr)
             got += (line := await self.proc.readuntil("\n", stderr=stderr))
             if line.startswith(own):
                 return got
@@ -119,12 +116,11 @@ class HostSession:
 
 
 def ended(out: str, tok: str, err: str) -> Completed:
-    """A command's result from what the session read of it (pure): stdout up to its end line
-    (`@@end:TOKEN STATUS`), and the exit status that line says; 255 (as ssh's own for a command
-    it could not run) where it says no status of 0-255."""
-    body, _, status = out.rpartition(f"\n{END}{tok} ")
-    code = number(status.strip(), 3)
-    return Completed(code if code is not None and code <= 255 else 255, body, err)
+    """A command's result from what the session read of it (pure): stdout up to its END record
+    (`TOKEN END STATUS`, read by frames.ended), and the exit status that record says; 255 (as
+    ssh's own for a command it could not run) where it says no status of 0-255."""
+    body, code = frames.ended(out, tok)
+    return Completed(code if code is not None else 255, body, err)
 
 
 class SessionTransport:

@@ -32,20 +32,19 @@ from typing import TYPE_CHECKING
 from .. import faults
 from ..desired.spec import HostSpec, ServiceSpec
 from ..errors import HostError, ReconcilerError
-from ..host import lock
+from ..host import lock, programs
 from ..host.apply import Applied, apply_plan, fetch_model, write_gpu_fault, write_record
 from ..host.gpu import gpu_facts
 from ..host.health import Outcome, Phase, SystemdWatch, inconclusive, watch_service
 from ..host.transport import SSHTransport, Transport
 from ..plan.actions import plan_host
-from ..plan.facts import HostFacts, observe_command, parse_observation
+from ..plan.facts import HostFacts, Observe
 from ..plan.files import secret_files
 from ..plan.gpuhealth import blames_gpu, mark_note, recorded_after, start_fault
 from ..plan.model import Action, Checks, Context, HostPlan, Kind
 from ..plan.records import Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
 from ..reasons import Reason
-from ..shell import ShCommand
 from .options import Connector, RunIO, RunOptions
 from .preview import engine_check
 from .results import Event, HostResult, ServiceEvent, Step, fold, host_failure, merge_plans, running_after
@@ -64,18 +63,16 @@ def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0) ->
     return connect
 
 
-def observation(host: HostSpec, *, secrets: bool = True) -> tuple[ShCommand, str]:
-    """The command that reads everything the planner needs from the host, and its token.
-    `secrets=False`: without the keyed hashes of secret files (the one part that may write on
-    the host: its hash key, made on first use), for a read-only look."""
-    return observe_command(list(host.services), secret_files=secret_files(host) if secrets else None)
+def observation(host: HostSpec, *, secrets: bool = True) -> Observe:
+    """The program that reads everything the planner needs from the host. `secrets=False`:
+    without the keyed hashes of secret files (the one part that may write on the host: its hash
+    key, made on first use), for a read-only look."""
+    return Observe(tuple(host.services), tuple(secret_files(host)) if secrets else None)
 
 
 async def observe(t: Transport, host: HostSpec, *, secrets: bool = True) -> HostFacts:
     """Read everything the planner needs from the host, in one round trip."""
-    cmd, token = observation(host, secrets=secrets)
-    res = await t.run(cmd, check=True, timeout=30, what="observe")
-    return parse_observation(res.stdout, token, host.name)
+    return await programs.run(t, observation(host, secrets=secrets), timeout=30, what="observe")
 
 
 async def lock_and_observe(t: Transport, host: HostSpec, wait: float,
@@ -87,15 +84,15 @@ async def lock_and_observe(t: Transport, host: HostSpec, wait: float,
     look: facts read just before, without the lock. When no run held the lock while they were
     read and none took it since (its count has not moved), they are the facts under the lock
     too: the holder reads nothing, and they come back as they are."""
-    cmd, token = observation(host)
+    program = observation(host)
     since = look.lock_count if look is not None else None
-    held = await lock.acquire(t, wait=wait, then=(cmd, f"{token} END"), since=since)
+    held = await lock.acquire(t, wait=wait, then=program, since=since)
     if held.same:
         return held, look
-    if held.output is None:
+    if held.answer is None:
         return held, None
     try:
-        return held, parse_observation(held.output, token, host.name)
+        return held, program.parse(held.answer)
     except ReconcilerError:
         return held, None
 
@@ -212,14 +209,31 @@ class _HostRun:
         """Watch one service to a verdict and record it on the host at once."""
         w, name = a.watch, a.service
         assert w is not None and name is not None
-        sp = plan.services[name]
-        assert sp.target is not None
-        failure = applied.failed(name)
         since = (w.since - 300) if w.since else (applied.host_clock or time.time()) - 1
         if w.reverify:
             self.result.notes.append(f"{name}: {w.revision[:7]} has no verdict yet (a run was cut short): "
                                      f"watching it again")
         faults.hit("in-rollback-watch" if w.rollback else "in-watch")
+        out = await self._watched(a, plan, applied, since)
+        kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
+        self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
+        rec = next((r for x in plan.actions if x.kind is Kind.RECORD and x.service == name
+                    and (r := x.record) is not None), None)
+        judged = judge(rec or self._record(name), hash=w.hash, revision=w.revision, rollback=w.rollback,
+                       verdict=Verdict(out.healthy, out.reason, out.quote, out.message), now=int(time.time()),
+                       fleet=self.fleet_q.get(name))
+        unjudged = judged.record.pending is not None       # no verdict: the switch stays armed
+        await write_record(self.t, name, judged.record, stop=judged.stop, disarm=not unjudged or judged.stop)
+        faults.hit("after-verdict")
+        return self._followed(name, w.revision, out, unjudged=unjudged)
+
+    async def _watched(self, a: Action, plan: HostPlan, applied: Applied, since: float) -> Outcome:
+        """The health watch's outcome for a WATCH step, a GPU's fault blamed where it was one."""
+        w, name = a.watch, a.service
+        assert w is not None and name is not None
+        sp = plan.services[name]
+        assert sp.target is not None
+        failure = applied.failed(name)
         loading = functools.partial(self.io.on_progress, self.host.name) if self.io.on_progress else None
         out = await watch_service(self.t, name, sp.target.spec.health, baseline_restarts=w.baseline_restarts,
                                   since_epoch=since, on_phase=self._progress(),
@@ -228,32 +242,24 @@ class _HostRun:
                                   start_error=failure.message if failure else None, cancel=self.io.supersede,
                                   systemd=self.systemd, on_progress=loading)
         try:
-            out = await self._blame_gpu(out, name, w.revision, since)
+            return await self._blame_gpu(out, name, w.revision, since)
         except ReconcilerError:
             raise
         except Exception as e:        # the GPU reading raised: whose the failure was is not known
-            out = inconclusive(name, f"the GPU reading after {out.reason}", e, out.seconds)
-        kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
-        self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
-        rec = next((r for x in plan.actions if x.kind is Kind.RECORD and x.service == name
-                    and (r := x.record) is not None), None)
-        base = rec or self._record(name)
-        judged = judge(base, hash=w.hash, revision=w.revision, rollback=w.rollback,
-                       verdict=Verdict(out.healthy, out.reason, out.quote, out.message), now=int(time.time()),
-                       fleet=self.fleet_q.get(name))
-        unjudged = judged.record.pending is not None       # no verdict: the switch stays armed
-        await write_record(self.t, name, judged.record, stop=judged.stop, disarm=not unjudged or judged.stop)
-        faults.hit("after-verdict")
+            return inconclusive(name, f"the GPU reading after {out.reason}", e, out.seconds)
+
+    def _followed(self, name: str, revision: str, out: Outcome, *, unjudged: bool) -> bool:
+        """Whether the service is done with after its recorded verdict (the notes say why not)."""
         if out.reason == Reason.GPU_FAULT:
-            self.result.notes.append(f"{name}: {w.revision[:7]} not judged: {out.message}; nothing starts on this "
+            self.result.notes.append(f"{name}: {revision[:7]} not judged: {out.message}; nothing starts on this "
                                      f"host until its GPUs read healthy")
             return False
         if unjudged:
-            self.result.notes.append(f"{name}: no verdict on {w.revision[:7]} ({out.reason}: {out.message}); "
+            self.result.notes.append(f"{name}: no verdict on {revision[:7]} ({out.reason}: {out.message}); "
                                      f"starting it again")
             return False
         if out.reason == Reason.SUPERSEDED:
-            self.result.notes.append(f"{name}: {w.revision[:7]} superseded by a newer revision during its health "
+            self.result.notes.append(f"{name}: {revision[:7]} superseded by a newer revision during its health "
                                      f"wait (no verdict: neither last good nor quarantined)")
             return True         # nothing to follow up here: the newer revision's run takes over
         return out.healthy

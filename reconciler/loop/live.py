@@ -2,7 +2,7 @@
 
 The local store (controller/store.py) is the controller's memory and is empty anywhere else; the truth is
 on each host: /var/lib/reconciler/services/<name>.json and host.json (records.py). This reads
-them over SSH, every selected host at once, with facts.observe_command and no secret files (the
+them over SSH, every selected host at once, with the observation (plan/facts/observe.py) and no secret files (the
 one part of an observation that writes: the host's hash key), so it writes nothing and takes no
 lock. It never waits for a running reconcile, and never changes what one sees.
 

@@ -32,7 +32,7 @@ from ..desired.spec import HostSpec, ModelSpec, ServiceSpec
 from ..host.engine import check_engines
 from ..host.gpu import GpuFacts
 from ..host.transport import Transport
-from ..host.versions import probes_for
+from ..host.versions import reads_for
 from ..plan.actions import starting
 from ..plan.facts import HostFacts, unit_path
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
@@ -128,7 +128,7 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     # not keep the fleet from going back to it (systemd's check and the model check still apply).
     fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
     since = xid_since(facts.gpu_fault, facts.record.applied_at if facts.record else 0) if targets else None
-    versions = await _read(t, out, host, units, paths, since, probes_for(specs, rules))
+    versions = await _read(t, out, units, paths, since, reads_for(specs, rules))
     # The engine check runs after the GPUs were read, never beside: a probe that may touch a GPU
     # (engine_check = "visible") would read as a stray holder of the service's GPUs.
     verdicts = await _engines(t, out, host, fresh, engine)

@@ -14,8 +14,8 @@ Everything here is pure except the text of one shell command:
   function registered with `@builtin(id, sources=...)`; with the host's GPUs (`Hardware`) and
   the checkpoint's size also memory per GPU and quantization vs compute capability. Every
   result is a `Finding` with a rule id, the fix and the source that justifies the rule.
-* Model presence: `model_check_command(paths)` reads config.json, the safetensors index and the
-  size of every weight file in one round trip; `parse_model_check` names what is missing.
+* Model presence: `ModelCheck(paths)` (a host program) reads config.json, the safetensors index
+  and the size of every weight file in one round trip; `parse_model_check` names what is missing.
 
 What a model is ("hybrid": it keeps recurrent linear-attention / SSM state) comes from the
 model's own config.json when the caller has read it from the host (dry-run, apply), and
@@ -81,7 +81,7 @@ from ._command import Command, gpu_claim, parse_command
 from ._engine import EngineRun, EngineVerdict, engine_run_for, parse_verdict, reads_user_site
 from ._enginebox import elsewhere, probe_env, probe_properties
 from ._hardware import GpuHolder, GpuState, Hardware, weights_bytes
-from ._hostcheck import ModelFacts, model_check_command, parse_model_check
+from ._hostcheck import ModelCheck, ModelFacts, parse_model_check
 from ._models import ModelInfo, model_info
 from ._rules import Finding, RuleSet, load_rules
 from ._secrets import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems, secret_warnings
@@ -96,6 +96,7 @@ __all__ = [
     "GpuHolder",
     "GpuState",
     "Hardware",
+    "ModelCheck",
     "ModelFacts",
     "ModelInfo",
     "RuleSet",
@@ -108,7 +109,6 @@ __all__ = [
     "env_secret_warnings",
     "gpu_claim",
     "load_rules",
-    "model_check_command",
     "model_info",
     "parse_command",
     "parse_model_check",

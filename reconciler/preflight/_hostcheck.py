@@ -1,45 +1,25 @@
-"""Model presence on the host: one shell command reads every model directory, a pure parser judges it.
+"""Model presence on the host: one host program reads every model directory, a pure parser judges it.
 
-`model_check_command(paths)` reads config.json, the safetensors index and the size of every
-weight file in one round trip (POSIX sh, no python on the host); `parse_model_check` turns its
-framed output into ModelFacts, which name what is missing, empty or unreadable.
+`ModelCheck(paths)` (reconciler/sh/model-check.sh) reads config.json, the safetensors index and
+the size of every weight file in one round trip (POSIX sh, no python on the host);
+`parse_model_check` turns its answer into ModelFacts, which name what is missing, empty or
+unreadable. (Pre-flight may not import plan/: its one program and parser live here.)
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
-import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from .. import redact, shell
+from .. import redact
 from ..errors import ObserveError
-from ..frames import Frame, frames, number
-from ..shell import ShCommand
+from ..frames import Frame, HostProgram, Records, decode, number
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 SIZE_MAX = 2**60          # bytes: a size in an index beyond an exbibyte is no size we take
-
-def model_check_command(paths: list[str], token: str | None = None) -> tuple[ShCommand, str]:
-    """The POSIX sh command that reads what a completeness check needs, for each model dir
-    (reconciler/sh/model-check.sh).
-
-    Per path (a path with `*` is a pattern: its last matching directory is read, as for a
-    Hugging Face cache's snapshots/*): whether it is a directory, config.json and model.safetensors.index.json
-    (base64, one base64 process each), the size of every weight file (*.safetensors, one
-    sub-directory deep, *.bin, *.gguf; symlinks followed, as in a Hugging Face cache; one stat
-    for all of them) and the free space of its file system (one df). No python on the host, and
-    no process per file name: a name of printable ASCII without spaces comes as it is (`@name`),
-    any other name in base64. Each path is passed with its base64 form, for its P line. Returns
-    (command, token); the token frames the output.
-    """
-    token = token or secrets.token_hex(8)
-    args = [token, *(x for p in paths for x in (base64.b64encode(p.encode()).decode(), p))]
-    return ShCommand(shell.program("model-check"), "reconciler-model-check", args), token
 
 
 @dataclass(frozen=True)
@@ -82,12 +62,11 @@ class ModelFacts:
 _EARLY = "model check output ended early (is there a POSIX shell?)"
 
 
-def _b64text(payload: str, host: str) -> str:
-    if payload.startswith("@"):
-        return payload[1:]          # a name sent as it is (printable ASCII, no spaces)
+def _name(payload: str, host: str) -> str:
+    """A name as the program sends it: `@name` (printable ASCII, no spaces), else base64."""
     try:
-        return base64.b64decode(payload, validate=True).decode("utf-8", errors="replace")
-    except (binascii.Error, ValueError):
+        return decode(payload)
+    except ValueError:
         raise ObserveError(host, "malformed model check output (bad base64)") from None
 
 
@@ -139,15 +118,15 @@ def _finish(path: str, exists: bool, raw: dict[str, str], sizes: dict[str, int |
                       free_bytes=free_kb * 1024 if free_kb is not None else None)
 
 
-_ARITY = {"D": 1, "F": 2, "S": 2}     # fields of each kind after P (A: any)
+_ARITY = {"D": 1, "S": 2}     # fields of each kind after P (F: a line of a file, A: any)
 
 
 class _ModelReading:
     """parse_model_check's reading of the records: a handler per kind.
 
-    P starts a path (its name in base64), then: D whether it is a directory, F a JSON file
-    (config.json, the index: base64 and a '-'), S a weight file's size (or -) and name, A the
-    free KiB of its file system.
+    P starts a path (its name, @ or base64), then: D whether it is a directory, F a JSON file
+    (config.json, the index) line by line (`F NAME L|P TEXT`, then `F NAME E`), S a weight
+    file's size (or -) and name, A the free KiB of its file system.
     """
 
     def __init__(self, host: str) -> None:
@@ -156,12 +135,13 @@ class _ModelReading:
         self.current: str | None = None
         self.exists = False
         self.raw: dict[str, str] = {}
+        self.lines: dict[str, list[str]] = {}
         self.sizes: dict[str, int | None] = {}
         self.free_kb: int | None = None
 
     def start(self, path: str) -> None:
         self.flush()
-        self.current, self.exists, self.raw, self.sizes, self.free_kb = path, False, {}, {}, None
+        self.current, self.exists, self.raw, self.lines, self.sizes, self.free_kb = path, False, {}, {}, {}, None
 
     def flush(self) -> None:
         if self.current is not None:
@@ -170,26 +150,56 @@ class _ModelReading:
     def read(self, f: Frame) -> None:
         fields = f.line.split(" ")[2:]
         if f.kind == "P" and len(fields) == 1:
-            self.start(_b64text(fields[0], self.host))
+            self.start(_name(fields[0], self.host))
+        elif f.kind == "F" and self.current is not None and len(fields) >= 2:
+            self.file(f, *f.fields(2))
         elif self.current is None or not (f.kind == "A" or _ARITY.get(f.kind) == len(fields)):
             raise ObserveError(self.host, f"malformed model check line: {redact.clip(f.line, 80)!r}")
         elif f.kind == "D":
             self.exists = fields[0] == "1"
-        elif f.kind == "F":
-            # The payload ends with '-' so that an empty file still gives a field.
-            name, payload = fields
-            self.raw[name] = _b64text(payload[:-1], self.host) if payload != "-" else ""
         elif f.kind == "S":
             size, name = fields
-            self.sizes[_b64text(name, self.host)] = number(size)
+            self.sizes[_name(name, self.host)] = number(size)
         else:
             self.free_kb = number(fields[0]) if len(fields) == 1 else None
 
+    def file(self, f: Frame, name: str, rest: str) -> None:
+        """A line of a JSON file: `L TEXT` (a line), `P TEXT` (a last line without its newline),
+        `E` (the file ends)."""
+        op, _, text = rest.partition(" ")
+        if op in ("L", "P"):
+            self.lines.setdefault(name, []).append(text + "\n" if op == "L" else text)
+        elif op == "E":
+            self.raw[name] = "".join(self.lines.pop(name, []))
+        else:
+            raise ObserveError(self.host, f"malformed model check line: {redact.clip(f.line, 80)!r}")
+
 
 def parse_model_check(stdout: str, token: str, host: str = "?") -> dict[str, ModelFacts]:
-    """Parse the output of `model_check_command` into {path: ModelFacts} (pure)."""
+    """Parse the answer of model-check.sh (ModelCheck) into {path: ModelFacts} (pure)."""
     reading = _ModelReading(host)
-    for f in frames(stdout, token, host, early=_EARLY):
+    for f in Records(stdout, token, host).whole(_EARLY):
         reading.read(f)
     reading.flush()
     return reading.out
+
+
+@dataclass(frozen=True)
+class ModelCheck(HostProgram[dict[str, ModelFacts]]):
+    """reconciler/sh/model-check.sh for these model directories: per path (a path with `*` is a
+    pattern: its last matching directory is read, as for a Hugging Face cache's snapshots/*)
+    whether it is a directory, config.json and model.safetensors.index.json (line by line,
+    builtins only), the size of every weight file (*.safetensors, one sub-directory deep, *.bin,
+    *.gguf; symlinks followed, as in a Hugging Face cache; one stat for all of them) and the free
+    space of its file system (one df)."""
+
+    name: ClassVar[str] = "model-check"
+    constants: ClassVar[Mapping[str, str]] = {"CONFIG_FILE": CONFIG_FILE, "INDEX_FILE": INDEX_FILE}
+    paths: Sequence[str]
+
+    def params(self) -> Mapping[str, Sequence[str]]:
+        # a path with a line break (none the desired state lets through) is not read: unchecked
+        return {"path": [p for p in self.paths if "\n" not in p and "\r" not in p]}
+
+    def parse(self, answer: Records) -> dict[str, ModelFacts]:
+        return parse_model_check(answer.stdout, answer.token, answer.host)

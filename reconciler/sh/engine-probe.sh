@@ -1,17 +1,17 @@
 #!/bin/sh
-# Ask the installed engine about a unit's command line (reconciler/host/engine.py:
-# engine_command builds this, read_answer reads it). The probe (reconciler/engines/*_probe.py)
+# Ask the installed engine about a unit's command line (reconciler/host/engine.py: EngineProbe
+# runs this, read_answer reads it). The probe (reconciler/engines/probe.py and its adapters)
 # runs with the unit's own interpreter, isolated (`python -I`: no PYTHON* variable, no user
 # site, no current directory), under systemd-run with the unit's identity and sandbox and the
 # probe's own (the properties come from preflight/_enginebox.py), an allowlisted environment,
 # bounded memory, time, tasks and output, lowest CPU and I/O priority, no network, no hub
 # downloads and (MODE hidden) no GPU visible, the host's GPU facts passed in instead.
 #
-#   engine-probe.sh TOKEN [ARG]...        ARG: the server's own arguments
-#
-# stdin: a header of NAME=value lines, one per line, ended by an empty line, then the service's
-# environment as an env file (NAME="value" lines, already allowlisted by the controller; never
-# on a command line, where other users could read it). Header names:
+# stdin: named parameters, NAME=value lines, one per line, ended by an empty line, then the
+# service's environment as an env file (`env` lines of NAME="value", already allowlisted by the
+# controller; never on a command line, where other users could read it). Parameters:
+#   token     the token of its records            arg       one of the server's own arguments
+#   env       how many lines the environment has            (repeated, in order)
 #   interp    the unit's interpreter              probe     the probe program, base64
 #   user      the unit's User= (may be empty)     mem, secs MemoryMax=, RuntimeMaxSec=
 #   mode      hidden | visible                    model     the model directory (its config.json)
@@ -31,20 +31,20 @@
 # U UID GID MODE PATH_BASE64 (the check refuses: that path, or a directory above it, is writable
 # by someone other than root or the unit's user), or S STAMP, then either C (the cached answer
 # stands) or R EXIT_STATUS, O STDOUT_BASE64, E STDERR_TAIL_BASE64; the last line is "TOKEN END".
-SLICE_BYTES=65536
-ENV_FILE_BYTES=1048576
-ENV_ALLOW='SGLANG_* SGL_* VLLM_* CUDA_* HF_* HUGGING_FACE_* TRANSFORMERS_* TORCH_* TORCHINDUCTOR_* PYTORCH_* TRITON_* NCCL_* NVIDIA_* FLASHINFER_* OMP_NUM_THREADS MKL_NUM_THREADS'
-ENV_DENY='*PATH* *PLUGIN* *TOKEN* *KEY* *SECRET* *PASSWORD* *PASSWD* *CREDENTIAL* HF_MODULES_CACHE'
+# Constants (the sender's: host/engine.py, preflight/_enginebox.py): SLICE_BYTES, ENV_FILE_BYTES,
+# ENV_ALLOW, ENV_DENY.
 
-T=$1
-shift
 set -f        # nothing the unit names is globbed; the globs below are turned on where meant
 nl='
 '
+T='' args='' nenv=0 envtext=''
 interp='' probe='' user='' mem='' secs='' mode='' model='' cached='' stage='' usersite=1 pypath='' files='' props=''
 while IFS= read -r line && [ -n "$line" ]; do
   v=${line#*=}
   case $line in
+    token=*) T=$v ;;
+    arg=*) args=$args$v$nl ;;
+    env=*) nenv=$v ;;
     interp=*) interp=$v ;;
     probe=*) probe=$v ;;
     user=*) user=$v ;;
@@ -60,7 +60,12 @@ while IFS= read -r line && [ -n "$line" ]; do
     prop=*) props=$props$v$nl ;;
   esac
 done
+# The environment, read now, whatever the answer (a batch's next program reads the lines after it)
+case $nenv in ''|*[!0-9]*) nenv=0 ;; esac
+while [ "$nenv" -gt 0 ] && IFS= read -r line; do envtext=$envtext$line$nl; nenv=$((nenv - 1)); done
 IFS=$nl       # every list below is one item a line
+set --        # the server's own arguments, in order (an empty one kept)
+while [ -n "$args" ]; do set -- "$@" "${args%%"$nl"*}"; args=${args#*"$nl"}; done
 bin=${interp%/*}
 pkg=${stage%%/*}
 
@@ -266,7 +271,7 @@ for f in $files; do
   [ -r "$f" ] || continue
   head -c "$ENV_FILE_BYTES" -- "$f" | keep >> "$dir/env"
 done
-cat >> "$dir/env"
+printf '%s' "$envtext" >> "$dir/env"
 # The probe's home is its private /tmp (the engine creates caches there: ~/.cache, ~/.triton),
 # so the Hugging Face cache stays where the unit's user has it, unless the unit says where.
 hf=

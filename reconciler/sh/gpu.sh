@@ -1,33 +1,33 @@
 #!/bin/sh
-# Who holds the GPUs, and is their memory free (reconciler/host/gpu.py: gpu_command runs this,
-# parse_gpu reads it).
+# Who holds the GPUs, and is their memory free (reconciler/plan/facts/gpu.py: GpuRead runs
+# this, parse_gpu reads it).
 #
-#   gpu.sh TOKEN DEVICE_PREFIX [SINCE]
+# stdin, named parameters (one a line, then an empty line): token; prefix (the device nodes'
+# path prefix, /dev/nvidia); since (absent: no health read).
 #
-# Every process with a DEVICE_PREFIX* node (/dev/nvidia*) open, from /proc (no fuser): its pid,
+# Every process with a PREFIX* node (/dev/nvidia*) open, from /proc (no fuser): its pid,
 # comm, cgroup and nodes; and where nvidia-smi exists, each GPU's memory and the compute
-# processes with theirs. With SINCE (host epoch seconds, 0: this boot) the GPUs' health too,
+# processes with theirs. With since (host epoch seconds, 0: this boot) the GPUs' health too,
 # without a CUDA context (reconciler/plan/gpuhealth.py reads it): the sections of
 # `nvidia-smi -q` that say it (HEALTH_SECTIONS, and any line saying a GPU is lost), the kernel
-# log's entries since SINCE whose message opens with the driver's Xid report (`journalctl -k -o
+# log's entries since then whose message opens with the driver's Xid report (`journalctl -k -o
 # json`: the kernel's own messages, as journald read them from /dev/kmsg, one entry a line with
 # its message a field apart, so a quoted report or an embedded newline cannot pass for one;
 # xids below; reconciler/plan/xid.py reads each again), and DCGM's health watches where dcgmi is
 # installed.
 # Each record is a line "TOKEN KIND ...", the last "TOKEN END".
-GPU_FIELDS=index,uuid,memory.used,memory.total,compute_cap
-# nvidia-smi before compute_cap was a field (drivers older than 510) refuses the whole query:
-# then these, and the compute capability is unknown.
-OLD_GPU_FIELDS=index,uuid,memory.used,memory.total
-APP_FIELDS=pid,process_name,used_memory,gpu_uuid
-SMI_FORMAT=csv,noheader,nounits
-HEALTH_SECTIONS='|ECC Errors|Retired Pages|Remapped Rows|GPU Reset Status|GPU Recovery Action|'
-XID_LINES=20
-XID_MATCH='^NVRM: Xid \('
-XID_FIELDS=MESSAGE,_TRANSPORT,SYSLOG_FACILITY
-XID_GREP='"MESSAGE" ?: ?"NVRM: Xid \('
-
-T=$1 PREFIX=$2 SINCE=${3:--}
+# Constants (the sender's, plan/facts/gpu.py): GPU_FIELDS, OLD_GPU_FIELDS (nvidia-smi before
+# compute_cap was a field, drivers older than 510, refuses the whole query: then these, and the
+# compute capability is unknown), APP_FIELDS, SMI_FORMAT, HEALTH_SECTIONS, XID_LINES, XID_MATCH,
+# XID_FIELDS, XID_GREP.
+T='' PREFIX=/dev/nvidia SINCE=-
+while IFS= read -r l && [ -n "$l" ]; do
+  case $l in
+    token=*) T=${l#token=} ;;
+    prefix=*) PREFIX=${l#prefix=} ;;
+    since=*) SINCE=${l#since=} ;;
+  esac
+done
 nl='
 '
 enc() {  # file -> e: @ and its one line when that is printable ASCII without spaces, else the

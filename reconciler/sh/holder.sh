@@ -1,36 +1,40 @@
 #!/bin/sh
 # shellcheck source-path=SCRIPTDIR
 # reconciler: the holder of a run's host lock (host/lock.py). Installed once per host by content
-# (/var/lib/reconciler/bin/<sha>.sh) and started by each run that changes the host, over its own
-# SSH connection, for the whole host run: it lives exactly as long as the controller's hold on
-# the host. It takes `flock` on $LOCK (waiting at most $1 seconds; else says BUSY and who holds
-# it), counts itself in $COUNT and names itself in $OWNER before anything changes, says
-# LOCKED, runs the run's first command (its observation under the lock) unless the count was
-# still the one the run's look saw ($2: it says `same`), then keeps the lock while the run
-# talks to it: where bash exists, as the run's command loop (session.sh, sourced: one shell for
-# the whole host run), else reading heartbeats with `timeout head` (two processes each).
+# (/var/lib/reconciler/bin/<sha>.sh) and started by each run that changes the host (launch.sh),
+# over its own SSH connection, for the whole host run: it lives exactly as long as the
+# controller's hold on the host. It takes `flock` on $LOCK (waiting at most `wait` seconds; else
+# says BUSY and who holds it), counts itself in $COUNT and names itself in $OWNER before anything
+# changes, says LOCKED, runs the run's first program (its observation under the lock) unless the
+# count was still the one the run's look saw (`since`: it says `same`), then keeps the lock while
+# the run talks to it: where bash exists, as the run's command loop (session.sh, sourced: one
+# shell for the whole host run), else reading heartbeats with `timeout head` (two processes each).
 #
 # As it lets go (EOF, a signal, $IDLE seconds of silence) it empties the owner file and arms
 # the dead-man's switch of every deploy on the host that got no verdict (plan/confirm.py): the
 # controller went.
 #
-#   holder.sh WAIT SINCE OWNER SESSION [PROGRAM ARGS...]
-#     WAIT     seconds to wait for the lock
-#     SINCE    the lock's count as the run's look saw it ("" when it looked at none)
-#     OWNER    who this run is (host name, PID, start time: no secrets)
-#     SESSION  the path of session.sh (installed beside it)
-#     PROGRAM  a program run once the lock is held (the observation), with its ARGS
+# stdin, named parameters (one a line, then an empty line):
+#   token    the token of its records: "TOKEN LOCKED [bash] [same]", "TOKEN BUSY OWNER-LINE"
+#   wait     seconds to wait for the lock
+#   since    the lock's count as the run's look saw it (absent: it looked at none)
+#   owner    who this run is (host name, PID, start time: no secrets)
+#   session  the path of session.sh (installed beside it)
+#   then     a program run once the lock is held (the observation): it reads its own parameters
+#            from the same stdin, which follow these (skipped when it does not run)
+# Constants (the sender's, from reconciler/plan/layout.py): LOCK, COUNT, OWNER, CONFIRM, REARM, IDLE.
 set -u
-D=/var/lib/reconciler
-LOCK=$D/.lock
-COUNT=$D/.lock.count
-OWNER=$D/.lock.owner
-CONFIRM=$D/confirm
-REARM=$D/rearm-switches.sh
-IDLE=30
-
-wait_s=$1 since=$2 owner=$3 session=$4
-shift 4
+T='' wait_s=0 since='' me='' session='' then=''
+while IFS= read -r l && [ -n "$l" ]; do
+  case $l in
+    token=*) T=${l#token=} ;;
+    wait=*) wait_s=${l#wait=} ;;
+    since=*) since=${l#since=} ;;
+    owner=*) me=${l#owner=} ;;
+    session=*) session=${l#session=} ;;
+    then=*) then=${l#then=} ;;
+  esac
+done
 
 let_go() {
   : > "$OWNER"
@@ -42,10 +46,11 @@ let_go() {
   fi
 }
 
-{ [ -d "$D" ] || mkdir -p "$D"; } && exec 9>>"$LOCK" || exit 1
+{ [ -d "${LOCK%/*}" ] || mkdir -p "${LOCK%/*}"; } && exec 9>>"$LOCK" || exit 1
 if ! flock -w "$wait_s" 9; then
-  echo BUSY
-  cat "$OWNER" 2>/dev/null
+  who=
+  { read -r who < "$OWNER"; } 2>/dev/null
+  printf '%s BUSY %s\n' "$T" "$who"
   exit 0
 fi
 # counted before it changes anything: a look that saw this count and finds it unmoved stands
@@ -55,14 +60,16 @@ case $g in ''|*[!0-9]*) n=1 ;; *) n=$((g + 1)) ;; esac
 { echo "$n" > "$COUNT"; } 2>/dev/null || rm -f "$COUNT"
 same=
 [ -z "$since" ] || [ "$g" != "$since" ] || same=same
-printf '%s\n' "$owner" > "$OWNER"
+printf '%s\n' "$me" > "$OWNER"
 shell=
 [ -z "${BASH_VERSION:-}" ] || [ ! -f "$session" ] || shell=bash
-echo LOCKED $shell $same
-if [ -z "$same" ] && [ $# -gt 0 ]; then
-  prog=$1
-  shift
-  (sh "$prog" "$@") </dev/null 2>/dev/null
+printf '%s LOCKED %s %s\n' "$T" "$shell" "$same"
+if [ -n "$then" ]; then
+  if [ -z "$same" ]; then
+    (sh "$then") 2>/dev/null      # it reads its own parameters, the lines after these
+  else
+    while IFS= read -r l && [ -n "$l" ]; do :; done      # not run: its parameters are skipped
+  fi
 fi
 if [ -n "$shell" ]; then
   # shellcheck source=session.sh

@@ -1,21 +1,24 @@
 #!/bin/sh
-# What a model directory holds (reconciler/preflight/_hostcheck.py: model_check_command runs
-# this, parse_model_check reads it). POSIX sh, no python on the host.
+# What a model directory holds (reconciler/preflight/_hostcheck.py: ModelCheck runs this,
+# parse_model_check reads it). POSIX sh, no python on the host.
 #
-#   model-check.sh TOKEN [PATH_BASE64 PATH]...
+# stdin, named parameters (one a line, then an empty line): token; path (repeated; one with `*`
+# is a pattern: its last matching directory, as a Hugging Face cache's snapshots/*).
 #
-# Per PATH (one with `*` is a pattern: its last matching directory, as a Hugging Face cache's
-# snapshots/*): whether it is a directory, CONFIG_FILE and INDEX_FILE in base64, the size of
-# every weight file (one stat for all) and the free space of its file system (one df). A name
-# of printable ASCII without spaces comes as it is (@name), any other in base64. Each record
-# is a line "TOKEN KIND ...", the last "TOKEN END".
-CONFIG_FILE=config.json
-INDEX_FILE=model.safetensors.index.json
-
-T=$1
-shift
+# Per path: "P NAME", whether it is a directory (D), CONFIG_FILE and INDEX_FILE line by line
+# (F NAME L|P TEXT, then F NAME E: builtins only, no process per file), the size of every weight
+# file (one stat for all) and the free space of its file system (one df). A name of printable
+# ASCII without spaces comes as it is (@name), any other in base64. Each record is a line
+# "TOKEN KIND ...", the last "TOKEN END". Constants (the sender's): CONFIG_FILE, INDEX_FILE.
+T='' paths=''
 nl='
 '
+while IFS= read -r l && [ -n "$l" ]; do
+  case $l in
+    token=*) T=${l#token=} ;;
+    path=*) paths=$paths${l#path=}$nl ;;
+  esac
+done
 # One file's size: stat, else wc (only when the one stat in weights() does not line up).
 size() { stat -L -c %s -- "$1" 2>/dev/null || wc -c < "$1" 2>/dev/null | tr -d ' '; }
 name() {  # a name as an S line carries it: @ and the name when printable ASCII without spaces, else base64
@@ -68,9 +71,17 @@ free() {  # path: the free KiB of its file system (df's "Available"), or nothing
     *) a= ;;
   esac
 }
-while [ $# -gt 1 ]; do        # pairs: the path in base64 (for the P line), the path
-  enc=$1; p=$2; shift 2
-  printf '%s P %s\n' "$T" "$enc"
+emit() {  # name file: each line after "$T F name L ", a last line without its newline as P, then E
+  l=
+  while IFS= read -r l; do printf '%s F %s L %s\n' "$T" "$1" "$l"; done < "$2"
+  [ -z "$l" ] || printf '%s F %s P %s\n' "$T" "$1" "$l"
+  printf '%s F %s E\n' "$T" "$1"
+}
+IFS=$nl; set -f
+for p in $paths; do
+  unset IFS; set +f
+  name "$p"
+  printf '%s P %s\n' "$T" "$n"
   d=$p
   case "$p" in *"*"*)   # a pattern (a Hugging Face cache's snapshots/*): its last directory
     for g in $p; do [ -d "$g" ] && d=$g; done ;;
@@ -78,9 +89,7 @@ while [ $# -gt 1 ]; do        # pairs: the path in base64 (for the P line), the 
   if [ -d "$d" ]; then
     printf '%s D 1\n' "$T"
     for f in "$CONFIG_FILE" "$INDEX_FILE"; do
-      if [ -f "$d/$f" ]; then
-        printf '%s F %s %s\n' "$T" "$f" "$(base64 -w0 < "$d/$f")-"
-      fi
+      [ ! -f "$d/$f" ] || emit "$f" "$d/$f"
     done
     weights "$d"
   else
@@ -92,5 +101,7 @@ while [ $# -gt 1 ]; do        # pairs: the path in base64 (for the P line), the 
   done
   free "$q"
   printf '%s A %s\n' "$T" "$a"
+  IFS=$nl; set -f
 done
+unset IFS; set +f
 printf '%s END\n' "$T"

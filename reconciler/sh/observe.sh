@@ -1,8 +1,6 @@
 #!/bin/sh
-# What the planner reads from a host, in one round trip (reconciler/plan/facts.py:
-# observe_command runs this, parse_observation reads it).
-#
-#   observe.sh TOKEN [SERVICE...] [-- SECRET_FILE...]
+# What the planner reads from a host, in one round trip (reconciler/plan/facts/observe.py:
+# Observe runs this, parse_observation reads it).
 #
 # For every SERVICE and every service in the inventory: the unit file, our env drop-in, the env
 # file, the record, every drop-in systemd would apply, and `systemctl show`; the host record
@@ -10,19 +8,21 @@
 # the lock's count, stale temp files, and a keyed hash of each SECRET_FILE (never its content).
 # Each record is a line "TOKEN KIND ...", the last "TOKEN END": TOKEN is random per run, so no
 # file's content can forge a record. Builtins only per file: no process per file.
-D=/var/lib/reconciler
-LOCK=$D/.lock
-COUNT=$D/.lock.count
-OWNER=$D/.lock.owner
-CONFIRM=$D/confirm
-UNIT_DIR=/etc/systemd/system
-ENV_DIR=/etc/reconciler/env
-ENV_DROPIN=50-reconciler-env.conf
-DROPIN_DIRS="/etc/systemd/system.control /run/systemd/system.control /run/systemd/transient /etc/systemd/system /run/systemd/system"
-SHOW_PROPS=Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,ExecMainPID,InvocationID,NeedDaemonReload,FragmentPath,DropInPaths,UnitFileState,ActiveEnterTimestampMonotonic
-
-T=$1
-shift
+#
+# stdin, named parameters (one a line, then an empty line): token, service (repeated), secret
+# (repeated: a file whose keyed hash is asked for; none asked: nothing is written).
+# Constants (the sender's, from reconciler/plan/layout.py): D, LOCK, COUNT, OWNER, CONFIRM,
+# UNIT_DIR, ENV_DIR, ENV_DROPIN, DROPIN_DIRS, SHOW_PROPS, KEY, TEMP.
+NL='
+'
+T='' names=' ' secrets=''
+while IFS= read -r l && [ -n "$l" ]; do
+  case $l in
+    token=*) T=${l#token=} ;;
+    service=*) names="$names${l#service=} " ;;
+    secret=*) secrets=$secrets${l#secret=}$NL ;;
+  esac
+done
 # The lock's count: 0 where the lock was never taken, - where it cannot be trusted: a holder
 # has the lock (its owner file says who), an armed dead-man's switch may fire at any moment, or
 # the lock was taken but its count is gone (a holder could not write it).
@@ -31,23 +31,22 @@ if [ -f "$COUNT" ]; then read -r g < "$COUNT" || :; elif [ ! -e "$LOCK" ]; then 
 [ ! -s "$OWNER" ] || g=-
 for f in "$CONFIRM"/*.sh; do [ ! -e "$f" ] || g=-; done
 printf '%s G %s\n' "$T" "${g:--}"
-for f in "$UNIT_DIR"/.reconciler-tmp.* "$UNIT_DIR"/*.service.d/.reconciler-tmp.* "$ENV_DIR"/.reconciler-tmp.* \
-         "$D"/.reconciler-tmp.* "$D"/*/.reconciler-tmp.* "$D"/credstore/*/.reconciler-tmp.*; do
+for f in "$UNIT_DIR/$TEMP".* "$UNIT_DIR"/*.service.d/"$TEMP".* "$ENV_DIR/$TEMP".* \
+         "$D/$TEMP".* "$D"/*/"$TEMP".* "$D"/credstore/*/"$TEMP".*; do
   [ -e "$f" ] || [ -L "$f" ] || continue
   printf '%s T %s\n' "$T" "$(printf '%s' "$f" | base64 -w0)"
 done
-names=" "
-while [ $# -gt 0 ]; do [ "$1" = -- ] && { shift; break; }; names="$names$1 "; shift; done
-if [ $# -gt 0 ]; then
-  # files that hold secrets ("$@"): a keyed hash of each, never the content
-  K="$D/secret.key"
-  if [ ! -s "$K" ]; then
-    mkdir -p "$D" && chmod 0700 "$D" && (umask 077; head -c 32 /dev/urandom | base64 > "$K.tmp" && mv -f "$K.tmp" "$K")
+if [ -n "$secrets" ]; then
+  # files that hold secrets: a keyed hash of each, never the content
+  if [ ! -s "$KEY" ]; then
+    mkdir -p "$D" && chmod 0700 "$D" && (umask 077; head -c 32 /dev/urandom | base64 > "$KEY.tmp" && mv -f "$KEY.tmp" "$KEY")
   fi
-  for f in "$@"; do
-    h=-; [ -f "$f" ] && h=$(cat "$K" "$f" | sha256sum | cut -c1-32)
+  IFS=$NL; set -f
+  for f in $secrets; do
+    h=-; [ -f "$f" ] && h=$(cat "$KEY" "$f" | sha256sum | cut -c1-32)
     printf '%s K %s %s\n' "$T" "$(printf '%s' "$f" | base64 -w0)" "$h"
   done
+  unset IFS; set +f
 fi
 emit() {  # kind name path: each line of the file after "$T kind name L ", a last line without its
   # newline as P, then F; or "-" when there is no such file. Builtins only: no process per file.
@@ -58,8 +57,6 @@ emit() {  # kind name path: each line of the file after "$T kind name L ", a las
     printf '%s %s %s F\n' "$T" "$1" "$2"
   else printf '%s %s %s -\n' "$T" "$1" "$2"; fi
 }
-NL='
-'
 
 for f in "$D"/services/*.json; do
   [ -e "$f" ] || continue

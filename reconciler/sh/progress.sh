@@ -1,9 +1,10 @@
 #!/bin/sh
 # The new journal lines of services being started, for their load progress
-# (reconciler/host/progress.py: tail_command runs this, parse_tail reads it). It runs in the
+# (reconciler/plan/facts/progress.py: JournalTail runs this, parse_tail reads it). It runs in the
 # health watch's round trip, just before its `systemctl show`.
 #
-#   progress.sh TOKEN [INVOCATION CURSOR]...
+# stdin, named parameters (one a line, then an empty line): token; read (repeated: "INVOCATION
+# CURSOR", CURSOR - where none was read yet).
 #
 # Per invocation of a service, its own processes' lines only (systemd's are not): "TOKEN U
 # INVOCATION", then "TOKEN L TEXT" a line: the lines after CURSOR ("-": none read yet, so its
@@ -13,20 +14,26 @@
 # could be the end of a secret that the controller's redaction would no longer see whole; at
 # most MAX_BYTES in all (a line that this cuts at the front loses its token: it is no record).
 # journalctl's own last line "-- cursor: C" says where the next read starts. The last line is
-# "TOKEN END".
-LINES=200
-LINE_MAX=2000
-MAX_BYTES=32768
-
-T=$1
-shift
+# "TOKEN END". Constants (the sender's): LINES, LINE_MAX, MAX_BYTES.
+T='' reads=''
+nl='
+'
+while IFS= read -r l && [ -n "$l" ]; do
+  case $l in
+    token=*) T=${l#token=} ;;
+    read=*) reads=$reads${l#read=}$nl ;;
+  esac
+done
 LC_ALL=C         # awk and tail count bytes
 export LC_ALL
-while [ $# -ge 2 ]; do
-  printf '%s U %s\n' "$T" "$1"
+IFS=$nl
+set -f
+for r in $reads; do
+  inv=${r%% *} cursor=${r#* }
+  printf '%s U %s\n' "$T" "$inv"
   after=
-  [ "$2" = - ] || after=--after-cursor=$2
-  journalctl "_SYSTEMD_INVOCATION_ID=$1" ${after:+"$after"} -n "$LINES" -o cat --show-cursor --no-pager \
+  [ "$cursor" = - ] || after=--after-cursor=$cursor
+  journalctl "_SYSTEMD_INVOCATION_ID=$inv" ${after:+"$after"} -n "$LINES" -o cat --show-cursor --no-pager \
       2>/dev/null \
     | awk -v t="$T" -v m="$LINE_MAX" '{
         if (length($0) > m) {
@@ -36,6 +43,5 @@ while [ $# -ge 2 ]; do
         }
         print t " L " $0 }' \
     | tail -c "$MAX_BYTES"
-  shift 2
 done
 printf '%s END\n' "$T"

@@ -1,37 +1,65 @@
 #!/bin/sh
-# systemd's own check of the units about to be written (reconciler/loop/checks.py:
-# verify_command runs this, parse_verify reads it): `systemd-analyze verify` on a copy of each,
-# under a throw-away name in a private directory, so no live drop-in of the real unit mixes in.
+# systemd's own check of the units about to be written (reconciler/plan/facts/verify.py: Verify
+# runs this, parse_verify reads it): `systemd-analyze verify` on a copy of each, under a
+# throw-away name in a private directory, so no live drop-in of the real unit mixes in.
 #
-#   verify.sh TOKEN    < RANDOM TEMPNAME-WITH-DROPIN...
-#                        SERVICE TEMPNAME UNIT_LINES ENV_LINES, then those lines...
+# stdin, named parameters (one a line, then an empty line): token; dir (a random suffix of the
+# private directory); unit (repeated: "SERVICE TEMPNAME UNIT_LINES ENV_LINES", ENV_LINES - where
+# there is no env drop-in). Then the payload: each unit's lines, then its drop-in's, in that
+# order (never on a command line); the shell writes them byte for byte. Every line is read
+# before this program ends (a batch's next program reads the lines after them).
 #
-# The texts come on stdin as counted lines (never on a command line) and the shell writes them
-# byte for byte. Per service: systemd-analyze's output (O lines, or one B line in base64) and
-# "TOKEN V SERVICE EXIT_STATUS"; "TOKEN V - -" where there is no systemd-analyze. The last
-# line is "TOKEN END".
-ENV_DROPIN=50-reconciler-env.conf
-
-T=$1
+# Per service: systemd-analyze's output (O lines, or one B line in base64) and "TOKEN V SERVICE
+# EXIT_STATUS"; "TOKEN V - -" where there is no systemd-analyze. The last line is "TOKEN END".
+# Constants (the sender's): ENV_DROPIN.
+T='' r='' units=''
 nl='
 '
-command -v systemd-analyze >/dev/null 2>&1 || { printf '%s V - -\n' "$T"; printf '%s END\n' "$T"; exit 0; }
-# stdin, first line: a random directory suffix, then the temp names that get a drop-in directory.
-# One mkdir makes them all (mode 700; the name is on no command line before mkdir runs).
-read -r r dropins || exit 1
+while IFS= read -r l && [ -n "$l" ]; do
+  case $l in
+    token=*) T=${l#token=} ;;
+    dir=*) r=${l#dir=} ;;
+    unit=*) units=$units${l#unit=}$nl ;;
+  esac
+done
 dir=/tmp/reconciler-verify.$r
+# The private directory (mode 700) and, for each unit with an env drop-in, its drop-in directory:
+# one mkdir for all of them (the name is on no command line before mkdir runs).
 set -f
 set -- "$dir"
-for t in $dropins; do set -- "$@" "$dir/$t.service.d"; done
+IFS=$nl
+for u in $units; do
+  IFS=' ' read -r _ tmpname _ nenv <<EOF
+$u
+EOF
+  [ "$nenv" = - ] || set -- "$@" "$dir/$tmpname.service.d"
+done
+unset IFS
 set +f
-mkdir -m 700 -- "$@" || exit 1
-trap 'rm -rf "$dir"' EXIT
+have=1 ok=1
+command -v systemd-analyze >/dev/null 2>&1 || have='' ok=''
+if [ -n "$have" ]; then
+  mkdir -m 700 -- "$@" || ok=
+  [ -z "$ok" ] || trap 'rm -rf "$dir"' EXIT
+fi
 put() {  # file count: copy count lines of stdin into file, the last without a newline (exact bytes)
   n=$2
   { IFS= read -r l; printf '%s' "$l"
     while [ "$n" -gt 1 ]; do IFS= read -r l; printf '\n%s' "$l"; n=$((n - 1)); done; } > "$1"
 }
-while read -r svc tmpname nunit nenv; do
+skip() {  # count: read past count lines of stdin
+  n=$1
+  while [ "$n" -gt 0 ]; do IFS= read -r _; n=$((n - 1)); done
+}
+IFS=$nl
+for u in $units; do
+  unset IFS
+  read -r svc tmpname nunit nenv <<EOF
+$u
+EOF
+  if [ -z "$ok" ]; then
+    skip "$nunit"; [ "$nenv" = - ] || skip "$nenv"; IFS=$nl; continue
+  fi
   put "$dir/$tmpname.service" "$nunit"
   [ "$nenv" = - ] || put "$dir/$tmpname.service.d/$ENV_DROPIN" "$nenv"
   # Only this unit's own findings (--recursive-errors=no, systemd 250+: a fifth of the time, and
@@ -49,5 +77,8 @@ while read -r svc tmpname nunit nenv; do
        unset IFS; set +f ;;
   esac
   printf '%s V %s %s\n' "$T" "$svc" "$rc"
+  IFS=$nl
 done
+unset IFS
+if [ -z "$have" ]; then printf '%s V - -\n' "$T"; elif [ -z "$ok" ]; then exit 1; fi
 printf '%s END\n' "$T"

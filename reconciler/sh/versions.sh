@@ -1,14 +1,15 @@
 #!/bin/sh
-# Which sglang or vllm a service's own interpreter has (reconciler/host/versions.py:
-# probe_command runs this, parse_probe reads it). Read from the files, never asked of python:
+# Which sglang or vllm a service's own interpreter has (reconciler/plan/facts/versions.py:
+# Versions runs this, parse_versions reads it). Read from the files, never asked of python:
 # nothing of the unit (its interpreter, its search path, its environment) is run.
 #
-#   versions.sh TOKEN [SERVICE EXECUTABLE MODULE PYTHONPATH USER USERSITE]...
+# stdin, named parameters (one a line, then an empty line): token; then per service, in this
+# order: service, exe (the interpreter, or a console script whose shebang names it), module
+# (sglang | vllm), pythonpath (the unit's PYTHONPATH), user (the unit's User=: its home holds the
+# user's site directory; empty: root), usersite (1 when the interpreter reads that directory).
 #
 # Per service: "TOKEN V SERVICE @VERSION", or "TOKEN V SERVICE -" when it is unknown. The last
-# line is "TOKEN END". EXECUTABLE: the interpreter, or a console script whose shebang names it.
-# USER: the unit's User= (its home holds the user's site directory; empty: root). USERSITE: 1
-# when the interpreter reads the user's site directory.
+# line is "TOKEN END".
 #
 # The version is that of the package the interpreter would import: the first directory in its
 # import order (PYTHONPATH; the user's site directory; its own site-packages; the system's
@@ -17,8 +18,6 @@
 # (MODULE-*.dist-info/METADATA: its Version: line) or the package itself (MODULE/__init__.py:
 # its `__version__ = "..."` line, read as text). Builtins only: no process.
 
-T=$1
-shift
 set -f          # nothing given is globbed; the globs below are turned on where meant
 
 home_of() {  # a user's home (from /etc/passwd; empty when it has none there)
@@ -69,7 +68,7 @@ site() {  # a site directory, then the directories its .pth files name
   done
 }
 
-probe() {  # service executable module pythonpath user usersite
+version_of() {  # service executable module pythonpath user usersite
   exe=$2 mod=$3 ver=''
   case "$exe" in /*) ;; *) exe=$(command -v "$exe" 2>/dev/null) || { printf '%s V %s -\n' "$T" "$1"; return; } ;; esac
   py=$exe
@@ -126,8 +125,16 @@ probe() {  # service executable module pythonpath user usersite
   esac
 }
 
-while [ $# -ge 6 ]; do
-  probe "$1" "$2" "$3" "$4" "$5" "$6"
-  shift 6
+T='' svc='' exe='' mod='' pypath='' usr='' site1=''
+while IFS= read -r l && [ -n "$l" ]; do
+  case $l in
+    token=*) T=${l#token=} ;;
+    service=*) svc=${l#service=} ;;
+    exe=*) exe=${l#exe=} ;;
+    module=*) mod=${l#module=} ;;
+    pythonpath=*) pypath=${l#pythonpath=} ;;
+    user=*) usr=${l#user=} ;;
+    usersite=*) site1=${l#usersite=}; version_of "$svc" "$exe" "$mod" "$pypath" "$usr" "$site1" ;;
+  esac
 done
 printf '%s END\n' "$T"

@@ -17,7 +17,7 @@ from reconciler.controller.store import Store
 from reconciler.controller.web import view
 from reconciler.controller.web.app import create_app
 from reconciler.controller.web.hub import Hub, PhaseInfo
-from reconciler.host.progress import GRAPHS, READY, WEIGHTS, LoadProgress
+from reconciler.plan.facts.progress import GRAPHS, READY, WEIGHTS, LoadProgress
 
 with warnings.catch_warnings():     # starlette 1.x asks for httpx2 in its test client; httpx still works
     warnings.simplefilter("ignore")

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from reconciler import shell
 from reconciler.desired.spec import ServiceSpec
+from reconciler.frames import Records, batch
 from reconciler.host import engine
 from reconciler.host.transport import LocalTransport
 from reconciler.preflight import EngineRun, engine_run_for
-from reconciler.shell import ShCommand
+from tests.host.programs import run_here
 
 SH = Path(__file__).resolve().parents[2] / "reconciler" / "sh" / "engine-probe.sh"
 STAGE = "sglang/srt/server_args.py"
@@ -101,10 +103,9 @@ def run_of(text: str, env: dict[str, str] | None = None) -> EngineRun:
 
 def ask(run: EngineRun, cached: str = "") -> tuple[engine.Answer, str]:
     """The host program run by sh as a host runs it: its answer, and its raw output."""
-    cmd, stdin, token = engine.engine_command(run, cached=cached, seconds=30)
-    res = subprocess.run(["/bin/sh", str(SH), *cmd.args], input=stdin, capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    return engine.read_answer(run, res.stdout, token), res.stdout
+    probe = engine.EngineProbe(run, cached=cached, seconds=30)
+    res = run_here(probe, tokens=["T0"])
+    return probe.parse(Records(res.stdout, "T0")), res.stdout
 
 
 def seen(a: engine.Answer) -> dict:
@@ -122,7 +123,7 @@ def test_the_probe_runs_isolated_with_facts_an_allowlisted_env_and_the_guards_la
     run = run_of(text, {"SGLANG_FROM_GIT": "from-git", "PYTHONWARNINGS": "all:0:antigravity.x:0:0",
                         "BROWSER": "/bin/sh -c 'touch /tmp/x' %s", "PYTHONSTARTUP": "/tmp/s.py", "PYTHONINSPECT": "1",
                         "VLLM_API_KEY": "k", **site(tmp_path)})
-    cmd, stdin, _ = engine.engine_command(run, seconds=30)
+    cmd, stdin = batch([engine.EngineProbe(run, seconds=30)], ["T0"])
     assert "from-git" not in cmd and 'SGLANG_FROM_GIT="from-git"' in stdin      # values only on stdin
     assert not any(n in stdin.split("\n\n", 1)[1] for n in ("PYTHON", "BROWSER", "VLLM_API_KEY"))
     a, _ = ask(run)
@@ -261,14 +262,16 @@ def test_the_user_site_is_searched_for_the_units_user_and_given_to_the_probe(hos
     (us / STAGE).parent.mkdir(parents=True)
     (us / STAGE).write_text("")
     (tmp_path / "passwd").write_text(f"daemon:x:1:1:daemon:{home}:/usr/sbin/nologin\n")
-    script = SH.read_text().replace("< /etc/passwd", f"< {tmp_path / 'passwd'}")
-    assert script != SH.read_text()
+    class Here(engine.EngineProbe):
+        @classmethod
+        def text(cls) -> str:
+            script = super().text().replace("< /etc/passwd", f"< {tmp_path / 'passwd'}")
+            assert script != super().text()
+            return script
 
     def answer(run: EngineRun) -> engine.Answer:
-        cmd, stdin, token = engine.engine_command(run, seconds=30)
-        res = subprocess.run(["/bin/sh", "-c", script, "sh", *cmd.args], input=stdin, capture_output=True,
-                             text=True, timeout=60)
-        return engine.read_answer(run, res.stdout, token)
+        probe = Here(run, seconds=30)
+        return probe.parse(Records(run_here(probe, tokens=["T0"]).stdout, "T0"))
     assert seen(answer(run_of(unit("User=daemon", python="/usr/bin/python3"))))["argv"][:2] == ["--path", str(us)]
     a = answer(run_of(unit("User=daemon", python="/usr/bin/python3 -s")))
     assert a.verdict is not None and "not installed" in a.verdict.message
@@ -379,14 +382,19 @@ def test_the_check_runs_through_check_engine_and_a_cached_ok_is_asked_again_once
     assert not third.cached and (tmp_path / "rec").exists()
 
 
-def test_the_command_line_holds_the_token_and_the_servers_arguments_only(host_bin: Path, tmp_path: Path):
-    run = run_of(unit("User=llm", args="--tp-size 2"), site(tmp_path))
-    cmd, stdin, token = engine.engine_command(run)
-    assert isinstance(cmd, ShCommand) and cmd.args == (token, "--tp-size", "2")
-    head = dict(line.split("=", 1) for line in stdin.split("\n\n", 1)[0].splitlines() if not line.startswith("prop="))
-    assert base64.b64decode(head.pop("probe")).decode() == FAKE_PROBE
-    assert head == {"interp": sys.executable, "user": "llm", "mem": "4G", "secs": "120", "mode": "hidden", "model": "",
-                    "cached": "", "stage": STAGE, "usersite": "1", "pythonpath": str(tmp_path / "site")}
+def test_the_command_line_holds_the_program_only_and_its_parameters_are_named_on_stdin(host_bin: Path,
+                                                                                        tmp_path: Path):
+    run = run_of(unit("User=llm", args="--tp-size 2 ''"), site(tmp_path))
+    cmd, stdin = batch([engine.EngineProbe(run)], ["T0"])
+    assert cmd == shell.sh_c(engine.EngineProbe.text(), "reconciler-engine-probe")
+    head = [line.split("=", 1) for line in stdin.split("\n\n", 1)[0].splitlines() if not line.startswith("prop=")]
+    assert [v for k, v in head if k == "arg"] == ["--tp-size", "2", ""]        # in order, the empty one too
+    named = {k: v for k, v in head if k != "arg"}
+    assert base64.b64decode(named.pop("probe")).decode() == FAKE_PROBE
+    assert named == {"token": "T0", "interp": sys.executable, "user": "llm", "mem": "4G", "secs": "120",
+                     "mode": "hidden", "model": "", "cached": "", "stage": STAGE, "usersite": "1",
+                     "pythonpath": str(tmp_path / "site"), "env": str(stdin.split("\n\n", 1)[1].count("\n"))}
+    assert seen(ask(run)[0])["argv"][-3:] == ["--tp-size", "2", ""]
 
 
 def test_the_output_tail_starts_at_a_line(host_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -14,7 +14,9 @@ import pytest
 from reconciler.errors import ObserveError
 from reconciler.host import gpu
 from reconciler.host.transport import LocalTransport
+from reconciler.plan.facts import gpu as facts_gpu
 from tests.clock import FakeClock
+from tests.host.programs import answer
 
 TOKEN = "tok"
 
@@ -43,9 +45,9 @@ H200 = "\n".join([
 
 
 def test_parse_a_torch_process_on_the_h200():
-    facts = gpu.parse_gpu(H200, TOKEN)
+    facts = facts_gpu.parse_gpu(H200, TOKEN)
     assert facts.has_nvidia_smi and facts.error is None and facts.observed_gpu_count == 1
-    assert facts.gpus == [gpu.Gpu(index=0, used_mib=21007, total_mib=143771,
+    assert facts.gpus == [facts_gpu.Gpu(index=0, used_mib=21007, total_mib=143771,
                                   uuid="GPU-3f0c1b7e-8a51-4a0e-9d3e-2f1f0c6f3a11")]
     [h] = facts.holders
     assert (h.pid, h.comm, h.used_mib, h.gpus, h.unit) == (416, "python3", 20998, (0,), None)
@@ -57,7 +59,7 @@ def test_parse_a_torch_process_on_the_h200():
 def test_parse_after_the_process_exited():
     out = "\n".join([f"{TOKEN} BEGIN", f"{TOKEN} SMI 1", f"{TOKEN} G 0, GPU-a, 0, 143771",
                      f"{TOKEN} GRC 0", f"{TOKEN} A ", f"{TOKEN} ARC 0", f"{TOKEN} END"])
-    facts = gpu.parse_gpu(out, TOKEN)
+    facts = facts_gpu.parse_gpu(out, TOKEN)
     assert facts.holders == [] and facts.gpus[0].used_mib == 0
     assert facts.summary() == "1 GPU (0: 0/143771 MiB); no process holds /dev/nvidia*"
     assert gpu.released(facts, pids={416}, max_used_mib=1024)
@@ -66,11 +68,11 @@ def test_parse_after_the_process_exited():
 def test_the_compute_capability_when_nvidia_smi_names_it_and_none_from_a_driver_without_the_field():
     out = "\n".join([f"{TOKEN} BEGIN", f"{TOKEN} SMI 1", f"{TOKEN} G 0, GPU-a, 0, 143771, 9.0",
                      f"{TOKEN} G 1, GPU-b, 10, 143771, [N/A]", f"{TOKEN} GRC 0", f"{TOKEN} ARC 0", f"{TOKEN} END"])
-    facts = gpu.parse_gpu(out, TOKEN)
+    facts = facts_gpu.parse_gpu(out, TOKEN)
     assert [g.compute_capability for g in facts.gpus] == ["9.0", None]
     from reconciler.preflight import Hardware
     assert [g.compute_capability for g in Hardware.of(facts).gpus] == [(9, 0), None]
-    assert gpu.parse_gpu(H200, TOKEN).gpus[0].compute_capability is None        # the 4-field answer
+    assert facts_gpu.parse_gpu(H200, TOKEN).gpus[0].compute_capability is None        # the 4-field answer
 
 
 def test_parse_many_gpus_units_and_processes_seen_only_by_nvidia_smi():
@@ -90,7 +92,7 @@ def test_parse_many_gpus_units_and_processes_seen_only_by_nvidia_smi():
         f"{TOKEN} ARC 0",
         f"{TOKEN} END",
     ])
-    facts = gpu.parse_gpu(out, TOKEN)
+    facts = facts_gpu.parse_gpu(out, TOKEN)
     assert [g.index for g in facts.gpus] == [0, 1, 2]
     assert facts.gpus[2].used_mib is None and facts.gpus[2].total_mib is None
     by_pid = {h.pid: h for h in facts.holders}
@@ -99,10 +101,6 @@ def test_parse_many_gpus_units_and_processes_seen_only_by_nvidia_smi():
     assert by_pid[1201].unit == "sglang-qwen.service"
     assert by_pid[1200].used_mib is None                                          # /proc only
     assert (by_pid[5555].comm, by_pid[5555].devices, by_pid[5555].used_mib) == ("python3", (), 512)
-    # The service's workers are recognised by their cgroup, not only by the main PID.
-    strays = gpu.stray_holders(facts, service_pids={1200}, service_units={"sglang-qwen.service"})
-    assert [h.pid for h in strays] == [99, 5555]
-    assert [h.pid for h in gpu.stray_holders(facts, service_pids={1200})] == [99, 1201, 5555]
 
 
 def test_parse_process_names_with_commas_and_the_three_column_format():
@@ -110,8 +108,8 @@ def test_parse_process_names_with_commas_and_the_three_column_format():
                      f"{TOKEN} G 0, 100, 81559",                        # index,memory.used,memory.total
                      f"{TOKEN} GRC 0",
                      f"{TOKEN} A 7, weird,name, 300, GPU-z", f"{TOKEN} ARC 0", f"{TOKEN} END"])
-    facts = gpu.parse_gpu(out, TOKEN)
-    assert facts.gpus == [gpu.Gpu(index=0, used_mib=100, total_mib=81559)]
+    facts = facts_gpu.parse_gpu(out, TOKEN)
+    assert facts.gpus == [facts_gpu.Gpu(index=0, used_mib=100, total_mib=81559)]
     assert (facts.holders[0].comm, facts.holders[0].used_mib) == ("weird,name", 300)
 
 
@@ -120,14 +118,14 @@ def test_parse_nvidia_smi_failing():
            "Make sure that the latest NVIDIA driver is installed and running.")
     out = "\n".join([f"{TOKEN} BEGIN", f"{TOKEN} SMI 1", f"{TOKEN} G {msg}", f"{TOKEN} GRC 9",
                      f"{TOKEN} A {msg}", f"{TOKEN} ARC 9", f"{TOKEN} END"])
-    facts = gpu.parse_gpu(out, TOKEN)
+    facts = facts_gpu.parse_gpu(out, TOKEN)
     assert facts.has_nvidia_smi and facts.gpus == [] and facts.error
     assert facts.summary().startswith("nvidia-smi failed: NVIDIA-SMI has failed because")
     assert facts.observed_gpu_count is None
 
 
 def test_parse_no_nvidia_smi_reports_no_gpus():
-    facts = gpu.parse_gpu(f"{TOKEN} BEGIN\n{TOKEN} SMI 0\n{TOKEN} END\n", TOKEN)
+    facts = facts_gpu.parse_gpu(f"{TOKEN} BEGIN\n{TOKEN} SMI 0\n{TOKEN} END\n", TOKEN)
     assert (facts.has_nvidia_smi, facts.gpus, facts.holders, facts.error) == (False, [], [], None)
     assert facts.summary() == "no GPUs (nvidia-smi not found); no process holds /dev/nvidia*"
     assert facts.observed_gpu_count is None and facts.gpu_count == 0
@@ -135,11 +133,11 @@ def test_parse_no_nvidia_smi_reports_no_gpus():
 
 def test_parse_refuses_truncated_or_forged_output():
     with pytest.raises(ObserveError):
-        gpu.parse_gpu(f"{TOKEN} BEGIN\n{TOKEN} SMI 1\n", TOKEN)               # no END
+        facts_gpu.parse_gpu(f"{TOKEN} BEGIN\n{TOKEN} SMI 1\n", TOKEN)               # no END
     with pytest.raises(ObserveError):
-        gpu.parse_gpu(f"{TOKEN} H x y\n{TOKEN} END\n", TOKEN)
+        facts_gpu.parse_gpu(f"{TOKEN} H x y\n{TOKEN} END\n", TOKEN)
     # Lines without the token (a process name printing "END", a login banner) are ignored.
-    facts = gpu.parse_gpu(f"banner\nEND\nother SMI 1\n{TOKEN} SMI 0\n{TOKEN} END\n", TOKEN)
+    facts = facts_gpu.parse_gpu(f"banner\nEND\nother SMI 1\n{TOKEN} SMI 0\n{TOKEN} END\n", TOKEN)
     assert not facts.has_nvidia_smi
 
 
@@ -156,7 +154,7 @@ def test_parse_values_sent_as_they_are():
         f"{TOKEN} A 5555, python3, 512, GPU-a", f"{TOKEN} ARC 0",
         f"{TOKEN} C 5555 @0::/system.slice/vllm.service",
         f"{TOKEN} END"])
-    by_pid = {h.pid: h for h in gpu.parse_gpu(out, TOKEN).holders}
+    by_pid = {h.pid: h for h in facts_gpu.parse_gpu(out, TOKEN).holders}
     assert (by_pid[1200].comm, by_pid[1200].unit) == ("python3", "sglang-qwen.service")
     assert (by_pid[1201].comm, by_pid[1201].unit) == ("@odd", None)
     assert (by_pid[1202].comm, by_pid[1202].unit) == ("my proc", "x.service")
@@ -195,11 +193,11 @@ def test_proc_scan_reads_any_process_name(tmp_path: Path):
     ("", None),
 ])
 def test_unit_of_cgroup(cgroup: str, unit: str | None):
-    assert gpu.unit_of_cgroup(cgroup) == unit
+    assert facts_gpu.unit_of_cgroup(cgroup) == unit
 
 
 def test_released_is_pids_gone_and_memory_below_threshold():
-    facts = gpu.parse_gpu(H200, TOKEN)
+    facts = facts_gpu.parse_gpu(H200, TOKEN)
     assert not gpu.released(facts, pids={416}, max_used_mib=1024)            # still a holder
     assert not gpu.released(facts, pids={1}, max_used_mib=1024)              # memory in use
     assert gpu.released(facts, pids={1}, max_used_mib=30000)
@@ -232,7 +230,7 @@ class Holding:
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
 
-    def facts(self) -> gpu.GpuFacts:
+    def facts(self) -> facts_gpu.GpuFacts:
         return asyncio.run(gpu.gpu_facts(LocalTransport(), device_prefix=self.prefix))
 
     def stop(self) -> None:
@@ -267,7 +265,7 @@ def test_proc_scan_finds_the_holder_with_its_devices(holding):
 
 def test_report_policy_never_kills_and_kill_policy_terminates(holding):
     h = holding()
-    strays = gpu.stray_holders(h.facts(), service_pids=set())
+    strays = h.facts().holders
     outcome = asyncio.run(gpu.kill_strays(LocalTransport(), strays, "report"))
     assert [o.outcome for o in outcome] == ["reported"] and h.proc.poll() is None
     # virtual grace (tests/clock.py): polls cost no wait; many of them give the process time to go
@@ -281,7 +279,7 @@ def test_report_policy_never_kills_and_kill_policy_terminates(holding):
 
 def test_kill_policy_escalates_to_sigkill(holding):
     h = holding(ignore_term=True)
-    strays = gpu.stray_holders(h.facts(), service_pids=set())
+    strays = h.facts().holders
     clock = FakeClock()
     outcome = asyncio.run(gpu.kill_strays(LocalTransport(), strays, "kill", grace=0.5, poll=0.125, clock=clock))
     assert [o.outcome for o in outcome] == ["killed"]
@@ -292,14 +290,14 @@ def test_kill_policy_escalates_to_sigkill(holding):
 def test_kill_leaves_a_reused_pid_alone(holding):
     h = holding()
     [held] = h.facts().holders
-    imposter = gpu.Holder(pid=held.pid, comm="not-" + held.comm, devices=held.devices)
+    imposter = facts_gpu.Holder(pid=held.pid, comm="not-" + held.comm, devices=held.devices)
     outcome = asyncio.run(gpu.kill_strays(LocalTransport(), [imposter], "kill", grace=0.5))
     assert [o.outcome for o in outcome] == ["gone"] and h.proc.poll() is None
 
 
 def test_the_service_itself_is_not_a_stray(holding):
     h = holding()
-    assert gpu.stray_holders(h.facts(), service_pids={h.proc.pid}) == []
+    assert [x.pid for x in h.facts().holders] == [h.proc.pid]
 
 
 def test_wait_released_times_out_while_held(holding):
@@ -338,10 +336,10 @@ def test_unknown_policy_is_refused():
 
 
 def test_gpu_module_needs_only_the_standard_library():
-    """bench/gpu_gate_device.py runs on a GPU machine without pydantic or asyncssh."""
+    """bench/gpu_gate_device.py runs on a GPU machine without pydantic or asyncssh: the GPU gate
+    and the local transport it runs on load without them."""
     code = ("import sys; sys.modules['asyncssh'] = None; sys.modules['pydantic'] = None\n"
-            "import reconciler.host.gpu, reconciler.errors\n"
-            "assert 'reconciler.host.transport' not in sys.modules\n")
+            "import reconciler.host.gpu, reconciler.host.transport, reconciler.errors\n")
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", code], cwd=root, check=True)
 
@@ -362,16 +360,14 @@ def test_no_device_node_and_no_nvidia_smi_skips_the_proc_scan(tmp_path: Path):
     """Where no device node exists (and no nvidia-smi), no process can hold one: the scan of every
     process's fds (ls | awk) is skipped. Once a node exists, it runs again."""
     prefix = str(tmp_path / "nvidia")
-    cmd, token = gpu.gpu_command(device_prefix=prefix)
     bin_dir, marker = tmp_path / "bin", tmp_path / "ls-ran"
     bin_dir.mkdir()
     (bin_dir / "ls").write_text(f"#!/bin/sh\n: > {marker}\nexec /bin/ls \"$@\"\n")
     (bin_dir / "ls").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin"}
+    path = f"{bin_dir}:/usr/sbin:/usr/bin:/sbin:/bin"
 
-    def run() -> list[gpu.Holder]:
-        res = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=30, env=env)
-        return gpu.parse_gpu(res.stdout, token, "h").holders
+    def run() -> list[facts_gpu.Holder]:
+        return answer(facts_gpu.GpuRead(device_prefix=prefix), path=path, shell_="bash").holders
 
     assert run() == [] and not marker.exists()
     (tmp_path / "nvidia0").write_text("")

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shlex
 
 import pytest
 
 from reconciler.desired.spec import HealthSpec
 from reconciler.errors import ConnectError
 from reconciler.host.health import SYSTEMD_RAMP, SystemdWatch, watch_service
-from reconciler.host.judges import Entry as E
-from reconciler.host.judges import explain, judge_systemd, parse_journal, spawn_failure
 from reconciler.host.transport import Completed
+from reconciler.plan.facts.journal import Entry as E
+from reconciler.plan.facts.journal import parse_journal
+from reconciler.plan.judges import explain, judge_systemd, spawn_failure
 from tests.clock import FakeClock
+from tests.host.programs import headers
 
 
 @pytest.mark.parametrize("props,baseline,state,reason", [
@@ -220,12 +221,15 @@ class ScriptedHost:
 
     async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
         await self.clock.sleep(RTT)
-        if cmd.startswith("journalctl"):
-            return Completed(0, "".join(json.dumps(e) + "\n" for e in self.journal), "")
-        assert cmd.startswith("systemctl show -p ")
+        params = headers(input)[-1]                   # journal.sh's or show.sh's named parameters
+        token = params["token"][0]
+        if "since" in params:
+            return Completed(0, f"{token} J -\n" + "".join(json.dumps(e) + "\n" for e in self.journal)
+                             + f"{token} END\n", "")
+        assert "props" in params, input
         if self.fail:
             raise ConnectError(self.host, "connection lost")
-        units = shlex.split(cmd)[4:]                  # systemctl show -p PROPS UNIT...
+        units = params["unit"]
         self.shows.append((self.clock.elapsed(), units))
         blocks = []
         for u in units:
@@ -234,7 +238,7 @@ class ScriptedHost:
             readings = self.script[u.removesuffix(".service")]
             props = readings[min(n, len(readings) - 1)]
             blocks.append("\n".join([f"Id={u}", *(f"{k}={v}" for k, v in props.items())]))
-        return Completed(0, "\n\n".join(blocks) + "\n", "")
+        return Completed(0, f"{token} S -\n" + "\n\n".join(blocks) + "\n", "")
 
 
 def watch_all(t, names, health, *, shared=True):

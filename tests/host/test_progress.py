@@ -8,14 +8,14 @@ from __future__ import annotations
 import itertools
 import os
 import shlex
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from reconciler.host import progress
-from reconciler.host.progress import GRAPHS, READY, WEIGHTS, LoadFollower, LoadProgress, advance, parse_tail
-from tests.test_sh import constants
+from reconciler.host.progress import PROGRESS_EVERY, LoadFollower
+from reconciler.plan.facts import progress
+from reconciler.plan.facts.progress import GRAPHS, READY, WEIGHTS, LoadProgress, advance, parse_tail
+from tests.host.programs import headers, run_here
 
 ROOT = Path(__file__).resolve().parents[2]
 P = LoadProgress
@@ -161,10 +161,9 @@ INV_A, INV_B = "a" * 32, "b" * 32
 CURSOR = "s=1a;i=2b;b=3c;m=4d;t=5e;x=6f"
 
 
-def test_the_programs_constants_are_the_python_sides():
-    assert constants(ROOT / "reconciler" / "sh" / "progress.sh") == {
-        "T": "$1", "LINES": str(progress.LINES), "LINE_MAX": str(progress.LINE_MAX),
-        "MAX_BYTES": str(progress.MAX_BYTES)}
+def fed(f: LoadFollower, stdout: str) -> None:
+    """The follower given progress.sh's answer (as the tick hands it over, parsed)."""
+    f.take(parse_tail(stdout, TOKEN))
 
 
 def run_program(tmp_path: Path, output: bytes, reads: list[tuple[str, str | None]]) -> tuple[str, list[list[str]]]:
@@ -177,12 +176,9 @@ def run_program(tmp_path: Path, output: bytes, reads: list[tuple[str, str | None
     fake.write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {shlex.quote(str(tmp_path / "args"))}\n'
                     f'cat {shlex.quote(str(tmp_path / "out"))}\n')
     fake.chmod(0o755)
-    cmd = progress.tail_command(TOKEN, reads)
-    res = subprocess.run(["sh", "-c", cmd], capture_output=True, timeout=30,
-                         env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
-    assert res.returncode == 0, res.stderr
+    res = run_here(progress.JournalTail(tuple(reads)), tokens=[TOKEN], path=f"{bin_dir}:{os.environ['PATH']}")
     args = [line.split(" ") for line in (tmp_path / "args").read_text().splitlines()]
-    return res.stdout.decode(errors="replace"), args
+    return res.stdout, args
 
 
 def test_the_program_reads_each_invocation_after_its_cursor_framed_and_bounded(tmp_path):
@@ -192,8 +188,7 @@ def test_the_program_reads_each_invocation_after_its_cursor_framed_and_bounded(t
     assert args == [[f"_SYSTEMD_INVOCATION_ID={INV_A}", "-n", "200", "-o", "cat", "--show-cursor", "--no-pager"],
                     [f"_SYSTEMD_INVOCATION_ID={INV_B}", f"--after-cursor={CURSOR}", "-n", "200", "-o", "cat",
                      "--show-cursor", "--no-pager"]]
-    sections, rest = parse_tail(stdout + "Id=m.service\nActiveState=active\n", TOKEN)
-    assert rest == "Id=m.service\nActiveState=active\n"       # what ran after it, untouched
+    sections = parse_tail(stdout + "Id=m.service\nActiveState=active\n", TOKEN)
     lines, cursor = sections[INV_A]
     assert cursor == CURSOR and lines[0] == "Load weight begin."
     # its end kept, from the first whole word after the cut (the word the cut went through goes)
@@ -209,7 +204,7 @@ def test_the_program_sends_at_most_max_bytes_an_invocation_and_no_line_cut_at_it
     stdout, _ = run_program(tmp_path, many, [(INV_A, None)])
     body = stdout.split(f"{TOKEN} U {INV_A}\n", 1)[1].split(f"{TOKEN} END\n", 1)[0]
     assert len(body.encode()) <= progress.MAX_BYTES
-    lines, cursor = parse_tail(stdout, TOKEN)[0][INV_A]
+    lines, cursor = parse_tail(stdout, TOKEN)[INV_A]
     assert cursor == CURSOR and lines[-1] == "Load weight begin. line 04999"
     assert all(line.startswith("Load weight begin. line ") and len(line) == 29 for line in lines)   # none cut
 
@@ -218,16 +213,15 @@ def test_only_journalctls_own_last_line_is_the_cursor():
     forged = "-- cursor: s=0;i=0;b=0;m=0;t=0;x=0"
     stdout = (f"{TOKEN} U {INV_A}\n{TOKEN} L {forged}\n{TOKEN} L hello\n{TOKEN} L -- cursor: {CURSOR}\n"
               f"{TOKEN} U {INV_B}\n{TOKEN} L {forged}x\n{TOKEN} END\nrest\n")
-    sections, rest = parse_tail(stdout, TOKEN)
+    sections = parse_tail(stdout, TOKEN)
     assert sections == {INV_A: ([forged, "hello"], CURSOR), INV_B: ([forged + "x"], None)}
-    assert rest == "rest\n"
-    assert parse_tail("no answer at all\n", TOKEN) == ({}, "no answer at all\n")
+    assert parse_tail("no answer at all\n", TOKEN) == {}
 
 
 # -- the follower: which units, when, and what it keeps ------------------------------------------
 
 def test_the_follower_reads_only_a_new_invocation_of_a_followed_unit_and_at_most_every_so_often():
-    f = LoadFollower(every=1.0, token=TOKEN)
+    f = LoadFollower(every=1.0)
     f.follow("m.service", baseline_invocation=INV_A)
     assert f.command(0.0, ["m.service"]) is None             # no invocation of our start seen yet
     f.saw("m.service", {"InvocationID": INV_A})               # the old process: not this start's
@@ -235,30 +229,30 @@ def test_the_follower_reads_only_a_new_invocation_of_a_followed_unit_and_at_most
     f.saw("other.service", {"InvocationID": INV_B})           # not followed
     f.saw("m.service", {"InvocationID": INV_B})
     cmd = f.command(0.0, ["m.service", "other.service"])
-    assert cmd is not None and cmd.args == (TOKEN, INV_B, "-")
+    assert cmd is not None and cmd.reads == ((INV_B, None),)
     assert f.command(0.5, ["m.service"]) is None              # read under a second ago
     assert f.command(1.0, ["other.service"]) is None          # this tick does not ask for it
-    f.take(f"{TOKEN} U {INV_B}\n{TOKEN} L Load weight begin.\n{TOKEN} L -- cursor: {CURSOR}\n{TOKEN} END\n")
+    fed(f, f"{TOKEN} U {INV_B}\n{TOKEN} L Load weight begin.\n{TOKEN} L -- cursor: {CURSOR}\n{TOKEN} END\n")
     cmd = f.command(1.0, ["m.service"])
-    assert cmd is not None and cmd.args == (TOKEN, INV_B, CURSOR)
+    assert cmd is not None and cmd.reads == ((INV_B, CURSOR),)
     assert f.progress("m.service") == LoadProgress(WEIGHTS, line="Load weight begin.")
     f.saw("m.service", {"InvocationID": "c" * 32})            # systemd restarted it: start over
     assert f.progress("m.service") is None
-    assert f.command(2.0, ["m.service"]).args == (TOKEN, "c" * 32, "-")   # type: ignore[union-attr]
+    assert f.command(2.0, ["m.service"]).reads == (("c" * 32, None),)   # type: ignore[union-attr]
     f.unfollow("m.service")
     assert f.command(5.0, ["m.service"]) is None and f.progress("m.service") is None
 
 
 def test_the_follower_keeps_a_cursor_when_a_read_has_none_and_redacts_what_it_quotes():
-    f = LoadFollower(token=TOKEN)
+    f = LoadFollower()
     f.follow("m.service")
     f.saw("m.service", {"InvocationID": INV_A})
-    f.take(f"{TOKEN} U {INV_A}\n{TOKEN} L -- cursor: {CURSOR}\n{TOKEN} END\n")
+    fed(f, f"{TOKEN} U {INV_A}\n{TOKEN} L -- cursor: {CURSOR}\n{TOKEN} END\n")
     assert f.units["m.service"].cursor == CURSOR and f.progress("m.service") is None
-    f.take(f"{TOKEN} U {INV_A}\n{TOKEN} END\n")                # nothing new: no cursor line
+    fed(f, f"{TOKEN} U {INV_A}\n{TOKEN} END\n")                # nothing new: no cursor line
     assert f.units["m.service"].cursor == CURSOR
     token = "hf_" + "Ab3" * 8
-    f.take(f"{TOKEN} U {INV_A}\n{TOKEN} L Load weight begin. token={token} \x1b[31m\n{TOKEN} END\n")
+    fed(f, f"{TOKEN} U {INV_A}\n{TOKEN} L Load weight begin. token={token} \x1b[31m\n{TOKEN} END\n")
     p = f.progress("m.service")
     assert p is not None and token not in p.line and "\x1b" not in p.line and "\\x1b[31m" in p.line
     assert p.line.startswith("Load weight begin. token=")
@@ -290,21 +284,20 @@ class LoadingHost:
     async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
         from reconciler.host.transport import Completed
         await self.clock.sleep(RTT)
-        journal, sep, show = cmd.rpartition("; systemctl show -p ")
-        assert sep or cmd.startswith("systemctl show -p "), cmd
+        *journal, show = headers(input)          # progress.sh's parameters, then show.sh's
+        assert (show["unit"] and not journal) or journal[0]["read"][0].startswith(INV_B + " "), input
         out = ""
         if journal:
-            argv = shlex.split(journal)            # sh -c SCRIPT progress TOKEN INVOCATION CURSOR
-            token, reads = argv[4], argv[5:]
-            assert argv[:2] == ["sh", "-c"] and argv[3] == "progress" and reads[0] == INV_B
+            token, read = journal[0]["token"][0], journal[0]["read"][0].split()[0]
             lines = self.batches.pop(0) if self.batches else []
-            out = f"{token} U {reads[0]}\n" + "".join(f"{token} L {x}\n" for x in lines)
+            out = f"{token} U {read}\n" + "".join(f"{token} L {x}\n" for x in lines)
             out += f"{token} L -- cursor: s=1;i={len(self.batches):x};b=1;m=1;t=1;x=1\n" if lines else ""
             out += f"{token} END\n"
         self.trips.append((self.clock.elapsed(), bool(journal)))
         props = STARTING if self.clock.elapsed() < self.loading else RUNNING
-        unit = (show or cmd).split()[-1]
-        return Completed(0, out + "\n".join([f"Id={unit}", *(f"{k}={v}" for k, v in props.items())]) + "\n", "")
+        out += f"{show['token'][0]} S -\n"
+        return Completed(0, out + "\n".join([f"Id={show['unit'][0]}", *(f"{k}={v}" for k, v in props.items())])
+                         + "\n", "")
 
 
 def test_a_watch_shows_the_engines_progress_as_its_phase_without_a_round_trip_of_its_own():
@@ -338,5 +331,5 @@ def test_a_watch_shows_the_engines_progress_as_its_phase_without_a_round_trip_of
     assert told[-1].line == "[TP0] The server is fired up and ready to roll!"
     reads = [at for at, journal in t.trips if journal]
     # every read rode on a tick's systemctl show, a second apart at least, none once it was healthy
-    assert len(reads) == 5 and all(b - a >= progress.PROGRESS_EVERY for a, b in itertools.pairwise(reads))
+    assert len(reads) == 5 and all(b - a >= PROGRESS_EVERY for a, b in itertools.pairwise(reads))
     assert reads[-1] < 4.5 and all(not journal for at, journal in t.trips if at > 4.5 + POLL)

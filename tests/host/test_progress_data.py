@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler.host import progress
-from reconciler.host.progress import WEIGHTS, LoadFollower, LoadProgress, advance, parse_tail
-from tests.host.test_progress import CURSOR, INV_A, INV_B, TOKEN, P, _strip, run_program
+from reconciler.host.progress import LoadFollower
+from reconciler.plan.facts import progress
+from reconciler.plan.facts.progress import WEIGHTS, LoadProgress, advance, parse_tail
+from tests.host.test_progress import CURSOR, INV_A, INV_B, TOKEN, P, _strip, fed, run_program
 from tests.test_redact import fresh, leaked, straddling
 
 E4 = "Loading safetensors checkpoint shards:  50% Completed | " + "9" * 400 + "/1 ["     # review N5
@@ -49,7 +50,7 @@ def test_the_programs_cut_leaves_no_fragment_of_a_secret_it_went_through(tmp_pat
     assert leaked(secret, through[-progress.LINE_MAX:]) and len(through) > progress.LINE_MAX
     out = f"{through}\n{at_word}\n-- cursor: {CURSOR}\n".encode()
     stdout, _ = run_program(tmp_path, out, [(INV_A, None)])
-    lines, _cursor = parse_tail(stdout, TOKEN)[0][INV_A]
+    lines, _cursor = parse_tail(stdout, TOKEN)[INV_A]
     assert not leaked(secret, stdout) and lines == [rest, "z" * progress.LINE_MAX]
 
 
@@ -62,10 +63,10 @@ def test_a_secret_across_the_quotes_cut_leaves_no_fragment():
     redact.register(secret)
     line = "Load weight begin. " + straddling(secret, progress.QUOTE_MAX - 19)
     assert secret not in line[:progress.QUOTE_MAX] and leaked(secret, line[:progress.QUOTE_MAX])
-    f = LoadFollower(token=TOKEN)
+    f = LoadFollower()
     f.follow("m.service")
     f.saw("m.service", {"InvocationID": INV_A})
-    f.take(f"{TOKEN} U {INV_A}\n{TOKEN} L {line}\n{TOKEN} END\n")
+    fed(f, f"{TOKEN} U {INV_A}\n{TOKEN} L {line}\n{TOKEN} END\n")
     p = f.progress("m.service")
     assert p is not None and p.line.startswith("Load weight begin.") and p.line.endswith("*** after")
     assert not leaked(secret, p.line)
@@ -76,11 +77,11 @@ def test_an_exception_reading_one_units_lines_is_kept_for_that_unit_and_the_othe
     the whole run. Now it is the unit's own (`failed`, which its watch turns into no verdict).
     RECONCILER_FAULT=progress-raises makes reading such a line raise again (faults.py)."""
     monkeypatch.setenv("RECONCILER_FAULT", "progress-raises")
-    f = LoadFollower(token=TOKEN)
+    f = LoadFollower()
     for unit, inv in (("a.service", INV_A), ("b.service", INV_B)):
         f.follow(unit)
         f.saw(unit, {"InvocationID": inv})
-    f.take(f"{TOKEN} U {INV_A}\n{TOKEN} L Load weight begin.\n{TOKEN} L -- cursor: {CURSOR}\n"
+    fed(f, f"{TOKEN} U {INV_A}\n{TOKEN} L Load weight begin.\n{TOKEN} L -- cursor: {CURSOR}\n"
            f"{TOKEN} U {INV_B}\n{TOKEN} L {E4}\n{TOKEN} L -- cursor: {CURSOR}\n{TOKEN} END\n")
     err = f.failed("b.service")
     assert isinstance(err, OverflowError) and "progress-raises" in str(err)

@@ -6,24 +6,22 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shlex
 import stat
-import subprocess
 
 from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.host.apply import write_record
-from reconciler.host.script import PRELUDE as _PRELUDE
-from reconciler.host.script import build_script
+from reconciler.host.script import call, steps
 from reconciler.host.transport import Completed
 from reconciler.plan.actions import plan_host
 from reconciler.plan.facts import HOST_RECORD, HostFacts, record_path
 from reconciler.plan.model import Context
 from reconciler.plan.records import ServiceRecord
+from tests.host.programs import apply_here
 
 UNIT = "[Service]\nExecStart=/bin/{}\n\n[Install]\nWantedBy=multi-user.target\n"
 RECORDS = (re.escape(HOST_RECORD), re.escape(record_path("m")))
 # A record written by a script: staged (a batch) or written by itself, with its mode.
-WRITTEN = re.compile(rf"(?:stage|atomic_text|atomic_write) ({'|'.join(RECORDS)}) (\d+) ")
+WRITTEN = re.compile(rf"(?:stage_file|write_file) step=\d+ path=({'|'.join(RECORDS)}) mode=(\d+) ")
 
 
 class Recorder:
@@ -42,7 +40,7 @@ class Recorder:
 def test_a_deploy_writes_every_record_0600():
     h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", UNIT.format("m"), {"A": "1"})})
     plan = plan_host(h, HostFacts(services={}), Context("f" * 40))
-    written = WRITTEN.findall(build_script(plan, plan.actions, 0))
+    written = WRITTEN.findall("\n".join(steps(plan, plan.actions, 0)))
     assert {p for p, _ in written} == {HOST_RECORD, record_path("m")}, written   # the intent, the record, the host's
     assert len(written) >= 3 and {m for _, m in written} == {"0600"}, written
 
@@ -54,9 +52,8 @@ def test_a_verdict_writes_its_record_0600():
 
 
 def test_mode_0600_makes_a_file_nobody_else_can_read(tmp_path):
-    """What the script's atomic_text does with that mode, run by sh under the script's umask 022."""
+    """What apply.sh's write_file does with that mode, run by sh under the script's umask 022."""
     path = tmp_path / "services" / "m.json"
-    script = f"{_PRELUDE}\natomic_text {shlex.quote(str(path))} 0600 {shlex.quote('{}')} || exit 9\n"
-    res = subprocess.run(["sh", "-s"], input=script, capture_output=True, text=True, timeout=10)
-    assert res.returncode == 0, res.stderr
+    answer, res = apply_here([call("write_file", step=0, path=str(path), mode="0600", text="{}"), "finish"])
+    assert res.returncode == 0 and answer.fatal is None, res.stderr
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

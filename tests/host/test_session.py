@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from reconciler.errors import CommandError
+from reconciler.frames import HostProgram, Records
 from reconciler.host import lock
 from reconciler.host.session import SessionTransport
 from reconciler.host.transport import Completed
-from reconciler.shell import ShCommand
 from tests.host.procs import running, wait_gone
 from tests.host.programs import local_programs
 
@@ -85,14 +85,35 @@ class _Channels:
 def locked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A host (its state directory in tmp_path) where an earlier run installed the holder."""
     local_programs(monkeypatch, tmp_path)
-    asyncio.run(lock.install(_Channels(), SEEN[0]))
+    asyncio.run(lock.install(_Channels(), SEEN))
     return tmp_path
 
 
-SEEN = (ShCommand("echo seen; echo END", "test-then"), "END")
+class Said(HostProgram[str]):
+    """A program that says what it is given (`say`), as the lock's first program: its parameters
+    come after the holder's on stdin."""
+
+    name = "test-said"
+
+    def __init__(self, say: str = "seen") -> None:
+        self.say = say
+
+    @classmethod
+    def text(cls) -> str:
+        return ("#!/bin/sh\nwhile IFS= read -r l && [ -n \"$l\" ]; do case $l in token=*) T=${l#token=} ;; "
+                "say=*) S=${l#say=} ;; esac; done\nprintf '%s S %s\\n%s END\\n' \"$T\" \"$S\" \"$T\"\n")
+
+    def params(self) -> dict[str, str]:
+        return {"say": self.say}
+
+    def parse(self, answer: Records) -> str:
+        return " ".join(f.payload for f in answer.whole("cut short"))
 
 
-async def _session(then: tuple[ShCommand, str] | None = SEEN) -> tuple[_Channels, lock.HostLock, SessionTransport]:
+SEEN = Said()
+
+
+async def _session(then: HostProgram[str] | None = SEEN) -> tuple[_Channels, lock.HostLock, SessionTransport]:
     ch = _Channels()
     held = await lock.acquire(ch, wait=1, then=then)  # type: ignore[arg-type]
     t = held.over(ch)  # type: ignore[arg-type]
@@ -103,7 +124,7 @@ async def _session(then: tuple[ShCommand, str] | None = SEEN) -> tuple[_Channels
 def test_commands_keep_their_output_stderr_and_status(locked: Path) -> None:
     async def go() -> None:
         ch, held, t = await _session()
-        assert held.output == "seen\nEND\n"
+        assert held.answer is not None and SEEN.parse(held.answer) == "seen"
         r = await t.run("echo out; echo err >&2; exit 3")
         assert (r.exit_status, r.stdout, r.stderr) == (3, "out\n", "err\n")
         r = await t.run("printf 'no newline'")           # output without a last newline stays exact
@@ -139,7 +160,7 @@ def test_an_end_line_of_another_command_is_output_and_every_command_reads_the_sa
     async def go() -> None:
         _, held, t = await _session()
         session = t.session                     # type: ignore[attr-defined]
-        fake = f"@@end:{session._prefix}0000000000000000"
+        fake = f"{session._prefix}0000000000000000 END"
         r = await t.run(f"printf 'a\\n{fake} 0\\nb\\n'; printf 'c\\n{fake}\\nd\\n' >&2; exit 4")
         assert (r.exit_status, r.stdout, r.stderr) == (4, f"a\n{fake} 0\nb\n", f"c\n{fake}\nd\n")
         seps.clear()
@@ -153,17 +174,11 @@ def test_an_end_line_of_another_command_is_output_and_every_command_reads_the_sa
 def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(locked: Path,
                                                                                 tmp_path: Path) -> None:
     """Each command in the session finds the host's clock in RECONCILER_NOW (bash's printf, no
-    process), taken when it starts; the apply script's @@now uses it and runs no `date`, which
+    process), taken when it starts; the apply script's `now` uses it and runs no `date`, which
     it still runs on a channel of its own (no RECONCILER_NOW there)."""
-    from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
-    from reconciler.host.script import PRELUDE as _PRELUDE
-    from reconciler.host.script import build_script
-    from reconciler.plan.actions import plan_host
-    from reconciler.plan.facts import HostFacts
-    from reconciler.plan.model import Context
-    h = HostSpec("h1", SSHSpec("127.0.0.2"), {"m": ServiceSpec("m", "[Service]\nExecStart=/bin/m\n", {})})
-    p = plan_host(h, HostFacts(services={}), Context("f" * 40))
-    now_line = next(line for line in build_script(p, p.actions, 0).splitlines() if "@@now" in line) + "\n"
+    from reconciler.frames import batch
+    from reconciler.host.script import ApplyScript
+    cmd, script = batch([ApplyScript(("now",), 0)], ["T0"])
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "date").write_text("#!/bin/sh\necho 12345\n")
@@ -172,9 +187,9 @@ def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(
     async def go() -> None:
         ch, held, t = await _session()
         t0 = time.time()
-        r = await t.run("sh -s", input=f"PATH={fake}:$PATH\n" + _PRELUDE + now_line)
+        r = await t.run(cmd, input=f"PATH={fake}:$PATH\n" + script)
         assert r.exit_status == 0, r.stderr
-        clock = float(r.stdout.split("@@now ", 1)[1].split()[0])
+        clock = float(r.stdout.split("T0 now ", 1)[1].split()[0])
         assert t0 - 2 <= clock <= time.time() + 1            # the session's clock, not the fake date
         # taken anew for each command: once the host's clock is past that second, a command says so
         while (now := int((await t.run("echo $RECONCILER_NOW")).stdout)) <= clock and time.time() < clock + 10:
@@ -182,8 +197,8 @@ def test_the_session_gives_each_command_the_hosts_clock_and_apply_needs_no_date(
         assert now >= clock + 1
         await held.release()
         # on a channel of its own, the script asks `date`
-        own = await ch.run("sh -s", input=f"PATH={fake}:$PATH\n" + _PRELUDE + now_line)
-        assert "@@now 12345" in own.stdout
+        own = await ch.run(cmd, input=f"PATH={fake}:$PATH\n" + script)
+        assert "T0 now 12345" in own.stdout
     asyncio.run(go())
 
 def test_a_timed_out_command_is_killed_whole_and_the_session_left(locked: Path) -> None:
@@ -304,7 +319,7 @@ def test_the_output_under_the_lock_is_read_through_its_last_line_and_no_further(
 
 def test_the_first_run_on_a_host_installs_the_holder_by_content_and_later_ones_find_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Nothing on the command line but paths: the holder, its loop and the first command's
+    """Nothing on the command line but the launcher: the holder, its loop and the first
     program are files under the state directory, named by their content; the first run
     installs them (one round trip more), every later run starts them as they are, and a new
     release's programs replace the old ones."""
@@ -313,17 +328,23 @@ def test_the_first_run_on_a_host_installs_the_holder_by_content_and_later_ones_f
     async def go() -> None:
         ch = _Channels()
         held = await lock.acquire(ch, wait=1, then=SEEN)  # type: ignore[arg-type]
-        assert held.output == "seen\nEND\n" and ch.ran == ["install the lock holder"]
+        assert held.answer is not None and SEEN.parse(held.answer) == "seen"
+        assert ch.ran == ["install the lock holder"]
         await held.release()
         held = await lock.acquire(ch, wait=1, then=SEEN)  # type: ignore[arg-type]
-        assert held.output == "seen\nEND\n" and ch.ran == ["install the lock holder"]
+        assert held.answer is not None and SEEN.parse(held.answer) == "seen"
+        assert ch.ran == ["install the lock holder"]
         await held.release()
         progs = sorted(p.name for p in (tmp_path / "progs").iterdir())
         assert len(progs) == 3 and all(len(p) == len("0123456789abcdef.sh") for p in progs)
         assert (tmp_path / "progs").stat().st_mode & 0o777 == 0o700
-        other = (ShCommand("echo other; echo END", "test-then"), "END")
-        held = await lock.acquire(ch, wait=1, then=other)  # type: ignore[arg-type]
-        assert held.output == "other\nEND\n" and ch.ran == ["install the lock holder"] * 2
+        class Other(Said):
+            @classmethod
+            def text(cls) -> str:
+                return super().text() + "# another release\n"
+        held = await lock.acquire(ch, wait=1, then=Other("other"))  # type: ignore[arg-type]
+        assert held.answer is not None and SEEN.parse(held.answer) == "other"
+        assert ch.ran == ["install the lock holder"] * 2
         await held.release()
         assert len(list((tmp_path / "progs").iterdir())) == 3      # the first command's old program went
     asyncio.run(go())
@@ -334,9 +355,9 @@ def test_the_first_run_on_a_host_installs_the_holder_by_content_and_later_ones_f
 @pytest.mark.parametrize("status,code", [("0", 0), ("255", 255), ("256", 255), ("²", 255), ("9" * 5000, 255),
                                          ("", 255), ("-1", 255), (" 3 ", 3)])
 def test_a_commands_exit_status_is_what_its_end_line_says_or_255(status: str, code: int) -> None:
-    from reconciler.host.session import END, ended
+    from reconciler.host.session import ended
     tok = "ab:cd"
-    res = ended(f"out\n{END}{tok} {status}", tok, "err")
+    res = ended(f"out\n{tok} END {status}", tok, "err")
     assert (res.exit_status, res.stdout, res.stderr) == (code, "out", "err")
 
 

@@ -16,11 +16,28 @@ from pathlib import Path
 import pytest
 
 from reconciler.errors import CommandError
+from reconciler.frames import HostProgram, Records
 from reconciler.host import lock
 from reconciler.host.transport import LocalTransport
-from reconciler.shell import ShCommand
 from tests.host.procs import wait_gone
 from tests.host.programs import local_programs
+
+
+class Script(HostProgram[Records]):
+    """A program of a test's own text, run as the lock's first program: it reads its token (T)
+    from its parameters, the lines after the holder's on stdin."""
+
+    name = "test-script"
+
+    def __init__(self, body: str) -> None:
+        self.body = body
+
+    def text(self) -> str:     # type: ignore[override]
+        return ("#!/bin/sh\nwhile IFS= read -r l && [ -n \"$l\" ]; do case $l in token=*) T=${l#token=} ;; esac; "
+                f"done\n{self.body}\n")
+
+    def parse(self, answer: Records) -> Records:
+        return answer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -125,26 +142,27 @@ def test_the_lock_runs_a_command_under_itself_and_hands_back_its_output(tmp_path
     local_programs(monkeypatch, tmp_path)
     marker = tmp_path / "ran"
 
-    async def go() -> tuple[str | None, bool, str | None, str | None]:
+    async def go() -> tuple[Records | None, bool, Records | None, Records | None]:
         t = LocalTransport("h1")
-        first = ShCommand("printf 'a b\\n\\nc\\n'; echo T END; echo after")
-        held = await lock.acquire(t, wait=1, then=(first, "T END"))
+        held = await lock.acquire(t, wait=1, then=Script("printf '%s S a b\\n\\n%s S c\\n%s END\\nafter\\n' "
+                                                         "\"$T\" \"$T\" \"$T\""))
         try:
             with pytest.raises(lock.LockedError):
-                await lock.acquire(t, wait=0.5, then=(ShCommand(f"touch {marker}; echo T END"), "T END"))
+                await lock.acquire(t, wait=0.5, then=Script(f"touch {marker}; echo \"$T END\""))
             ran_while_held = marker.exists()
         finally:
             await held.release()
-        cut = await lock.acquire(t, wait=1, then=(ShCommand("echo partial"), "T END"), then_timeout=0.2)
+        cut = await lock.acquire(t, wait=1, then=Script("echo \"$T S partial\""), then_timeout=0.2)
         await cut.release()
         plain = await lock.acquire(t, wait=1)
         await plain.release()
-        return held.output, ran_while_held, cut.output, plain.output
+        return held.answer, ran_while_held, cut.answer, plain.answer
 
-    output, ran_while_held, cut, plain = run(go())
-    assert output == "a b\n\nc\nT END\n"
+    answer, ran_while_held, cut, plain = run(go())
+    assert answer is not None and answer.stdout == f"{answer.token} S a b\n\n{answer.token} S c\n{answer.token} END\n"
+    assert [f.payload for f in answer.whole("cut")] == ["a b", "c"]
     assert not ran_while_held
-    assert cut is None and plain is None        # never ended with its line / nothing asked
+    assert cut is None and plain is None        # never ended with its END record / nothing asked
 
 
 @pytest.mark.parametrize("with_bash", [True, False])
@@ -164,11 +182,13 @@ def test_the_holder_keeps_the_lock_while_heartbeats_come_and_lets_go_when_they_s
     marker = tmp_path / "timeout-ran"          # `timeout`, noting that it ran
     (bin_dir / "timeout").write_text(f"#!/bin/sh\n: > {marker}\nexec {shutil.which('timeout')} \"$@\"\n")
     (bin_dir / "timeout").chmod(0o755)
-    holder = subprocess.Popen(["/bin/sh", "-c", lock.holder_command(1, "test owner")], stdin=subprocess.PIPE,
+    holder = subprocess.Popen(["/bin/sh", "-c", lock.launch_command()], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env={"PATH": str(bin_dir)})
     assert holder.stdin is not None and holder.stdout is not None
     try:
-        assert holder.stdout.readline() == ("LOCKED bash\n" if with_bash else "LOCKED\n")
+        holder.stdin.write(lock.holder_stdin("T0", 1, "test owner"))
+        holder.stdin.flush()
+        assert holder.stdout.readline().split() == (["T0", "LOCKED", "bash"] if with_bash else ["T0", "LOCKED"])
         for _ in range(5):                         # 1.25 s of heartbeats: past IDLE, still held
             holder.stdin.write(".\n")
             holder.stdin.flush()

@@ -6,28 +6,29 @@ tests/e2e/test_e2e_progress.py)."""
 from __future__ import annotations
 
 import asyncio
-import shlex
 
 import pytest
 
 from reconciler.desired.spec import HealthSpec
 from reconciler.errors import ConnectError
 from reconciler.host.health import SystemdWatch, watch_service
-from reconciler.host.judges import Entry as E
-from reconciler.host.judges import explain, parse_journal
 from reconciler.host.transport import Completed
+from reconciler.plan.facts.journal import JOURNAL_BYTES, Journal, parse_journal
+from reconciler.plan.facts.journal import Entry as E
+from reconciler.plan.judges import EXPLAIN_SCAN, explain
+from tests.host.programs import headers
 from tests.host.test_health import CRASHING, POLL, RUNNING, ScriptedHost, watch_all
 
 
 def test_explain_matches_in_a_lines_first_characters_only_and_a_cut_first_entry_is_skipped():
     # a pattern with `.*` over a 48 KiB line of a hostile service takes seconds; past EXPLAIN_SCAN
     # a line is not searched (what it says there is still quoted, whole, if it is picked)
-    from reconciler.host.judges import EXPLAIN_SCAN, JOURNAL_BYTES, journal_command
     late = "x" * EXPLAIN_SCAN + " needs --mamba-scheduler-strategy extra_buffer"
     assert explain([E("RuntimeError: boom", True), E(late, True)]) == "RuntimeError: boom"
     assert explain([E("RuntimeError: boom", True), E(late[-60:], True)]) == late[-60:].strip()
     # the read keeps the newest JOURNAL_BYTES: its first entry may be cut, and is no JSON
-    assert journal_command("m.service", 5).endswith(f"| tail -c {JOURNAL_BYTES} || true")
+    assert Journal("m.service", 5).constants["BYTES"] == str(JOURNAL_BYTES)
+    assert "| tail -c \"$BYTES\"" in Journal.text()
     assert [e.message for e in parse_journal('GE": "cut"}\n{"MESSAGE": "whole", "_PID": "9"}\n')] == ["whole"]
 
 
@@ -46,14 +47,13 @@ class LoadingScriptedHost(ScriptedHost):
         self.lines = lines
 
     async def run(self, cmd, *, input=None, check=False, timeout=60.0, what="command"):
-        journal, sep, show = cmd.rpartition("; systemctl show -p ")
-        if not sep:
+        programs = headers(input)                  # progress.sh's parameters first, where it runs
+        if len(programs) == 1:
             return await super().run(cmd, input=input, check=check, timeout=timeout, what=what)
-        argv = shlex.split(journal)            # sh -c SCRIPT progress TOKEN [INVOCATION CURSOR]...
-        token, reads = argv[4], argv[5::2]
+        token, reads = programs[0]["token"][0], [r.split()[0] for r in programs[0]["read"]]
         out = "".join(f"{token} U {inv}\n" + "".join(f"{token} L {x}\n" for x in self.lines.get(inv, []))
                       for inv in reads) + f"{token} END\n"
-        res = await super().run("systemctl show -p " + show, timeout=timeout, what=what)
+        res = await super().run(cmd, input=input.split("\n\n", 1)[1], timeout=timeout, what=what)
         return Completed(res.exit_status, out + res.stdout, res.stderr)
 
 

@@ -55,21 +55,18 @@ exit 0
 def _verify_with(tmp_path, analyze: str) -> dict[str, list[str]]:
     """Run the pre-flight's verify script with a stand-in systemd-analyze first on PATH."""
     import os
-    import subprocess
 
-    from reconciler.loop.checks import parse_verify, verify_command
+    from reconciler.plan.facts.verify import Verify
+    from tests.host.programs import answer
     bindir = tmp_path / "bin"
     bindir.mkdir(parents=True)
     (bindir / "systemd-analyze").write_text(analyze)
     (bindir / "systemd-analyze").chmod(0o755)
     units = {"good": ("[Unit]\nDescription=g\n[Service]\nExecStart=/bin/true\n", None),
              "bad": ("[Unit]\n[Service]\nBogus=1\nExecStart=/bin/true\n", None)}
-    cmd, stdin, token = verify_command(units)
-    res = subprocess.run(["sh", "-c", cmd], input=stdin, capture_output=True, text=True, timeout=10,
-                         env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"})
-    problems, available = parse_verify(res.stdout, token, units)
-    assert available
-    return problems
+    verified = answer(Verify(units), path=f"{bindir}:{os.environ['PATH']}")
+    assert verified.available
+    return dict(verified.problems)
 
 
 def test_verify_checks_only_the_unit_itself_and_falls_back_for_an_older_systemd_analyze(tmp_path):
@@ -96,9 +93,10 @@ def test_verify_writes_the_units_byte_for_byte_and_reads_any_output(tmp_path):
     continuations, CRs, blank and space-only lines, a missing final newline, UTF-8 and quotes all
     arrive unchanged. systemd-analyze's output that is not plain ASCII still reads right."""
     import os
-    import subprocess
 
-    from reconciler.loop.checks import parse_verify, verify_command
+    from reconciler.frames import batch
+    from reconciler.plan.facts.verify import Verify
+    from tests.host.programs import answer
     bindir, copy = tmp_path / "bin", tmp_path / "copy"
     bindir.mkdir()
     copy.mkdir()
@@ -109,26 +107,24 @@ def test_verify_writes_the_units_byte_for_byte_and_reads_any_output(tmp_path):
         "b": ("[Unit]\n", '[Service]\nEnvironment="B=2"\nEnvironment="SECRET=s3 %%cr\\"et\\\\ \u00e9"\n'),
         "c": ("", None),
     }
-    cmd, stdin, token = verify_command(units)
+    cmd, _ = batch([Verify(units)], ["T"])
     assert "s3 %cr" not in cmd and "B\u00f6gus" not in cmd           # texts only on stdin
-    res = subprocess.run(["sh", "-c", cmd], input=stdin, capture_output=True, text=True, timeout=10,
-                         env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}", "VERIFY_COPY": str(copy)})
-    assert res.returncode == 0, res.stderr
+    verified = answer(Verify(units), path=f"{bindir}:{os.environ['PATH']}", env={"VERIFY_COPY": str(copy)})
     for name, (unit, env) in units.items():
         assert (copy / f"{name}.unit").read_bytes() == unit.encode()
         assert (copy / f"{name}.env").read_bytes() == env.encode() if env else not (copy / f"{name}.env").exists()
-    problems, available = parse_verify(res.stdout, token, units)
-    assert available
+    problems = verified.problems
+    assert verified.available
     assert problems["a"] == ["line 2: Unknown key name \u201cB\u00f6gus\u201d, ignoring. (`ExecStart=/bin/echo a \\`)"]
     assert set(problems) == {"a", "b", "c"}
 
 
 def test_parse_verify_framing():
-    from reconciler.loop.checks import parse_verify
+    from reconciler.plan.facts.verify import Verified, parse_verify
     units = {"s": ("[Service]\nBogus=1\n", None)}
     out = "\n".join(["T O s /tmp/x/reconciler-verify-ab12-s.service:2: Unknown key 'Bogus', ignoring.",
                      "T O s other.service: broken", "other O s /tmp/x/reconciler-verify-1-s.service:1: forged",
                      "T V s 1", "T END"])
-    assert parse_verify(out, "T", units) == ({"s": ["line 2: Unknown key 'Bogus', ignoring. (`Bogus=1`)"]}, True)
-    assert parse_verify("T V s 3\nT END\n", "T", units) == ({"s": ["systemd-analyze verify exited 3"]}, True)
-    assert parse_verify("T V - -\nT END\n", "T", units) == ({}, False)
+    assert parse_verify(out, "T", units) == Verified({"s": ["line 2: Unknown key 'Bogus', ignoring. (`Bogus=1`)"]})
+    assert parse_verify("T V s 3\nT END\n", "T", units) == Verified({"s": ["systemd-analyze verify exited 3"]})
+    assert parse_verify("T V - -\nT END\n", "T", units) == Verified({}, False)

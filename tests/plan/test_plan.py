@@ -839,15 +839,22 @@ def test_a_deploy_arms_a_switch_that_restores_the_verified_version() -> None:
     from reconciler.plan import confirm
     # a transient timer (no unit file, no daemon-reload for it), made only if the controller
     # goes, by the script that also arms it at boot: its window is the switch script's own
-    assert '--on-active="${w:-600}s"' in confirm.REARM_TEXT and 'flock -w 600 "$LOCK"' in confirm.REARM_TEXT
-    assert "LOCK=$D/.lock\n" in confirm.REARM_TEXT
+    rearm = confirm.rearm_text()
+    assert '--on-active="${w:-600}s"' in rearm and 'flock -w 600 "$LOCK"' in rearm
+    assert "\nLOCK=/var/lib/reconciler/.lock\n" in rearm
     assert f"# window={sw.window}\n" in sw.script         # what the re-arm reads
     # the script puts the verified files back, restarts, and records the new version quarantined
-    assert "systemctl restart m.service" in sw.script and '"NotConfirmed"' not in sw.script  # (base64 inside)
-    assert f"put {envfile_path('m')} " in sw.script and f"put {env_path('m')} " in sw.script   # env file and drop-in
+    # (sh/confirm.sh after its header: the service, what it does, the previous files, the record)
+    head = dict(x.split("=", 1) for x in sw.script.splitlines() if x[:1].isupper() and "=" in x)
+    assert (head["SERVICE"], head["ACTION"]) == ("m", "restore")
+    assert '"NotConfirmed"' not in sw.script      # (base64 inside)
+    assert 'systemctl restart "$svc_unit"' in sw.script
+    assert head["ENVFILE"] != "-" and head["DROPIN"] != "-"                     # env file and drop-in
+    assert 'put "$ENV_DIR/$SERVICE.env" "$ENVFILE" 0600' in sw.script and envfile_path("m").startswith(head["ENV_DIR"])
+    assert env_path("m") == f"{head['UNIT_DIR']}/m.service.d/{head['ENV_DROPIN']}"
     import base64
     import json
-    records = [json.loads(base64.b64decode(x)) for x in sw.script.split() if x.startswith("eyJ")]
+    records = [json.loads(base64.b64decode(head["RECORD"]))]
     assert records and records[-1]["quarantine"]["reason"] == "NotConfirmed"
     assert records[-1]["hash"] == M_ENV0.content_hash() and records[-1]["pending"] is None
 
@@ -855,7 +862,8 @@ def test_a_deploy_arms_a_switch_that_restores_the_verified_version() -> None:
 def test_without_a_verified_version_the_switch_stops_the_service() -> None:
     plan = plan_of((M,), (), confirm_margin=60.0)
     sw = only(plan, Kind.ARM).switch
-    assert sw is not None and sw.restores is None and "systemctl stop m.service" in sw.script
+    assert sw is not None and sw.restores is None and "\nACTION=stop\n" in sw.script
+    assert 'systemctl stop "$svc_unit"' in sw.script
 
 
 def test_no_switch_for_a_rollback_and_none_when_turned_off() -> None:

@@ -138,7 +138,8 @@ def test_secrets_dropped_from_git_are_removed():
     assert (Kind.REMOVE.value, Reason.ENV_CHANGED.value) in kinds(plan)
     sec = next(a for a in plan.actions if a.kind is Kind.SECRETS)
     assert sec.secrets == () and sec.detail == "secret API_KEY removed"
-    assert "rm -f /var/lib/reconciler/credstore/m.env" in script._secrets("m", ())
+    # its environment file goes: nothing is wanted by env (apply.sh's secrets_env with env empty)
+    assert list(script._secrets(3, "m", (), remove=False))[-1] == "secrets_env step=3 service=m keep= env="
 
 
 def test_orphan_deletes_its_credstore():
@@ -147,8 +148,8 @@ def test_orphan_deletes_its_credstore():
     plan = plan_host(host(), facts, Context(REV))
     sec = next(a for a in plan.actions if a.kind is Kind.SECRETS)
     assert sec.reason is Reason.REMOVED
-    assert "rm -rf /var/lib/reconciler/credstore/m /var/lib/reconciler/credstore/m.env" in script._fatal(
-        sec, plan, 0)
+    step = plan.actions.index(sec)
+    assert list(script._fatal(step, sec, plan, 0)) == [f"secrets_aside step={step} service=m remove=1"]
 
 
 def test_observed_files_are_each_reference_and_own_copy():
@@ -164,27 +165,29 @@ def test_no_value_in_plan_output_record_or_script_argv(monkeypatch):
     shown = json.dumps([a.to_json() for a in plan.actions]) + repr(plan) + "".join(a.describe() for a in plan.actions)
     shown += "".join(a.record.dumps() for a in plan.actions if a.record is not None)
     assert CANARY.decode() not in shown
-    text = script.build_script(plan, plan.actions, 0)
+    text = "\n".join(script.steps(plan, plan.actions, 0))
     assert CANARY.decode() not in text        # base64 on the script's stdin, never in clear or in argv
-    assert "atomic_write /var/lib/reconciler/credstore/m/API_KEY 0600" in text
+    value = base64.b64encode(CANARY).decode()
+    assert f"service=m name=API_KEY base64={value}" in text
 
 
 def test_value_not_decrypted_fails_the_step_by_name():
     s = with_secrets(replace(AGE, digest="0" * 32))
-    line = script._secrets("m", s.secrets)
-    assert "secret API_KEY was not decrypted by this controller" in line and line.endswith("false")
+    lines = list(script._secrets(2, "m", s.secrets, remove=False))
+    assert lines[-1] == "refuse step=2 'message=secret API_KEY was not decrypted by this controller'"
 
 
 def test_switch_puts_kept_secrets_back_only_when_the_deploy_replaced_them():
     rec = ServiceRecord(hash="h", revision="r", last_good_hash="h", last_good_revision="r", secrets={"A": "age:1"})
     prev = Previous("r", UNIT, None, secrets_text="[Service]\nLoadCredential=A:/x\n", secrets_replaced=True)
     sw = arm("m", revision=REV, new_hash="n", window=60, record=rec, previous=prev)
-    assert f"mv {KEPT}/m /var/lib/reconciler/credstore/m" in sw.script
-    put = next(ln for ln in sw.script.splitlines() if ln.startswith("put /var/lib/reconciler/services/m.json"))
-    fired = ServiceRecord.parse(base64.b64decode(put.split()[-1]).decode())
+    assert "\nRESTORE_SECRETS=1\n" in sw.script and f"\nKEPT={KEPT}\n" in sw.script
+    assert 'old=$KEPT/$SERVICE' in sw.script and 'mv "$old" "$cur"' in sw.script      # confirm.sh's, as sent
+    put = next(ln for ln in sw.script.splitlines() if ln.startswith("RECORD="))
+    fired = ServiceRecord.parse(base64.b64decode(put.split("=", 1)[1]).decode())
     assert fired.secrets == {"A": "age:1"} and fired.quarantine is not None     # what the kept copy holds
     same = arm("m", revision=REV, new_hash="n", window=60, record=rec, previous=replace(prev, secrets_replaced=False))
-    assert KEPT not in same.script
+    assert "\nRESTORE_SECRETS=''\n" in same.script
 
 
 def test_record_round_trips_versions():

@@ -630,9 +630,8 @@ source = "https://docs.vllm.ai/en/latest/"
 
 
 def run_check(paths: list[str]) -> dict[str, pf.ModelFacts]:
-    cmd, token = pf.model_check_command(paths)
-    res = asyncio.run(LocalTransport().run(cmd, check=True, what="model check"))
-    return pf.parse_model_check(res.stdout, token)
+    from reconciler.host import programs
+    return asyncio.run(programs.run(LocalTransport(), pf.ModelCheck(paths), what="model check"))
 
 
 def test_model_check_on_the_fixture_models():
@@ -729,8 +728,8 @@ def test_parse_model_check_is_framed_and_complete_or_refused():
     out = "\n".join([
         "noise from a login script",
         f"T P {b('/m')}", "T D 1",
-        f"T F config.json {b(cfg)}-",
-        f"T F model.safetensors.index.json {b(index)}-",
+        f"T F config.json P {cfg}", "T F config.json E",
+        f"T F model.safetensors.index.json L {index}", "T F model.safetensors.index.json E",
         f"T S 5 {b('s1.safetensors')}", "T S - @s2.safetensors", "T S 3 @@x.bin", "T A 1000",
         "other-token P xxx",
         "T END",
@@ -743,6 +742,8 @@ def test_parse_model_check_is_framed_and_complete_or_refused():
         pf.parse_model_check(out.replace("T END", ""), "T")
     with pytest.raises(ObserveError):
         pf.parse_model_check("T P !!notbase64\nT END\n", "T")
+    with pytest.raises(ObserveError):                  # a file line that is none
+        pf.parse_model_check(f"T P {b('/m')}\nT D 1\nT F config.json X y\nT END\n", "T")
 
 
 def test_dry_run_path_model_facts_feed_the_rules():
@@ -779,7 +780,9 @@ def test_versions_are_read_from_the_files_in_import_order_and_nothing_is_run(tmp
     """Review 2026-12-03 N2: the version read ran the unit's interpreter as root with its
     PYTHONPATH. It reads files now: the first directory in the interpreter's import order that
     holds the package's dist-info (its Version:) or the package (its __version__ line)."""
-    from reconciler.host.versions import Probe, parse_probe, probe_command
+    from reconciler.host import programs
+    from reconciler.plan.facts.versions import VersionRead as Probe
+    from reconciler.plan.facts.versions import Versions
     py = _python_that_marks(tmp_path)
     venv = tmp_path / "venv"
     (venv / "pyvenv.cfg").write_text("home = /usr/bin\ninclude-system-site-packages = false\n")
@@ -810,9 +813,8 @@ def test_versions_are_read_from_the_files_in_import_order_and_nothing_is_run(tmp
               Probe("wrapper", str(tmp_path / "wrapper"), "sglang"),
               Probe("missing", "/no/such/python3", "sglang"),
               Probe("not-there", py, "nothing")]
-    cmd, token = probe_command(probes)
-    res = asyncio.run(LocalTransport().run(cmd, check=True, timeout=120, what="probe"))
-    assert parse_probe(res.stdout, token) == {
+    got = asyncio.run(programs.run(LocalTransport(), Versions(probes), timeout=120, what="versions"))
+    assert got == {
         "venv": "0.5.12", "pythonpath-first": "0.5.14", "editable": "0.33.0", "shebang": "0.33.0",
         "odd-p1": "1.0+cu121.post1", "odd-p2": None, "odd-p3": None, "odd-p4": None,
         "wrapper": None, "missing": None, "not-there": None}
@@ -823,7 +825,9 @@ def test_a_venv_with_the_system_site_reads_the_users_dir_first_and_without_it_on
     """A venv without the system's site packages sees only its own; with them, the user's site
     directory (the unit's user's home: none here, root's) comes before its own, as site.py
     orders them; `-s` (user_site off) leaves the user's out."""
-    from reconciler.host.versions import Probe, parse_probe, probe_command
+    from reconciler.host import programs
+    from reconciler.plan.facts.versions import VersionRead as Probe
+    from reconciler.plan.facts.versions import Versions
     py = _python_that_marks(tmp_path)
     venv = tmp_path / "venv"
     own = venv / "lib" / "python3.11" / "site-packages"
@@ -835,9 +839,8 @@ def test_a_venv_with_the_system_site_reads_the_users_dir_first_and_without_it_on
 
     def read(system: bool, user_site_on: bool = True) -> str | None:
         (venv / "pyvenv.cfg").write_text(f"include-system-site-packages = {'true' if system else 'false'}\n")
-        cmd, token = probe_command([Probe("s", py, "reconciler_probe_test_pkg", user_site=user_site_on)])
-        res = asyncio.run(LocalTransport().run(cmd, check=True, timeout=60, what="probe"))
-        return parse_probe(res.stdout, token)["s"]
+        read = Versions([Probe("s", py, "reconciler_probe_test_pkg", user_site=user_site_on)])
+        return asyncio.run(programs.run(LocalTransport(), read, timeout=60, what="versions"))["s"]
     made = [p for p in (user_site, *user_site.parents) if not p.exists()]
     user_site.mkdir(parents=True, exist_ok=True)
     try:
@@ -850,7 +853,7 @@ def test_a_venv_with_the_system_site_reads_the_users_dir_first_and_without_it_on
     assert not (tmp_path / "ran").exists()
 
 
-def test_parse_probe_payloads():
-    from reconciler.host.versions import parse_probe
+def test_parse_versions_payloads():
+    from reconciler.plan.facts.versions import parse_versions
     out = "\n".join(["T V a @0.5.12", "T V b -", "T V c @", "T V d @!!", "T V e 0.5.13", "U V g @1", "T V h @1 x"])
-    assert parse_probe(out, "T") == {"a": "0.5.12", "b": None, "c": None, "d": None, "e": None}
+    assert parse_versions(out, "T") == {"a": "0.5.12", "b": None, "c": None, "d": None, "e": None}

@@ -1,33 +1,31 @@
 """PURE: what a health watch reads, judged: one `systemctl show` reading of a unit
-(`judge_systemd`), and the unit's journal (`parse_journal`): the line that explains a failure
-(`explain`), and whether a crash was the service's at all (`spawn_failure`).
+(`judge_systemd` -> a `UnitReading`), and the unit's journal (facts/journal.py's entries): the
+line that explains a failure (`explain`), and whether a crash was the service's at all
+(`spawn_failure`).
 
-The journal is host output, read as data (review N5): `parse_journal` takes any text (a line
-that is not a journal entry is skipped), `explain` looks for its patterns in the first
-EXPLAIN_SCAN characters of a line only (a pattern with `.*` on a 48 KiB line of a hostile
+The journal is host output, read as data (review N5): `explain` looks for its patterns in the
+first EXPLAIN_SCAN characters of a line only (a pattern with `.*` on a 48 KiB line of a hostile
 service would take seconds), and the read itself keeps the newest JOURNAL_BYTES of what
-journalctl prints. The watch (health.py) redacts a quote before it cuts it.
+journalctl prints. The watch (host/health.py) redacts a quote before it cuts it.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..plan.unit import UnitState
 from ..reasons import Reason
+from .facts.journal import Entry
+from .unit import UnitState
 
-JOURNAL_LINES = 200          # journal entries read for a failure
-JOURNAL_BYTES = 1 << 20      # the newest bytes of them kept (a cut first entry is no JSON: skipped)
 EXPLAIN_SCAN = 4096          # characters of a line that explain() matches its patterns in
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """What systemd says about a unit right now."""
+class UnitReading:
+    """What systemd says about a unit right now, judged: one reading's state (the verdict on a
+    version is records.py's)."""
 
     state: str            # "running" | "starting" | "crashed" | "not-loaded" | "exited" | "refused"
     reason: Reason | None = None    # when not fine
@@ -35,8 +33,8 @@ class Verdict:
 
 
 def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_invocation: str = "",
-                  baseline_active_enter: str = "") -> Verdict:
-    """Sort one `systemctl show` reading (pure). See ../shared/SYSTEMD.md for the states.
+                  baseline_active_enter: str = "") -> UnitReading:
+    """Sort one `systemctl show` reading (pure); the states are systemd.service(5)'s.
 
     baseline_invocation: the InvocationID before our start (whose job may outlast the apply);
     while it is unchanged the start has not begun and the old process's state says nothing about
@@ -51,35 +49,45 @@ def judge_systemd(props: dict[str, str], baseline_restarts: int, *, baseline_inv
     restarts = UnitState.parse(props).n_restarts      # the one parse of it (plan/unit.py)
     summary = f"ActiveState={active} SubState={sub} Result={result} NRestarts={restarts}"
     if load and load != "loaded":
-        return Verdict("not-loaded", Reason.UNIT_NOT_LOADED, f"LoadState={load}: the unit file is invalid")
+        return UnitReading("not-loaded", Reason.UNIT_NOT_LOADED, f"LoadState={load}: the unit file is invalid")
     if baseline_invocation and props.get("InvocationID", "") == baseline_invocation:
-        if active == "failed" and props.get("Job", "") in ("", "0"):
-            # systemd refused our start (more starts than StartLimitBurst= within
-            # StartLimitIntervalSec=): no job left and no new invocation, so none will begin.
-            # Result= says start-limit-hit only where the unit had not already failed: a restart
-            # of a unit in its crash loop (auto-restart) keeps that crash's exit-code.
-            return Verdict("refused", Reason.START_LIMIT_HIT, f"systemd refused the start: start limit hit ({summary})")
-        return Verdict("starting", detail=f"waiting for the start to begin: {summary}")
+        return _not_begun(active, props.get("Job", ""), summary)
     entered = props.get("ActiveEnterTimestampMonotonic")     # absent: unknown, judged a crash
     never_active = entered == "0" or (bool(baseline_active_enter) and entered == baseline_active_enter)
     crash = Reason.START_FAILED if never_active else Reason.CRASH_LOOP
     if active == "failed":
         why = "start limit hit" if result == "start-limit-hit" else f"Result={result}"
         what = "start failed" if never_active else "unit failed"
-        return Verdict("crashed", crash, f"{what} ({why}, NRestarts={restarts})")
+        return UnitReading("crashed", crash, f"{what} ({why}, NRestarts={restarts})")
     if sub.startswith("auto-restart") or restarts > baseline_restarts:
         what = "start keeps failing" if never_active else "crash loop"
-        return Verdict("crashed", crash, f"{what}: {summary}")
+        return UnitReading("crashed", crash, f"{what}: {summary}")
     if active == "active" and sub in ("running", "exited", "reload"):
-        return Verdict("running", detail=summary)
+        return UnitReading("running", detail=summary)
     if active in ("inactive", "deactivating"):
-        if props.get("Job", "") not in ("", "0"):
-            # a job is queued (our start, still waiting): nothing is judged before it runs
-            return Verdict("starting", detail=f"waiting for the start job {props['Job']}: {summary}")
-        if never_active:   # e.g. a start timeout: systemd is stopping what never came up
-            return Verdict("crashed", Reason.START_FAILED, f"start failed: {summary}")
-        return Verdict("exited", Reason.EXITED, f"process ended: {summary}")
-    return Verdict("starting", detail=summary)
+        return _stopped(props.get("Job", ""), never_active, summary)
+    return UnitReading("starting", detail=summary)
+
+
+def _not_begun(active: str, job: str, summary: str) -> UnitReading:
+    """A reading whose InvocationID is still the one before our start: it has not begun."""
+    if active == "failed" and job in ("", "0"):
+        # systemd refused our start (more starts than StartLimitBurst= within
+        # StartLimitIntervalSec=): no job left and no new invocation, so none will begin.
+        # Result= says start-limit-hit only where the unit had not already failed: a restart
+        # of a unit in its crash loop (auto-restart) keeps that crash's exit-code.
+        return UnitReading("refused", Reason.START_LIMIT_HIT, f"systemd refused the start: start limit hit ({summary})")
+    return UnitReading("starting", detail=f"waiting for the start to begin: {summary}")
+
+
+def _stopped(job: str, never_active: bool, summary: str) -> UnitReading:
+    """A unit inactive or deactivating since our start."""
+    if job not in ("", "0"):
+        # a job is queued (our start, still waiting): nothing is judged before it runs
+        return UnitReading("starting", detail=f"waiting for the start job {job}: {summary}")
+    if never_active:   # e.g. a start timeout: systemd is stopping what never came up
+        return UnitReading("crashed", Reason.START_FAILED, f"start failed: {summary}")
+    return UnitReading("exited", Reason.EXITED, f"process ended: {summary}")
 
 
 # Lines that explain a failure, best first. Matching is case-sensitive where case carries meaning.
@@ -99,19 +107,6 @@ _SYSTEMD_NOISE = re.compile(
     r"^Failed to start |Control process exited|Failed to kill control group")
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One journal line of a unit: what it says, whether the service's own processes said it
-    (not systemd), the invocation it belongs to, and, on systemd's "Main process exited" line,
-    how the process ended (EXIT_CODE exited | killed | dumped, EXIT_STATUS)."""
-
-    message: str
-    own: bool
-    invocation: str = ""
-    exit_code: str = ""
-    exit_status: str = ""
-
-
 def explain(lines: Sequence[Entry]) -> str | None:
     """Pick the journal line that explains a failure (pure).
 
@@ -127,43 +122,6 @@ def explain(lines: Sequence[Entry]) -> str | None:
                 return hits[-1]
     own_lines = [e.message.strip() for e in lines if e.own and e.message.strip()]
     return own_lines[-1] if own_lines else None
-
-
-def journal_command(unit: str, since_epoch: float, lines: int = JOURNAL_LINES) -> str:
-    """The unit's journal since a moment, as JSON entries: the last `lines` of them, and of those
-    the newest JOURNAL_BYTES bytes."""
-    return (f"journalctl -u {shlex.quote(unit)} --since @{int(since_epoch)} -o json --no-pager "
-            f"-n {int(lines)} 2>/dev/null | tail -c {JOURNAL_BYTES} || true")
-
-
-def _field(e: dict[str, object], key: str) -> str:
-    """A journal field as text: journalctl writes strings (a field that is not valid UTF-8 as an
-    array of bytes); anything else is no value."""
-    v = e.get(key)
-    if isinstance(v, str):
-        return v
-    if isinstance(v, list) and all(isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in v):
-        return bytes(v).decode(errors="replace")
-    return ""
-
-
-def parse_journal(stdout: str) -> list[Entry]:
-    """journalctl -o json -> entries in journal order; systemd's own lines have _PID 1. Total: a
-    line that is not a JSON object of journal fields is skipped, whatever it holds."""
-    out: list[Entry] = []
-    for line in stdout.splitlines():
-        try:
-            e = json.loads(line)
-        except (ValueError, RecursionError):     # not JSON, a number of 4,300 digits, nested too deep
-            continue
-        if not isinstance(e, dict):
-            continue
-        from_systemd = _field(e, "_PID") == "1" or _field(e, "SYSLOG_IDENTIFIER") == "systemd"
-        invocation = _field(e, "INVOCATION_ID" if from_systemd else "_SYSTEMD_INVOCATION_ID")
-        code, status = (_field(e, "EXIT_CODE"), _field(e, "EXIT_STATUS")) if from_systemd else ("", "")
-        for part in _field(e, "MESSAGE").splitlines():
-            out.append(Entry(part, not from_systemd, invocation, code, status))
-    return out
 
 
 # systemd's own exit statuses for a process whose set-up failed before the service's command

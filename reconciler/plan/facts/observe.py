@@ -1,7 +1,7 @@
-"""What we read from a host: one batched shell command, and a pure parser of its output.
+"""What we read from a host: the observation, one host program and a pure parser of its answer.
 
-Like pyinfra's facts: `observe_command(names)` builds the command (the program
-reconciler/sh/observe.sh), `parse_observation(out)` turns its output into `HostFacts`. One SSH
+Like pyinfra's facts: `Observe(services, secret_files)` is reconciler/sh/observe.sh with its
+named parameters, and its `parse` (`parse_observation`) turns the answer into `HostFacts`. One SSH
 round trip reads, for every desired or inventoried service: the unit file, every drop-in
 systemd would apply to it (ours and anyone else's, in /etc, /run and the `system.control`
 directories), `systemctl show` properties and the reconciler's own record on the host
@@ -14,93 +14,23 @@ record, and it is the same whichever controller asks.
 
 from __future__ import annotations
 
-import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import ClassVar
 
-from .. import shell
-from ..errors import ObserveError
-from ..frames import Frame, decode, frames, malformed, number, raw_section
-from ..shell import ShCommand
-from .gpuhealth import GpuFault
-from .records import HostRecord, ServiceRecord
-from .unit import UnitState
+from ...errors import ObserveError
+from ...frames import Frame, HostProgram, Param, Records, decode, malformed, number
+from .. import layout
+from ..gpuhealth import GpuFault
+from ..layout import unit_path
+from ..records import HostRecord, ServiceRecord
+from ..unit import UnitState
+from .show import parse_show
 
-UNIT_DIR = "/etc/systemd/system"
-STATE_DIR = "/var/lib/reconciler"
-ENV_DROPIN = "50-reconciler-env.conf"
-SECRETS_DROPIN = "60-reconciler-secrets.conf"
-CREDSTORE = f"{STATE_DIR}/credstore"
 SHOW_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,"
               "ExecMainPID,InvocationID,NeedDaemonReload,FragmentPath,DropInPaths,UnitFileState,"
               "ActiveEnterTimestampMonotonic")
-# Where a drop-in for <name>.service can live, highest priority first (systemd.unit(5)): the
-# `systemctl set-property` directories, runtime (`systemctl edit --runtime`), and the admin's.
-DROPIN_DIRS = ("/etc/systemd/system.control", "/run/systemd/system.control", "/run/systemd/transient",
-               "/etc/systemd/system", "/run/systemd/system")
-ADOPTED_DIR = f"{STATE_DIR}/adopted"
-
-
-def unit_path(service: str) -> str:
-    return f"{UNIT_DIR}/{service}.service"
-
-
-def env_path(service: str) -> str:
-    return f"{UNIT_DIR}/{service}.service.d/{ENV_DROPIN}"
-
-
-# A service's environment, as the EnvironmentFile= its env drop-in names: systemd reads it at
-# every start, so a change of env alone is a write and a restart, with no daemon-reload.
-ENV_DIR = "/etc/reconciler/env"
-
-
-def envfile_path(service: str) -> str:
-    return f"{ENV_DIR}/{service}.env"
-
-
-def secrets_path(service: str) -> str:
-    """The drop-in that hands a service its secrets (paths only, never a value)."""
-    return f"{UNIT_DIR}/{service}.service.d/{SECRETS_DROPIN}"
-
-
-def cred_path(service: str, name: str) -> str:
-    """Where the reconciler keeps a secret it delivers (root-only file in a root-only directory)."""
-    return f"{CREDSTORE}/{service}/{name}"
-
-
-def cred_env_path(service: str) -> str:
-    """The root-only EnvironmentFile= of a service's secrets delivered as environment variables."""
-    return f"{CREDSTORE}/{service}.env"
-
-
-def record_path(service: str) -> str:
-    return f"{STATE_DIR}/services/{service}.json"
-
-
-HOST_RECORD = f"{STATE_DIR}/host.json"
-# The host lock (lock.py): its file, who holds it now, and how many times it was taken. Every
-# holder counts itself in LOCK_COUNT before it changes anything, and says who it is in
-# LOCK_OWNER until it lets go; a look that saw no holder, and a count no other holder has moved
-# since, still holds once the lock is taken (fleet.py's survey: no second observation).
-LOCK = f"{STATE_DIR}/.lock"
-CONFIRM_SUBDIR = "confirm"     # where an armed dead-man's switch keeps its script (confirm.py)
-LOCK_OWNER = f"{STATE_DIR}/.lock.owner"
-LOCK_COUNT = f"{STATE_DIR}/.lock.count"
-
-
-
-def count_holder(count: str) -> str:
-    """sh that a new holder of the host lock runs first: $g the count as it found it (0 when
-    there is none yet), and the file moved on by one. Builtins only, no process. Where the count
-    cannot be written (a full disk), the file goes: a look that saw a count never finds it again."""
-    return (f"g=0; [ ! -f {count} ] || {{ read -r g < {count} || :; }}; "
-            f"case $g in ''|*[!0-9]*) n=1 ;; *) n=$((g + 1)) ;; esac; "
-            f"{{ echo $n > {count}; }} 2>/dev/null || rm -f {count}")
-
-
-def adopted_copy(service: str, path: str) -> str:
-    """Where the original of an adopted unit's file is kept."""
-    return f"{ADOPTED_DIR}/{service}{path}"
 
 
 @dataclass(frozen=True)
@@ -181,36 +111,27 @@ class HostFacts:
         return {n for n, s in self.services.items() if s.managed}
 
 
-def observe_command(desired: list[str], token: str | None = None,
-                    secret_files: list[str] | None = None) -> tuple[ShCommand, str]:
-    """The command that reads everything about these services (and the inventory), and the
-    keyed hash of each file in `secret_files`: reconciler/sh/observe.sh, whose constants are
-    this module's (tests/test_host_programs.py).
+@dataclass(frozen=True)
+class Observe(HostProgram[HostFacts]):
+    """reconciler/sh/observe.sh: everything about these services (and the inventory), and the
+    keyed hash of each file in `secret_files` (None: none hashed, and nothing written: the key
+    is made on first use)."""
 
-    Returns (command, token); the token frames the output so no file content can forge it.
-    """
-    token = token or secrets.token_hex(8)
-    args = [token, *sorted(desired)]
-    if secret_files:
-        args += ["--", *sorted(set(secret_files))]
-    return ShCommand(shell.program("observe"), "reconciler-observe", args), token
+    name: ClassVar[str] = "observe"
+    constants: ClassVar[Mapping[str, str]] = {
+        "D": layout.STATE_DIR, "LOCK": layout.LOCK, "COUNT": layout.LOCK_COUNT, "OWNER": layout.LOCK_OWNER,
+        "CONFIRM": layout.CONFIRM_DIR, "UNIT_DIR": layout.UNIT_DIR, "ENV_DIR": layout.ENV_DIR,
+        "ENV_DROPIN": layout.ENV_DROPIN, "DROPIN_DIRS": " ".join(layout.DROPIN_DIRS), "SHOW_PROPS": SHOW_PROPS,
+        "KEY": layout.SECRET_KEY, "TEMP": layout.TEMP}
+    services: tuple[str, ...] = ()
+    secret_files: tuple[str, ...] | None = None
 
+    def params(self) -> Mapping[str, Param]:
+        return {"service": sorted(self.services),
+                "secret": sorted(set(self.secret_files)) if self.secret_files is not None else None}
 
-def parse_show(text: str) -> dict[str, dict[str, str]]:
-    """`systemctl show` output for one or more units -> {unit Id: {Key: value}}.
-
-    Blocks are separated by blank lines; values are looked up by key; missing keys are fine.
-    """
-    out: dict[str, dict[str, str]] = {}
-    for block in text.split("\n\n"):
-        props: dict[str, str] = {}
-        for line in block.split("\n"):   # not splitlines(): a value may hold \u2028 or \x1c
-            key, sep, value = line.partition("=")
-            if sep:
-                props[key] = value
-        if props.get("Id"):
-            out[props["Id"]] = props
-    return out
+    def parse(self, answer: Records) -> HostFacts:
+        return parse_observation(answer.stdout, answer.token, answer.host)
 
 
 _EARLY = "observation output ended early (is this a systemd host with a POSIX shell?)"
@@ -313,7 +234,7 @@ def _gpu_fault(text: str) -> GpuFault:
 
 
 def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
-    """Parse the output of `observe_command` into HostFacts (pure). Any text: facts, or an
+    """Parse the answer of observe.sh (`Observe`) into HostFacts (pure). Any text: facts, or an
     ObserveError (an answer cut short, a record that is not one).
 
     A record that is not valid JSON is read as a corrupt record: the service stays in the
@@ -321,8 +242,8 @@ def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:
     `systemctl show` comes last, as it is, between the `S -` line and the END line (the token,
     random per observation, cannot occur in it).
     """
-    records, shown = raw_section(stdout, token, "S -", host, _EARLY)
+    records, shown = Records(stdout, token, host).section("S -", _EARLY)
     reading = _Observation(host)
-    for f in frames(records, token, host, early=_EARLY):
+    for f in records.whole(_EARLY):
         reading.read(f)
     return reading.facts(parse_show(shown) if shown is not None else {})
