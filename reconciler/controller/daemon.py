@@ -15,15 +15,11 @@ SIGTERM: stop asking, cancel the run in flight, close SSH connections. Files on 
 written atomically and the record last, so a killed run leaves every host runnable and the
 next run (after a restart) converges, re-watching services applied but not yet seen healthy.
 
-Each run's output goes to the journal (stdout) and to <state_dir>/runs/<sha>.log; <sha>.exit
-holds the exit code when it ends, for the post-receive hook to stream to the pusher. All of it
-passes through redact first (the values of the secrets decrypted with `age_identity`, and
-token-like patterns, are masked), and so does the pusher's stream, which reads those logs.
-
-Who may read what is set here, never left to the process umask (the unit runs with UMask=0077):
-the run logs and exit files are group-readable (0640, runs/ 0750) so a pusher in the daemon's
-group can stream them; the trigger file is group-writable (0660) so the post-receive hook can
-touch it; the state store stays the daemon's alone (0600).
+Each run's output goes to the journal (stdout) and to <state_dir>/runs/<sha>.log, redacted, and
+<sha>.exit holds the exit code when it ends, for the post-receive hook to stream to the pusher
+(runlog.py, which also says who may read them). Who may read what is set there and here, never
+left to the process umask (the unit runs with UMask=0077): the trigger file is group-writable
+(0660) so the post-receive hook can touch it; the state store stays the daemon's alone (0600).
 
 One push asks twice (the branch ref changes, then the hook touches the trigger): asks for a
 revision that a run has already reconciled are dropped, so a push starts exactly one run. A push
@@ -45,15 +41,12 @@ failure: it is said once, and the next push starts the first run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import io
-import os
 import signal
 import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, TextIO, cast
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -76,49 +69,17 @@ from . import notify_systemd as sd
 from .commitstatus import CommitStatus
 from .config import ControllerConfig
 from .metrics import Metrics, on_the_page
+from .runlog import WIDTH, RunLog, runs_dir, write_exit
 from .store import Store, remember
-from .trigger import prepare_trigger
+from .watch import watch, watch_paths
 from .web.hub import Hub
 
 if TYPE_CHECKING:
     import pygit2
 
 BACKOFF_START = 2.0
-RUNS_DIR_MODE = 0o750       # group: pushers stream their deploy's log (post-receive hook)
-RUN_FILE_MODE = 0o640
 # Asks that only say "the branch moved": dropped when a run already reconciled the branch head.
 PUSH_ASKS = frozenset({"push", "trigger"})
-
-
-def _open_run_file(path: Path, *, append: bool) -> TextIO:
-    """Open a run log or exit file with its mode set explicitly (not from the umask). The
-    caller closes it (a context manager or the run's ExitStack)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), RUN_FILE_MODE)
-    os.fchmod(fd, RUN_FILE_MODE)
-    return open(fd, "a") if append else open(fd, "w")
-
-
-class _Tee(io.TextIOBase):
-    """Write run output to stdout (the journal) and the run's log file at once, redacted."""
-
-    def __init__(self, *files: IO[str]):
-        self.files = files
-
-    def write(self, s: str) -> int:
-        text = redact.redact(s)
-        for f in self.files:
-            f.write(text)
-            f.flush()
-        return len(s)
-
-    def flush(self) -> None:
-        for f in self.files:
-            f.flush()
-
-
-def _tee(*files: IO[str]) -> TextIO:
-    """A _Tee typed as the file rich's Console asks for: Console only writes and flushes it."""
-    return cast(TextIO, _Tee(*files))
 
 
 class Daemon:
@@ -130,9 +91,7 @@ class Daemon:
         self.cfg = cfg
         # This user's alone, checked before anything is made in it (dirs.UnsafePath: one line, exit 1).
         self.state_dir = own_dir(Path(cfg.state_dir) if cfg.state_dir else default_state_dir())
-        self.runs_dir = self.state_dir / "runs"
-        self.runs_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.runs_dir, RUNS_DIR_MODE)
+        self.runs_dir = runs_dir(self.state_dir)     # run logs and exit files (runlog.py)
         self.ran: str | None = None          # the branch head the last run reconciled
         self.waiting = False                 # the branch does not exist yet (no push so far)
         self.running = False
@@ -146,7 +105,7 @@ class Daemon:
         self.clock = clock
         self._retries: set[asyncio.Task[None]] = set()    # back-offs under way (held: the loop keeps weak refs)
         self.metrics = Metrics()
-        self.console = Console(highlight=False, force_terminal=False, width=160)
+        self.console = Console(highlight=False, force_terminal=False, width=WIDTH)
         self.store = Store(self.state_dir)
         # The fleet page's live feed (web/hub.py: plain data; the web server is imported in serve()).
         self.hub: Hub | None = Hub() if cfg.web else None
@@ -183,42 +142,12 @@ class Daemon:
             self.supersede.set()
 
     def _watch_paths(self) -> tuple[list[Path], set[str]]:
-        """What to watch: the branch ref of a local repo (and packed-refs), and the trigger file
-        (when it is safe to use: see trigger.prepare_trigger; a refused one is said, and pushes are then
-        seen through the branch ref alone)."""
-        paths: list[Path] = []
-        names: set[str] = set()
-        trigger = self.trigger_file()
-        if trigger:
-            trigger.parent.mkdir(parents=True, exist_ok=True)
-            refused = prepare_trigger(trigger)
-            if refused:
-                print(redact.redact(f"reconciler: not using the trigger file {trigger}: {refused}; pushes are "
-                                    f"seen through the branch ref only"), flush=True)
-            else:
-                paths.append(trigger.parent)
-                names.add(str(trigger))
-        if not source.is_url(self.cfg.repo):
-            gitdir = Path(source.open_repo(self.cfg.repo).path)
-            paths.append(gitdir)
-            names |= {str(gitdir / "refs" / "heads" / self.cfg.branch), str(gitdir / "packed-refs")}
-        return paths, names
-
-    def trigger_file(self) -> Path | None:
-        if self.cfg.trigger_file:
-            return Path(self.cfg.trigger_file)
-        if not source.is_url(self.cfg.repo):
-            return Path(source.open_repo(self.cfg.repo).path) / "reconciler.trigger"
-        return None
+        """What to watch for a push (watch.py): read once, as the watcher starts."""
+        return watch_paths(self.cfg)
 
     async def _watch(self) -> None:
-        from watchfiles import awatch
         paths, names = self._watch_paths()
-        if not paths:
-            return
-        async for changes in awatch(*paths, watch_filter=lambda _c, p: p in names, debounce=50, step=10,
-                                    stop_event=self.stopping, recursive=True):
-            self.ask("push" if any("refs" in p for _, p in changes) else "trigger")
+        await watch(paths, names, self.stopping, self.ask)
 
     # -- running --------------------------------------------------------------------------
     def _applied_key(self) -> str:
@@ -263,9 +192,8 @@ class Daemon:
         why = ", ".join(sorted(set(self.reasons))) or "start"
         self.reasons.clear()
         rev_name = "unknown"
-        log: TextIO | None = None
         # The run's log stays open through the except clauses (they write to it too).
-        with contextlib.ExitStack() as closing:
+        with RunLog(self.runs_dir, self.console) as out:
             try:
                 opts = self.run_options()
                 opts.trust.check_url(self.cfg.repo)      # before anything is fetched
@@ -282,9 +210,7 @@ class Daemon:
                 snap = source.snapshot(repo, f"refs/heads/{self.cfg.branch}", self.cfg.path)
                 rev_name = snap.revision
                 self.ran = snap.revision
-                log = closing.enter_context(_open_run_file(self.runs_dir / f"{snap.revision}.log", append=True))
-                console = Console(file=_tee(self.console.file, log), highlight=False, force_terminal=False,
-                                  width=160)
+                console = out.start(snap.revision)
                 console.print(f"reconcile {snap.short} ({why})")
                 if not self.cfg.allow_rewind:
                     check_descends(repo, self._last_applied(), snap.revision)
@@ -324,21 +250,19 @@ class Daemon:
                 self.metrics.observe_run(result, time.monotonic() - started)
             except RevisionRefused as e:
                 code = 1
-                self._say(log, f"refused: {e.reason}: {e}")
+                out.say(f"refused: {e.reason}: {e}")
                 self.metrics.run_failed("refused", time.monotonic() - started)
             except ConfigError as e:
                 code = 1
-                buf = Console(file=_tee(self.console.file, *([log] if log else [])), highlight=False, width=160)
-                print_config_error(buf, e, rev_name[:7])
+                print_config_error(out.console(), e, rev_name[:7])
                 self.metrics.run_failed("invalid", time.monotonic() - started)
             except (SourceError, ReconcilerError, OSError) as e:
                 code = 1
-                self._say(log, f"run failed: {type(e).__name__}: {e}")
+                out.say(f"run failed: {type(e).__name__}: {e}")
                 self.commit_status.failed(rev_name, f"{type(e).__name__}: {e}")
                 self.metrics.run_failed("error", time.monotonic() - started)
         if rev_name != "unknown":
-            with _open_run_file(self.runs_dir / f"{rev_name}.exit", append=False) as f:
-                f.write(f"{code}\n")
+            write_exit(self.runs_dir, rev_name, code)
         return code
 
     def run_options(self) -> RunOptions:
@@ -361,12 +285,6 @@ class Daemon:
 
     def _observe_pool(self) -> None:
         self.metrics.observe_pool(self.pool.opened, self.pool.reused, len(self.pool))
-
-    def _say(self, log: TextIO | None, line: str) -> None:
-        line = redact.redact(line)
-        print(line, flush=True)
-        if log is not None:
-            log.write(line + "\n")
 
     async def _runner(self) -> None:
         while not self.stopping.is_set():

@@ -77,30 +77,47 @@ def problems(env: TrustVars, *, flags: TrustVars = TrustVars(), file: TrustVars 
     """Why the variables `env` may not stand beside the command line's `flags` and the config
     file's settings `file` (None: no config file applies; its values otherwise, defaults
     included: a key the file leaves out says what its default says). [] when they may."""
-    out: list[Problem] = []
     file_requires = bool(file and file.require_signed)
     flag_requires = bool(flags.require_signed or flags.allowed_signers)
+    out: list[Problem] = []
     if env.require_signed is False and (file_requires or flag_requires):
-        where = file_name if file_requires else "--allowed-signers" if flags.allowed_signers else "--require-signed"
-        out.append(Problem("environment", REQUIRE, f"asks for unsigned revisions, but {where} requires signed ones: "
-                                                   f"{NEVER_LOOSER} (unset it)"))
+        out.append(_unsigned_problem(flags, file_requires, file_name))
     if env.insecure_transport and file is not None and not file.insecure_transport:
         out.append(Problem("environment", INSECURE, f"allows fetching over http:// and git://, but {file_name} does "
                                                     f"not: {NEVER_LOOSER} (set allow_insecure_transport = true in the "
                                                     f"file if that is meant, or unset it)"))
     if env.allowed_signers is not None:
-        if not (file_requires or flag_requires or env.require_signed):
-            out.append(Problem("environment", SIGNERS, "names a signers file, but nothing requires signed revisions, "
-                                                       f"so it would verify nothing: set {REQUIRE}=true (or pass "
-                                                       "--require-signed), or unset it"))
-        elif file_requires and file is not None and \
-                not _same_file(env.allowed_signers, file.allowed_signers or DEFAULT_SIGNERS):
-            out.append(Problem("environment", SIGNERS, f"names another signers file than the "
-                                                       f"{file.allowed_signers or DEFAULT_SIGNERS} that {file_name} "
-                                                       f"requires: the environment may not change who may deploy "
-                                                       f"(unset it, or change allowed_signers in the file)"))
-        if flags.allowed_signers is not None and not _same_file(env.allowed_signers, flags.allowed_signers):
-            out.append(Problem("environment", SIGNERS, "names another signers file than --allowed-signers: choose one"))
+        out += _signers_problems(env.allowed_signers, flags, file, file_name,
+                                 requires=file_requires or flag_requires or bool(env.require_signed))
+    return out
+
+
+def _unsigned_problem(flags: TrustVars, file_requires: bool, file_name: str) -> Problem:
+    """RECONCILER_REQUIRE_SIGNED=false where the file or the command line requires signing,
+    naming which one does (the file first)."""
+    where = file_name if file_requires else "--allowed-signers" if flags.allowed_signers else "--require-signed"
+    return Problem("environment", REQUIRE, f"asks for unsigned revisions, but {where} requires signed ones: "
+                                          f"{NEVER_LOOSER} (unset it)")
+
+
+def _signers_problems(signers: str, flags: TrustVars, file: TrustVars | None, file_name: str, *,
+                      requires: bool) -> list[Problem]:
+    """Why RECONCILER_ALLOWED_SIGNERS (`signers`) may not stand: nothing requires signing (so it
+    would verify nothing), it names another file than the one the config file requires, or
+    another than --allowed-signers."""
+    out: list[Problem] = []
+    if not requires:
+        out.append(Problem("environment", SIGNERS, "names a signers file, but nothing requires signed revisions, "
+                                                   f"so it would verify nothing: set {REQUIRE}=true (or pass "
+                                                   "--require-signed), or unset it"))
+    elif file is not None and file.require_signed and \
+            not _same_file(signers, file.allowed_signers or DEFAULT_SIGNERS):
+        out.append(Problem("environment", SIGNERS, f"names another signers file than the "
+                                                   f"{file.allowed_signers or DEFAULT_SIGNERS} that {file_name} "
+                                                   f"requires: the environment may not change who may deploy "
+                                                   f"(unset it, or change allowed_signers in the file)"))
+    if flags.allowed_signers is not None and not _same_file(signers, flags.allowed_signers):
+        out.append(Problem("environment", SIGNERS, "names another signers file than --allowed-signers: choose one"))
     return out
 
 

@@ -72,17 +72,40 @@ def named_nowhere(stems: tuple[str, ...], names: list[str]) -> list[str]:
     """Those of `names` that no source file of the engine's packages mentions: every top-level
     package on sys.path whose name starts with one of `stems` (the engine and its own kernels,
     e.g. sglang and sgl_kernel). Read only for a name outside the registry: the engine may still
-    read it with os.environ."""
+    read it with os.environ; the files are read until every name has been seen in one."""
     if not names:
         return []
+    left = {n: n.encode() for n in names}
+    for data in _sources(_package_roots(stems)):
+        for n in [n for n, b in left.items() if b in data]:
+            del left[n]
+        if not left:
+            return []
+    return [n for n in names if n in left]
+
+
+def _package_roots(stems: tuple[str, ...]) -> list[str]:
+    """The folders of the top-level packages on sys.path named with one of `stems` (each
+    sys.path folder once; one that cannot be listed is passed over)."""
     roots: list[str] = []
     for entry in dict.fromkeys(p for p in sys.path if p and os.path.isdir(p)):
         try:
-            roots += [os.path.join(entry, d) for d in sorted(os.listdir(entry))
-                      if d.startswith(stems) and os.path.isdir(os.path.join(entry, d)) and "." not in d]
+            names = sorted(os.listdir(entry))
         except OSError:
             continue
-    left = {n: n.encode() for n in names}
+        roots += [os.path.join(entry, d) for d in names if _package_named(entry, d, stems)]
+    return roots
+
+
+def _package_named(entry: str, name: str, stems: tuple[str, ...]) -> bool:
+    """Whether `name` in the sys.path folder `entry` is a package folder of the engine's (not a
+    .dist-info or .pth beside it)."""
+    return name.startswith(stems) and "." not in name and os.path.isdir(os.path.join(entry, name))
+
+
+def _sources(roots: list[str]) -> Iterator[bytes]:
+    """The bytes of each Python file under `roots`, one at a time, so that the search stops at
+    the first file that leaves no name unseen (caches skipped, an unreadable file passed over)."""
     for root in roots:
         for folder, dirs, files in os.walk(root):
             dirs[:] = [d for d in dirs if d != "__pycache__"]
@@ -94,11 +117,7 @@ def named_nowhere(stems: tuple[str, ...], names: list[str]) -> list[str]:
                         data = fh.read()
                 except OSError:
                     continue
-                for n in [n for n, b in left.items() if b in data]:
-                    del left[n]
-                if not left:
-                    return []
-    return [n for n in names if n in left]
+                yield data
 
 
 def deprecated_flags(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:

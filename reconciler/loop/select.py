@@ -24,24 +24,36 @@ def select_hosts(state: DesiredState, names: list[str] | None, labels: list[str]
     """
     if not names and not labels:
         return None
-    from ..desired.schema import LABEL
     unknown = sorted(set(names or []) - set(state.hosts))
     if unknown:
         raise SourceError(f"unknown host(s) {', '.join(unknown)} at {state.short} "
                           f"(known: {', '.join(sorted(state.hosts, key=natural_key))})")
+    wanted = _wanted_labels(labels or [])
+    chosen = [n for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
+              if (not names or n in names) and all(h.labels.get(k) == v for k, v in wanted.items())]
+    if not chosen:
+        raise _no_match(state, names, wanted)
+    return chosen
+
+
+def _wanted_labels(labels: list[str]) -> dict[str, str]:
+    """The --label KEY=VALUE selectors as key -> value. Raises SourceError for a malformed one, or
+    for a key given twice with different values (no host could match both)."""
+    from ..desired.schema import LABEL
     wanted: dict[str, str] = {}
-    for item in labels or []:
+    for item in labels:
         key, sep, value = item.partition("=")
         if not sep or not LABEL.match(key) or not LABEL.match(value):
             raise SourceError(f"--label expects KEY=VALUE (letters, digits, '_', '.', '-'), got {item!r}")
         if wanted.get(key, value) != value:
             raise SourceError(f"--label {key}= given twice with different values: no host can match both")
         wanted[key] = value
-    chosen = [n for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
-              if (not names or n in names) and all(h.labels.get(k) == v for k, v in wanted.items())]
-    if not chosen:
-        have = sorted({f"{k}={v}" for h in state.hosts.values() for k, v in h.labels.items()})
-        raise SourceError(f"no host matches {' '.join('--label ' + k + '=' + v for k, v in wanted.items())}"
-                          + (f" among {', '.join(sorted(names or []))}" if names else "")
-                          + f" at {state.short} (labels in use: {', '.join(have) or 'none'})")
-    return chosen
+    return wanted
+
+
+def _no_match(state: DesiredState, names: list[str] | None, wanted: dict[str, str]) -> SourceError:
+    """The error of a selection that matches no host: what was asked, and the labels in use."""
+    have = sorted({f"{k}={v}" for h in state.hosts.values() for k, v in h.labels.items()})
+    return SourceError(f"no host matches {' '.join('--label ' + k + '=' + v for k, v in wanted.items())}"
+                       + (f" among {', '.join(sorted(names or []))}" if names else "")
+                       + f" at {state.short} (labels in use: {', '.join(have) or 'none'})")

@@ -169,27 +169,49 @@ def _yes(v: str | None) -> bool:
     return (v or "").strip().lower() == "yes"
 
 
+# The Yes/No fields of `nvidia-smi -q` that say a GPU is sick: (section, field) -> what a "Yes"
+# says. Those of "ECC Errors" count only directly under it (its Volatile counters: _volatile_ecc).
+_FLAGS: Mapping[tuple[str, str], str] = {
+    ("ECC Errors", "Unrepairable Memory"): "fault",        # driver 580 on an H200, say
+    ("ECC Errors", "Channel Repair Pending"): "note",      # a repair that waits for the next reset, as a remap
+    ("ECC Errors", "TPC Repair Pending"): "note",
+    ("Retired Pages", "Pending Page Blacklist"): "fault",
+    ("Retired Pages", "Pending"): "fault",
+    ("Remapped Rows", "Remapping Failure Occurred"): "fault",
+    ("Remapped Rows", "Pending"): "note",                 # new work may start (REMAP_SOURCE)
+    ("GPU Reset Status", "Reset Required"): "fault",
+    ("GPU Reset Status", "Drain and Reset Recommended"): "fault",
+}
+
+
 def _finding(path: tuple[str, ...], value: str) -> str | None:
     """What one `nvidia-smi -q` field says of its GPU: "fault", "note" or None."""
     head, last = path[0], path[-1]
-    if head == "ECC Errors" and len(path) == 2 and last == "Unrepairable Memory":     # driver 580 on
-        return "fault" if _yes(value) else None                                      # an H200, say
-    if head == "ECC Errors" and len(path) == 2 and last in ("Channel Repair Pending", "TPC Repair Pending"):
-        return "note" if _yes(value) else None       # a repair that waits for the next reset, as a remap
+    if head == "GPU Recovery Action":
+        return _recovery_action(path, value)
     if head == "ECC Errors" and len(path) >= 2 and path[1] == "Volatile":
-        # Ampere and newer: SRAM/DRAM Uncorrectable ...; older GPUs: Double Bit / Total
-        older = len(path) == 4 and path[2] == "Double Bit" and last == "Total"
-        return "fault" if ("Uncorrectable" in last or older) and _count(value) > 0 else None
-    if head == "Retired Pages" and last in ("Pending Page Blacklist", "Pending"):
-        return "fault" if _yes(value) else None
-    if head == "Remapped Rows" and last in ("Remapping Failure Occurred", "Pending"):
-        return ("fault" if last != "Pending" else "note") if _yes(value) else None
-    if head == "GPU Reset Status" and last in ("Reset Required", "Drain and Reset Recommended"):
-        return "fault" if _yes(value) else None
-    if head == "GPU Recovery Action" and len(path) == 1:
-        quiet = value in ("None", "N/A", "") or value.startswith("Requested functionality")
-        return None if quiet else "fault"
-    return None
+        return _volatile_ecc(path, value)
+    said = _FLAGS.get((head, last))
+    if said is None or (head == "ECC Errors" and len(path) != 2):
+        return None
+    return said if _yes(value) else None
+
+
+def _volatile_ecc(path: tuple[str, ...], value: str) -> str | None:
+    """An ECC counter since the driver loaded: a fault when it counts an uncorrectable error.
+    Ampere and newer: SRAM/DRAM Uncorrectable ...; older GPUs: Double Bit / Total."""
+    last = path[-1]
+    older = len(path) == 4 and path[2] == "Double Bit" and last == "Total"
+    return "fault" if ("Uncorrectable" in last or older) and _count(value) > 0 else None
+
+
+def _recovery_action(path: tuple[str, ...], value: str) -> str | None:
+    """The driver's "GPU Recovery Action" (the section's own value): a fault unless it says none
+    is needed, or that the driver does not report it."""
+    if len(path) != 1:
+        return None
+    quiet = value in ("None", "N/A", "") or value.startswith("Requested functionality")
+    return None if quiet else "fault"
 
 
 def smi_health(text: str) -> tuple[list[str], list[str]]:

@@ -95,45 +95,49 @@ def model_info(svc: ServiceSpec, config: Mapping[str, Any] | None, table: Iterab
     still hybrid) and from the table. Without it: the table, by model id and by the
     architecture declared in the repo (model.architecture).
     """
-    entries = list(table)
     model_id = svc.model.id if svc.model else None
-    traits: set[str] = set()
-    why: dict[str, str] = {}
+    why: dict[str, str] = {}      # trait -> its first evidence; the traits are its keys
     if config is not None:
-        archs: list[str] = []
-        model_type = None
-        for _, section in _sections(config):
-            a = section.get("architectures")
-            if isinstance(a, list):
-                archs.extend(x for x in a if isinstance(x, str) and x not in archs)
-            if model_type is None and isinstance(section.get("model_type"), str):
-                model_type = section["model_type"]
+        archs, model_type = _config_names(config)
         evidence = _recurrent_layers(config)
         if evidence:
-            traits.add("hybrid")
             why["hybrid"] = evidence
-        for entry in entries:
-            hit = _entry_match(entry, None, archs, model_type)
-            if hit:
-                for t in entry.traits:
-                    if t not in traits:
-                        traits.add(t)
-                        why[t] = hit
+        _table_traits(table, None, archs, model_type, why)
         return ModelInfo(id=model_id, architectures=tuple(archs), model_type=model_type,
-                         traits=frozenset(traits), why=why, known=True, config=config)
+                         traits=frozenset(why), why=why, known=True, config=config)
     declared = svc.model.architecture if svc.model else None
     archs_declared = [declared] if declared else []
+    known = _table_traits(table, model_id, archs_declared, None, why)
+    return ModelInfo(id=model_id, architectures=tuple(archs_declared), traits=frozenset(why),
+                     why=why, known=known)
+
+
+def _config_names(config: Mapping[str, Any]) -> tuple[list[str], str | None]:
+    """A config.json's architectures (its own, then text_config's, each once) and its model_type
+    (its own, else text_config's)."""
+    archs: list[str] = []
+    model_type = None
+    for _, section in _sections(config):
+        a = section.get("architectures")
+        if isinstance(a, list):
+            archs.extend(x for x in a if isinstance(x, str) and x not in archs)
+        if model_type is None and isinstance(section.get("model_type"), str):
+            model_type = section["model_type"]
+    return archs, model_type
+
+
+def _table_traits(table: Iterable[ModelEntry], model_id: str | None, archs: list[str], model_type: str | None,
+                  why: dict[str, str]) -> bool:
+    """Adds to `why` the traits of every [[model]] entry the model matches, each with the first
+    evidence found for it; whether any entry matched."""
     known = False
-    for entry in entries:
-        hit = _entry_match(entry, model_id, archs_declared, None)
+    for entry in table:
+        hit = _entry_match(entry, model_id, archs, model_type)
         if hit:
             known = True
             for t in entry.traits:
-                if t not in traits:
-                    traits.add(t)
-                    why[t] = hit
-    return ModelInfo(id=model_id, architectures=tuple(archs_declared), traits=frozenset(traits),
-                     why=why, known=known)
+                why.setdefault(t, hit)
+    return known
 
 
 def _entry_match(entry: ModelEntry, model_id: str | None, archs: list[str], model_type: str | None) -> str | None:

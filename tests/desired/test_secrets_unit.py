@@ -20,8 +20,8 @@ from rich.console import Console
 from reconciler import cli, redact
 from reconciler.cli.output import print_json
 from reconciler.controller import hooks
-from reconciler.controller.daemon import _tee
 from reconciler.controller.metrics import Metrics
+from reconciler.controller.runlog import tee
 from reconciler.controller.store import Store, remember
 from reconciler.desired import secrets
 from reconciler.desired.load import MemorySnapshot, load_desired
@@ -434,7 +434,7 @@ def test_the_daemon_log_tee_and_a_crash_traceback_are_redacted(monkeypatch, caps
     value = canary()
     redact.register(value)
     journal, log = io.StringIO(), io.StringIO()
-    _tee(journal, log).write(f"restart m: {value}\n")
+    tee(journal, log).write(f"restart m: {value}\n")
     assert journal.getvalue() == log.getvalue() == "restart m: ***\n"
 
     def boom(**_kw: object) -> None:

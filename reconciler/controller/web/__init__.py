@@ -1,7 +1,9 @@
 """The fleet page: a read-only web view of the fleet, served by `reconcile watch`.
 
     hub.py     what the running fleet run is doing, fed by the daemon (no web imports: cheap)
-    view.py    PURE: store rows + the hub's snapshot -> the page's model (grid, rollout, commits)
+    view.py    PURE: store rows + the hub's snapshot -> the page's model (rollout, commits), and
+               the words every section shares (a revision, an age, a phase)
+    hosts.py   PURE: the same for the hosts: the grid (hosts x services) and one host's history
     app.py     the ASGI app (starlette): the routes, rendered in a thread of their own
     stream.py  the event streams: one render per change shared by all, a cap, what was refused
     server.py  the page served by uvicorn in the daemon's event loop (and /metrics, when the

@@ -41,7 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ...redact import redact
 from ..config import is_loopback
 from ..store import Store
-from . import view
+from . import hosts, view
 from .hub import SECTIONS, Hub, Snapshot
 from .stream import MAX_STREAMS, Refusals, SharedEvents, Streams
 from .view import CommitInfo, Commits
@@ -131,7 +131,7 @@ class Page:
         if "live" in sections:
             m["live"] = view.live(snap, self.commits)
         if "grid" in sections:
-            m["grid"] = view.grid(rows, snap, self.commits, **filters)
+            m["grid"] = hosts.grid(rows, snap, self.commits, **filters)
         if "commits" in sections:
             m["commits"] = view.commits(rows, self.commits, snap.wall)
         return view.redacted(m)
@@ -169,7 +169,7 @@ class Page:
             store.close()
         if not attempts and name not in snap.fleet and not any(r["host"] == name for r in rows):
             return self.render("missing.html", view.redacted({"about": self.about, "name": name})), False
-        m = view.redacted({"about": self.about, "h": view.history(name, attempts, rows, snap, self.commits)})
+        m = view.redacted({"about": self.about, "h": hosts.history(name, attempts, rows, snap, self.commits)})
         return self.render("host.html", m), True
 
     async def events(self, request: Request) -> Response:
