@@ -27,9 +27,7 @@ from dataclasses import replace
 from ..clock import REAL, Clock
 from ..desired.spec import ServiceSpec
 from ..errors import HostError
-from ..host import rotation
 from ..host.health import Outcome
-from ..host.smoke import ask
 from ..host.transport import Transport
 from ..plan.drain import StepKind
 from ..plan.forecast import unavailable_seconds
@@ -70,6 +68,7 @@ class Cutover:
 
     async def drain(self, plan: HostPlan) -> None:
         """apply_plan's drain hook: leave and drain every service the plan is about to stop."""
+        from ..host import rotation  # httpx (and what it imports) loads when a drain runs
         for name, spec in draining(plan):
             if name in self.left:
                 continue
@@ -103,6 +102,7 @@ class Cutover:
             self.steps.setdefault(spec.name, {})[StepKind.READY] = out.seconds
         if not out.healthy or spec.smoke is None:
             return out
+        from ..host.smoke import ask
         verdict, seconds = await ask(self.t, spec.smoke, clock=self.clock)
         self.steps.setdefault(spec.name, {})[StepKind.SMOKE] = seconds
         if verdict.healthy:
@@ -117,6 +117,7 @@ class Cutover:
         d = spec.drain
         if d is None:
             return None
+        from ..host import rotation
         back = await rotation.rejoin(self.t, d, clock=self.clock, allowed=self.allowed)
         steps = self.steps.setdefault(spec.name, {})
         steps[StepKind.REJOIN] = back.rejoin_seconds

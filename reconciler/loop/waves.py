@@ -16,8 +16,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..desired.spec import DesiredState, ServiceSpec
-from ..host import rotation
-from ..host.probe import http_probe
 from ..host.transport import Transport
 from ..plan.budget import Member, Step, forecast_steps, next_step
 from ..plan.rollout import RolloutPlan, RolloutResult, Wave
@@ -35,6 +33,8 @@ BLOCKED_WAIT = 1.0
 async def read_member(name: str, t: Transport | None, spec: ServiceSpec, *, sick: bool = False,
                       allowed: Collection[str] = ()) -> Member:
     """One member of a group as it is now: ready, or why not."""
+    from ..host import rotation  # httpx loads when a budget is read, not at start-up
+    from ..host.probe import http_probe
     if t is None:
         return Member(name, False, "not read (not reached in this run)")
     if sick:

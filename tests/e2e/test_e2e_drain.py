@@ -116,7 +116,7 @@ def test_a_flag_change_with_drain_and_min_available_fails_no_request(fleet: Flee
                                                                     lb: balancer.Balancer) -> None:
     trio = fleet.hosts[:3]
     first_deploy(repo, trio, lb)
-    write(repo, trio, lb, args="--max-num-seqs 64")
+    write(repo, trio, lb, args="--max-model-len 4096")
     repo.commit("a flag change")
     out, report, samples = under_load(lb, "--repo", str(repo.path), codes=(0,))
     assert (report.failed, report.reasons) == (0, {})  # type: ignore[attr-defined]
@@ -135,7 +135,7 @@ def test_the_same_change_without_a_drain_fails_requests(fleet: Fleet, repo: Desi
                                                         lb: balancer.Balancer) -> None:
     trio = fleet.hosts[:3]
     first_deploy(repo, trio, lb, drain=False, min_available=None)
-    write(repo, trio, lb, args="--max-num-seqs 64", drain=False, min_available=None)
+    write(repo, trio, lb, args="--max-model-len 4096", drain=False, min_available=None)
     repo.commit("a flag change, no drain")
     _, report, _ = under_load(lb, "--repo", str(repo.path), codes=(0,))
     assert report.failed > 0  # type: ignore[attr-defined]          the baseline a drain brings to 0
@@ -146,7 +146,7 @@ def test_a_wrong_answer_stops_at_the_canary_and_rolls_back_with_drain(fleet: Fle
                                                                      lb: balancer.Balancer) -> None:
     trio = fleet.hosts[:3]
     first_deploy(repo, trio, lb)
-    write(repo, trio, lb, args="--max-num-seqs 64", wrong=True)
+    write(repo, trio, lb, args="--max-model-len 4096", wrong=True)
     repo.commit("a build that answers wrong")
     out, report, samples = under_load(lb, "--repo", str(repo.path), codes=(3,))
     assert (report.failed, report.reasons) == (0, {})  # type: ignore[attr-defined]
@@ -169,7 +169,7 @@ def test_a_host_already_down_goes_first_and_the_budget_holds(fleet: Fleet, repo:
     first_deploy(repo, trio, lb)
     fleet.ssh(trio[2], f"systemctl stop {SERVICE}")
     wait_for("HAProxy to count the stopped host out", lambda: lb.ready() == 2, timeout=30)
-    write(repo, trio, lb, args="--max-num-seqs 64")
+    write(repo, trio, lb, args="--max-model-len 4096")
     repo.commit("a flag change with one host down")
     out, report, samples = under_load(lb, "--repo", str(repo.path), codes=(0,))
     assert (report.failed, report.reasons) == (0, {})  # type: ignore[attr-defined]
@@ -186,10 +186,10 @@ def test_the_forecast_comes_within_20_percent_of_the_measured_cost(fleet: Fleet,
                                                                    lb: balancer.Balancer) -> None:
     trio = fleet.hosts[:3]
     first_deploy(repo, trio, lb)
-    write(repo, trio, lb, args="--max-num-seqs 64")
+    write(repo, trio, lb, args="--max-model-len 4096")
     repo.commit("a first flag change: every step measured")
     run_cli("--repo", str(repo.path), check_codes=(0,))
-    write(repo, trio, lb, args="--max-num-seqs 32")
+    write(repo, trio, lb, args="--max-model-len 2048")
     repo.commit("a second flag change")
     dry = run_cli("--repo", str(repo.path), "--dry-run", check_codes=(2,)).stdout
     print(dry)
