@@ -296,7 +296,7 @@ class _FleetRun:
         # Starts of this revision that failed with sick GPUs in an earlier run count here too
         faulted = excuses_on_record(svc, self.state.revision, {
             h: r.facts.gpu_fault for h in p.members if (r := self.results.get(h)) is not None and r.facts is not None})
-        waves = Waves(p, self._read(p))
+        waves = Waves(p, self._read(p), self.io.clock)
         while (wave := await waves.next()) is not None:
             if self.io.supersede is not None and self.io.supersede.is_set():
                 ro.status = RolloutStatus.SUPERSEDED      # a newer revision rolls out instead

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ..clock import REAL, Clock
 from ..desired.spec import DesiredState, ServiceSpec
 from ..host.transport import Transport
 from ..plan.budget import Member, Step, forecast_steps, next_step
@@ -96,8 +97,8 @@ class Waves:
     """The waves of one group's rollout, one at a time. Without a budget (`read` None) they are
     the plan's; with one, each is the budget's next step from a fresh read of the members."""
 
-    def __init__(self, plan: RolloutPlan, read: ReadMembers | None) -> None:
-        self.plan, self.read = plan, read
+    def __init__(self, plan: RolloutPlan, read: ReadMembers | None, clock: Clock = REAL) -> None:
+        self.plan, self.read, self.clock = plan, read, clock
         self.left = list(plan.pending)
         self.canaries = plan.policy.canary
         self.done: list[Wave] = []
@@ -113,7 +114,7 @@ class Waves:
             return self.plan.waves[number - 1] if number <= len(self.plan.waves) else None
         for attempt in range(BLOCKED_READS):
             if attempt:
-                await asyncio.sleep(BLOCKED_WAIT)
+                await self.clock.sleep(BLOCKED_WAIT)
             members = await self.read()
             self.step = next_step(members, self.left, self.plan.policy, canaries_left=self.canaries)
             if not self.step.blocked:
