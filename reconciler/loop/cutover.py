@@ -93,7 +93,12 @@ class Cutover:
         for name in {a.service for a in plan.actions if a.kind in (Kind.STOP, Kind.RESTART, Kind.START) and a.service}:
             began = self.stopping.pop(name, None)
             if began is not None:
-                self.steps.setdefault(name, {})[StepKind.STOP] = now - began
+                # one script stops and starts (the GPU gate between its parts): the whole of it is
+                # `stop`; `start` and `wait-gpus` are inside it, measured as 0 on their own
+                steps = self.steps.setdefault(name, {})
+                steps[StepKind.STOP], steps[StepKind.START] = now - began, 0.0
+                if any(a.kind is Kind.WAIT_GPUS and a.service == name for a in plan.actions):
+                    steps[StepKind.WAIT_GPUS] = 0.0
 
     async def judge(self, spec: ServiceSpec, out: Outcome) -> Outcome:
         """After the health verdict: a healthy server answers the smoke test, else its verdict

@@ -251,8 +251,11 @@ class _HostRun:
             if out.healthy else judged.record              # the host's own step times: the next forecast's
         await write_record(self.t, name, record, stop=judged.stop, disarm=not unjudged or judged.stop)
         faults.hit("after-verdict")
-        if out.healthy and (why := await self.cutover.rejoin(sp.target.spec)) is not None:
-            self.result.worsen(Result.FAILED, Reason.REJOIN_FAILED, f"{name}: {why}")
+        if out.healthy and sp.target.spec.drain is not None:
+            if (why := await self.cutover.rejoin(sp.target.spec)) is not None:
+                self.result.worsen(Result.FAILED, Reason.REJOIN_FAILED, f"{name}: {why}")
+            else:      # the rejoin's own times, for the next forecast (the verdict is on record already)
+                await write_record(self.t, name, replace(record, steps=self.cutover.measured(name)), disarm=False)
         self.result.notes.extend(n for n in self.cutover.notes if n not in self.result.notes)
         if out.reason == Reason.GPU_FAULT:
             self.result.notes.append(f"{name}: {w.revision[:7]} not judged: {out.message}; nothing starts on this "

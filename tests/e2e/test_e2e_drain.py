@@ -127,7 +127,7 @@ def test_a_flag_change_with_drain_and_min_available_fails_no_request(fleet: Flee
     assert ro["status"] == "done" and [w["hosts"] for w in ro["waves"]] == [[h.name] for h in trio]
     for h in out["hosts"]:
         steps = h["costs"][SERVICE]["steps"]
-        assert set(steps) == {"leave", "drain", "stop", "ready", "smoke", "rejoin", "serving"}, h
+        assert set(steps) == {"leave", "drain", "stop", "start", "ready", "smoke", "rejoin", "serving"}, h
         assert any("left rotation; no work in flight" in n for n in h["notes"]), h["notes"]
 
 
