@@ -123,3 +123,25 @@ def plan(*actions: tuple[Kind, str]) -> HostPlan:
 ])
 def test_which_services_drain_before_the_stop(actions: list[tuple[Kind, str]], want: list[str]) -> None:
     assert [n for n, _ in draining(plan(*actions))] == want
+
+
+def test_a_blocked_budget_ends_the_rollout_naming_the_service_and_exits_3() -> None:
+    from reconciler.loop.results import FleetResult, HostResult, blocked
+    from reconciler.plan.budget import next_step
+    from reconciler.plan.records import Result
+    from reconciler.plan.rollout import RolloutResult
+
+    p = rollout(RolloutPolicy(1, 1, 2), ("h1", "h2"))
+    ro = RolloutResult(p)
+    step = next_step([Member("h1", True), Member("h2", True), Member("h3", False, "unhealthy")], ["h1", "h2"],
+                     p.policy, canaries_left=1)
+    hosts = {h: HostResult(h, "127.0.0.1", Result.IN_SYNC) for h in HOSTS}
+    blocked(ro, step, ["h1", "h2"], hosts)
+    assert (ro.status, ro.reason, ro.untouched) == ("halted", Reason.BUDGET_BLOCKED, ("h1", "h2"))
+    assert ro.message == ("model: blocked: 2 of 3 ready, min_available = 2; h1 waits: min_available = 2: 2 of 3 "
+                          "hosts ready (h3 unhealthy); restarting h1 would leave 1; h2 waits: min_available = 2: 2 of "
+                          "3 hosts ready (h3 unhealthy); restarting h2 would leave 1")
+    assert [(h.status, h.reason) for h in hosts.values()] == [
+        (Result.QUARANTINED, Reason.BUDGET_BLOCKED), (Result.QUARANTINED, Reason.BUDGET_BLOCKED),
+        (Result.IN_SYNC, None)]
+    assert FleetResult("r" * 40, False, list(hosts.values()), [ro]).exit_code() == 3
