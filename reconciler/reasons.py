@@ -67,6 +67,10 @@ class Reason(StrEnum):
     INCONCLUSIVE = "Inconclusive"
     START_LIMIT_HIT = "StartLimitHit"
     GPU_FAULT = "GpuFault"
+    # ... and the smoke test's, after a healthy start (plan/smoke.py)
+    WRONG_ANSWER = "WrongAnswer"        # up, but a check's answer is not the expected text
+    SLOW_ANSWER = "SlowAnswer"          # the first token came later than the smoke test's ttft
+    SMOKE_FAILED = "SmokeFailed"        # no answer at all
 
     # -- what a service's run comes to (loop/results.py, plan/state.py) --
     ROLLED_BACK = "RolledBack"
@@ -96,6 +100,11 @@ class Reason(StrEnum):
     APPLY_FAILED = "ApplyFailed"
     LOCKED = "Locked"
     NOT_DESCENDANT = "NotDescendant"
+    DRAIN_FAILED = "DrainFailed"        # the host could not leave rotation: nothing was stopped
+    REJOIN_FAILED = "RejoinFailed"      # healthy and judged, but not back in the balancer's rotation
+
+    # -- a rollout's own stop (plan/budget.py) --
+    BUDGET_BLOCKED = "BudgetBlocked"    # no pending host could restart without breaking min_available
 
     @classmethod
     def read(cls, text: object, default: Reason | None = None) -> Reason:

@@ -152,12 +152,24 @@ def host_detail(r: HostResult) -> str:
     for e in r.events:
         by_service.setdefault(e.service, []).append(e)
     text = "; ".join(_service_part(s, evs) for s, evs in by_service.items())
+    text = "; ".join(x for x in (text, cost_detail(r)) if x)
     if r.status is Result.FAILED and r.reason:
         if not text or r.plan is None or r.reason in _HOST_FAILURES:
             text = "; ".join(x for x in (text, f"{r.reason}: {one_line(r.message)}") if x)
         elif r.reason not in text:
             text = f"{r.reason}: {text}"
     return redact(text)
+
+
+def cost_detail(r: HostResult) -> str:
+    """What the run's restarts cost the host (issue 42): the seconds each service was unavailable
+    (out of rotation, or stopped until judged), and the requests a drain left in flight."""
+    parts = []
+    for service, steps in sorted(r.costs.items()):
+        lost = r.lost.get(service)
+        parts.append(f"{service} unavailable {sum(steps.values()):.1f}s"
+                     + (f", {lost:g} requests in flight at the drain timeout" if lost else ""))
+    return "; ".join(parts)
 
 
 def steady(r: HostResult) -> bool:

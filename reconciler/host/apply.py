@@ -92,20 +92,28 @@ async def _run(t: Transport, plan: HostPlan, actions: Sequence[Action], now: int
         raise CommandError(t.host, "apply", res.exit_status, res.stderr)
 
 
+# Takes the services the plan stops or restarts out of rotation and waits for their work in
+# flight (host/rotation.py, issue 42), before the script that stops them runs. Raises to stop
+# the apply there: nothing has changed on the host yet.
+DrainHook = Callable[[HostPlan], Awaitable[None]]
+
 # Runs one GPU gate step of the plan (KILL_STRAYS, WAIT_GPUS): None when done (the GPUs are
 # free), else why they are not.
 GpuWait = Callable[[Action], Awaitable[str | None]]
 
 
 async def apply_plan(t: Transport, plan: HostPlan, *, now: int, gpu_wait: GpuWait | None = None,
-                     timeout: float = 120.0) -> Applied:
+                     timeout: float = 120.0, drain: DrainHook | None = None) -> Applied:
     """Run a plan's host steps. With GPU gate steps, the script runs in two parts and `gpu_wait`
     runs each gate step between them; when a service's GPUs stay busy (`skipped`: why), the
     second part does not run at all: the plan is never edited here, the next one says what follows.
 
-    Raises CommandError when a file or record step fails (the script stops there).
+    Raises CommandError when a file or record step fails (the script stops there), and what
+    `drain` raises (the restart splits at STOP: leave rotation and drain first).
     """
     out = Applied()
+    if drain is not None:
+        await drain(plan)
     if faults.armed("mid-apply"):
         first_write = next((i for i, a in enumerate(plan.actions) if a.kind is Kind.WRITE), None)
         if first_write is not None:

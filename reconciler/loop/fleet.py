@@ -30,18 +30,16 @@ from ..host import lock
 from ..host.transport import Transport
 from ..plan.records import Quarantine, Result
 from ..plan.rollout import (
-    Halt,
+    RolloutPlan,
     RolloutResult,
     RolloutStatus,
     Stop,
     excuses_on_record,
-    group_members,
     halt,
     halted_reason,
     judge_wave,
     natural_key,
     plan_rollouts,
-    quarantine_cover,
 )
 from ..reasons import Reason
 from .host_run import Pass, lock_and_observe, reconcile_host, ssh_connector
@@ -50,7 +48,9 @@ from .options import RunIO, RunOptions
 from .results import (
     FleetResult,
     HostResult,
+    blocked,
     failed_result,
+    fleet_quarantines,
     merge_result,
     restarting,
     rollback_notices,
@@ -60,6 +60,7 @@ from .results import (
 )
 from .revision import Revision
 from .select import selected
+from .waves import ReadMembers, Waves, foresee, members_reader, waits
 
 
 class _FleetRun:
@@ -98,6 +99,8 @@ class _FleetRun:
                 await self._apply_halts()
             restarts = {n: restarting(r) for n, r in self.results.items()}
             rollouts = [RolloutResult(p) for p in plan_rollouts(self.state, restarts)]
+            if self.dry_run:       # the budget's waves as they would go from what serves now
+                await asyncio.gather(*(foresee(ro, self._read(ro.plan)) for ro in rollouts))
             if not self.dry_run:
                 waved: dict[str, set[str]] = {}
                 for ro in rollouts:
@@ -225,26 +228,8 @@ class _FleetRun:
     async def _apply_halts(self) -> None:
         """Keep halted rollouts halted: extend each group's live halt to members that hold no
         record of it (rollout.quarantine_cover), and re-plan those members with it."""
-        for key, members in group_members(self.state).items():
-            svc = key.service
-            desired, halts = {}, []
-            for h in members:
-                r = self.results.get(h)
-                if r is None or r.facts is None:
-                    continue
-                want = self.state.hosts[h].services[svc].content_hash()
-                f = r.facts.services.get(svc)
-                q = f.record.quarantine if f is not None and f.record is not None else None
-                if q is not None and q.hash == want:
-                    halts.append(Halt(h, q.to_json()))
-                elif svc in restarting(r):
-                    desired[h] = want
-            if not halts or not desired:
-                continue
-            for h, cover in quarantine_cover(key, desired, halts, self.state.revision, self._hash_at).items():
-                fq = Quarantine.from_json(cover)
-                if fq is not None:
-                    self.fleet_q.setdefault(h, {})[svc] = fq
+        for h, qs in fleet_quarantines(self.state, self.results, self._hash_at).items():
+            self.fleet_q.setdefault(h, {}).update(qs)
         for name, qs in self.fleet_q.items():
             if name not in self.transports:
                 continue        # refused or unreachable: nothing is planned there
@@ -311,12 +296,15 @@ class _FleetRun:
         # Starts of this revision that failed with sick GPUs in an earlier run count here too
         faulted = excuses_on_record(svc, self.state.revision, {
             h: r.facts.gpu_fault for h in p.members if (r := self.results.get(h)) is not None and r.facts is not None})
-        for wave in p.waves:
+        waves = Waves(p, self._read(p), self.io.clock)
+        while (wave := await waves.next()) is not None:
             if self.io.supersede is not None and self.io.supersede.is_set():
                 ro.status = RolloutStatus.SUPERSEDED      # a newer revision rolls out instead
                 ro.seconds = time.monotonic() - t0
                 self._tell("superseded", ro)
                 return
+            waits(waves, self.results)
+            ro.plan = waves.as_run(wave)
             self._tell("wave", ro)
             others = {h: frozenset(by_name[h].services) - {svc} for h in wave.hosts}
             results = await asyncio.gather(*(self._pass(by_name[h], hold=others[h], fresh=True) for h in wave.hosts))
@@ -327,6 +315,7 @@ class _FleetRun:
             faulted += verdict.faulted
             ro.waves_done = wave.number
             if verdict.halt:
+                p = ro.plan = waves.as_run(wave)
                 hashes = {h: by_name[h].services[svc].content_hash() for h in (*wave.hosts, *p.after(wave))}
                 stop = halt(p, wave, verdict.halt, self.state.revision, hashes, now=int(time.time()))
                 ro.halted(stop)
@@ -334,10 +323,22 @@ class _FleetRun:
                 ro.seconds = time.monotonic() - t0
                 self._tell("halted", ro)
                 return
+            waves.went(wave)
+            ro.budget = tuple(waves.said)
+        ro.plan, ro.budget = waves.as_run(), tuple(waves.said)
+        if waves.blocked:
+            assert waves.step is not None
+            blocked(ro, waves.step, waves.left, self.results)
+            ro.seconds = time.monotonic() - t0
+            self._tell("halted", ro)
+            return
         ro.status = RolloutStatus.DONE
         ro.seconds = time.monotonic() - t0
         self._send("rollout.finish", ro, hosts=list(p.pending), seconds=round(ro.seconds, 2))
         self._tell("done", ro)
+
+    def _read(self, p: RolloutPlan) -> ReadMembers | None:
+        return members_reader(p, self.state, self.transports, self.results, self.opts.drain_programs)
 
     async def _halt(self, ro: RolloutResult, stop: Stop) -> None:
         """Record the halt (rollout.halt): a pass on each failed and each untouched host writes

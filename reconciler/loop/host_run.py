@@ -45,6 +45,7 @@ from ..plan.model import Action, Checks, Context, HostPlan, Kind
 from ..plan.records import Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
 from ..reasons import Reason
+from .cutover import Cutover
 from .options import Connector, RunIO, RunOptions
 from .preview import engine_check
 from .results import Event, HostResult, ServiceEvent, Step, fold, host_failure, merge_plans, running_after
@@ -127,6 +128,7 @@ class _HostRun:
         self.facts: HostFacts | None = None
         self.gate: dict[str, str] = {}      # service -> why its GPUs stayed busy after this run stopped it
         self.systemd = SystemdWatch(self.t)      # every health watch on this host: one round trip per tick
+        self.cutover = Cutover(self.t, clock=io.clock, allowed=opts.drain_programs)   # drain, smoke, rejoin
 
     def _context(self, facts: HostFacts, pf: Preflight | None = None) -> Context:
         ctx = Context(self.revision, fleet_quarantine=self.fleet_q, deferred=self.deferred, retry=self.retry,
@@ -189,10 +191,12 @@ class _HostRun:
         await self._record_gpu(facts)
         faults.hit("before-apply")
         try:
-            applied = await apply_plan(self.t, plan, now=int(time.time()), gpu_wait=gate)
+            applied = await apply_plan(self.t, plan, now=int(time.time()), gpu_wait=gate, drain=self.cutover.drain)
         finally:
             if gate is not None:
                 self.result.notes.extend(gate.notes)
+            self.result.notes.extend(n for n in self.cutover.notes if n not in self.result.notes)
+        self.cutover.applied(plan)
         self.systemd.seed(applied.shown, applied.shown_at)
         faults.hit("after-apply")
         if applied.skipped:
@@ -214,7 +218,10 @@ class _HostRun:
             self.result.notes.append(f"{name}: {w.revision[:7]} has no verdict yet (a run was cut short): "
                                      f"watching it again")
         faults.hit("in-rollback-watch" if w.rollback else "in-watch")
+        target = plan.services[name].target
+        assert target is not None
         out = await self._watched(a, plan, applied, since)
+        out = await self.cutover.judge(target.spec, out)      # a healthy server's answers (smoke test)
         kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
         self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
         rec = next((r for x in plan.actions if x.kind is Kind.RECORD and x.service == name
@@ -223,8 +230,16 @@ class _HostRun:
                        verdict=Verdict(out.healthy, out.reason, out.quote, out.message), now=int(time.time()),
                        fleet=self.fleet_q.get(name))
         unjudged = judged.record.pending is not None       # no verdict: the switch stays armed
-        await write_record(self.t, name, judged.record, stop=judged.stop, disarm=not unjudged or judged.stop)
+        record = replace(judged.record, steps=self.cutover.measured(name) or judged.record.steps) \
+            if out.healthy else judged.record              # the host's own step times: the next forecast's
+        await write_record(self.t, name, record, stop=judged.stop, disarm=not unjudged or judged.stop)
         faults.hit("after-verdict")
+        if out.healthy and target.spec.drain is not None:
+            if (why := await self.cutover.rejoin(target.spec)) is not None:
+                self.result.worsen(Result.FAILED, Reason.REJOIN_FAILED, f"{name}: {why}")
+            else:      # the rejoin's own times, for the next forecast (the verdict is on record already)
+                await write_record(self.t, name, replace(record, steps=self.cutover.measured(name)), disarm=False)
+        self.result.notes.extend(n for n in self.cutover.notes if n not in self.result.notes)
         return self._followed(name, w.revision, out, unjudged=unjudged)
 
     async def _watched(self, a: Action, plan: HostPlan, applied: Applied, since: float) -> Outcome:
@@ -333,6 +348,8 @@ async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: Ru
                 if await run.execute(plan, facts):
                     break
         fold(result, plan, p.dry_run)
+        result.costs.update({n: run.cutover.measured(n) for n in run.cutover.steps})
+        result.lost.update(run.cutover.failed_requests)
         if not p.dry_run:
             result.running = {n: running_after(plan, facts, n) for n in host.services}
     except HostError as e:

@@ -60,6 +60,9 @@ class RunOptions:
     # run opens and every revision a rollback renders are verified under it (revision.py)
     trust: TrustPolicy = field(default_factory=TrustPolicy)
     engine_check: bool = False        # --engine-check: a dry run runs the engine check of an unsigned revision
+    # programs a drain's `controller` call may run on this machine (issue 42): the repo alone
+    # never names a program the controller runs
+    drain_programs: tuple[str, ...] = ()
 
 
 def confirm_margin_from(environ: Mapping[str, str] = os.environ) -> float | None:

@@ -24,8 +24,12 @@ if TYPE_CHECKING:
 from ..errors import ConfigError
 from ..plan.gpuhealth import GPU_FAULT
 from ..plan.records import Result
+from ..reasons import Reason
 from ..redact import escape_controls, redact
+from .forecasts import host_lines, rollout_line
 from .results import FleetResult, HostResult
+
+BUDGET_BLOCKED = Reason.BUDGET_BLOCKED
 
 
 def _t(text: object, plain: bool = False) -> str:
@@ -140,6 +144,8 @@ def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
         if a.diff:
             lines += diff_lines(a.diff, plain)
     lines += [f"  • {_t(a.describe(), plain)}" for a in r.plan.visible]
+    if dry_run:
+        lines += [_t(line, plain) for line in host_lines(r)]
     _say(console, [*lines, ""], plain)
 
 
@@ -342,7 +348,13 @@ def print_rollouts(console: Console, res: FleetResult) -> None:
                         "  done" if w.number <= ro.waves_done else "")
             console.print(f"  wave {w.number}{' (canary)' if w.canary else ''}: {_t(', '.join(w.hosts))}{mark}",
                           highlight=False)
-        if ro.status == "halted":
+        for said in ro.budget:
+            console.print(f"  budget: {_t(said)}", highlight=False)
+        if res.dry_run and (line := rollout_line(ro, res.hosts)) is not None:
+            console.print(f"  {_t(line)}", highlight=False)
+        if ro.reason == BUDGET_BLOCKED:
+            console.print(f"  [bold red]{_t(ro.reason)}: {_t(ro.message or '')}[/]", highlight=False)
+        elif ro.status == "halted":
             console.print(f"  [bold red]halted at {_t(ro.halted_at or '?')} (wave {ro.halted_wave}"
                           f"{', canary' if p.waves[(ro.halted_wave or 1) - 1].canary else ''}): "
                           f"{_t(ro.reason or '')}[/]", highlight=False)

@@ -7,15 +7,19 @@ PURE: the results and the one place that turns a run's verdicts into a host's re
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from ..desired.spec import DesiredState
 from ..errors import CommandError, HostError, ReconcilerError
 from ..plan.actions import starting
+from ..plan.budget import Step as BudgetStep
+from ..plan.forecast import unavailable_seconds
 from ..plan.model import HostPlan, Kind, ServicePlan, State
-from ..plan.records import NO_VERDICT, SUPERSEDED, Result
-from ..plan.rollout import HostOutcome, RolloutResult
+from ..plan.records import NO_VERDICT, SUPERSEDED, Quarantine, Result
+from ..plan.rollout import Halt, HashAt, HostOutcome, RolloutResult, RolloutStatus, group_members, quarantine_cover
 from ..reasons import Reason
 
 if TYPE_CHECKING:
@@ -70,6 +74,10 @@ class HostResult:
     facts: HostFacts | None = field(default=None, repr=False, compare=False)   # what the plan saw
     notes: list[str] = field(default_factory=list)      # pre-flight warnings, GPU gate notes
     checked: Preflight | None = field(default=None, repr=False, compare=False)   # the last pre-flight
+    # issue 42: what each restart cost (service -> step -> seconds: loop/cutover.py), and the
+    # requests still in flight where a drain gave up (service -> count: they may have failed)
+    costs: dict[str, dict[str, float]] = field(default_factory=dict)
+    lost: dict[str, float] = field(default_factory=dict)
 
     def worsen(self, status: Result, reason: Reason | None = None, message: str | None = None) -> None:
         """Keep the worst status; messages of equally bad failures add up."""
@@ -92,6 +100,8 @@ class HostResult:
             "events": [e.to_json() for e in self.events],
             "notes": self.notes,
             "running": self.running,
+            "costs": {n: {"unavailable": round(unavailable_seconds(c), 3), "steps": c} for n, c in self.costs.items()},
+            "in_flight_at_drain_timeout": self.lost,
         }
 
 
@@ -127,6 +137,8 @@ def merge_result(into: HostResult, r: HostResult) -> None:
     into.plan = merge_plans(into.plan, r.plan)
     into.running.update({k: v for k, v in r.running.items() if v is not None or k not in into.running})
     into.facts = r.facts or into.facts
+    into.costs.update(r.costs)
+    into.lost.update(r.lost)
     into.seconds += r.seconds
     into.worsen(Result(r.status), r.reason, r.message)
 
@@ -290,3 +302,46 @@ def wave_outcome(service: str, host: str, r: HostResult) -> HostOutcome:
     if r.status is Result.FAILED:
         return HostOutcome(host, r.reason or Reason.FAILED, r.message or "", observed=r.plan is not None)
     return HostOutcome(host)
+
+
+def fleet_quarantines(state: DesiredState, results: Mapping[str, HostResult],
+                      hash_at: HashAt) -> dict[str, dict[str, Quarantine]]:
+    """PURE: keep halted rollouts halted: each group's live halt, found on a member's record,
+    extended to the members that hold no record of it (rollout.quarantine_cover); host ->
+    service -> the quarantine its next plan acts on."""
+    out: dict[str, dict[str, Quarantine]] = {}
+    for key, members in group_members(state).items():
+        svc = key.service
+        desired, halts = {}, []
+        for h in members:
+            r = results.get(h)
+            if r is None or r.facts is None:
+                continue
+            want = state.hosts[h].services[svc].content_hash()
+            f = r.facts.services.get(svc)
+            q = f.record.quarantine if f is not None and f.record is not None else None
+            if q is not None and q.hash == want:
+                halts.append(Halt(h, q.to_json()))
+            elif svc in restarting(r):
+                desired[h] = want
+        if not halts or not desired:
+            continue
+        for h, cover in quarantine_cover(key, desired, halts, state.revision, hash_at).items():
+            fq = Quarantine.from_json(cover)
+            if fq is not None:
+                out.setdefault(h, {})[svc] = fq
+    return out
+
+
+def blocked(ro: RolloutResult, step: BudgetStep, left: Sequence[str], results: Mapping[str, HostResult]) -> None:
+    """A rollout the budget let go no further (plan/budget.py): it ends BudgetBlocked, naming the
+    service and why each host left waits; those hosts were not restarted (the run exits 3)."""
+    ro.status = RolloutStatus.HALTED
+    ro.reason = Reason.BUDGET_BLOCKED
+    ro.message = f"{ro.plan.group.service}: {step.describe()}"
+    ro.untouched = tuple(left)
+    for h in left:
+        r = results.get(h)
+        if r is not None:
+            r.worsen(Result.QUARANTINED, Reason.BUDGET_BLOCKED,
+                     f"{ro.plan.group.service}: not restarted: min_available = {step.floor} could not be kept")

@@ -29,8 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..desired.spec import RolloutPolicy
+from ..reasons import Reason
 
-BUDGET_BLOCKED = "BudgetBlocked"     # a rollout that stopped: no pending host could go within the budget
+BUDGET_BLOCKED = Reason.BUDGET_BLOCKED     # a rollout that stopped: no pending host could go within the budget
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,19 @@ def unavailable(times: Mapping[StepKind, tuple[float, float]]) -> float:
     return max(0.0, max(end for _, end in times.values()) - min(start for start, _ in times.values()))
 
 
+def unavailable_seconds(steps: Mapping[str, float]) -> float:
+    """What a restart cost from its recorded step times (step -> seconds): their sum, the window
+    from the leave (or the stop) to the rejoin (or the verdict)."""
+    return sum(max(0.0, v) for v in steps.values())
+
+
+def measured_steps(steps: Mapping[str, float]) -> dict[StepKind, float]:
+    """A record's step times (plan/records.ServiceRecord.steps) as the forecast reads them; a
+    step this version does not know is left out."""
+    known = {k.value: k for k in StepKind}
+    return {known[k]: v for k, v in steps.items() if k in known}
+
+
 def within(forecast: float, measured: float, tolerance: float = 0.2) -> bool:
     """Whether a forecast came within `tolerance` (a fraction) of what was measured."""
     return abs(forecast - measured) <= tolerance * measured if measured > 0 else forecast == 0

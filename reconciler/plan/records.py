@@ -197,6 +197,9 @@ class ServiceRecord:
     pending: Pending | None = None
     adopted: Adopted | None = None
     secrets: Mapping[str, str] = field(default_factory=dict)   # NAME -> keyed hash of the delivered value
+    # issue 42: the seconds each step of the last healthy restart here took (plan/drain.StepKind
+    # value -> seconds): the host's own load time, which the dry run's forecast starts from
+    steps: Mapping[str, float] = field(default_factory=dict)
     corrupt: bool = False            # unreadable on the host: kept in the inventory, trusted for nothing
     schema: Schema = SCHEMA
 
@@ -218,7 +221,8 @@ class ServiceRecord:
                 "quarantine": self.quarantine.to_json() if self.quarantine else None,
                 "pending": self.pending.to_json() if self.pending else None,
                 "adopted": self.adopted.to_json() if self.adopted else None,
-                "secrets": dict(sorted(self.secrets.items()))}
+                "secrets": dict(sorted(self.secrets.items())),
+                "steps": {k: round(v, 3) for k, v in sorted(self.steps.items())}}
 
     def dumps(self) -> str:
         return _dumps(self.to_json())

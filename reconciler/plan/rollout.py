@@ -119,6 +119,7 @@ class RolloutResult:
     skipped: tuple[str, ...] = ()         # wave hosts that failed before anything changed
     excused: tuple[str, ...] = ()         # wave hosts whose start failed with sick GPUs (host_fault)
     seconds: float = 0.0
+    budget: tuple[str, ...] = ()          # min_available: what the budget said before each wave (plan/budget.py)
 
     def halted(self, stop: Stop) -> None:
         """The rollout halted where `stop` says (rollout.halt)."""
@@ -132,7 +133,7 @@ class RolloutResult:
                     "host": self.halted_at, "wave": self.halted_wave, "reason": self.reason,
                     "message": self.message, "quote": self.quote},
                 "untouched": list(self.untouched), "skipped": list(self.skipped), "excused": list(self.excused),
-                "seconds": round(self.seconds, 2)}
+                "budget": list(self.budget), "seconds": round(self.seconds, 2)}
 
 
 def host_fault(reason: Reason | None) -> bool:

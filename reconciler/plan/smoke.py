@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..desired.spec import SmokeCheck, SmokeSpec
+from ..reasons import Reason
 from ..redact import escape_controls, redact
 
-WRONG_ANSWER = "WrongAnswer"
-SLOW_ANSWER = "SlowAnswer"
-SMOKE_FAILED = "SmokeFailed"
+WRONG_ANSWER = Reason.WRONG_ANSWER
+SLOW_ANSWER = Reason.SLOW_ANSWER
+SMOKE_FAILED = Reason.SMOKE_FAILED
 QUOTE_CHARS = 200                    # of an answer, in a message or a record
 MAX_ANSWER_CHARS = 64_000            # of an answer read at all: the rest is not ours to keep
 
@@ -142,7 +143,7 @@ class SmokeVerdict:
     """The smoke test's verdict: healthy, or the reason, the message and the answer quoted."""
 
     healthy: bool
-    reason: str | None = None
+    reason: Reason | None = None
     message: str = ""
     quote: str | None = None
 

@@ -145,13 +145,14 @@ def test_a_plain_restart_under_load_fails_the_requests_it_aborted(fleet: Fleet, 
     load = Load(lb.url, clients=6).start()
     try:
         wait_for("work in flight on the first host", lambda: (inflight(first, "vllm") or 0) >= 1, timeout=30)
+        since = fleet.ssh(first, "date +%s").strip()     # the journal keeps earlier tests' stops on this host
         fleet.ssh(first, f"systemctl restart {SERVICE}")
         wait_for("the restarted server to serve again", lambda: inflight(first, "vllm") is not None, timeout=30)
         served = lb.served()[first.name]
         wait_for("it to get requests again", lambda: lb.served()[first.name] > served, timeout=30)
     finally:
         report = load.stop()
-    journal = fleet.ssh(first, f"journalctl -u {SERVICE} -o cat --no-pager")
+    journal = fleet.ssh(first, f"journalctl -u {SERVICE} --since @{since} -o cat --no-pager")
     aborted = [int(n) for n in re.findall(r"aborting in-flight requests count=(\d+)", journal)]
     print(f"\nplain restart, vLLM's default stop: {report.describe()}; the engine aborted {aborted}")
     assert len(aborted) == 1 and aborted[0] >= 1
