@@ -142,8 +142,12 @@ def test_a_malformed_answer_is_named_by_its_kind_not_its_text(monkeypatch):
         def answer() -> None:
             conn, _ = srv.accept()
             with conn:
+                conn.settimeout(10)
                 conn.recv(65536)
                 conn.sendall(b"SSH-2.0-OpenSSH_9.2 banner-of-a-service-on-that-port\r\n")
+                conn.shutdown(socket.SHUT_WR)      # the answer ends; what the client still sends is read,
+                while conn.recv(65536):            # so a body that came late is no reset (a ReadError)
+                    pass
 
         threading.Thread(target=answer, daemon=True).start()
         n = deliver(f"http://127.0.0.1:{port}/x")
