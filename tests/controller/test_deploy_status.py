@@ -117,6 +117,18 @@ def test_steady_runs_do_not_rewrite_what_the_run_that_acted_wrote(before, after,
     assert (new == old) is kept, (old, new)
 
 
+def test_a_note_ends_with_what_each_restart_cost_and_the_requests_a_drain_left() -> None:
+    r = rolled_back("gpu-1")
+    r.costs = {"sglang": {"drain": 1.25, "restart": 2.5, "load": 40.0}, "router": {"restart": 0.5}}
+    r.lost = {"sglang": 3}
+    line = lines_of(merge("", run_lines(FleetResult(B, False, [r]), NOW)[B]))["gpu-1"]
+    assert line.endswith(f"rolled back to {A[:7]}; router unavailable 0.5s; "
+                         "sglang unavailable 43.8s, 3 requests in flight at the drain timeout"), line
+    r.costs, r.lost = {}, {}
+    assert lines_of(merge("", run_lines(FleetResult(B, False, [r]), NOW)[B]))["gpu-1"].endswith(
+        f"rolled back to {A[:7]}")
+
+
 def test_lines_that_are_not_ours_are_kept_and_text_is_one_line_and_redacted() -> None:
     secret = "hf_" + "Q" * 30
     r = rolled_back("gpu-1")

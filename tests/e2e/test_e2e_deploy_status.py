@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -115,7 +116,9 @@ def test_notes_forge_statuses_and_live_status_after_a_good_deploy_and_a_rollback
     assert on_c2[good.name].startswith(f"{good.name}: converged {c2[:7]} ") and "sglang healthy" in on_c2[good.name]
     assert on_c2[bad.name].startswith(f"{bad.name}: rolled-back {c2[:7]} "), on_c2
     assert "sglang CrashLoop: \"" in on_c2[bad.name] and INCIDENT in on_c2[bad.name]
-    assert on_c2[bad.name].endswith(f"rolled back to {c1[:7]}")
+    # then what the restarts cost the host: the seconds the service was out of rotation (issue 42)
+    assert re.search(rf"rolled back to {c1[:7]}; sglang unavailable [0-9]+[.][0-9]s$", on_c2[bad.name]), on_c2
+    assert re.search(r"sglang healthy.*; sglang unavailable [0-9]+[.][0-9]s$", on_c2[good.name]), on_c2
     assert on_c1[good.name].startswith(f"{good.name}: converged {c1[:7]} ")          # its own deploy, kept
     assert on_c1[bad.name].startswith(f"{bad.name}: live-again {c1[:7]} ")            # why c1 runs there again
     assert on_c1[bad.name].endswith(f"sglang rolled back here after {c2[:7]} failed (CrashLoop)")
