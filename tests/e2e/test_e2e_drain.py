@@ -35,7 +35,7 @@ from tests.conftest import (
     run_json,
     wait_for,
 )
-from tests.loadgen import Load, Sampler
+from tests.loadgen import STOP_FALLOUT, Load, Sampler
 
 pytestmark = [pytest.mark.fleet, pytest.mark.timeout(420)]
 
@@ -139,7 +139,7 @@ def test_the_same_change_without_a_drain_fails_requests(fleet: Fleet, repo: Desi
     repo.commit("a flag change, no drain")
     _, report, _ = under_load(lb, "--repo", str(repo.path), codes=(0,))
     assert report.failed > 0  # type: ignore[attr-defined]          the baseline a drain brings to 0
-    assert set(report.reasons) <= {"HTTP 500", "HTTP 502", "HTTP 503"}  # type: ignore[attr-defined]
+    assert set(report.reasons) <= STOP_FALLOUT  # type: ignore[attr-defined]
 
 
 def test_a_wrong_answer_stops_at_the_canary_and_rolls_back_with_drain(fleet: Fleet, repo: DesiredRepo,
