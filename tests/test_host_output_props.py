@@ -354,6 +354,21 @@ def test_nvidia_smi_q_and_dcgm_never_raise(text: str) -> None:
     gpuhealth.dcgm_health(text)
 
 
+host_record_reads = framed(["H"], extra=st.one_of(
+    st.builds(lambda text: [f"{T} H L {x}" for x in text.split("\n")] + [f"{T} H F"], json_texts),
+    st.just([f"{T} H -"])))
+
+
+@PROPERTY
+@given(host_record_reads)
+@example(f'{T} H L {{"applied_revision": "{"a" * 40}", "applied_at": Infinity}}\n{T} H F\n{T} END\n')
+@example(f"{T} H L {DEEP}\n{T} END\n")
+def test_pull_modes_host_record_read_is_a_record_or_an_observe_error(stdout: str) -> None:
+    from reconciler.plan.facts.host_record import parse_host_record
+    rec = allowing(lambda: parse_host_record(framing.Records(stdout, T, "h")), ObserveError)
+    assert rec is None or rec.dumps()
+
+
 @PROPERTY
 @given(json_texts)
 @example(DEEP)

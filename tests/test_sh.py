@@ -43,7 +43,7 @@ def _sent() -> dict[str, str]:
     from reconciler.host import engine, gpu, lock
     from reconciler.host.script import ApplyScript
     from reconciler.plan import confirm
-    from reconciler.plan.facts import fetch, journal, observe, progress, show, verify, versions
+    from reconciler.plan.facts import fetch, host_record, journal, observe, progress, show, verify, versions
     from reconciler.plan.facts import gpu as gpu_facts
     from reconciler.plan.records import ServiceRecord
     from reconciler.preflight import _hostcheck
@@ -51,7 +51,8 @@ def _sent() -> dict[str, str]:
     programs: list[type[HostProgram[object]]] = [
         observe.Observe, verify.Verify, gpu_facts.GpuRead, versions.Versions, _hostcheck.ModelCheck,
         progress.JournalTail,
-        show.UnitShow, journal.Journal, engine.EngineProbe, gpu.Signal, fetch.FetchCommand, lock.Install]
+        show.UnitShow, journal.Journal, engine.EngineProbe, gpu.Signal, fetch.FetchCommand, lock.Install,
+        host_record.HostRecordRead]
     out = {p.name: p.text() for p in programs}
     plan = _plan()
     out["apply"] = ApplyScript.of(plan, plan.actions, 0).stdin("0123456789abcdef")

@@ -185,6 +185,12 @@ async def write_record(t: Transport, name: str, rec: ServiceRecord, *, stop: boo
     await _calls(t, record_calls(name, rec, stop=stop, disarm=disarm), 2, f"record verdict of {name}", 120)
 
 
+async def write_state_file(t: Transport, path: str, text: str, *, what: str, timeout: float = 30) -> None:
+    """One file of the reconciler's own on the host (pull mode's pull.json), written atomically
+    by apply.sh's write_file, root's alone (RECORD_MODE): CommandError when it could not be."""
+    await _calls(t, (call("write_file", step=0, path=path, mode=RECORD_MODE, text=text), "finish"), 1, what, timeout)
+
+
 async def write_gpu_fault(t: Transport, fault: GpuFault | None) -> None:
     """Mark the host GpuFault (gpuhealth.FAULT_FILE, root's alone, written atomically), or clear
     the mark (None): what the planner decided after a GPU reading (gpuhealth.recorded_after,

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 
 from ..clock import REAL, Clock
 from ..desired.spec import DesiredState, ServiceSpec
+from ..host import programs
 from ..host.transport import Transport
 from ..plan.budget import Member, Step, forecast_steps, next_step
+from ..plan.facts.show import UnitShow
 from ..plan.rollout import RolloutPlan, RolloutResult, Wave
 
 if TYPE_CHECKING:
@@ -46,9 +48,11 @@ async def read_member(name: str, t: Transport | None, spec: ServiceSpec, *, sick
             if status != 200:
                 return Member(name, False, f"unhealthy ({f'HTTP {status}' if status is not None else said})")
         else:
-            res = await t.run(f"systemctl is-active {spec.name}.service", timeout=30, what="is-active")
-            if not res.ok:
-                return Member(name, False, f"down ({res.stdout.strip() or 'inactive'})")
+            unit = f"{spec.name}.service"
+            shown = await programs.run(t, UnitShow([unit], "Id,ActiveState"), timeout=30, what="is-active")
+            state = shown.get(unit, {}).get("ActiveState") or "not loaded"
+            if state != "active":
+                return Member(name, False, f"down ({state})")
         if spec.drain is not None and await rotation.serving(t, spec.drain, allowed=allowed) is False:
             return Member(name, False, "out of rotation")
     except Exception as e:      # a read that failed says "not ready", never stops the rollout

@@ -41,14 +41,16 @@ from ..desired.gitauth import GitAuth
 from ..desired.spec import DesiredState, HostSpec
 from ..desired.trust import RevisionRefused, TrustPolicy, shown_url, url_credentials
 from ..errors import ConfigError, SourceError
-from ..host import lock
+from ..host import lock, programs
+from ..host.apply import write_state_file
 from ..host.transport import LocalTransport, Transport
 from ..loop.fleet import run_fleet
 from ..loop.options import Connector, HostPhase, RunIO, RunOptions, confirm_margin_from
 from ..loop.results import FleetResult, HostResult
 from ..loop.revision import open_revision
 from ..plan.facts import STATE_DIR
-from ..plan.records import SUPERSEDED, HostRecord
+from ..plan.facts.host_record import HostRecordRead
+from ..plan.records import SUPERSEDED
 from ..redact import redact, redact_data
 from . import _git
 from .schedule import (
@@ -204,8 +206,9 @@ def _deadline(host: HostSpec, lock_wait: float) -> float:
 
 
 async def _applied(t: Transport) -> str | None:
-    res = await t.run(f"cat {STATE_DIR}/host.json 2>/dev/null || true", timeout=30, what="read host record")
-    return HostRecord.parse(res.stdout).applied_revision if res.stdout.strip() else None
+    """The revision the host last applied (its host record), None where it has none."""
+    rec = await programs.run(t, HostRecordRead(), timeout=30, what="read host record")
+    return rec.applied_revision if rec is not None else None
 
 
 def _choose(repo: pygit2.Repository, head: source.Snapshot, state: DesiredState, name: str, applied: str | None,
@@ -358,8 +361,7 @@ async def _record(connect: Connector, host: HostSpec, out: PullOutcome) -> None:
     text = redact(json.dumps(redact_data(data), sort_keys=True)) + "\n"
     t = await connect(host)
     try:
-        await t.run(f"mkdir -p {STATE_DIR} && cat > {RECORD}.tmp && mv -f {RECORD}.tmp {RECORD}", input=text,
-                    timeout=30, what="write pull record")
+        await write_state_file(t, RECORD, text, what="write pull record")
     except Exception as e:           # the run is done; a record it could not write is a warning
         out.warnings.append(f"could not write {RECORD}: {e}")
     finally:

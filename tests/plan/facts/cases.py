@@ -22,6 +22,7 @@ from reconciler.host.lock import Install
 from reconciler.host.script import ApplyScript
 from reconciler.plan.facts.fetch import FetchCommand
 from reconciler.plan.facts.gpu import GpuRead
+from reconciler.plan.facts.host_record import HostRecordRead
 from reconciler.plan.facts.journal import Journal
 from reconciler.plan.facts.observe import Observe
 from reconciler.plan.facts.progress import JournalTail
@@ -54,6 +55,7 @@ BUILD: dict[str, Callable[[Mapping[str, Any]], HostProgram[Any]]] = {
     "apply": lambda p: ApplyScript(tuple(p["calls"]), p["steps"]),
     "fetch": lambda p: FetchCommand(p["path"], p["command"]),
     "install": lambda p: Install(tuple(p["texts"])),
+    "host-record": lambda p: HostRecordRead(),
 }
 
 

@@ -24,7 +24,7 @@ from reconciler.desired.spec import SSHSpec
 from reconciler.frames import Records, batch
 from reconciler.host.health import WATCH_PROPS
 from reconciler.host.transport import SSHTransport
-from reconciler.plan.layout import ENV_DROPIN, envfile_path, record_path, unit_path
+from reconciler.plan.layout import ENV_DROPIN, HOST_RECORD, envfile_path, record_path, unit_path
 from tests import fleet as fleetlib
 from tests.plan.facts.cases import SAMPLES, build, sent, to_data
 
@@ -37,6 +37,8 @@ M_UNIT = ("[Unit]\nDescription=stand-in server\n[Service]\nEnvironmentFile=-{env
 CRASHY = ("[Service]\nExecStart=/bin/sh -c 'echo \"MTP with the hybrid GDN model needs "
           "--mamba-scheduler-strategy extra_buffer\" >&2; exit 1'\nRestart=always\nRestartSec=1\n")
 RECORD = '{"hash": "a6bdef65df3c8775", "revision": "' + "a" * 40 + '", "schema": 2}\n'
+# what pull mode reads (host-record): the revision last applied; its last line without a newline
+HOST_JSON = '{"applied_at": 1795000000,\n "applied_revision": "' + "b" * 40 + '", "schema": 2}'
 
 
 def setup_script(address: str) -> str:
@@ -84,6 +86,10 @@ def cases(invocation: str) -> list[tuple[str, str, dict[str, Any]]]:
             "cp -r /models/Qwen3-8B/. . && ls | head -2\necho 'no space left' >&2\nexit 3"}),
         ("fetch", "a-directory-that-cannot-be-made", {"path": "/proc/none/model", "command": "true"}),
         ("install", "two-programs", {"texts": ["#!/bin/sh\necho one\n", "#!/bin/sh\necho two\n"]}),
+        ("host-record", "none-yet", {}),
+        ("apply", "the-host-record-written", {"calls": [
+            "now", f"write_file step=0 path={HOST_RECORD} mode=0600 'text={HOST_JSON}'", "finish"], "steps": 1}),
+        ("host-record", "a-record", {}),
         ("apply", "a-file-step-that-fails", {"calls": [
             "now", "stage_file step=0 path=/srv/a.txt mode=0644 text=a", "commit",
             "write_file step=1 path=/proc/none/b.txt mode=0600 text=b", "stop step=2 unit=m.service",

@@ -13,8 +13,8 @@ from reconciler.frames import Records
 from tests.plan.facts.cases import build, load, samples, sent, to_data
 
 ALL = samples()
-PROGRAMS = ("apply", "engine-probe", "fetch", "gpu", "install", "journal", "model-check", "observe", "progress", "show",
-            "signal", "verify", "versions")
+PROGRAMS = ("apply", "engine-probe", "fetch", "gpu", "host-record", "install", "journal", "model-check", "observe",
+            "progress", "show", "signal", "verify", "versions")
 
 
 def test_every_program_has_a_captured_sample():
