@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 from ..errors import ConfigError
 from ..plan.gpuhealth import GPU_FAULT
 from ..plan.records import Result
+from ..plan.rollout import RolloutResult
 from ..reasons import Reason
 from ..redact import escape_controls, redact
 from .forecasts import host_lines, rollout_line
@@ -341,33 +342,14 @@ def print_rollouts(console: Console, res: FleetResult) -> None:
                 f"(at most {p.bound} at once)")
         console.print(f"[bold]{_t(head)}[/]", highlight=False)
         for w in p.waves:
-            mark = ""
-            if not res.dry_run:
-                mark = ("  halted here" if ro.halted_wave == w.number else
-                        "  not started" if ro.halted_wave is not None and w.number > ro.halted_wave else
-                        "  done" if w.number <= ro.waves_done else "")
+            mark = "" if res.dry_run else _wave_mark(ro, w.number)
             console.print(f"  wave {w.number}{' (canary)' if w.canary else ''}: {_t(', '.join(w.hosts))}{mark}",
                           highlight=False)
         for said in ro.budget:
             console.print(f"  budget: {_t(said)}", highlight=False)
         if res.dry_run and (line := rollout_line(ro, res.hosts)) is not None:
             console.print(f"  {_t(line)}", highlight=False)
-        if ro.reason == BUDGET_BLOCKED:
-            console.print(f"  [bold red]{_t(ro.reason)}: {_t(ro.message or '')}[/]", highlight=False)
-        elif ro.status == "halted":
-            console.print(f"  [bold red]halted at {_t(ro.halted_at or '?')} (wave {ro.halted_wave}"
-                          f"{', canary' if p.waves[(ro.halted_wave or 1) - 1].canary else ''}): "
-                          f"{_t(ro.reason or '')}[/]", highlight=False)
-            if ro.quote:
-                console.print(f"    journal: {_t(ro.quote)}", highlight=False)
-            if ro.reason == GPU_FAULT and ro.message:     # why a GPU fault counted this time
-                console.print(f"    {_t(ro.message)}", highlight=False)
-            if ro.untouched:
-                console.print(f"  not restarted, quarantined at {res.revision[:7]}: {_t(', '.join(ro.untouched))}",
-                              highlight=False)
-        elif ro.status == "done":
-            console.print(f"  [green]done: {len(p.pending)} hosts in {len(p.waves)} waves, {ro.seconds:.1f}s[/]",
-                          highlight=False)
+        _print_rollout_end(console, ro, res.revision)
         if ro.skipped:
             console.print(f"  skipped (could not be observed): {_t(', '.join(ro.skipped))}", highlight=False)
         if ro.excused:
@@ -377,3 +359,34 @@ def print_rollouts(console: Console, res: FleetResult) -> None:
         console.print()
     for warning in res.warnings:
         console.print(f"[yellow]warning:[/] {_t(warning)}", highlight=False)
+
+
+def _wave_mark(ro: RolloutResult, number: int) -> str:
+    """Where a run's rollout left this wave: halted here, not started, done, or nothing."""
+    if ro.halted_wave == number:
+        return "  halted here"
+    if ro.halted_wave is not None and number > ro.halted_wave:
+        return "  not started"
+    return "  done" if number <= ro.waves_done else ""
+
+
+def _print_rollout_end(console: Console, ro: RolloutResult, revision: str) -> None:
+    """How the rollout ended: blocked by its budget, halted (where, why, the journal line, the
+    hosts left quarantined), or done."""
+    p = ro.plan
+    if ro.reason == BUDGET_BLOCKED:
+        console.print(f"  [bold red]{_t(ro.reason)}: {_t(ro.message or '')}[/]", highlight=False)
+    elif ro.status == "halted":
+        console.print(f"  [bold red]halted at {_t(ro.halted_at or '?')} (wave {ro.halted_wave}"
+                      f"{', canary' if p.waves[(ro.halted_wave or 1) - 1].canary else ''}): "
+                      f"{_t(ro.reason or '')}[/]", highlight=False)
+        if ro.quote:
+            console.print(f"    journal: {_t(ro.quote)}", highlight=False)
+        if ro.reason == GPU_FAULT and ro.message:     # why a GPU fault counted this time
+            console.print(f"    {_t(ro.message)}", highlight=False)
+        if ro.untouched:
+            console.print(f"  not restarted, quarantined at {revision[:7]}: {_t(', '.join(ro.untouched))}",
+                          highlight=False)
+    elif ro.status == "done":
+        console.print(f"  [green]done: {len(p.pending)} hosts in {len(p.waves)} waves, {ro.seconds:.1f}s[/]",
+                      highlight=False)

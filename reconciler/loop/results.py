@@ -187,6 +187,13 @@ def service_result(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
             return Result.ROLLED_BACK, Reason.ROLLED_BACK, f"{sp.name}: {sp.note or 'running the last good version'}"
         return (Result.FAILED, Reason.ROLLBACK_FAILED,
                 f"{sp.name}: last good {rollback.revision[:7]} failed too: {rollback.outcome.message}")
+    return _without_a_failure(sp, events, dry_run, changes)
+
+
+def _without_a_failure(sp: ServicePlan, events: list[ServiceEvent], dry_run: bool,
+                       changes: bool) -> tuple[Result, Reason | None, str | None]:
+    """No deploy failed and none was rolled back in this run: a watch that ended with no
+    verdict, the planner's own state (quarantined, blocked ...), or changed / in sync."""
     last = next((e.outcome for e in reversed(events) if e.outcome is not None), None)
     if last is not None and last.reason in NO_VERDICT - {SUPERSEDED} and sp.state is not State.INCONCLUSIVE:
         # the run ended on a watch without a verdict (its rounds ran out): not done
