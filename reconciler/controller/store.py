@@ -1,5 +1,6 @@
-"""The local state store (SQLite, embedded): every attempt per host and service, and the
-latest status of each, for `reconcile status` and `reconcile history`.
+"""The local state store (SQLite, embedded): every attempt per host and service, the latest
+status of each, for `reconcile status` and `reconcile history`, and what each one's last measured
+restart cost (issue 42), for the fleet page.
 
 The host's own record (/var/lib/reconciler) stays the source of truth for last-good and
 quarantine, so another controller or a fresh checkout knows them; this store is the
