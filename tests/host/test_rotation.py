@@ -130,6 +130,7 @@ T = LocalTransport("gpu-1")
     ("200 OK", None, True, "HTTP 200: draining"),
     ("202 Accepted", None, True, "HTTP 202: draining"),        # any 2xx, when none is named
     ("503 Service Unavailable", None, False, "HTTP 503: draining"),
+    ("302 Found", None, False, "HTTP 302: draining"),           # a redirect is not followed, nor taken
     ("200 OK", 204, False, "HTTP 200: draining"),                # the status named, and no other
     ("204 No Content", 204, True, "HTTP 204: draining"),
 ])
@@ -238,9 +239,10 @@ def test_a_controller_program_gets_its_input_on_stdin_and_is_never_given_a_shell
     assert run(rotation.call(T, bad, allowed=("sh",))) == Called(False, "exit 2: socket: permission denied")
 
 
+@pytest.mark.timeout(60)     # a bound for a failing test: a program left to run out its sleep
 def test_a_controller_program_that_overruns_its_timeout_is_killed(tmp_path):
     pidfile = tmp_path / "pid"
-    c = CallSpec("controller", argv=("sh", "-c", f"echo $$ > {pidfile}; exec sleep 30"), timeout=0.3)
+    c = CallSpec("controller", argv=("sh", "-c", f"echo $$ > {pidfile}; exec sleep 3600"), timeout=0.3)
     assert run(rotation.call(T, c, allowed=("sh",))) == Called(False, "sh did not finish within 0.3s")
     assert wait_gone(int(pidfile.read_text()), timeout=5)
 
