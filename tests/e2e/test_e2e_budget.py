@@ -1,4 +1,5 @@
-"""End-to-end: a budget that cannot be kept (issue 42, BudgetBlocked) on real hosts.
+"""End-to-end: a budget that cannot be kept (issue 42, BudgetBlocked) on real hosts, and the
+fleet page's cost of a real drained rollout.
 
 The rig of tests/e2e/test_e2e_drain.py (Debian's HAProxy with its runtime API on the controller,
 the stand-in playing vLLM, a bounded load through the balancer and a sampler of the servers it
@@ -9,21 +10,33 @@ wave. The run says which hosts wait and why (BudgetBlocked, naming the host that
 restarts nothing (each unit's invocation is the one before the run, its record is the first
 revision's), the clients see no failure and HAProxy never has fewer than 2 servers; the dry
 run foresees the same.
+
+After a drained rollout on the two hosts, the fleet page over that run's state store shows each
+host's cost as the run measured it (the steps, their sum), and no requests left in flight.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from reconciler.controller.web.app import create_app
+from reconciler.controller.web.hub import Hub
 from tests import balancer
 from tests import fleet as fleetlib
 from tests.conftest import FLEET_FIRST, FLEET_PREFIX, FLEET_SIZE, DesiredRepo, Fleet, run_cli, run_json, wait_for
+from tests.controller.test_web_cost import cells
 from tests.e2e.test_e2e_drain import PORT, SERVICE, under_load, write
 
-pytestmark = [pytest.mark.fleet, pytest.mark.timeout(300)]
+with warnings.catch_warnings():     # starlette 1.x asks for httpx2 in its test client; httpx still works
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
+
+pytestmark = [pytest.mark.fleet, pytest.mark.timeout(300), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 GHOST = "ghost"
 # After the balancer's address (FLEET_FIRST + FLEET_SIZE), in this fleet's own range: nothing listens there
@@ -103,3 +116,25 @@ def assert_untouched(fleet: Fleet, hosts: list[fleetlib.Host], before: dict[str,
     for h in hosts:
         record = json.loads(fleet.ssh(h, f"cat /var/lib/reconciler/services/{SERVICE}.json"))
         assert record["revision"] == revision, record
+
+
+def test_the_page_shows_what_a_drained_rollout_cost(fleet: Fleet, repo: DesiredRepo, lb: balancer.Balancer,
+                                                    tmp_path: Path) -> None:
+    duo = fleet.hosts[:2]
+    write(repo, duo, lb, min_available=None)
+    repo.commit("the model on two hosts")
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    wait_for("HAProxy to see the two servers up", lambda: lb.ready() == 2, timeout=30)
+    write(repo, duo, lb, args="--max-model-len 4096", min_available=None)
+    repo.commit("a flag change")
+    _, out = run_json("--repo", str(repo.path), check_codes=(0,))
+    with TestClient(create_app(Hub(), tmp_path / "state", commits=lambda rev: None),
+                    base_url="http://localhost") as c:
+        grid = cells(c.get("/").text)
+    for h in out["hosts"]:
+        steps = h["costs"][SERVICE]["steps"]
+        assert set(steps) == {"leave", "drain", "stop", "start", "ready", "smoke", "rejoin", "serving"}, h
+        cell = grid[(h["host"], SERVICE)]
+        total = sum(max(0.0, v) for v in steps.values())
+        assert f'<span class="what">last restart:</span> unavailable {total:.1f}s</summary>' in cell, cell
+        assert f"drain {steps['drain']:.1f}s, stop {steps['stop']:.1f}s" in cell and "in flight" not in cell
