@@ -98,7 +98,6 @@ def test_a_budget_that_hosts_down_cannot_keep_blocks_the_rollout_and_restarts_no
         r = hosts[h]
         assert (r["status"], r["reason"], r["message"]) == (
             "quarantined", "BudgetBlocked", f"{SERVICE}: not restarted: min_available = 2 could not be kept")
-        assert f"{SERVICE}: waits: {why[h]}" in r["notes"]
         assert r["costs"] == {} and [e for e in r["events"] if e["outcome"]] == []
     assert_untouched(fleet, duo, before, first)
     assert lb.ready() == 2
