@@ -1,5 +1,6 @@
-"""The local state store (SQLite, embedded): every attempt per host and service, and the
-latest status of each, for `reconcile status` and `reconcile history`.
+"""The local state store (SQLite, embedded): every attempt per host and service, the latest
+status of each, for `reconcile status` and `reconcile history`, and what each one's last measured
+restart cost (issue 42), for the fleet page.
 
 The host's own record (/var/lib/reconciler) stays the source of truth for last-good and
 quarantine, so another controller or a fresh checkout knows them; this store is the
@@ -55,6 +56,15 @@ CREATE TABLE IF NOT EXISTS services (
   updated_at REAL,
   PRIMARY KEY (host, service)
 );
+CREATE TABLE IF NOT EXISTS costs (
+  host TEXT NOT NULL,
+  service TEXT NOT NULL,
+  revision TEXT NOT NULL,        -- the revision of the run that measured it
+  at REAL NOT NULL,
+  steps TEXT NOT NULL,           -- JSON object: step (leave, drain, stop, ...) -> seconds
+  lost REAL,                     -- requests still in flight when the drain gave up (NULL: none)
+  PRIMARY KEY (host, service)
+);
 CREATE TABLE IF NOT EXISTS controller (
   key TEXT PRIMARY KEY,
   value TEXT
@@ -65,7 +75,7 @@ CREATE TABLE IF NOT EXISTS controller (
 DB = "state.db"
 # SQLite's own files beside the database: each one ours alone, or the store is not opened.
 SIDE_FILES = (DB, f"{DB}-wal", f"{DB}-shm", f"{DB}-journal")
-TABLES = frozenset({"attempts", "services", "controller"})
+TABLES = frozenset({"attempts", "services", "costs", "controller"})
 
 
 def _prepare(d: Path) -> None:
@@ -177,6 +187,22 @@ class Store:
             out.append(d)
         return out
 
+    def set_cost(self, host: str, service: str, revision: str, steps: dict[str, float],
+                 lost: float | None) -> None:
+        """What a service's last measured restart cost (issue 42): its step times and the requests
+        its drain left in flight. It replaces the one before; a run that restarts nothing keeps it."""
+        with self._tx():
+            self.db.execute(
+                "INSERT INTO costs(host, service, revision, at, steps, lost) VALUES (?,?,?,?,?,?)"
+                " ON CONFLICT(host, service) DO UPDATE SET revision=excluded.revision, at=excluded.at,"
+                " steps=excluded.steps, lost=excluded.lost",
+                (host, service, revision, time.time(), json.dumps(steps, sort_keys=True), lost or None))
+
+    def costs(self) -> list[dict]:
+        """Every service's last measured restart cost (steps decoded), by host and service."""
+        rows = self.db.execute("SELECT * FROM costs ORDER BY host, service").fetchall()
+        return [{**dict(r), "steps": json.loads(r["steps"])} for r in rows]
+
     def get_value(self, key: str) -> str | None:
         """A controller-level value (e.g. last_applied_revision)."""
         # Keys may hold the repo's URL (with a password): stored redacted, looked up the same way.
@@ -271,6 +297,8 @@ def _remember(store: Store, result: FleetResult) -> None:
             store.add_attempt(r.host, e.service, e.revision, e.content_hash, str(e.action),
                               o.reason if o else str(e.action).capitalize(), (o.message if o else e.note) or "",
                               o.quote if o else e.quote, o.journal if o else None, o.seconds if o else 0.0)
+        for svc, steps in sorted(r.costs.items()):
+            store.set_cost(r.host, svc, result.revision, steps, r.lost.get(svc))
         event = f"{r.status}: {r.message}" if r.message else str(r.status)
         for svc in sorted(r.plan.states if r.plan else ()):
             store.set_status(r.host, svc, desired_rev=result.revision, running_rev=r.running.get(svc),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from .. import redact
 from ..clock import REAL, Clock
 from ..desired.spec import CallSpec, DrainSpec, InflightSpec
+from ..errors import CommandError
 from ..plan.drain import DrainState, Reading, drain_decision, inflight_of, parse_show_stat
 from .probe import http_request
 from .transport import Transport
@@ -58,7 +59,10 @@ async def call(t: Transport, c: CallSpec, *, allowed: Collection[str] = ()) -> C
                 return Called(stat is not None and stat.serving, f"{c.server}: {stat.status if stat else 'not listed'}")
             return Called(not said.strip(), _said(said))      # HAProxy answers nothing to a `set` it took
         if c.kind == "host":
-            res = await t.run(c.target, timeout=c.timeout, what="drain call")
+            try:
+                res = await t.run(c.target, timeout=c.timeout, what="drain call")
+            except CommandError as e:        # timed out, or killed on the host: a failed call like any other
+                return Called(False, _said(e.stderr or e.message))
             return Called(res.ok, _said(f"exit {res.exit_status}: {res.stderr or res.stdout}"))
         return await _controller(c, allowed)
     except (OSError, TimeoutError) as e:

@@ -116,9 +116,10 @@ class Page:
         self.streams = Streams(hub, SharedEvents(hub, self.sections, executor), refusals, cap=max_streams)
 
     def rows(self) -> list[dict[str, Any]]:
+        """The store's status rows, each with its service's last measured restart cost."""
         store = Store(self.state_dir)
         try:
-            return store.status()
+            return hosts.with_costs(store.status(), store.costs())
         finally:
             store.close()
 
@@ -164,7 +165,7 @@ class Page:
         snap = self.hub.snapshot()
         store = Store(self.state_dir)
         try:
-            attempts, rows = store.history(name, limit=200), store.status()
+            attempts, rows = store.history(name, limit=200), hosts.with_costs(store.status(), store.costs())
         finally:
             store.close()
         if not attempts and name not in snap.fleet and not any(r["host"] == name for r in rows):

@@ -3,8 +3,9 @@ words view.py gives a revision, an age and a phase (and redacted by the caller, 
 page's models are: view.redacted).
 
     grid     hosts x services: health, desired vs running revision (short SHA, subject, age),
-             last event, and the journal line of a quarantined, rolled-back or failed cell;
-             filtered by label and searched by text
+             last event, the journal line of a quarantined, rolled-back or failed cell, and what
+             the service's last measured restart cost (issue 42); filtered by label and
+             searched by text
     history  one host's page: its attempts (when, what, result, duration, reason and journal
              line) and its row of the grid now
 """
@@ -15,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...plan.drain import StepKind
+from ...plan.forecast import unavailable_seconds
 from ...plan.rollout import natural_key
 from ...redact import redact
 from .hub import HostInfo, PhaseInfo, Snapshot
@@ -23,6 +26,34 @@ from .view import Commits, Model, age, phase_model, revision
 # Health values in the store (status.service_health) that mean "not serving".
 _BAD_HEALTH = frozenset({"unhealthy", "unknown", "stopped", "blocked", "foreign"})
 _WATCHED = ("deploy", "rollback", "reverify")       # attempts that ended in a health verdict
+
+
+# -- what a restart cost -----------------------------------------------------------------------
+
+_STEP_ORDER = {k.value: i for i, k in enumerate(StepKind)}
+
+
+def with_costs(rows: Iterable[Mapping[str, Any]], costs: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """PURE: the store's status rows, each with its service's last measured restart cost under
+    "cost" (the store's costs row, or None): how the grid gets the cost of a cell."""
+    by_pair = {(c["host"], c["service"]): c for c in costs}
+    return [{**r, "cost": by_pair.get((r["host"], r["service"]))} for r in rows]
+
+
+def cost_model(row: Mapping[str, Any] | None, commits: Commits, now: float) -> Model | None:
+    """PURE: what a service's last measured restart cost, as a cell shows it: the seconds it was
+    unavailable (the sum of its steps), each step in the order they run (for a title), the
+    requests its drain left in flight at the timeout (None when there were none), the run's
+    revision and how long ago. None when no restart of it was measured."""
+    if row is None:
+        return None
+    steps: Mapping[str, float] = row["steps"]
+    order = sorted(steps, key=lambda k: (_STEP_ORDER.get(k, len(_STEP_ORDER)), k))
+    lost = row.get("lost")
+    return {"text": f"unavailable {unavailable_seconds(steps):.1f}s",
+            "steps": ", ".join(f"{k} {steps[k]:.1f}s" for k in order),
+            "lost": f"{lost:g} requests in flight at the drain timeout" if lost else None,
+            "revision": revision(row["revision"], commits, now), "when": _updated({"updated_at": row["at"]}, now)}
 
 
 # -- the grid ---------------------------------------------------------------------------------
@@ -60,7 +91,7 @@ def _cell(row: Mapping[str, Any], commits: Commits, now: float, live: Model | No
     return {"service": row["service"], "health": health or "-", "state": state, "verdict": verdict,
             "desired": revision(desired, commits, now), "running": revision(running, commits, now),
             "same": bool(desired) and desired == running, "event": event, "quote": quote,
-            "updated": _updated(row, now), "live": live}
+            "updated": _updated(row, now), "live": live, "cost": cost_model(row.get("cost"), commits, now)}
 
 
 @dataclass(frozen=True)
@@ -107,7 +138,7 @@ def _unreached_cell(svc: str, scope: _GridScope, live: Model | None) -> Model:
     row in the store, and what it should run is this run's revision."""
     return {"service": svc, "health": "-", "state": "idle", "verdict": "not reconciled yet",
             "desired": revision(scope.this_run, scope.commits, scope.wall), "running": None, "same": False,
-            "event": "", "quote": None, "updated": "", "live": live}
+            "event": "", "quote": None, "updated": "", "live": live, "cost": None}
 
 
 def _grid_cell(host: str, svc: str, info: HostInfo | None, stored: Mapping[str, Mapping[str, Any]],
@@ -134,10 +165,12 @@ def _host_problem(stored: Mapping[str, Mapping[str, Any]], now: float) -> Model 
 
 
 def _cell_words(c: Model) -> list[str]:
-    """What the search matches in one cell: its service, health, verdict, event, journal line and
-    the short SHA and subject of its desired and running revisions."""
+    """What the search matches in one cell: its service, health, verdict, event, journal line,
+    the short SHA and subject of its desired and running revisions, and its restart's cost."""
+    cost = c["cost"] or {}
     return [c["service"], c["health"], c["verdict"], c["event"], c["quote"] or "",
-            *(f"{r['short']} {r['subject']}" for r in (c["desired"], c["running"]) if r)]
+            *(f"{r['short']} {r['subject']}" for r in (c["desired"], c["running"]) if r),
+            cost.get("text") or "", cost.get("lost") or ""]
 
 
 def _search_text(name: str, address: str, labels: list[str], cells: list[Model | None],
