@@ -328,6 +328,7 @@ class _FleetRun:
         ro.plan, ro.budget = waves.as_run(), tuple(waves.said)
         if waves.blocked:
             assert waves.step is not None
+            waits(waves, self.results)              # each waiting host's result says why, wave 1 too
             blocked(ro, waves.step, waves.left, self.results)
             ro.seconds = time.monotonic() - t0
             self._tell("halted", ro)

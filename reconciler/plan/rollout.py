@@ -132,6 +132,9 @@ class RolloutResult:
                 "halted": None if self.halted_at is None else {
                     "host": self.halted_at, "wave": self.halted_wave, "reason": self.reason,
                     "message": self.message, "quote": self.quote},
+                # a budget that let no pending host go (min_available): halted at no host
+                "blocked": None if self.reason != Reason.BUDGET_BLOCKED else {
+                    "reason": self.reason, "message": self.message},
                 "untouched": list(self.untouched), "skipped": list(self.skipped), "excused": list(self.excused),
                 "budget": list(self.budget), "seconds": round(self.seconds, 2)}
 

@@ -28,6 +28,7 @@ from reconciler.loop.results import Event, FleetResult, HostResult, ServiceEvent
 from reconciler.plan.model import Kind
 from reconciler.plan.records import Result
 from reconciler.plan.rollout import GroupKey, RolloutPlan, RolloutResult, plan_waves
+from reconciler.reasons import Reason
 
 with warnings.catch_warnings():     # starlette 1.x asks for httpx2 in its test client; httpx still works
     warnings.simplefilter("ignore")
@@ -191,6 +192,17 @@ def test_live_rollout_shows_waves_phases_clocks_and_the_halt(client, hub):
     assert "halted at" in live and QUOTE in live and "exit 3" in live
     assert "rolled back" in live and "not restarted (rollout halted)" in live
     assert "gpu-2</a>: <span class=\"tone-warn\">quarantined</span> RolloutHalted: not restarted" in live
+
+
+def test_live_rollout_shows_a_budget_that_let_no_host_go(client, hub):
+    ro = rollout(["gpu-1", "gpu-2"])
+    hub.rollout("start", ro)
+    why = "blocked: 2 of 3 ready, min_available = 2; gpu-1 waits: restarting gpu-1 would leave 1"
+    ro.status, ro.reason, ro.message, ro.untouched = "halted", Reason.BUDGET_BLOCKED, f"sglang: {why}", ("gpu-1",)
+    hub.rollout("halted", ro)
+    live = client.get("/").text.split('id="live"')[1].split("</section>")[0]
+    assert f"BudgetBlocked — sglang: {why}" in live and "not restarted: gpu-1" in live
+    assert "halted at" not in live
 
 
 def test_a_run_without_a_rollout_keeps_showing_the_last_rollout(client, hub):

@@ -92,6 +92,7 @@ def test_a_budget_that_hosts_down_cannot_keep_blocks_the_rollout_and_restarts_no
     assert samples.min == 2 and samples.unread == 0  # type: ignore[attr-defined]
     ro = out["rollouts"][0]
     assert (ro["status"], ro["budget"], ro["untouched"], ro["waves_done"]) == ("halted", [blocked], [a, b], 0)
+    assert (ro["halted"], ro["blocked"]) == (None, {"reason": "BudgetBlocked", "message": f"{SERVICE}: {blocked}"})
     hosts = {h["host"]: h for h in out["hosts"]}
     assert (hosts[GHOST]["status"], hosts[GHOST]["reason"]) == ("failed", "Unreachable")
     for h in (a, b):
@@ -99,6 +100,7 @@ def test_a_budget_that_hosts_down_cannot_keep_blocks_the_rollout_and_restarts_no
         assert (r["status"], r["reason"], r["message"]) == (
             "quarantined", "BudgetBlocked", f"{SERVICE}: not restarted: min_available = 2 could not be kept")
         assert r["costs"] == {} and [e for e in r["events"] if e["outcome"]] == []
+        assert f"{SERVICE}: waits: {why[h]}" in r["notes"], r["notes"]      # blocked before wave 1, said per host
     assert_untouched(fleet, duo, before, first)
     assert lb.ready() == 2
 

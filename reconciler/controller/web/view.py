@@ -172,7 +172,7 @@ def rollout(ro: Mapping[str, Any], run: RunInfo, mono: float) -> Model:
         waves.append({"number": w["number"], "canary": w["canary"], "state": state, "hosts": hosts})
     return {"service": svc, "definition": ro["definition"], "policy": _policy(ro), "status": ro["status"],
             "pending": len(ro["pending"]), "members": len(ro["members"]), "waves": waves,
-            "halted": ro.get("halted"), "untouched": sorted(untouched, key=natural_key),
+            "halted": ro.get("halted"), "blocked": ro.get("blocked"), "untouched": sorted(untouched, key=natural_key),
             "skipped": list(ro.get("skipped") or ()), "seconds": ro.get("seconds") or 0}
 
 
