@@ -103,6 +103,13 @@ def failed(probe: Probe, status: int | None, body: str) -> str | None:
     return None
 
 
+def ready_detail(probes: Sequence[Probe], health: HealthSpec) -> str:
+    """The ready step's detail for a dry run: 'GET /ready at http://127.0.0.1:30000, then stable
+    for 30s'; with no probe, systemd's state."""
+    where = f" at {origin(probes[0].url) or probes[0].url}" if probes else ""
+    return f"{describe(probes)}{where}, then stable for {health.stable_for:g}s"
+
+
 def describe(probes: Sequence[Probe]) -> str:
     """What ready reads, for the plan and a dry run: 'GET /health, then GET /v1/models (a model
     listed)'; "systemd's state" without a probe."""

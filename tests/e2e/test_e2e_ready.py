@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests import fleet as fleetlib
-from tests.conftest import run_json, write_fleet
+from tests.conftest import run_cli, run_json, write_fleet
 
 pytestmark = [pytest.mark.fleet, pytest.mark.timeout(150)]
 
@@ -60,7 +60,12 @@ def test_sglang_from_0_5_20_is_judged_by_ready_not_by_health(fleet, repo):
     write_fleet(repo, [new], {"m": {"port": 30000, "env": env, "health": {"startup_timeout": 4}}})
     text = (repo.path / f"hosts/{new.name}.toml").read_text()
     repo.write(f"hosts/{new.name}.toml", text.replace("env = { ", f'env = {{ PYTHONPATH = "{newer}", '))
-    repo.commit("/ready 200")
+    repo.write(f"hosts/{new.name}.toml", (repo.path / f"hosts/{new.name}.toml").read_text()
+               + 'smoke = { checks = [{ prompt = "The capital of France is", expect = "Paris" }] }\n')
+    repo.commit("/ready 200, and a smoke test")
+    dry = run_cli("--repo", str(repo.path), "-H", new.name, "--dry-run", check_codes=(2,))
+    assert f"    ready: GET /ready at http://{new.address}:30000, then stable for 1s (at most 4s)\n" in dry.stdout, \
+        dry.stdout
     code, out = run_json("--repo", str(repo.path), "-H", new.name, check_codes=(0,))
     assert host_out(out, new)["events"][-1]["outcome"]["reason"] == "Healthy"
     assert (health_of(fleet, new, "/health"), health_of(fleet, new, "/ready")) == ("200", "200")

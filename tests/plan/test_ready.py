@@ -10,7 +10,15 @@ import pytest
 
 from reconciler.desired.spec import HealthSpec, ServiceSpec
 from reconciler.loop.preflight import ready_probes
-from reconciler.plan.ready import MODELS_BODY_MAX, Probe, describe, failed, lists_a_model, readiness_probes
+from reconciler.plan.ready import (
+    MODELS_BODY_MAX,
+    Probe,
+    describe,
+    failed,
+    lists_a_model,
+    readiness_probes,
+    ready_detail,
+)
 
 HEALTH = HealthSpec(http="http://127.0.0.1:8000/health")
 OWN = Probe("http://127.0.0.1:8000/health")
@@ -92,6 +100,15 @@ def test_failed_names_the_probe_and_what_it_said(probe, status, body, why):
 ])
 def test_describe(probes, text):
     assert describe(probes) == text
+
+
+@pytest.mark.parametrize("probes,text", [
+    ((READY,), "GET /ready at http://127.0.0.1:8000, then stable for 30s"),
+    (VLLM, "GET /health, then GET /v1/models (a model listed) at http://127.0.0.1:8000, then stable for 30s"),
+    ((), "systemd's state, then stable for 30s"),
+])
+def test_ready_detail_for_a_dry_run(probes, text):
+    assert ready_detail(probes, HEALTH) == text
 
 
 SGLANG = "[Service]\nExecStart=/usr/bin/python3 -m sglang.launch_server --model-path /m --port 8000\n"
