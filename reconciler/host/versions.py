@@ -2,8 +2,8 @@
 
 Pre-flight rules can be true for some server releases only (`versions = ">=0.5.10,<0.5.14"`),
 and what says an SGLang server is ready depends on its release (plan/ready.py: /ready from
-0.5.20), so the host is asked which sglang or vllm the service's own interpreter has. The interpreter is
-the python of ExecStart (`/opt/sglang/bin/python3 -m sglang.launch_server`), or the one named in
+0.5.20), so the host is asked which sglang or vllm the service's own interpreter has. The
+interpreter is the python of ExecStart (`/opt/sglang/bin/python3 -m sglang.launch_server`), or the one named in
 the shebang of a console script (`/opt/vllm/bin/vllm serve`). Nothing is run to learn it: the
 host program (plan/facts/versions.py, reconciler/sh/versions.sh) reads the files with shell
 builtins, so none of the unit's code, environment or search path runs as root on a dry run.

@@ -14,6 +14,9 @@ For the services a plan starts, and the units it writes:
   * a missing or incomplete model with `model.fetch` is a fetch for the planner (Checks.fetch:
     a FETCH action, or a block when the disk cannot hold it); after it ran, the model is
     checked again;
+  * the server's version (read from its interpreter's files, in the same round trip): for the
+    rules bound to versions, and for every SGLang service, whose release decides what says it
+    is ready once started (`ready_probes`: /ready from 0.5.20);
   * the GPUs: a stray on a service's claimed GPUs blocks it before anything stops (GpuBusy),
     unless its gpu_policy is "kill"; on a host with nvidia-smi every start then waits until the
     GPUs it claims are free (the gate: loop/gpu_gate.py, run by the executor between stop and start).
