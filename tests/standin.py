@@ -76,6 +76,9 @@ Environment knobs for tests:
                            to stderr and exit 1. Unset: run until stopped.
 ``STANDIN_HANG=1``         never become healthy: stay "loading" forever (port never listens).
 ``STANDIN_HEALTH_STATUS``  int, default 200: the HTTP status /health answers (503: unhealthy).
+``STANDIN_READY_STATUS``   int, default 200: the HTTP status /ready answers while up (SGLang 0.5.20+;
+                           503: up, /health 200, and not ready, as a paused SGLang).
+``STANDIN_NO_MODELS=1``    /v1/models lists no model (``"data": []``): up, and serving nothing.
 ``STANDIN_SECRETS``        comma-separated names of secrets the server needs: each is read from
                            ``$CREDENTIALS_DIRECTORY/NAME`` (a systemd credential) or else the
                            environment; one missing exits 1 naming it. The log says where each
@@ -374,6 +377,11 @@ def probe_port(host: str, port: int) -> None:
 def make_handler(args, health_status: int, traffic: "Traffic | None" = None):
     served = args.served_model_name or args.model_path
     traffic = traffic or Traffic(engine(), DEFAULT_VERSION, 0)
+    try:
+        ready_status = int(os.environ.get("STANDIN_READY_STATUS", "").strip() or 200)
+    except ValueError:
+        fail("ValueError: STANDIN_READY_STATUS must be an integer HTTP status")
+    no_models = env_bool("STANDIN_NO_MODELS")
 
     class Handler(http.server.BaseHTTPRequestHandler):
         server_version = "sglang-standin"
@@ -396,14 +404,16 @@ def make_handler(args, health_status: int, traffic: "Traffic | None" = None):
                 status = 503 if traffic.engine == "sglang" and traffic.stopping else health_status
                 self._send(status, b"" if status == 200 else b"unhealthy\n")
             elif path == "/ready" and traffic.has_ready():
-                self._send(200 if traffic.ready() and health_status == 200 else 503, b"")
+                up = traffic.ready() and health_status == 200
+                self._send(ready_status if up else 503, b"")
             elif path == "/metrics" and traffic.has_metrics(args):
                 self._send(200, traffic.metrics(served).encode(), "text/plain; version=0.0.4")
             elif path == "/get_model_info":
                 self._json({"model_path": args.model_path, "served_model_name": served, "is_generation": True})
             elif path == "/v1/models":
-                self._json({"object": "list", "data": [{"id": served, "object": "model", "created": int(START),
-                                                        "owned_by": traffic.engine, "root": args.model_path}]})
+                models = [] if no_models else [{"id": served, "object": "model", "created": int(START),
+                                                "owned_by": traffic.engine, "root": args.model_path}]
+                self._json({"object": "list", "data": models})
             else:
                 self._send(404, b'{"detail":"Not Found"}', "application/json")
 

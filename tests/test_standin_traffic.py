@@ -206,3 +206,11 @@ def test_vllm_flags_are_vllms(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, str(STANDIN), "--model-path", str(DENSE)], capture_output=True, text=True,
                          env=clean_env(STANDIN_ENGINE="vllm"), timeout=10)
     assert res.returncode == 2 and "unrecognized arguments: --model-path" in res.stderr
+
+
+def test_the_readiness_knobs_keep_health_200_while_ready_and_models_say_not_yet(start) -> None:
+    s = start("--model-path", str(DENSE), STANDIN_VERSION="0.5.20", STANDIN_READY_STATUS="503")
+    assert (get(s.port, "/health")[0], get(s.port, "/ready")[0]) == (200, 503)
+    v = vllm(start, STANDIN_NO_MODELS="1")
+    status, body = get(v.port, "/v1/models")
+    assert (get(v.port, "/health")[0], status, json.loads(body)["data"]) == (200, 200, [])

@@ -1,17 +1,18 @@
-"""Health: systemd state, crash-loop detection, the HTTP health endpoint, journal forensics.
+"""Health: systemd state, crash-loop detection, the engine's readiness reads, journal forensics.
 
 Pure judges (judges.py: `judge_systemd`, `explain`, `parse_journal`) plus one watcher
 (`watch_service`) that polls a host through the Transport. A crash loop fails fast (NRestarts
 above the baseline, SubState auto-restart, ActiveState failed), long before the start-up
-timeout; the HTTP check is probed from the host itself through the SSH connection, so the
-server need not be exposed.
+timeout. Ready is the engine's own reading where it has one (plan/ready.py: SGLang's /ready
+from 0.5.20, vLLM's /health then /v1/models), else the service's health.http; every probe is
+read from the host itself through the SSH connection, so the server need not be exposed.
 
-The watches of one host share one `SystemdWatch`: every SYSTEMD_POLL seconds, one `systemctl
+The watches of one host share one `SystemdWatch` (systemd_watch.py): every SYSTEMD_POLL seconds, one `systemctl
 show` of all the units being watched there (one round trip per host per tick, however many
 services restarted); the journal has a round trip of its own only for a verdict of failure.
 The first reading comes with the apply script itself (its last command, `SystemdWatch.seed`):
-a unit that is up by then is judged without a round trip of its own. While a service loads, the same tick reads what
-its engine wrote since the last look (progress.LoadFollower: shards, CUDA graphs, ready), at
+a unit that is up by then is judged without a round trip of its own. While a service loads,
+the same tick reads what its engine wrote since the last look (progress.LoadFollower: shards, CUDA graphs, ready), at
 most every PROGRESS_EVERY seconds, and the watch shows it as its phase (`on_progress`).
 
 A watch that raises what nobody expected (a bug, or host output no parser foresaw: review N5)
@@ -27,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import PurePath
 
@@ -37,21 +38,17 @@ from ..desired.spec import HealthSpec
 from ..errors import ReconcilerError
 from ..plan.facts.journal import Journal
 from ..plan.facts.progress import LoadProgress, Progressed
-from ..plan.facts.show import UnitShow
 from ..plan.judges import UnitReading, explain, judge_systemd, spawn_failure
+from ..plan.ready import Probe, failed, readiness_probes
 from ..plan.records import INCONCLUSIVE, NO_VERDICT, START_LIMIT_HIT, SUPERSEDED
 from ..reasons import Reason
 from . import programs
-from .progress import LoadFollower
+from .systemd_watch import SYSTEMD_POLL, SYSTEMD_RAMP, WATCH_PROPS, SystemdWatch
 from .transport import Transport
 
-WATCH_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID,"
-               "ActiveEnterTimestampMonotonic,Job")
-SYSTEMD_POLL = 0.5   # seconds between systemd polls: a crash shows within about a second
-# The first gaps after a watch's first reading are shorter: a start whose job outlasted the apply
-# script's wait (apply.JOB_WAIT) and is done a moment later is seen then, not half a second
-# later; a few cheap reads more.
-SYSTEMD_RAMP = (0.1, 0.1, 0.2, 0.3)
+__all__ = ["SYSTEMD_POLL", "SYSTEMD_RAMP", "WATCH_PROPS", "HttpGet", "Outcome", "Phase", "SystemdWatch",
+           "http_probe", "inconclusive", "watch_service"]
+
 QUOTE_MAX = 1000     # characters kept of a journal line an outcome quotes (redacted first)
 JOURNAL_KEPT = 40    # journal lines an outcome keeps
 
@@ -84,101 +81,7 @@ async def http_probe(t: Transport, url: str, timeout: float = 5.0, ca_pem: str |
 
 
 Phase = Callable[[str, str, float, float], None]   # (service, phase, elapsed, timeout)
-
-
-class SystemdWatch:
-    """The systemd side of every health watch on one host: one round trip per tick for all.
-
-    Each watch asks for its unit's next reading (`read`); a tick starts at once when none ran in
-    the last `poll` seconds (so a watch's first reading is immediate), else `poll` seconds after
-    the last one (SYSTEMD_RAMP's shorter gaps after the first few), and answers everyone who
-    asked since with one `systemctl show` of all their units. A watch that is busy in between
-    (an HTTP probe) gets the next tick's reading, so readings stay `poll` apart as with a poll
-    of its own. A failed round trip fails every reading of that tick, as it would have failed
-    each watch's own. `clock` paces the ticks (the machine's; a test's virtual one).
-    """
-
-    def __init__(self, t: Transport, poll: float = SYSTEMD_POLL, clock: Clock = REAL):
-        self.t, self.poll, self.clock = t, poll, clock
-        self._asked: dict[str, list[asyncio.Future[dict[str, str]]]] = {}
-        self._ticker: asyncio.Task[None] | None = None
-        self._last = float("-inf")
-        self._ticks = 0
-        self._seeded: dict[str, dict[str, str]] = {}
-        self.loads = LoadFollower()         # the services loading here: their journal, read with the tick
-
-    def seed(self, shown: dict[str, dict[str, str]], at: float) -> None:
-        """A reading taken elsewhere (the apply script's last command, at `at` on this watch's
-        clock: time.monotonic() for the real one) counts as a tick: each of its units' next read
-        gets it at once, and the next tick keeps the usual gap after it."""
-        self._seeded = dict(shown)          # an older apply's reading is never handed out
-        if shown:
-            self._last, self._ticks = at, max(self._ticks, 1)
-
-    async def read(self, unit: str) -> dict[str, str]:
-        """The unit's properties (WATCH_PROPS) at the next tick; {} when systemd names no such unit."""
-        seeded = self._seeded.pop(unit, None)
-        if seeded is not None:
-            return seeded
-        fut: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
-        self._asked.setdefault(unit, []).append(fut)
-        if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.create_task(self._tick())
-        return await fut
-
-    async def _tick(self) -> None:
-        asked: dict[str, list[asyncio.Future[dict[str, str]]]] = {}
-        try:
-            while self._asked:
-                gap = min(self.poll, SYSTEMD_RAMP[self._ticks - 1]) if 0 < self._ticks <= len(SYSTEMD_RAMP) \
-                    else self.poll
-                await self.clock.sleep(max(0.0, self._last + gap - self.clock.now()))
-                asked, self._asked = self._asked, {}
-                units = sorted(u for u, futs in asked.items() if any(not f.done() for f in futs))
-                if not units:
-                    continue
-                self._last = self.clock.now()
-                self._ticks += 1
-                try:
-                    shown = await self._show(units)
-                except Exception as e:     # each watch of the tick meets it (and contains it)
-                    _answer(asked, error=e)
-                    continue
-                for unit, futs in asked.items():
-                    _answer({unit: futs}, shown.get(unit, {}))
-        finally:          # cancelled with the run: nobody is left waiting
-            _answer(asked)
-            _answer(self._asked)
-            self._asked = {}
-
-    async def _show(self, units: list[str]) -> dict[str, dict[str, str]]:
-        """One `systemctl show` of all the units (blocks keyed by Id: plan/facts/show.py), after
-        the journal read of those loading, when one is due (its answer goes to `loads`): one
-        round trip."""
-        journal = self.loads.command(self.clock.now(), units)
-        show = UnitShow(units, WATCH_PROPS)
-        if journal is None:
-            shown: dict[str, dict[str, str]] = await programs.run(self.t, show, timeout=20, what="health",
-                                                                  check=False)
-            return shown
-        tail, shown = await programs.run_all(self.t, [journal, show], timeout=20, what="health", check=False)
-        self.loads.take(tail)
-        return shown
-
-
-def _answer(asked: dict[str, list[asyncio.Future[dict[str, str]]]], props: dict[str, str] | None = None,
-            error: Exception | None = None) -> None:
-    """Resolve the futures still waiting: with the reading, the error, or (neither) cancelled."""
-    for futs in asked.values():
-        for f in futs:
-            if f.done():
-                continue
-            if error is not None:
-                f.set_exception(error)
-            elif props is not None:
-                f.set_result(props)
-            else:
-                f.cancel()
+HttpGet = Callable[[str], Awaitable[tuple[int | None, str]]]   # url -> (status, body) or (None, why)
 
 
 async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline_restarts: int,
@@ -186,13 +89,17 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
                         systemd_poll: float = SYSTEMD_POLL, baseline_invocation: str = "",
                         baseline_active_enter: str = "", start_error: str | None = None,
                         cancel: asyncio.Event | None = None, systemd: SystemdWatch | None = None,
-                        clock: Clock | None = None, on_progress: Progressed | None = None) -> Outcome:
+                        clock: Clock | None = None, on_progress: Progressed | None = None,
+                        probes: tuple[Probe, ...] | None = None, http: HttpGet | None = None) -> Outcome:
     """Watch a service after a (re)start until healthy and stable, or failed.
 
-    Healthy = systemd running, the HTTP check (if any) answered as expected, and nothing crashed
-    during `stable_for` after that. Any crash sign fails at once. `start_error`: systemctl
-    refused the start itself (its message): that is a StartFailed verdict at once. `cancel`: set
-    when a newer revision arrives; the watch then ends at once with the verdict Superseded.
+    Healthy = systemd running, every readiness probe answered as wanted, in order (`probes`:
+    plan/ready.py's reads for its engine; None: the service's own health.http), and nothing
+    crashed during `stable_for` after that. `http`: how a probe GETs a URL from the host (None:
+    `http_probe` through `t` with health.ca_pem; a test gives its own). Any crash sign fails at
+    once. `start_error`: systemctl refused the start itself (its message): that is a StartFailed
+    verdict at once. `cancel`: set when a newer revision arrives; the watch then ends at once
+    with the verdict Superseded.
     `systemd`: the host's shared SystemdWatch (one round trip per tick for all its watches);
     None: one of its own, polling every `systemd_poll` seconds. `clock`: what startup_timeout,
     stable_for and the HTTP interval are measured on (None: the shared watch's, else the
@@ -203,6 +110,8 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
         systemd = SystemdWatch(t, systemd_poll, clock if clock is not None else REAL)
     w = _Watch(t, name, health, systemd, clock if clock is not None else systemd.clock, on_phase, since_epoch,
                baseline_invocation, on_progress)
+    w.probes = probes if probes is not None else readiness_probes(None, None, health)
+    w.http = http if http is not None else _host_get(t, health)
     try:
         return await _watch(w, baseline_restarts, baseline_active_enter, start_error, cancel)
     except ReconcilerError:
@@ -250,6 +159,9 @@ class _Watch:
         self.next_http = 0.0
         self.phase, self.on_progress = "starting", on_progress
         self.load: LoadProgress | None = None
+        self.probes: tuple[Probe, ...] = ()
+        self.http: HttpGet = _host_get(t, health)
+        self.last_miss: str | None = None       # why the last probe round was not a pass
 
     def progressed(self, props: dict[str, str]) -> None:
         """A systemd reading: the engine's latest progress (read with the ticks) becomes the phase
@@ -318,36 +230,47 @@ class _Watch:
             return Outcome(self.name, True, Reason.HEALTHY, f"healthy after {took:.1f}s", seconds=took)
         if self.first_ok is None and now - self.t0 >= self.health.startup_timeout:
             h = self.health
-            what = f"{h.http} never answered {h.expect_status}" if h.http else "never ran"
+            what = self.last_miss or ("never answered" if self.probes else "never ran")
             return await self.fail(Reason.START_TIMEOUT,
                                    f"not healthy within startup_timeout={h.startup_timeout:.0f}s: {what}")
         return None
 
     async def probed(self, now: float) -> Outcome | None:
-        """The HTTP check (systemd says it runs): healthy from the first success; a failure
-        after it is Unstable; before it, the server is still loading."""
+        """The readiness probes (systemd says it runs), in order, the first miss ending the round:
+        healthy from the first round that all pass; a miss after it is Unstable; before it, the
+        server is still loading."""
         h = self.health
         self.next_http = now + h.interval
-        status: int | None = None
-        body = ""
-        if h.http:
-            status, body = await http_probe(self.t, h.http, ca_pem=h.ca_pem)
-            ok = status == h.expect_status and (not h.body_contains or h.body_contains in body)
-        else:
-            ok = True
-        if ok and self.first_ok is None:
+        miss = await self.missed()
+        if miss is None and self.first_ok is None:
             self.first_ok = now
             if h.stable_for > 0:      # with none to wait, "healthy" comes next
                 self.phase = f"healthy, checking it stays stable for {h.stable_for:g}s"
                 self.report(self.phase)
-        elif not ok and self.first_ok is not None:
-            got = status if status is not None else body
-            return await self.fail(Reason.UNSTABLE, f"{h.http} failed ({got}) {now - self.first_ok:.1f}s after "
-                                                      f"becoming healthy")
-        elif not ok and self.phase != "loading" and self.load is None:
+        elif miss is not None and self.first_ok is not None:
+            return await self.fail(Reason.UNSTABLE, f"{miss}, {now - self.first_ok:.1f}s after becoming healthy")
+        elif miss is not None and self.phase != "loading" and self.load is None:
             self.phase = "loading"
             self.report(self.phase)
         return None
+
+    async def missed(self) -> str | None:
+        """One round of the probes: why the first that did not pass did not (redacted, cut), or
+        None when all passed (or there are none)."""
+        for p in self.probes:
+            status, body = await self.http(p.url)
+            why = failed(p, status, body)
+            if why is not None:
+                self.last_miss = redact.clip(why, QUOTE_MAX)
+                return self.last_miss
+        return None
+
+
+def _host_get(t: Transport, health: HealthSpec) -> HttpGet:
+    """GET a URL from the host behind `t` (http_probe), verified against health.ca_pem."""
+    async def get(url: str) -> tuple[int | None, str]:
+        return await http_probe(t, url, ca_pem=health.ca_pem)
+    return get
 
 
 def inconclusive(service: str, what: str, e: Exception, seconds: float = 0.0) -> Outcome:

@@ -18,7 +18,7 @@ from ..frames import HostProgram
 from ..host import programs
 from ..host.gpu import GpuFacts
 from ..host.transport import Transport
-from ..host.versions import VersionRead, Versions, unknown
+from ..host.versions import VersionRead, Versions
 from ..plan.facts.gpu import GpuRead
 from ..plan.facts.verify import Units, Verified, Verify
 from ..plan.model import Block, Checks, ModelFetch
@@ -38,6 +38,7 @@ class Preflight:
     models: dict[str, ModelFacts] = field(default_factory=dict)
     gpu: GpuFacts | None = None
     engine_checks: int = 0          # services with an engine check, run or skipped
+    versions: dict[str, str | None] = field(default_factory=dict)   # service -> its server's version, as read
 
     def checks(self) -> Checks:
         return Checks(blocked={n: tuple(b) for n, b in self.blocked.items()}, fetch=dict(self.fetch),
@@ -77,12 +78,13 @@ def _read_units(out: Preflight, verified: Verified) -> None:
 
 async def _read(t: Transport, out: Preflight, units: Units, paths: list[str], gpu: int | None,
                 reads: list[VersionRead]) -> dict[str, str | None]:
-    """Read every fact in one round trip and put each into `out`; the read server versions."""
+    """Read every fact in one round trip and put each into `out`; the read server versions (the
+    caller warns about those it could not read where that matters: loop/preflight.py)."""
     facts = _batch(units, paths, gpu, reads)
     answers = dict(zip(facts, await programs.run_all(t, list(facts.values()), timeout=120, what="pre-flight"),
                        strict=True))
     versions: dict[str, str | None] = answers.get("versions", {})
-    out.warnings.extend(unknown(reads, versions))
+    out.versions = dict(versions)
     if "verify" in answers:
         _read_units(out, answers["verify"])
     if "gpu" in answers:

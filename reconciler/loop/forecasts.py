@@ -9,10 +9,14 @@ as they always have (stop, start, health), and their plans say so.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 from ..desired.spec import ServiceSpec
-from ..plan.drain import restart_steps
+from ..plan.drain import RestartStep, StepKind, restart_steps
 from ..plan.forecast import HostForecast, forecast_host, forecast_rollout, measured_steps
 from ..plan.model import Kind
+from ..plan.ready import ready_detail
 from ..plan.rollout import RolloutResult
 from .results import HostResult
 
@@ -36,10 +40,19 @@ def host_forecasts(r: HostResult) -> dict[str, tuple[list[str], HostForecast]]:
         gate = any(a.kind is Kind.WAIT_GPUS and a.service == name for a in r.plan.actions)
         f = r.facts.services.get(name) if r.facts is not None else None
         measured = measured_steps(f.record.steps) if f is not None and f.record is not None else {}
-        steps = restart_steps(spec, running=name in running, gpu_gate=gate, rollback=sp.target.rollback)
+        steps = _reads(r, spec, restart_steps(spec, running=name in running, gpu_gate=gate,
+                                              rollback=sp.target.rollback))
         out[name] = ([s.describe() for s in steps],
                      forecast_host(r.host, spec, measured, running=name in running, gpu_gate=gate))
     return out
+
+
+def _reads(r: HostResult, spec: ServiceSpec, steps: Sequence[RestartStep]) -> list[RestartStep]:
+    """The steps, the ready step naming what ready reads on this host (its engine and the
+    release its pre-flight read: loop/preflight.py `ready_probes`)."""
+    from .preflight import ready_probes
+    probes, _ = ready_probes(spec, r.facts, r.checked.versions if r.checked is not None else {})
+    return [replace(s, detail=ready_detail(probes, spec.health)) if s.kind is StepKind.READY else s for s in steps]
 
 
 def host_lines(r: HostResult) -> list[str]:

@@ -250,12 +250,17 @@ class _HostRun:
         assert sp.target is not None
         failure = applied.failed(name)
         loading = functools.partial(self.io.on_progress, self.host.name) if self.io.on_progress else None
+        from .preflight import ready_probes
+        probes, note = ready_probes(sp.target.spec, self.facts,
+                                    self.preflight.versions if self.preflight is not None else {})
+        if note is not None and note not in self.result.notes:
+            self.result.notes.append(note)
         out = await watch_service(self.t, name, sp.target.spec.health, baseline_restarts=w.baseline_restarts,
                                   since_epoch=since, on_phase=self._progress(),
                                   baseline_invocation=w.baseline_invocation,
                                   baseline_active_enter=w.baseline_active_enter,
                                   start_error=failure.message if failure else None, cancel=self.io.supersede,
-                                  systemd=self.systemd, on_progress=loading)
+                                  systemd=self.systemd, on_progress=loading, probes=probes)
         try:
             return await self._blame_gpu(out, name, w.revision, since)
         except ReconcilerError:

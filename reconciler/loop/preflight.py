@@ -14,6 +14,9 @@ For the services a plan starts, and the units it writes:
   * a missing or incomplete model with `model.fetch` is a fetch for the planner (Checks.fetch:
     a FETCH action, or a block when the disk cannot hold it); after it ran, the model is
     checked again;
+  * the server's version (read from its interpreter's files, in the same round trip): for the
+    rules bound to versions, and for every SGLang service, whose release decides what says it
+    is ready once started (`ready_probes`: /ready from 0.5.20);
   * the GPUs: a stray on a service's claimed GPUs blocks it before anything stops (GpuBusy),
     unless its gpu_policy is "kill"; on a host with nvidia-smi every start then waits until the
     GPUs it claims are free (the gate: loop/gpu_gate.py, run by the executor between stop and start).
@@ -32,12 +35,13 @@ from ..desired.spec import HostSpec, ModelSpec, ServiceSpec
 from ..host.engine import check_engines
 from ..host.gpu import GpuFacts
 from ..host.transport import Transport
-from ..host.versions import reads_for
+from ..host.versions import bound, reads_for, unknown
 from ..plan.actions import starting
 from ..plan.facts import HostFacts, unit_path
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
 from ..plan.gpuhealth import xid_since
 from ..plan.model import HostPlan, Kind, ModelFetch
+from ..plan.ready import Probe, readiness_probes
 from ..preflight import (
     EngineVerdict,
     Hardware,
@@ -128,7 +132,10 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     # not keep the fleet from going back to it (systemd's check and the model check still apply).
     fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
     since = xid_since(facts.gpu_fault, facts.record.applied_at if facts.record else 0) if targets else None
-    versions = await _read(t, out, units, paths, since, reads_for(specs, rules))
+    reads = reads_for(specs, rules)     # every SGLang server's too: its release decides what ready reads
+    versions = await _read(t, out, units, paths, since, reads)
+    if bound(rules):
+        out.warnings.extend(unknown(reads, versions))
     # The engine check runs after the GPUs were read, never beside: a probe that may touch a GPU
     # (engine_check = "visible") would read as a stray holder of the service's GPUs.
     verdicts = await _engines(t, out, host, fresh, engine)
@@ -139,6 +146,22 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     if out.gpu is not None and out.gpu.has_nvidia_smi:
         _judge_strays(out, out.gpu, specs, facts, host)
     return out
+
+
+def ready_probes(svc: ServiceSpec, facts: HostFacts | None,
+                 versions: Mapping[str, str | None]) -> tuple[tuple[Probe, ...], str | None]:
+    """What says `svc` is ready once started (plan/ready.py), from the server its effective
+    command line runs and the version the pre-flight read; with a note when that server is an
+    SGLang whose version is not known, so its health.http judges it instead of /ready."""
+    spec = effective_spec(svc, facts) if facts is not None else svc
+    server = parse_command(spec).server
+    version = versions.get(svc.name)
+    probes = readiness_probes(server, version, svc.health)
+    note = None
+    if server == "sglang" and version is None and svc.health.http:
+        note = (f"{svc.name}: the installed sglang version was not read: ready is judged by its "
+                f"health.http ({svc.health.http}), not by /ready (SGLang 0.5.20 and later)")
+    return probes, note
 
 
 def _judge_strays(out: Preflight, gpu: GpuFacts, specs: Mapping[str, ServiceSpec], facts: HostFacts,

@@ -8,26 +8,45 @@ own, not a 200 that answers before the model does.
 * Any other server, or an unknown one: the service's own `health.http`.
 
 The server and its version come from the pre-flight's reading of the unit (preflight's
-parse_command, and the version the host reports); the probes run from the host like the health
-probe (phase 2: host/health.py takes these instead of health.http alone).
+parse_command, and the version the host reports: loop/preflight.py `ready_probes`); the health
+watch (host/health.py) runs the probes from the host, in order, and a server answers only when
+every one passed (`failed`). An SGLang whose version could not be read is judged by health.http.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-from ..desired.drain import origin
+from ..desired.placeholders import PLACEHOLDER
 from ..desired.spec import HealthSpec
 
 SGLANG_READY_FROM = (0, 5, 20)
+MODELS_BODY_MAX = 65536        # characters of a /v1/models body read as JSON; a longer one is "not yet"
+QUOTED_MAX = 80                # characters of an answer a message quotes
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One readiness read: GET url, 200 wanted; `models`: the body must list a model (/v1/models)."""
+    """One readiness read: GET url, `status` wanted (health.expect_status for the service's own
+    health.http, else 200); `contains`: text the body must hold (health.body_contains);
+    `models`: the body must list a model (vLLM's /v1/models)."""
 
     url: str
     models: bool = False
+    status: int = 200
+    contains: str | None = None
+
+
+def origin(url: str | None) -> str | None:
+    """scheme://host:port of a rendered URL (None without one or when it has placeholders left):
+    desired/drain.py's, written here so a run that only watches loads no schema (pydantic)."""
+    if not url or PLACEHOLDER.search(url):
+        return None
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else None
 
 
 def _version(text: str | None) -> tuple[int, ...] | None:
@@ -52,4 +71,53 @@ def readiness_probes(server: str | None, version: str | None, health: HealthSpec
             return (Probe(f"{base}/ready"),)
     if base is not None and server == "vllm":
         return (Probe(f"{base}/health"), Probe(f"{base}/v1/models", models=True))
-    return (Probe(health.http),) if health.http else ()
+    return (Probe(health.http, status=health.expect_status, contains=health.body_contains),) if health.http else ()
+
+
+def lists_a_model(body: str) -> bool:
+    """Whether an OpenAI-compatible /v1/models body lists at least one model: a JSON object whose
+    `data` is a list holding an object with a non-empty string `id`. Total and bounded: a body
+    over MODELS_BODY_MAX, bad JSON or any other shape is False (not yet), never an exception."""
+    if len(body) > MODELS_BODY_MAX:
+        return False
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    data = doc.get("data") if isinstance(doc, dict) else None
+    return isinstance(data, list) and any(isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
+                                          for m in data)
+
+
+def failed(probe: Probe, status: int | None, body: str) -> str | None:
+    """Why one probe's answer (status, body; status None: the request failed, body says why)
+    is not a pass, naming the probe; None when it passed."""
+    if status is None:
+        return f"{probe.url} did not answer ({body[:QUOTED_MAX]})"
+    if status != probe.status:
+        return f"{probe.url} answered {status}" + (f", not {probe.status}" if probe.status != 200 else "")
+    if probe.contains and probe.contains not in body:
+        return f"{probe.url} answered {status} without {probe.contains!r}"
+    if probe.models and not lists_a_model(body):
+        return f"{probe.url} lists no model"
+    return None
+
+
+def ready_detail(probes: Sequence[Probe], health: HealthSpec) -> str:
+    """The ready step's detail for a dry run: 'GET /ready at http://127.0.0.1:30000, then stable
+    for 30s'; with no probe, systemd's state."""
+    where = f" at {origin(probes[0].url) or probes[0].url}" if probes else ""
+    return f"{describe(probes)}{where}, then stable for {health.stable_for:g}s"
+
+
+def describe(probes: Sequence[Probe]) -> str:
+    """What ready reads, for the plan and a dry run: 'GET /health, then GET /v1/models (a model
+    listed)'; "systemd's state" without a probe."""
+    if not probes:
+        return "systemd's state"
+    words = []
+    for p in probes:
+        path = urlsplit(p.url).path or "/"
+        extra = " (a model listed)" if p.models else f" ({p.status})" if p.status != 200 else ""
+        words.append(f"GET {path}{extra}")
+    return ", then ".join(words)
