@@ -21,6 +21,7 @@ from ..host import programs
 from ..host.transport import Transport
 from ..plan.budget import Member, Step, forecast_steps, next_step
 from ..plan.facts.show import UnitShow
+from ..plan.ready import failed
 from ..plan.rollout import RolloutPlan, RolloutResult, Wave
 
 if TYPE_CHECKING:
@@ -33,20 +34,32 @@ BLOCKED_READS = 4
 BLOCKED_WAIT = 1.0
 
 
+# GET a URL from the host behind a transport, with a CA bundle: (status, body) or (None, why)
+HostGet = Callable[[Transport, str, "str | None"], Awaitable[tuple["int | None", str]]]
+
+
+async def _get(t: Transport, url: str, ca_pem: str | None) -> tuple[int | None, str]:
+    from ..host.probe import http_probe  # httpx loads when a budget is read, not at start-up
+    return await http_probe(t, url, timeout=5.0, ca_pem=ca_pem)
+
+
 async def read_member(name: str, t: Transport | None, spec: ServiceSpec, *, sick: bool = False,
-                      allowed: Collection[str] = ()) -> Member:
-    """One member of a group as it is now: ready, or why not."""
+                      allowed: Collection[str] = (), get: HostGet = _get) -> Member:
+    """One member of a group as it is now: ready, or why not. `get`: how a URL is read from the
+    host (a test's own)."""
     from ..host import rotation  # httpx loads when a budget is read, not at start-up
-    from ..host.probe import http_probe
+    from .preflight import ready_probes
     if t is None:
         return Member(name, False, "not read (not reached in this run)")
     if sick:
         return Member(name, False, "GpuFault")
     try:
-        if spec.health.http:
-            status, said = await http_probe(t, spec.health.http, timeout=5.0, ca_pem=spec.health.ca_pem)
-            if status != 200:
-                return Member(name, False, f"unhealthy ({f'HTTP {status}' if status is not None else said})")
+        probes, _ = ready_probes(spec, None, {})        # the engine's own readiness, as the watch reads it
+        if probes:
+            for p in probes:
+                status, said = await get(t, p.url, spec.health.ca_pem)
+                if (why := failed(p, status, said)) is not None:
+                    return Member(name, False, f"unhealthy ({why})")
         else:
             unit = f"{spec.name}.service"
             shown = await programs.run(t, UnitShow([unit], "Id,ActiveState"), timeout=30, what="is-active")

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from reconciler.desired.spec import ServiceSpec
+from reconciler.desired.spec import HealthSpec, ServiceSpec
 from reconciler.loop.waves import read_member
 from reconciler.plan.budget import Member
 from tests.host.test_health import ScriptedHost
@@ -29,3 +29,37 @@ def test_a_read_that_fails_says_not_ready_and_why() -> None:
     host = ScriptedHost({"m": [{"ActiveState": "active"}]}, fail=True)
     assert asyncio.run(read_member("gpu-1", host, ServiceSpec("m", "[Service]\n"))) == \
         Member("gpu-1", False, "not read (ConnectError)")
+
+
+VLLM = ("[Service]\nExecStart=/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server "
+        "--model /models/Qwen3-8B --port 8000\n")
+
+
+def _vllm() -> ServiceSpec:
+    return ServiceSpec("m", VLLM, health=HealthSpec(http="http://127.0.0.1:8000/health"))
+
+
+def _answers(by_url: dict[str, tuple[int | None, str]], asked: list[str]):
+    async def get(t, url: str, ca_pem: str | None) -> tuple[int | None, str]:
+        asked.append(url)
+        return by_url[url]
+    return get
+
+
+@pytest.mark.parametrize(("answers", "member", "asked"), [
+    ({"/health": (200, ""), "/v1/models": (200, '{"data": [{"id": "qwen"}]}')}, Member("gpu-1", True),
+     ["/health", "/v1/models"]),
+    ({"/health": (200, ""), "/v1/models": (200, '{"data": []}')},
+     Member("gpu-1", False, "unhealthy (http://127.0.0.1:8000/v1/models lists no model)"), ["/health", "/v1/models"]),
+    ({"/health": (503, "")}, Member("gpu-1", False, "unhealthy (http://127.0.0.1:8000/health answered 503)"),
+     ["/health"]),
+])
+def test_a_vllm_member_is_ready_by_the_engines_own_reads(answers, member, asked) -> None:
+    """The budget counts a member as the health watch judges one: vLLM's /health, then
+    /v1/models listing a model (plan/ready.py), in order, the first miss saying why."""
+    got: list[str] = []
+    base = "http://127.0.0.1:8000"
+    get = _answers({base + k: v for k, v in answers.items()}, got)
+    host = ScriptedHost({})
+    assert asyncio.run(read_member("gpu-1", host, _vllm(), get=get)) == member
+    assert got == [base + u for u in asked] and host.shows == []
