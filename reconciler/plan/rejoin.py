@@ -42,7 +42,7 @@ def not_healthy(sp: ServicePlan, f: ServiceFacts) -> str | None:
     if sp.target.spec.drain is None:
         return "it declares no drain, so no rejoin: put it back by hand"
     if f.active_state != "active":
-        return f"it is not running ({f.active_state or 'not loaded'})"
+        return f"its unit is {f.active_state or 'not loaded'}, not active"
     if rec is None or rec.corrupt or rec.hash != sp.target.hash:
         return f"its record does not say it runs {sp.target.revision[:7]}"
     if rec.pending is not None:
