@@ -52,6 +52,8 @@ class Reason(StrEnum):
     START_AGAIN = "StartAgain"
     HOLD_UNJUDGED = "HoldUnjudged"
     STALE_TEMP = "StaleTempFile"
+    LEFT_ROTATION = "LeftRotation"      # a run left rotation and was killed before its rejoin (plan/rejoin.py)
+    HOLD_OUT = "HoldOutOfRotation"      # ... and the service is not healthy: it stays out
 
     # -- a health watch's verdict (host/health.py, plan/judges.py) --
     HEALTHY = "Healthy"

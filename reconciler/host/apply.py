@@ -191,6 +191,12 @@ async def write_state_file(t: Transport, path: str, text: str, *, what: str, tim
     await _calls(t, (call("write_file", step=0, path=path, mode=RECORD_MODE, text=text), "finish"), 1, what, timeout)
 
 
+async def remove_state_file(t: Transport, path: str, *, what: str, timeout: float = 30) -> None:
+    """One file of the reconciler's own removed from the host (apply.sh's remove; none there is
+    nothing to do): CommandError when it could not be."""
+    await _calls(t, (call("remove", step=0, path=path), "finish"), 1, what, timeout)
+
+
 async def write_gpu_fault(t: Transport, fault: GpuFault | None) -> None:
     """Mark the host GpuFault (gpuhealth.FAULT_FILE, root's alone, written atomically), or clear
     the mark (None): what the planner decided after a GPU reading (gpuhealth.recorded_after,

@@ -44,7 +44,7 @@ JOB_WAIT = 1.0
 RECORD_MODE = "0600"    # root's alone: records quote a failed server's journal lines; only root reads them
 
 # Steps the controller runs itself (not in the host script).
-CONTROLLER = frozenset({Kind.FETCH, Kind.HOLD, Kind.KILL_STRAYS, Kind.WAIT_GPUS, Kind.WATCH})
+CONTROLLER = frozenset({Kind.FETCH, Kind.HOLD, Kind.KILL_STRAYS, Kind.WAIT_GPUS, Kind.WATCH, Kind.REJOIN})
 
 # A path a batch may carry: what the planner produces (unit, drop-in, record and switch paths);
 # anything else is written by itself (write_file).

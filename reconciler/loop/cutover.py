@@ -4,13 +4,17 @@ cost. The decisions are plan/drain.py's and plan/smoke.py's; the calls are host/
 and host/smoke.py's; this module strings them around loop/host_run.py's apply and watch.
 
     drain    before the apply script that stops or restarts a service with a drain declared:
-             leave, then wait for its work in flight (a leave that fails ends the host's run
-             with DrainFailed, before anything stopped)
+             record the leave on the host (layout.ROTATION_DIR/NAME.left), leave, then wait for
+             its work in flight (a leave that fails ends the host's run with DrainFailed,
+             before anything stopped)
     judge    after a healthy verdict: the smoke test, when one is declared; a wrong answer is
              the verdict instead (WrongAnswer), recorded, rolled back and quarantined like a
              crash loop by the next round's plan
     rejoin   after a healthy, judged verdict of a service that left rotation in this run (the
-             rollback's too): back in, and until the balancer serves it, when that can be asked
+             rollback's too): back in, and until the balancer serves it, when that can be asked;
+             then the record of the leave is removed
+    rejoin_recorded   a plan's REJOIN steps (plan/rejoin.py): a leave recorded by a run killed
+             before its rejoin, of a service that runs healthy and is not restarted now
 
 A service leaves rotation once per run: a rollback starts from a stopped unit, out of rotation
 already, and rejoins once it is healthy and judged. A server started from stopped (down when
@@ -21,16 +25,20 @@ the host: the forecast's measurements.
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Collection
 from dataclasses import replace
 
 from ..clock import REAL, Clock
 from ..desired.spec import ServiceSpec
 from ..errors import HostError
+from ..host.apply import remove_state_file, write_state_file
 from ..host.health import Outcome
 from ..host.transport import Transport
 from ..plan.drain import StepKind
 from ..plan.forecast import unavailable_seconds
+from ..plan.layout import ROTATION_DIR
 from ..plan.model import HostPlan, Kind
 from ..reasons import Reason
 
@@ -58,8 +66,9 @@ def draining(plan: HostPlan) -> list[tuple[str, ServiceSpec]]:
 class Cutover:
     """The drain, smoke test and rejoin of one host's run, and the step times they measured."""
 
-    def __init__(self, t: Transport, *, clock: Clock = REAL, allowed: Collection[str] = ()) -> None:
-        self.t, self.clock, self.allowed = t, clock, allowed
+    def __init__(self, t: Transport, *, clock: Clock = REAL, allowed: Collection[str] = (),
+                 rotation_dir: str = ROTATION_DIR) -> None:
+        self.t, self.clock, self.allowed, self.rotation_dir = t, clock, allowed, rotation_dir
         self.left: set[str] = set()                         # out of rotation now, left in this run
         self.steps: dict[str, dict[str, float]] = {}         # service -> step -> seconds
         self.notes: list[str] = []
@@ -74,6 +83,9 @@ class Cutover:
                 continue
             d = spec.drain
             assert d is not None
+            # recorded before the leave: a run killed from here on leaves the record for the next
+            left = json.dumps({"revision": plan.revision, "at": int(time.time())}) + "\n"
+            await write_state_file(self.t, self.marker(name), left, what=f"record the leave of {name}")
             out = await rotation.leave_and_drain(self.t, d, clock=self.clock, allowed=self.allowed)
             steps = self.steps.setdefault(name, {})
             steps[StepKind.LEAVE] = out.leave_seconds
@@ -115,10 +127,11 @@ class Cutover:
         assert verdict.reason is not None
         return replace(out, healthy=False, reason=verdict.reason, message=verdict.message, quote=verdict.quote)
 
-    async def rejoin(self, spec: ServiceSpec) -> str | None:
+    async def rejoin(self, spec: ServiceSpec, *, restarted: bool = True) -> str | None:
         """After a healthy, judged verdict: back into rotation (whether it left in this run or
         was out already: a new server that is judged serves), and until the balancer serves it
-        when that can be asked. None when it is back (or has no drain); else why not."""
+        when that can be asked; then its leave's record is removed. None when it is back (or
+        has no drain); else why not. `restarted=False`: a REJOIN step, no restart to measure."""
         d = spec.drain
         if d is None:
             return None
@@ -130,9 +143,30 @@ class Cutover:
             steps[StepKind.SERVING] = back.serving_seconds
         if not back.ok:
             return back.message
+        await remove_state_file(self.t, self.marker(spec.name), what=f"remove the leave of {spec.name}")
         self.left.discard(spec.name)
-        self.notes.append(f"{spec.name}: {back.message}; unavailable {unavailable_seconds(steps):.1f}s")
+        if not restarted:
+            self.steps.pop(spec.name, None)      # not a restart's cost (the forecast's measurements)
+        self.notes.append(f"{spec.name}: {back.message}; unavailable {unavailable_seconds(steps):.1f}s" if restarted
+                          else f"{spec.name}: {back.message} (left by a run that did not finish; not restarted)")
         return None
+
+    async def rejoin_recorded(self, plan: HostPlan) -> list[str]:
+        """The plan's REJOIN steps: each service back into rotation (its leave's record removed),
+        without a restart. Why each that could not rejoin did not (it stays out, recorded)."""
+        failed: list[str] = []
+        for a in plan.actions:
+            sp = plan.services.get(a.service or "")
+            if a.kind is not Kind.REJOIN or sp is None or sp.target is None:
+                continue
+            if (why := await self.rejoin(sp.target.spec, restarted=False)) is not None:
+                self.steps.pop(sp.name, None)
+                failed.append(f"{sp.name}: {why}; still out of rotation (its leave stays recorded)")
+        return failed
+
+    def marker(self, name: str) -> str:
+        """Where the service's leave of rotation is recorded on the host."""
+        return f"{self.rotation_dir}/{name}.left"
 
     def measured(self, name: str) -> dict[str, float]:
         """The step times of the service's restart in this run (for its record)."""

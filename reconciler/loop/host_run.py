@@ -204,6 +204,9 @@ class _HostRun:
             # round's plan, which records each such start as blocked and starts the others.
             self.gate.update(applied.skipped)
             return False
+        for why in await self.cutover.rejoin_recorded(plan):    # REJOIN: a leave a killed run left
+            self.result.worsen(Result.FAILED, Reason.REJOIN_FAILED, why)
+        self.result.notes.extend(n for n in self.cutover.notes if n not in self.result.notes)
         if not plan.watches:
             return True
         verdicts = await asyncio.gather(*(self.watch(a, plan, applied) for a in plan.watches))

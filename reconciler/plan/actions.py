@@ -29,6 +29,7 @@ from .files import (
 from .gpuhealth import GpuFault, in_force
 from .model import ORDER, Action, Context, HostPlan, Kind, Reason, ServicePlan, State, Target, Watch
 from .records import Adopted, Pending, Result, ServiceRecord
+from .rejoin import rejoins
 from .state import Sync, blocked_plan, blocks_of, classify, is_up, live_quarantine, sync_with
 from .unit import UnitState
 
@@ -369,6 +370,7 @@ def plan_host(desired: HostSpec, facts: HostFacts, ctx: Context) -> HostPlan:
         if sp.target is not None and sp.state is not State.BLOCKED:
             b.converge(sp, f)
     dropped = _orphans(b, facts, services)
+    b.actions += rejoins(services, facts.services, b.actions, ctx.deferred)   # a leave a killed run left
     for path in facts.stale_temps:
         b.add(Kind.REMOVE, Reason.STALE_TEMP, path=path,
               detail="temp file an interrupted run left (removed under the host lock)")

@@ -12,6 +12,7 @@ text (frames.HostProgram.constants), so the shell and the Python side never disa
       credstore/NAME/, credstore/NAME.env              secrets delivered (values, root's alone)
       adopted/, removed/                               originals of adopted units, drop-ins removed
       confirm/NAME.sh                                  an armed dead-man's switch (plan/confirm.py)
+      rotation/NAME.left                               a leave not yet followed by its rejoin (loop/cutover.py)
       .lock, .lock.count, .lock.owner                  the host lock (host/lock.py)
       bin/                                             the lock holder's programs, by content
       secret.key                                       the key of secret files' hashes
@@ -42,6 +43,9 @@ SECRET_KEY = f"{STATE_DIR}/secret.key"
 LOCK = f"{STATE_DIR}/.lock"
 LOCK_OWNER = f"{STATE_DIR}/.lock.owner"
 LOCK_COUNT = f"{STATE_DIR}/.lock.count"
+# A service out of its balancer's rotation by a run's leave, until its rejoin: NAME.left (root's
+# alone) holds the revision and when; a run killed between the two leaves it for the next run.
+ROTATION_DIR = f"{STATE_DIR}/rotation"
 BIN = f"{STATE_DIR}/bin"                 # the lock holder's programs, by content (root's own directory)
 CONFIRM_SUBDIR = "confirm"               # where an armed dead-man's switch keeps its script (confirm.py)
 CONFIRM_DIR = f"{STATE_DIR}/{CONFIRM_SUBDIR}"

@@ -38,6 +38,7 @@ class Kind(StrEnum):
     RESTART = "restart"
     RECORD = "record"            # per-service records after the starts, and the host record
     WATCH = "watch"              # controller: health watch until a verdict
+    REJOIN = "rejoin"            # controller: back into rotation, left by a run that did not finish (rejoin.py)
 
     @property
     def mutating(self) -> bool:
@@ -228,7 +229,7 @@ class HostPlan:
             if n:
                 parts.append(f"{word} {n} file{'s' * (n != 1)}")
         for kind in (Kind.FETCH, Kind.ADOPT, Kind.SECRETS, Kind.RESTORE, Kind.DAEMON_RELOAD, Kind.STOP, Kind.DISABLE,
-                     Kind.KILL_STRAYS, Kind.WAIT_GPUS, Kind.ENABLE, Kind.START, Kind.RESTART):
+                     Kind.KILL_STRAYS, Kind.WAIT_GPUS, Kind.ENABLE, Kind.START, Kind.RESTART, Kind.REJOIN):
             names = sorted({a.service for a in self.actions if a.kind is kind and a.service})
             if kind is Kind.DAEMON_RELOAD and any(a.kind is kind for a in self.actions):
                 parts.append("daemon-reload")

@@ -3,7 +3,8 @@
 # Observe runs this, parse_observation reads it).
 #
 # For every SERVICE and every service in the inventory: the unit file, our env drop-in, the env
-# file, the record, every drop-in systemd would apply, and `systemctl show`; the host record
+# file, the record, every drop-in systemd would apply, its recorded leave of rotation
+# (ROTATION/NAME.left), and `systemctl show`; the host record
 # (and the host's GPU fault, gpu-fault.json),
 # the lock's count, stale temp files, and a keyed hash of each SECRET_FILE (never its content).
 # Each record is a line "TOKEN KIND ...", the last "TOKEN END": TOKEN is random per run, so no
@@ -12,7 +13,7 @@
 # stdin, named parameters (one a line, then an empty line): token, service (repeated), secret
 # (repeated: a file whose keyed hash is asked for; none asked: nothing is written).
 # Constants (the sender's, from reconciler/plan/layout.py): D, LOCK, COUNT, OWNER, CONFIRM,
-# UNIT_DIR, ENV_DIR, ENV_DROPIN, DROPIN_DIRS, SHOW_PROPS, KEY, TEMP.
+# UNIT_DIR, ENV_DIR, ENV_DROPIN, DROPIN_DIRS, SHOW_PROPS, KEY, TEMP, ROTATION.
 NL='
 '
 T='' names=' ' secrets=''
@@ -72,6 +73,7 @@ for n in $names; do
   emit U "$n" "$u"
   emit E "$n" "$u.d/$ENV_DROPIN"
   emit V "$n" "$ENV_DIR/$n.env"
+  emit O "$n" "$ROTATION/$n.left"
   for d in $DROPIN_DIRS; do
     for f in "$d/$n.service.d/"*.conf; do
       [ -f "$f" ] || continue

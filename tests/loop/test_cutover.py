@@ -40,6 +40,18 @@ def calls(tmp_path: Path) -> list[str]:
     return f.read_text().split() if f.exists() else []
 
 
+def recorded_leave(tmp_path: Path, name: str = "qwen") -> dict[str, Any] | None:
+    """The leave of rotation recorded on the host (NAME.left under the cutover's rotation_dir),
+    without its time; None when there is none."""
+    f = tmp_path / f"{name}.left"
+    if not f.exists():
+        return None
+    assert f.stat().st_mode & 0o777 == 0o600          # root's alone
+    data = json.loads(f.read_text())
+    assert isinstance(data.pop("at"), int)
+    return dict(data)
+
+
 def spec(name: str, drain: DrainSpec | None, smoke: SmokeSpec | None = None) -> ServiceSpec:
     return ServiceSpec(name, "[Service]\nExecStart=/bin/true\n", drain=drain, smoke=smoke)
 
@@ -63,9 +75,10 @@ def test_a_restart_with_a_drain_measures_each_step_and_says_what_it_cost(tmp_pat
 
     async def main() -> tuple[Cutover, Outcome, str | None, float]:
         clock = FakeClock()
-        c = Cutover(LocalTransport("gpu-1"), clock=clock)
+        c = Cutover(LocalTransport("gpu-1"), clock=clock, rotation_dir=str(tmp_path))
         await c.drain(p)                    # leave, then a fixed wait of the drain timeout (no in-flight read)
         assert c.left == {"qwen"} and calls(tmp_path) == ["leave"]
+        assert recorded_leave(tmp_path) == {"revision": REV}     # recorded on the host until the rejoin
         await clock.sleep(3.5)              # the apply script: its stop and start
         c.applied(p)
         out = await c.judge(s, healthy("qwen", 40.0))
@@ -77,6 +90,7 @@ def test_a_restart_with_a_drain_measures_each_step_and_says_what_it_cost(tmp_pat
                                   "rejoin": 0.0}
     assert list(c.steps["qwen"]) == ["leave", "drain", "stop", "start", "ready", "rejoin"]
     assert c.left == set() and c.failed_requests == {} and calls(tmp_path) == ["leave", "rejoin"]
+    assert recorded_leave(tmp_path) is None
     assert c.notes == ["qwen: left rotation; waited 2s (no in-flight read declared)",
                        "qwen: back in rotation; unavailable 45.5s"]
 
@@ -87,7 +101,7 @@ def test_the_gpu_gate_between_stop_and_start_is_inside_the_stop(tmp_path):
 
     async def main() -> dict[str, float]:
         clock = FakeClock()
-        c = Cutover(LocalTransport("gpu-1"), clock=clock)
+        c = Cutover(LocalTransport("gpu-1"), clock=clock, rotation_dir=str(tmp_path))
         await c.drain(p)
         await clock.sleep(7.0)
         c.applied(p)
@@ -101,7 +115,7 @@ def test_a_drain_that_times_out_keeps_what_was_still_in_flight(tmp_path):
         async with http(lambda m, path: ("200 OK", "sglang:num_running_reqs 2\n")) as srv:
             s = spec("qwen", host_drain(tmp_path, timeout=3.0,
                                         inflight=InflightSpec(srv.url("/metrics"), "sglang:num_running_reqs")))
-            c = Cutover(LocalTransport("gpu-1"), clock=clock)
+            c = Cutover(LocalTransport("gpu-1"), clock=clock, rotation_dir=str(tmp_path))
             await c.drain(plan([s], (Kind.RESTART, "qwen")))
         return c
     c = run(main())
@@ -111,7 +125,7 @@ def test_a_drain_that_times_out_keeps_what_was_still_in_flight(tmp_path):
 
 def test_a_leave_that_fails_stops_the_run_before_anything_stopped(tmp_path):
     s = spec("qwen", host_drain(tmp_path, leave="echo 'balancer socket: permission denied' >&2; exit 3"))
-    c = Cutover(LocalTransport("gpu-1"), clock=FakeClock())
+    c = Cutover(LocalTransport("gpu-1"), clock=FakeClock(), rotation_dir=str(tmp_path))
     with pytest.raises(DrainError) as e:
         run(c.drain(plan([s], (Kind.RESTART, "qwen"))))
     assert e.value.reason is Reason.DRAIN_FAILED and e.value.host == "gpu-1"
@@ -119,6 +133,8 @@ def test_a_leave_that_fails_stops_the_run_before_anything_stopped(tmp_path):
                                f"{tmp_path / 'calls'}; echo 'balancer socket: permission denied' >&2; exit 3): "
                                "exit 3: balancer socket: permission denied; nothing was stopped")
     assert c.left == set() and c.stopping == {} and c.measured("qwen") == {"leave": 0.0}
+    # recorded before the leave was asked: a leave that half happened is put back by the next run
+    assert recorded_leave(tmp_path) == {"revision": REV}
 
 
 def test_a_service_leaves_rotation_once_per_run_and_one_without_a_drain_never(tmp_path):
@@ -130,7 +146,7 @@ def test_a_service_leaves_rotation_once_per_run_and_one_without_a_drain_never(tm
 
     async def main() -> Cutover:
         clock = FakeClock()
-        c = Cutover(LocalTransport("gpu-1"), clock=clock)
+        c = Cutover(LocalTransport("gpu-1"), clock=clock, rotation_dir=str(tmp_path))
         await c.drain(p)
         await clock.sleep(2.0)
         c.applied(p)
@@ -147,7 +163,7 @@ def test_a_service_leaves_rotation_once_per_run_and_one_without_a_drain_never(tm
 def test_a_verdict_that_is_not_healthy_is_not_judged_and_measures_no_ready(tmp_path):
     s = spec("qwen", host_drain(tmp_path), SmokeSpec("http://127.0.0.1:9/v1", (SmokeCheck("completion", "1+1=", "2"),)))
     bad = Outcome("qwen", False, Reason.CRASH_LOOP, "NRestarts went from 0 to 3", "Traceback", seconds=12.0)
-    c = Cutover(LocalTransport("gpu-1"), clock=FakeClock())
+    c = Cutover(LocalTransport("gpu-1"), clock=FakeClock(), rotation_dir=str(tmp_path))
     assert run(c.judge(s, bad)) is bad and c.steps == {}
 
 
@@ -166,7 +182,7 @@ def test_a_healthy_verdict_is_judged_by_the_smoke_test_and_both_are_measured(tmp
         async with smoke_server(answer) as srv:
             s = spec("qwen", host_drain(tmp_path), SmokeSpec(srv.url("/v1"), (SmokeCheck("completion", "1+1=", "2"),),
                                                             model="qwen"))
-            c = Cutover(LocalTransport("gpu-1"), clock=FakeClock())
+            c = Cutover(LocalTransport("gpu-1"), clock=FakeClock(), rotation_dir=str(tmp_path))
             return c, await c.judge(s, healthy("qwen", 30.0)), srv.seen
     c, out, seen = run(main())
     assert [(m, p) for m, p, _ in seen] == [("POST", "/v1/completions")]
@@ -184,7 +200,7 @@ def test_a_rejoin_that_fails_keeps_the_service_out_and_says_why(tmp_path):
     p = plan([s], (Kind.RESTART, "qwen"))
 
     async def main() -> tuple[Cutover, str | None]:
-        c = Cutover(LocalTransport("gpu-1"), clock=FakeClock())
+        c = Cutover(LocalTransport("gpu-1"), clock=FakeClock(), rotation_dir=str(tmp_path))
         await c.drain(p)
         c.applied(p)
         return c, await c.rejoin(s)
@@ -193,6 +209,7 @@ def test_a_rejoin_that_fails_keeps_the_service_out_and_says_why(tmp_path):
     assert back.endswith("exit 1: no such server")
     assert c.left == {"qwen"} and "rejoin" in c.steps["qwen"]
     assert not any("back in rotation" in n for n in c.notes)
+    assert recorded_leave(tmp_path) == {"revision": REV}      # still out: the next run tries again
 
 
 def test_a_rejoin_with_serving_declared_measures_until_the_balancer_serves(tmp_path):
@@ -200,7 +217,7 @@ def test_a_rejoin_with_serving_declared_measures_until_the_balancer_serves(tmp_p
     s = spec("qwen", host_drain(tmp_path, timeout=5.0, serving=serving))
 
     async def main() -> tuple[Cutover, str | None]:
-        c = Cutover(LocalTransport("gpu-1"), clock=FakeClock())
+        c = Cutover(LocalTransport("gpu-1"), clock=FakeClock(), rotation_dir=str(tmp_path))
         return c, await c.rejoin(s)
     c, back = run(main())
     assert back is None and c.measured("qwen") == {"rejoin": 0.0, "serving": 0.2}
@@ -208,5 +225,31 @@ def test_a_rejoin_with_serving_declared_measures_until_the_balancer_serves(tmp_p
 
 
 def test_a_service_without_a_drain_rejoins_nothing(tmp_path):
-    c = Cutover(LocalTransport("gpu-1"), clock=FakeClock())
+    c = Cutover(LocalTransport("gpu-1"), clock=FakeClock(), rotation_dir=str(tmp_path))
     assert run(c.rejoin(spec("plain", None))) is None and c.steps == {} and c.notes == []
+
+
+def rejoin_plan(s: ServiceSpec) -> HostPlan:
+    """A plan whose one step is the REJOIN of a leave a killed run recorded (plan/rejoin.py)."""
+    return HostPlan("gpu-1", REV, (Action(Kind.REJOIN, Reason.LEFT_ROTATION, s.name),),
+                    {s.name: ServicePlan(s.name, State.IN_SYNC, Target(s, REV))})
+
+
+def test_a_recorded_leave_rejoins_without_a_restart_and_its_record_goes(tmp_path):
+    s = spec("qwen", host_drain(tmp_path))
+    (tmp_path / "qwen.left").write_text(json.dumps({"revision": REV, "at": 1}))
+    c = Cutover(LocalTransport("gpu-1"), clock=FakeClock(), rotation_dir=str(tmp_path))
+    assert run(c.rejoin_recorded(rejoin_plan(s))) == []
+    assert calls(tmp_path) == ["rejoin"] and recorded_leave(tmp_path) is None
+    assert c.steps == {}                                       # no restart: no restart's cost
+    assert c.notes == ["qwen: back in rotation (left by a run that did not finish; not restarted)"]
+
+
+def test_a_recorded_leave_whose_rejoin_fails_stays_recorded(tmp_path):
+    s = spec("qwen", host_drain(tmp_path, rejoin="echo 'no such server' >&2; exit 1"))
+    (tmp_path / "qwen.left").write_text(json.dumps({"revision": REV, "at": 1}))
+    c = Cutover(LocalTransport("gpu-1"), clock=FakeClock(), rotation_dir=str(tmp_path))
+    [why] = run(c.rejoin_recorded(rejoin_plan(s)))
+    assert why.startswith("qwen: could not rejoin rotation (run on the host: echo rejoin >> ")
+    assert why.endswith("exit 1: no such server; still out of rotation (its leave stays recorded)")
+    assert (tmp_path / "qwen.left").exists() and c.steps == {} and c.notes == []

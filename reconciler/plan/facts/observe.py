@@ -48,6 +48,9 @@ class ServiceFacts:
     props: dict[str, str] = field(default_factory=dict)
     dropins: dict[str, str] = field(default_factory=dict)
     envfile_text: str | None = None       # the env file (envfile_path)
+    # A run's leave of rotation is recorded (layout.ROTATION_DIR/NAME.left) and no rejoin followed
+    # it: the run was killed between the two (plan/rejoin.py decides what the next run does)
+    left_rotation: bool = False
 
     @cached_property
     def unit(self) -> UnitState:
@@ -122,7 +125,8 @@ class Observe(HostProgram[HostFacts]):
         "D": layout.STATE_DIR, "LOCK": layout.LOCK, "COUNT": layout.LOCK_COUNT, "OWNER": layout.LOCK_OWNER,
         "CONFIRM": layout.CONFIRM_DIR, "UNIT_DIR": layout.UNIT_DIR, "ENV_DIR": layout.ENV_DIR,
         "ENV_DROPIN": layout.ENV_DROPIN, "DROPIN_DIRS": " ".join(layout.DROPIN_DIRS), "SHOW_PROPS": SHOW_PROPS,
-        "KEY": layout.SECRET_KEY, "TEMP": layout.TEMP}
+        "KEY": layout.SECRET_KEY, "TEMP": layout.TEMP,
+        "ROTATION": layout.ROTATION_DIR}
     services: tuple[str, ...] = ()
     secret_files: tuple[str, ...] | None = None
 
@@ -135,7 +139,7 @@ class Observe(HostProgram[HostFacts]):
 
 
 _EARLY = "observation output ended early (is this a systemd host with a POSIX shell?)"
-_FILE_KINDS = frozenset("HRUEVD")   # host record, record, unit, env drop-in, env file, drop-in
+_FILE_KINDS = frozenset("HRUEVDO")  # host record, record, unit, env drop-in, env file, drop-in, leave
 
 
 class _Observation:
@@ -218,6 +222,7 @@ class _Observation:
                 record=ServiceRecord.parse(rec_text) if rec_text is not None else None,
                 props=show.get(f"{name}.service", {}),
                 dropins=self.dropins.get(name, {}),
+                left_rotation=f.get("O") is not None,
             )
         return HostFacts(services=services, record=self.host_record, gpu_fault=self.gpu_fault,
                          secret_files=self.secret_files,

@@ -24,7 +24,7 @@ from reconciler.desired.spec import SSHSpec
 from reconciler.frames import Records, batch
 from reconciler.host.health import WATCH_PROPS
 from reconciler.host.transport import SSHTransport
-from reconciler.plan.layout import ENV_DROPIN, HOST_RECORD, envfile_path, record_path, unit_path
+from reconciler.plan.layout import ENV_DROPIN, HOST_RECORD, ROTATION_DIR, envfile_path, record_path, unit_path
 from tests import fleet as fleetlib
 from tests.plan.facts.cases import SAMPLES, build, sent, to_data
 
@@ -43,13 +43,15 @@ HOST_JSON = '{"applied_at": 1795000000,\n "applied_revision": "' + "b" * 40 + '"
 
 def setup_script(address: str) -> str:
     """The host's state: m, a managed stand-in server (its record, env drop-in and env file, a
-    foreign drop-in), loading for a few seconds; crashy, a unit of someone else's that crash-loops;
+    foreign drop-in, a leave of rotation no rejoin followed), loading for a few seconds; crashy,
+    a unit of someone else's that crash-loops;
     the stand-in nvidia-smi with two GPUs and a stray holder of GPU 0."""
     files = {unit_path("m"): M_UNIT.format(envfile=envfile_path("m"), addr=address),
              f"/etc/systemd/system/m.service.d/{ENV_DROPIN}": f"[Service]\nEnvironmentFile={envfile_path('m')}\n",
              "/etc/systemd/system/m.service.d/10-numa.conf": "[Service]\nNice=5\n",
              envfile_path("m"): 'STANDIN_LOAD_SECONDS="6"\nA="1"\n',
              record_path("m"): RECORD, "/etc/systemd/system/crashy.service": CRASHY,
+             f"{ROTATION_DIR}/m.left": '{"revision": "' + "a" * 40 + '", "at": 1795000000}\n',
              "/srv/good.service": "[Service]\nExecStart=/bin/true\n",
              "/srv/bad.service": "[Service]\nExecStart=/bin/true\nBogus=1\n"}
     lines = [f"mkdir -p {shlex.quote(p.rsplit('/', 1)[0])} && printf %s {shlex.quote(t)} > {shlex.quote(p)}"
