@@ -227,6 +227,18 @@ class _HostRun:
         out = await self.cutover.judge(target.spec, out)      # a healthy server's answers (smoke test)
         kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
         self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
+        unjudged, record = await self._recorded(a, plan, out)
+        if out.healthy and target.spec.drain is not None:
+            await self._rejoined(name, target.spec, record)
+        self.result.notes.extend(n for n in self.cutover.notes if n not in self.result.notes)
+        return self._followed(name, w.revision, out, unjudged=unjudged)
+
+    async def _recorded(self, a: Action, plan: HostPlan, out: Outcome) -> tuple[bool, ServiceRecord]:
+        """The verdict on the host's record at once (records.judge), with the step times a healthy
+        start measured: whether the deploy is still unjudged (its dead-man's switch stays armed),
+        and the record written."""
+        w, name = a.watch, a.service
+        assert w is not None and name is not None
         rec = next((r for x in plan.actions if x.kind is Kind.RECORD and x.service == name
                     and (r := x.record) is not None), None)
         judged = judge(rec or self._record(name), hash=w.hash, revision=w.revision, rollback=w.rollback,
@@ -237,13 +249,15 @@ class _HostRun:
             if out.healthy else judged.record              # the host's own step times: the next forecast's
         await write_record(self.t, name, record, stop=judged.stop, disarm=not unjudged or judged.stop)
         faults.hit("after-verdict")
-        if out.healthy and target.spec.drain is not None:
-            if (why := await self.cutover.rejoin(target.spec)) is not None:
-                self.result.worsen(Result.FAILED, Reason.REJOIN_FAILED, f"{name}: {why}")
-            else:      # the rejoin's own times, for the next forecast (the verdict is on record already)
-                await write_record(self.t, name, replace(record, steps=self.cutover.measured(name)), disarm=False)
-        self.result.notes.extend(n for n in self.cutover.notes if n not in self.result.notes)
-        return self._followed(name, w.revision, out, unjudged=unjudged)
+        return unjudged, record
+
+    async def _rejoined(self, name: str, spec: ServiceSpec, record: ServiceRecord) -> None:
+        """A healthy, judged server back into rotation; the rejoin's own times on its record, for
+        the next forecast (the verdict is on record already)."""
+        if (why := await self.cutover.rejoin(spec)) is not None:
+            self.result.worsen(Result.FAILED, Reason.REJOIN_FAILED, f"{name}: {why}")
+        else:
+            await write_record(self.t, name, replace(record, steps=self.cutover.measured(name)), disarm=False)
 
     async def _watched(self, a: Action, plan: HostPlan, applied: Applied, since: float) -> Outcome:
         """The health watch's outcome for a WATCH step, a GPU's fault blamed where it was one."""
