@@ -339,7 +339,8 @@ class _FleetRun:
         self._tell("done", ro)
 
     def _read(self, p: RolloutPlan) -> ReadMembers | None:
-        return members_reader(p, self.state, self.transports, self.results, self.opts.drain_programs)
+        return members_reader(p, self.state, self.transports, self.results, self.opts.drain_programs,
+                              preview=self.opts.dry_run)
 
     async def _halt(self, ro: RolloutResult, stop: Stop) -> None:
         """Record the halt (rollout.halt): a pass on each failed and each untouched host writes

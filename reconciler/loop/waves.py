@@ -20,6 +20,7 @@ from ..desired.spec import DesiredState, ServiceSpec
 from ..host import programs
 from ..host.transport import Transport
 from ..plan.budget import Member, Step, forecast_steps, next_step
+from ..plan.drain import a_preview_may_ask
 from ..plan.facts.show import UnitShow
 from ..plan.ready import failed
 from ..plan.rollout import RolloutPlan, RolloutResult, Wave
@@ -44,9 +45,11 @@ async def _get(t: Transport, url: str, ca_pem: str | None) -> tuple[int | None, 
 
 
 async def read_member(name: str, t: Transport | None, spec: ServiceSpec, *, sick: bool = False,
-                      allowed: Collection[str] = (), get: HostGet = _get) -> Member:
+                      allowed: Collection[str] = (), get: HostGet = _get, preview: bool = False) -> Member:
     """One member of a group as it is now: ready, or why not. `get`: how a URL is read from the
-    host (a test's own)."""
+    host (a test's own). `preview` (a dry run): the balancer is asked only by a call that runs
+    nothing of the revision (plan/drain.a_preview_may_ask); another counts the member by its
+    readiness alone."""
     from ..host import rotation  # httpx loads when a budget is read, not at start-up
     from .preflight import ready_probes
     if t is None:
@@ -66,7 +69,8 @@ async def read_member(name: str, t: Transport | None, spec: ServiceSpec, *, sick
             state = shown.get(unit, {}).get("ActiveState") or "not loaded"
             if state != "active":
                 return Member(name, False, f"down ({state})")
-        if spec.drain is not None and await rotation.serving(t, spec.drain, allowed=allowed) is False:
+        if spec.drain is not None and (not preview or a_preview_may_ask(spec.drain.serving)) \
+                and await rotation.serving(t, spec.drain, allowed=allowed) is False:
             return Member(name, False, "out of rotation")
     except Exception as e:      # a read that failed says "not ready", never stops the rollout
         return Member(name, False, f"not read ({type(e).__name__})")
@@ -79,8 +83,10 @@ async def read_members(reads: Sequence[Awaitable[Member]]) -> list[Member]:
 
 
 def members_reader(p: RolloutPlan, state: DesiredState, transports: Mapping[str, Transport],
-                   results: Mapping[str, HostResult], allowed: Collection[str]) -> ReadMembers | None:
-    """How the budget reads a group's members before each wave; None without min_available."""
+                   results: Mapping[str, HostResult], allowed: Collection[str], *,
+                   preview: bool = False) -> ReadMembers | None:
+    """How the budget reads a group's members before each wave (a dry run's: `preview`); None
+    without min_available."""
     if p.policy.min_available is None:
         return None
     svc = p.group.service
@@ -91,7 +97,7 @@ def members_reader(p: RolloutPlan, state: DesiredState, transports: Mapping[str,
 
     def read() -> Awaitable[Sequence[Member]]:
         return read_members([read_member(h, transports.get(h), state.hosts[h].services[svc], sick=sick(h),
-                                         allowed=allowed) for h in p.members])
+                                         allowed=allowed, preview=preview) for h in p.members])
     return read
 
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ..desired.spec import DrainSpec, ServiceSpec
+from ..desired.spec import CallSpec, DrainSpec, ServiceSpec
 
 
 class StepKind(StrEnum):
@@ -110,6 +110,14 @@ def _ready_detail(spec: ServiceSpec) -> str:
 
 
 # ---- the wait for in-flight work ------------------------------------------------------------
+
+
+def a_preview_may_ask(c: CallSpec | None) -> bool:
+    """Whether a dry run may make this `serving` call to count a member of a budget: only a read
+    that runs nothing of the revision and changes nothing (issue 39's preview): HAProxy's `show
+    stat`, or an HTTP GET made from the host. A `host` line or a `controller` program is the
+    revision's code, and another HTTP method may change the router: a real run only."""
+    return c is None or c.kind == "haproxy" or (c.kind == "http" and c.method == "GET")
 
 
 class DrainState(StrEnum):
