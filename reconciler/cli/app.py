@@ -113,19 +113,22 @@ def lock_wait_opt(f):  # type: ignore[no-untyped-def]
                                                         "--require-signed.")
 @click.option("--allow-insecure-transport", is_flag=True, help="Fetch a URL over http:// or git:// (plaintext: "
                                                                "whoever is on the path chooses what deploys).")
+@click.option("--drain-program", multiple=True, metavar="PROGRAM",
+              help="A program a service's [drain] `controller` call may run here (repeatable; the daemon: "
+                   "drain_programs in config.toml). The repo alone never names a program the controller runs.")
 @click.pass_context
 def app(ctx: click.Context, repo: str, rev: str | None, path: str, dry_run: bool, engine_check: bool, as_json: bool,
         identity: str | None, concurrency: int | None, host: tuple[str, ...], label: tuple[str, ...], retry: bool,
         allow_rewind: bool, lock_wait: float, age_identity: str | None, cache_dir: Path | None,
         state_dir: Path | None, notes: bool, require_signed: bool, allowed_signers: str | None,
-        allow_insecure_transport: bool) -> None:
+        allow_insecure_transport: bool, drain_program: tuple[str, ...]) -> None:
     if ctx.invoked_subcommand is not None:
         return
     trust = trust_policy(require_signed, allowed_signers, allow_insecure_transport, as_json=as_json)
     opts = RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir, hosts=host, labels=label, dry_run=dry_run,
                       retry=retry, allow_rewind=allow_rewind, lock_wait=lock_wait, concurrency=concurrency,
                       identity=identity, age_identity=age_identity, confirm_margin=confirm_margin_from(), trust=trust,
-                      engine_check=engine_check)
+                      engine_check=engine_check, drain_programs=drain_program)
     converge(opts, as_json=as_json, state_dir=state_dir, notes=notes)
 
 

@@ -36,6 +36,9 @@
     webhook_allow = []                   # non-public networks fleet.toml's [notify] webhook may reach
                                          #   (["127.0.0.0/8"]); loopback, private, link-local: refused
                                          #   otherwise. env: RECONCILER_WEBHOOK_ALLOW="127.0.0.0/8,..."
+    drain_programs = []                  # programs a service's [drain] `controller` call may run on this
+                                         #   host (["socat"]): the repo alone never names a program the
+                                         #   controller runs. env: RECONCILER_DRAIN_PROGRAMS="socat,..."
 
 Every key can be overridden by an environment variable RECONCILER_<KEY> (e.g.
 RECONCILER_REPO, RECONCILER_INTERVAL), except that the trust keys' (RECONCILER_REQUIRE_SIGNED,
@@ -151,12 +154,13 @@ class ControllerConfig(BaseModel):
     labels: list[str] = []
     notes_pushers: list[str] = []
     webhook_allow: list[str] = []
+    drain_programs: list[str] = []
 
-    @field_validator("labels", "notes_pushers", "webhook_allow", mode="before")
+    @field_validator("labels", "notes_pushers", "webhook_allow", "drain_programs", mode="before")
     @classmethod
     def _label_list(cls, v: object) -> object:
-        """A list, or (from RECONCILER_LABELS, _NOTES_PUSHERS, _WEBHOOK_ALLOW) one string of items
-        split by commas."""
+        """A list, or (from RECONCILER_LABELS, _NOTES_PUSHERS, _WEBHOOK_ALLOW, _DRAIN_PROGRAMS) one
+        string of items split by commas."""
         if isinstance(v, str):
             return [x.strip() for x in v.replace(" ", ",").split(",") if x.strip()]
         return v

@@ -270,7 +270,8 @@ class Daemon:
         return RunOptions(repo=self.cfg.repo, cache_dir=self.cache_dir, labels=tuple(self.cfg.labels or ()),
                           lock_wait=self.cfg.lock_wait, allow_rewind=self.cfg.allow_rewind,
                           identity=self.cfg.identity, age_identity=self.cfg.age_identity,
-                          confirm_margin=confirm_margin_from(), trust=self.cfg.trust_policy())
+                          confirm_margin=confirm_margin_from(), trust=self.cfg.trust_policy(),
+                          drain_programs=tuple(self.cfg.drain_programs))
 
     def _load(self, snap: source.Snapshot) -> tuple[DesiredState, RuleSet]:
         """The desired state and rule pack at a snapshot; the same tree as the last run's (every

@@ -10,8 +10,8 @@ A call (desired/spec.CallSpec) is one of:
     server <b>/<s> state drain|ready`; `show stat` for `serving`), as an operator's `socat` does;
   * `host`: a shell line run on the host as root (as `model.fetch` is);
   * `controller`: a command run on the controller, never through a shell, and only when its
-    program is one the run allows (`RunOptions.drain_programs`): the repo alone never names a
-    program the controller runs.
+    program is one the run allows (`RunOptions.drain_programs`: `reconcile --drain-program`, the
+    daemon's `drain_programs`): the repo alone never names a program the controller runs.
 
 The in-flight read is a GET from the host (the engine's /metrics, or a URL that answers a
 number). Nothing here raises for a call that failed: the answer says so, and the caller decides
@@ -91,7 +91,8 @@ async def _controller(c: CallSpec, allowed: Collection[str]) -> Called:
     program = c.argv[0] if c.argv else ""
     if program not in allowed:
         return Called(False, f"{program!r} is not a program this controller allows a drain to run "
-                             f"(RunOptions.drain_programs)")
+                             f"(reconcile --drain-program {program or 'PROGRAM'}; the daemon: drain_programs in "
+                             f"config.toml)")
     proc = await asyncio.create_subprocess_exec(*c.argv, stdin=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:

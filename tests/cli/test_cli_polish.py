@@ -86,3 +86,16 @@ def test_validate_says_inline_services_do_not_roll_out_in_waves():
     snap = MemorySnapshot(files)
     _, warnings = check_desired(load_desired(snap), load_rules(snap), snap.read)
     assert not [w for w in warnings if "rollout" in w]
+
+
+def test_drain_program_reaches_the_runs_options(monkeypatch):
+    """`--drain-program` (repeatable) is the command line's allow-list of the programs a [drain]
+    `controller` call may run (issue 42); without it a run allows none."""
+    import importlib
+    app_module = importlib.import_module("reconciler.cli.app")
+    seen = []
+    monkeypatch.setattr(app_module, "converge", lambda opts, **kw: seen.append(opts.drain_programs))
+    for args, want in ((["--drain-program", "socat", "--drain-program", "lbctl"], ("socat", "lbctl")), ([], ())):
+        res = CliRunner().invoke(cli.app, ["--repo", ".", "--dry-run", *args])
+        assert res.exit_code == 0, res.output
+        assert seen.pop() == want

@@ -41,3 +41,4 @@ def test_the_commented_settings_load_when_uncommented(tmp_path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
     cfg = load_config(path)
     assert cfg.webhook_allow == ["127.0.0.0/8"] and cfg.forge_repo == "ops/fleet" and cfg.forge_timeout == 5
+    assert cfg.drain_programs == ["socat"]

@@ -161,3 +161,16 @@ def test_the_daemon_deploys_only_what_its_signing_policy_allows(tmp_path, capsys
                                     web="", cache_dir=str(tmp_path / "mirrors")), interval=60)
     assert asyncio.run(plain.run_once()) == 1
     assert "refused: InsecureTransport" in capsys.readouterr().out and not (tmp_path / "mirrors").exists()
+
+
+def test_the_daemons_runs_allow_the_drain_programs_of_its_own_config(tmp_path):
+    """A [drain] `controller` call runs only what the controller's config allows (issue 42): the
+    daemon's runs carry config.toml's drain_programs (or RECONCILER_DRAIN_PROGRAMS), none by default."""
+    from reconciler.controller.config import load_config
+    assert make(tmp_path).run_options().drain_programs == ()
+    assert make(tmp_path, drain_programs=["socat", "/usr/local/bin/lb"]).run_options().drain_programs == (
+        "socat", "/usr/local/bin/lb")
+    (tmp_path / "config.toml").write_text('drain_programs = ["socat"]\n')
+    assert load_config(tmp_path / "config.toml", environ={}).drain_programs == ["socat"]
+    assert load_config(tmp_path / "config.toml", environ={"RECONCILER_DRAIN_PROGRAMS": "socat, lbctl"}
+                       ).drain_programs == ["socat", "lbctl"]

@@ -220,7 +220,7 @@ def test_a_controller_program_runs_only_when_the_run_allows_it(tmp_path):
     argv = ("touch", str(mark))
     refused = run(rotation.call(T, CallSpec("controller", argv=argv), allowed=("/usr/bin/touch", "socat")))
     assert refused == Called(False, "'touch' is not a program this controller allows a drain to run "
-                                    "(RunOptions.drain_programs)")
+                                    "(reconcile --drain-program touch; the daemon: drain_programs in config.toml)")
     assert not mark.exists()                       # refused before anything ran
     assert run(rotation.call(T, CallSpec("controller", argv=argv), allowed=("touch",))) == Called(True, "exit 0:")
     assert mark.exists()
