@@ -20,12 +20,18 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
 
 from reconciler.plan.drain import ServerStat, parse_show_stat
 from tests import fleet as fleetlib
+
+if TYPE_CHECKING:
+    from tests.conftest import Fleet
 
 BACKEND = "models"
 PORT = 8080
@@ -144,3 +150,29 @@ def start(name: str, address: str, servers: Sequence[tuple[str, str, int]], *, h
 def stop(lb: Balancer) -> None:
     """Stop the balancer host (its HAProxy with it)."""
     fleetlib.stop(lb.host.name)
+
+
+def fixtures(count: int, port: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A drain test module's two fixtures, `lb_host, lb = balancer.fixtures(3, PORT)`: `lb_host`,
+    HAProxy on a host of its own after the fleet's addresses, in front of the fleet's first
+    `count` hosts at `port` (booted once per module); `lb`, the same with each of those servers
+    back in rotation (a test may have drained one)."""
+    from tests.conftest import FLEET_FIRST, FLEET_PREFIX, FLEET_SIZE
+
+    @pytest.fixture(scope="module")
+    def lb_host(fleet_session: Fleet) -> Iterator[Balancer]:
+        backends = [(h.name, h.address, port) for h in fleet_session.hosts[:count]]
+        try:
+            lb = start(f"{FLEET_PREFIX}lb", f"127.0.0.{FLEET_FIRST + FLEET_SIZE}", backends)
+        except fleetlib.FleetError as e:
+            pytest.fail(f"the balancer could not start (run .ci/setup as root): {e}", pytrace=False)
+        yield lb
+        stop(lb)
+
+    @pytest.fixture
+    def lb(lb_host: Balancer, fleet: Fleet) -> Balancer:
+        for h in fleet.hosts[:count]:
+            lb_host.state(h.name, "ready")
+        return lb_host
+
+    return lb_host, lb

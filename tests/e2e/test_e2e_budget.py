@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from reconciler.controller.web.app import create_app
 from reconciler.controller.web.hub import Hub
 from tests import balancer
 from tests import fleet as fleetlib
-from tests.conftest import FLEET_FIRST, FLEET_PREFIX, FLEET_SIZE, DesiredRepo, Fleet, run_cli, run_json, wait_for
+from tests.conftest import FLEET_FIRST, FLEET_SIZE, DesiredRepo, Fleet, run_cli, run_json, wait_for
 from tests.controller.test_web_cost import cells
 from tests.e2e.test_e2e_drain import PORT, SERVICE, under_load, write
 
@@ -43,23 +42,7 @@ GHOST = "ghost"
 GHOST_ADDRESS = f"127.0.0.{FLEET_FIRST + FLEET_SIZE + 1}"
 
 
-@pytest.fixture(scope="module")
-def lb_host(fleet_session: Fleet) -> Iterator[balancer.Balancer]:
-    """HAProxy on a host of its own, after the fleet's addresses, in front of its first three."""
-    backends = [(h.name, h.address, PORT) for h in fleet_session.hosts[:3]]
-    try:
-        lb = balancer.start(f"{FLEET_PREFIX}lb", f"127.0.0.{FLEET_FIRST + FLEET_SIZE}", backends)
-    except fleetlib.FleetError as e:
-        pytest.fail(f"the balancer could not start (run .ci/setup as root): {e}", pytrace=False)
-    yield lb
-    balancer.stop(lb)
-
-
-@pytest.fixture
-def lb(lb_host: balancer.Balancer, fleet: Fleet) -> balancer.Balancer:
-    for h in fleet.hosts[:3]:
-        lb_host.state(h.name, "ready")
-    return lb_host
+lb_host, lb = balancer.fixtures(3, PORT)
 
 
 def with_ghost(repo: DesiredRepo) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import http.client
 import re
-from collections.abc import Iterator
 
 import pytest
 
@@ -26,9 +25,6 @@ from reconciler.plan.drain import inflight_of
 from tests import balancer
 from tests import fleet as fleetlib
 from tests.conftest import (
-    FLEET_FIRST,
-    FLEET_PREFIX,
-    FLEET_SIZE,
     DesiredRepo,
     Fleet,
     fleet_known_hosts,
@@ -52,24 +48,7 @@ VLLM_UNIT = (
 METRIC = {"sglang": "sglang:num_running_reqs", "vllm": "vllm:num_requests_running"}
 
 
-@pytest.fixture(scope="module")
-def lb_host(fleet_session: Fleet) -> Iterator[balancer.Balancer]:
-    """HAProxy on a host of its own, after the fleet's addresses, in front of its first three."""
-    backends = [(h.name, h.address, PORT) for h in fleet_session.hosts[:3]]
-    try:
-        lb = balancer.start(f"{FLEET_PREFIX}lb", f"127.0.0.{FLEET_FIRST + FLEET_SIZE}", backends)
-    except fleetlib.FleetError as e:
-        pytest.fail(f"the balancer could not start (run .ci/setup as root): {e}", pytrace=False)
-    yield lb
-    balancer.stop(lb)
-
-
-@pytest.fixture
-def lb(lb_host: balancer.Balancer, fleet: Fleet) -> balancer.Balancer:
-    """The balancer with every server back in rotation (a test may have drained one)."""
-    for h in fleet.hosts[:3]:
-        lb_host.state(h.name, "ready")
-    return lb_host
+lb_host, lb = balancer.fixtures(3, PORT)
 
 
 def deploy(repo: DesiredRepo, hosts: list[fleetlib.Host], unit: str, env: dict[str, str]) -> None:

@@ -11,14 +11,13 @@ HAProxy (tests/balancer.py, its runtime API), the stand-in playing vLLM.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 
 from reconciler.plan.layout import ROTATION_DIR
 from tests import balancer
 from tests import fleet as fleetlib
-from tests.conftest import FLEET_FIRST, FLEET_PREFIX, FLEET_SIZE, DesiredRepo, Fleet, run_cli, run_json, wait_for
+from tests.conftest import DesiredRepo, Fleet, run_cli, run_json, wait_for
 from tests.e2e.test_e2e_drain import PORT, SERVICE, write
 
 pytestmark = [pytest.mark.fleet, pytest.mark.timeout(300)]
@@ -26,22 +25,7 @@ pytestmark = [pytest.mark.fleet, pytest.mark.timeout(300)]
 LEFT = f"{ROTATION_DIR}/{SERVICE}.left"
 
 
-@pytest.fixture(scope="module")
-def lb_host(fleet_session: Fleet) -> Iterator[balancer.Balancer]:
-    """HAProxy on a host of its own, after the fleet's addresses, in front of its first host."""
-    h = fleet_session.hosts[0]
-    try:
-        lb = balancer.start(f"{FLEET_PREFIX}lb", f"127.0.0.{FLEET_FIRST + FLEET_SIZE}", [(h.name, h.address, PORT)])
-    except fleetlib.FleetError as e:
-        pytest.fail(f"the balancer could not start (run .ci/setup as root): {e}", pytrace=False)
-    yield lb
-    balancer.stop(lb)
-
-
-@pytest.fixture
-def lb(lb_host: balancer.Balancer, fleet: Fleet) -> balancer.Balancer:
-    lb_host.state(fleet.hosts[0].name, "ready")
-    return lb_host
+lb_host, lb = balancer.fixtures(1, PORT)
 
 
 def status(lb: balancer.Balancer, h: fleetlib.Host) -> str:
