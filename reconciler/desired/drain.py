@@ -13,12 +13,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from . import schema_drain
 from .health import check_health_url
 from .merge import At
-from .placeholders import PLACEHOLDER
+from .placeholders import PLACEHOLDER, origin
 from .spec import CallSpec, DrainSpec, InflightSpec, SmokeCheck, SmokeSpec
 
 # Renders placeholders in a value written at At (the caller reports unknown ones).
@@ -28,14 +27,6 @@ Report = Callable[[At, str], None]
 
 _HAPROXY_SERVER = re.compile(r"^[A-Za-z0-9_.:-]+/[A-Za-z0-9_.:-]+\Z")
 _CALLS = ("leave", "rejoin", "serving")
-
-
-def origin(url: str | None) -> str | None:
-    """scheme://host:port of a rendered URL (None without one or when it has placeholders left)."""
-    if not url or PLACEHOLDER.search(url):
-        return None
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else None
 
 
 def drain_spec(merged: dict[str, tuple[Any, At]], table_at: At | None, health_url: str | None, render: Render,

@@ -11,8 +11,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 PLACEHOLDER = re.compile(r"\{(host|service|model|vars)\.([A-Za-z0-9_]+)\}")
+
+
+def origin(url: str | None) -> str | None:
+    """scheme://host:port of a rendered URL (None without one or when it has placeholders left):
+    where a drain's /metrics and a smoke test's /v1 are (desired/drain.py), and each engine's
+    readiness reads (plan/ready.py, which a run that only watches loads without any schema)."""
+    if not url or PLACEHOLDER.search(url):
+        return None
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else None
 
 
 @dataclass(frozen=True)

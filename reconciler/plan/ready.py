@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..desired.placeholders import PLACEHOLDER
+from ..desired.placeholders import origin
 from ..desired.spec import HealthSpec
 
 SGLANG_READY_FROM = (0, 5, 20)
@@ -38,15 +38,6 @@ class Probe:
     models: bool = False
     status: int = 200
     contains: str | None = None
-
-
-def origin(url: str | None) -> str | None:
-    """scheme://host:port of a rendered URL (None without one or when it has placeholders left):
-    desired/drain.py's, written here so a run that only watches loads no schema (pydantic)."""
-    if not url or PLACEHOLDER.search(url):
-        return None
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else None
 
 
 def _version(text: str | None) -> tuple[int, ...] | None:
