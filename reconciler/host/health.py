@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
 
@@ -47,7 +47,7 @@ from .systemd_watch import SYSTEMD_POLL, SYSTEMD_RAMP, WATCH_PROPS, SystemdWatch
 from .transport import Transport
 
 __all__ = ["SYSTEMD_POLL", "SYSTEMD_RAMP", "WATCH_PROPS", "HttpGet", "Outcome", "Phase", "SystemdWatch",
-           "http_probe", "inconclusive", "watch_service"]
+           "first_miss", "http_probe", "inconclusive", "watch_service"]
 
 QUOTE_MAX = 1000     # characters kept of a journal line an outcome quotes (redacted first)
 JOURNAL_KEPT = 40    # journal lines an outcome keeps
@@ -109,9 +109,9 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
     if systemd is None:
         systemd = SystemdWatch(t, systemd_poll, clock if clock is not None else REAL)
     w = _Watch(t, name, health, systemd, clock if clock is not None else systemd.clock, on_phase, since_epoch,
-               baseline_invocation, on_progress)
-    w.probes = probes if probes is not None else readiness_probes(None, None, health)
-    w.http = http if http is not None else _host_get(t, health)
+               baseline_invocation, on_progress,
+               probes if probes is not None else readiness_probes(None, None, health),
+               http if http is not None else _host_get(t, health))
     try:
         return await _watch(w, baseline_restarts, baseline_active_enter, start_error, cancel)
     except ReconcilerError:
@@ -150,7 +150,8 @@ class _Watch:
     """One service's health watch: its clock, its phase, what the HTTP check said, its verdicts."""
 
     def __init__(self, t: Transport, name: str, health: HealthSpec, systemd: SystemdWatch, clock: Clock,
-                 on_phase: Phase | None, since_epoch: float, baseline_invocation: str, on_progress: Progressed | None):
+                 on_phase: Phase | None, since_epoch: float, baseline_invocation: str, on_progress: Progressed | None,
+                 probes: tuple[Probe, ...], http: HttpGet):
         self.t, self.name, self.health, self.systemd, self.clock = t, name, health, systemd, clock
         self.unit = f"{name}.service"
         self.on_phase, self.since_epoch, self.baseline_invocation = on_phase, since_epoch, baseline_invocation
@@ -159,8 +160,7 @@ class _Watch:
         self.next_http = 0.0
         self.phase, self.on_progress = "starting", on_progress
         self.load: LoadProgress | None = None
-        self.probes: tuple[Probe, ...] = ()
-        self.http: HttpGet = _host_get(t, health)
+        self.probes, self.http = probes, http      # the readiness reads, and how one GETs a URL
         self.last_miss: str | None = None       # why the last probe round was not a pass
 
     def progressed(self, props: dict[str, str]) -> None:
@@ -255,15 +255,22 @@ class _Watch:
         return None
 
     async def missed(self) -> str | None:
-        """One round of the probes: why the first that did not pass did not (redacted, cut), or
-        None when all passed (or there are none)."""
-        for p in self.probes:
-            status, body = await self.http(p.url)
-            why = failed(p, status, body)
-            if why is not None:
-                self.last_miss = redact.clip(why, QUOTE_MAX)
-                return self.last_miss
-        return None
+        """One round of the probes (first_miss), its miss redacted and cut."""
+        why = await first_miss(self.probes, self.http)
+        if why is not None:
+            self.last_miss = redact.clip(why, QUOTE_MAX)
+        return None if why is None else self.last_miss
+
+
+async def first_miss(probes: Sequence[Probe], get: HttpGet) -> str | None:
+    """One round of readiness probes, in order: why the first that did not pass did not
+    (plan/ready.failed), or None when all passed (or there are none). The health watch's round,
+    and the budget's read of a member (loop/waves.py)."""
+    for p in probes:
+        status, body = await get(p.url)
+        if (why := failed(p, status, body)) is not None:
+            return why
+    return None
 
 
 def _host_get(t: Transport, health: HealthSpec) -> HttpGet:

@@ -22,7 +22,6 @@ from ..host.transport import Transport
 from ..plan.budget import Member, Step, forecast_steps, next_step
 from ..plan.drain import a_preview_may_ask
 from ..plan.facts.show import UnitShow
-from ..plan.ready import failed
 from ..plan.rollout import RolloutPlan, RolloutResult, Wave
 
 if TYPE_CHECKING:
@@ -51,6 +50,7 @@ async def read_member(name: str, t: Transport | None, spec: ServiceSpec, *, sick
     nothing of the revision (plan/drain.a_preview_may_ask); another counts the member by its
     readiness alone."""
     from ..host import rotation  # httpx loads when a budget is read, not at start-up
+    from ..host.health import first_miss
     from .preflight import ready_probes
     if t is None:
         return Member(name, False, "not read (not reached in this run)")
@@ -59,10 +59,8 @@ async def read_member(name: str, t: Transport | None, spec: ServiceSpec, *, sick
     try:
         probes, _ = ready_probes(spec, None, {})        # the engine's own readiness, as the watch reads it
         if probes:
-            for p in probes:
-                status, said = await get(t, p.url, spec.health.ca_pem)
-                if (why := failed(p, status, said)) is not None:
-                    return Member(name, False, f"unhealthy ({why})")
+            if (why := await first_miss(probes, lambda url: get(t, url, spec.health.ca_pem))) is not None:
+                return Member(name, False, f"unhealthy ({why})")
         else:
             unit = f"{spec.name}.service"
             shown = await programs.run(t, UnitShow([unit], "Id,ActiveState"), timeout=30, what="is-active")
