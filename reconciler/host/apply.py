@@ -201,6 +201,7 @@ async def write_gpu_fault(t: Transport, fault: GpuFault | None) -> None:
     """Mark the host GpuFault (gpuhealth.FAULT_FILE, root's alone, written atomically), or clear
     the mark (None): what the planner decided after a GPU reading (gpuhealth.recorded_after,
     start_fault)."""
-    write = (call("write_file", step=0, path=FAULT_FILE, mode=RECORD_MODE, text=fault.dumps()) if fault is not None
-             else call("remove", step=0, path=FAULT_FILE))
-    await _calls(t, (write, "finish"), 1, "record the GPU fault", 60)
+    if fault is not None:
+        await write_state_file(t, FAULT_FILE, fault.dumps(), what="record the GPU fault", timeout=60)
+    else:
+        await remove_state_file(t, FAULT_FILE, what="record the GPU fault", timeout=60)
