@@ -39,7 +39,7 @@ import asyncssh
 from bench import compare, floor
 from bench.compare import HostPids, machine
 from reconciler.desired import load, source
-from reconciler.host import session, transport
+from reconciler.host import lock, session, transport
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo
 
@@ -87,7 +87,7 @@ class Meter:
 
 def instrument_ours(meter: Meter) -> None:
     """Wrap the reconciler's SSH transport: connect, each command (by its `what`), the lock."""
-    run, spawn, connect = transport.SSHTransport.run, transport.SSHTransport.spawn, transport.SSHTransport.connect
+    run, connect, acquire = transport.SSHTransport.run, transport.SSHTransport.connect, lock.acquire
     in_session = session.HostSession.run
 
     def step(cmd: str, k: dict[str, Any]) -> str:
@@ -102,18 +102,10 @@ def instrument_ours(meter: Meter) -> None:
         with meter.step(step(cmd, k)):
             return await in_session(self, cmd, **k)
 
-    async def timed_spawn(self: Any, cmd: str) -> Any:
-        # The lock's holder: timed until it answers (LOCKED, and the observation under the lock).
+    async def timed_acquire(t: Any, **k: Any) -> Any:
+        # The lock: timed until the holder answers (LOCKED, and the observation under the lock).
         with meter.step("lock + observe under it"):
-            p = await spawn(self, cmd)
-            first = await p.readline()
-            lines = [first]
-            # LOCKED ... same: the look stands, nothing is read under the lock
-            while first.startswith("LOCKED") and "same" not in first.split() and (line := await p.readline()):
-                lines.append(line)
-                if line.rstrip("\n").endswith(" END"):
-                    break
-        return _Replay(p, lines)
+            return await acquire(t, **k)
 
     async def timed_connect(cls: Any, *a: Any, **k: Any) -> Any:
         with meter.step("connect"):
@@ -121,36 +113,8 @@ def instrument_ours(meter: Meter) -> None:
 
     transport.SSHTransport.run = timed_run          # type: ignore[method-assign]
     session.HostSession.run = timed_session_run     # type: ignore[method-assign]
-    transport.SSHTransport.spawn = timed_spawn      # type: ignore[method-assign]
+    lock.acquire = timed_acquire                    # type: ignore[assignment]
     transport.SSHTransport.connect = classmethod(timed_connect)   # type: ignore[method-assign,assignment]
-
-
-class _Replay:
-    """A spawned command whose first lines were read already: handed back in order first."""
-
-    def __init__(self, p: Any, lines: list[str]):
-        self.p, self.lines = p, lines
-
-    async def readline(self) -> str:
-        return self.lines.pop(0) if self.lines else await self.p.readline()
-
-    async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
-        if stderr or not self.lines:
-            return await self.p.readuntil(separator, stderr=stderr)
-        held = "".join(self.lines)          # the lines read already come first
-        at = held.find(separator)
-        if at >= 0:
-            rest = held[at + len(separator):]
-            self.lines = rest.splitlines(keepends=True)
-            return held[:at + len(separator)]
-        self.lines = []
-        return held + await self.p.readuntil(separator)
-
-    def write(self, data: str) -> None:
-        self.p.write(data)
-
-    async def close(self) -> None:
-        await self.p.close()
 
 
 def instrument_floor(meter: Meter) -> None:
@@ -173,15 +137,16 @@ def instrument_floor(meter: Meter) -> None:
     asyncssh.SSHClientConnection.run = timed_run    # type: ignore[method-assign]
 
 
-_ORIG_T = (transport.SSHTransport.__dict__["run"], transport.SSHTransport.__dict__["spawn"],
-           transport.SSHTransport.__dict__["connect"])
+_ORIG_T = (transport.SSHTransport.__dict__["run"], transport.SSHTransport.__dict__["connect"])
+_ORIG_L = lock.acquire
 _ORIG_F = (asyncssh.connect, asyncssh.SSHClientConnection.run)
 _ORIG_S = session.HostSession.__dict__["run"]
 
 
 def _restore() -> None:
-    for name, orig in zip(("run", "spawn", "connect"), _ORIG_T, strict=True):
+    for name, orig in zip(("run", "connect"), _ORIG_T, strict=True):
         setattr(transport.SSHTransport, name, orig)
+    lock.acquire = _ORIG_L                              # type: ignore[assignment]
     session.HostSession.run = _ORIG_S                   # type: ignore[method-assign]
     asyncssh.connect, asyncssh.SSHClientConnection.run = _ORIG_F     # type: ignore[method-assign]
 
