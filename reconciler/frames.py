@@ -164,6 +164,8 @@ class HostProgram(ABC, Generic[T_co]):
 
     name: ClassVar[str]
     constants: ClassVar[Mapping[str, str]] = {}
+    # The fragments (reconciler/sh/<name>.sh: shared functions) sent in front of its text
+    fragments: ClassVar[tuple[str, ...]] = ()
     # Its answer runs to the end of the output (the shell becomes its last command: show.sh),
     # so in a batch it goes last.
     last: ClassVar[bool] = False
@@ -189,8 +191,9 @@ class HostProgram(ABC, Generic[T_co]):
 
     @classmethod
     def text(cls) -> str:
-        """The program as it is sent: its file without comment lines, its constants first."""
-        return shell.with_constants(shell.program(cls.name), cls.constants)
+        """The program as it is sent: its file without comment lines, its constants first, then
+        the fragments it calls."""
+        return shell.with_constants(shell.with_fragments(shell.program(cls.name), cls.fragments), cls.constants)
 
     def stdin(self, token: str) -> str:
         """Its stdin: `token=TOKEN`, its parameters, an empty line, then its payload. A program

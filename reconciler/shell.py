@@ -35,6 +35,16 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def with_fragments(text: str, names: Sequence[str]) -> str:
+    """A program's text with the functions it shares with others (reconciler/sh/<name>.sh, a
+    fragment: functions only) after its first line: written once, sent with each program that
+    calls them."""
+    if not names:
+        return text
+    first, _, rest = text.partition("\n")
+    return first + "\n" + "".join(program(n).partition("\n")[2] for n in names) + rest
+
+
 def with_constants(text: str, constants: Mapping[str, str]) -> str:
     """A program's text with its constants assigned after its first line (the shebang): the
     values the Python side holds, written once there (`NAME='value'`)."""

@@ -121,6 +121,7 @@ class EngineProbe(HostProgram[Answer]):
     only says whether it still stands)."""
 
     name: ClassVar[str] = "engine-probe"
+    fragments: ClassVar[tuple[str, ...]] = ("venv",)
     constants: ClassVar[Mapping[str, str]] = {
         "SLICE_BYTES": str(SLICE_BYTES), "ENV_FILE_BYTES": str(ENV_FILE_BYTES),
         "ENV_ALLOW": " ".join([*(p + "*" for p in ENV_PREFIXES), *ENV_NAMES]), "ENV_DENY": " ".join(ENV_DENY)}

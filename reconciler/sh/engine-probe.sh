@@ -87,15 +87,7 @@ esac
 
 # A venv: only its own site-packages, unless it includes the system's (then the user's too).
 syssite=1
-for cfg in "$bin/pyvenv.cfg" "$bin/../pyvenv.cfg"; do
-  [ -f "$cfg" ] || continue
-  syssite=0
-  while IFS= read -r l || [ -n "$l" ]; do
-    case $l in include-system-site-packages*=*[Tt]rue*) syssite=1 ;; esac
-  done < "$cfg"
-  break
-done
-[ "$syssite" = 1 ] || usersite=0
+venv_system_site "$bin" || syssite=0 usersite=0      # venv.sh
 
 # Builtins only, so that "not installed" (every host whose servers are not SGLang or vLLM)
 # costs no process.

@@ -86,15 +86,7 @@ version_of() {  # service executable module pythonpath user usersite
   bin=${first%/*}
   usersite=$6 syssite=1
   case ${py#"$first"} in *-s*|*-I*) usersite=0 ;; esac      # python3 -s in the shebang
-  for cfg in "$bin/pyvenv.cfg" "$bin/../pyvenv.cfg"; do
-    [ -f "$cfg" ] || continue
-    syssite=0
-    while IFS= read -r l || [ -n "$l" ]; do
-      case $l in include-system-site-packages*=*[Tt]rue*) syssite=1 ;; esac
-    done < "$cfg"
-    break
-  done
-  [ "$syssite" = 1 ] || usersite=0
+  venv_system_site "$bin" || syssite=0 usersite=0      # venv.sh
   IFS=:
   for d in $4; do
     set +f

@@ -38,6 +38,7 @@ class Versions(HostProgram[dict[str, str | None]]):
     """reconciler/sh/versions.sh for these reads: service -> version (None: unknown)."""
 
     name: ClassVar[str] = "versions"
+    fragments: ClassVar[tuple[str, ...]] = ("venv",)
     reads: Sequence[VersionRead]
 
     def params(self) -> Sequence[tuple[str, str]]:
