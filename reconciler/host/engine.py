@@ -25,7 +25,6 @@ answer costs a `stat` and a hash on the host.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import json
@@ -242,38 +241,66 @@ def verdict_cache() -> VerdictCache:
     return VerdictCache(default_state_dir() / "engine-verdicts.json")
 
 
-async def check_engine(t: Transport, host: str, run: EngineRun, *, store: VerdictCache | None = None,
-                       seconds: int = SECONDS) -> EngineVerdict:
-    """One service's engine check on a host (cached per request and host stamp)."""
-    store = store if store is not None else verdict_cache()
+@dataclass(frozen=True)
+class Ask:
+    """One service's engine check as it is asked (`ask`): its probe, with the stamp of a cached
+    answer the host may confirm (`cached`); or its answer, given without the host (`early`)."""
+
+    run: EngineRun
+    probe: EngineProbe | None = None
+    key: str = ""
+    cached: EngineVerdict | None = None
+    early: EngineVerdict | None = None
+
+
+def ask(host: str, run: EngineRun, store: VerdictCache, seconds: int = SECONDS) -> Ask:
+    """What to ask `host` for `run`: a probe (with the stamp of the answer cached for the same
+    request, if any), or the answer where none may run."""
     why = refusal(run)
     if why is not None:
-        return EngineVerdict(run.service, run.server, "inconclusive", message=f"the engine check did not run: {why}")
+        return Ask(run, early=EngineVerdict(run.service, run.server, "inconclusive",
+                                            message=f"the engine check did not run: {why}"))
     try:
         key = request_key(run)
     except OSError as e:
-        return EngineVerdict(run.service, run.server, "inconclusive", message=f"no probe for {run.server}: {e}")
+        return Ask(run, early=EngineVerdict(run.service, run.server, "inconclusive",
+                                            message=f"no probe for {run.server}: {e}"))
     cached = store.verdict(host, key, run.service)
     taken = store.stamp(host, key) if cached else ""
-    try:
-        answer = await programs.run(t, EngineProbe(run, cached=taken, seconds=seconds), timeout=seconds + 30,
-                                    what=f"engine check of {run.service}", check=False)
-    except ReconcilerError as e:
-        return EngineVerdict(run.service, run.server, "inconclusive", message=f"the check could not run: {e}")
+    return Ask(run, EngineProbe(run, cached=taken, seconds=seconds), key, cached)
+
+
+def answered(host: str, asked: Ask, answer: Answer, store: VerdictCache) -> EngineVerdict:
+    """The verdict the host's answer to `asked` gives (kept in the store where it is a new one)."""
+    run = asked.run
+    assert asked.probe is not None
     if answer.verdict is None:
-        if cached is not None and taken and answer.stamp == taken:
-            return cached                # taken on the host's stamp of now: it stands
+        taken = asked.probe.cached
+        if asked.cached is not None and taken and answer.stamp == taken:
+            return asked.cached          # taken on the host's stamp of now: it stands
         return EngineVerdict(run.service, run.server, "inconclusive",
                              message="the host kept no answer for its stamp (nothing cached was used)")
-    store.remember(host, key, answer.stamp, answer.verdict)
+    store.remember(host, asked.key, answer.stamp, answer.verdict)
     return answer.verdict
 
 
-async def check_engines(t: Transport, host: str, runs: list[EngineRun], *, store: VerdictCache | None = None,
-                        seconds: int = SECONDS) -> dict[str, EngineVerdict]:
-    """Every service's engine check on one host, at once; the cache saved once after."""
+def unran(run: EngineRun, why: str) -> EngineVerdict:
+    """The verdict of a probe that could not run (the connection, a timeout)."""
+    return EngineVerdict(run.service, run.server, "inconclusive", message=f"the check could not run: {why}")
+
+
+async def check_engine(t: Transport, host: str, run: EngineRun, *, store: VerdictCache | None = None,
+                       seconds: int = SECONDS) -> EngineVerdict:
+    """One service's engine check on a host (cached per request and host stamp), in a round
+    trip of its own."""
     store = store if store is not None else verdict_cache()
-    verdicts = await asyncio.gather(*(check_engine(t, host, r, store=store, seconds=seconds)
-                                      for r in runs))
-    store.save()
-    return {v.service: v for v in verdicts}
+    asked = ask(host, run, store, seconds)
+    if asked.probe is None:
+        assert asked.early is not None
+        return asked.early
+    try:
+        answer = await programs.run(t, asked.probe, timeout=seconds + 30, what=f"engine check of {run.service}",
+                                    check=False)
+    except ReconcilerError as e:
+        return unran(run, str(e))
+    return answered(host, asked, answer, store)

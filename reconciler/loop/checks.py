@@ -52,9 +52,11 @@ class Preflight:
 # ---- the one round trip -------------------------------------------------------------------------
 
 
-def _batch(units: Units, paths: list[str], gpu: int | None, reads: list[VersionRead]) -> dict[str, HostProgram[Any]]:
+def _batch(units: Units, paths: list[str], gpu: int | None, reads: list[VersionRead],
+           engine: HostProgram[Any] | None = None) -> dict[str, HostProgram[Any]]:
     """Every fact the pre-flight reads, by name: one round trip and one sh for all of them
-    (programs.run_all)."""
+    (programs.run_all). `engine`: an engine check that rides along, after the GPU read (a probe
+    that may touch a GPU must never read as a stray holder of the service's GPUs)."""
     facts: dict[str, HostProgram[Any]] = {}
     if units:
         facts["verify"] = Verify(units)
@@ -62,6 +64,8 @@ def _batch(units: Units, paths: list[str], gpu: int | None, reads: list[VersionR
         facts["model"] = ModelCheck(paths)
     if gpu is not None:      # the GPUs, and their health with the kernel log since `gpu` (gpuhealth)
         facts["gpu"] = GpuRead(health_since=gpu)
+    if engine is not None:
+        facts["engine"] = engine
     if reads:
         facts["versions"] = Versions(reads)
     return facts
@@ -77,12 +81,14 @@ def _read_units(out: Preflight, verified: Verified) -> None:
 
 
 async def _read(t: Transport, out: Preflight, units: Units, paths: list[str], gpu: int | None,
-                reads: list[VersionRead]) -> dict[str, str | None]:
+                reads: list[VersionRead], engine: HostProgram[Any] | None = None,
+                engine_seconds: float = 0) -> tuple[dict[str, str | None], Any]:
     """Read every fact in one round trip and put each into `out`; the read server versions (the
-    caller warns about those it could not read where that matters: loop/preflight.py)."""
-    facts = _batch(units, paths, gpu, reads)
-    answers = dict(zip(facts, await programs.run_all(t, list(facts.values()), timeout=120, what="pre-flight"),
-                       strict=True))
+    caller warns about those it could not read where that matters: loop/preflight.py), and the
+    answer of `engine` (None where there is none; it may take `engine_seconds` more)."""
+    facts = _batch(units, paths, gpu, reads, engine)
+    answers = dict(zip(facts, await programs.run_all(t, list(facts.values()), timeout=120 + engine_seconds,
+                                                     what="pre-flight"), strict=True))
     versions: dict[str, str | None] = answers.get("versions", {})
     out.versions = dict(versions)
     if "verify" in answers:
@@ -90,4 +96,4 @@ async def _read(t: Transport, out: Preflight, units: Units, paths: list[str], gp
     if "gpu" in answers:
         out.gpu = answers["gpu"]
     out.models = answers.get("model", {})
-    return versions
+    return versions, answers.get("engine")

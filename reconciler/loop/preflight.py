@@ -27,12 +27,14 @@ hook.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Mapping
 from dataclasses import replace
 
 from ..desired.spec import HostSpec, ModelSpec, ServiceSpec
-from ..host.engine import check_engines
+from ..host.engine import SECONDS as ENGINE_SECONDS
+from ..host.engine import Answer, Ask, answered, ask, check_engine, unran, verdict_cache
 from ..host.gpu import GpuFacts
 from ..host.transport import Transport
 from ..host.versions import bound, reads_for, unknown
@@ -99,16 +101,42 @@ def _judge_engines(out: Preflight, verdicts: Mapping[str, EngineVerdict]) -> set
     return {v.service for v in verdicts.values() if v.verdict != "inconclusive"}
 
 
-async def _engines(t: Transport, out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec],
-                   engine: EngineCheck) -> dict[str, EngineVerdict]:
+def _asks(out: Preflight, host: HostSpec, specs: Mapping[str, ServiceSpec], engine: EngineCheck) -> list[Ask]:
     """The engine check of each service that has one where the run may run it (preview.py); a
     note for each where it may not."""
     runs = [r for n, s in sorted(specs.items()) if (r := engine_run_for(n, s)) is not None]
     out.engine_checks = len(runs)
     if not engine.run:
         out.warnings.extend(f"{r.service}: engine check skipped ({engine.why}); the static rules decide" for r in runs)
+        return []
+    store = verdict_cache()
+    return [ask(host.name, r, store) for r in runs]
+
+
+def _riding(asks: list[Ask]) -> Ask | None:
+    """The one probe that rides the pre-flight's round trip: where a host asks one engine (the
+    common case), one round trip and one sh fewer. Several run side by side, each in a round
+    trip of its own (a probe imports its engine: 8-15 s each)."""
+    probes = [a for a in asks if a.probe is not None]
+    return probes[0] if len(probes) == 1 else None
+
+
+async def _engines(t: Transport, host: HostSpec, asks: list[Ask], riding: Ask | None,
+                   answer: Answer | None) -> dict[str, EngineVerdict]:
+    """Each asked service's verdict: the riding probe's from its answer, the others' from
+    their own round trips (check_engine), the cache saved once after."""
+    if not asks:
         return {}
-    return await check_engines(t, host.name, runs) if runs else {}
+    store = verdict_cache()
+    verdicts = [a.early for a in asks if a.early is not None]
+    if riding is not None:
+        verdicts.append(answered(host.name, riding, answer, store) if answer is not None
+                        else unran(riding.run, "no answer"))
+    else:
+        verdicts += await asyncio.gather(*(check_engine(t, host.name, a.run, store=store)
+                                           for a in asks if a.probe is not None))
+    store.save()
+    return {v.service: v for v in verdicts}
 
 
 async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: HostFacts, rules: RuleSet | None,
@@ -133,12 +161,16 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
     since = xid_since(facts.gpu_fault, facts.record.applied_at if facts.record else 0) if targets else None
     reads = reads_for(specs, rules)     # every SGLang server's too: its release decides what ready reads
-    versions = await _read(t, out, units, paths, since, reads)
+    # The engine check runs after the GPUs were read, never beside: a probe that may touch a GPU
+    # (engine_check = "visible") would read as a stray holder of the service's GPUs. One probe
+    # rides the same round trip, after the GPU read (checks._batch).
+    asks = _asks(out, host, fresh, engine)
+    riding = _riding(asks)
+    versions, answer = await _read(t, out, units, paths, since, reads, riding.probe if riding else None,
+                                   ENGINE_SECONDS + 30 if riding else 0)
     if bound(rules):
         out.warnings.extend(unknown(reads, versions))
-    # The engine check runs after the GPUs were read, never beside: a probe that may touch a GPU
-    # (engine_check = "visible") would read as a stray holder of the service's GPUs.
-    verdicts = await _engines(t, out, host, fresh, engine)
+    verdicts = await _engines(t, host, asks, riding, answer)
     _judge_models(out, specs, fetched or {})
     answered = _judge_engines(out, verdicts)
     if rules is not None and targets:
