@@ -51,11 +51,12 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from reconciler.desired import load, source
 from reconciler.plan.files import desired_files
+from reconciler.values import replace
 from tests import fleet as fleetlib
 from tests.conftest import DesiredRepo, write_fleet
 

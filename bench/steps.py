@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import os
 import statistics
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 
 import asyncssh
 
+import reconciler.values
 from bench import compare, floor
 from bench.compare import HostPids, machine
 from reconciler.desired import load, source
@@ -193,7 +193,7 @@ def env_spec(repo: DesiredRepo, host: fleetlib.Host, value: int) -> dict[str, An
     """The floor's spec for one host: the repo's unit with env BENCH_VALUE=value."""
     svc = load.load_desired(source.snapshot(repo.repo)).hosts[host.name].services[compare.SERVICE]
     return {"address": host.address,
-            "files": compare.floor_files(dataclasses.replace(svc, env={**svc.env, "BENCH_VALUE": str(value)}))}
+            "files": compare.floor_files(reconciler.values.replace(svc, env={**svc.env, "BENCH_VALUE": str(value)}))}
 
 
 def table(title: str, rounds: list[Meter]) -> list[str]:

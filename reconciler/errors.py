@@ -19,7 +19,7 @@ Messages never include environment values: they may carry tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from .reasons import Reason
 
@@ -28,8 +28,7 @@ class ReconcilerError(Exception):
     """Root of every error the reconciler raises on purpose."""
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(msgspec.Struct, frozen=True):
     """One thing wrong with the desired state: where (file, dotted key) and what is expected."""
 
     file: str
@@ -39,6 +38,10 @@ class Problem:
     def __str__(self) -> str:
         where = f"{self.file}: {self.key}" if self.key else self.file
         return f"{where}: {self.message}"
+
+    def data(self) -> dict[str, str]:
+        """As JSON data: file, key, message."""
+        return {"file": self.file, "key": self.key, "message": self.message}
 
 
 class ConfigError(ReconcilerError):

@@ -35,8 +35,9 @@ import base64
 import binascii
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
+
+import msgspec
 
 from . import redact, shell
 from .errors import ObserveError
@@ -131,8 +132,7 @@ Param = str | int | Sequence[str] | None
 T_co = TypeVar("T_co", covariant=True)
 
 
-@dataclass(frozen=True)
-class Records:
+class Records(msgspec.Struct, frozen=True):
     """One program's answer in a command's output: the records of its token, and where they
     came from (`host`, for messages); `stderr`, for a program that says there what its steps
     printed (the apply script)."""

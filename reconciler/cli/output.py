@@ -78,7 +78,7 @@ def fail_input(err: Exception, as_json: bool, where: str) -> NoReturn:
     if as_json:
         payload: dict[str, object] = {"error": type(err).__name__, "message": str(err)}
         if isinstance(err, ConfigError):
-            payload["problems"] = [p.__dict__ for p in err.problems]
+            payload["problems"] = [p.data() for p in err.problems]
         print_json(payload)
     elif isinstance(err, ConfigError):
         from ..loop.report import print_config_error

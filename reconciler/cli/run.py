@@ -77,7 +77,7 @@ def unusable_settings(problems: list[Problem], as_json: bool) -> NoReturn:
     or option, or --json; exit 1 before anything is fetched."""
     if as_json:
         print_json({"error": "ConfigError", "message": "; ".join(str(p) for p in problems),
-                    "problems": [p.__dict__ for p in problems]})
+                    "problems": [p.data() for p in problems]})
         raise SystemExit(1)
     for p in problems[:-1]:
         say(f"error: {p}")

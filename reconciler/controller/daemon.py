@@ -44,7 +44,6 @@ import asyncio
 import signal
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,6 +64,7 @@ from ..loop.options import RunIO, RunOptions, confirm_margin_from
 from ..loop.report import PhaseView, print_config_error, print_result
 from ..loop.revision import open_revision
 from ..preflight import RuleSet, load_rules, secret_warnings
+from ..values import replace
 from . import notify_systemd as sd
 from .commitstatus import CommitStatus
 from .config import ControllerConfig

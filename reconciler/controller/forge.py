@@ -29,10 +29,11 @@ from __future__ import annotations
 import collections
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import quote
+
+import msgspec
 
 from .. import redact
 from ..host.notify import where
@@ -52,8 +53,7 @@ _STATE = {Result.IN_SYNC: "success", Result.CONVERGED: "success", Result.WOULD_C
           Result.QUARANTINED: "failure", Result.ROLLED_BACK: "failure", Result.FAILED: "failure"}
 
 
-@dataclass(frozen=True)
-class ForgeSpec:
+class ForgeSpec(msgspec.Struct, frozen=True):
     url: str                          # API base, e.g. https://api.github.com
     repo: str                         # owner/name
     token_file: str | None = None

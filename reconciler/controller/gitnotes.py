@@ -38,8 +38,9 @@ import re
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from ..errors import ReconcilerError
 from ..plan.records import SUPERSEDED, Result
@@ -72,8 +73,7 @@ class NotesError(ReconcilerError):
     """The notes could not be written (the deploy itself is not affected)."""
 
 
-@dataclass(frozen=True)
-class NoteLine:
+class NoteLine(msgspec.Struct, frozen=True):
     """One host's line in a commit's note."""
 
     host: str

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, cast
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..loop.results import FleetResult
 from ..plan.model import State
 from ..redact import redact
+from ..values import replace
 from .config import parse_address, public_note
 from .web.gate import Limits
 
@@ -53,8 +54,7 @@ def on_the_page(metrics: str, web: str) -> bool:
         return False
 
 
-@dataclass
-class MetricsServer:
+class MetricsServer(msgspec.Struct):
     """The metrics' own server: its uvicorn server and task, the port it listens on, what its
     gate turned away."""
 

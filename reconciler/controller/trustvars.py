@@ -25,8 +25,9 @@ that would not take effect is an error, never dropped in silence.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
+
+import msgspec
 
 from ..desired.trust import DEFAULT_SIGNERS
 from ..errors import Problem
@@ -41,8 +42,7 @@ FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 NEVER_LOOSER = "an environment variable may make the trust policy stricter, never looser"
 
 
-@dataclass(frozen=True)
-class TrustVars:
+class TrustVars(msgspec.Struct, frozen=True):
     """One source's trust settings; None: that source does not say."""
 
     require_signed: bool | None = None
@@ -68,11 +68,14 @@ def read(env: Mapping[str, str]) -> tuple[TrustVars, list[Problem]]:
     return TrustVars(flag(REQUIRE), signers, flag(INSECURE)), problems
 
 
+NONE_GIVEN = TrustVars()      # no flag given
+
+
 def _same_file(a: str, b: str) -> bool:
     return Path(a).absolute() == Path(b).absolute()
 
 
-def problems(env: TrustVars, *, flags: TrustVars = TrustVars(), file: TrustVars | None = None,
+def problems(env: TrustVars, *, flags: TrustVars = NONE_GIVEN, file: TrustVars | None = None,
              file_name: str = "the controller's config") -> list[Problem]:
     """Why the variables `env` may not stand beside the command line's `flags` and the config
     file's settings `file` (None: no config file applies; its values otherwise, defaults

@@ -23,7 +23,6 @@ every error, is a miss: the loader runs, and nothing is written there.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import os
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from .. import dirs
+from ..values import replace
 from .spec import DesiredState
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def load_desired(snap: SnapshotLike, cache_dir: Path | None = None) -> DesiredSt
         entry = _read(where, f"{tree}.json")
         if entry is not None and revision and (entry.format, entry.tree, entry.fingerprint) == (FORMAT, tree,
                                                                                             fingerprint()):
-            return dataclasses.replace(entry.state, revision=revision)
+            return replace(entry.state, revision=revision)
     from .load import load_desired as load  # pydantic and the schema: only on a miss
     state = load(snap)
     if where is not None and tree and _prepare(where):
@@ -107,8 +107,7 @@ def fingerprint() -> str:
 # ---- the entry as JSON: msgspec, typed by the spec's own dataclasses -----------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Entry:
+class Entry(msgspec.Struct, frozen=True):
     """One kept load: the tree it is of, the loader that made it, and the state."""
 
     format: int

@@ -9,14 +9,14 @@ affects (a unit file used by 500 hosts gives one line, not 500), not one line pe
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+
+import msgspec
 
 from ..errors import Problem
 from ..redact import redact
 
 
-@dataclass(frozen=True)
-class Use:
+class Use(msgspec.Struct, frozen=True):
     """One service on one host: the context a problem in a shared file is reported for."""
 
     service: str

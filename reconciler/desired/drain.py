@@ -18,7 +18,7 @@ from . import schema_drain
 from .health import check_health_url
 from .merge import At
 from .placeholders import PLACEHOLDER, origin
-from .spec import CallSpec, DrainSpec, InflightSpec, SmokeCheck, SmokeSpec
+from .spec import CALL_TIMEOUT, DRAIN_INTERVAL, DRAIN_TIMEOUT, CallSpec, DrainSpec, InflightSpec, SmokeCheck, SmokeSpec
 
 # Renders placeholders in a value written at At (the caller reports unknown ones).
 Render = Callable[[str, At], str]
@@ -61,8 +61,8 @@ def drain_spec(merged: dict[str, tuple[Any, At]], table_at: At | None, health_ur
     if leave is None or rejoin is None or not ok:
         return None
     return DrainSpec(leave=leave, rejoin=rejoin, serving=serving, inflight=inflight,
-                     timeout=float(values.get("timeout", DrainSpec.timeout)),
-                     interval=float(values.get("interval", DrainSpec.interval)))
+                     timeout=float(values.get("timeout", DRAIN_TIMEOUT)),
+                     interval=float(values.get("interval", DRAIN_INTERVAL)))
 
 
 def _haproxy(table: schema_drain.HaproxyTable, at: At, render: Render,
@@ -79,7 +79,7 @@ def _haproxy(table: schema_drain.HaproxyTable, at: At, render: Render,
 
 
 def _call(table: schema_drain.CallTable, at: At, render: Render, report: Report) -> CallSpec | None:
-    timeout = float(table.timeout) if table.timeout is not None else CallSpec.timeout
+    timeout = float(table.timeout) if table.timeout is not None else CALL_TIMEOUT
     if table.http is not None:
         url = render(table.http, At(at.file, f"{at.key}.http"))
         why = None if PLACEHOLDER.search(url) else check_health_url(url)

@@ -25,10 +25,10 @@ import os
 import pwd
 import stat
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import msgspec
 import pygit2
 from pygit2.enums import CredentialType
 
@@ -51,8 +51,7 @@ def default_identity() -> str | None:
     return next((str(p) for name in IDENTITIES if (p := Path(home, ".ssh", name)).is_file()), None)
 
 
-@dataclass(frozen=True)
-class GitAuth:
+class GitAuth(msgspec.Struct, frozen=True):
     """What a fetch of a URL authenticates with: an SSH key file and the known_hosts file its
     server's key must be in (None: ssh-agent, and ~/.ssh/known_hosts)."""
 

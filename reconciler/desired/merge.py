@@ -10,8 +10,9 @@ is not the host's file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from . import schema
 from .fields import Table
@@ -19,34 +20,32 @@ from .problems import dotted
 from .spec import RolloutPolicy
 
 
-@dataclass(frozen=True)
-class At:
+class At(msgspec.Struct, frozen=True):
     """Where a value was set: a repo file and the dotted key inside it."""
 
     file: str
     key: str
 
 
-@dataclass
-class Merged:
+class Merged(msgspec.Struct):
     """One service after merging its layers; every value remembers where it was set."""
 
     unit: tuple[str, At] | None = None        # inline unit text
     unit_file: tuple[str, At] | None = None   # repo path of the unit file
     conflict: bool = False                    # a layer set both unit and unit_file
-    env: dict[str, tuple[str, At]] = field(default_factory=dict)
-    vars: dict[str, tuple[str, At]] = field(default_factory=dict)
-    model: dict[str, tuple[str | float, At]] = field(default_factory=dict)  # fetch_timeout, size_gb: float
-    health: dict[str, tuple[Any, At]] = field(default_factory=dict)
-    rollout: dict[str, tuple[Any, At]] = field(default_factory=dict)
+    env: dict[str, tuple[str, At]] = msgspec.field(default_factory=dict)
+    vars: dict[str, tuple[str, At]] = msgspec.field(default_factory=dict)
+    model: dict[str, tuple[str | float, At]] = msgspec.field(default_factory=dict)  # fetch_timeout, size_gb: float
+    health: dict[str, tuple[Any, At]] = msgspec.field(default_factory=dict)
+    rollout: dict[str, tuple[Any, At]] = msgspec.field(default_factory=dict)
     gpu_policy: str = "report"
     engine_check: str = "hidden"
     adopt: bool = False
     allow_dropins: tuple[str, ...] = ()
-    secrets: dict[str, tuple[schema.SecretRef, At]] = field(default_factory=dict)
-    drain: dict[str, tuple[Any, At]] = field(default_factory=dict)   # key -> value (sub-tables whole)
-    smoke: dict[str, tuple[Any, At]] = field(default_factory=dict)
-    tables: dict[str, At] = field(default_factory=dict)   # "drain"/"smoke" -> where the top layer wrote it
+    secrets: dict[str, tuple[schema.SecretRef, At]] = msgspec.field(default_factory=dict)
+    drain: dict[str, tuple[Any, At]] = msgspec.field(default_factory=dict)   # key -> value (sub-tables whole)
+    smoke: dict[str, tuple[Any, At]] = msgspec.field(default_factory=dict)
+    tables: dict[str, At] = msgspec.field(default_factory=dict)   # "drain"/"smoke" -> where the top layer wrote it
 
     def add_rollout(self, table: schema.RolloutTable | None, file: str, prefix: tuple[str, ...]) -> None:
         if table is None:

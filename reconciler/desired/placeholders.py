@@ -10,8 +10,9 @@ Rendering here is pure; the loader turns the unknowns into problems naming file 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+import msgspec
 
 PLACEHOLDER = re.compile(r"\{(host|service|model|vars)\.([A-Za-z0-9_]+)\}")
 
@@ -26,8 +27,7 @@ def origin(url: str | None) -> str | None:
     return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else None
 
 
-@dataclass(frozen=True)
-class Context:
+class Context(msgspec.Struct, frozen=True):
     """The values placeholders may name. vars is None while the vars themselves are rendered;
     model is None for a service without a model."""
 

@@ -9,7 +9,8 @@ so a host's own `rollout` that makes its policy differ is an error, not a silent
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+import msgspec
 
 from . import schema
 from .collect import Problems
@@ -53,8 +54,7 @@ def _check_wave(
                                                   f"{', '.join(have) or 'none'})")
 
 
-@dataclass(frozen=True)
-class _Member:
+class _Member(msgspec.Struct, frozen=True):
     """One host's service in a rollout group."""
 
     host_file: str

@@ -18,10 +18,10 @@ import hashlib
 import hmac
 import os
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 from .. import redact
+from ..values import replace
 from .spec import DesiredState, HostSpec, SecretSpec, ServiceSpec
 
 # Decrypted values by digest, for the executor only (never printed, never stored): the one

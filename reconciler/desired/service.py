@@ -11,9 +11,11 @@ problem yields no spec: the load fails, listing them all.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
+
+from ..values import replace
 from . import schema
 from .collect import Problems, Use
 from .drain import drain_spec, smoke_spec
@@ -30,8 +32,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _AGE_MAGIC = (b"age-encryption.org/v1\n", b"-----BEGIN AGE ENCRYPTED FILE-----")
 
 
-@dataclass(frozen=True)
-class _Site:
+class _Site(msgspec.Struct, frozen=True):
     """The service being loaded: its name, and the host and host file it is declared in."""
 
     host_name: str
@@ -49,8 +50,7 @@ class _Site:
         return Use(self.name, self.host_name)
 
 
-@dataclass(frozen=True)
-class _Layers:
+class _Layers(msgspec.Struct, frozen=True):
     """The merged service and what the merge learned on the way."""
 
     merged: Merged
@@ -60,8 +60,7 @@ class _Layers:
     own_rollout: At | None         # the host's own `rollout` table, if it has one
 
 
-@dataclass(frozen=True)
-class _Unit:
+class _Unit(msgspec.Struct, frozen=True):
     """The service's unit before rendering: its text (None: unusable, already reported), where
     problems in it are reported, and the source named in the header."""
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+import msgspec
 
-@dataclass(frozen=True)
-class HealthSpec:
+
+class HealthSpec(msgspec.Struct, frozen=True):
     """How to tell that a service is healthy (used by the health checker)."""
 
     http: str | None = None          # e.g. http://127.0.0.1:30000/health, probed from the host itself
@@ -24,8 +25,7 @@ class HealthSpec:
     ca_pem: str | None = None        # PEM CA bundle that an https:// health URL is verified against
 
 
-@dataclass(frozen=True)
-class RolloutPolicy:
+class RolloutPolicy(msgspec.Struct, frozen=True):
     """How a change to a shared service definition spreads over the hosts that use it.
 
     canary: how many hosts restart first, alone (0: no canary wave).
@@ -55,8 +55,7 @@ class RolloutPolicy:
         return f"canary = {self.canary}, max_unavailable = {mu}{floor}"
 
 
-@dataclass(frozen=True)
-class NotifySpec:
+class NotifySpec(msgspec.Struct, frozen=True):
     """Where rollout events go: a webhook URL (POST), in generic JSON or Slack's shape.
 
     The URL may hold a token (Slack's does): it is never printed whole.
@@ -67,8 +66,7 @@ class NotifySpec:
     timeout: float = 5.0             # seconds per request; a slow webhook never holds a deploy
 
 
-@dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(msgspec.Struct, frozen=True):
     """The model a service serves: its hub id and where it lives on the host."""
 
     id: str
@@ -101,8 +99,12 @@ class SecretSpec:
         return f"{self.name} ({self.source} {self.path}, as {how})"
 
 
-@dataclass(frozen=True)
-class CallSpec:
+CALL_TIMEOUT = 30.0        # seconds a drain's call may take, unless it says
+DRAIN_TIMEOUT = 120.0      # seconds a drain waits for in-flight work, unless it says
+DRAIN_INTERVAL = 1.0       # seconds between in-flight reads, unless it says
+
+
+class CallSpec(msgspec.Struct, frozen=True):
     """One call of a drain (leave, rejoin, serving), rendered: an HTTP request made from the host
     (as the health probe), a command run on the controller (argv, never a shell; `input` its
     stdin), a shell line run on the host, or one line to HAProxy's runtime API on its socket."""
@@ -115,7 +117,7 @@ class CallSpec:
     body: str | None = None          # http
     expect_status: int | None = None  # http: None = any 2xx
     server: str | None = None        # haproxy: "<backend>/<server>", whose state `serving` reads
-    timeout: float = 30.0
+    timeout: float = CALL_TIMEOUT
 
     def describe(self) -> str:
         """One line for a plan or a dry run: what is called, where."""
@@ -129,8 +131,7 @@ class CallSpec:
         return f"HAProxy {self.target}: {self.input}"
 
 
-@dataclass(frozen=True)
-class InflightSpec:
+class InflightSpec(msgspec.Struct, frozen=True):
     """Where the server's in-flight work is read (from the host, as the health probe): `metric`
     summed over its label sets in the Prometheus text at `url`, or (metric None) the number `url`
     answers."""
@@ -139,8 +140,7 @@ class InflightSpec:
     metric: str | None = None
 
 
-@dataclass(frozen=True)
-class DrainSpec:
+class DrainSpec(msgspec.Struct, frozen=True):
     """How a host leaves rotation before its server stops, and rejoins once the new one is ready
     and judged (plan/drain.py has the steps). Without `inflight`, the drain waits `timeout`."""
 
@@ -148,12 +148,11 @@ class DrainSpec:
     rejoin: CallSpec
     serving: CallSpec | None = None  # whether the balancer sends the host traffic (None: not asked)
     inflight: InflightSpec | None = None
-    timeout: float = 120.0           # the drain timeout: at most this long for in-flight work to reach 0
-    interval: float = 1.0            # seconds between in-flight reads
+    timeout: float = DRAIN_TIMEOUT   # the drain timeout: at most this long for in-flight work to reach 0
+    interval: float = DRAIN_INTERVAL  # seconds between in-flight reads
 
 
-@dataclass(frozen=True)
-class SmokeCheck:
+class SmokeCheck(msgspec.Struct, frozen=True):
     """One greedy completion: a prompt (/v1/completions) or one user message
     (/v1/chat/completions), and the text its answer must hold (`match`: contains, prefix, exact)."""
 
@@ -164,8 +163,7 @@ class SmokeCheck:
     max_tokens: int = 16
 
 
-@dataclass(frozen=True)
-class SmokeSpec:
+class SmokeSpec(msgspec.Struct, frozen=True):
     """The answers that judge a new server before it rejoins (plan/smoke.py judges them). url:
     the server's base URL; model: the name asked for (None: the first /v1/models lists); ttft:
     the longest time to the first token (None: not measured); timeout: per answer."""
@@ -233,8 +231,7 @@ class ServiceSpec:
         return h.hexdigest()[:16]
 
 
-@dataclass(frozen=True)
-class SSHSpec:
+class SSHSpec(msgspec.Struct, frozen=True):
     """How to reach a host. known_hosts holds the text of the repo's known_hosts file."""
 
     address: str
@@ -245,33 +242,30 @@ class SSHSpec:
     known_hosts_file: str | None = None  # its path in the repo, for messages
 
 
-@dataclass(frozen=True)
-class HostSpec:
+class HostSpec(msgspec.Struct, frozen=True):
     """One host: how to reach it and the services it should run."""
 
     name: str
     ssh: SSHSpec
-    services: dict[str, ServiceSpec] = field(default_factory=dict)
-    labels: dict[str, str] = field(default_factory=dict)
+    services: dict[str, ServiceSpec] = msgspec.field(default_factory=dict)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
     source: str = ""                 # hosts/<name>.toml
 
 
-@dataclass(frozen=True)
-class PullWave:
+class PullWave(msgspec.Struct, frozen=True):
     """One wave of pull mode (fleet.toml [pull] waves; README "Pull mode"): the hosts whose
     labels carry every one of `labels` ({}: every host no earlier wave took) deploy a commit
     once it is `after` seconds old (its committer time) and no earlier wave has failed it."""
 
     name: str
-    labels: dict[str, str] = field(default_factory=dict)
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
     after: float = 0.0
 
     def matches(self, labels: dict[str, str]) -> bool:
         return all(labels.get(k) == v for k, v in self.labels.items())
 
 
-@dataclass(frozen=True)
-class FleetSettings:
+class FleetSettings(msgspec.Struct, frozen=True):
     """Fleet-wide settings from fleet.toml that are not per-host defaults."""
 
     concurrency: int = 20
@@ -279,13 +273,12 @@ class FleetSettings:
     pull_waves: tuple[PullWave, ...] = ()     # [pull] waves, in order; () : no waves in pull mode
 
 
-@dataclass(frozen=True)
-class DesiredState:
+class DesiredState(msgspec.Struct, frozen=True):
     """The whole fleet at one git revision."""
 
     revision: str
     hosts: dict[str, HostSpec]
-    settings: FleetSettings = field(default_factory=FleetSettings)
+    settings: FleetSettings = msgspec.field(default_factory=FleetSettings)
 
     @property
     def short(self) -> str:

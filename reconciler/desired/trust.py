@@ -20,12 +20,13 @@ import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from ..errors import ReconcilerError
+from ..values import replace
 
 if TYPE_CHECKING:      # pygit2 is imported where a commit is read (a run in sync never needs it)
     import pygit2

@@ -35,7 +35,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+
+import msgspec
 
 from .. import faults
 from ..clock import REAL, Clock
@@ -49,8 +50,7 @@ from .script import CONTROLLER, RECORD_MODE, ApplyScript, call, record_calls
 from .transport import Transport
 
 
-@dataclass(frozen=True)
-class StepFailure:
+class StepFailure(msgspec.Struct, frozen=True):
     """A systemctl step that failed (the script went on)."""
 
     action: Action
@@ -58,16 +58,15 @@ class StepFailure:
     message: str
 
 
-@dataclass
-class Applied:
+class Applied(msgspec.Struct):
     """What running (part of) a plan did: the host's clock when it began, and failed steps."""
 
     host_clock: float | None = None
-    failures: list[StepFailure] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)    # service -> why its GPUs stayed busy (the gate)
+    failures: list[StepFailure] = msgspec.field(default_factory=list)
+    skipped: dict[str, str] = msgspec.field(default_factory=dict)    # service -> why its GPUs stayed busy (the gate)
     # systemd's reading of the started units at the script's end (unit -> WATCH_PROPS), and
     # when it came back (time.monotonic()): the health watch's first reading
-    shown: dict[str, dict[str, str]] = field(default_factory=dict)
+    shown: dict[str, dict[str, str]] = msgspec.field(default_factory=dict)
     shown_at: float = 0.0
 
     def failed(self, service: str) -> StepFailure | None:

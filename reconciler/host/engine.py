@@ -35,6 +35,8 @@ from functools import cache
 from pathlib import Path
 from typing import ClassVar
 
+import msgspec
+
 from .. import engines
 from ..errors import ReconcilerError
 from ..frames import HostProgram, Param, Records, decode, number
@@ -105,8 +107,7 @@ def refusal(run: EngineRun) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Answer:
+class Answer(msgspec.Struct, frozen=True):
     """The host's answer: its stamp, and a verdict (None: the cached one stands)."""
 
     stamp: str
@@ -241,8 +242,7 @@ def verdict_cache() -> VerdictCache:
     return VerdictCache(default_state_dir() / "engine-verdicts.json")
 
 
-@dataclass(frozen=True)
-class Ask:
+class Ask(msgspec.Struct, frozen=True):
     """One service's engine check as it is asked (`ask`): its probe, with the stamp of a cached
     answer the host may confirm (`cached`); or its answer, given without the host (`early`)."""
 

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
+import msgspec
+
 from ..clock import REAL, Clock
 from ..frames import HostProgram, Param, Records, number
 from ..plan.facts.gpu import DEVICE_PREFIX, GpuFacts, GpuRead, Holder
@@ -62,8 +64,7 @@ async def wait_released(t: Transport, *, pids: set[int] | None = None, timeout: 
         await clock.sleep(min(poll, max(0.0, timeout - waited)))
 
 
-@dataclass(frozen=True)
-class KillOutcome:
+class KillOutcome(msgspec.Struct, frozen=True):
     """What kill_strays did to one holder: reported (policy report), terminated (exited after
     SIGTERM), killed (needed SIGKILL), gone (had exited already, or its PID now belongs to
     another program), survived (still there after SIGKILL) or failed (the signal could not be

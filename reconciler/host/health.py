@@ -29,8 +29,9 @@ import asyncio
 import contextlib
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import PurePath
+
+import msgspec
 
 from .. import redact
 from ..clock import REAL, Clock
@@ -53,8 +54,7 @@ QUOTE_MAX = 1000     # characters kept of a journal line an outcome quotes (reda
 JOURNAL_KEPT = 40    # journal lines an outcome keeps
 
 
-@dataclass
-class Outcome:
+class Outcome(msgspec.Struct):
     """The result of watching one service after a (re)start."""
 
     service: str
@@ -62,7 +62,7 @@ class Outcome:
     reason: Reason                  # Healthy | CrashLoop | StartTimeout | Unstable | UnitNotLoaded | Exited ...
     message: str
     quote: str | None = None        # the journal line that explains a failure
-    journal: list[str] = field(default_factory=list)
+    journal: list[str] = msgspec.field(default_factory=list)
     seconds: float = 0.0
 
     def to_json(self) -> dict:

@@ -30,8 +30,9 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TypeVar
+
+import msgspec
 
 from ..desired.spec import HostSpec, SSHSpec
 from ..errors import ConnectError
@@ -42,12 +43,11 @@ _T = TypeVar("_T")
 IDLE = 900.0          # seconds a connection may sit unused before the pool closes it
 
 
-@dataclass
-class _Entry:
+class _Entry(msgspec.Struct):
     transport: Transport
     key: tuple[str, SSHSpec]
     leased: bool = False
-    used: float = field(default_factory=time.monotonic)
+    used: float = msgspec.field(default_factory=time.monotonic)
 
 
 def _alive(t: Transport) -> bool:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
+
+import msgspec
 
 from .. import faults, redact
 from ..plan.facts.progress import (
@@ -27,13 +28,13 @@ from ..plan.facts.progress import (
     Tail,
     advance,
 )
+from ..values import replace
 
 PROGRESS_EVERY = 1.0      # seconds between journal reads of one host (piggy-backed on a systemd tick)
 _INVOCATION = re.compile(r"[0-9a-f]{32}")
 
 
-@dataclass
-class _Followed:
+class _Followed(msgspec.Struct):
     baseline: str                  # the invocation before our start: its lines are not this start's
     invocation: str = ""           # the invocation whose lines are read (systemd's latest reading)
     cursor: str | None = None
@@ -41,14 +42,13 @@ class _Followed:
     error: Exception | None = None     # reading its lines raised: its watch ends in no verdict
 
 
-@dataclass
-class LoadFollower:
+class LoadFollower(msgspec.Struct):
     """The services of one host whose start-up is followed: their invocations, journal cursors
     and progress. Not I/O itself: the health watch's tick asks it for the command to prepend
     (`command`) and hands it the answer (`take`)."""
 
     every: float = PROGRESS_EVERY
-    units: dict[str, _Followed] = field(default_factory=dict)
+    units: dict[str, _Followed] = msgspec.field(default_factory=dict)
     last: float = float("-inf")
 
     def follow(self, unit: str, baseline_invocation: str = "") -> None:

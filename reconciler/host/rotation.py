@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Collection
-from dataclasses import dataclass
+
+import msgspec
 
 from .. import redact
 from ..clock import REAL, Clock
@@ -35,8 +36,7 @@ from .transport import Transport
 ANSWER_CHARS = 300                   # of what a call answered, in a message
 
 
-@dataclass(frozen=True)
-class Called:
+class Called(msgspec.Struct, frozen=True):
     """What one call came to: ok, and what it answered (redacted, cut)."""
 
     ok: bool
@@ -121,8 +121,7 @@ async def read_inflight(t: Transport, spec: InflightSpec, at: float, *, timeout:
     return Reading(at, value, None if value is not None else f"{spec.metric or 'a number'} not in the answer")
 
 
-@dataclass(frozen=True)
-class Drained:
+class Drained(msgspec.Struct, frozen=True):
     """A leave and its drain: whether the host left rotation, the seconds each took, what the
     wait ended on (its message), and what was still in flight when it ended (None: 0 or unread)."""
 
@@ -156,8 +155,7 @@ async def leave_and_drain(t: Transport, d: DrainSpec, *, clock: Clock = REAL,
             readings.append(await read_inflight(t, d.inflight, clock.now() - t1, timeout=min(5.0, d.timeout)))
 
 
-@dataclass(frozen=True)
-class Rejoined:
+class Rejoined(msgspec.Struct, frozen=True):
     """A rejoin: whether the host is back (and, when it can be asked, serving), the seconds each took."""
 
     ok: bool

@@ -16,7 +16,7 @@ import base64
 import re
 import shlex
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import faults
@@ -35,6 +35,7 @@ from ..plan.layout import (
 )
 from ..plan.model import Action, HostPlan, Kind, Reason
 from ..plan.records import HostRecord, ServiceRecord
+from ..values import replace
 from .health import WATCH_PROPS
 
 # Seconds an apply script waits, in all, for the jobs of the starts and restarts it runs (job()):

@@ -18,9 +18,10 @@ import contextlib
 import functools
 import os
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import msgspec
 
 from ..desired.spec import SSHSpec
 from ..errors import CommandError, ConnectError, HostKeyError
@@ -29,8 +30,7 @@ if TYPE_CHECKING:
     import asyncssh
 
 
-@dataclass(frozen=True)
-class Completed:
+class Completed(msgspec.Struct, frozen=True):
     """The result of one command on a host."""
 
     exit_status: int | None

@@ -11,8 +11,9 @@ strays) is judged in loop/preflight.py; the GPU gate's executor is loop/gpu_gate
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from ..frames import HostProgram
 from ..host import programs
@@ -28,17 +29,16 @@ from ..reasons import Reason
 UNIT_SOURCE = "https://www.freedesktop.org/software/systemd/man/systemd-analyze.html (verify)"
 
 
-@dataclass
-class Preflight:
+class Preflight(msgspec.Struct):
     """What the host-side pre-flight found: blocks per service, fetches to run, notes, GPUs."""
 
-    blocked: dict[str, list[Block]] = field(default_factory=dict)
-    fetch: dict[str, ModelFetch] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-    models: dict[str, ModelFacts] = field(default_factory=dict)
+    blocked: dict[str, list[Block]] = msgspec.field(default_factory=dict)
+    fetch: dict[str, ModelFetch] = msgspec.field(default_factory=dict)
+    warnings: list[str] = msgspec.field(default_factory=list)
+    models: dict[str, ModelFacts] = msgspec.field(default_factory=dict)
     gpu: GpuFacts | None = None
     engine_checks: int = 0          # services with an engine check, run or skipped
-    versions: dict[str, str | None] = field(default_factory=dict)   # service -> its server's version, as read
+    versions: dict[str, str | None] = msgspec.field(default_factory=dict)   # service -> its server's version, as read
 
     def checks(self) -> Checks:
         return Checks(blocked={n: tuple(b) for n, b in self.blocked.items()}, fetch=dict(self.fetch),

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection
-from dataclasses import replace
 
 from ..clock import REAL, Clock
 from ..desired.spec import ServiceSpec
@@ -41,6 +40,7 @@ from ..plan.forecast import unavailable_seconds
 from ..plan.layout import ROTATION_DIR
 from ..plan.model import HostPlan, Kind
 from ..reasons import Reason
+from ..values import replace
 
 
 class DrainError(HostError):

@@ -10,7 +10,6 @@ as they always have (stop, start, health), and their plans say so.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from ..desired.spec import ServiceSpec
 from ..plan.drain import RestartStep, StepKind, restart_steps
@@ -18,6 +17,7 @@ from ..plan.forecast import HostForecast, forecast_host, forecast_rollout, measu
 from ..plan.model import Kind
 from ..plan.ready import ready_detail
 from ..plan.rollout import RolloutResult
+from ..values import replace
 from .results import HostResult
 
 

@@ -26,8 +26,9 @@ import asyncio
 import functools
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from .. import faults
 from ..desired.spec import HostSpec, ServiceSpec
@@ -45,6 +46,7 @@ from ..plan.model import Action, Checks, Context, HostPlan, Kind
 from ..plan.records import Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
 from ..reasons import Reason
+from ..values import replace
 from .cutover import Cutover
 from .options import Connector, RunIO, RunOptions
 from .preview import engine_check
@@ -98,8 +100,7 @@ async def lock_and_observe(t: Transport, host: HostSpec, wait: float,
         return held, None
 
 
-@dataclass(frozen=True)
-class Pass:
+class Pass(msgspec.Struct, frozen=True):
     """One pass of a fleet run over one host (fleet.py: the survey, the look under the lock, a
     halt's re-plan, the free pass, a wave's pass): what it may do and what it starts from."""
 
@@ -108,7 +109,7 @@ class Pass:
     hold: frozenset[str] = frozenset()      # services another pass converges (a rollout wave)
     # fleet-wide quarantines (service -> a halted rollout): they act like recorded ones and are
     # written into the host's records
-    quarantine: Mapping[str, Quarantine] = field(default_factory=dict)
+    quarantine: Mapping[str, Quarantine] = msgspec.field(default_factory=dict)
     facts: HostFacts | None = None          # the host as just read (None: read it first)
     preflight: bool = True                  # False: plan without the host-side pre-flight (a first look)
     checked: Preflight | None = None        # a pre-flight already run on these `facts`

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from ..clock import REAL, Clock
 from ..desired.trust import TrustPolicy
@@ -36,8 +37,7 @@ RolloutWatch = Callable[[str, "RolloutResult"], None]
 CONFIRM_MARGIN = 60.0
 
 
-@dataclass(frozen=True)
-class RunOptions:
+class RunOptions(msgspec.Struct, frozen=True):
     """What to run: which revision, which hosts, whether to change them, how to wait, which keys."""
 
     repo: str = "."                   # the desired-state repo: a local path or a URL
@@ -58,7 +58,7 @@ class RunOptions:
     confirm_margin: float | None = CONFIRM_MARGIN
     # what may deploy: signed revisions only (and by whom), plaintext URLs or not; the revision a
     # run opens and every revision a rollback renders are verified under it (revision.py)
-    trust: TrustPolicy = field(default_factory=TrustPolicy)
+    trust: TrustPolicy = msgspec.field(default_factory=TrustPolicy)
     engine_check: bool = False        # --engine-check: a dry run runs the engine check of an unsigned revision
     # programs a drain's `controller` call may run on this machine (issue 42): the repo alone
     # never names a program the controller runs
@@ -76,8 +76,7 @@ def confirm_margin_from(environ: Mapping[str, str] = os.environ) -> float | None
         return CONFIRM_MARGIN
 
 
-@dataclass(frozen=True)
-class RunIO:
+class RunIO(msgspec.Struct, frozen=True):
     """How this door's run reaches its hosts and whom it tells (none of it changes what is done)."""
 
     connect: Connector | None = None              # None: a new SSH connection per host (RunOptions.identity)

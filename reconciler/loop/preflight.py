@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Mapping
-from dataclasses import replace
 
 from ..desired.spec import HostSpec, ModelSpec, ServiceSpec
 from ..host.engine import SECONDS as ENGINE_SECONDS
@@ -54,6 +53,7 @@ from ..preflight import (
     weights_bytes,
 )
 from ..reasons import Reason
+from ..values import replace
 from .checks import Preflight, _read
 from .gpu_gate import claimed_gpus, strays_on
 from .preview import REAL_RUN, EngineCheck

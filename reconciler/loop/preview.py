@@ -11,11 +11,10 @@ package's files, no python). `validate` and the pre-receive hook contact no host
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 
-@dataclass(frozen=True)
-class EngineCheck:
+class EngineCheck(msgspec.Struct, frozen=True):
     """Whether a run's pre-flight runs the engine check (host/engine.py), and why (`engine_check`)."""
 
     run: bool

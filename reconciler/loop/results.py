@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from ..desired.spec import DesiredState
 from ..errors import CommandError, HostError, ReconcilerError
 from ..plan.actions import starting
@@ -40,8 +42,7 @@ class Event(StrEnum):
     FOREIGN = "foreign"          # a unit the reconciler did not install: left untouched
 
 
-@dataclass
-class ServiceEvent:
+class ServiceEvent(msgspec.Struct):
     """What happened to one service in this run (for reports, status and history)."""
 
     service: str
@@ -105,13 +106,12 @@ class HostResult:
         }
 
 
-@dataclass
-class FleetResult:
+class FleetResult(msgspec.Struct):
     revision: str
     dry_run: bool
-    hosts: list[HostResult] = field(default_factory=list)
-    rollouts: list[RolloutResult] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)     # e.g. a webhook that did not answer
+    hosts: list[HostResult] = msgspec.field(default_factory=list)
+    rollouts: list[RolloutResult] = msgspec.field(default_factory=list)
+    warnings: list[str] = msgspec.field(default_factory=list)     # e.g. a webhook that did not answer
 
     @property
     def failed(self) -> list[HostResult]:

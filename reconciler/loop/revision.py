@@ -13,9 +13,10 @@ descends from another.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import cache
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from ..desired.spec import DesiredState
 
@@ -45,8 +46,7 @@ def no_history(target: str, applied: str) -> bool | None:
     return True
 
 
-@dataclass(frozen=True)
-class Revision:
+class Revision(msgspec.Struct, frozen=True):
     """The desired state at one revision (secrets decrypted), and what a run asks of its repo.
     `Revision(state)` alone is a revision without a repository (a benchmark's, a test's)."""
 
@@ -56,7 +56,7 @@ class Revision:
     descends: Descends = no_history               # whether one revision descends from another
     signer: str | None = None                     # who signed it (None: the policy asks no signature)
     # rollback targets the trust policy refused (revision -> why), filled as the run renders them
-    refused: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = msgspec.field(default_factory=dict)
 
     @property
     def revision(self) -> str:

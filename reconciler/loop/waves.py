@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ..clock import REAL, Clock
@@ -23,6 +22,7 @@ from ..plan.budget import Member, Step, forecast_steps, next_step
 from ..plan.drain import a_preview_may_ask
 from ..plan.facts.show import UnitShow
 from ..plan.rollout import RolloutPlan, RolloutResult, Wave
+from ..values import replace
 
 if TYPE_CHECKING:
     from .results import HostResult

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..desired.spec import HostSpec, ServiceSpec
+from ..values import replace
 from .confirm import Previous, arm, unit_name
 from .facts import (
     HostFacts,

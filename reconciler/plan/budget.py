@@ -28,14 +28,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ..desired.spec import RolloutPolicy
 from ..reasons import Reason
 
 BUDGET_BLOCKED = Reason.BUDGET_BLOCKED     # a rollout that stopped: no pending host could go within the budget
 
 
-@dataclass(frozen=True)
-class Member:
+class Member(msgspec.Struct, frozen=True):
     """One host of the group as read before a wave: ready (serving), or why not ("down",
     "unhealthy", "GpuFault", "unreachable", "not read" ...)."""
 
@@ -44,8 +45,7 @@ class Member:
     why: str | None = None
 
 
-@dataclass(frozen=True)
-class Wait:
+class Wait(msgspec.Struct, frozen=True):
     """A pending host that cannot restart now without breaking the budget, and why."""
 
     host: str

@@ -34,7 +34,8 @@ before knows to look again.
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
+
+import msgspec
 
 from .. import shell
 from ..reasons import Reason
@@ -84,8 +85,7 @@ SWITCH_CONSTANTS = {"STATE": layout.STATE_DIR, "UNIT_DIR": layout.UNIT_DIR, "ENV
                     "SWITCH": layout.SWITCH, "CONFIRM": CONFIRM_DIR}
 
 
-@dataclass(frozen=True)
-class Previous:
+class Previous(msgspec.Struct, frozen=True):
     """The verified version the switch restores: its files as they are on the host now."""
 
     revision: str
@@ -96,8 +96,7 @@ class Previous:
     secrets_replaced: bool = False    # the deploy delivers other secret values: put the kept ones back
 
 
-@dataclass(frozen=True)
-class Switch:
+class Switch(msgspec.Struct, frozen=True):
     """The texts of one armed switch."""
 
     service: str

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
+
+import msgspec
 
 from ..desired.spec import CallSpec, DrainSpec, ServiceSpec
 
@@ -43,8 +44,7 @@ class StepKind(StrEnum):
     SERVING = "serving"
 
 
-@dataclass(frozen=True)
-class RestartStep:
+class RestartStep(msgspec.Struct, frozen=True):
     """One step of a host's restart: what it does, and how long it may take (None: its own bound)."""
 
     kind: StepKind
@@ -128,8 +128,7 @@ class DrainState(StrEnum):
     TIMED_OUT = "timed-out"          # the drain timeout passed with work still in flight (or unread)
 
 
-@dataclass(frozen=True)
-class Reading:
+class Reading(msgspec.Struct, frozen=True):
     """One in-flight read, `at` seconds after the host left rotation; inflight None: unreadable
     (`error` says why)."""
 
@@ -138,8 +137,7 @@ class Reading:
     error: str | None = None
 
 
-@dataclass(frozen=True)
-class DrainDecision:
+class DrainDecision(msgspec.Struct, frozen=True):
     """What the drain does next: wait `wait` seconds more and read again, or go on to the stop."""
 
     state: DrainState
@@ -212,8 +210,7 @@ def _count(text: str) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
-@dataclass(frozen=True)
-class ServerStat:
+class ServerStat(msgspec.Struct, frozen=True):
     """One server of HAProxy's `show stat`: its status and current sessions."""
 
     status: str

@@ -18,7 +18,8 @@ After the deploy, `unavailable` measures the same window from the steps' times.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from ..desired.spec import ServiceSpec
 from .drain import RestartStep, StepKind, restart_steps
@@ -26,8 +27,7 @@ from .drain import RestartStep, StepKind, restart_steps
 MEASURED, FIXED, BOUND, UNMEASURED = "measured", "fixed", "bound", "not measured"
 
 
-@dataclass(frozen=True)
-class Part:
+class Part(msgspec.Struct, frozen=True):
     """One step's estimate and what it rests on (measured, fixed, bound, not measured)."""
 
     step: StepKind
@@ -35,8 +35,7 @@ class Part:
     basis: str
 
 
-@dataclass(frozen=True)
-class HostForecast:
+class HostForecast(msgspec.Struct, frozen=True):
     """A host's forecast unavailable seconds for one service's restart, step by step."""
 
     host: str
@@ -77,8 +76,7 @@ def _estimate(step: RestartStep, spec: ServiceSpec, measured: Mapping[StepKind, 
     return Part(step.kind, 0.0, UNMEASURED)
 
 
-@dataclass(frozen=True)
-class RolloutForecast:
+class RolloutForecast(msgspec.Struct, frozen=True):
     """A group's forecast: host-seconds of lost capacity, and the wall time of its waves."""
 
     host_seconds: float

@@ -31,8 +31,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from ..reasons import Reason
 from .xid import bus_key
@@ -56,8 +57,7 @@ _BUS = re.compile(r"GPU ?(?P<bus>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2})
 _LOST = re.compile(r"GPU is lost|GPU requires reset|fallen off the bus", re.I)
 
 
-@dataclass(frozen=True)
-class GpuHealth:
+class GpuHealth(msgspec.Struct, frozen=True):
     """One reading of the GPUs' health: `read` when nvidia-smi -q answered (or said a GPU is
     lost); faults block starts, signs only explain a failed one, notes do neither; `now` is the
     host's clock."""
@@ -81,8 +81,7 @@ class GpuHealth:
         return "GPUs healthy" + (f" ({'; '.join(found)})" if found else "")
 
 
-@dataclass(frozen=True)
-class GpuFault:
+class GpuFault(msgspec.Struct, frozen=True):
     """A host whose GPUs are sick (gpu-fault.json): the line that says so, and when (host clock).
     `service`/`revision`: the start that failed with it (None: seen before a start)."""
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from ..reasons import Reason
 from .facts.journal import Entry
@@ -22,8 +23,7 @@ from .unit import UnitState
 EXPLAIN_SCAN = 4096          # characters of a line that explain() matches its patterns in
 
 
-@dataclass(frozen=True)
-class UnitReading:
+class UnitReading(msgspec.Struct, frozen=True):
     """What systemd says about a unit right now, judged: one reading's state (the verdict on a
     version is records.py's)."""
 

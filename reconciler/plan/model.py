@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import msgspec
+
 from ..desired.spec import ModelSpec, SecretSpec, ServiceSpec
 from ..reasons import Reason as Reason  # the planner's reasons are the one vocabulary (reasons.py)
 from .confirm import Switch
@@ -71,8 +73,7 @@ class State(StrEnum):
     INCONCLUSIVE = "Inconclusive"
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(msgspec.Struct, frozen=True):
     """The version of a service this run converges to: the desired one, or the last good."""
 
     spec: ServiceSpec
@@ -84,8 +85,7 @@ class Target:
         return self.spec.content_hash()
 
 
-@dataclass(frozen=True)
-class Watch:
+class Watch(msgspec.Struct, frozen=True):
     """What the health watch of one service needs to judge it against its own start."""
 
     hash: str
@@ -127,8 +127,7 @@ class Action:
                 "reason": self.reason.value, "detail": self.detail, "diff": self.diff}
 
 
-@dataclass(frozen=True)
-class ServicePlan:
+class ServicePlan(msgspec.Struct, frozen=True):
     """One service's state, the version it converges to, and what that means for the host."""
 
     name: str
@@ -141,16 +140,14 @@ class ServicePlan:
     first_deploy: bool = False       # QuarantinedNoLastGood: no version of it ever passed health here
 
 
-@dataclass(frozen=True)
-class Block:
+class Block(msgspec.Struct, frozen=True):
     """Why pre-flight (or systemd's own check of the unit) refuses to start a service."""
 
     reason: Reason    # PreflightFailed | UnitInvalid | EngineRejected | ModelFetchFailed | GpuBusy | GpuFault | Secret*
     message: str
 
 
-@dataclass(frozen=True)
-class ModelFetch:
+class ModelFetch(msgspec.Struct, frozen=True):
     """A model pre-flight found missing or incomplete on the host, with `model.fetch` set: what a
     FETCH runs, and the room it has (the planner decides whether it may: state.fetch_refused)."""
 
@@ -159,34 +156,31 @@ class ModelFetch:
     free_bytes: int | None = None    # free space of the file system it goes to (None: unknown)
 
 
-@dataclass(frozen=True)
-class Checks:
+class Checks(msgspec.Struct, frozen=True):
     """What the host said before this plan: host-side pre-flight's findings and the answers of
     this run's steps so far (the GPU gate). The planner only reads them."""
 
-    blocked: Mapping[str, tuple[Block, ...]] = field(default_factory=dict)
-    fetch: Mapping[str, ModelFetch] = field(default_factory=dict)   # service -> its model to fetch first
+    blocked: Mapping[str, tuple[Block, ...]] = msgspec.field(default_factory=dict)
+    fetch: Mapping[str, ModelFetch] = msgspec.field(default_factory=dict)   # service -> its model to fetch first
     gpu_gate: bool = False           # the host has GPUs: starts wait until they are free
     gpu_health: GpuHealth | None = None   # the GPUs' health read for this plan's starts (None: not read)
     # service -> why its GPUs stayed busy after this run stopped it: the gate's answer (not started)
-    gate: Mapping[str, str] = field(default_factory=dict)
+    gate: Mapping[str, str] = msgspec.field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Context:
+class Context(msgspec.Struct, frozen=True):
     """Everything besides desired and observed that a plan depends on (all plain values)."""
 
     revision: str
-    last_good: Mapping[str, ServiceSpec | None] = field(default_factory=dict)  # rendered at last_good_revision
-    fleet_quarantine: Mapping[str, Quarantine] = field(default_factory=dict)   # halted rollouts
+    last_good: Mapping[str, ServiceSpec | None] = msgspec.field(default_factory=dict)  # rendered at last_good_revision
+    fleet_quarantine: Mapping[str, Quarantine] = msgspec.field(default_factory=dict)   # halted rollouts
     deferred: frozenset[str] = frozenset()    # converged by another pass (a rollout wave)
     retry: bool = False                       # --retry: ignore quarantines once
-    checks: Checks = field(default_factory=Checks)
+    checks: Checks = msgspec.field(default_factory=Checks)
     confirm_margin: float | None = 60.0       # dead-man's switch window = start-up + stable_for + this (None: off)
 
 
-@dataclass(frozen=True)
-class HostPlan:
+class HostPlan(msgspec.Struct, frozen=True):
     """Everything to do on one host, in execution order, plus every service's plan."""
 
     host: str

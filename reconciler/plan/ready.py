@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+import msgspec
 
 from ..desired.placeholders import origin
 from ..desired.spec import HealthSpec
@@ -28,8 +29,7 @@ MODELS_BODY_MAX = 65536        # characters of a /v1/models body read as JSON; a
 QUOTED_MAX = 80                # characters of an answer a message quotes
 
 
-@dataclass(frozen=True)
-class Probe:
+class Probe(msgspec.Struct, frozen=True):
     """One readiness read: GET url, `status` wanted (health.expect_status for the service's own
     health.http, else 200); `contains`: text the body must hold (health.body_contains);
     `models`: the body must list a model (vLLM's /v1/models)."""

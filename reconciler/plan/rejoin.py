@@ -22,8 +22,8 @@ A server taken out of rotation by hand has no record, so no run puts it back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
 
+from ..values import replace
 from .facts import ServiceFacts
 from .model import Action, Kind, Reason, ServicePlan, State
 from .records import Result

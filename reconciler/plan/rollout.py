@@ -37,6 +37,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+import msgspec
+
 from ..desired.spec import DesiredState, RolloutPolicy
 from ..reasons import Reason
 from .gpuhealth import GpuFault
@@ -45,8 +47,7 @@ from .records import Quarantine, halt_where
 CANARY_LABEL = ("canary", "true")
 
 
-@dataclass(frozen=True)
-class GroupKey:
+class GroupKey(msgspec.Struct, frozen=True):
     """One rollout group: a service name and the shared definition it comes from."""
 
     service: str
@@ -56,8 +57,7 @@ class GroupKey:
         return f"{self.service} (services/{self.definition}.toml)"
 
 
-@dataclass(frozen=True)
-class Wave:
+class Wave(msgspec.Struct, frozen=True):
     """Hosts that restart together; the next wave waits until all of them are healthy."""
 
     number: int                  # 1-based
@@ -68,8 +68,7 @@ class Wave:
         return {"number": self.number, "canary": self.canary, "hosts": list(self.hosts)}
 
 
-@dataclass(frozen=True)
-class RolloutPlan:
+class RolloutPlan(msgspec.Struct, frozen=True):
     """The waves of one group at one revision."""
 
     group: GroupKey
@@ -103,8 +102,7 @@ class RolloutStatus(StrEnum):
     SUPERSEDED = "superseded"    # a newer revision rolls out instead (the daemon's supersede)
 
 
-@dataclass
-class RolloutResult:
+class RolloutResult(msgspec.Struct):
     """What became of one planned rollout (filled in by the executor)."""
 
     plan: RolloutPlan
@@ -146,8 +144,7 @@ def host_fault(reason: Reason | None) -> bool:
     return reason == Reason.GPU_FAULT
 
 
-@dataclass(frozen=True)
-class HostOutcome:
+class HostOutcome(msgspec.Struct, frozen=True):
     """What one wave host's pass made of the group's service, as the executor read its result:
     `reason` None when it is healthy (or nothing needed doing), else the failed deploy's reason
     (`started`: the service was started and watched to that verdict) or the host's own (a
@@ -161,16 +158,14 @@ class HostOutcome:
     observed: bool = True
 
 
-@dataclass(frozen=True)
-class Excuse:
+class Excuse(msgspec.Struct, frozen=True):
     """A host whose start of this revision failed while its GPUs were sick: the fault line."""
 
     host: str
     quote: str
 
 
-@dataclass(frozen=True)
-class WaveVerdict:
+class WaveVerdict(msgspec.Struct, frozen=True):
     """What a wave's outcomes mean for the rollout (judge_wave). `halt`: the hosts where it halts,
     the first named (empty: it goes on); they are quarantined as failed, the later waves'
     hosts as untouched. `excused`: hosts whose GPU fault does not count against the change;
@@ -228,8 +223,7 @@ def judge_wave(wave: Wave, outcomes: Iterable[HostOutcome], before: Iterable[Exc
     return WaveVerdict((), tuple(excused), tuple(faulted), tuple(skipped))
 
 
-@dataclass(frozen=True)
-class Stop:
+class Stop(msgspec.Struct, frozen=True):
     """Where a group's rollout halts and what it leaves on each host (`halt`): the failed hosts
     of the wave (the first named is where it halted) and the later waves' hosts, which stay
     untouched; each of them gets `quarantines[host]`, recorded by a pass of its own."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from ..desired.spec import SmokeCheck, SmokeSpec
 from ..reasons import Reason
@@ -28,8 +29,7 @@ QUOTE_CHARS = 200                    # of an answer, in a message or a record
 MAX_ANSWER_CHARS = 64_000            # of an answer read at all: the rest is not ours to keep
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(msgspec.Struct, frozen=True):
     """One smoke request: where it goes and its JSON body."""
 
     url: str
@@ -63,8 +63,7 @@ def first_model(body: str) -> str | None:
     return model if isinstance(model, str) and model else None
 
 
-@dataclass(frozen=True)
-class Answer:
+class Answer(msgspec.Struct, frozen=True):
     """What came back for one check: the HTTP status and the text (None: no answer could be
     read; `error` says why), and the seconds to the first token when it was streamed."""
 
@@ -138,8 +137,7 @@ def _error_of(data: Any, body: str) -> str:
 # ---- the verdict ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SmokeVerdict:
+class SmokeVerdict(msgspec.Struct, frozen=True):
     """The smoke test's verdict: healthy, or the reason, the message and the answer quoted."""
 
     healthy: bool

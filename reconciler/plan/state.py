@@ -38,7 +38,8 @@ at once, and the next plan on fresh facts picks the rollback or the hold from th
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+import msgspec
 
 from ..desired.spec import HostSpec, ServiceSpec
 from .facts import (
@@ -66,8 +67,7 @@ def live_quarantine(recorded: Quarantine | None, fleet: Quarantine | None, want:
 
 
 
-@dataclass(frozen=True)
-class Sync:
+class Sync(msgspec.Struct, frozen=True):
     """How the host compares with one target version of a service."""
 
     files: tuple[tuple[str, str | None, str | None], ...]   # (path, have, want) that differ

@@ -10,7 +10,8 @@ names are systemd's, in snake case (systemd.exec(5), org.freedesktop.systemd1(5)
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+import msgspec
 
 from ..frames import number
 
@@ -23,8 +24,7 @@ def _count(text: str | None) -> int:
     return n if n is not None else 0
 
 
-@dataclass(frozen=True)
-class UnitState:
+class UnitState(msgspec.Struct, frozen=True):
     """What systemd says about one unit right now (the properties the reconciler reads)."""
 
     id: str = ""

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..errors import Problem
+from ..values import replace
 from ._builtin import BUILTIN_RULES, HostRule, ServiceFacts, ServiceRule
 from ._command import Command, parse_command
 from ._drain import stop_timeout

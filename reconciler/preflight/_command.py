@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Literal
+
+import msgspec
 
 from ..desired.spec import ServiceSpec
 from ._unitfile import ENV_ASSIGNMENT, SYSTEMD_EXEC_PREFIX, environment_lines, expand, unit_entries
@@ -73,8 +74,7 @@ _PYTHON = re.compile(r"^python[0-9.]*\Z")
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh"})
 
 
-@dataclass(frozen=True)
-class Command:
+class Command(msgspec.Struct, frozen=True):
     """A model server's command line as systemd will run it.
 
     flags maps canonical flag names to their value (None: a flag given without a value; a flag
@@ -86,9 +86,9 @@ class Command:
     server: Server | None
     argv: tuple[str, ...] = ()
     server_args: tuple[str, ...] = ()    # the words the server's own argument parser gets
-    flags: Mapping[str, str | None] = field(default_factory=dict)
+    flags: Mapping[str, str | None] = msgspec.field(default_factory=dict)
     positionals: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = msgspec.field(default_factory=dict)
     error: str | None = None          # why the command line could not be read, if it could not
 
     def canonical(self, flag: str) -> str:

@@ -30,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
+
 from ..desired.spec import ServiceSpec
 from ..redact import redact
 from ._command import _PYTHON, Command, Server, parse_command
@@ -57,8 +59,7 @@ _MESSAGE_LIMIT = 600
 _SAID_MAX = 20          # the engine's warnings and the probe's notes kept per verdict
 
 
-@dataclass(frozen=True)
-class EngineRun:
+class EngineRun(msgspec.Struct, frozen=True):
     """One service's engine check: the interpreter its ExecStart runs, the server's own
     arguments, the environment the service gets, the unit's User= and EnvironmentFile=s, its
     identity and sandbox settings (`unit`: _enginebox.UNIT_KEYS, in the unit's order), and
@@ -69,7 +70,7 @@ class EngineRun:
     server: Server
     interpreter: str
     args: tuple[str, ...]
-    env: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = msgspec.field(default_factory=dict)
     user: str | None = None
     env_files: tuple[str, ...] = ()
     workdir: str | None = None

@@ -15,8 +15,9 @@ service's, so a verdict that depends on it is only a warning.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from ._command import Command, gpu_positions
 from ._hostcheck import ModelFacts
@@ -24,8 +25,7 @@ from ._hostcheck import ModelFacts
 Capability = tuple[int, int]
 
 
-@dataclass(frozen=True)
-class GpuState:
+class GpuState(msgspec.Struct, frozen=True):
     """One GPU: its memory (MiB; None where nvidia-smi says [N/A]) and compute capability."""
 
     index: int
@@ -35,8 +35,7 @@ class GpuState:
     compute_capability: Capability | None = None
 
 
-@dataclass(frozen=True)
-class GpuHolder:
+class GpuHolder(msgspec.Struct, frozen=True):
     """A process with GPU memory: its systemd unit (None: unknown), its memory summed over its
     GPUs (None: nvidia-smi did not list it) and the indexes of those GPUs."""
 
@@ -45,8 +44,7 @@ class GpuHolder:
     gpus: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
-class Hardware:
+class Hardware(msgspec.Struct, frozen=True):
     """The GPUs of one host and who holds their memory, at one moment."""
 
     gpus: tuple[GpuState, ...] = ()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import msgspec
 
 from .. import redact
 from ..errors import ObserveError
@@ -22,18 +24,17 @@ CONFIG_FILE = "config.json"
 SIZE_MAX = 2**60          # bytes: a size in an index beyond an exbibyte is no size we take
 
 
-@dataclass(frozen=True)
-class ModelFacts:
+class ModelFacts(msgspec.Struct, frozen=True):
     """One model directory on a host, and what is wrong with it."""
 
     path: str
     exists: bool
     config: dict[str, Any] | None = None
     index: dict[str, Any] | None = None
-    files: Mapping[str, int | None] = field(default_factory=dict)   # weight file -> size (None: unreadable)
-    missing: list[str] = field(default_factory=list)
-    empty: list[str] = field(default_factory=list)
-    invalid: list[str] = field(default_factory=list)     # files present but unreadable as JSON
+    files: Mapping[str, int | None] = msgspec.field(default_factory=dict)   # weight file -> size (None: unreadable)
+    missing: list[str] = msgspec.field(default_factory=list)
+    empty: list[str] = msgspec.field(default_factory=list)
+    invalid: list[str] = msgspec.field(default_factory=list)     # files present but unreadable as JSON
     free_bytes: int | None = None                        # free space of the file system
 
     @property

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from ..desired.spec import ServiceSpec
 
@@ -24,15 +25,14 @@ if TYPE_CHECKING:
 _RECURRENT_LAYER_KINDS = frozenset({"linear_attention", "mamba", "mamba2"})
 
 
-@dataclass(frozen=True)
-class ModelInfo:
+class ModelInfo(msgspec.Struct, frozen=True):
     """What the checks know about a service's model, and how they know it."""
 
     id: str | None = None
     architectures: tuple[str, ...] = ()
     model_type: str | None = None
     traits: frozenset[str] = frozenset()
-    why: dict[str, str] = field(default_factory=dict)      # trait -> evidence, for messages
+    why: dict[str, str] = msgspec.field(default_factory=dict)      # trait -> evidence, for messages
     known: bool = False              # False: no config.json and nothing in the table
     config: Mapping[str, Any] | None = None
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, overload
 
+import msgspec
+
 from ._command import Command
 from ._hardware import Hardware
 from ._message import Severity
@@ -39,8 +41,7 @@ class Failed(NamedTuple):
     severity: Severity = "error"
 
 
-@dataclass(frozen=True)
-class ServiceFacts:
+class ServiceFacts(msgspec.Struct, frozen=True):
     """What a service check knows of the host besides the command and the model (pure data).
 
     gpu_count: the host's GPU count (None: unknown). version: the server's version on the host

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
+
+import msgspec
 
 from ..desired.spec import ServiceSpec
 from ..errors import ConfigError, Problem
@@ -25,8 +26,7 @@ if TYPE_CHECKING:        # the rule file's own types (pydantic), loaded only by 
 RULES_DIR = "rules"          # in the desired-state repo, and in the reconciler package
 
 
-@dataclass(frozen=True)
-class Finding:
+class Finding(msgspec.Struct, frozen=True):
     """One failed pre-flight check for one service: what, why, how to fix it, and who says so."""
 
     rule_id: str
@@ -54,14 +54,13 @@ class SnapshotLike(Protocol):
     def list(self, directory: str) -> list[str]: ...
 
 
-@dataclass(frozen=True)
-class RuleSet:
+class RuleSet(msgspec.Struct, frozen=True):
     """The rules in force: shipped rules, overridden or extended by the repo's, minus disabled."""
 
     rules: tuple[Rule, ...]
     models: tuple[ModelEntry, ...]
     disabled: frozenset[str] = frozenset()
-    origin: Mapping[str, str] = field(default_factory=dict)   # rule id -> file it came from
+    origin: Mapping[str, str] = msgspec.field(default_factory=dict)   # rule id -> file it came from
 
     def enabled(self, rule_id: str) -> bool:
         """Whether a rule (declarative or built-in) is in force, i.e. not disabled."""

@@ -29,10 +29,10 @@ import json
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pygit2
 
 from ..desired import source
@@ -72,8 +72,7 @@ MAX_TRIES = 5            # older candidates tried when a chosen revision cannot 
 FALLBACK = 100           # first-parent ancestors of a refused branch head searched for a signed one
 
 
-@dataclass(frozen=True)
-class PullOptions:
+class PullOptions(msgspec.Struct, frozen=True):
     """What `reconcile pull` was asked to do (the CLI's options)."""
 
     repo: str
@@ -87,7 +86,7 @@ class PullOptions:
     lock_wait: float = lock.WAIT
     dry_run: bool = False
     publish: bool = True
-    trust: TrustPolicy = field(default_factory=TrustPolicy)    # --allowed-signers / --allow-unsigned, transport
+    trust: TrustPolicy = msgspec.field(default_factory=TrustPolicy)    # --allowed-signers / --allow-unsigned, transport
     ssh_key: str | None = None          # --ssh-identity: the host's deploy key for an ssh:// repo
     known_hosts: str | None = None      # --known-hosts: the git server's host key (else ~/.ssh/known_hosts)
 
@@ -121,8 +120,7 @@ class PullOptions:
                 "host")
 
 
-@dataclass
-class PullOutcome:
+class PullOutcome(msgspec.Struct):
     """One pull run: what it chose, what the reconcile did, what it reported."""
 
     host: str
@@ -130,8 +128,8 @@ class PullOutcome:
     wave: str | None
     choice: Choice
     result: FleetResult | None = None
-    reported: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    reported: list[str] = msgspec.field(default_factory=list)
+    warnings: list[str] = msgspec.field(default_factory=list)
     moved: bool = False            # a local repo's branch moved during the run: run again
     signer: str | None = None      # who signed the head (None: the run accepts unsigned revisions)
     fallback: str | None = None    # the branch head was refused: which signed ancestor is followed, why

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+import msgspec
 
 from ..desired.spec import PullWave
 from ..plan.records import Result
@@ -55,8 +56,7 @@ class Standing(StrEnum):
     INCONCLUSIVE = "inconclusive"  # neither (locked, blocked by pre-flight, ...): says nothing
 
 
-@dataclass(frozen=True)
-class Report:
+class Report(msgspec.Struct, frozen=True):
     """One host's report on one revision: the note it writes on that commit."""
 
     host: str
@@ -66,7 +66,7 @@ class Report:
     reason: str = ""               # CamelCase, for bad and inconclusive
     at: int = 0                    # epoch seconds, the host's clock
     until: int = 0                 # pending: its verdict is due by then; after it, the report is stale
-    services: Mapping[str, str] = field(default_factory=dict)   # service -> its state there
+    services: Mapping[str, str] = msgspec.field(default_factory=dict)   # service -> its state there
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"host": self.host, "revision": self.revision, "standing": str(self.standing),
@@ -116,24 +116,21 @@ def _number(v: object) -> int:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0
 
 
-@dataclass(frozen=True)
-class Commit:
+class Commit(msgspec.Struct, frozen=True):
     """A commit of the branch's first-parent history."""
 
     revision: str
     time: int                      # committer time, epoch seconds
 
 
-@dataclass(frozen=True)
-class Skip:
+class Skip(msgspec.Struct, frozen=True):
     """A newer commit this host does not deploy yet, and why."""
 
     revision: str
     why: str
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(msgspec.Struct, frozen=True):
     """The revision a pull run reconciles (None: none may deploy yet), why, and the newer ones
     it passed over."""
 

@@ -3,13 +3,12 @@ merged over their layers, and every bad input a problem naming file and key."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from reconciler.desired import cache
 from reconciler.desired.spec import CallSpec, InflightSpec, RolloutPolicy, SmokeCheck
 from reconciler.errors import Problem
+from reconciler.values import replace
 from tests.desired.test_load import base_files, load, problems
 
 DEFINITION = """\

@@ -4,12 +4,12 @@ answer was taken on). The host program is tests/host/test_engine_program.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
+import reconciler.values
 from reconciler import redact
 from reconciler.desired.spec import ServiceSpec
 from reconciler.host import engine
@@ -61,7 +61,7 @@ def test_console_scripts_take_the_python_beside_them_and_sglang_serve_gets_its_m
 
 
 def test_a_service_can_turn_its_engine_check_off():
-    svc = dataclasses.replace(spec(f"[Service]\nExecStart=/opt/s/bin/python3 -m sglang.launch_server {SEED}\n"),
+    svc = reconciler.values.replace(spec(f"[Service]\nExecStart=/opt/s/bin/python3 -m sglang.launch_server {SEED}\n"),
                               engine_check="off")
     assert engine_run_for("m", svc) is None
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import json
 import os
 import stat
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+import reconciler.values
 from reconciler import shell
 from reconciler.desired.spec import ServiceSpec
 from reconciler.frames import Records, batch
@@ -187,7 +187,7 @@ def test_a_continued_line_takes_the_lines_that_continue_it_with_it(host_bin: Pat
 
 
 def test_visible_mode_passes_no_facts_and_hides_no_gpu(host_bin: Path, tmp_path: Path):
-    run = dataclasses.replace(run_of(unit(), {"CUDA_VISIBLE_DEVICES": "3", **site(tmp_path)}), mode="visible")
+    run = reconciler.values.replace(run_of(unit(), {"CUDA_VISIBLE_DEVICES": "3", **site(tmp_path)}), mode="visible")
     a, _ = ask(run)
     assert seen(a)["argv"] == ["--path", str(tmp_path / "site"), "--", "--tp-size", "1"]
     assert seen(a)["env"]["CUDA_VISIBLE_DEVICES"] == "3"

@@ -4,11 +4,10 @@ ready reads (plan/ready.py); none of a server whose release does not matter."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from reconciler.desired.spec import ServiceSpec
 from reconciler.host.versions import bound, reads_for
 from reconciler.preflight import load_rules
+from reconciler.values import replace
 
 SGLANG = ServiceSpec("s", "[Service]\nExecStart=/opt/sglang/bin/python3 -m sglang.launch_server --model-path /m\n")
 VLLM = ServiceSpec("v", "[Service]\nUser=llm\nExecStart=/opt/vllm/bin/vllm serve /m\n")

@@ -4,7 +4,6 @@ wait for in-flight work, and the readings it waits on (the engines' /metrics, HA
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -31,6 +30,7 @@ from reconciler.plan.drain import (
     restart_steps,
     stop_steps,
 )
+from reconciler.values import replace
 
 HAPROXY = DrainSpec(
     leave=CallSpec("haproxy", "/run/haproxy/admin.sock", input="set server models/h1 state drain", server="models/h1",

@@ -3,8 +3,6 @@ steps and the drain; a rollout's host-seconds and wall time; the cost measured a
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from reconciler.plan.drain import StepKind
@@ -19,6 +17,7 @@ from reconciler.plan.forecast import (
     unavailable,
     within,
 )
+from reconciler.values import replace
 from tests.plan.test_drain_steps import BASE, FULL, HAPROXY
 
 K = StepKind

@@ -7,7 +7,7 @@ actions in order, written `kind [service] [Reason]` (a step that names a reason 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -42,6 +42,7 @@ from reconciler.plan.records import (
     judge,
 )
 from reconciler.plan.state import fetch_refused
+from reconciler.values import replace
 
 REV = "a" * 40        # the revision being applied
 OLD = "b" * 40        # what the host ran before

@@ -12,7 +12,6 @@ plan sees what a fresh observation would.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -35,6 +34,7 @@ from reconciler.plan.records import (
     judge,
 )
 from reconciler.plan.state import needs_last_good
+from reconciler.values import replace
 
 REV = "a" * 40        # the desired revision
 OLD = "b" * 40        # what the host ran before

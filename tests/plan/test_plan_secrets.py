@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import replace
 
 from reconciler.desired import secrets
 from reconciler.desired.spec import SecretSpec, ServiceSpec
@@ -16,6 +15,7 @@ from reconciler.plan.facts import HostFacts, cred_env_path, cred_path, secrets_p
 from reconciler.plan.files import render_secrets, secret_files
 from reconciler.plan.model import Context, Kind, Reason, State
 from reconciler.plan.records import ServiceRecord
+from reconciler.values import replace
 from tests.plan.test_plan import REV, UNIT, host, on_host, svc, verified
 
 CANARY = b"canary-7f3a9c1e5b"

@@ -7,7 +7,7 @@ by hand (no record of a leave) is left alone."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -17,6 +17,7 @@ from reconciler.plan.facts import HostFacts, ServiceFacts
 from reconciler.plan.model import Context, Kind, ServicePlan, State, Target
 from reconciler.plan.records import HostRecord, Pending, Quarantine, Result, ServiceRecord
 from reconciler.plan.rejoin import not_healthy
+from reconciler.values import replace
 from tests.plan.test_plan import GOOD, OLD, REV, host, on_host, svc, verified
 
 D = DrainSpec(CallSpec("haproxy", "/run/haproxy.sock", input="set server models/h1 state drain"),

@@ -5,13 +5,13 @@ systemd's time spans."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 
 from reconciler import preflight as pf
 from reconciler.desired.spec import DrainSpec, ServiceSpec
 from reconciler.preflight._drain import stop_timeout, timespan
+from reconciler.values import replace
 from tests.preflight.test_preflight import DRAINED, RULES, ids, sglang, unit, vllm
 
 STOP_RULES = {"vllm-stop-aborts-requests", "stop-timeout-shorter-than-drain"}

@@ -29,8 +29,9 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
+
+import msgspec
 
 if TYPE_CHECKING:        # uvicorn and starlette load when a server starts (metrics.py imports Limits)
     import uvicorn
@@ -46,8 +47,7 @@ BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=
         b"retry-after: 5\r\nconnection: close\r\n\r\nbusy\n")
 
 
-@dataclass(frozen=True)
-class Limits:
+class Limits(msgspec.Struct, frozen=True):
     """What one server lets its clients hold (server.py's and metrics.py's defaults)."""
 
     max_connections: float
@@ -57,8 +57,7 @@ class Limits:
     send_buffer: float               # bytes of the socket's kernel send buffer
 
 
-@dataclass
-class Gated:
+class Gated(msgspec.Struct):
     """What every connection of one server shares: its limits, its open connections (by peer:
     the ASGI scope's "client" finds one), its clients and what it turned away."""
 
@@ -66,7 +65,7 @@ class Gated:
     refusals: Refusals
     clients: Clients
     serve: Callable[..., asyncio.Protocol] = asyncio.Protocol   # uvicorn's h11 protocol (set by serve)
-    open: dict[tuple[str, int], _Gate] = field(default_factory=dict)
+    open: dict[tuple[str, int], _Gate] = msgspec.field(default_factory=dict)
 
 
 class _Gate(asyncio.Protocol):

@@ -13,8 +13,9 @@ page's models are: view.redacted).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from ...plan.drain import StepKind
 from ...plan.forecast import unavailable_seconds
@@ -94,8 +95,7 @@ def _cell(row: Mapping[str, Any], commits: Commits, now: float, live: Model | No
             "updated": _updated(row, now), "live": live, "cost": cost_model(row.get("cost"), commits, now)}
 
 
-@dataclass(frozen=True)
-class _GridScope:
+class _GridScope(msgspec.Struct, frozen=True):
     """What every host row of one grid shares: the columns, the run's live phases and revision,
     the commit look-up, the clocks and the filters."""
 

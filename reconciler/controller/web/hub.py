@@ -21,8 +21,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
+
+import msgspec
 
 from ...redact import redact
 
@@ -37,8 +38,7 @@ DEPLOYING = "deploying"                  # planned, applying: before its health 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-@dataclass
-class HostInfo:
+class HostInfo(msgspec.Struct):
     """A host as the desired state of the last run declares it."""
 
     address: str
@@ -46,8 +46,7 @@ class HostInfo:
     services: tuple[str, ...]
 
 
-@dataclass
-class PhaseInfo:
+class PhaseInfo(msgspec.Struct):
     """One service's phase on one host during a run (health.py's phases, then the verdict)."""
 
     phase: str                       # starting, loading, healthy ..., failed: CrashLoop, fetching ...
@@ -60,8 +59,7 @@ class PhaseInfo:
     progress: dict[str, Any] | None = None   # the engine's load progress while it loads (LoadProgress.to_json)
 
 
-@dataclass
-class RunInfo:
+class RunInfo(msgspec.Struct):
     """One fleet run of the daemon, as the page shows it."""
 
     revision: str
@@ -71,13 +69,13 @@ class RunInfo:
     finished: float | None = None    # wall clock
     seconds: float = 0.0
     code: int | None = None          # the run's exit code
-    phases: dict[tuple[str, str], PhaseInfo] = field(default_factory=dict)
-    rollouts: dict[str, dict[str, Any]] = field(default_factory=dict)   # "service/definition" -> RolloutResult json
-    hosts: dict[str, dict[str, str | None]] = field(default_factory=dict)  # host -> status, reason, message
+    phases: dict[tuple[str, str], PhaseInfo] = msgspec.field(default_factory=dict)
+    # "service/definition" -> RolloutResult json
+    rollouts: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    hosts: dict[str, dict[str, str | None]] = msgspec.field(default_factory=dict)  # host -> status, reason, message
 
 
-@dataclass
-class Snapshot:
+class Snapshot(msgspec.Struct):
     """A copy of the hub's state for one render (the daemon keeps changing the original)."""
 
     fleet: dict[str, HostInfo]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import uvicorn
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ...values import replace
 from ..config import public_note
 from .app import create_app
 from .gate import Gated, Limits, listen_at, serve

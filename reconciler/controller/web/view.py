@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from ...plan.rollout import natural_key
 from ...redact import redact
 from .hub import DEPLOYING, PhaseInfo, RunInfo, Snapshot
 
 
-@dataclass(frozen=True)
-class CommitInfo:
+class CommitInfo(msgspec.Struct, frozen=True):
     """What the page says about a revision besides its SHA."""
 
     subject: str

@@ -14,7 +14,8 @@ never raised. The answer is never refused for being cut short: the steps it repo
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+
+import msgspec
 
 from ... import redact
 from ...frames import Records, number
@@ -25,8 +26,7 @@ SOFT_LINES = 5            # the last lines of a failed systemctl step's message
 _CLOCK = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,9})?")     # epoch seconds, as `date +%s` prints them
 
 
-@dataclass(frozen=True)
-class StepFailed:
+class StepFailed(msgspec.Struct, frozen=True):
     """A step that failed: its index in the plan, its exit status, and what it printed."""
 
     step: int
@@ -34,8 +34,7 @@ class StepFailed:
     message: str
 
 
-@dataclass(frozen=True)
-class ApplyAnswer:
+class ApplyAnswer(msgspec.Struct, frozen=True):
     """What the script said: the host's clock when it began, the systemctl steps that failed
     (the script went on), the file step it stopped at (if any), and systemd's reading of the
     units it started (None: the script ended before it)."""
@@ -43,7 +42,7 @@ class ApplyAnswer:
     clock: float | None = None
     failures: tuple[StepFailed, ...] = ()
     fatal: StepFailed | None = None
-    shown: dict[str, dict[str, str]] | None = field(default=None)
+    shown: dict[str, dict[str, str]] | None = msgspec.field(default=None)
 
 
 def _status(text: str) -> int:

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+import msgspec
+
 from ... import redact
 from ...frames import HostProgram, Param, Records, number
 
@@ -20,8 +22,7 @@ TAIL_LINES = 3            # the last lines of what a failed fetch printed, for i
 TAIL_MAX = 600            # characters kept of them (redacted first)
 
 
-@dataclass(frozen=True)
-class Fetched:
+class Fetched(msgspec.Struct, frozen=True):
     """How a fetch ended: its exit status (None: the answer never said: cut short), and the
     last lines it printed."""
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
+
+import msgspec
 
 from ...errors import ObserveError
 from ...frames import Frame, HostProgram, Param, Records, decode, malformed
@@ -35,8 +37,7 @@ XID_GREP = '"MESSAGE" ?: ?"NVRM: Xid \\('
 DEVICE_PREFIX = "/dev/nvidia"
 
 
-@dataclass(frozen=True)
-class Gpu:
+class Gpu(msgspec.Struct, frozen=True):
     """One GPU as nvidia-smi reports it. Memory in MiB; None where nvidia-smi says [N/A]."""
 
     index: int
@@ -46,8 +47,7 @@ class Gpu:
     compute_capability: str | None = None     # nvidia-smi's compute_cap, e.g. "9.0"; None: unknown
 
 
-@dataclass(frozen=True)
-class Holder:
+class Holder(msgspec.Struct, frozen=True):
     """A process holding the GPUs: it has /dev/nvidia* open, or nvidia-smi lists it.
 
     devices are the /dev/nvidia* nodes it holds open (empty when only nvidia-smi saw it, e.g.
@@ -70,13 +70,12 @@ class Holder:
         return f"pid {self.pid} ({self.comm}{unit}): {mem}{on}, {devs}"
 
 
-@dataclass(frozen=True)
-class GpuFacts:
+class GpuFacts(msgspec.Struct, frozen=True):
     """What the gate saw on one host at one moment."""
 
     has_nvidia_smi: bool
-    gpus: list[Gpu] = field(default_factory=list)
-    holders: list[Holder] = field(default_factory=list)
+    gpus: list[Gpu] = msgspec.field(default_factory=list)
+    holders: list[Holder] = msgspec.field(default_factory=list)
     error: str | None = None         # nvidia-smi exists but failed (driver not loaded, ...)
     health: GpuHealth | None = None  # the GPUs' health, when it was asked for (GpuRead's health_since)
 

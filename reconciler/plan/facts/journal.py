@@ -14,14 +14,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+import msgspec
+
 from ...frames import HostProgram, Param, Records
 
 JOURNAL_LINES = 200          # journal entries read for a failure
 JOURNAL_BYTES = 1 << 20      # the newest bytes of them kept (a cut first entry is no JSON: skipped)
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(msgspec.Struct, frozen=True):
     """One journal line of a unit: what it says, whether the service's own processes said it
     (not systemd), the invocation it belongs to, and, on systemd's "Main process exited" line,
     how the process ended (EXIT_CODE exited | killed | dumped, EXIT_STATUS)."""

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
 
+import msgspec
+
 from ...errors import ObserveError
 from ...frames import Frame, HostProgram, Param, Records, decode, malformed, number
 from .. import layout
@@ -94,15 +96,14 @@ class ServiceFacts:
         return None
 
 
-@dataclass(frozen=True)
-class HostFacts:
+class HostFacts(msgspec.Struct, frozen=True):
     """Everything observed on one host in one round trip."""
 
     services: dict[str, ServiceFacts]
     record: HostRecord | None = None      # /var/lib/reconciler/host.json
     gpu_fault: GpuFault | None = None     # /var/lib/reconciler/gpu-fault.json (gpuhealth.py)
     # Files that hold secrets: path -> keyed hash of the content, None when absent (never a value)
-    secret_files: dict[str, str | None] = field(default_factory=dict)
+    secret_files: dict[str, str | None] = msgspec.field(default_factory=dict)
     # How many times the host lock had been taken, when nobody held it as this was read (else None)
     lock_count: str | None = None
     # Temp files (`.reconciler-tmp.*`) in the directories the reconciler writes: what a run that was

@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
+import msgspec
+
 from ...frames import HostProgram, Param, Records
 
 WEIGHTS, GRAPHS, READY = "weights", "graphs", "ready"
@@ -52,8 +54,7 @@ QUOTE_MAX = 240           # characters of the line a progress quotes
 COUNT_DIGITS = 6          # the most digits of a count taken (done, total): a longer one is no count
 
 
-@dataclass(frozen=True)
-class LoadProgress:
+class LoadProgress(msgspec.Struct, frozen=True):
     """Where the engine's start-up is, by its own lines: the stage, how far (done of total, where
     the engine counts), whether the stage's end line was seen, and the line it was read from."""
 

@@ -17,14 +17,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import msgspec
+
 from ...frames import Frame, HostProgram, Param, Records
 from ..layout import ENV_DROPIN
 
 Units = Mapping[str, tuple[str, str | None]]      # service -> (unit text, env drop-in or None)
 
 
-@dataclass(frozen=True)
-class Verified:
+class Verified(msgspec.Struct, frozen=True):
     """systemd's verdict on the units: service -> its problems (none: it accepts the unit), and
     whether systemd-analyze was there to ask."""
 

@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import msgspec
+
 from ...frames import HostProgram, Records
 
 
-@dataclass(frozen=True)
-class VersionRead:
+class VersionRead(msgspec.Struct, frozen=True):
     """What to read on one host about one service: its executable, the server's package, its
     PYTHONPATH, its unit's User= (whose home holds the user's site directory) and whether the
     interpreter reads that directory."""

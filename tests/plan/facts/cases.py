@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from reconciler.frames import HostProgram
 from reconciler.host.engine import EngineProbe
 from reconciler.host.gpu import Signal
@@ -67,6 +69,8 @@ def to_data(value: Any) -> Any:
     """A parse's result as JSON data (what a sample's `expected` holds)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, msgspec.Struct):
+        return {name: to_data(getattr(value, name)) for name in value.__struct_fields__}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, Mapping):
