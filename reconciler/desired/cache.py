@@ -9,7 +9,7 @@ the fingerprint of the loader's own code (a changed loader never reads an old en
 load that succeeded is kept; a ConfigError is raised again by the loader every time.
 
 Nothing read from the cache runs as code: msgspec (the project's one serialiser, see
-docs/architecture.md) decodes it straight into the spec's frozen dataclasses, checking every
+docs/architecture.md) decodes it straight into the spec's frozen value types, checking every
 value against their annotations as it reads (a value of another type is a miss). Still, what it says is deployed,
 so it is used only when the cache directory, its `desired/` and the entry are this user's and
 writable by no one else: looked at (lstat) before anything in them is opened, so another user's
