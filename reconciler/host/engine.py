@@ -130,6 +130,10 @@ class EngineProbe(HostProgram[Answer]):
     memory_max: str = MEMORY_MAX
     seconds: int = SECONDS
 
+    def timeout(self) -> float:
+        """How long its round trip may take: the probe's own bound, and its start and answer."""
+        return self.seconds + 30
+
     def params(self) -> Mapping[str, Param]:
         run = self.run
         return {"arg": list(run.args), "env": str(self.payload().count("\n")), "interp": run.interpreter,
@@ -289,18 +293,23 @@ def unran(run: EngineRun, why: str) -> EngineVerdict:
     return EngineVerdict(run.service, run.server, "inconclusive", message=f"the check could not run: {why}")
 
 
+async def probe(t: Transport, host: str, asked: Ask, store: VerdictCache) -> EngineVerdict:
+    """An asked engine check in a round trip of its own (its answer given without the host
+    where it has one)."""
+    if asked.probe is None:
+        assert asked.early is not None
+        return asked.early
+    try:
+        answer = await programs.run(t, asked.probe, timeout=asked.probe.timeout(),
+                                    what=f"engine check of {asked.run.service}", check=False)
+    except ReconcilerError as e:
+        return unran(asked.run, str(e))
+    return answered(host, asked, answer, store)
+
+
 async def check_engine(t: Transport, host: str, run: EngineRun, *, store: VerdictCache | None = None,
                        seconds: int = SECONDS) -> EngineVerdict:
     """One service's engine check on a host (cached per request and host stamp), in a round
     trip of its own."""
     store = store if store is not None else verdict_cache()
-    asked = ask(host, run, store, seconds)
-    if asked.probe is None:
-        assert asked.early is not None
-        return asked.early
-    try:
-        answer = await programs.run(t, asked.probe, timeout=seconds + 30, what=f"engine check of {run.service}",
-                                    check=False)
-    except ReconcilerError as e:
-        return unran(run, str(e))
-    return answered(host, asked, answer, store)
+    return await probe(t, host, ask(host, run, store, seconds), store)

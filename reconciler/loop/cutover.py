@@ -137,16 +137,15 @@ class Cutover:
             return None
         from ..host import rotation
         back = await rotation.rejoin(self.t, d, clock=self.clock, allowed=self.allowed)
-        steps = self.steps.setdefault(spec.name, {})
-        steps[StepKind.REJOIN] = back.rejoin_seconds
-        if d.serving is not None:
-            steps[StepKind.SERVING] = back.serving_seconds
+        if restarted:       # a restart's cost (the forecast's measurements); a REJOIN step has none
+            steps = self.steps.setdefault(spec.name, {})
+            steps[StepKind.REJOIN] = back.rejoin_seconds
+            if d.serving is not None:
+                steps[StepKind.SERVING] = back.serving_seconds
         if not back.ok:
             return back.message
         await remove_state_file(self.t, self.marker(spec.name), what=f"remove the leave of {spec.name}")
         self.left.discard(spec.name)
-        if not restarted:
-            self.steps.pop(spec.name, None)      # not a restart's cost (the forecast's measurements)
         self.notes.append(f"{spec.name}: {back.message}; unavailable {unavailable_seconds(steps):.1f}s" if restarted
                           else f"{spec.name}: {back.message} (left by a run that did not finish; not restarted)")
         return None
@@ -160,7 +159,6 @@ class Cutover:
             if a.kind is not Kind.REJOIN or sp is None or sp.target is None:
                 continue
             if (why := await self.rejoin(sp.target.spec, restarted=False)) is not None:
-                self.steps.pop(sp.name, None)
                 failed.append(f"{sp.name}: {why}; still out of rotation (its leave stays recorded)")
         return failed
 

@@ -32,8 +32,7 @@ import re
 from collections.abc import Mapping
 
 from ..desired.spec import HostSpec, ModelSpec, ServiceSpec
-from ..host.engine import SECONDS as ENGINE_SECONDS
-from ..host.engine import Answer, Ask, answered, ask, check_engine, unran, verdict_cache
+from ..host.engine import Answer, Ask, answered, ask, probe, verdict_cache
 from ..host.gpu import GpuFacts
 from ..host.transport import Transport
 from ..host.versions import bound, reads_for, unknown
@@ -128,13 +127,11 @@ async def _engines(t: Transport, host: HostSpec, asks: list[Ask], riding: Ask | 
     if not asks:
         return {}
     store = verdict_cache()
-    verdicts = [a.early for a in asks if a.early is not None]
     if riding is not None:
-        verdicts.append(answered(host.name, riding, answer, store) if answer is not None
-                        else unran(riding.run, "no answer"))
+        assert answer is not None          # it rode the round trip: its answer came with the rest
+        verdicts = [a.early for a in asks if a.early is not None] + [answered(host.name, riding, answer, store)]
     else:
-        verdicts += await asyncio.gather(*(check_engine(t, host.name, a.run, store=store)
-                                           for a in asks if a.probe is not None))
+        verdicts = await asyncio.gather(*(probe(t, host.name, a, store) for a in asks))
     store.save()
     return {v.service: v for v in verdicts}
 
@@ -166,15 +163,15 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     # rides the same round trip, after the GPU read (checks._batch).
     asks = _asks(out, host, fresh, engine)
     riding = _riding(asks)
-    versions, answer = await _read(t, out, units, paths, since, reads, riding.probe if riding else None,
-                                   ENGINE_SECONDS + 30 if riding else 0)
+    ride = riding.probe if riding is not None else None
+    versions, answer = await _read(t, out, units, paths, since, reads, ride, ride.timeout() if ride else 0)
     if bound(rules):
         out.warnings.extend(unknown(reads, versions))
     verdicts = await _engines(t, host, asks, riding, answer)
     _judge_models(out, specs, fetched or {})
-    answered = _judge_engines(out, verdicts)
+    engine_answered = _judge_engines(out, verdicts)
     if rules is not None and targets:
-        _judge_rules(out, host, fresh, rules, versions, answered)
+        _judge_rules(out, host, fresh, rules, versions, engine_answered)
     if out.gpu is not None and out.gpu.has_nvidia_smi:
         _judge_strays(out, out.gpu, specs, facts, host)
     return out
