@@ -166,8 +166,9 @@ class HostProgram(ABC, Generic[T_co]):
     constants: ClassVar[Mapping[str, str]] = {}
     # The fragments (reconciler/sh/<name>.sh: shared functions) sent in front of its text
     fragments: ClassVar[tuple[str, ...]] = ()
-    # Its answer runs to the end of the output (the shell becomes its last command: show.sh),
-    # so in a batch it goes last.
+    # In a batch it goes last: its answer runs to the end of the output (the shell becomes its
+    # last command: show.sh), or it may leave the end of its payload unread (engine-probe.sh
+    # reads its probe only where it runs it).
     last: ClassVar[bool] = False
     # The shell reads the program itself from stdin (`sh -s`), its parameters first as
     # assignments, then its text, then its payload (the apply script's steps, which are calls
@@ -181,7 +182,7 @@ class HostProgram(ABC, Generic[T_co]):
 
     def payload(self) -> str:
         """What follows the parameters on stdin (the program reads exactly this much: a batch's
-        next program reads what follows)."""
+        next program reads what follows; a `last` one may leave its end unread)."""
         return ""
 
     @abstractmethod

@@ -66,6 +66,12 @@ def probe_text(server: str) -> str:
     return engines.probe_text(server)
 
 
+@cache
+def probe_digest(server: str) -> str:
+    """The sha256 of the probe program (hex): the host's stamp and the request key hold it."""
+    return hashlib.sha256(probe_text(server).encode()).hexdigest()
+
+
 def _model_dir(run: EngineRun) -> str:
     flag = "--model-path" if run.server == "sglang" else "--model"
     args = list(run.args)
@@ -91,7 +97,7 @@ def request_key(run: EngineRun) -> str:
     """What the controller asked, as a digest: the same request on the same stamp, the same answer."""
     data = json.dumps([run.server, run.interpreter, run.args, sorted(run.env.items()), run.user, run.env_files,
                        run.workdir, run.mode, run.unit, run.user_site,
-                       hashlib.sha256(probe_text(run.server).encode()).hexdigest()])
+                       probe_digest(run.server)])
     return hashlib.sha256(data.encode()).hexdigest()[:32]
 
 
@@ -117,10 +123,12 @@ class Answer(msgspec.Struct, frozen=True):
 @dataclass(frozen=True)
 class EngineProbe(HostProgram[Answer]):
     """reconciler/sh/engine-probe.sh for one service: its named parameters, then the allowlisted
-    environment as an env file. `cached`: the host's stamp of a cached answer (the host then
-    only says whether it still stands)."""
+    environment as an env file, then the probe program, which the host reads only where it runs
+    the probe (so in a batch it goes last). `cached`: the host's stamp of a cached answer (the
+    host then only says whether it still stands)."""
 
     name: ClassVar[str] = "engine-probe"
+    last: ClassVar[bool] = True
     fragments: ClassVar[tuple[str, ...]] = ("venv",)
     constants: ClassVar[Mapping[str, str]] = {
         "SLICE_BYTES": str(SLICE_BYTES), "ENV_FILE_BYTES": str(ENV_FILE_BYTES),
@@ -136,15 +144,19 @@ class EngineProbe(HostProgram[Answer]):
 
     def params(self) -> Mapping[str, Param]:
         run = self.run
-        return {"arg": list(run.args), "env": str(self.payload().count("\n")), "interp": run.interpreter,
-                "probe": base64.b64encode(probe_text(run.server).encode()).decode(), "user": run.user or "",
+        return {"arg": list(run.args), "env": str(self._env().count("\n")), "interp": run.interpreter,
+                "probe": str(len(probe_text(run.server).encode())), "probesum": probe_digest(run.server),
+                "user": run.user or "",
                 "mem": self.memory_max, "secs": str(self.seconds), "mode": run.mode, "model": _model_dir(run),
                 "cached": self.cached, "stage": STAGE[run.server], "usersite": str(int(run.user_site)),
                 "pythonpath": [p for p in run.env.get("PYTHONPATH", "").split(":") if p],
                 "envfile": _unit_files(run), "prop": list(probe_properties(run.unit, run.mode))}
 
-    def payload(self) -> str:
+    def _env(self) -> str:
         return render_env_file(probe_env(self.run.env))
+
+    def payload(self) -> str:
+        return self._env() + probe_text(self.run.server)
 
     def parse(self, answer: Records) -> Answer:
         return read_answer(self.run, answer.stdout, answer.token)

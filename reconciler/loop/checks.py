@@ -55,8 +55,9 @@ class Preflight(msgspec.Struct):
 def _batch(units: Units, paths: list[str], gpu: int | None, reads: list[VersionRead],
            engine: HostProgram[Any] | None = None) -> dict[str, HostProgram[Any]]:
     """Every fact the pre-flight reads, by name: one round trip and one sh for all of them
-    (programs.run_all). `engine`: an engine check that rides along, after the GPU read (a probe
-    that may touch a GPU must never read as a stray holder of the service's GPUs)."""
+    (programs.run_all). `engine`: an engine check that rides along, last: after the GPU read (a
+    probe that may touch a GPU must never read as a stray holder of the service's GPUs), and
+    reading its probe program, the end of the round trip's stdin, only where it runs it."""
     facts: dict[str, HostProgram[Any]] = {}
     if units:
         facts["verify"] = Verify(units)
@@ -64,10 +65,10 @@ def _batch(units: Units, paths: list[str], gpu: int | None, reads: list[VersionR
         facts["model"] = ModelCheck(paths)
     if gpu is not None:      # the GPUs, and their health with the kernel log since `gpu` (gpuhealth)
         facts["gpu"] = GpuRead(health_since=gpu)
-    if engine is not None:
-        facts["engine"] = engine
     if reads:
         facts["versions"] = Versions(reads)
+    if engine is not None:
+        facts["engine"] = engine
     return facts
 
 

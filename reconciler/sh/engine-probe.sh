@@ -9,10 +9,14 @@
 #
 # stdin: named parameters, NAME=value lines, one per line, ended by an empty line, then the
 # service's environment as an env file (`env` lines of NAME="value", already allowlisted by the
-# controller; never on a command line, where other users could read it). Parameters:
+# controller; never on a command line, where other users could read it), then the probe program
+# (`probe` bytes), read only where the probe runs: in a batch this program goes last, so what
+# it leaves unread is nobody's (sh's `read` takes a pipe a byte per read: 45 KiB of probe read so
+# was 45,000 system calls on every host, engine or none). Parameters:
 #   token     the token of its records            arg       one of the server's own arguments
 #   env       how many lines the environment has            (repeated, in order)
-#   interp    the unit's interpreter              probe     the probe program, base64
+#   interp    the unit's interpreter              probe     the probe program's length in bytes
+#   probesum  the probe program's sha256 (the stamp's part of it)
 #   user      the unit's User= (may be empty)     mem, secs MemoryMax=, RuntimeMaxSec=
 #   mode      hidden | visible                    model     the model directory (its config.json)
 #   cached    the stamp of a cached answer        stage     the engine's argument module, as a file
@@ -38,7 +42,7 @@ set -f        # nothing the unit names is globbed; the globs below are turned on
 nl='
 '
 T='' args='' nenv=0 envtext=''
-interp='' probe='' user='' mem='' secs='' mode='' model='' cached='' stage='' usersite=1 pypath='' files='' props=''
+interp='' probe=0 probesum='' user='' mem='' secs='' mode='' model='' cached='' stage='' usersite=1 pypath='' files='' props=''
 while IFS= read -r line && [ -n "$line" ]; do
   v=${line#*=}
   case $line in
@@ -47,6 +51,7 @@ while IFS= read -r line && [ -n "$line" ]; do
     env=*) nenv=$v ;;
     interp=*) interp=$v ;;
     probe=*) probe=$v ;;
+    probesum=*) probesum=$v ;;
     user=*) user=$v ;;
     mem=*) mem=$v ;;
     secs=*) secs=$v ;;
@@ -60,7 +65,7 @@ while IFS= read -r line && [ -n "$line" ]; do
     prop=*) props=$props$v$nl ;;
   esac
 done
-# The environment, read now, whatever the answer (a batch's next program reads the lines after it)
+# The environment, read now, whatever the answer (the probe's bytes follow it)
 case $nenv in ''|*[!0-9]*) nenv=0 ;; esac
 while [ "$nenv" -gt 0 ] && IFS= read -r line; do envtext=$envtext$line$nl; nenv=$((nenv - 1)); done
 IFS=$nl       # every list below is one item a line
@@ -181,7 +186,7 @@ for d in $dirs; do
 done
 # shellcheck disable=SC2086
 stamp=$({ stat -L -c '%n %.9Y %.9Z %s %i' -- $leaves $pths $infos "$model/config.json" 2>/dev/null
-          printf '%s\n' "$facts" "$mode" "$probe"
+          printf '%s\n' "$facts" "$mode" "$probesum"
           for f in $files; do
             f=${f#-}; printf 'file %s\n' "$f"
             [ -f "$f" ] && head -c "$ENV_FILE_BYTES" -- "$f"
@@ -275,7 +280,8 @@ case $home in *[\"\\]*|'') ;; *) grep -q '^HF_HOME=' "$dir/env" || hf="HF_HOME=\
   echo 'HF_HUB_OFFLINE=1'
   echo 'TRANSFORMERS_OFFLINE=1'
 } >> "$dir/env"
-printf '%s' "$probe" | base64 -d > "$dir/probe.py"
+case $probe in ''|*[!0-9]*) probe=0 ;; esac
+head -c "$probe" > "$dir/probe.py"      # the rest of stdin: the probe, and only it
 chmod 755 "$dir"; chmod 644 "$dir/probe.py"
 
 # The command, built back to front in "$@" (the server's arguments are there already):

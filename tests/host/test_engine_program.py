@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import stat
@@ -390,10 +391,14 @@ def test_the_command_line_holds_the_program_only_and_its_parameters_are_named_on
     head = [line.split("=", 1) for line in stdin.split("\n\n", 1)[0].splitlines() if not line.startswith("prop=")]
     assert [v for k, v in head if k == "arg"] == ["--tp-size", "2", ""]        # in order, the empty one too
     named = {k: v for k, v in head if k != "arg"}
-    assert base64.b64decode(named.pop("probe")).decode() == FAKE_PROBE
+    # the probe program: its length and digest named, its bytes the end of stdin, after the environment
+    assert (named.pop("probe"), named.pop("probesum")) == (str(len(FAKE_PROBE.encode())),
+                                                          hashlib.sha256(FAKE_PROBE.encode()).hexdigest())
+    assert stdin.endswith("\n" + FAKE_PROBE)
+    env = stdin.split("\n\n", 1)[1].removesuffix(FAKE_PROBE)
     assert named == {"token": "T0", "interp": sys.executable, "user": "llm", "mem": "4G", "secs": "120",
                      "mode": "hidden", "model": "", "cached": "", "stage": STAGE, "usersite": "1",
-                     "pythonpath": str(tmp_path / "site"), "env": str(stdin.split("\n\n", 1)[1].count("\n"))}
+                     "pythonpath": str(tmp_path / "site"), "env": str(env.count("\n"))}
     assert seen(ask(run)[0])["argv"][-3:] == ["--tp-size", "2", ""]
 
 
