@@ -164,8 +164,9 @@ class HostProgram(ABC, Generic[T_co]):
 
     name: ClassVar[str]
     constants: ClassVar[Mapping[str, str]] = {}
-    # The fragments (reconciler/sh/<name>.sh: shared functions) sent in front of its text
-    fragments: ClassVar[tuple[str, ...]] = ()
+    # The fragments (reconciler/sh/<name>.sh: shared functions) sent in front of its text: every
+    # program reads its named parameters with params.sh's `params`
+    fragments: ClassVar[tuple[str, ...]] = ("params",)
     # In a batch it goes last: its answer runs to the end of the output (the shell becomes its
     # last command: show.sh), or it may leave the end of its payload unread (engine-probe.sh
     # reads its probe only where it runs it).

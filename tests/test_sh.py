@@ -38,7 +38,6 @@ def sent() -> dict[str, str]:
 
 
 def _sent() -> dict[str, str]:
-    from reconciler import shell
     from reconciler.frames import HostProgram
     from reconciler.host import engine, gpu, lock
     from reconciler.host.script import ApplyScript
@@ -57,7 +56,7 @@ def _sent() -> dict[str, str]:
     plan = _plan()
     out["apply"] = ApplyScript.of(plan, plan.actions, 0).stdin("0123456789abcdef")
     out["holder"], out["session"] = lock.installed_texts()[:2]
-    out["launch"], out["rearm"] = shell.program("launch"), confirm.rearm_text()
+    out["launch"], out["rearm"] = lock.launch_text(), confirm.rearm_text()
     out["confirm"] = confirm.arm("m", revision="f" * 40, new_hash="h", window=60, record=ServiceRecord(),
                                  previous=confirm.Previous("r", "[Service]\n", None)).script
     return out

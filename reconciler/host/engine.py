@@ -129,7 +129,7 @@ class EngineProbe(HostProgram[Answer]):
 
     name: ClassVar[str] = "engine-probe"
     last: ClassVar[bool] = True
-    fragments: ClassVar[tuple[str, ...]] = ("venv",)
+    fragments: ClassVar[tuple[str, ...]] = ("params", "venv")
     constants: ClassVar[Mapping[str, str]] = {
         "SLICE_BYTES": str(SLICE_BYTES), "ENV_FILE_BYTES": str(ENV_FILE_BYTES),
         "ENV_ALLOW": " ".join([*(p + "*" for p in ENV_PREFIXES), *ENV_NAMES]), "ENV_DENY": " ".join(ENV_DENY)}

@@ -60,6 +60,9 @@ class LockedError(HostError):
     reason = Reason.LOCKED
 
 
+PARAMS = HostProgram.fragments        # holder.sh and launch.sh read their parameters as the programs do
+
+
 def holder_constants() -> Mapping[str, str]:
     """What holder.sh shares with the Python side (plan/layout.py, this module's IDLE)."""
     return {"LOCK": LOCK, "COUNT": COUNT, "OWNER": OWNER, "CONFIRM": confirm.CONFIRM_DIR,
@@ -69,7 +72,8 @@ def holder_constants() -> Mapping[str, str]:
 def installed_texts(then: HostProgram[Any] | None = None) -> list[str]:
     """The programs a lock installs on a host, as they are installed: the holder (its constants
     in front), its command loop, and the program it runs first."""
-    texts = [shell.with_constants(shell.program("holder"), holder_constants()), shell.program("session")]
+    texts = [shell.with_constants(shell.with_fragments(shell.program("holder"), PARAMS), holder_constants()),
+             shell.program("session")]
     return texts + ([then.text()] if then is not None else [])
 
 
@@ -92,9 +96,14 @@ def holder_stdin(token: str, wait: float, owner: str, then: HostProgram[Any] | N
     return launch + held + (then.stdin(then_token) if then is not None else "")
 
 
+def launch_text() -> str:
+    """sh/launch.sh as it is sent: it reads its parameters as the programs do."""
+    return shell.with_fragments(shell.program("launch"), PARAMS)
+
+
 def launch_command() -> str:
     """The command line that starts the installed holder: sh/launch.sh's text."""
-    return shell.sh_c(shell.program("launch"), "reconciler-lock")
+    return shell.sh_c(launch_text(), "reconciler-lock")
 
 
 @dataclass(frozen=True)
@@ -110,7 +119,8 @@ class Install(HostProgram[tuple[str, ...]]):
     def text(cls) -> str:
         """install.sh with its constants: BIN (this module's, as installed_as names the programs
         by it) and the temp files' prefix."""
-        return shell.with_constants(shell.program(cls.name), {"BIN": BIN, "TEMP": TEMP})
+        return shell.with_constants(shell.with_fragments(shell.program(cls.name), cls.fragments),
+                                    {"BIN": BIN, "TEMP": TEMP})
 
     def params(self) -> Mapping[str, Param]:
         return {"file": [f"{shell.digest(x)}.sh {base64.b64encode(x.encode()).decode()}" for x in self.texts]}

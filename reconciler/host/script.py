@@ -291,6 +291,7 @@ class ApplyScript(HostProgram[ApplyAnswer]):
 
     name: ClassVar[str] = "apply"
     script_on_stdin: ClassVar[bool] = True
+    fragments: ClassVar[tuple[str, ...]] = ()     # its parameters are assignments, its steps' words read by args()
     constants: ClassVar[Mapping[str, str]] = {
         "STATE": layout.STATE_DIR, "UNIT_DIR": layout.UNIT_DIR, "CREDSTORE": layout.CREDSTORE, "KEPT": layout.KEPT,
         "TRANSIENT": layout.TRANSIENT, "WANTS": layout.WANTS, "REARM_PATH": layout.REARM_PATH,

@@ -43,28 +43,8 @@ nl='
 '
 T='' args='' nenv=0 envtext=''
 interp='' probe=0 probesum='' user='' mem='' secs='' mode='' model='' cached='' stage='' usersite=1 pypath='' files='' props=''
-while IFS= read -r line && [ -n "$line" ]; do
-  v=${line#*=}
-  case $line in
-    token=*) T=$v ;;
-    arg=*) args=$args$v$nl ;;
-    env=*) nenv=$v ;;
-    interp=*) interp=$v ;;
-    probe=*) probe=$v ;;
-    probesum=*) probesum=$v ;;
-    user=*) user=$v ;;
-    mem=*) mem=$v ;;
-    secs=*) secs=$v ;;
-    mode=*) mode=$v ;;
-    model=*) model=$v ;;
-    cached=*) cached=$v ;;
-    stage=*) stage=$v ;;
-    usersite=*) usersite=$v ;;
-    pythonpath=*) pypath=$pypath$v$nl ;;
-    envfile=*) files=$files$v$nl ;;
-    prop=*) props=$props$v$nl ;;
-  esac
-done
+params T=token args+=arg nenv=env interp probe probesum user mem secs mode model cached stage usersite \
+  pypath+=pythonpath files+=envfile props+=prop
 # The environment, read now, whatever the answer (the probe's bytes follow it)
 case $nenv in ''|*[!0-9]*) nenv=0 ;; esac
 while [ "$nenv" -gt 0 ] && IFS= read -r line; do envtext=$envtext$line$nl; nenv=$((nenv - 1)); done

@@ -11,12 +11,7 @@
 T='' path='' command=''
 nl='
 '
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    path=*) path=${l#path=} ;;
-  esac
-done
+params T=token path
 while IFS= read -r l; do command=$command$l$nl; done
 [ -z "$l" ] || command=$command$l
 if mkdir -p -- "$path" && cd -- "$path"; then

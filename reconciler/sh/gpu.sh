@@ -21,13 +21,7 @@
 # compute capability is unknown), APP_FIELDS, SMI_FORMAT, HEALTH_SECTIONS, XID_LINES, XID_MATCH,
 # XID_FIELDS, XID_GREP.
 T='' PREFIX=/dev/nvidia SINCE=-
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    prefix=*) PREFIX=${l#prefix=} ;;
-    since=*) SINCE=${l#since=} ;;
-  esac
-done
+params T=token PREFIX=prefix SINCE=since
 nl='
 '
 enc() {  # file -> e: @ and its one line when that is printable ASCII without spaces, else the

@@ -25,16 +25,7 @@
 # Constants (the sender's, from reconciler/plan/layout.py): LOCK, COUNT, OWNER, CONFIRM, REARM, IDLE.
 set -u
 T='' wait_s=0 since='' me='' session='' then=''
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    wait=*) wait_s=${l#wait=} ;;
-    since=*) since=${l#since=} ;;
-    owner=*) me=${l#owner=} ;;
-    session=*) session=${l#session=} ;;
-    then=*) then=${l#then=} ;;
-  esac
-done
+params T=token wait_s=wait since me=owner session 'then'
 
 let_go() {
   : > "$OWNER"
@@ -68,7 +59,7 @@ if [ -n "$then" ]; then
   if [ -z "$same" ]; then
     (sh "$then") 2>/dev/null      # it reads its own parameters, the lines after these
   else
-    while IFS= read -r l && [ -n "$l" ]; do :; done      # not run: its parameters are skipped
+    params      # not run: its parameters are read and skipped
   fi
 fi
 if [ -n "$shell" ]; then

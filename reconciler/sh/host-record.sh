@@ -7,11 +7,7 @@
 # stdin, named parameters (one a line, then an empty line): token.
 # Constants (the sender's, from reconciler/plan/layout.py): HOST_RECORD.
 T=''
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-  esac
-done
+params T=token
 if [ -f "$HOST_RECORD" ]; then
   l=
   while IFS= read -r l; do printf '%s H L %s\n' "$T" "$l"; done < "$HOST_RECORD"

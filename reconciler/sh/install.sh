@@ -12,12 +12,7 @@
 T='' files=''
 nl='
 '
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    file=*) files=$files${l#file=}$nl ;;
-  esac
-done
+params T=token files+=file
 umask 077
 { mkdir -p "$BIN" && chmod 0700 "$BIN"; } || exit 1
 for f in "$BIN"/*.sh; do

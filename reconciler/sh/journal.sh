@@ -8,13 +8,7 @@
 # The answer: "TOKEN J -", journalctl's lines as they are, then "TOKEN END".
 # Constants (the sender's): LINES, BYTES.
 T='' unit='' since=0
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    unit=*) unit=${l#unit=} ;;
-    since=*) since=${l#since=} ;;
-  esac
-done
+params T=token unit since
 case $since in ''|*[!0-9]*) since=0 ;; esac
 printf '%s J -\n' "$T"
 journalctl -u "$unit" --since "@$since" -o json --no-pager -n "$LINES" 2>/dev/null | tail -c "$BYTES"

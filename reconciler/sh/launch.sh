@@ -10,13 +10,7 @@
 T='' need='' run=''
 nl='
 '
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    need=*) need=$need${l#need=}$nl ;;
-    run=*) run=${l#run=} ;;
-  esac
-done
+params T=token need+=need run
 IFS=$nl
 for p in $need; do
   [ -f "$p" ] || { printf '%s MISSING\n' "$T"; exit 0; }

@@ -13,12 +13,7 @@
 T='' paths=''
 nl='
 '
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    path=*) paths=$paths${l#path=}$nl ;;
-  esac
-done
+params T=token paths+=path
 # One file's size: stat, else wc (only when the one stat in weights() does not line up).
 size() { stat -L -c %s -- "$1" 2>/dev/null || wc -c < "$1" 2>/dev/null | tr -d ' '; }
 name() {  # a name as an S line carries it: @ and the name when printable ASCII without spaces, else base64

@@ -16,14 +16,10 @@
 # UNIT_DIR, ENV_DIR, ENV_DROPIN, DROPIN_DIRS, SHOW_PROPS, KEY, TEMP, ROTATION.
 NL='
 '
-T='' names=' ' secrets=''
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    service=*) names="$names${l#service=} " ;;
-    secret=*) secrets=$secrets${l#secret=}$NL ;;
-  esac
-done
+T='' services='' secrets=''
+params T=token services+=service secrets+=secret
+names=' '
+for n in $services; do names="$names$n "; done      # service names: no blank, no glob character
 # The lock's count: 0 where the lock was never taken, - where it cannot be trusted: a holder
 # has the lock (its owner file says who), an armed dead-man's switch may fire at any moment, or
 # the lock was taken but its count is gone (a holder could not write it).

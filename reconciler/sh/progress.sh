@@ -18,12 +18,7 @@
 T='' reads=''
 nl='
 '
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    read=*) reads=$reads${l#read=}$nl ;;
-  esac
-done
+params T=token reads+=read
 LC_ALL=C         # awk and tail count bytes
 export LC_ALL
 IFS=$nl

@@ -9,13 +9,7 @@
 T='' units='' props=''
 nl='
 '
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    unit=*) units=$units${l#unit=}$nl ;;
-    props=*) props=${l#props=} ;;
-  esac
-done
+params T=token units+=unit props
 printf '%s S -\n' "$T"
 IFS=$nl
 set -f

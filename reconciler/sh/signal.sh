@@ -12,13 +12,7 @@
 T='' action='' holders=''
 nl='
 '
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    action=*) action=${l#action=} ;;
-    holder=*) holders=$holders${l#holder=}$nl ;;
-  esac
-done
+params T=token action holders+=holder
 IFS=$nl
 set -f
 for h in $holders; do

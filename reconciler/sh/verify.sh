@@ -15,13 +15,7 @@
 T='' r='' units=''
 nl='
 '
-while IFS= read -r l && [ -n "$l" ]; do
-  case $l in
-    token=*) T=${l#token=} ;;
-    dir=*) r=${l#dir=} ;;
-    unit=*) units=$units${l#unit=}$nl ;;
-  esac
-done
+params T=token r=dir units+=unit
 dir=/tmp/reconciler-verify.$r
 # The private directory (mode 700) and, for each unit with an env drop-in, its drop-in directory:
 # one mkdir for all of them (the name is on no command line before mkdir runs).
