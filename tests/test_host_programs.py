@@ -80,6 +80,28 @@ def test_gpu_without_nvidia_smi_or_a_device_node(tmp_path: Path):
     assert facts_.summary() == "no GPUs (nvidia-smi not found); no process holds /dev/nvidia*"
 
 
+def test_a_large_index_comes_whole_in_one_record(tmp_path: Path):
+    """A large model's model.safetensors.index.json is megabytes (a tensor a line): it comes in
+    one base64 record, which base64(1) reads in blocks, never line by line through sh's `read`,
+    a byte per system call. Its shards are judged as from a small one."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["X"]}, indent=2))
+    weights = {f"model.layers.{i}.mlp.experts.{e}.w{w}.weight": f"model-{i % 3 + 1:05d}-of-00003.safetensors"
+               for i in range(64) for e in range(64) for w in (1, 2, 3)}
+    index = json.dumps({"metadata": {"total_size": 24}, "weight_map": weights}, indent=2)
+    (model / "model.safetensors.index.json").write_text(index)
+    assert len(index) > 1_000_000
+    for n in (1, 2):
+        (model / f"model-0000{n}-of-00003.safetensors").write_bytes(b"x" * 8)
+    res = run_here(ModelCheck([str(model)]), tokens=["T0"])
+    assert [ln.split(" ", 4)[3] for ln in res.stdout.splitlines()
+            if ln.startswith("T0 F model.safetensors.index.json ")] == ["B", "E"]
+    got = ModelCheck([str(model)]).parse(Records(res.stdout, "T0"))[str(model)]
+    assert got.index == {"metadata": {"total_size": 24}, "weight_map": weights}
+    assert got.missing == ["model-00003-of-00003.safetensors"] and got.config == {"architectures": ["X"]}
+
+
 def test_model_check_of_a_model_and_of_a_missing_one(tmp_path: Path):
     model = tmp_path / "m"
     model.mkdir()

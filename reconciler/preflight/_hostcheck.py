@@ -126,8 +126,8 @@ class _ModelReading:
     """parse_model_check's reading of the records: a handler per kind.
 
     P starts a path (its name, @ or base64), then: D whether it is a directory, F a JSON file
-    (config.json, the index) line by line (`F NAME L|P TEXT`, then `F NAME E`), S a weight
-    file's size (or -) and name, A the free KiB of its file system.
+    (config.json line by line, `F NAME L|P TEXT`; the index whole, `F NAME B BASE64`; then
+    `F NAME E`), S a weight file's size (or -) and name, A the free KiB of its file system.
     """
 
     def __init__(self, host: str) -> None:
@@ -166,10 +166,15 @@ class _ModelReading:
 
     def file(self, f: Frame, name: str, rest: str) -> None:
         """A line of a JSON file: `L TEXT` (a line), `P TEXT` (a last line without its newline),
-        `E` (the file ends)."""
+        `B BASE64` (the whole file), `E` (the file ends)."""
         op, _, text = rest.partition(" ")
         if op in ("L", "P"):
             self.lines.setdefault(name, []).append(text + "\n" if op == "L" else text)
+        elif op == "B":
+            try:
+                self.lines.setdefault(name, []).append(decode(text, plain=False) if text else "")
+            except ValueError:
+                raise ObserveError(self.host, f"malformed model check line: {redact.clip(f.line, 80)!r}") from None
         elif op == "E":
             self.raw[name] = "".join(self.lines.pop(name, []))
         else:
@@ -189,10 +194,10 @@ def parse_model_check(stdout: str, token: str, host: str = "?") -> dict[str, Mod
 class ModelCheck(HostProgram[dict[str, ModelFacts]]):
     """reconciler/sh/model-check.sh for these model directories: per path (a path with `*` is a
     pattern: its last matching directory is read, as for a Hugging Face cache's snapshots/*)
-    whether it is a directory, config.json and model.safetensors.index.json (line by line,
-    builtins only), the size of every weight file (*.safetensors, one sub-directory deep, *.bin,
-    *.gguf; symlinks followed, as in a Hugging Face cache; one stat for all of them) and the free
-    space of its file system (one df)."""
+    whether it is a directory, config.json (line by line, builtins only) and
+    model.safetensors.index.json (whole, in base64: it may be megabytes), the size of every
+    weight file (*.safetensors, one sub-directory deep, *.bin, *.gguf; symlinks followed, as in a
+    Hugging Face cache; one stat for all of them) and the free space of its file system (one df)."""
 
     name: ClassVar[str] = "model-check"
     constants: ClassVar[Mapping[str, str]] = {"CONFIG_FILE": CONFIG_FILE, "INDEX_FILE": INDEX_FILE}

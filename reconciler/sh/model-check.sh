@@ -5,9 +5,11 @@
 # stdin, named parameters (one a line, then an empty line): token; path (repeated; one with `*`
 # is a pattern: its last matching directory, as a Hugging Face cache's snapshots/*).
 #
-# Per path: "P NAME", whether it is a directory (D), CONFIG_FILE and INDEX_FILE line by line
-# (F NAME L|P TEXT, then F NAME E: builtins only, no process per file), the size of every weight
-# file (one stat for all) and the free space of its file system (one df). A name of printable
+# Per path: "P NAME", whether it is a directory (D), CONFIG_FILE line by line (F NAME L|P TEXT,
+# then F NAME E: builtins only, no process for a file of a few KiB) and INDEX_FILE whole in one
+# record (F NAME B BASE64, then F NAME E: one base64, which reads in blocks: sh's `read` takes a
+# byte per system call, and a large model's index is megabytes), the size of every weight file
+# (one stat for all) and the free space of its file system (one df). A name of printable
 # ASCII without spaces comes as it is (@name), any other in base64. Each record is a line
 # "TOKEN KIND ...", the last "TOKEN END". Constants (the sender's): CONFIG_FILE, INDEX_FILE.
 T='' paths=''
@@ -72,6 +74,11 @@ emit() {  # name file: each line after "$T F name L ", a last line without its n
   [ -z "$l" ] || printf '%s F %s P %s\n' "$T" "$1" "$l"
   printf '%s F %s E\n' "$T" "$1"
 }
+whole() {  # name file: the file's bytes in one record, "$T F name B " and their base64, then E
+  printf '%s F %s B ' "$T" "$1"
+  base64 -w0 < "$2" 2>/dev/null
+  printf '\n%s F %s E\n' "$T" "$1"
+}
 IFS=$nl; set -f
 for p in $paths; do
   unset IFS; set +f
@@ -83,9 +90,8 @@ for p in $paths; do
   esac
   if [ -d "$d" ]; then
     printf '%s D 1\n' "$T"
-    for f in "$CONFIG_FILE" "$INDEX_FILE"; do
-      [ ! -f "$d/$f" ] || emit "$f" "$d/$f"
-    done
+    [ ! -f "$d/$CONFIG_FILE" ] || emit "$CONFIG_FILE" "$d/$CONFIG_FILE"
+    [ ! -f "$d/$INDEX_FILE" ] || whole "$INDEX_FILE" "$d/$INDEX_FILE"
     weights "$d"
   else
     printf '%s D 0\n' "$T"
