@@ -32,6 +32,9 @@ def sent() -> dict[str, str]:
     are dropped only as it is sent)."""
     from unittest import mock
 
+    # Imported before the patch: a module that binds `program` by name as it is imported
+    # (tests/host/test_apply.py) must get the real one, not this test's.
+    import tests.host.test_apply  # noqa: F401
     from reconciler import shell
     with mock.patch.object(shell, "program", lambda name: (ROOT / "reconciler" / "sh" / f"{name}.sh").read_text()):
         return _sent()
