@@ -210,8 +210,10 @@ async def _applied(t: Transport) -> str | None:
 
 
 def _choose(repo: pygit2.Repository, head: source.Snapshot, state: DesiredState, name: str, applied: str | None,
-            opts: PullOptions) -> tuple[Choice, int | None, dict[str, tuple[source.Snapshot, DesiredState]]]:
-    """The revision to reconcile, the host's wave, and the snapshots loaded on the way."""
+            opts: PullOptions, *, now: int | None = None
+            ) -> tuple[Choice, int | None, dict[str, tuple[source.Snapshot, DesiredState]]]:
+    """The revision to reconcile, the host's wave, and the snapshots loaded on the way. `now`:
+    the wall clock's seconds (the commits' ages; a test gives its own)."""
     loaded = {head.revision: (head, state)}
     waves = state.settings.pull_waves
     wave = wave_of(state.hosts[name].labels, waves)
@@ -223,7 +225,8 @@ def _choose(repo: pygit2.Repository, head: source.Snapshot, state: DesiredState,
     unusable: dict[str, str] = {}
     for attempt in range(MAX_TRIES + 1):
         if attempt < MAX_TRIES:
-            choice = choose(chain, applied, wave=wave, waves=waves, now=int(time.time()), reports=reports,
+            choice = choose(chain, applied, wave=wave, waves=waves, now=int(time.time()) if now is None else now,
+                            reports=reports,
                             unusable=unusable)
         else:       # enough broken commits: stay where the host is
             choice = Choice(applied, f"staying at {str(applied)[:7]}: the newer commits tried cannot be loaded",

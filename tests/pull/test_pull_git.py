@@ -216,8 +216,8 @@ def commit_files(repo: pygit2.Repository, files: dict[str, str], when: int) -> s
 
 
 def test_an_invalid_or_hostless_commit_is_passed_over(tmp_path: Path) -> None:
-    """The wave may deploy two older commits; the newer of them is broken: the one before it."""
-    import time
+    """The wave may deploy two older commits; the newer of them is broken: the one before it.
+    The commits' ages are taken at a fixed `now` (the run's wall clock is the caller's)."""
 
     from reconciler.desired.load import load_desired
     from reconciler.desired.source import snapshot
@@ -229,13 +229,13 @@ def test_an_invalid_or_hostless_commit_is_passed_over(tmp_path: Path) -> None:
                            '{ name = "rest", after = "1h" } ]\n',
              "hosts/a.toml": 'address = "127.0.0.5"\nlabels = { wave = "canary" }\n',
              "hosts/b.toml": 'address = "127.0.0.6"\n'}
-    now = int(time.time())
+    now = 1_795_000_000
     good = commit_files(r, files, now - 3 * 3600)
     broken = commit_files(r, {**files, "hosts/b.toml": 'address = "127.0.0.6"\nport = 22\n'}, now - 2 * 3600)
     head = commit_files(r, files, now - 60)                     # valid, but too young for "rest"
     opts = PullOptions(repo=r.path)
     snap = snapshot(r, None)
-    choice, wave, loaded = _choose(r, snap, load_desired(snap), "b", None, opts)
+    choice, wave, loaded = _choose(r, snap, load_desired(snap), "b", None, opts, now=now)
     assert (choice.revision, wave) == (good, 1), choice
     assert [s.revision for s in choice.skipped] == [head, broken]
     assert choice.skipped[1].why.startswith("cannot be loaded (hosts/b.toml: port: unknown key")
@@ -243,11 +243,11 @@ def test_an_invalid_or_hostless_commit_is_passed_over(tmp_path: Path) -> None:
     # the host's applied revision is never left for an older one: one that cannot be loaded any
     # more (and nothing newer old enough) stops the run, as an invalid head does (exit 1)
     with pytest.raises(ConfigError, match="port: unknown key"):
-        _choose(r, snap, load_desired(snap), "b", broken, opts)
+        _choose(r, snap, load_desired(snap), "b", broken, opts, now=now)
     # a host that the older commits do not have yet waits until the commit that adds it is old enough
     late = commit_files(r, {**files, "hosts/c.toml": 'address = "127.0.0.7"\n'}, now - 30)
     snap = snapshot(r, None)
-    choice, _, _ = _choose(r, snap, load_desired(snap), "c", None, opts)
+    choice, _, _ = _choose(r, snap, load_desired(snap), "c", None, opts, now=now)
     assert choice.revision is None and [s.revision for s in choice.skipped] == [late, head, broken, good]
     assert choice.skipped[1].why == "1m old; wave rest deploys a commit once it is 1h old"
     assert choice.skipped[2].why.startswith("cannot be loaded")

@@ -129,17 +129,17 @@ def test_a_wave_passes_over_an_unsigned_commit(tmp_path):
         revs[name] = signing.commit(r.path, name, k, when=now - age)
     opts = PullOptions(repo=str(r.path), trust=TrustPolicy.of(require_signed=True, allowed_signers=signers))
     snap = snapshot(r.repo, None)
-    choice, _, loaded = _choose(r.repo, snap, load_desired(snap), "b", None, opts)
+    choice, _, loaded = _choose(r.repo, snap, load_desired(snap), "b", None, opts, now=now)
     assert choice.revision == revs["old"], choice         # the unsigned one, old enough, is passed over
     assert [s.revision for s in choice.skipped] == [revs["head"], revs["unsigned"]]
     assert choice.skipped[1].why.startswith(f"refused (Unsigned: commit {revs['unsigned'][:7]} is not signed")
     assert revs["unsigned"] not in loaded
     # a host that applied the unsigned revision (before signing was required) stays put: nothing runs
-    choice, _, _ = _choose(r.repo, snap, load_desired(snap), "b", revs["unsigned"], opts)
+    choice, _, _ = _choose(r.repo, snap, load_desired(snap), "b", revs["unsigned"], opts, now=now)
     assert choice.revision is None and choice.why.startswith(f"staying put: the applied revision "
                                                              f"{revs['unsigned'][:7]} is refused (Unsigned")
     # the same history with --allow-unsigned: the newest old enough commit, unsigned or not
-    choice, _, _ = _choose(r.repo, snap, load_desired(snap), "b", None, PullOptions(repo=str(r.path)))
+    choice, _, _ = _choose(r.repo, snap, load_desired(snap), "b", None, PullOptions(repo=str(r.path)), now=now)
     assert choice.revision == revs["unsigned"]
 
 
