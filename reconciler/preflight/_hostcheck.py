@@ -172,7 +172,7 @@ class _ModelReading:
             self.lines.setdefault(name, []).append(text + "\n" if op == "L" else text)
         elif op == "B":
             try:
-                self.lines.setdefault(name, []).append(decode(text, plain=False) if text else "")
+                self.lines.setdefault(name, []).append(decode(text, plain=False))
             except ValueError:
                 raise ObserveError(self.host, f"malformed model check line: {redact.clip(f.line, 80)!r}") from None
         elif op == "E":

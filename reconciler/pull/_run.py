@@ -223,11 +223,10 @@ def _choose(repo: pygit2.Repository, head: source.Snapshot, state: DesiredState,
     earlier = earlier_hosts({h: s.labels for h, s in state.hosts.items()}, waves, wave)
     reports = _git.read_reports(repo, earlier, {c.revision for c in chain})
     unusable: dict[str, str] = {}
+    now = int(time.time()) if now is None else now
     for attempt in range(MAX_TRIES + 1):
         if attempt < MAX_TRIES:
-            choice = choose(chain, applied, wave=wave, waves=waves, now=int(time.time()) if now is None else now,
-                            reports=reports,
-                            unusable=unusable)
+            choice = choose(chain, applied, wave=wave, waves=waves, now=now, reports=reports, unusable=unusable)
         else:       # enough broken commits: stay where the host is
             choice = Choice(applied, f"staying at {str(applied)[:7]}: the newer commits tried cannot be loaded",
                             tuple(Skip(r, why) for r, why in unusable.items())) if applied else \
