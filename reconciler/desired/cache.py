@@ -1,5 +1,5 @@
 """Loaded desired state kept as plain data, so that a run of a tree loaded before skips the
-loader (pydantic and the schema: about 0.2 s of a one-host `reconcile` that changes nothing).
+loader (parsing, checking, merging and rendering every file).
 
 Every door loads through `load_desired` here: the CLI, the daemon, the hooks and pull mode.
 
@@ -60,7 +60,7 @@ def load_desired(snap: SnapshotLike, cache_dir: Path | None = None) -> DesiredSt
         if entry is not None and revision and (entry.format, entry.tree, entry.fingerprint) == (FORMAT, tree,
                                                                                             fingerprint()):
             return replace(entry.state, revision=revision)
-    from .load import load_desired as load  # pydantic and the schema: only on a miss
+    from .load import load_desired as load  # the loader: only on a miss
     state = load(snap)
     if where is not None and tree and _prepare(where):
         _write(where, f"{tree}.json", Entry(FORMAT, tree, fingerprint(), state))

@@ -1,6 +1,6 @@
 """The scalar field types of the desired-state TOML files: each value checked by a validator of
-our own, so that a wrong value reads "expected an integer 1-65535, got '22'" instead of pydantic's
-generic text, and so that no type is ever coerced (TOML already has real integers, floats and
+our own (tables.Check), so that a wrong value reads "expected an integer 1-65535, got '22'",
+and so that no type is ever coerced (TOML already has real integers, floats and
 strings). schema.py (the files' tables) and schema_drain.py (drain and smoke) build on these.
 
 The values of `env` may be secrets: their validators never put the value in a message.
@@ -18,11 +18,9 @@ from collections.abc import Callable
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, PlainValidator
-from pydantic_core import PydanticCustomError
-
 from ..errors import describe, kind_of
 from ..redact import redact
+from .tables import Check, Invalid
 
 # `\Z`, never `$`: `$` matches before a final newline too ("svc\n" would pass), and callers
 # elsewhere use these with .match.
@@ -41,26 +39,25 @@ _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 _WHITESPACE_OR_CONTROL = re.compile(r"[\s\x00-\x1f\x7f]")
 
 
-def _fail(expected: str, value: object, *, secret: bool = False, hint: str = "") -> PydanticCustomError:
+def _fail(expected: str, value: object, *, secret: bool = False, hint: str = "") -> Invalid:
     # A value that is shown is redacted before describe() cuts it: a token cut short would no
     # longer be recognized (a URL's password in a health URL, a token in a model.fetch line).
     got = kind_of(value) if secret else describe(redact(value) if isinstance(value, str) else value)
-    # No context dict: the message is final, so braces in a value are never re-interpreted.
-    return PydanticCustomError("expected", f"expected {expected}, got {got}{hint}")
+    return Invalid(f"expected {expected}, got {got}{hint}")
 
 
 def _quote_hint(value: object) -> str:
     return " (write it in quotes)" if isinstance(value, int | float) and not isinstance(value, bool) else ""
 
 
-def _checked(check: Callable[[Any], Any]) -> PlainValidator:
-    return PlainValidator(check)
+def _checked(check: Callable[[Any], Any]) -> Check:
+    return Check(check)
 
 
 # ---- numbers --------------------------------------------------------------------------------
 
 
-def _int_in(lo: int, hi: int | None, expected: str) -> PlainValidator:
+def _int_in(lo: int, hi: int | None, expected: str) -> Check:
     def check(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _fail(expected, value)
@@ -71,7 +68,7 @@ def _int_in(lo: int, hi: int | None, expected: str) -> PlainValidator:
     return _checked(check)
 
 
-def _seconds(*, allow_zero: bool) -> PlainValidator:
+def _seconds(*, allow_zero: bool) -> Check:
     expected = "a number of seconds >= 0" if allow_zero else "a number of seconds > 0"
 
     def check(value: Any) -> float:
@@ -148,7 +145,7 @@ Duration = Annotated[float, _checked(_duration)]
 # ---- strings --------------------------------------------------------------------------------
 
 
-def _pattern(regex: re.Pattern[str], expected: str) -> PlainValidator:
+def _pattern(regex: re.Pattern[str], expected: str) -> Check:
     def check(value: Any) -> str:
         if not isinstance(value, str) or not regex.fullmatch(value):
             raise _fail(expected, value)
@@ -162,9 +159,7 @@ def _env_value(value: Any) -> str:
     if not isinstance(value, str):
         raise _fail("a string", value, secret=True, hint=_quote_hint(value))
     if _CONTROL.search(value):
-        raise PydanticCustomError(
-            "expected",
-            "expected a single-line string: the value contains a newline or another control "
+        raise Invalid("expected a single-line string: the value contains a newline or another control "
             "character (only tab is allowed); the value is not shown",
         )
     return value
@@ -182,11 +177,11 @@ def _text(value: Any) -> str:
     if not isinstance(value, str):
         raise _fail("a string", value)
     if "\x00" in value:
-        raise PydanticCustomError("expected", "expected text: the string contains a NUL character")
+        raise Invalid("expected text: the string contains a NUL character")
     return value
 
 
-def _no_space(expected: str, *, absolute: bool = False) -> PlainValidator:
+def _no_space(expected: str, *, absolute: bool = False) -> Check:
     def check(value: Any) -> str:
         if not isinstance(value, str) or not value or _WHITESPACE_OR_CONTROL.search(value):
             raise _fail(expected, value)
@@ -246,7 +241,7 @@ def _host_key(value: Any) -> str:
         raise _fail(expected, value)
     why = host_key_problem(value)
     if why:
-        raise PydanticCustomError("expected", f"expected {expected}: {why}")
+        raise Invalid(f"expected {expected}: {why}")
     return value.strip()
 
 
@@ -270,7 +265,7 @@ def _webhook(value: Any) -> str:
         raise _fail(expected, value, secret=True) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         # The URL may carry a token (Slack's does): name its kind, never its text.
-        raise PydanticCustomError("expected", f"expected {expected}; the value is not shown")
+        raise Invalid(f"expected {expected}; the value is not shown")
     return value
 
 
@@ -308,8 +303,7 @@ def _service_name(value: Any) -> str:
     if not isinstance(value, str) or not SERVICE_NAME.fullmatch(value):
         raise _fail(_SERVICE_NAME_TEXT, value)
     if value.lower().startswith(RESERVED_PREFIX):
-        raise PydanticCustomError(
-            "expected", f"{describe(value)} starts with {RESERVED_PREFIX!r}: names starting with it are reserved for "
+        raise Invalid(f"{describe(value)} starts with {RESERVED_PREFIX!r}: names starting with it are reserved for "
             "the reconciler's own units on the host (reconciler-confirm-<service>, reconciler-rearm-switches, "
             "reconciler-pull); rename the service")
     return value
@@ -341,9 +335,3 @@ DropIn = Annotated[str, _checked(_dropin)]
 
 AbsPath = Annotated[str, _no_space("an absolute path without whitespace, like '/etc/credstore/hf_token'",
                                    absolute=True)]
-
-
-class Table(BaseModel):
-    """Base of every table: unknown keys are errors, nothing is coerced, nothing mutates."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)

@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 
 from . import schema
-from .fields import Table
 from .problems import dotted
 from .spec import RolloutPolicy
+from .tables import Table
 
 
 class At(msgspec.Struct, frozen=True):
@@ -50,7 +50,7 @@ class Merged(msgspec.Struct):
     def add_rollout(self, table: schema.RolloutTable | None, file: str, prefix: tuple[str, ...]) -> None:
         if table is None:
             return
-        for name, value in table.model_dump(exclude_none=True).items():
+        for name, value in _set(table).items():
             self.rollout[name] = (value, At(file, dotted(*prefix, "rollout", name)))
 
     def policy(self) -> RolloutPolicy:
@@ -59,7 +59,7 @@ class Merged(msgspec.Struct):
     def add_health(self, table: schema.HealthTable | None, file: str, prefix: tuple[str, ...]) -> None:
         if table is None:
             return
-        for name, value in table.model_dump(exclude_none=True).items():
+        for name, value in _set(table).items():
             self.health[name] = (value, At(file, dotted(*prefix, "health", name)))
 
     def add_layer(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
@@ -70,7 +70,7 @@ class Merged(msgspec.Struct):
         for k, v in table.vars.items():
             self.vars[k] = (v, At(file, dotted(*prefix, "vars", k)))
         if table.model is not None:
-            for k, v in table.model.model_dump(exclude_none=True).items():
+            for k, v in _set(table.model).items():
                 self.model[k] = (v, At(file, dotted(*prefix, "model", k)))
         self.add_health(table.health, file, prefix)
         if table.gpu_policy is not None:
@@ -104,7 +104,10 @@ class Merged(msgspec.Struct):
 def _add_keys(into: dict[str, tuple[Any, At]], table: Table, file: str, prefix: tuple[str, ...]) -> None:
     """A table's set keys over the layer below, each value as written (a sub-table or a list
     replaces the one below whole: a call or the smoke checks are never merged part by part)."""
-    for name in type(table).model_fields:
-        value = getattr(table, name)
-        if value is not None:
-            into[name] = (value, At(file, dotted(*prefix, name)))
+    for name, value in _set(table).items():
+        into[name] = (value, At(file, dotted(*prefix, name)))
+
+
+def _set(table: Table) -> dict[str, Any]:
+    """The keys a table sets (not None), in the order of its fields, each value as it is."""
+    return {k: v for k in table.__struct_fields__ if (v := getattr(table, k)) is not None}

@@ -1,9 +1,12 @@
-"""pydantic's ValidationError -> Problems that name the file and the dotted key, and say what is expected.
+"""Validation errors -> Problems that name the file and the dotted key, and say what is expected.
 
 One translation for every TOML file a user writes: the desired state (load.py) and the rule
-pack (preflight). A key reads as it is written in TOML (`services."a;b".env.A`); an item of an
-array of tables is named by its `id` when its table has one (`rule[my-rule].when`), else counted
-from 1 as a reader counts (`model[#1].traits`). An unknown key lists the keys allowed there and
+pack (preflight), both tables of tables.py, whose errors are dicts with `type`, `loc`, `msg`
+and `input`.
+
+A key reads as it is written in TOML (`services."a;b".env.A`); an item of an array of tables is
+named by its `id` when its table has one (`rule[my-rule].when`), else counted from 1 as a reader
+counts (`model[#1].traits`). An unknown key lists the keys allowed there and
 suggests the closest one.
 
 Input values are never echoed here (env values may be secrets); only the schema validators,
@@ -19,16 +22,16 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any, Union, get_args, get_origin
 
-from pydantic import BaseModel, ValidationError
-
 from ..errors import Problem, kind_of
+from .tables import DICT_KEY as _DICT_KEY  # the last loc entry when the error is about a key
+from .tables import fields_of, is_table
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+\Z")
-_DICT_KEY = "[key]"      # pydantic's last loc entry when the error is about a key, not its value
 
-# (the model of a table, a key) -> the message for that key when it is unknown there: for a
+# (the class of a table, a key) -> the message for that key when it is unknown there: for a
 # key that belongs in another file or table, saying where it goes helps more than a list.
-Hints = Mapping[tuple[type[BaseModel], str], str]
+Hints = Mapping[tuple[type, str], str]
+Errors = Sequence[Mapping[str, Any]]
 
 
 def dotted(*parts: object) -> str:
@@ -47,15 +50,16 @@ def key_path(loc: Sequence[int | str]) -> tuple[str, ...]:
     return tuple(str(x) for x in loc if x != _DICT_KEY)
 
 
-def validation_problems(file: str, model: type[BaseModel], error: ValidationError, *,
+def validation_problems(file: str, model: type, errors: Errors, *,
                         data: Any = None, hints: Hints | None = None) -> list[Problem]:
-    """Turn pydantic's errors about one file into Problems: a dotted key and what is expected.
+    """Turn the errors about one file into Problems: a dotted key and what is expected.
 
-    model is what the file was validated against; data, the parsed file, lets an item of an
-    array of tables be named by its id. hints: see `Hints`.
+    model is the table the file was validated against; errors, its errors (tables.Invalid's);
+    data, the parsed file, lets an item of an array of tables be named by its id. hints: see
+    `Hints`.
     """
     problems = []
-    for e in error.errors(include_url=False):
+    for e in errors:
         loc = e["loc"]
         is_name = bool(loc) and loc[-1] == _DICT_KEY
         kind = e["type"]
@@ -73,7 +77,7 @@ def validation_problems(file: str, model: type[BaseModel], error: ValidationErro
     return problems
 
 
-def _where(model: type[BaseModel], loc: Sequence[int | str], data: Any) -> str:
+def _where(model: type, loc: Sequence[int | str], data: Any) -> str:
     """The dotted key of an error location; an array item is named by its id or its number."""
     parts: list[str] = []
     at: Any = data                       # the value at the path so far, when data was given
@@ -83,7 +87,7 @@ def _where(model: type[BaseModel], loc: Sequence[int | str], data: Any) -> str:
         if isinstance(x, int):
             item = at[x] if isinstance(at, list) and x < len(at) else None
             table = _model_at(model, key_path(loc[:i + 1]))
-            rid = item.get("id") if isinstance(item, Mapping) and table and "id" in table.model_fields else None
+            rid = item.get("id") if isinstance(item, Mapping) and table and "id" in fields_of(table) else None
             label = rid if isinstance(rid, str) and rid else f"#{x + 1}"
             if parts:
                 parts[-1] += f"[{label}]"
@@ -96,28 +100,27 @@ def _where(model: type[BaseModel], loc: Sequence[int | str], data: Any) -> str:
     return ".".join(parts)
 
 
-def _unknown_key(model: type[BaseModel], path: tuple[str, ...], hints: Hints) -> str:
+def _unknown_key(model: type, path: tuple[str, ...], hints: Hints) -> str:
     parent = _model_at(model, path[:-1])
     key = path[-1]
     if parent is not None and (parent, key) in hints:
         return hints[parent, key]
-    allowed = list(parent.model_fields) if parent else []
+    allowed = list(fields_of(parent)) if parent else []
     close = difflib.get_close_matches(key, allowed, n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return f"unknown key ({hint}allowed: {', '.join(allowed)})"
 
 
-def _model_at(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] | None:
-    """The model class that validates the table at `path` (walking fields, dict values and
-    array items; an item's part of the path is its index)."""
+def _model_at(model: type, path: tuple[str, ...]) -> type | None:
+    """The class that validates the table at `path` (walking fields, dict values and array
+    items; an item's part of the path is its index)."""
     tp: Any = model
     for part in path:
         tp = _strip(tp)
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            info = tp.model_fields.get(part)
-            if info is None:
+        if is_table(tp):
+            tp = fields_of(tp).get(part)
+            if tp is None:
                 return None
-            tp = info.annotation
         elif get_origin(tp) is dict:
             tp = get_args(tp)[1]
         elif get_origin(tp) is list:
@@ -125,7 +128,7 @@ def _model_at(model: type[BaseModel], path: tuple[str, ...]) -> type[BaseModel] 
         else:
             return None
     tp = _strip(tp)
-    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+    return tp if is_table(tp) else None
 
 
 def _strip(tp: Any) -> Any:

@@ -1,7 +1,7 @@
-"""Pydantic models of the desired-state TOML files, exactly as written (before merging).
+"""The tables of the desired-state TOML files, exactly as written (before merging).
 
 load.py parses each file (tomllib; tomlkit words a syntax error), validates it against one of
-these models and only then merges and renders. Every model forbids unknown keys (a typo must
+these tables (tables.validate) and only then merges and renders. Every table forbids unknown keys (a typo must
 never silently do nothing), and every scalar is one of fields.py's types, checked by a
 validator of our own (no type is ever coerced). The drain and smoke tables of a service are in
 schema_drain.py.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+import msgspec
 
 from .fields import (
     ENV_KEY,
@@ -47,7 +47,6 @@ from .fields import (
     RepoPath,
     ServiceName,
     SingleLine,
-    Table,
     UnitText,
     User,
     VarName,
@@ -57,6 +56,7 @@ from .fields import (
     parse_duration,
 )
 from .schema_drain import DrainTable, MinAvailable, SmokeTable
+from .tables import Table
 
 # What other modules import from here, wherever it is defined (fields.py).
 __all__ = ["ENV_KEY", "HOST_NAME", "LABEL", "RESERVED_PREFIX", "SERVICE_NAME", "USER", "VAR_NAME",
@@ -66,7 +66,7 @@ __all__ = ["ENV_KEY", "HOST_NAME", "LABEL", "RESERVED_PREFIX", "SERVICE_NAME", "
 # ---- tables ---------------------------------------------------------------------------------
 
 
-class HealthTable(Table):
+class HealthTable(Table, frozen=True):
     """[health] in fleet.toml, a definition or a service; unset keys fall through to the layer below."""
 
     http: HttpTemplate | None = None
@@ -80,7 +80,7 @@ class HealthTable(Table):
     ca: RepoPath | None = None
 
 
-class RolloutTable(Table):
+class RolloutTable(Table, frozen=True):
     """rollout = { canary, max_unavailable, min_available } in fleet.toml [rollout], a definition or a service;
     unset keys fall through to the layer below."""
 
@@ -90,7 +90,7 @@ class RolloutTable(Table):
     min_available: MinAvailable | None = None
 
 
-class NotifyTable(Table):
+class NotifyTable(Table, frozen=True):
     """[notify] in fleet.toml: a webhook for rollout events."""
 
     webhook: Webhook
@@ -98,22 +98,22 @@ class NotifyTable(Table):
     timeout: PositiveSeconds | None = None
 
 
-class PullWaveTable(Table):
+class PullWaveTable(Table, frozen=True):
     """One wave of pull mode ([pull] waves in fleet.toml): the hosts whose labels all match (no
     labels: every host no earlier wave took), and how old a commit must be before they deploy it."""
 
     name: LabelText | None = None
-    labels: dict[LabelText, LabelText] = Field(default_factory=dict)
+    labels: dict[LabelText, LabelText] = msgspec.field(default_factory=dict)
     after: Duration = 0.0
 
 
-class PullTable(Table):
+class PullTable(Table, frozen=True):
     """[pull] in fleet.toml: the wave schedule of hosts that reconcile themselves (`reconcile pull`)."""
 
-    waves: list[PullWaveTable] = Field(default_factory=list)
+    waves: list[PullWaveTable] = msgspec.field(default_factory=list)
 
 
-class ModelTable(Table):
+class ModelTable(Table, frozen=True):
     """model = { id, path, architecture }; id and path are required once merged."""
 
     id: ModelId | None = None
@@ -126,7 +126,7 @@ class ModelTable(Table):
     size_gb: PositiveSeconds | None = None     # the checkpoint's size, for the free-space check
 
 
-class SecretRef(Table):
+class SecretRef(Table, frozen=True):
     """One entry of a service's `secrets` table: where the value comes from and how it reaches
     the server. Exactly one of `file` (a file already on the host, provisioned by other means:
     nothing secret passes through git or the controller) and `age` (a file in this repo,
@@ -139,14 +139,14 @@ class SecretRef(Table):
     env: Boolean = False
 
 
-class ServiceDefinition(Table):
+class ServiceDefinition(Table, frozen=True):
     """services/<def>.toml: a service table shared by several hosts (top-level keys)."""
 
     unit_file: RepoPath | None = None
     unit: UnitText | None = None
-    env: dict[EnvKey, EnvValue] = Field(default_factory=dict)
+    env: dict[EnvKey, EnvValue] = msgspec.field(default_factory=dict)
     model: ModelTable | None = None
-    vars: dict[VarName, VarValue] = Field(default_factory=dict)
+    vars: dict[VarName, VarValue] = msgspec.field(default_factory=dict)
     health: HealthTable | None = None
     rollout: RolloutTable | None = None
     # What to do with a process that holds the service's GPUs but is not the service's own
@@ -163,20 +163,20 @@ class ServiceDefinition(Table):
     # every other drop-in the reconciler did not write is drift and is removed on apply.
     allow_dropins: list[DropIn] | None = None
     # Secrets by name (the name the server sees), by reference or encrypted in the repo.
-    secrets: dict[EnvKey, SecretRef] = Field(default_factory=dict)
+    secrets: dict[EnvKey, SecretRef] = msgspec.field(default_factory=dict)
     # How the host leaves and rejoins rotation around a restart, and the answers that judge the
     # new server before it rejoins (schema_drain.py).
     drain: DrainTable | None = None
     smoke: SmokeTable | None = None
 
 
-class ServiceTable(ServiceDefinition):
+class ServiceTable(ServiceDefinition, frozen=True):
     """[services.<name>] in a host file: a definition plus `use` (merge over services/<use>.toml)."""
 
     use: DefinitionName | None = None
 
 
-class HostSSH(Table):
+class HostSSH(Table, frozen=True):
     """[ssh] in a host file. known_hosts is deliberately fleet-wide only."""
 
     user: User | None = None
@@ -184,16 +184,16 @@ class HostSSH(Table):
     host_key: HostKey | None = None
 
 
-class HostFile(Table):
+class HostFile(Table, frozen=True):
     """hosts/<name>.toml."""
 
     address: Address
-    labels: dict[LabelText, LabelText] = Field(default_factory=dict)
-    ssh: HostSSH = Field(default_factory=HostSSH)
-    services: dict[ServiceName, ServiceTable] = Field(default_factory=dict)
+    labels: dict[LabelText, LabelText] = msgspec.field(default_factory=dict)
+    ssh: HostSSH = msgspec.field(default_factory=HostSSH)
+    services: dict[ServiceName, ServiceTable] = msgspec.field(default_factory=dict)
 
 
-class FleetSSH(Table):
+class FleetSSH(Table, frozen=True):
     """[ssh] in fleet.toml: defaults for every host, and the fleet's known_hosts file."""
 
     user: User = "root"
@@ -201,12 +201,12 @@ class FleetSSH(Table):
     known_hosts: RepoPath | None = None
 
 
-class FleetFile(Table):
+class FleetFile(Table, frozen=True):
     """fleet.toml (optional)."""
 
-    ssh: FleetSSH = Field(default_factory=FleetSSH)
-    health: HealthTable = Field(default_factory=HealthTable)
+    ssh: FleetSSH = msgspec.field(default_factory=FleetSSH)
+    health: HealthTable = msgspec.field(default_factory=HealthTable)
     concurrency: Concurrency = 20
-    rollout: RolloutTable = Field(default_factory=RolloutTable)
+    rollout: RolloutTable = msgspec.field(default_factory=RolloutTable)
     notify: NotifyTable | None = None
-    pull: PullTable = Field(default_factory=PullTable)
+    pull: PullTable = msgspec.field(default_factory=PullTable)

@@ -1,4 +1,4 @@
-"""Pydantic models of a service's `drain` and `smoke` tables, exactly as written (issue 42).
+"""The tables of a service's `drain` and `smoke` tables, exactly as written (issue 42).
 
 `drain`: how the host leaves the load balancer's rotation before its server stops and rejoins
 it once the new server is ready and judged; how to read the server's in-flight work; how long to
@@ -17,20 +17,17 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, model_validator
-from pydantic_core import PydanticCustomError
-
 from .fields import (
     AbsPath,
     HttpStatus,
     HttpTemplate,
     PositiveSeconds,
     SingleLine,
-    Table,
     _checked,
     _fail,
     _int_in,
 )
+from .tables import After, Invalid, Table
 
 MAX_CHECKS = 10          # smoke checks per service: each costs a completion before the host rejoins
 MAX_ARGV = 64
@@ -51,7 +48,7 @@ def _argv(value: Any) -> list[str]:
     expected = (f'a command as a list of 1-{MAX_ARGV} words, like ["socat", "-", '
                 f'"UNIX-CONNECT:/run/haproxy/admin.sock"]')
     if isinstance(value, list) and not value:
-        raise PydanticCustomError("expected", f"expected {expected}, got no words")
+        raise Invalid(f"expected {expected}, got no words")
     if not isinstance(value, list) or len(value) > MAX_ARGV:
         raise _fail(expected, value)
     return [_word(w) for w in value]
@@ -95,7 +92,7 @@ MinAvailable = Annotated[int, _int_in(1, None, "an integer >= 1")]
 _ONLY_WITH = {"method": "http", "body": "http", "expect_status": "http", "input": "controller"}
 
 
-class CallTable(Table):
+class CallTable(Table, frozen=True):
     """`leave`, `rejoin` or `serving`: exactly one of http (a request made from the host),
     controller (argv run on the controller, stdin `input`) and host (a shell line run on the host)."""
 
@@ -108,19 +105,17 @@ class CallTable(Table):
     host: SingleLine | None = None
     timeout: PositiveSeconds | None = None
 
-    @model_validator(mode="after")
-    def _one_way(self) -> CallTable:
+    def check_across(self) -> None:
         ways = [k for k in ("http", "controller", "host") if getattr(self, k) is not None]
         if len(ways) != 1:
             got = f"got {' and '.join(ways)}" if ways else "got none"
-            raise PydanticCustomError("expected", f"expected exactly one of http, controller and host ({got})")
+            raise Invalid(f"expected exactly one of http, controller and host ({got})")
         for key, only in _ONLY_WITH.items():
             if getattr(self, key) is not None and ways[0] != only:
-                raise PydanticCustomError("expected", f"{key} goes with {only} only, not with {ways[0]}")
-        return self
+                raise Invalid(f"{key} goes with {only} only, not with {ways[0]}")
 
 
-class HaproxyTable(Table):
+class HaproxyTable(Table, frozen=True):
     """haproxy = { socket, server }: HAProxy's runtime API on the controller. leave: `set server
     <server> state drain`; rejoin: `state ready`; serving: `show stat` says the server is UP."""
 
@@ -128,7 +123,7 @@ class HaproxyTable(Table):
     server: HaproxyServer
 
 
-class InflightTable(Table):
+class InflightTable(Table, frozen=True):
     """inflight = { metric, url }: the server's in-flight work. `metric`: summed over its label
     sets, from `url` (default: the health URL's origin + /metrics); no metric: `url` answers a number."""
 
@@ -136,7 +131,7 @@ class InflightTable(Table):
     url: HttpTemplate | None = None
 
 
-class DrainTable(Table):
+class DrainTable(Table, frozen=True):
     """[drain] of a service or a definition; keys merge over the layer below, tables whole."""
 
     haproxy: HaproxyTable | None = None
@@ -148,7 +143,7 @@ class DrainTable(Table):
     interval: PositiveSeconds | None = None
 
 
-class SmokeCheckTable(Table):
+class SmokeCheckTable(Table, frozen=True, kw_only=True):
     """One [[smoke.checks]]: `prompt` (POST /v1/completions) or `chat` (one user message, POST
     /v1/chat/completions), and `expect`, the text the greedy answer must hold."""
 
@@ -158,25 +153,22 @@ class SmokeCheckTable(Table):
     match: Literal["contains", "prefix", "exact"] | None = None
     max_tokens: MaxTokens | None = None
 
-    @model_validator(mode="after")
-    def _one_question(self) -> SmokeCheckTable:
+    def check_across(self) -> None:
         if (self.prompt is None) == (self.chat is None):
-            raise PydanticCustomError("expected", "expected exactly one of prompt (a completion) and chat "
-                                                  "(a chat completion)")
-        return self
+            raise Invalid("expected exactly one of prompt (a completion) and chat (a chat completion)")
 
 
 def _checks(value: list[SmokeCheckTable]) -> list[SmokeCheckTable]:
     if not 1 <= len(value) <= MAX_CHECKS:
-        raise PydanticCustomError("expected", f"expected 1-{MAX_CHECKS} checks, got {len(value)}")
+        raise Invalid(f"expected 1-{MAX_CHECKS} checks, got {len(value)}")
     return value
 
 
-class SmokeTable(Table):
+class SmokeTable(Table, frozen=True):
     """[smoke] of a service or a definition; keys merge over the layer below, `checks` whole."""
 
     url: HttpTemplate | None = None
     model: SingleLine | None = None
     ttft: PositiveSeconds | None = None
     timeout: PositiveSeconds | None = None
-    checks: Annotated[list[SmokeCheckTable], AfterValidator(_checks)] | None = None
+    checks: Annotated[list[SmokeCheckTable], After(_checks)] | None = None

@@ -9,7 +9,7 @@ problem too, so that a mistyped extension never silently does nothing.
 Limits, so that a crafted file is a problem of that file and never a traceback, a stalled hook
 or a daemon that crashes on every run: a file over MAX_FILE_BYTES, the files of a revision over
 MAX_REPO_BYTES together, and a file nested deeper than MAX_DEPTH (tomllib recurses per level
-and raises RecursionError; pydantic and our own walks recurse too) are not used; tomlkit, a
+and raises RecursionError; tables.py and our own walks recurse too) are not used; tomlkit, a
 tenth of tomllib's speed, words a syntax error only for a file up to MAX_FALLBACK_BYTES.
 """
 
@@ -19,14 +19,12 @@ import re
 import tomllib
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
-
-from . import schema
+from . import schema, tables
 from .collect import Problems
 from .problems import Hints, key_path, validation_problems
 from .repo import SnapshotLike
 
-T = TypeVar("T", bound=BaseModel)
+T = TypeVar("T", bound=tables.Table)
 
 _PARSE_POSITION = re.compile(r" at line \d+ col \d+$")
 
@@ -123,14 +121,14 @@ class TomlFiles:
         if parsed is None:
             return None, set()
         try:
-            return model.model_validate(parsed), set()
-        except ValidationError as e:
-            for p in validation_problems(file, model, e, data=parsed, hints=_HINTS):
+            return tables.validate(model, parsed), set()
+        except tables.Invalid as e:
+            for p in validation_problems(file, model, e.errors, data=parsed, hints=_HINTS):
                 self.problems.add(p.file, p.key, p.message)
-            bad = {key_path(err["loc"]) for err in e.errors(include_url=False)}
+            bad = {key_path(err["loc"]) for err in e.errors}
         try:
-            return model.model_validate(_without(parsed, bad)), bad
-        except ValidationError:
+            return tables.validate(model, _without(parsed, bad)), bad
+        except tables.Invalid:
             return None, bad
 
     def listed(self, directory: str, what: str) -> list[tuple[str, str]]:

@@ -71,7 +71,7 @@ def open_revision(snap: Snapshot, opts: RunOptions, *, state: DesiredState | Non
     `state`, `rules`: what the caller already loaded from this snapshot's tree (the daemon's
     memo of the last tree), so they are not parsed again."""
     from ..desired import secrets
-    from ..desired.cache import load_desired, render_at  # the loader (pydantic) only on a cache miss
+    from ..desired.cache import load_desired, render_at  # the loader only on a cache miss
     signer = opts.trust.verify(snap.repo, snap.revision) if opts.trust.require_signed else None
     if state is None:
         state = load_desired(snap, opts.cache_dir)

@@ -20,7 +20,7 @@ from ._command import Command
 from ._message import PLACEHOLDER, Severity
 from ._models import ModelInfo, glob_any
 
-if TYPE_CHECKING:        # the rule file's own types (pydantic), loaded only by parse_rule_file
+if TYPE_CHECKING:        # the rule file's own types, loaded only by parse_rule_file
     from ._schema import Condition, ModelEntry, Require, Rule, RuleFile
 
 RULES_DIR = "rules"          # in the desired-state repo, and in the reconciler package
@@ -74,13 +74,11 @@ class RuleSet(msgspec.Struct, frozen=True):
 
 
 def parse_rule_file(data: bytes, file: str) -> RuleFile:
-    """Parse and validate one rule file (the pydantic schema, loaded here and only here: its
-    frozen models are what the checks evaluate); raise ConfigError with file and key on any
-    problem."""
+    """Parse and validate one rule file (the schema, loaded here and only here: its frozen
+    tables are what the checks evaluate); raise ConfigError with file and key on any problem."""
     import tomllib
 
-    from pydantic import ValidationError
-
+    from ..desired.tables import Invalid, validate
     from ..desired.toml_files import MAX_DEPTH, MAX_FILE_BYTES, nesting_depth
     from ._schema import RuleFile
     if len(data) > MAX_FILE_BYTES:      # the limits of every desired-state TOML file (toml_files.py)
@@ -98,11 +96,11 @@ def parse_rule_file(data: bytes, file: str) -> RuleFile:
         raise ConfigError([Problem(file, "", f"tables or arrays nested more than {MAX_DEPTH} deep: not a rule "
                                              "file; it was not read")])
     try:
-        return RuleFile.model_validate(raw)
-    except ValidationError as e:
-        # problems.py (and the desired-state schema it reads) loads only to explain a bad file
+        return validate(RuleFile, raw)
+    except Invalid as e:
+        # problems.py loads only to explain a bad file
         from ..desired.problems import validation_problems
-        raise ConfigError(validation_problems(file, RuleFile, e, data=raw)) from None
+        raise ConfigError(validation_problems(file, RuleFile, e.errors, data=raw)) from None
 
 
 def _package_files() -> list[tuple[str, bytes]]:

@@ -192,17 +192,22 @@ def test_a_new_revision_is_parsed_without_tomlkit_which_still_words_a_syntax_err
     assert ("fleet.toml", 'TOML syntax error at line 2, column 0: Key "concurrency" already exists.') in said, said
 
 
-def test_a_run_of_a_tree_loaded_before_imports_no_pydantic(tmp_path):
-    """What a run imports to plan and apply (the fleet run, the pre-flight checks, the records)
-    and a cached tree read back (msgspec) load no pydantic: only reading a new tree or a rule file
-    does (the rule schema's models are the checks' types only in annotations)."""
+def test_a_run_imports_no_pydantic_and_a_tree_loaded_before_no_loader(tmp_path):
+    """What a run imports to plan and apply (the fleet run, the pre-flight checks and their
+    rule pack, the records) and a tree, new or read back from the cache, load no pydantic: the
+    loader's and the rule pack's tables are tables.py's. A tree loaded before skips the loader
+    itself, and a run that reads no rule file the rule schema (the checks' types only in
+    annotations)."""
     repo = small_repo(tmp_path / "desired")
     rev = repo.commit()
     cache_dir = tmp_path / "cache"
     load = (f"from reconciler.desired import cache, source\n"
             f"snap = source.snapshot(source.open_repo({str(repo.path)!r}), {rev!r}, 'fleet')\n"
             f"state = cache.load_desired(snap, __import__('pathlib').Path({str(cache_dir)!r}))\n")
-    assert "pydantic" in loaded(load)                          # a miss: the loader, then kept
+    miss = loaded(load)                                        # a miss: the loader, then kept
+    assert "reconciler.desired.load" in miss and heavy(miss, ("pydantic",)) == []
+    rules = loaded("from reconciler.preflight import load_rules\nassert load_rules().rules\n")
+    assert "reconciler.preflight._schema" in rules and heavy(rules, ("pydantic",)) == []
     mods = loaded("import reconciler.loop.fleet, reconciler.loop.checks, reconciler.host.versions\n"
                   "import reconciler.preflight, reconciler.plan.records\n" + load
                   + "assert state.hosts['h1'].services['s'].env == {'A': '1'}\n")
