@@ -124,12 +124,13 @@ def _secrets(i: int, service: str, wanted: Sequence[SecretSpec], *, remove: bool
     yield call("secrets_env", step=i, service=service, keep=" ".join(keep), env=" ".join(env))
 
 
+# Steps that name a path alone, by their reason: a temp file a killed run left (removed only if
+# older than this run's lock), a masked unit's link put back.
+_PATH_ONLY = {Reason.STALE_TEMP: "remove_stale", Reason.RESTORE_MASK: "mask"}
+
+
 def _remove(i: int, a: Action, now: int) -> Iterator[str]:
-    assert a.path is not None
-    if a.reason is Reason.STALE_TEMP:
-        yield call("remove_stale", step=i, path=a.path)
-        return
-    assert a.service is not None
+    assert a.path is not None and a.service is not None
     backup = f"{REMOVED_DIR}/{a.service}/{now}{a.path}" if a.reason is Reason.FOREIGN_DROPIN else None
     yield call("remove", step=i, path=a.path, backup=backup)
 
@@ -140,11 +141,7 @@ def _adopt(i: int, a: Action, now: int) -> Iterator[str]:
 
 
 def _restore(i: int, a: Action, now: int) -> Iterator[str]:
-    assert a.path is not None
-    if a.reason is Reason.RESTORE_MASK:
-        yield call("mask", step=i, path=a.path)
-        return
-    assert a.service is not None
+    assert a.path is not None and a.service is not None
     yield call("copy_file", step=i, **{"from": adopted_copy(a.service, a.path)}, to=a.path)
 
 
@@ -176,6 +173,10 @@ def _fatal(i: int, a: Action, plan: HostPlan, now: int) -> Iterator[str]:
     """A file or record step that is no batch (paths and names are validated upstream): its
     calls stop the script where they fail."""
     written = _files(a, plan, now)
+    if written is None and a.reason in _PATH_ONLY and a.kind in (Kind.REMOVE, Kind.RESTORE):
+        assert a.path is not None
+        yield call(_PATH_ONLY[a.reason], step=i, path=a.path)
+        return
     if written is None:
         step = _FILE_STEPS.get(a.kind)
         if step is None:
