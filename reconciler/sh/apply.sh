@@ -260,11 +260,13 @@ arm_timer() {  # step service script unit: the timer itself is made only if the 
   # (at boot, and for the holder) are installed (script, unit: their texts). The unit only matters
   # at the next boot (no daemon-reload); the link first, the unit file last, so a cut-short
   # install is done again. Both files staged, one fsync of both, then one of their directories.
+  # Installed already (every deploy but a host's first): no file written, so the last batch's
+  # directories stay deferred (settle) to the next file step or the end, as across a restart.
   step='' service='' script='' unit=''
   args "step service script unit" "$@" || fatal "$STEP" 2
-  settle
   mark "$step"
   if [ ! -f "$REARM_PATH" ]; then
+    settle
     { { [ -d "${REARM_LINK%/*}" ] || mkdir -p "${REARM_LINK%/*}"; } && ln -sfn "$REARM_PATH" "$REARM_LINK" \
       && stage "$REARM_SCRIPT" 0644 "$script" && r1=$t && stage "$REARM_PATH" 0644 "$unit" && r2=$t \
       && sync "$r1" "$r2" && mv -f "$r1" "$REARM_SCRIPT" && mv -f "$r2" "$REARM_PATH" \

@@ -126,6 +126,23 @@ def test_a_batch_of_writes_in_the_hosts_shell_fsyncs_once_renames_each_and_names
     assert not list(tmp_path.rglob(".reconciler-tmp.*"))
 
 
+def test_an_installed_switch_unit_leaves_the_batch_directories_deferred_past_the_restart(tmp_path):
+    """arm_timer syncs the last batch's directories only where it writes the re-arm unit (a
+    host's first deploy): on every later deploy they stay deferred to the batch after the
+    restart, one sync process fewer per deploy."""
+    root = tmp_path / "root"
+    (root / "var/lib/reconciler/services").mkdir(parents=True)
+    steps_ = [call("stage_file", step=0, path=f"{tmp_path}/env/m.env", mode="0600", text="A=1\n"), "commit",
+              call("arm_timer", step=1, service="m", script="#!/bin/sh\n", unit="[Unit]\n"),
+              'echo "deferred:$DEFERRED" >&2']
+    answer, r = apply_here(steps_, root=root)           # first deploy: the unit is written, all settled
+    assert r.returncode == 0 and answer.fatal is None, r.stderr
+    assert (root / layout.REARM_PATH.lstrip("/")).is_file() and "deferred:\n" in r.stderr
+    answer, r = apply_here(steps_, root=root)           # installed: nothing written, the fsync deferred
+    assert r.returncode == 0 and answer.fatal is None, r.stderr
+    assert f"deferred:{tmp_path}/env\n" in r.stderr
+
+
 def test_one_daemon_reload_per_apply_even_when_it_enables():
     """`systemctl enable` (and disable, mask, ...) run a daemon-reload of their own unless given
     --no-reload: after the plan's daemon-reload that would be a second full reload of the host's
