@@ -97,40 +97,48 @@ def _error(errors: list[dict[str, Any]], kind: str, loc: tuple[Any, ...], msg: s
 
 def _check(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
     origin = get_origin(tp)
-    if origin is Annotated:
-        base, *meta = get_args(tp)
-        check = next((m for m in meta if isinstance(m, Check)), None)
-        if check is not None:
-            return _call(check.fn, value, loc, errors)
-        out = _check(base, value, loc, errors)
-        for m in meta:
-            if isinstance(m, After) and out is not _BAD:
-                out = _call(m.fn, out, loc, errors)
-        return out
-    if origin in (Union, types.UnionType):
-        (inner,) = [a for a in get_args(tp) if a is not type(None)]
-        return None if value is None else _check(inner, value, loc, errors)
-    if origin is Literal:
-        allowed = get_args(tp)
-        if any(type(value) is type(a) and value == a for a in allowed):
-            return value
-        words = [repr(a) for a in allowed]
-        said = f"{', '.join(words[:-1])} or {words[-1]}" if len(words) > 1 else words[0]
-        return _error(errors, "literal_error", loc, f"Input should be {said}", value)
-    if origin is dict:
-        return _dict(tp, value, loc, errors)
-    if origin is list:
-        if not isinstance(value, list):
-            return _error(errors, "list_type", loc, "Input should be a valid list", value)
-        (item,) = get_args(tp)
-        items = [_check(item, v, (*loc, i), errors) for i, v in enumerate(value)]
-        return _BAD if _BAD in items else items
+    if origin in _BY_ORIGIN:
+        return _BY_ORIGIN[origin](tp, value, loc, errors)
     if is_table(tp):
         return _table(tp, value, loc, errors)
     if tp in _SCALARS:
         ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
         return value if ok else _error(errors, f"{tp.__name__}_type", loc, f"Input should be {_SCALARS[tp]}", value)
     raise TypeError(f"no check for {tp!r}")      # a table declared with a type this module does not know
+
+
+def _annotated(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
+    base, *meta = get_args(tp)
+    check = next((m for m in meta if isinstance(m, Check)), None)
+    if check is not None:
+        return _call(check.fn, value, loc, errors)
+    out = _check(base, value, loc, errors)
+    for m in meta:
+        if isinstance(m, After) and out is not _BAD:
+            out = _call(m.fn, out, loc, errors)
+    return out
+
+
+def _optional(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
+    (inner,) = [a for a in get_args(tp) if a is not type(None)]
+    return None if value is None else _check(inner, value, loc, errors)
+
+
+def _literal(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
+    allowed = get_args(tp)
+    if any(type(value) is type(a) and value == a for a in allowed):
+        return value
+    words = [repr(a) for a in allowed]
+    said = f"{', '.join(words[:-1])} or {words[-1]}" if len(words) > 1 else words[0]
+    return _error(errors, "literal_error", loc, f"Input should be {said}", value)
+
+
+def _list(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
+    if not isinstance(value, list):
+        return _error(errors, "list_type", loc, "Input should be a valid list", value)
+    (item,) = get_args(tp)
+    items = [_check(item, v, (*loc, i), errors) for i, v in enumerate(value)]
+    return _BAD if _BAD in items else items
 
 
 def _call(fn: Callable[[Any], Any], value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
@@ -179,6 +187,10 @@ def _table(cls: type[Table], value: Any, loc: tuple[Any, ...], errors: list[dict
 
 def _required(cls: type[Table], name: str) -> bool:
     return name in _required_fields(cls)
+
+
+_BY_ORIGIN: dict[Any, Callable[[Any, Any, tuple[Any, ...], list[dict[str, Any]]], Any]] = {
+    Annotated: _annotated, Union: _optional, types.UnionType: _optional, Literal: _literal, dict: _dict, list: _list}
 
 
 @functools.cache
