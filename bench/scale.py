@@ -116,6 +116,8 @@ async def _ours_warm(repo: str, state_dir: str, rounds: int, n: int) -> tuple[fl
 
     from reconciler.controller.config import ControllerConfig
     from reconciler.controller.daemon import Daemon
+    from reconciler.process import tune_gc
+    tune_gc()                            # as `reconcile watch` runs (cli.console)
     cfg = ControllerConfig(repo=repo, branch="main", state_dir=state_dir, metrics="", web="",
                            identity=str(fleetlib.client_key_path()), notes=False)
     d = Daemon(cfg, interval=3600)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from ..process import leave
+from ..process import leave, tune_gc
 from .app import app
 from .output import guarded
 
@@ -19,8 +19,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def console() -> NoReturn:
-    """`reconcile` and `python -m reconciler`: main(), then process.leave() (no interpreter
-    teardown)."""
+    """`reconcile` and `python -m reconciler`: main() with the collector tuned for a run's heap,
+    then process.leave() (no interpreter teardown)."""
+    tune_gc()
     try:
         main()
     except SystemExit as e:
