@@ -28,6 +28,9 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import msgspec
 
+from ..errors import describe, kind_of
+from ..redact import redact
+
 DICT_KEY = "[key]"      # the last part of an error's loc when the error is about a dict's key
 
 
@@ -87,7 +90,13 @@ def validate(cls: type[T], data: Any) -> T:
 
 
 _BAD = object()        # what a check gives for a value with errors (they are in `errors`)
-_SCALARS = {str: "a valid string", int: "a valid integer", float: "a valid number", bool: "a valid boolean"}
+_SCALARS = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _expected(what: str, value: Any) -> str:
+    """'expected a list, got an integer': the kind of a wrong value, never the value itself (a
+    key may hold a secret; a check that knows a value is safe to show says it in its own words)."""
+    return f"expected {what}, got {kind_of(value)}"
 
 
 def _error(errors: list[dict[str, Any]], kind: str, loc: tuple[Any, ...], msg: str, value: Any) -> object:
@@ -103,7 +112,7 @@ def _check(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any
         return _table(tp, value, loc, errors)
     if tp in _SCALARS:
         ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
-        return value if ok else _error(errors, f"{tp.__name__}_type", loc, f"Input should be {_SCALARS[tp]}", value)
+        return value if ok else _error(errors, f"{tp.__name__}_type", loc, _expected(_SCALARS[tp], value), value)
     raise TypeError(f"no check for {tp!r}")      # a table declared with a type this module does not know
 
 
@@ -130,12 +139,14 @@ def _literal(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, A
         return value
     words = [repr(a) for a in allowed]
     said = f"{', '.join(words[:-1])} or {words[-1]}" if len(words) > 1 else words[0]
-    return _error(errors, "literal_error", loc, f"Input should be {said}", value)
+    # a choice among words of the schema: the word given is shown (redacted, cut), as a check shows a value
+    got = describe(redact(value)) if isinstance(value, str) else kind_of(value)
+    return _error(errors, "literal_error", loc, f"expected {said}, got {got}", value)
 
 
 def _list(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
     if not isinstance(value, list):
-        return _error(errors, "list_type", loc, "Input should be a valid list", value)
+        return _error(errors, "list_type", loc, _expected("an array", value), value)
     (item,) = get_args(tp)
     items = [_check(item, v, (*loc, i), errors) for i, v in enumerate(value)]
     return _BAD if _BAD in items else items
@@ -150,7 +161,7 @@ def _call(fn: Callable[[Any], Any], value: Any, loc: tuple[Any, ...], errors: li
 
 def _dict(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
     if not isinstance(value, dict):
-        return _error(errors, "dict_type", loc, "Input should be a valid dictionary", value)
+        return _error(errors, "dict_type", loc, _expected("a table", value), value)
     k_tp, v_tp = get_args(tp)
     out = {}
     bad = False
@@ -164,7 +175,7 @@ def _dict(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]
 
 def _table(cls: type[Table], value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:
     if not isinstance(value, dict):
-        return _error(errors, "model_type", loc, "Input should be a table", value)
+        return _error(errors, "model_type", loc, _expected("a table", value), value)
     before = len(errors)
     given = {}
     for name, tp in fields_of(cls).items():

@@ -57,17 +57,17 @@ def test_a_valid_file_is_built_with_the_defaults_of_keys_not_written():
 
 def test_every_error_of_a_file_comes_at_once_fields_first_then_unknown_keys():
     assert errors({"nmae": "x", "mode": "of", "counts": {"k": 3}, "flag": 1}) == [
-        ("literal_error", ("mode",), "Input should be 'on' or 'off'"),
+        ("literal_error", ("mode",), "expected 'on' or 'off', got 'of'"),
         ("missing", ("name",), "Field required"),
         ("expected", ("counts", "k"), "expected an even integer, got 3"),
-        ("bool_type", ("flag",), "Input should be a valid boolean"),
+        ("bool_type", ("flag",), "expected true or false, got an integer"),
         ("extra_forbidden", ("nmae",), "Extra inputs are not permitted"),
     ]
 
 
 def test_nothing_is_coerced():
     assert errors({"name": 1, "counts": {"k": True}}) == [
-        ("str_type", ("name",), "Input should be a valid string"),
+        ("str_type", ("name",), "expected a string, got an integer"),
         ("expected", ("counts", "k"), "expected an even integer, got True"),
     ]
 
@@ -84,9 +84,9 @@ def test_a_key_of_a_dict_is_checked_as_its_own_location():
 
 def test_a_table_or_list_of_the_wrong_kind_says_so():
     assert errors({"name": "x", "inner": 3, "items": {"a": 2}, "counts": []}) == [
-        ("dict_type", ("counts",), "Input should be a valid dictionary"),
-        ("model_type", ("inner",), "Input should be a table"),
-        ("list_type", ("items",), "Input should be a valid list"),
+        ("dict_type", ("counts",), "expected a table, got an array"),
+        ("model_type", ("inner",), "expected a table, got an integer"),
+        ("list_type", ("items",), "expected an array, got a table"),
     ]
 
 
