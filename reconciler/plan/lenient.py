@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import json
 import math
 from collections.abc import Hashable, Mapping
 from typing import Annotated, Any, TypeVar, cast, get_args, get_origin, get_type_hints
@@ -140,3 +141,15 @@ def _dataclass_of(tp: object) -> type | None:
         if isinstance(arm, type) and dataclasses.is_dataclass(arm):
             return arm
     return None
+
+
+def json_or_none(text: str, limit: int | None = None) -> Any:
+    """What the JSON text holds, or None: a text over `limit` characters, text that is not JSON,
+    or JSON nested too deep to read (total: never an exception). What it holds is the caller's
+    to check, shape by shape."""
+    if limit is not None and len(text) > limit:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None

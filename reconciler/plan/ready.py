@@ -15,7 +15,6 @@ every one passed (`failed`). An SGLang whose version could not be read is judged
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
@@ -23,6 +22,7 @@ import msgspec
 
 from ..desired.placeholders import origin
 from ..desired.spec import HealthSpec
+from .lenient import json_or_none
 
 SGLANG_READY_FROM = (0, 5, 20)
 MODELS_BODY_MAX = 65536        # characters of a /v1/models body read as JSON; a longer one is "not yet"
@@ -69,12 +69,7 @@ def lists_a_model(body: str) -> bool:
     """Whether an OpenAI-compatible /v1/models body lists at least one model: a JSON object whose
     `data` is a list holding an object with a non-empty string `id`. Total and bounded: a body
     over MODELS_BODY_MAX, bad JSON or any other shape is False (not yet), never an exception."""
-    if len(body) > MODELS_BODY_MAX:
-        return False
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):
-        return False
+    doc = json_or_none(body, MODELS_BODY_MAX)
     data = doc.get("data") if isinstance(doc, dict) else None
     return isinstance(data, list) and any(isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]
                                           for m in data)

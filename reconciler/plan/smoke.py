@@ -12,7 +12,6 @@ that gives no answer at all is `SmokeFailed`. The quote is redacted first, then 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import msgspec
 from ..desired.spec import SmokeCheck, SmokeSpec
 from ..reasons import Reason
 from ..redact import escape_controls, redact
+from .lenient import json_or_none
 
 WRONG_ANSWER = Reason.WRONG_ANSWER
 SLOW_ANSWER = Reason.SLOW_ANSWER
@@ -53,10 +53,7 @@ def request(spec: SmokeSpec, check: SmokeCheck, model: str) -> Request:
 
 def first_model(body: str) -> str | None:
     """The first model id an OpenAI-style /v1/models answer lists (None: none, or not that shape)."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
+    data = json_or_none(body)
     items = data.get("data") if isinstance(data, dict) else None
     first = items[0] if isinstance(items, list) and items else None
     model = first.get("id") if isinstance(first, dict) else None
@@ -88,10 +85,7 @@ def _choice_text(data: Any, *, delta: bool) -> str | None:
 
 def whole(status: int, body: str) -> Answer:
     """The answer of a request that was not streamed."""
-    try:
-        data = json.loads(body)
-    except (ValueError, RecursionError):
-        data = None
+    data = json_or_none(body)
     text = _choice_text(data, delta=False) if status == 200 else None
     if text is None:
         return Answer(status, None, error=f"HTTP {status}: {_error_of(data, body)}")
@@ -114,10 +108,7 @@ def streamed(status: int, lines: Sequence[tuple[float, str]]) -> Answer:
         if data == "[DONE]":
             done = True
             break
-        try:
-            text = _choice_text(json.loads(data), delta=True)
-        except (ValueError, RecursionError):
-            text = None
+        text = _choice_text(json_or_none(data), delta=True)
         if text is None:
             return Answer(status, None, error=f"an event that is not a completion chunk: {data[:80]!r}")
         if text and ttft is None:

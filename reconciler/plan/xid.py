@@ -19,9 +19,10 @@ entry longer than the kernel writes is not the kernel's).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Collection, Iterable, Mapping
+
+from .lenient import json_or_none
 
 XID_SOURCE = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 
@@ -83,12 +84,7 @@ def bus_key(bus: str) -> str:
 def kernel_message(entry: str) -> str | None:
     """The message of one journal entry as `journalctl -o json` prints it (one entry a line), when
     the entry is the kernel's own (transport kernel, facility kern); else None (pure, total)."""
-    if len(entry) > MAX_ENTRY:
-        return None
-    try:
-        data = json.loads(entry)
-    except (ValueError, RecursionError):
-        return None
+    data = json_or_none(entry, MAX_ENTRY)
     if not isinstance(data, dict):
         return None
     message = data.get("MESSAGE")
