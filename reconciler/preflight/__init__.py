@@ -6,8 +6,8 @@ Everything here is pure except the text of one shell command:
   ExecStart=, after systemd's prefixes and line continuations), splits it into flags and env,
   and detects the server kind (sglang or vllm).
 * The rule pack is data: TOML files shipped in reconciler/rules/ plus the desired-state repo's
-  own rules/*.toml (`load_rules`), validated with pydantic (imported with the first rule file
-  read: a run that starts nothing never loads it); a bad user file is a ConfigError
+  own rules/*.toml (`load_rules`), validated by desired/tables.py (the schema imported with
+  the first rule file read: a run that starts nothing never loads it); a bad user file is a ConfigError
   naming file and key. `check_service` and `check_host` evaluate them, together with a few
   built-in checks that need arithmetic or look across services (parallel sizes vs GPUs, heads
   divisibility, quantization vs checkpoint, GPUs and ports shared on one host), each one

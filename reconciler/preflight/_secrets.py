@@ -33,7 +33,7 @@ Read = Callable[[str], bytes | None]
 
 
 def dotted(*parts: object) -> str:
-    """problems.dotted, imported when a message needs it (problems.py loads pydantic)."""
+    """problems.dotted, imported when a message needs it."""
     from ..desired.problems import dotted as key
     return key(*parts)
 
