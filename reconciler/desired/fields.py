@@ -14,7 +14,6 @@ import ipaddress
 import math
 import re
 import struct
-from collections.abc import Callable
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
@@ -50,10 +49,6 @@ def _quote_hint(value: object) -> str:
     return " (write it in quotes)" if isinstance(value, int | float) and not isinstance(value, bool) else ""
 
 
-def _checked(check: Callable[[Any], Any]) -> Check:
-    return Check(check)
-
-
 # ---- numbers --------------------------------------------------------------------------------
 
 
@@ -65,7 +60,7 @@ def _int_in(lo: int, hi: int | None, expected: str) -> Check:
             raise _fail(expected, value)
         return value
 
-    return _checked(check)
+    return Check(check)
 
 
 def _seconds(*, allow_zero: bool) -> Check:
@@ -78,7 +73,7 @@ def _seconds(*, allow_zero: bool) -> Check:
             raise _fail(expected, value)
         return float(value)
 
-    return _checked(check)
+    return Check(check)
 
 
 def _max_unavailable(value: Any) -> int | str:
@@ -134,12 +129,12 @@ def _duration(value: Any) -> float:
 
 Port = Annotated[int, _int_in(1, 65535, "an integer 1-65535")]
 Canary = Annotated[int, _int_in(0, None, "an integer >= 0")]
-MaxUnavailable = Annotated[int | str, _checked(_max_unavailable)]
+MaxUnavailable = Annotated[int | str, Check(_max_unavailable)]
 Concurrency = Annotated[int, _int_in(1, None, "an integer >= 1")]
 HttpStatus = Annotated[int, _int_in(100, 599, "an HTTP status code 100-599")]
 PositiveSeconds = Annotated[float, _seconds(allow_zero=False)]
 NonNegativeSeconds = Annotated[float, _seconds(allow_zero=True)]
-Duration = Annotated[float, _checked(_duration)]
+Duration = Annotated[float, Check(_duration)]
 
 
 # ---- strings --------------------------------------------------------------------------------
@@ -151,7 +146,7 @@ def _pattern(regex: re.Pattern[str], expected: str) -> Check:
             raise _fail(expected, value)
         return value
 
-    return _checked(check)
+    return Check(check)
 
 
 def _env_value(value: Any) -> str:
@@ -189,7 +184,7 @@ def _no_space(expected: str, *, absolute: bool = False) -> Check:
             raise _fail(expected, value)
         return value
 
-    return _checked(check)
+    return Check(check)
 
 
 def _address(value: Any) -> str:
@@ -309,29 +304,29 @@ def _service_name(value: Any) -> str:
     return value
 
 
-ServiceName = Annotated[str, _checked(_service_name)]
+ServiceName = Annotated[str, Check(_service_name)]
 # A shared definition's name (services/<name>.toml) is never a unit's name: not reserved.
 DefinitionName = Annotated[str, _pattern(SERVICE_NAME, _SERVICE_NAME_TEXT)]
 EnvKey = Annotated[
     str, _pattern(ENV_KEY, "an environment variable name: letters, digits and '_', not starting with a digit")
 ]
-EnvValue = Annotated[str, _checked(_env_value)]
+EnvValue = Annotated[str, Check(_env_value)]
 VarName = Annotated[str, _pattern(VAR_NAME, "a var name: letters, digits and '_'")]
-VarValue = Annotated[str, _checked(_single_line)]
+VarValue = Annotated[str, Check(_single_line)]
 LabelText = Annotated[str, _pattern(LABEL, "letters, digits, '_', '.' and '-'")]
 User = Annotated[str, _pattern(USER, "a user name like 'root'")]
-Address = Annotated[str, _checked(_address)]
-HostKey = Annotated[str, _checked(_host_key)]
-RepoPath = Annotated[str, _checked(_repo_path)]
-UnitText = Annotated[str, _checked(_text)]
-SingleLine = Annotated[str, _checked(_single_line)]
+Address = Annotated[str, Check(_address)]
+HostKey = Annotated[str, Check(_host_key)]
+RepoPath = Annotated[str, Check(_repo_path)]
+UnitText = Annotated[str, Check(_text)]
+SingleLine = Annotated[str, Check(_single_line)]
 ModelId = Annotated[str, _no_space("a model id without whitespace, like 'Qwen/Qwen3-8B'")]
 ModelPath = Annotated[str, _no_space("an absolute path without whitespace, like '/models/Qwen3-8B'", absolute=True)]
-HttpTemplate = Annotated[str, _checked(_http_template)]
-Webhook = Annotated[str, _checked(_webhook)]
-NotifyFormat = Annotated[str, _checked(_notify_format)]
-Boolean = Annotated[bool, _checked(_boolean)]
-DropIn = Annotated[str, _checked(_dropin)]
+HttpTemplate = Annotated[str, Check(_http_template)]
+Webhook = Annotated[str, Check(_webhook)]
+NotifyFormat = Annotated[str, Check(_notify_format)]
+Boolean = Annotated[bool, Check(_boolean)]
+DropIn = Annotated[str, Check(_dropin)]
 
 AbsPath = Annotated[str, _no_space("an absolute path without whitespace, like '/etc/credstore/hf_token'",
                                    absolute=True)]

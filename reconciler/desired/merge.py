@@ -110,4 +110,4 @@ def _add_keys(into: dict[str, tuple[Any, At]], table: Table, file: str, prefix: 
 
 def _set(table: Table) -> dict[str, Any]:
     """The keys a table sets (not None), in the order of its fields, each value as it is."""
-    return {k: v for k in table.__struct_fields__ if (v := getattr(table, k)) is not None}
+    return {k: v for k, v in msgspec.structs.asdict(table).items() if v is not None}

@@ -1,4 +1,4 @@
-"""The tables of a service's `drain` and `smoke` tables, exactly as written (issue 42).
+"""A service's `drain` and `smoke` tables, exactly as written (issue 42).
 
 `drain`: how the host leaves the load balancer's rotation before its server stops and rejoins
 it once the new server is ready and judged; how to read the server's in-flight work; how long to
@@ -23,11 +23,10 @@ from .fields import (
     HttpTemplate,
     PositiveSeconds,
     SingleLine,
-    _checked,
     _fail,
     _int_in,
 )
-from .tables import After, Invalid, Table
+from .tables import After, Check, Invalid, Table
 
 MAX_CHECKS = 10          # smoke checks per service: each costs a completion before the host rejoins
 MAX_ARGV = 64
@@ -80,11 +79,11 @@ def _expect(value: Any) -> str:
     return value
 
 
-Argv = Annotated[list[str], _checked(_argv)]
-Text = Annotated[str, _checked(_text)]
-MetricName = Annotated[str, _checked(_metric)]
-HaproxyServer = Annotated[str, _checked(_haproxy_server)]
-Expect = Annotated[str, _checked(_expect)]
+Argv = Annotated[list[str], Check(_argv)]
+Text = Annotated[str, Check(_text)]
+MetricName = Annotated[str, Check(_metric)]
+HaproxyServer = Annotated[str, Check(_haproxy_server)]
+Expect = Annotated[str, Check(_expect)]
 MaxTokens = Annotated[int, _int_in(1, 4096, "an integer 1-4096")]
 MinAvailable = Annotated[int, _int_in(1, None, "an integer >= 1")]
 

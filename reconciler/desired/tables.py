@@ -59,7 +59,7 @@ class After:
         self.fn = fn
 
 
-class Table(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Table(msgspec.Struct, frozen=True, kw_only=True):
     """Base of every table: unknown keys are errors, nothing is coerced, nothing mutates."""
 
     def check_across(self) -> None:
@@ -177,14 +177,15 @@ def _table(cls: type[Table], value: Any, loc: tuple[Any, ...], errors: list[dict
     if not isinstance(value, dict):
         return _error(errors, "model_type", loc, _expected("a table", value), value)
     before = len(errors)
+    fields = fields_of(cls)
     given = {}
-    for name, tp in fields_of(cls).items():
+    for name, tp in fields.items():
         if name in value:
             given[name] = _check(tp, value[name], (*loc, name), errors)
-        elif _required(cls, name):
+        elif name in _required_fields(cls):
             _error(errors, "missing", (*loc, name), "Field required", value)
     for k, v in value.items():
-        if k not in given and k not in fields_of(cls):
+        if k not in fields:
             _error(errors, "extra_forbidden", (*loc, k), "Extra inputs are not permitted", v)
     if len(errors) > before:
         return _BAD
@@ -194,10 +195,6 @@ def _table(cls: type[Table], value: Any, loc: tuple[Any, ...], errors: list[dict
     except Invalid as e:
         return _error(errors, e.kind, loc, e.msg, value)
     return table
-
-
-def _required(cls: type[Table], name: str) -> bool:
-    return name in _required_fields(cls)
 
 
 _BY_ORIGIN: dict[Any, Callable[[Any, Any, tuple[Any, ...], list[dict[str, Any]]], Any]] = {

@@ -124,6 +124,8 @@ def _secrets(i: int, service: str, wanted: Sequence[SecretSpec], *, remove: bool
     yield call("secrets_env", step=i, service=service, keep=" ".join(keep), env=" ".join(env))
 
 
+Step = Callable[[int, Action, int], Iterator[str]]      # a file step's calls (a step of kind N is step i)
+
 # Steps that name a path alone, by their reason: a temp file a killed run left (removed only if
 # older than this run's lock), a masked unit's link put back.
 _PATH_ONLY = {Reason.STALE_TEMP: "remove_stale", Reason.RESTORE_MASK: "mask"}
@@ -163,9 +165,21 @@ def _disarm(i: int, a: Action, now: int) -> Iterator[str]:
     yield call("disarm", step=i, service=a.service, wait=1)
 
 
+def _or_path_only(step: Step) -> Step:
+    """The step, or for a reason in _PATH_ONLY, that call with the action's path alone."""
+    def run(i: int, a: Action, now: int) -> Iterator[str]:
+        if (fn := _PATH_ONLY.get(a.reason)) is None:
+            yield from step(i, a, now)
+            return
+        assert a.path is not None
+        yield call(fn, step=i, path=a.path)
+    return run
+
+
 # The calls of each file step that writes no file of its own (a step of kind N is step i).
-_FILE_STEPS: dict[Kind, Callable[[int, Action, int], Iterator[str]]] = {
-    Kind.REMOVE: _remove, Kind.ADOPT: _adopt, Kind.RESTORE: _restore, Kind.SECRETS: _deliver,
+_FILE_STEPS: dict[Kind, Step] = {
+    Kind.REMOVE: _or_path_only(_remove), Kind.ADOPT: _adopt, Kind.RESTORE: _or_path_only(_restore),
+    Kind.SECRETS: _deliver,
     Kind.DAEMON_RELOAD: _reload, Kind.ARM_TIMER: _arm, Kind.DISARM: _disarm}
 
 
@@ -173,10 +187,6 @@ def _fatal(i: int, a: Action, plan: HostPlan, now: int) -> Iterator[str]:
     """A file or record step that is no batch (paths and names are validated upstream): its
     calls stop the script where they fail."""
     written = _files(a, plan, now)
-    if written is None and a.reason in _PATH_ONLY and a.kind in (Kind.REMOVE, Kind.RESTORE):
-        assert a.path is not None
-        yield call(_PATH_ONLY[a.reason], step=i, path=a.path)
-        return
     if written is None:
         step = _FILE_STEPS.get(a.kind)
         if step is None:

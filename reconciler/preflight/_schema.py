@@ -22,15 +22,15 @@ from ..errors import describe
 from ._message import Severity, placeholder_problem
 from ._versions import Unknown, covers
 
-
-def _fail(msg: str) -> Invalid:
-    # "value_error": a bad name of a key reads as the message alone (no "invalid name: ")
-    return Invalid(msg, kind="value_error")
-
 _RULE_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,79}\Z")
 _FLAG_NAME = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_-]*\Z")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _TRAIT = re.compile(r"^[a-z][a-z0-9_-]{0,39}\Z")
+
+
+def _fail(msg: str) -> Invalid:
+    # "value_error": a bad name of a key reads as the message alone (no "invalid name: ")
+    return Invalid(msg, kind="value_error")
 
 
 def _checked_str(pattern: re.Pattern[str], what: str) -> Check:
