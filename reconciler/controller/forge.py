@@ -26,7 +26,6 @@ header and never printed; every payload is redacted before it is queued.
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 from pathlib import Path
@@ -130,35 +129,19 @@ def failed(revision: str, why: str, target_url: str | None = None) -> dict[str, 
     return payload("error", FLEET_CONTEXT, f"run failed: {why}", _target(target_url, revision, "fleet"))
 
 
-class ForgeStatus:
+class ForgeStatus(Outbox[tuple[str, dict[str, str]]]):
     """Posts commit statuses from the daemon's event loop (host/outbox.py); never raises into the
     caller, never waits. `transport`: a test's (httpx.MockTransport); httpx's own else."""
 
     def __init__(self, spec: ForgeSpec, transport: httpx.AsyncBaseTransport | None = None):
+        super().__init__(lambda: _client(spec.timeout, transport), max_pending=MAX_PENDING)
         self.spec = spec
-        self.failures: collections.deque[str] = collections.deque(maxlen=100)
-        self._outbox: Outbox[tuple[str, dict[str, str]]] = Outbox(
-            lambda: _client(spec.timeout, transport), self._deliver, self._failed, self._warn,
-            max_pending=MAX_PENDING, dropped=lambda item: f"forge {where(spec.url)}: too many statuses queued; "
-                                                          f"dropped {item[1]['context']} on {item[0][:7]}")
-
-    @property
-    def sent(self) -> int:
-        return self._outbox.sent
 
     def send(self, sha: str, status: dict[str, str]) -> None:
         """Queue one status; returns at once (call it from the daemon's loop). A newer status for
         the same commit and context replaces one still queued."""
         status = redact.redact_data(status)
-        self._outbox.put((sha, status["context"]), (sha, status))
-
-    async def drain(self, timeout: float) -> bool:
-        """Wait until every queued status went out or failed (tests, a clean stop)."""
-        return await self._outbox.drain(timeout)
-
-    async def close(self) -> None:
-        """Drop what is still queued; close the client (the daemon stops)."""
-        await self._outbox.close()
+        self.put((sha, status["context"]), (sha, status))
 
     async def _deliver(self, client: httpx.AsyncClient, item: tuple[str, dict[str, str]]) -> None:
         sha, status = item
@@ -167,20 +150,20 @@ class ForgeStatus:
         if not 200 <= response.status_code < 300:
             raise ForgeAnswer(response.status_code, response.reason_phrase)
 
-    def _failed(self, item: tuple[str, dict[str, str]], e: Exception) -> None:
+    def _failed(self, item: tuple[str, dict[str, str]], e: Exception) -> str:
         import httpx
         sha, status = item
         what = f"forge {where(self.spec.url)}: status {status['context']} on {sha[:7]} not delivered"
         if isinstance(e, ForgeTokenError | ForgeAnswer):
-            self._warn(f"{what}: {e}")
-        elif isinstance(e, httpx.TimeoutException):
-            self._warn(f"{what}: {type(e).__name__}: timed out after {self.spec.timeout:g}s")
-        else:
-            self._warn(f"{what}: {type(e).__name__}: {e}")
+            return f"{what}: {e}"
+        if isinstance(e, httpx.TimeoutException):
+            return f"{what}: {type(e).__name__}: timed out after {self.spec.timeout:g}s"
+        return f"{what}: {type(e).__name__}: {e}"
 
-    def _warn(self, msg: str) -> None:
-        msg = redact.redact(msg)
-        self.failures.append(msg)
+    def _dropped(self, item: tuple[str, dict[str, str]]) -> str:
+        return f"forge {where(self.spec.url)}: too many statuses queued; dropped {item[1]['context']} on {item[0][:7]}"
+
+    def _say(self, msg: str) -> None:
         print(f"reconciler: warning: {msg}", file=sys.stderr, flush=True)
 
 

@@ -114,7 +114,8 @@ class PullTable(Table, frozen=True):
 
 
 class ModelTable(Table, frozen=True):
-    """model = { id, path, architecture }; id and path are required once merged."""
+    """model = { id, path, architecture, fetch, fetch_timeout, size_gb }; id and path are
+    required once merged."""
 
     id: ModelId | None = None
     path: ModelPath | None = None

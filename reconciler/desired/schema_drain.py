@@ -131,7 +131,8 @@ class InflightTable(Table, frozen=True):
 
 
 class DrainTable(Table, frozen=True):
-    """[drain] of a service or a definition; keys merge over the layer below, tables whole."""
+    """[drain] of a service or a definition: leave the balancer, wait for in-flight work, stop
+    (plan/drain.py). Keys merge over the layer below, tables whole."""
 
     haproxy: HaproxyTable | None = None
     leave: CallTable | None = None

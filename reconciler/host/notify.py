@@ -44,6 +44,7 @@ import httpx
 
 from ..desired.spec import NotifySpec
 from ..redact import redact, redact_data
+from .outbox import Outbox
 
 log = logging.getLogger("reconciler.host.notify")
 
@@ -202,35 +203,26 @@ def slack_text(p: dict) -> str:
 MAX_PENDING = 1000          # events queued at most; past it the oldest is dropped (and that is said)
 
 
-class Notifier:
+class Notifier(Outbox[dict]):
     """Sends events to one webhook from the run's event loop (host/outbox.py); never raises into
     the caller, never waits. `transport`: a test's (httpx.MockTransport); the allow-list's else."""
 
     def __init__(self, spec: NotifySpec, transport: httpx.AsyncBaseTransport | None = None):
-        from .outbox import Outbox
+        super().__init__(lambda: webhook_client(spec.timeout, transport), max_pending=MAX_PENDING)
         self.spec = spec
-        self.failures: list[str] = []
         self._seq = 0
-        self._outbox: Outbox[dict] = Outbox(
-            lambda: webhook_client(spec.timeout, transport), self._post, self._failed, self._warn,
-            max_pending=MAX_PENDING, dropped=lambda p: f"webhook {where(spec.webhook)}: too many events queued; "
-                                                       f"dropped {p['event']}")
-
-    @property
-    def sent(self) -> int:
-        return self._outbox.sent
 
     def send(self, event: str, **fields: object) -> None:
         """Queue an event; returns at once (call it from the run's event loop)."""
         self._seq += 1
-        self._outbox.put(self._seq, redact_data({"event": event, "at": round(time.time(), 3), **fields}))
+        self.put(self._seq, redact_data({"event": event, "at": round(time.time(), 3), **fields}))
 
     async def close(self, timeout: float = 5.0) -> None:
         """Wait at most `timeout` seconds for queued events to go out; then drop the rest."""
-        if not await self._outbox.drain(timeout):
-            self._warn(f"webhook {where(self.spec.webhook)} still busy after {timeout:.0f}s; "
-                       f"{self._outbox.pending} event(s) dropped")
-        await self._outbox.close()
+        if not await self.drain(timeout):
+            self.warn(f"webhook {where(self.spec.webhook)} still busy after {timeout:.0f}s; "
+                      f"{self.pending} event(s) dropped")
+        await super().close()
 
     def body(self, payload: dict) -> bytes:
         """The request body in the configured format, redacted."""
@@ -239,14 +231,11 @@ class Notifier:
             return json.dumps({"text": redact(slack_text(payload))}).encode()
         return json.dumps(payload).encode()
 
-    async def _post(self, client: httpx.AsyncClient, payload: dict) -> None:
-        await post(client, self.spec.webhook, self.body(payload))
+    async def _deliver(self, client: httpx.AsyncClient, item: dict) -> None:
+        await post(client, self.spec.webhook, self.body(item))
 
-    def _failed(self, payload: dict, e: Exception) -> None:
-        self._warn(f"webhook {where(self.spec.webhook)}: {payload['event']} not delivered: "
-                   f"{failure(e, self.spec.timeout)}")
+    def _failed(self, item: dict, e: Exception) -> str:
+        return f"webhook {where(self.spec.webhook)}: {item['event']} not delivered: {failure(e, self.spec.timeout)}"
 
-    def _warn(self, msg: str) -> None:
-        msg = redact(msg)
-        self.failures.append(msg)
-        log.warning("%s", msg)
+    def _dropped(self, item: dict) -> str:
+        return f"webhook {where(self.spec.webhook)}: too many events queued; dropped {item['event']}"

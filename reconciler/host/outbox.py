@@ -1,13 +1,15 @@
 """Outbound HTTP that must never hold up a deploy (webhooks: notify.py; forge commit statuses:
 controller/forge.py), on httpx's async client in the caller's own event loop.
 
-`Outbox.put` queues one request and returns at once; one task of the running loop sends them in
-order through one `httpx.AsyncClient`, each bounded by the client's timeouts. The queue is
-bounded too: at most `max_pending` wait, and a request put under a key still queued replaces it
-(the forge keeps only the newest status per commit and context); past the bound the oldest is
-dropped and that is said. What fails is handed to `warn` as words the owner chooses (`Outbox`
-never raises into the caller); `drain` waits a bounded time for the queue to empty, `close`
-drops what is left and closes the client.
+A sender is a subclass of `Outbox` that says how to send one item (`_deliver`), and in what
+words a failure (`_failed`) or a dropped item (`_dropped`) is told. `put` queues one request and
+returns at once; one task of the running loop sends them in order through one
+`httpx.AsyncClient`, each bounded by the client's timeouts. The queue is bounded too: at most
+`max_pending` wait, and a request put under a key still queued replaces it (the forge keeps
+only the newest status per commit and context); past the bound the oldest is dropped and that
+is said. Every warning is redacted, kept in `failures` (the newest KEEP) and told by `_say`;
+`Outbox` never raises into the caller. `drain` waits a bounded time for the queue to empty,
+`close` drops what is left and closes the client.
 """
 
 from __future__ import annotations
@@ -15,25 +17,26 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Awaitable, Callable, Hashable
+import logging
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Generic, TypeVar
+
+from ..redact import redact
 
 if TYPE_CHECKING:
     import httpx
 
+log = logging.getLogger("reconciler.host.outbox")
 T = TypeVar("T")
-# Sends one queued item with the outbox's client (raises on any failure).
-Deliver = Callable[["httpx.AsyncClient", T], Awaitable[None]]
+KEEP = 100          # warnings kept in `failures` (a daemon's outbox lives for days)
 
 
 class Outbox(Generic[T]):
     """A bounded queue of requests, sent one at a time by a task of the running loop."""
 
-    def __init__(self, client: Callable[[], httpx.AsyncClient], deliver: Deliver[T],
-                 failed: Callable[[T, Exception], None], warn: Callable[[str], None], *, max_pending: int,
-                 dropped: Callable[[T], str]):
-        self._client_of, self._deliver, self._failed, self._warn = client, deliver, failed, warn
-        self._dropped, self.max_pending = dropped, max_pending
+    def __init__(self, client: Callable[[], httpx.AsyncClient], *, max_pending: int):
+        self._client_of, self.max_pending = client, max_pending
+        self.failures: list[str] = []
         self._pending: collections.OrderedDict[Hashable, T] = collections.OrderedDict()
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
@@ -54,7 +57,7 @@ class Outbox(Generic[T]):
         self._pending[key] = item
         while len(self._pending) > self.max_pending:
             _key, old = self._pending.popitem(last=False)
-            self._warn(self._dropped(old))
+            self.warn(self._dropped(old))
         self._idle.clear()
         self._wake.set()
         if self._task is None or self._task.done():
@@ -95,4 +98,27 @@ class Outbox(Generic[T]):
                 await self._deliver(self._client, item)
                 self.sent += 1
             except Exception as e:      # any failure of the other end is only a warning
-                self._failed(item, e)
+                self.warn(self._failed(item, e))
+
+    def warn(self, msg: str) -> None:
+        """Tell a warning (redacted) and keep it in `failures`."""
+        msg = redact(msg)
+        self.failures.append(msg)
+        del self.failures[:-KEEP]
+        self._say(msg)
+
+    async def _deliver(self, client: httpx.AsyncClient, item: T) -> None:
+        """Send one queued item with the outbox's client; raise on any failure."""
+        raise NotImplementedError
+
+    def _failed(self, item: T, e: Exception) -> str:
+        """The warning for an item that could not be delivered."""
+        return f"{item!r} not delivered: {type(e).__name__}"
+
+    def _dropped(self, item: T) -> str:
+        """The warning for an item dropped from a full queue."""
+        return f"dropped {item!r}"
+
+    def _say(self, msg: str) -> None:
+        """Where a warning goes: the run's log (the daemon prints to its journal instead)."""
+        log.warning("%s", msg)

@@ -30,20 +30,6 @@ import msgspec
 from ..desired.spec import CallSpec, DrainSpec, ServiceSpec
 
 
-class StepKind(StrEnum):
-    """The steps of a restart, in the order they run."""
-
-    LEAVE = "leave"
-    DRAIN = "drain"
-    STOP = "stop"
-    WAIT_GPUS = "wait-gpus"
-    START = "start"
-    READY = "ready"
-    SMOKE = "smoke"
-    REJOIN = "rejoin"
-    SERVING = "serving"
-
-
 class RestartStep(msgspec.Struct, frozen=True):
     """One step of a host's restart: what it does, and how long it may take (None: its own bound)."""
 
@@ -55,6 +41,20 @@ class RestartStep(msgspec.Struct, frozen=True):
         """'drain: wait for sglang:num_running_reqs at http://...:30000/metrics to reach 0 (at most 120s)'."""
         bound = f" (at most {self.timeout:g}s)" if self.timeout is not None else ""
         return f"{self.kind.value}: {self.detail}{bound}"
+
+
+class StepKind(StrEnum):
+    """The steps of a restart, in the order they run."""
+
+    LEAVE = "leave"          # out of the load balancer
+    DRAIN = "drain"
+    STOP = "stop"  # x
+    WAIT_GPUS = "wait-gpus"
+    START = "start"
+    READY = "ready"
+    SMOKE = "smoke"
+    REJOIN = "rejoin"
+    SERVING = "serving"
 
 
 def restart_steps(spec: ServiceSpec, *, running: bool = True, in_rotation: bool = True, gpu_gate: bool = False,

@@ -65,8 +65,13 @@ def unit_path(service: str) -> str:
     return f"{UNIT_DIR}/{service}.service"
 
 
+def dropin_path(service: str, name: str) -> str:
+    """A drop-in of <service>.service in the admin's directory."""
+    return f"{unit_path(service)}.d/{name}"
+
+
 def env_path(service: str) -> str:
-    return f"{UNIT_DIR}/{service}.service.d/{ENV_DROPIN}"
+    return dropin_path(service, ENV_DROPIN)
 
 
 def envfile_path(service: str) -> str:
@@ -75,7 +80,7 @@ def envfile_path(service: str) -> str:
 
 def secrets_path(service: str) -> str:
     """The drop-in that hands a service its secrets (paths only, never a value)."""
-    return f"{UNIT_DIR}/{service}.service.d/{SECRETS_DROPIN}"
+    return dropin_path(service, SECRETS_DROPIN)
 
 
 def cred_path(service: str, name: str) -> str:

@@ -11,20 +11,29 @@ import httpx
 from reconciler.host.outbox import Outbox
 
 
-def outbox(seen: list[str], status: int = 204, max_pending: int = 3) -> tuple[Outbox[str], list[str]]:
-    warnings: list[str] = []
+class Poster(Outbox[str]):
+    """A sender as notify.py and forge.py are: how to send one item, and the words of a failure."""
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        seen.append(request.content.decode())
-        return httpx.Response(status)
+    def __init__(self, seen: list[str], status: int = 204, max_pending: int = 3):
+        def handle(request: httpx.Request) -> httpx.Response:
+            seen.append(request.content.decode())
+            return httpx.Response(status)
+        super().__init__(lambda: httpx.AsyncClient(transport=httpx.MockTransport(handle)), max_pending=max_pending)
+        self.said: list[str] = []
 
-    async def deliver(client: httpx.AsyncClient, item: str) -> None:
+    async def _deliver(self, client: httpx.AsyncClient, item: str) -> None:
         (await client.post("http://127.0.0.1:9/x", content=item)).raise_for_status()
 
-    box: Outbox[str] = Outbox(lambda: httpx.AsyncClient(transport=httpx.MockTransport(handle)), deliver,
-                              lambda item, e: warnings.append(f"{item}: {type(e).__name__}"), warnings.append,
-                              max_pending=max_pending, dropped=lambda item: f"dropped {item}")
-    return box, warnings
+    def _failed(self, item: str, e: Exception) -> str:
+        return f"{item}: {type(e).__name__}"
+
+    def _say(self, msg: str) -> None:
+        self.said.append(msg)
+
+
+def outbox(seen: list[str], status: int = 204, max_pending: int = 3) -> tuple[Outbox[str], list[str]]:
+    box = Poster(seen, status, max_pending)
+    return box, box.said
 
 
 def test_requests_go_out_in_order_and_a_newer_one_replaces_a_queued_one_under_its_key() -> None:
@@ -53,7 +62,7 @@ def test_the_queue_is_bounded_and_what_it_drops_is_said() -> None:
         assert await box.drain(5)
         await box.close()
         return warnings
-    assert asyncio.run(run()) == ["dropped e0", "dropped e1"]
+    assert asyncio.run(run()) == ["dropped 'e0'", "dropped 'e1'"]
     assert seen == ["e2", "e3"]
 
 
@@ -71,16 +80,27 @@ def test_a_failure_is_handed_to_the_owner_and_the_next_request_still_goes() -> N
     assert seen == ["one", "two"]
 
 
+def test_warnings_are_redacted_and_only_the_newest_are_kept() -> None:
+    from reconciler import redact
+    from reconciler.host import outbox as module
+    redact.register("hunter2-secret-value")
+    box = Poster([])
+    for i in range(module.KEEP + 5):
+        box.warn(f"w{i} token hunter2-secret-value")
+    assert len(box.failures) == module.KEEP and box.failures[0].startswith("w5 ")
+    assert all("hunter2-secret-value" not in w for w in box.failures + box.said)
+
+
 def test_close_drops_what_is_queued_and_a_drain_is_bounded() -> None:
     release = asyncio.Event()
     seen: list[str] = []
 
     async def run() -> tuple[bool, int]:
-        async def slow(client: httpx.AsyncClient, item: str) -> None:
-            seen.append(item)
-            await release.wait()
-        box: Outbox[str] = Outbox(lambda: httpx.AsyncClient(), slow, lambda i, e: None, lambda w: None,
-                                  max_pending=5, dropped=str)
+        class Slow(Outbox[str]):
+            async def _deliver(self, client: httpx.AsyncClient, item: str) -> None:
+                seen.append(item)
+                await release.wait()
+        box = Slow(lambda: httpx.AsyncClient(), max_pending=5)
         box.put(1, "held")
         box.put(2, "queued")
         drained = await box.drain(0)       # the first is held at the far end
