@@ -35,6 +35,7 @@ import base64
 import binascii
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
+from functools import cache
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import msgspec
@@ -194,8 +195,8 @@ class HostProgram(ABC, Generic[T_co]):
     @classmethod
     def text(cls) -> str:
         """The program as it is sent: its file without comment lines, its constants first, then
-        the fragments it calls."""
-        return shell.with_constants(shell.with_fragments(shell.program(cls.name), cls.fragments), cls.constants)
+        the fragments it calls (made once per program: the same text goes to every host)."""
+        return _text(cls)
 
     def stdin(self, token: str) -> str:
         """Its stdin: `token=TOKEN`, its parameters, an empty line, then its payload. A program
@@ -221,7 +222,20 @@ def batch(programs: Sequence[HostProgram[Any]], tokens: Sequence[str]) -> tuple[
         if len(programs) > 1:
             raise ValueError("a program read from stdin runs alone")
         return "sh -s", programs[0].stdin(tokens[0])
+    stdin = "".join(p.stdin(t) for p, t in zip(programs, tokens, strict=True))
+    return _command(tuple(type(p) for p in programs)), stdin
+
+
+@cache
+def _text(program: type[HostProgram[Any]]) -> str:
+    return shell.with_constants(shell.with_fragments(shell.program(program.name), program.fragments),
+                                program.constants)
+
+
+@cache
+def _command(programs: tuple[type[HostProgram[Any]], ...]) -> str:
+    """batch's command line for these programs (each a class's fixed text: made once)."""
     texts = [p.text() for p in programs]
     script = "".join(f"(\n{t})\n" for t in texts[:-1]) + texts[-1]
     name = f"reconciler-{programs[0].name}" if len(programs) == 1 else "reconciler-batch"
-    return shell.sh_c(script, name), "".join(p.stdin(t) for p, t in zip(programs, tokens, strict=True))
+    return shell.sh_c(script, name)

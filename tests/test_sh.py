@@ -30,13 +30,16 @@ def sent() -> dict[str, str]:
     the shell reads whole, an example of its parameters and calls; a dead-man's switch as it is
     written), from its file as it is (the comment lines, shellcheck's directives among them,
     are dropped only as it is sent)."""
+    import functools
     from unittest import mock
 
     # Imported before the patch: a module that binds `program` by name as it is imported
     # (tests/host/test_apply.py) must get the real one, not this test's.
     import tests.host.test_apply  # noqa: F401
-    from reconciler import shell
-    with mock.patch.object(shell, "program", lambda name: (ROOT / "reconciler" / "sh" / f"{name}.sh").read_text()):
+    from reconciler import frames, shell
+    # the texts made once per program (frames): made afresh from the files here, the cache kept
+    with mock.patch.object(shell, "program", lambda name: (ROOT / "reconciler" / "sh" / f"{name}.sh").read_text()), \
+            mock.patch.object(frames, "_text", functools.cache(frames._text.__wrapped__)):
         return _sent()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import TYPE_CHECKING, cast
 
 import msgspec
@@ -132,20 +133,22 @@ class Metrics:
         self.last_run.set_to_current_time()
         self.revision.clear()
         self.revision.labels(redact(res.revision)).set(1)
+        label = functools.cache(redact)          # a name is in several series: redacted once a run
         for h in res.hosts:
-            self.host_up.labels(redact(h.host)).set(0 if h.reason in ("Unreachable", "HostKeyUnverified") else 1)
+            host = label(h.host)
+            self.host_up.labels(host).set(0 if h.reason in ("Unreachable", "HostKeyUnverified") else 1)
             for name, state in (h.plan.states.items() if h.plan else ()):
                 if state is State.DRIFTED:
-                    self.drift.labels(redact(h.host), redact(name)).inc()
+                    self.drift.labels(host, label(name)).inc()
                 if state in _HEALTH_OF_STATE:
                     # Not restarted in this run: what the host's records say (a daemon that was
                     # just restarted reports the fleet at once, not after the next deploy).
-                    self.healthy.labels(redact(h.host), redact(name)).set(_HEALTH_OF_STATE[state])
+                    self.healthy.labels(host, label(name)).set(_HEALTH_OF_STATE[state])
             for e in h.events:
                 if e.outcome is not None:
-                    self.healthy.labels(redact(h.host), redact(e.service)).set(1 if e.outcome.healthy else 0)
+                    self.healthy.labels(host, label(e.service)).set(1 if e.outcome.healthy else 0)
                 if e.action == "rollback" and e.outcome is not None and e.outcome.healthy:
-                    self.rollbacks.labels(redact(h.host), redact(e.service)).inc()
+                    self.rollbacks.labels(host, label(e.service)).inc()
 
     def observe_pool(self, opened: int, reused: int, open_now: int) -> None:
         """The pool's running totals: counters advance by what changed since the last call."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -258,12 +259,16 @@ class _FleetRun:
                 t = self.transports[h.name]
                 before = self.results[h.name]
                 qs = {**self.fleet_q.get(h.name, {}), **(quarantine or {})}
-                # A host surveyed in sync was never locked: it is planned again from the survey's
-                # look and never written to (only hosts with something to do are locked).
+                # A host surveyed in sync was never locked: it is never written to (only hosts
+                # with something to do are locked). Its survey planned it from the same look:
+                # planned again only where a hold or a quarantine now asks something else of it.
                 unlocked = self._unlocked(h)
-                r = await self.host_pass(h, Pass(t, dry_run=unlocked, hold=hold, quarantine=qs,
-                                                 facts=None if fresh and not unlocked else before.facts,
-                                                 checked=before.checked))
+                if unlocked and not hold and not qs and h.name not in self.passed:
+                    r = dataclasses.replace(before, seconds=0.0)
+                else:
+                    r = await self.host_pass(h, Pass(t, dry_run=unlocked, hold=hold, quarantine=qs,
+                                                     facts=None if fresh and not unlocked else before.facts,
+                                                     checked=before.checked))
                 if unlocked and r.plan is not None and r.facts is not None:
                     r.running = {n: running_after(r.plan, r.facts, n) for n in h.services}
             if say is not None:

@@ -7,6 +7,7 @@ shell.with_constants): a test moves every one under /var/lib/reconciler at that 
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -15,7 +16,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from reconciler import shell
+from reconciler import frames, shell
 from reconciler.frames import HostProgram, Records, batch
 from reconciler.host import lock
 
@@ -31,6 +32,9 @@ def local_programs(monkeypatch: pytest.MonkeyPatch, root: Path, *, idle: int | N
                  for k, v in constants.items()}
         return real(text, moved)
     monkeypatch.setattr(shell, "with_constants", with_constants)
+    # the texts made once per program: made afresh in this test, the cache of the rest kept
+    monkeypatch.setattr(frames, "_text", functools.cache(frames._text.__wrapped__))
+    monkeypatch.setattr(frames, "_command", functools.cache(frames._command.__wrapped__))
     monkeypatch.setattr(lock, "BIN", str(root / "progs"))
     if idle is not None:
         monkeypatch.setattr(lock, "IDLE", idle)
