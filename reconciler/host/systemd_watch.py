@@ -13,10 +13,13 @@ from ..clock import REAL, Clock
 from ..plan.facts.show import UnitShow
 from . import programs
 from .progress import LoadFollower
-from .transport import Transport
+from .transport import LOST_AFTER, Transport
 
 WATCH_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,InvocationID,"
                "ActiveEnterTimestampMonotonic,Job")
+# A read of the watched units (a systemctl show, a journal tail) that takes longer has failed; a
+# connection that went meanwhile is found first (LOST_AFTER), and its loss is what the run reports.
+TICK_TIMEOUT = LOST_AFTER + 10
 SYSTEMD_POLL = 0.5   # seconds between systemd polls: a crash shows within about a second
 # The first gaps after a watch's first reading are shorter: a start whose job outlasted the apply
 # script's wait (apply.JOB_WAIT) and is done a moment later is seen then, not half a second
@@ -95,10 +98,10 @@ class SystemdWatch:
         journal = self.loads.command(self.clock.now(), units)
         show = UnitShow(units, WATCH_PROPS)
         if journal is None:
-            shown: dict[str, dict[str, str]] = await programs.run(self.t, show, timeout=20, what="health",
+            shown: dict[str, dict[str, str]] = await programs.run(self.t, show, timeout=TICK_TIMEOUT, what="health",
                                                                   check=False)
             return shown
-        tail, shown = await programs.run_all(self.t, [journal, show], timeout=20, what="health", check=False)
+        tail, shown = await programs.run_all(self.t, [journal, show], timeout=TICK_TIMEOUT, what="health", check=False)
         self.loads.take(tail)
         return shown
 

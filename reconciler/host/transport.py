@@ -90,6 +90,11 @@ class StreamSpawned(Spawned, Protocol):
 
 KEEPALIVE = 5.0
 KEEPALIVE_COUNT = 3
+# The longest a vanished peer goes unnoticed: keepalives go out after KEEPALIVE s of silence and
+# the connection closes when KEEPALIVE_COUNT of them are unanswered. A command whose time-out is
+# shorter can time out on a connection that is gone (its failure then is the command's, not the
+# connection's): the health watch's reads wait longer.
+LOST_AFTER = KEEPALIVE * (KEEPALIVE_COUNT + 1)
 # AES-GCM first: as strong as asyncssh's default chacha20-poly1305, and far cheaper per packet in
 # asyncssh (one AESGCM object per connection and AES-NI, where its chacha20 builds a cipher
 # context per packet: a quarter of a warm 100-host round's controller CPU went there). The rest
