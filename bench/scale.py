@@ -9,7 +9,9 @@ measured here: runs that find every host in sync.
     cold   a whole process, as a user starts it, Python start-up included:
              floor       python -m bench.floor SPEC   (connect, one batched read, nothing to fix)
              reconcile   python -m reconciler --repo R
-    warm   rounds of a process that keeps its connections open, after its first (cold) round:
+    warm   rounds of a process that keeps its connections open, after its first (cold) round
+           (with the whole machine's busy CPU and the processes it started in each: the hosts'
+           side shows there, /proc/stat as bench.compare reads it):
              floor       bare asyncssh: the same batched read on every kept connection
              reconcile   the daemon's own run (daemon.Daemon.run_once with its pool.Pool):
                          git snapshot, load, survey (one observation per host), the store
@@ -39,10 +41,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.compare import Run, spawn
+from bench.compare import Run, machine, spawn
 from bench.floor import CIPHERS, read_command
 from reconciler.plan.facts import env_path, envfile_path, unit_path
 from tests import fleet as fleetlib
@@ -78,11 +81,25 @@ class Warm:
     rounds: list[float]          # the rounds after it, connections kept
     cpu: float                   # the process's CPU seconds over all rounds
     rss_mb: float
+    # the whole machine's busy CPU seconds and the processes it started, in each round after the
+    # first: the controller and the host's side (sshd, the shell, systemctl) together
+    machine_cpu: list[float]
+    processes: list[int]
 
 
 # ---- the two warm processes (run as `python -m bench.scale warm-... ARGS OUT`) -------------------
 
-async def _floor_warm(spec: dict, rounds: int) -> tuple[float, list[float]]:
+async def _timed(work: Awaitable[object]) -> tuple[float, float, int]:
+    """One warm round: its wall seconds, the machine's busy CPU seconds and the processes started."""
+    cpu0, procs0 = machine()
+    t0 = time.perf_counter()
+    await work
+    took = time.perf_counter() - t0
+    cpu1, procs1 = machine()
+    return took, cpu1 - cpu0, procs1 - procs0
+
+
+async def _floor_warm(spec: dict, rounds: int) -> tuple[float, list[tuple[float, float, int]]]:
     import asyncssh
     known = asyncssh.read_known_hosts(spec["known_hosts"])
     sem = asyncio.Semaphore(AT_ONCE)
@@ -101,17 +118,15 @@ async def _floor_warm(spec: dict, rounds: int) -> tuple[float, list[float]]:
     conns = await asyncio.gather(*(connect(h) for h in spec["hosts"]))
     await asyncio.gather(*(read(c) for c in conns))
     first = time.perf_counter() - t0
-    times = []
+    times: list[tuple[float, float, int]] = []
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        await asyncio.gather(*(read(c) for c in conns))
-        times.append(time.perf_counter() - t0)
+        times.append(await _timed(asyncio.gather(*(read(c) for c in conns))))
     for c in conns:
         c.close()
     return first, times
 
 
-async def _ours_warm(repo: str, state_dir: str, rounds: int, n: int) -> tuple[float, list[float]]:
+async def _ours_warm(repo: str, state_dir: str, rounds: int, n: int) -> tuple[float, list[tuple[float, float, int]]]:
     from rich.console import Console
 
     from reconciler.controller.config import ControllerConfig
@@ -123,17 +138,20 @@ async def _ours_warm(repo: str, state_dir: str, rounds: int, n: int) -> tuple[fl
     d = Daemon(cfg, interval=3600)
     d.console = Console(file=io.StringIO(), width=160)
 
-    async def one() -> float:
+    async def one() -> tuple[float, float, int]:
         d.console.file = io.StringIO()
-        t0 = time.perf_counter()
-        code = await d.run_once()
-        took = time.perf_counter() - t0
+        took = await _timed(check(d.run_once()))
         log = d.console.file.getvalue()
-        if code != 0 or d.pool.opened > n:
-            raise SystemExit(f"round exited {code}, {d.pool.opened} connections opened for {n} hosts\n{log[-3000:]}")
+        if d.pool.opened > n:
+            raise SystemExit(f"{d.pool.opened} connections opened for {n} hosts\n{log[-3000:]}")
         return took
 
-    first = await one()
+    async def check(work: Awaitable[int]) -> None:
+        code = await work
+        if code != 0:
+            raise SystemExit(f"round exited {code}\n{d.console.file.getvalue()[-3000:]}")
+
+    first = (await one())[0]
     times = [await one() for _ in range(rounds)]
     await d.pool.close()
     d.store.close()
@@ -148,8 +166,9 @@ def _warm_main(kind: str, args: list[str]) -> None:
     else:
         first, times = asyncio.run(_ours_warm(args[0], args[1], int(args[2]), int(args[3])))
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    out.write_text(json.dumps({"first": first, "rounds": times, "cpu": ru.ru_utime + ru.ru_stime,
-                               "rss_mb": ru.ru_maxrss / 1024}))
+    out.write_text(json.dumps({"first": first, "rounds": [t[0] for t in times], "cpu": ru.ru_utime + ru.ru_stime,
+                               "rss_mb": ru.ru_maxrss / 1024, "machine_cpu": [t[1] for t in times],
+                               "processes": [t[2] for t in times]}))
 
 
 # ---- the bench --------------------------------------------------------------------------------------
@@ -249,6 +268,13 @@ def report(rows: dict[int, tuple[list[Run], list[Run], Warm, Warm]], rounds: int
             f"   {wfs:>11.2f} / {wos:<10.2f} {wos / wfs:>5.2f}x  "
             f"{wf.cpu / (len(wf.rounds) + 1):>5.2f} / {wo.cpu / (len(wo.rounds) + 1):<5.2f} "
             f"{wf.rss_mb:>4.0f} / {wo.rss_mb:<4.0f}")
+    out += ["", "a warm round on the whole machine (the controller and the host's sshd, shell and systemctl): "
+            "median busy CPU and processes started",
+            "", f"{'hosts':>6}  {'machine CPU s floor/ours':>25}  {'ms a host':>15}  {'processes floor/ours':>21}"]
+    for n, (_cf, _co, wf, wo) in sorted(rows.items()):
+        mf, mo = med(wf.machine_cpu), med(wo.machine_cpu)
+        out.append(f"{n:>6}  {mf:>12.2f} / {mo:<10.2f}  {1000 * mf / n:>6.1f} / {1000 * mo / n:<6.1f}  "
+                   f"{med(wf.processes):>9.0f} / {med(wo.processes):<9.0f}")
     out.append("")
     out.append("warm: the first round of each warm process (connects included) took "
                + "; ".join(f"{n}: floor {w[2].first:.2f} s, ours {w[3].first:.2f} s" for n, w in sorted(rows.items())))
