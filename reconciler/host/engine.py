@@ -318,10 +318,3 @@ async def probe(t: Transport, host: str, asked: Ask, store: VerdictCache) -> Eng
         return unran(asked.run, str(e))
     return answered(host, asked, answer, store)
 
-
-async def check_engine(t: Transport, host: str, run: EngineRun, *, store: VerdictCache | None = None,
-                       seconds: int = SECONDS) -> EngineVerdict:
-    """One service's engine check on a host (cached per request and host stamp), in a round
-    trip of its own."""
-    store = store if store is not None else verdict_cache()
-    return await probe(t, host, ask(host, run, store, seconds), store)

@@ -123,7 +123,7 @@ def _riding(asks: list[Ask]) -> Ask | None:
 async def _engines(t: Transport, host: HostSpec, asks: list[Ask], riding: Ask | None,
                    answer: Answer | None) -> dict[str, EngineVerdict]:
     """Each asked service's verdict: the riding probe's from its answer, the others' from
-    their own round trips (check_engine), the cache saved once after."""
+    their own round trips (engine.probe), the cache saved once after."""
     if not asks:
         return {}
     store = verdict_cache()

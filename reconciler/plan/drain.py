@@ -87,15 +87,6 @@ def restart_steps(spec: ServiceSpec, *, running: bool = True, in_rotation: bool 
     return tuple(steps)
 
 
-def stop_steps(spec: ServiceSpec) -> tuple[RestartStep, ...]:
-    """The steps of stopping a service for good (it leaves the desired state): leave and drain
-    first when it has a drain, and it never rejoins."""
-    d = spec.drain
-    head = [] if d is None else [RestartStep(StepKind.LEAVE, d.leave.describe(), d.leave.timeout),
-                                 RestartStep(StepKind.DRAIN, _drain_detail(d), d.timeout)]
-    return (*head, RestartStep(StepKind.STOP, f"systemctl stop {spec.name}.service"))
-
-
 def _drain_detail(d: DrainSpec) -> str:
     if d.inflight is None:
         return "wait the drain timeout (no in-flight read declared)"

@@ -97,14 +97,6 @@ def forecast_rollout(waves: Sequence[Sequence[str]], hosts: Mapping[str, HostFor
     return RolloutForecast(sum(h.seconds for h in chosen), wall, chosen)
 
 
-def unavailable(times: Mapping[StepKind, tuple[float, float]]) -> float:
-    """What a restart cost, measured: from the start of its first step to the end of its last
-    (step -> (start, end), in one clock's seconds); 0 when nothing ran."""
-    if not times:
-        return 0.0
-    return max(0.0, max(end for _, end in times.values()) - min(start for start, _ in times.values()))
-
-
 def unavailable_seconds(steps: Mapping[str, float]) -> float:
     """What a restart cost from its recorded step times (step -> seconds): their sum, the window
     from the leave (or the stop) to the rejoin (or the verdict)."""
@@ -117,7 +109,3 @@ def measured_steps(steps: Mapping[str, float]) -> dict[StepKind, float]:
     known = {k.value: k for k in StepKind}
     return {known[k]: v for k, v in steps.items() if k in known}
 
-
-def within(forecast: float, measured: float, tolerance: float = 0.2) -> bool:
-    """Whether a forecast came within `tolerance` (a fraction) of what was measured."""
-    return abs(forecast - measured) <= tolerance * measured if measured > 0 else forecast == 0

@@ -63,10 +63,6 @@ class Result(StrEnum):
         """0 converged / in sync, 2 a dry run found changes, 3 rolled back or on last good, 4 failed."""
         return _EXIT[self]
 
-    def worse(self, other: Result) -> Result:
-        """The worse of two results."""
-        return other if other.rank > self.rank else self
-
 
 _ORDER = list(Result)
 _EXIT = {Result.IN_SYNC: 0, Result.CONVERGED: 0, Result.WOULD_CHANGE: 2, Result.QUARANTINED: 3,

@@ -366,20 +366,23 @@ def test_the_stamp_moves_with_everything_the_answer_depends_on(host_bin: Path, t
         before = after
 
 
-def test_the_check_runs_through_check_engine_and_a_cached_ok_is_asked_again_once_stale(host_bin: Path,
-                                                                                      tmp_path: Path):
-    """check_engine over a local transport: the first answer is kept, the same stamp answers
-    from the cache (no probe), a package upgrade asks the probe again."""
+def test_the_check_asked_alone_and_a_cached_ok_is_asked_again_once_stale(host_bin: Path, tmp_path: Path):
+    """An engine check asked in a round trip of its own (engine.probe), over a local transport:
+    the first answer is kept, the same stamp answers from the cache (no probe), a package
+    upgrade asks the probe again."""
     run = run_of(unit(), site(tmp_path))
     store = engine.VerdictCache(None, wall=lambda: 1000.0)
     t = LocalTransport()
-    first = asyncio.run(engine.check_engine(t, "h", run, store=store))
+
+    def check() -> engine.EngineVerdict:
+        return asyncio.run(engine.probe(t, "h", engine.ask("h", run, store, engine.SECONDS), store))
+    first = check()
     assert first.verdict == "ok" and not first.cached and (tmp_path / "rec").exists()
     (tmp_path / "rec").unlink()
-    second = asyncio.run(engine.check_engine(t, "h", run, store=store))
+    second = check()
     assert second.cached and not (tmp_path / "rec").exists()
     (tmp_path / "site" / STAGE).write_text("# upgraded\n")
-    third = asyncio.run(engine.check_engine(t, "h", run, store=store))
+    third = check()
     assert not third.cached and (tmp_path / "rec").exists()
 
 

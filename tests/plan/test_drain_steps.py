@@ -28,7 +28,6 @@ from reconciler.plan.drain import (
     inflight_of,
     parse_show_stat,
     restart_steps,
-    stop_steps,
 )
 from reconciler.values import replace
 
@@ -84,10 +83,6 @@ def test_the_steps_as_a_dry_run_prints_them() -> None:
         "serving: until HAProxy /run/haproxy/admin.sock: show stat says it is in rotation (at most 60s)",
     ]
 
-
-def test_a_service_that_leaves_drains_and_never_rejoins() -> None:
-    assert [s.kind for s in stop_steps(FULL)] == [K.LEAVE, K.DRAIN, K.STOP]
-    assert [s.kind for s in stop_steps(BASE)] == [K.STOP]
 
 
 # ---- the wait -------------------------------------------------------------------------------

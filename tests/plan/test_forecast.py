@@ -14,8 +14,6 @@ from reconciler.plan.forecast import (
     Part,
     forecast_host,
     forecast_rollout,
-    unavailable,
-    within,
 )
 from reconciler.values import replace
 from tests.plan.test_drain_steps import BASE, FULL, HAPROXY
@@ -65,11 +63,3 @@ def test_a_rollout_costs_its_hosts_and_its_waves_one_after_another() -> None:
     guessed = forecast_rollout([["a"], ["y"]], {**hosts, "y": forecast_host("y", BASE, {})})
     assert guessed.describe() == "about 660 host-seconds unavailable over 2 hosts, about 660s in all"
 
-
-def test_the_cost_measured_after_and_the_20_percent_goal() -> None:
-    times = {K.LEAVE: (100.0, 100.1), K.DRAIN: (100.1, 110.0), K.STOP: (110.0, 112.0), K.READY: (112.5, 190.0),
-             K.REJOIN: (190.5, 190.6)}
-    assert unavailable(times) == pytest.approx(90.6)
-    assert unavailable({}) == 0.0
-    assert within(100.0, 90.6) and not within(120.0, 90.6)
-    assert within(0.0, 0.0) and not within(1.0, 0.0)
