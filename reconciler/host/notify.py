@@ -207,6 +207,8 @@ class Notifier(Outbox[dict]):
     """Sends events to one webhook from the run's event loop (host/outbox.py); never raises into
     the caller, never waits. `transport`: a test's (httpx.MockTransport); the allow-list's else."""
 
+    logger = log
+
     def __init__(self, spec: NotifySpec, transport: httpx.AsyncBaseTransport | None = None):
         super().__init__(lambda: webhook_client(spec.timeout, transport), max_pending=MAX_PENDING)
         self.spec = spec

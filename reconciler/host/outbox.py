@@ -19,7 +19,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 from ..redact import redact
 
@@ -33,6 +33,8 @@ KEEP = 100          # warnings kept in `failures` (a daemon's outbox lives for d
 
 class Outbox(Generic[T]):
     """A bounded queue of requests, sent one at a time by a task of the running loop."""
+
+    logger: ClassVar[logging.Logger] = log      # where `_say` tells a warning: a sender names its own
 
     def __init__(self, client: Callable[[], httpx.AsyncClient], *, max_pending: int):
         self._client_of, self.max_pending = client, max_pending
@@ -120,5 +122,5 @@ class Outbox(Generic[T]):
         return f"dropped {item!r}"
 
     def _say(self, msg: str) -> None:
-        """Where a warning goes: the run's log (the daemon prints to its journal instead)."""
-        log.warning("%s", msg)
+        """Where a warning goes: the sender's logger (the daemon prints to its journal instead)."""
+        self.logger.warning("%s", msg)
