@@ -37,12 +37,12 @@ def inputs() -> dict[str, tuple[bytes, type, Callable[[bytes], Any]]]:
     """name -> (JSON bytes, the dataclass, how the code reads it with msgspec)."""
     snap = source.snapshot(source.open_repo(str(ROOT)), None, "desired-state")
     state = load.load_desired(snap)
-    entry = cache.encode(cache.Entry(cache.FORMAT, "t" * 40, "f" * 32, state))
+    entry = cache.encode(cache.CacheEntry(cache.FORMAT, "t" * 40, "f" * 32, state))
     record = ServiceRecord(hash="a" * 64, revision="b" * 40, last_good_hash="c" * 64, last_good_revision="d" * 40,
                            quarantine=Quarantine("e" * 64, "f" * 40, "CrashLoop", quote="x" * 200, at=1_700_000_000),
                            pending=Pending("a" * 64, "b" * 40, at=1_700_000_001, started=True),
                            secrets={"HF_TOKEN": "age:" + "0" * 64}).dumps().encode()
-    return {"cache entry": (entry, cache.Entry, cache.decode),
+    return {"cache entry": (entry, cache.CacheEntry, cache.decode),
             "record": (record, ServiceRecord, lambda raw: ServiceRecord.parse(raw.decode()))}
 
 
@@ -89,7 +89,7 @@ def main() -> None:
         else:
             cells.append("(not installed)")
         print(f"{name:14s} {len(raw):8d}  {cells[0]:>18s}  {cells[1]:>20s}  {cells[2]:>26s}")
-    assert msgspec.json.decode(inputs()["cache entry"][0], type=cache.Entry) is not None
+    assert msgspec.json.decode(inputs()["cache entry"][0], type=cache.CacheEntry) is not None
 
 
 if __name__ == "__main__":

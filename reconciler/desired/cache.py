@@ -63,7 +63,7 @@ def load_desired(snap: SnapshotLike, cache_dir: Path | None = None) -> DesiredSt
     from .load import load_desired as load  # the loader: only on a miss
     state = load(snap)
     if where is not None and tree and _prepare(where):
-        _write(where, f"{tree}.json", Entry(FORMAT, tree, fingerprint(), state))
+        _write(where, f"{tree}.json", CacheEntry(FORMAT, tree, fingerprint(), state))
     return state
 
 
@@ -107,7 +107,7 @@ def fingerprint() -> str:
 # ---- the entry as JSON: msgspec, typed by the spec's own dataclasses -----------------------------
 
 
-class Entry(msgspec.Struct, frozen=True):
+class CacheEntry(msgspec.Struct, frozen=True):
     """One kept load: the tree it is of, the loader that made it, and the state."""
 
     format: int
@@ -116,16 +116,16 @@ class Entry(msgspec.Struct, frozen=True):
     state: DesiredState
 
 
-def encode(entry: Entry) -> bytes:
+def encode(entry: CacheEntry) -> bytes:
     """An entry as JSON (msgspec: dataclasses as objects, tuples as arrays, bytes as base64)."""
     return msgspec.json.encode(entry)
 
 
-def decode(raw: bytes) -> Entry | None:
+def decode(raw: bytes) -> CacheEntry | None:
     """The entry `encode` made, checked against the spec's annotations as it is read (a value of
     another type, a missing field: None); None for anything that is not such an entry."""
     try:
-        return msgspec.json.decode(raw, type=Entry)
+        return msgspec.json.decode(raw, type=CacheEntry)
     except (msgspec.MsgspecError, RecursionError, ValueError, TypeError):
         return None
 
@@ -151,7 +151,7 @@ def _open_dir(where: Path) -> int | None:
         return None
 
 
-def _read(where: Path, name: str) -> Entry | None:
+def _read(where: Path, name: str) -> CacheEntry | None:
     d = _open_dir(where)
     if d is None:
         return None
@@ -162,7 +162,7 @@ def _read(where: Path, name: str) -> Entry | None:
     return decode(raw) if raw is not None else None
 
 
-def _write(where: Path, name: str, entry: Entry) -> None:
+def _write(where: Path, name: str, entry: CacheEntry) -> None:
     """Kept atomically (a fresh temp file renamed over the entry) in a 0700 directory; best
     effort: a cache that cannot be written is only a slower next run."""
     d = _open_dir(where)

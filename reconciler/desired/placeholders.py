@@ -27,7 +27,7 @@ def origin(url: str | None) -> str | None:
     return f"{parts.scheme}://{parts.netloc}" if parts.scheme and parts.netloc else None
 
 
-class Context(msgspec.Struct, frozen=True):
+class Values(msgspec.Struct, frozen=True):
     """The values placeholders may name. vars is None while the vars themselves are rendered;
     model is None for a service without a model."""
 
@@ -37,7 +37,7 @@ class Context(msgspec.Struct, frozen=True):
     vars: dict[str, str] | None
 
 
-def render(text: str, ctx: Context) -> tuple[str, list[tuple[int, str]]]:
+def render(text: str, ctx: Values) -> tuple[str, list[tuple[int, str]]]:
     """Substitute placeholders; return the text and [(line, why)] for each unknown one."""
     unknown: list[tuple[int, str]] = []
 

@@ -21,7 +21,7 @@ from .collect import Problems, Use
 from .drain import drain_spec, smoke_spec
 from .health import check_health_url, read_ca_bundle
 from .merge import At, Merged
-from .placeholders import PLACEHOLDER, Context, render
+from .placeholders import PLACEHOLDER, Values, render
 from .problems import dotted
 from .repo import FLEET_FILE, SERVICES_DIR, SnapshotLike
 from .rollout import RolloutGroups
@@ -189,25 +189,25 @@ class ServiceLoader:
             size_gb=float(model["size_gb"][0]) if "size_gb" in model else None,
         )
 
-    def _context(self, site: _Site, merged: Merged, model: ModelSpec | None) -> Context:
+    def _context(self, site: _Site, merged: Merged, model: ModelSpec | None) -> Values:
         """What placeholders may name, with the service's vars rendered (vars may not name vars)."""
-        ctx = Context(
+        ctx = Values(
             host={"name": site.host_name, "address": site.address},
             service={"name": site.name},
             model={"id": model.id, "path": model.path} if model else None,
             vars=None,
         )
         rendered_vars = {k: self._render_value(site, v, at, ctx) for k, (v, at) in merged.vars.items()}
-        return Context(ctx.host, ctx.service, ctx.model, rendered_vars)
+        return Values(ctx.host, ctx.service, ctx.model, rendered_vars)
 
-    def _fetch(self, site: _Site, merged: Merged, model: ModelSpec | None, ctx: Context) -> ModelSpec | None:
+    def _fetch(self, site: _Site, merged: Merged, model: ModelSpec | None, ctx: Values) -> ModelSpec | None:
         """The model with its fetch command rendered, when it has one."""
         if model is None or "fetch" not in merged.model:
             return model
         template, at = merged.model["fetch"]
         return replace(model, fetch=self._render_value(site, str(template), at, ctx))
 
-    def _health(self, site: _Site, merged: Merged, ctx: Context) -> dict[str, Any]:
+    def _health(self, site: _Site, merged: Merged, ctx: Values) -> dict[str, Any]:
         """The HealthSpec's fields: the CA bundle read from the repo, the URL rendered and checked."""
         values = {k: v for k, (v, _) in merged.health.items()}
         if "ca" in merged.health:
@@ -223,7 +223,7 @@ class ServiceLoader:
             values["http"] = url
         return values
 
-    def _drain(self, site: _Site, merged: Merged, ctx: Context,
+    def _drain(self, site: _Site, merged: Merged, ctx: Values,
                health_url: str | None) -> tuple[DrainSpec | None, SmokeSpec | None]:
         """The drain and smoke test, rendered and checked across their layers (drain.py)."""
         def render_at(value: str, at: At) -> str:
@@ -239,7 +239,7 @@ class ServiceLoader:
         return (drain_spec(merged.drain, merged.tables.get("drain"), health_url, render_at, report),
                 smoke_spec(merged.smoke, merged.tables.get("smoke"), health_url, render_at, report))
 
-    def _render_unit(self, site: _Site, unit: _Unit | None, ctx: Context) -> str | None:
+    def _render_unit(self, site: _Site, unit: _Unit | None, ctx: Values) -> str | None:
         """The unit text as written on the host; None when there is no usable unit."""
         if unit is None or unit.text is None:
             return None
@@ -288,7 +288,7 @@ class ServiceLoader:
         """A problem at a value's file and key; one in a shared file also names this service and host."""
         self.problems.add(at.file, at.key, message, site.use if at.file != site.host_file else None)
 
-    def _render_value(self, site: _Site, value: str, at: At, ctx: Context) -> str:
+    def _render_value(self, site: _Site, value: str, at: At, ctx: Values) -> str:
         """Render placeholders in a one-line value (env, vars, health.http). The problem names
         the key and the placeholder, never the value: env values may be secrets."""
         rendered, unknown = render(value, ctx)

@@ -113,7 +113,7 @@ def refusal(run: EngineRun) -> str | None:
     return None
 
 
-class Answer(msgspec.Struct, frozen=True):
+class EngineAnswer(msgspec.Struct, frozen=True):
     """The host's answer: its stamp, and a verdict (None: the cached one stands)."""
 
     stamp: str
@@ -121,7 +121,7 @@ class Answer(msgspec.Struct, frozen=True):
 
 
 @dataclass(frozen=True)
-class EngineProbe(HostProgram[Answer]):
+class EngineProbe(HostProgram[EngineAnswer]):
     """reconciler/sh/engine-probe.sh for one service: its named parameters, then the allowlisted
     environment as an env file, then the probe program, which the host reads only where it runs
     the probe (so in a batch it goes last). `cached`: the host's stamp of a cached answer (the
@@ -158,21 +158,21 @@ class EngineProbe(HostProgram[Answer]):
     def payload(self) -> str:
         return self._env() + probe_text(self.run.server)
 
-    def parse(self, answer: Records) -> Answer:
+    def parse(self, answer: Records) -> EngineAnswer:
         return read_answer(self.run, answer.stdout, answer.token)
 
 
-def read_answer(run: EngineRun, stdout: str, token: str) -> Answer:
+def read_answer(run: EngineRun, stdout: str, token: str) -> EngineAnswer:
     """The framed output of engine-probe.sh (pure)."""
     stamp, status, out, err, cached = "", None, "", "", False
     for f in Records(stdout, token):
         fields = f.fields()
         if f.kind == "N":
-            return Answer("", EngineVerdict(run.service, run.server, "inconclusive",
+            return EngineAnswer("", EngineVerdict(run.service, run.server, "inconclusive",
                                             message=f"{run.server} is not installed for {run.interpreter} "
                                                     f"(no {STAGE[run.server]} in its package directories)"))
         if f.kind == "U" and len(fields) == 4:
-            return Answer("", EngineVerdict(run.service, run.server, "inconclusive",
+            return EngineAnswer("", EngineVerdict(run.service, run.server, "inconclusive",
                                             message=_untrusted(run, *fields)))
         if f.kind == "S" and fields:
             stamp = fields[0]
@@ -187,8 +187,8 @@ def read_answer(run: EngineRun, stdout: str, token: str) -> Answer:
                 text = ""                # not base64: no output we can read
             out, err = (text, err) if f.kind == "O" else (out, text)
     if cached:
-        return Answer(stamp, None)
-    return Answer(stamp, parse_verdict(run.service, run.server, out, exit_status=status, tail=err))
+        return EngineAnswer(stamp, None)
+    return EngineAnswer(stamp, parse_verdict(run.service, run.server, out, exit_status=status, tail=err))
 
 
 def _untrusted(run: EngineRun, uid: str, gid: str, mode: str, path: str) -> str:
@@ -286,7 +286,7 @@ def ask(host: str, run: EngineRun, store: VerdictCache, seconds: int = SECONDS) 
     return Ask(run, EngineProbe(run, cached=taken, seconds=seconds), key, cached)
 
 
-def answered(host: str, asked: Ask, answer: Answer, store: VerdictCache) -> EngineVerdict:
+def answered(host: str, asked: Ask, answer: EngineAnswer, store: VerdictCache) -> EngineVerdict:
     """The verdict the host's answer to `asked` gives (kept in the store where it is a new one)."""
     run = asked.run
     assert asked.probe is not None

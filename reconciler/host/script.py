@@ -124,7 +124,7 @@ def _secrets(i: int, service: str, wanted: Sequence[SecretSpec], *, remove: bool
     yield call("secrets_env", step=i, service=service, keep=" ".join(keep), env=" ".join(env))
 
 
-Step = Callable[[int, Action, int], Iterator[str]]      # a file step's calls (a step of kind N is step i)
+FileStep = Callable[[int, Action, int], Iterator[str]]      # a file step's calls (a step of kind N is step i)
 
 # Steps that name a path alone, by their reason: a temp file a killed run left (removed only if
 # older than this run's lock), a masked unit's link put back.
@@ -165,7 +165,7 @@ def _disarm(i: int, a: Action, now: int) -> Iterator[str]:
     yield call("disarm", step=i, service=a.service, wait=1)
 
 
-def _or_path_only(step: Step) -> Step:
+def _or_path_only(step: FileStep) -> FileStep:
     """The step, or for a reason in _PATH_ONLY, that call with the action's path alone."""
     def run(i: int, a: Action, now: int) -> Iterator[str]:
         if (fn := _PATH_ONLY.get(a.reason)) is None:
@@ -177,7 +177,7 @@ def _or_path_only(step: Step) -> Step:
 
 
 # The calls of each file step that writes no file of its own (a step of kind N is step i).
-_FILE_STEPS: dict[Kind, Step] = {
+_FILE_STEPS: dict[Kind, FileStep] = {
     Kind.REMOVE: _or_path_only(_remove), Kind.ADOPT: _adopt, Kind.RESTORE: _or_path_only(_restore),
     Kind.SECRETS: _deliver,
     Kind.DAEMON_RELOAD: _reload, Kind.ARM_TIMER: _arm, Kind.DISARM: _disarm}

@@ -50,7 +50,7 @@ from ..values import replace
 from .cutover import Cutover
 from .options import Connector, RunIO, RunOptions
 from .preview import engine_check
-from .results import Event, HostResult, ServiceEvent, Step, fold, host_failure, merge_plans, running_after
+from .results import Event, HostResult, RunPhase, ServiceEvent, fold, host_failure, merge_plans, running_after
 from .revision import Revision
 
 if TYPE_CHECKING:     # pre-flight (the rule pack) and the GPU gate load when a plan starts something
@@ -341,12 +341,12 @@ async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: Ru
     started = time.monotonic()
     result = HostResult(host.name, host.ssh.address)
     t = p.transport
-    step = Step.OBSERVE
+    step = RunPhase.OBSERVE
     try:
         facts = p.facts if p.facts is not None else await observe(t, host)
         result.facts = facts
         run = _HostRun(host, rev, opts, io, result, p)
-        step = Step.PREFLIGHT
+        step = RunPhase.PREFLIGHT
         plan = await run.plan(facts)
         result.plan = plan
         if not p.dry_run:
@@ -356,18 +356,18 @@ async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: Ru
             for rnd in range(MAX_ROUNDS):
                 if rnd:
                     run.retry = False     # --retry is one more try: the first round's, not every round's
-                    step = Step.OBSERVE
+                    step = RunPhase.OBSERVE
                     facts = await observe(t, host)
-                    step = Step.PREFLIGHT
+                    step = RunPhase.PREFLIGHT
                     plan = await run.plan(facts)
                     result.plan = merge_plans(result.plan, plan)
                 if not plan.actions:
                     break
                 if any(a.kind is Kind.FETCH for a in plan.actions):
-                    step = Step.PREFLIGHT      # a fetch says why it failed; the models are checked again
+                    step = RunPhase.PREFLIGHT      # a fetch says why it failed; the models are checked again
                     plan = await run.fetch(plan, facts)
                     result.plan = plan if rnd == 0 else merge_plans(result.plan, plan)
-                step = Step.APPLY
+                step = RunPhase.APPLY
                 if await run.execute(plan, facts):
                     break
         fold(result, plan, p.dry_run)

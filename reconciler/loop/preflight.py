@@ -32,7 +32,7 @@ import re
 from collections.abc import Mapping
 
 from ..desired.spec import HostSpec, ModelSpec, ServiceSpec
-from ..host.engine import Answer, Ask, answered, ask, probe, verdict_cache
+from ..host.engine import Ask, EngineAnswer, answered, ask, probe, verdict_cache
 from ..host.gpu import GpuFacts
 from ..host.transport import Transport
 from ..host.versions import bound, reads_for, unknown
@@ -121,7 +121,7 @@ def _riding(asks: list[Ask]) -> Ask | None:
 
 
 async def _engines(t: Transport, host: HostSpec, asks: list[Ask], riding: Ask | None,
-                   answer: Answer | None) -> dict[str, EngineVerdict]:
+                   answer: EngineAnswer | None) -> dict[str, EngineVerdict]:
     """Each asked service's verdict: the riding probe's from its answer, the others' from
     their own round trips (engine.probe), the cache saved once after."""
     if not asks:

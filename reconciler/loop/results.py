@@ -17,7 +17,7 @@ import msgspec
 from ..desired.spec import DesiredState
 from ..errors import CommandError, HostError, ReconcilerError
 from ..plan.actions import starting
-from ..plan.budget import Step as BudgetStep
+from ..plan.budget import Step
 from ..plan.forecast import unavailable_seconds
 from ..plan.model import HostPlan, Kind, ServicePlan, State
 from ..plan.records import NO_VERDICT, SUPERSEDED, Quarantine, Result
@@ -151,7 +151,7 @@ def failed_result(host: str, address: str, e: ReconcilerError, seconds: float) -
     return HostResult(host, address, Result.FAILED, reason=Reason.FAILED, message=str(e), seconds=seconds)
 
 
-class Step(StrEnum):
+class RunPhase(StrEnum):
     """Where a host's run is: what it was doing when an error ended it (host_failure)."""
 
     OBSERVE = "observe"
@@ -159,11 +159,11 @@ class Step(StrEnum):
     APPLY = "apply"              # fetching, applying, the GPU gate, watching, recording verdicts
 
 
-def host_failure(e: HostError, step: Step) -> Reason:
+def host_failure(e: HostError, step: RunPhase) -> Reason:
     """PURE: the reason a host's result gives for an error that ended its run: a command that
     failed while the run changed the host is ApplyFailed; one that only read it (the
     observation, the pre-flight) keeps its own reason, as does every other host error."""
-    if isinstance(e, CommandError) and step not in (Step.OBSERVE, Step.PREFLIGHT):
+    if isinstance(e, CommandError) and step not in (RunPhase.OBSERVE, RunPhase.PREFLIGHT):
         return Reason.APPLY_FAILED
     return e.reason
 
@@ -340,7 +340,7 @@ def fleet_quarantines(state: DesiredState, results: Mapping[str, HostResult],
     return out
 
 
-def blocked(ro: RolloutResult, step: BudgetStep, left: Sequence[str], results: Mapping[str, HostResult]) -> None:
+def blocked(ro: RolloutResult, step: Step, left: Sequence[str], results: Mapping[str, HostResult]) -> None:
     """A rollout the budget let go no further (plan/budget.py): it ends BudgetBlocked, naming the
     service and why each host left waits; those hosts were not restarted (the run exits 3)."""
     ro.status = RolloutStatus.HALTED

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import msgspec
 
 from ..reasons import Reason
-from .facts.journal import Entry
+from .facts.journal import JournalEntry
 from .unit import UnitState
 
 EXPLAIN_SCAN = 4096          # characters of a line that explain() matches its patterns in
@@ -107,7 +107,7 @@ _SYSTEMD_NOISE = re.compile(
     r"^Failed to start |Control process exited|Failed to kill control group")
 
 
-def explain(lines: Sequence[Entry]) -> str | None:
+def explain(lines: Sequence[JournalEntry]) -> str | None:
     """Pick the journal line that explains a failure (pure).
 
     The service's own lines win over systemd's. The best pattern wins; among equals, the last
@@ -131,7 +131,7 @@ def explain(lines: Sequence[Entry]) -> str | None:
 SPAWN_FAILURES = {"204": "MEMORY", "219": "CGROUP"}
 
 
-def spawn_failure(props: dict[str, str], entries: Sequence[Entry], baseline_invocation: str = "") -> str | None:
+def spawn_failure(props: dict[str, str], entries: Sequence[JournalEntry], baseline_invocation: str = "") -> str | None:
     """PURE: when a crash sign has no evidence that the *service* failed, what happened instead.
 
     Evidence is a line from the service's own processes, or an end of its process that is not

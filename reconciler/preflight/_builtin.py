@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from ._command import PARALLEL_FLAGS, WILDCARD_HOSTS, Command, gpu_claim, gpu_positions
 from ._models import ModelInfo, checkpoint_quantization, text_config
-from ._registry import BUILTIN_RULES, Failed, HostRule, ServiceFacts, ServiceRule, builtin, positive_int
+from ._registry import BUILTIN_RULES, Failed, HostRule, RuleFacts, ServiceRule, builtin, positive_int
 
-__all__ = ["BUILTIN_RULES", "Failed", "HostRule", "ServiceFacts", "ServiceRule", "builtin"]
+__all__ = ["BUILTIN_RULES", "Failed", "HostRule", "RuleFacts", "ServiceRule", "builtin"]
 
 # The rules, in the order RuleSet.ids lists them.
 
@@ -29,7 +29,7 @@ _SGLANG_QWEN3_ATTN = "https://github.com/sgl-project/sglang/blob/v0.5.23/python/
 @builtin("tp-exceeds-gpus", sources={
     "sglang": "https://github.com/sgl-project/sglang/blob/main/docs/backend/server_arguments.md",
     "vllm": _VLLM_PARALLEL})
-def _gpu_count(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+def _gpu_count(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
     """The parallel size (tp x pp x dp) exceeds the GPUs the service may use."""
     world = cmd.world_size()
     if world is None or world < 1:
@@ -108,7 +108,7 @@ def _hosts_overlap(a: str, b: str) -> bool:
 
 
 @builtin("sglang-dp-attention-tp-divisible", sources={"sglang": _SGLANG_ARGS})
-def _dp_attention(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+def _dp_attention(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
     """With --enable-dp-attention, --tp-size must be a multiple of --dp-size."""
     if cmd.server != "sglang" or not cmd.has("--enable-dp-attention"):
         return None
@@ -152,7 +152,7 @@ def _good_tp(heads: int, kv: int, tp: int) -> int:
 
 
 @builtin("vllm-tp-divides-attention-heads", sources={"vllm": _VLLM_MODEL})
-def _heads(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+def _heads(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
     """vLLM needs the attention heads (and the KV heads) to divide evenly over the tensor-parallel ranks."""
     shape = _heads_of(info)
     tp = cmd.int_value("--tensor-parallel-size", 1)
@@ -194,7 +194,7 @@ def sglang_attention_tp(cmd: Command) -> int | None:
 
 
 @builtin("sglang-tp-divides-attention-heads", sources={"sglang": _SGLANG_QWEN3_ATTN})
-def _sglang_heads(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+def _sglang_heads(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
     """SGLang needs the attention heads and the KV heads to divide over its attention-TP ranks;
     its argument checks do not look (--tp-size 3 with 32 heads starts, then fails building the model)."""
     shape = _heads_of(info)
@@ -244,7 +244,7 @@ _REQUANTIZE = frozenset({"quark_mxfp4"})
 @builtin("quantization-mismatch", sources={
     "sglang": "https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/configs/model_config.py",
     "vllm": _VLLM_MODEL})
-def _quantization(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+def _quantization(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
     """--quantization contradicts the checkpoint's quantization_config."""
     if cmd.server is None or info.config is None:
         return None

@@ -2,7 +2,7 @@
 
 Neither engine's argument stage sees the real GPUs (an engine probe runs with them hidden), and
 both find these only on the GPUs, after the old server is stopped: the memory rule and the
-compute-capability rule read `ServiceFacts.hardware` (nvidia-smi's memory per GPU, the holders
+compute-capability rule read `RuleFacts.hardware` (nvidia-smi's memory per GPU, the holders
 with their units, compute_cap) and say nothing where it is None (validate, no nvidia-smi).
 
 Memory, per GPU the service's ranks run on (assumptions, all on the side of not blocking):
@@ -29,7 +29,7 @@ from typing import Any
 from ._command import Command
 from ._hardware import GpuState, Hardware, service_gpus
 from ._models import ModelInfo, checkpoint_quantization, text_config
-from ._registry import Failed, ServiceFacts, builtin, positive_int
+from ._registry import Failed, RuleFacts, builtin, positive_int
 from ._shapes import moe_shape
 from ._versions import plain_covers
 
@@ -121,7 +121,7 @@ def estimate_weights(config: Mapping[str, Any]) -> int | None:
 @builtin("gpu-memory-fit", sources={
     "sglang": f"{_SGL}/mem_cache/kv_cache_configurator.py#L2990-L3007",
     "vllm": f"{_VLLM}/v1/worker/utils.py#L718-L770"})
-def _memory(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+def _memory(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
     """The weights per GPU must fit in the memory the server may use on its GPUs once the old
     server has stopped (an estimate: a clear miss is an error, a close call a warning)."""
     hw, shards = facts.hardware, _shards(cmd)
@@ -142,7 +142,7 @@ def _memory(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None
     return worst
 
 
-def _fit(cmd: Command, gpu: GpuState, hw: Hardware, facts: ServiceFacts, need: float,
+def _fit(cmd: Command, gpu: GpuState, hw: Hardware, facts: RuleFacts, need: float,
          estimated: bool) -> Failed | None:
     if gpu.total_mib is None or gpu.used_mib is None:
         return None
@@ -223,7 +223,7 @@ def quantization_method(cmd: Command, config: Mapping[str, Any] | None) -> str |
 @builtin("quantization-compute-capability", sources={
     "sglang": f"{_SGL}/model_loader/loader.py#L253-L265",
     "vllm": f"{_VLLM}/config/vllm.py#L925-L937"})
-def _capability(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+def _capability(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
     """The quantization method needs a GPU generation the service's GPUs do not have."""
     hw = facts.hardware
     method = quantization_method(cmd, info.config)

@@ -8,7 +8,7 @@ from typing import Any
 from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..errors import Problem
 from ..values import replace
-from ._builtin import BUILTIN_RULES, HostRule, ServiceFacts, ServiceRule
+from ._builtin import BUILTIN_RULES, HostRule, RuleFacts, ServiceRule
 from ._command import Command, parse_command
 from ._drain import stop_timeout
 from ._hardware import Hardware
@@ -31,13 +31,13 @@ def check_service(svc: ServiceSpec, *, rules: RuleSet, model_config: Mapping[str
     checkpoint's size on the host (`weights_bytes(model_facts)`), or None (estimated from
     config.json, and then only a warning).
     """
-    facts = ServiceFacts(gpu_count=gpu_count, version=version, weights_bytes=weights_bytes,
+    facts = RuleFacts(gpu_count=gpu_count, version=version, weights_bytes=weights_bytes,
                          hardware=hardware, unit=f"{svc.name}.service")
     return _check_command(svc, parse_command(svc), rules, model_config, facts)
 
 
 def _check_command(svc: ServiceSpec, cmd: Command, rules: RuleSet, model_config: Mapping[str, Any] | None,
-                   facts: ServiceFacts) -> list[Finding]:
+                   facts: RuleFacts) -> list[Finding]:
     if cmd.server is None:
         return []
     facts = replace(facts, drain_timeout=svc.drain.timeout if svc.drain is not None else None,
@@ -77,7 +77,7 @@ def check_host(host: HostSpec, *, rules: RuleSet, model_configs: Mapping[str, Ma
         svc = host.services[name]
         cmd = parse_command(svc)
         config = model_configs.get(svc.model.path) if svc.model else None
-        facts = ServiceFacts(gpu_count=gpu_count, version=(versions or {}).get(name), hardware=hardware,
+        facts = RuleFacts(gpu_count=gpu_count, version=(versions or {}).get(name), hardware=hardware,
                              weights_bytes=(weights or {}).get(svc.model.path) if svc.model else None,
                              unit=f"{name}.service")
         findings.extend(_check_command(svc, cmd, rules, config, facts))

@@ -11,7 +11,7 @@ engines' wheels (../shared/reviews/2026-12-03-anchors.md §1.3-1.4):
   times out can run as long as that drain allowed. Either, plus the 15 s SGLang gives its
   schedulers to release the GPUs, longer than TimeoutStopSec is killed mid-drain: a warning.
 
-`ServiceFacts.drain_timeout` (None: no drain) and `stop_timeout` (None: systemd's default) come
+`RuleFacts.drain_timeout` (None: no drain) and `stop_timeout` (None: systemd's default) come
 from the service (_check.py); `stop_timeout` parses systemd's time spans here.
 """
 
@@ -21,7 +21,7 @@ import math
 import re
 
 from ._command import Command, unit_entries
-from ._registry import Failed, ServiceFacts, builtin
+from ._registry import Failed, RuleFacts, builtin
 
 DEFAULT_STOP = 90.0                  # systemd's DefaultTimeoutStopSec
 RELEASE = 15.0                       # SGLang's _SCHEDULER_EXIT_TIMEOUT_SECS: schedulers release the GPUs
@@ -69,7 +69,7 @@ def _shutdown_timeout(cmd: Command) -> int | None:
 
 
 @builtin("vllm-stop-aborts-requests", sources={"vllm": _VLLM_CORE, "any": _VLLM_ARGS})
-def _vllm_aborts(cmd: Command, _info: object, facts: ServiceFacts) -> Failed | None:
+def _vllm_aborts(cmd: Command, _info: object, facts: RuleFacts) -> Failed | None:
     """vLLM with --shutdown-timeout 0 (its default) aborts every request in flight on stop, and no drain is declared."""
     if cmd.server != "vllm" or facts.drain_timeout is not None or _shutdown_timeout(cmd) != 0:
         return None
@@ -82,7 +82,7 @@ def _vllm_aborts(cmd: Command, _info: object, facts: ServiceFacts) -> Failed | N
 
 
 @builtin("stop-timeout-shorter-than-drain", sources={"vllm": _VLLM_ARGS, "sglang": _SGLANG_DRAIN, "any": _SYSTEMD})
-def _stop_cut_short(cmd: Command, _info: object, facts: ServiceFacts) -> Failed | None:
+def _stop_cut_short(cmd: Command, _info: object, facts: RuleFacts) -> Failed | None:
     """TimeoutStopSec= is shorter than the server's own drain on stop: systemd kills it mid-drain."""
     stop = facts.stop_timeout if facts.stop_timeout is not None else DEFAULT_STOP
     if cmd.server == "vllm":

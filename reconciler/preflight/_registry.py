@@ -1,10 +1,10 @@
-"""The registry of built-in rules: what a check is given (ServiceFacts), what it returns (Failed),
+"""The registry of built-in rules: what a check is given (RuleFacts), what it returns (Failed),
 and the `@builtin` decorator that files it under its id.
 
 A built-in rule is one decorated function; its docstring is the rule's summary::
 
     @builtin("tp-exceeds-gpus", sources={"sglang": "https://...", "vllm": "https://..."})
-    def _gpu_count(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+    def _gpu_count(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
         \"\"\"The parallel size (tp x pp x dp) exceeds the GPUs the service may use.\"\"\"
 
 `BUILTIN_RULES` is all the rest of the package knows of them: `RuleSet.ids` lists them in the
@@ -41,7 +41,7 @@ class Failed(NamedTuple):
     severity: Severity = "error"
 
 
-class ServiceFacts(msgspec.Struct, frozen=True):
+class RuleFacts(msgspec.Struct, frozen=True):
     """What a service check knows of the host besides the command and the model (pure data).
 
     gpu_count: the host's GPU count (None: unknown). version: the server's version on the host
@@ -62,7 +62,7 @@ class ServiceFacts(msgspec.Struct, frozen=True):
     stop_timeout: float | None = None
 
 
-ServiceCheck = Callable[[Command, ModelInfo, ServiceFacts], Failed | None]
+ServiceCheck = Callable[[Command, ModelInfo, RuleFacts], Failed | None]
 HostCheck = Callable[[Command, str, Command], Failed | None]
 
 

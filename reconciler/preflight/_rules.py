@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -21,6 +21,7 @@ from ._message import PLACEHOLDER, Severity
 from ._models import ModelInfo, glob_any
 
 if TYPE_CHECKING:        # the rule file's own types, loaded only by parse_rule_file
+    from ..desired.repo import SnapshotLike
     from ._schema import Condition, ModelEntry, Require, Rule, RuleFile
 
 RULES_DIR = "rules"          # in the desired-state repo, and in the reconciler package
@@ -44,14 +45,6 @@ class Finding(msgspec.Struct, frozen=True):
     def __str__(self) -> str:
         return (f"{self.service}: {self.rule_id}: {self.message.rstrip('.')}. "
                 f"Fix: {self.fix.rstrip('.')} (source: {self.source})")
-
-
-class SnapshotLike(Protocol):
-    """A revision of the desired-state repo (source.Snapshot, load.MemorySnapshot)."""
-
-    def read(self, path: str) -> bytes | None: ...
-
-    def list(self, directory: str) -> list[str]: ...
 
 
 class RuleSet(msgspec.Struct, frozen=True):

@@ -18,7 +18,7 @@ from typing import Any
 
 from ._command import Command
 from ._models import ModelInfo, text_config
-from ._registry import Failed, ServiceFacts, builtin, positive_int
+from ._registry import Failed, RuleFacts, builtin, positive_int
 
 _SGL = "https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt"
 _VLLM = "https://github.com/vllm-project/vllm/blob/v0.33.0/vllm"
@@ -93,7 +93,7 @@ def _fp8_block(info: ModelInfo, cmd: Command) -> tuple[int, int] | None:
 @builtin("moe-experts-per-rank", sources={
     "sglang": f"{_SGL}/layers/moe/fused_moe_triton/layer.py#L414-L428",
     "vllm": f"{_VLLM}/model_executor/layers/fused_moe/config.py#L1352"})
-def _moe_ranks(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+def _moe_ranks(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
     """A MoE model's experts must split evenly: the expert intermediate size over the MoE
     tensor-parallel ranks, and (SGLang) the routed experts over the expert-parallel ranks."""
     if info.config is None:
@@ -126,7 +126,7 @@ def _ranks_text(cmd: Command, moe_tp: int, ep: int) -> str:
 @builtin("fp8-block-partition", sources={
     "sglang": f"{_SGL}/layers/quantization/fp8.py#L570-L610",
     "vllm": f"{_VLLM}/model_executor/layers/quantization/utils/fp8_utils.py#L1296-L1372"})
-def _fp8_blocks(cmd: Command, info: ModelInfo, facts: ServiceFacts) -> Failed | None:
+def _fp8_blocks(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
     """An FP8 block-quantized checkpoint needs every rank's slice of an MLP to be whole weight
     blocks (its weight_block_size [n, k]), dense and MoE alike."""
     block = _fp8_block(info, cmd)
@@ -171,7 +171,7 @@ def _good_split(size: int, tp: int, bn: int, bk: int) -> int:
 _PADDING_BACKENDS = ("flashinfer_trtllm",)
 
 
-def _moe_block(cmd: Command, per: int, moe_tp: int, bn: int, bk: int, facts: ServiceFacts) -> Failed | None:
+def _moe_block(cmd: Command, per: int, moe_tp: int, bn: int, bk: int, facts: RuleFacts) -> Failed | None:
     backend = (cmd.value("--moe-runner-backend") or "").lower()
     if cmd.server == "sglang" and backend in _PADDING_BACKENDS:
         return None

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from reconciler.controller.store import Store
-from reconciler.controller.web.hub import SECTIONS, Hub, Snapshot
+from reconciler.controller.web.hub import SECTIONS, Hub, PageState
 from reconciler.controller.web.server import PageServer, serve_page
 from reconciler.controller.web.stream import Refusals, SharedEvents, Streams
 from tests.page_load import SERVICES, populate
@@ -38,7 +38,7 @@ class Counting:
     def __init__(self) -> None:
         self.calls: list[tuple[str, ...]] = []
 
-    def __call__(self, snap: Snapshot, sections: tuple[str, ...]) -> dict[str, str]:
+    def __call__(self, snap: PageState, sections: tuple[str, ...]) -> dict[str, str]:
         self.calls.append(sections)
         return {s: f"<p>{s} v{snap.versions[s]}</p>" for s in sections}
 

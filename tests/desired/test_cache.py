@@ -53,7 +53,7 @@ def rich_state() -> DesiredState:
 
 def test_every_field_comes_back_as_it_was() -> None:
     state = rich_state()
-    entry = cache.decode(cache.encode(cache.Entry(cache.FORMAT, "t", "f", state)))
+    entry = cache.decode(cache.encode(cache.CacheEntry(cache.FORMAT, "t", "f", state)))
     assert entry is not None
     back = entry.state
     assert back == state

@@ -111,7 +111,7 @@ def test_drain_and_smoke_restart_nothing_and_survive_the_cache() -> None:
     plain, declared = load(repo()), load(repo("rollout = { min_available = 2 }\n" + HAPROXY + SMOKE))
     for h in ("a", "b", "c"):
         assert plain.hosts[h].services["web"].content_hash() == declared.hosts[h].services["web"].content_hash()
-    entry = cache.decode(cache.encode(cache.Entry(cache.FORMAT, "t", "f", declared)))
+    entry = cache.decode(cache.encode(cache.CacheEntry(cache.FORMAT, "t", "f", declared)))
     assert entry is not None
     again = entry.state
     assert again == declared

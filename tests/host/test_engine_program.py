@@ -102,14 +102,14 @@ def run_of(text: str, env: dict[str, str] | None = None) -> EngineRun:
     return run
 
 
-def ask(run: EngineRun, cached: str = "") -> tuple[engine.Answer, str]:
+def ask(run: EngineRun, cached: str = "") -> tuple[engine.EngineAnswer, str]:
     """The host program run by sh as a host runs it: its answer, and its raw output."""
     probe = engine.EngineProbe(run, cached=cached, seconds=30)
     res = run_here(probe, tokens=["T0"])
     return probe.parse(Records(res.stdout, "T0")), res.stdout
 
 
-def seen(a: engine.Answer) -> dict:
+def seen(a: engine.EngineAnswer) -> dict:
     """What the stand-in probe reported about how it was started."""
     assert a.verdict is not None and a.verdict.verdict == "ok", a
     return dict(a.verdict.resolved)
@@ -200,7 +200,7 @@ def test_an_unchanged_stamp_answers_from_the_cache_without_running_the_probe(hos
     first, _ = ask(run)
     (tmp_path / "rec").unlink()
     again, _ = ask(run, cached=first.stamp)
-    assert again == engine.Answer(first.stamp, None) and not (tmp_path / "rec").exists()
+    assert again == engine.EngineAnswer(first.stamp, None) and not (tmp_path / "rec").exists()
 
 
 def make_venv(at: Path, system_site: bool = False) -> Path:
@@ -270,7 +270,7 @@ def test_the_user_site_is_searched_for_the_units_user_and_given_to_the_probe(hos
             assert script != super().text()
             return script
 
-    def answer(run: EngineRun) -> engine.Answer:
+    def answer(run: EngineRun) -> engine.EngineAnswer:
         probe = Here(run, seconds=30)
         return probe.parse(Records(run_here(probe, tokens=["T0"]).stdout, "T0"))
     assert seen(answer(run_of(unit("User=daemon", python="/usr/bin/python3"))))["argv"][:2] == ["--path", str(us)]

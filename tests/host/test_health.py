@@ -13,7 +13,7 @@ from reconciler.desired.spec import HealthSpec
 from reconciler.errors import ConnectError
 from reconciler.host.health import SYSTEMD_RAMP, SystemdWatch, watch_service
 from reconciler.host.transport import Completed
-from reconciler.plan.facts.journal import Entry as E
+from reconciler.plan.facts.journal import JournalEntry as E
 from reconciler.plan.facts.journal import parse_journal
 from reconciler.plan.judges import explain, judge_systemd, spawn_failure
 from tests.clock import FakeClock

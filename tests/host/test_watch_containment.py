@@ -14,7 +14,7 @@ from reconciler.errors import ConnectError
 from reconciler.host.health import SystemdWatch, watch_service
 from reconciler.host.transport import Completed
 from reconciler.plan.facts.journal import JOURNAL_BYTES, Journal, parse_journal
-from reconciler.plan.facts.journal import Entry as E
+from reconciler.plan.facts.journal import JournalEntry as E
 from reconciler.plan.judges import EXPLAIN_SCAN, explain
 from tests.host.programs import headers
 from tests.host.test_health import CRASHING, POLL, RUNNING, ScriptedHost, watch_all

@@ -8,7 +8,7 @@ import pytest
 from reconciler.errors import CommandError, ConnectError, HostError, ObserveError
 from reconciler.host.health import Outcome
 from reconciler.host.lock import LockedError
-from reconciler.loop.results import Event, ServiceEvent, Step, host_failure, service_result
+from reconciler.loop.results import Event, RunPhase, ServiceEvent, host_failure, service_result
 from reconciler.plan.model import ServicePlan, State
 from reconciler.plan.records import Result
 from reconciler.reasons import Reason
@@ -106,17 +106,17 @@ COMMAND = CommandError("h1", "anything at all", 1, "boom")     # what it ran say
 
 @pytest.mark.parametrize("error, step, want", [
     # a command that only read the host keeps its own reason
-    (COMMAND, Step.OBSERVE, Reason.COMMAND_FAILED),
-    (COMMAND, Step.PREFLIGHT, Reason.COMMAND_FAILED),
+    (COMMAND, RunPhase.OBSERVE, Reason.COMMAND_FAILED),
+    (COMMAND, RunPhase.PREFLIGHT, Reason.COMMAND_FAILED),
     # one that failed while the run changed the host (or locked it) is the apply's
-    (COMMAND, Step.APPLY, Reason.APPLY_FAILED),
+    (COMMAND, RunPhase.APPLY, Reason.APPLY_FAILED),
     # every other host error keeps its own, wherever it happened
-    (ObserveError("h1", "garbled"), Step.APPLY, Reason.OBSERVE_FAILED),
-    (ConnectError("h1", "dropped"), Step.APPLY, Reason.UNREACHABLE),
-    (LockedError("h1", "held by another run"), Step.OBSERVE, Reason.LOCKED),
-    (HostError("h1", "?"), Step.APPLY, Reason.HOST_FAILED),
+    (ObserveError("h1", "garbled"), RunPhase.APPLY, Reason.OBSERVE_FAILED),
+    (ConnectError("h1", "dropped"), RunPhase.APPLY, Reason.UNREACHABLE),
+    (LockedError("h1", "held by another run"), RunPhase.OBSERVE, Reason.LOCKED),
+    (HostError("h1", "?"), RunPhase.APPLY, Reason.HOST_FAILED),
 ])
-def test_a_host_errors_reason(error: HostError, step: Step, want: Reason) -> None:
+def test_a_host_errors_reason(error: HostError, step: RunPhase, want: Reason) -> None:
     assert host_failure(error, step) is want
 
 

@@ -42,7 +42,7 @@ from ...redact import redact
 from ..config import is_loopback
 from ..store import Store
 from . import hosts, view
-from .hub import SECTIONS, Hub, Snapshot
+from .hub import SECTIONS, Hub, PageState
 from .stream import MAX_STREAMS, Refusals, SharedEvents, Streams
 from .view import CommitInfo, Commits
 
@@ -123,7 +123,7 @@ class Page:
         finally:
             store.close()
 
-    def model(self, snap: Snapshot, sections: tuple[str, ...], rows: list[dict[str, Any]] | None = None,
+    def model(self, snap: PageState, sections: tuple[str, ...], rows: list[dict[str, Any]] | None = None,
               **filters: str) -> dict[str, Any]:
         """The redacted model of the sections asked for (one store read for all of them)."""
         need_rows = rows is None and ("grid" in sections or "commits" in sections)
@@ -140,7 +140,7 @@ class Page:
     def render(self, template: str, model: dict[str, Any]) -> str:
         return self.env.get_template(template).render(**model)
 
-    def sections(self, snap: Snapshot, sections: tuple[str, ...]) -> dict[str, str]:
+    def sections(self, snap: PageState, sections: tuple[str, ...]) -> dict[str, str]:
         """The HTML of `sections` at `snap` (what the event streams send), from one model."""
         m = self.model(snap, sections)
         return {s: self.render(f"_{s}.html", m) for s in sections}

@@ -21,7 +21,7 @@ from ...plan.drain import StepKind
 from ...plan.forecast import unavailable_seconds
 from ...plan.rollout import natural_key
 from ...redact import redact
-from .hub import HostInfo, PhaseInfo, Snapshot
+from .hub import HostInfo, PageState, PhaseInfo
 from .view import Commits, Model, age, phase_model, revision
 
 # Health values in the store (status.service_health) that mean "not serving".
@@ -109,7 +109,7 @@ class _GridScope(msgspec.Struct, frozen=True):
     q: str
 
 
-def _grid_scope(services: list[str], snap: Snapshot, commits: Commits, label: str, q: str) -> _GridScope:
+def _grid_scope(services: list[str], snap: PageState, commits: Commits, label: str, q: str) -> _GridScope:
     """The grid's shared inputs, taken from the snapshot once for all its rows."""
     # The run's phases while it runs; after it, the store says the same in its own words.
     phases = snap.run.phases if snap.run and snap.run.finished is None else {}
@@ -206,7 +206,7 @@ def _host_row(name: str, info: HostInfo | None, stored: Mapping[str, Mapping[str
             "search": search, "hidden": _hidden(labels, search, scope.label, scope.q)}
 
 
-def grid(rows: Iterable[Mapping[str, Any]], snap: Snapshot, commits: Commits, *, label: str = "",
+def grid(rows: Iterable[Mapping[str, Any]], snap: PageState, commits: Commits, *, label: str = "",
          q: str = "") -> Model:
     """Hosts x services from the store, the hosts the desired state declares but no run has
     reached yet, and the run's live phase in each cell. Rows that the filters leave out are
@@ -223,7 +223,7 @@ def grid(rows: Iterable[Mapping[str, Any]], snap: Snapshot, commits: Commits, *,
 
 
 def history(host: str, rows: Iterable[Mapping[str, Any]], status_rows: Iterable[Mapping[str, Any]],
-            snap: Snapshot, lookup: Commits) -> Model:
+            snap: PageState, lookup: Commits) -> Model:
     """One host's page: its labels, its services now, and every attempt (newest first)."""
     info = snap.fleet.get(host)
     attempts = []
@@ -235,7 +235,7 @@ def history(host: str, rows: Iterable[Mapping[str, Any]], status_rows: Iterable[
                          "message": r["message"] or "", "quote": r["quote"]})
     failed = sum(1 for a in attempts if not a["ok"] and a["action"] in _WATCHED)
     took = sorted(a["seconds"] for a in attempts if a["seconds"])
-    current = grid([r for r in status_rows if r["host"] == host], Snapshot(
+    current = grid([r for r in status_rows if r["host"] == host], PageState(
         {host: info} if info else {}, snap.run, None, snap.repo_path, snap.versions, snap.mono, snap.wall), lookup)
     return {"host": host, "address": info.address if info else "", "labels": _host_labels(info),
             "attempts": attempts, "failed": failed, "median": took[len(took) // 2] if took else None,

@@ -75,7 +75,7 @@ class RunInfo(msgspec.Struct):
     hosts: dict[str, dict[str, str | None]] = msgspec.field(default_factory=dict)  # host -> status, reason, message
 
 
-class Snapshot(msgspec.Struct):
+class PageState(msgspec.Struct):
     """A copy of the hub's state for one render (the daemon keeps changing the original)."""
 
     fleet: dict[str, HostInfo]
@@ -232,9 +232,9 @@ class Hub:
 
     # -- read by the page -----------------------------------------------------------------
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> PageState:
         with self.lock:
-            return Snapshot(copy.deepcopy(self.fleet), copy.deepcopy(self.run), copy.deepcopy(self.last_rollout_run),
+            return PageState(copy.deepcopy(self.fleet), copy.deepcopy(self.run), copy.deepcopy(self.last_rollout_run),
                             self.repo_path, dict(self.versions), self.clock(), self.wall())
 
     def current_versions(self) -> dict[str, int]:

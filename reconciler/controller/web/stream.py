@@ -30,7 +30,7 @@ from concurrent.futures import Executor
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from .hub import SECTIONS, Hub, Snapshot
+from .hub import SECTIONS, Hub, PageState
 from .peer import Clients
 
 KEEPALIVE = 15.0        # seconds between comments on an idle event stream (proxies, dead peers)
@@ -41,7 +41,7 @@ RETRY_AFTER = 30        # seconds a refused stream is asked to wait (the page's 
 SAY_EVERY = 60.0        # seconds between the log lines about what the page turned away
 
 # The HTML of the sections asked for, from a snapshot of the hub (Page.sections).
-Render = Callable[[Snapshot, tuple[str, ...]], dict[str, str]]
+Render = Callable[[PageState, tuple[str, ...]], dict[str, str]]
 
 
 def sse(event: str, html: str, version: int) -> str:

@@ -25,7 +25,7 @@ import msgspec
 
 from ...plan.rollout import natural_key
 from ...redact import redact
-from .hub import DEPLOYING, PhaseInfo, RunInfo, Snapshot
+from .hub import DEPLOYING, PageState, PhaseInfo, RunInfo
 
 
 class CommitInfo(msgspec.Struct, frozen=True):
@@ -176,7 +176,7 @@ def rollout(ro: Mapping[str, Any], run: RunInfo, mono: float) -> Model:
             "skipped": list(ro.get("skipped") or ()), "seconds": ro.get("seconds") or 0}
 
 
-def _run(run: RunInfo, commits: Commits, snap: Snapshot) -> Model:
+def _run(run: RunInfo, commits: Commits, snap: PageState) -> Model:
     rev = revision(run.revision, commits, snap.wall)
     waved = {(h, ro["service"]) for ro in run.rollouts.values() for w in ro["waves"] for h in w["hosts"]}
     others = [{"host": h, "service": s, "phase": phase_model(p, snap.mono)}
@@ -197,7 +197,7 @@ def _run(run: RunInfo, commits: Commits, snap: Snapshot) -> Model:
             "finished": age(snap.wall - run.finished) if run.finished else ""}
 
 
-def live(snap: Snapshot, commits: Commits) -> Model:
+def live(snap: PageState, commits: Commits) -> Model:
     """The current (or last) run, and the last rollout when this run has none."""
     run = _run(snap.run, commits, snap) if snap.run else None
     last = None

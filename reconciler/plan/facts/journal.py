@@ -2,7 +2,7 @@
 
 `Journal(unit, since)` reads the unit's last JOURNAL_LINES entries as JSON (`journalctl -o
 json`), of those the newest JOURNAL_BYTES bytes; `parse_journal` takes any text (a line that is
-not a journal entry is skipped) into `Entry`s: what each says, whether the service's own
+not a journal entry is skipped) into `JournalEntry`s: what each says, whether the service's own
 processes said it (not systemd), its invocation, and how its process ended. What a failure's
 lines mean is plan/health.py's (`explain`, `spawn_failure`).
 """
@@ -22,7 +22,7 @@ JOURNAL_LINES = 200          # journal entries read for a failure
 JOURNAL_BYTES = 1 << 20      # the newest bytes of them kept (a cut first entry is no JSON: skipped)
 
 
-class Entry(msgspec.Struct, frozen=True):
+class JournalEntry(msgspec.Struct, frozen=True):
     """One journal line of a unit: what it says, whether the service's own processes said it
     (not systemd), the invocation it belongs to, and, on systemd's "Main process exited" line,
     how the process ended (EXIT_CODE exited | killed | dumped, EXIT_STATUS)."""
@@ -35,7 +35,7 @@ class Entry(msgspec.Struct, frozen=True):
 
 
 @dataclass(frozen=True)
-class Journal(HostProgram[list[Entry]]):
+class Journal(HostProgram[list[JournalEntry]]):
     """reconciler/sh/journal.sh: the unit's journal since `since` (epoch seconds): the last
     JOURNAL_LINES entries of it, and of those the newest JOURNAL_BYTES bytes."""
 
@@ -47,7 +47,7 @@ class Journal(HostProgram[list[Entry]]):
     def params(self) -> Mapping[str, Param]:
         return {"unit": self.unit, "since": str(max(0, self.since))}
 
-    def parse(self, answer: Records) -> list[Entry]:
+    def parse(self, answer: Records) -> list[JournalEntry]:
         _, mark, rest = answer.stdout.partition(f"{answer.token} J -\n")
         lines, _, _ = rest.rpartition(f"\n{answer.token} END")
         return parse_journal(lines if mark else "")
@@ -64,10 +64,10 @@ def _field(e: dict[str, object], key: str) -> str:
     return ""
 
 
-def parse_journal(stdout: str) -> list[Entry]:
+def parse_journal(stdout: str) -> list[JournalEntry]:
     """journalctl -o json -> entries in journal order; systemd's own lines have _PID 1. Total: a
     line that is not a JSON object of journal fields is skipped, whatever it holds."""
-    out: list[Entry] = []
+    out: list[JournalEntry] = []
     for line in stdout.splitlines():
         try:
             e = json.loads(line)
@@ -79,5 +79,5 @@ def parse_journal(stdout: str) -> list[Entry]:
         invocation = _field(e, "INVOCATION_ID" if from_systemd else "_SYSTEMD_INVOCATION_ID")
         code, status = (_field(e, "EXIT_CODE"), _field(e, "EXIT_STATUS")) if from_systemd else ("", "")
         for part in _field(e, "MESSAGE").splitlines():
-            out.append(Entry(part, not from_systemd, invocation, code, status))
+            out.append(JournalEntry(part, not from_systemd, invocation, code, status))
     return out
