@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
@@ -158,10 +158,10 @@ class Records(msgspec.Struct, frozen=True):
         return Records(head, self.token, self.host), raw
 
 
-class HostProgram(ABC, Generic[T_co]):
+class HostProgram(msgspec.Struct, Generic[T_co], frozen=True):
     """A program run on a host: reconciler/sh/<name>.sh with its constants in front (`text`),
     its named parameters and payload on stdin (`stdin`), and a pure parser of its answer
-    (`parse`). A subclass is a frozen dataclass of what it asks; host/programs.run runs it."""
+    (`parse`). A subclass is a frozen Struct of what it asks; host/programs.run runs it."""
 
     name: ClassVar[str]
     constants: ClassVar[Mapping[str, str]] = {}

@@ -2,9 +2,10 @@
 
 The project's value types are msgspec Structs: a class is made in about 0.01 ms at import, where a
 frozen dataclass takes about 0.5 ms (it compiles its methods), and a run imports over a hundred
-of them. A few stay dataclasses: the host programs (a generic base class), the records kept on
-hosts (plan/records.py: their JSON is read leniently, field by field, plan/lenient.py), and the
-types with fields left out of equality or repr (a secret's ciphertext, a result's facts).
+of them; the host programs too (frames.HostProgram is a generic Struct). A few stay dataclasses:
+the records kept on hosts (plan/records.py: their JSON is read leniently, field by field,
+plan/lenient.py), and the types with fields left out of equality or repr (a secret's ciphertext,
+a result's facts).
 `replace` serves both, so a caller need not know which one it holds.
 """
 

@@ -30,14 +30,14 @@ def test_named_parameters_are_lines_then_an_empty_one() -> None:
             shell.param_lines(bad)          # type: ignore[arg-type]
 
 
-class Say(HostProgram[list[str]]):
+class Say(HostProgram[list[str]], frozen=True):
     """A program of this test's own: it reads its parameters, then (`lines`) that many lines of
     payload; it says what it read, and ends as asked (an exit status of its own, a trap)."""
 
     name: ClassVar[str] = "test-say"
-
-    def __init__(self, what: str, body: str = "", lines: tuple[str, ...] = ()) -> None:
-        self.what, self.body, self.lines = what, body, lines
+    what: str
+    body: str = ""
+    lines: tuple[str, ...] = ()
 
     @classmethod
     def text(cls) -> str:

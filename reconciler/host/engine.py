@@ -30,7 +30,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import cache
 from pathlib import Path
 from typing import ClassVar
@@ -120,8 +120,7 @@ class EngineAnswer(msgspec.Struct, frozen=True):
     verdict: EngineVerdict | None
 
 
-@dataclass(frozen=True)
-class EngineProbe(HostProgram[EngineAnswer]):
+class EngineProbe(HostProgram[EngineAnswer], frozen=True):
     """reconciler/sh/engine-probe.sh for one service: its named parameters, then the allowlisted
     environment as an env file, then the probe program, which the host reads only where it runs
     the probe (so in a batch it goes last). `cached`: the host's stamp of a cached answer (the

@@ -10,7 +10,6 @@ policy)`: "report" never kills, "kill" sends SIGTERM, then SIGKILL after a grace
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import msgspec
@@ -74,8 +73,7 @@ class KillOutcome(msgspec.Struct, frozen=True):
     outcome: Literal["reported", "terminated", "killed", "gone", "survived", "failed"]
 
 
-@dataclass(frozen=True)
-class Signal(HostProgram[dict[str, set[int]]]):
+class Signal(HostProgram[dict[str, set[int]]], frozen=True):
     """reconciler/sh/signal.sh: SIGTERM (`term`: each holder whose name is still the one seen)
     or SIGKILL (`kill`) these holders, or say which are `alive`. Its answer: S (signalled), F
     (the signal failed) and A (alive), each a set of PIDs."""

@@ -34,7 +34,6 @@ import secrets
 import socket
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .. import redact, shell
@@ -106,8 +105,7 @@ def launch_command() -> str:
     return shell.sh_c(launch_text(), "reconciler-lock")
 
 
-@dataclass(frozen=True)
-class Install(HostProgram[tuple[str, ...]]):
+class Install(HostProgram[tuple[str, ...]], frozen=True):
     """reconciler/sh/install.sh: the given program texts installed under BIN by content (root's
     alone, each written atomically), the ones no longer given removed. Its answer: the names it
     installed; an answer cut short (a failed write) is an ObserveError."""

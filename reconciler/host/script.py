@@ -16,7 +16,6 @@ import base64
 import re
 import shlex
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 from .. import faults
@@ -294,8 +293,7 @@ def steps(plan: HostPlan, actions: Sequence[Action], now: int) -> list[str]:
     return out.lines
 
 
-@dataclass(frozen=True)
-class ApplyScript(HostProgram[ApplyAnswer]):
+class ApplyScript(HostProgram[ApplyAnswer], frozen=True):
     """reconciler/sh/apply.sh with the calls of the given actions (its steps) as its payload; or
     `calls` given as they are (a verdict's, a GPU fault's). `steps`: how many steps the calls
     number (0 to steps - 1); a record naming any other step is not one of them."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgspec
@@ -190,8 +189,7 @@ def parse_model_check(stdout: str, token: str, host: str = "?") -> dict[str, Mod
     return reading.out
 
 
-@dataclass(frozen=True)
-class ModelCheck(HostProgram[dict[str, ModelFacts]]):
+class ModelCheck(HostProgram[dict[str, ModelFacts]], frozen=True):
     """reconciler/sh/model-check.sh for these model directories: per path (a path with `*` is a
     pattern: its last matching directory is read, as for a Hugging Face cache's snapshots/*)
     whether it is a directory, config.json (line by line, builtins only) and

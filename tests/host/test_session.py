@@ -89,14 +89,12 @@ def locked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-class Said(HostProgram[str]):
+class Said(HostProgram[str], frozen=True):
     """A program that says what it is given (`say`), as the lock's first program: its parameters
     come after the holder's on stdin."""
 
     name = "test-said"
-
-    def __init__(self, say: str = "seen") -> None:
-        self.say = say
+    say: str = "seen"
 
     @classmethod
     def text(cls) -> str:

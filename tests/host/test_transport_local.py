@@ -23,14 +23,12 @@ from tests.host.procs import wait_gone
 from tests.host.programs import local_programs
 
 
-class Script(HostProgram[Records]):
+class Script(HostProgram[Records], frozen=True):
     """A program of a test's own text, run as the lock's first program: it reads its token (T)
     from its parameters, the lines after the holder's on stdin."""
 
     name = "test-script"
-
-    def __init__(self, body: str) -> None:
-        self.body = body
+    body: str
 
     def text(self) -> str:     # type: ignore[override]
         return ("#!/bin/sh\nwhile IFS= read -r l && [ -n \"$l\" ]; do case $l in token=*) T=${l#token=} ;; esac; "

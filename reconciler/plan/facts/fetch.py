@@ -10,7 +10,6 @@ status and the last lines it printed (its stderr and stdout, both sent to stderr
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import ClassVar
 
 import msgspec
@@ -34,8 +33,7 @@ class Fetched(msgspec.Struct, frozen=True):
         return self.status == 0
 
 
-@dataclass(frozen=True)
-class FetchCommand(HostProgram[Fetched]):
+class FetchCommand(HostProgram[Fetched], frozen=True):
     """reconciler/sh/fetch.sh: `command` run in `path`."""
 
     name: ClassVar[str] = "fetch"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import ClassVar
 
 import msgspec
@@ -119,8 +118,7 @@ def _mib(v: int | None) -> str:
     return "?" if v is None else str(v)
 
 
-@dataclass(frozen=True)
-class GpuRead(HostProgram[GpuFacts]):
+class GpuRead(HostProgram[GpuFacts], frozen=True):
     """reconciler/sh/gpu.sh: the GPUs and their holders; with health_since (host epoch seconds,
     0 for this boot), their health too (nvidia-smi -q, the kernel log's Xid reports since then,
     DCGM): GpuFacts.health. device_prefix: the device nodes' path prefix (a test points it at a

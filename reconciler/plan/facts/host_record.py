@@ -6,7 +6,6 @@ the same file in the observation (plan/facts/observe.py); this is the read witho
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import ClassVar
 
 from ...errors import ObserveError
@@ -32,8 +31,7 @@ def parse_host_record(answer: Records) -> HostRecord | None:
     raise ObserveError(answer.host, "host record read without its end")
 
 
-@dataclass(frozen=True)
-class HostRecordRead(HostProgram["HostRecord | None"]):
+class HostRecordRead(HostProgram["HostRecord | None"], frozen=True):
     """reconciler/sh/host-record.sh: the host record, or None where there is none."""
 
     name: ClassVar[str] = "host-record"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import ClassVar
 
 import msgspec
@@ -34,8 +33,7 @@ class JournalEntry(msgspec.Struct, frozen=True):
     exit_status: str = ""
 
 
-@dataclass(frozen=True)
-class Journal(HostProgram[list[JournalEntry]]):
+class Journal(HostProgram[list[JournalEntry]], frozen=True):
     """reconciler/sh/journal.sh: the unit's journal since `since` (epoch seconds): the last
     JOURNAL_LINES entries of it, and of those the newest JOURNAL_BYTES bytes."""
 

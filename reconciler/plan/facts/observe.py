@@ -15,7 +15,6 @@ record, and it is the same whichever controller asks.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from functools import cached_property
 from typing import ClassVar
 
@@ -35,8 +34,7 @@ SHOW_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,E
               "ActiveEnterTimestampMonotonic")
 
 
-@dataclass(frozen=True)
-class ServiceFacts:
+class ServiceFacts(msgspec.Struct, frozen=True, dict=True):   # dict: room for its cached properties
     """One service as found on the host. Files are None when absent.
 
     dropins: every drop-in file systemd would apply to the service (path -> content), ours
@@ -47,8 +45,8 @@ class ServiceFacts:
     unit_text: str | None = None
     env_text: str | None = None           # our env drop-in (it names the env file)
     record: ServiceRecord | None = None   # the reconciler's record: present = in the inventory
-    props: dict[str, str] = field(default_factory=dict)
-    dropins: dict[str, str] = field(default_factory=dict)
+    props: dict[str, str] = msgspec.field(default_factory=dict)
+    dropins: dict[str, str] = msgspec.field(default_factory=dict)
     envfile_text: str | None = None       # the env file (envfile_path)
     # A run's leave of rotation is recorded (layout.ROTATION_DIR/NAME.left) and no rejoin followed
     # it: the run was killed between the two (plan/rejoin.py decides what the next run does)
@@ -115,8 +113,7 @@ class HostFacts(msgspec.Struct, frozen=True):
         return {n for n, s in self.services.items() if s.managed}
 
 
-@dataclass(frozen=True)
-class Observe(HostProgram[HostFacts]):
+class Observe(HostProgram[HostFacts], frozen=True):
     """reconciler/sh/observe.sh: everything about these services (and the inventory), and the
     keyed hash of each file in `secret_files` (None: none hashed, and nothing written: the key
     is made on first use)."""

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import ClassVar
 
 import msgspec
@@ -173,8 +172,7 @@ _CURSOR = re.compile(r"-- cursor: (s=[0-9a-f]{1,32};i=[0-9a-f]{1,32};b=[0-9a-f]{
 Tail = dict[str, tuple[list[str], "str | None"]]     # invocation -> (its new lines, the cursor after them)
 
 
-@dataclass(frozen=True)
-class JournalTail(HostProgram[Tail]):
+class JournalTail(HostProgram[Tail], frozen=True):
     """reconciler/sh/progress.sh for (invocation, cursor) pairs: each invocation's lines after
     its cursor (None: its last LINES lines)."""
 

@@ -8,7 +8,6 @@ empty. Several units come as blocks apart by an empty line, each keyed by its Id
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 from ...frames import HostProgram, Param, Records
@@ -31,8 +30,7 @@ def parse_show(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
-@dataclass(frozen=True)
-class UnitShow(HostProgram[dict[str, dict[str, str]]]):
+class UnitShow(HostProgram[dict[str, dict[str, str]]], frozen=True):
     """reconciler/sh/show.sh: these units' properties, {unit Id: {Key: value}}. Its answer runs to
     the end of the output (the shell becomes systemctl), so in a batch it goes last."""
 

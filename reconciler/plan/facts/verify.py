@@ -14,7 +14,6 @@ import contextlib
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import ClassVar
 
 import msgspec
@@ -40,14 +39,13 @@ def _lines(text: str) -> tuple[int, str]:
     return len(pieces), "".join(p + "\n" for p in pieces)
 
 
-@dataclass(frozen=True)
-class Verify(HostProgram[Verified]):
+class Verify(HostProgram[Verified], frozen=True):
     """reconciler/sh/verify.sh for these units (`nonce`: the private directory's random part)."""
 
     name: ClassVar[str] = "verify"
     constants: ClassVar[Mapping[str, str]] = {"ENV_DROPIN": ENV_DROPIN}
     units: Units
-    nonce: str = field(default_factory=lambda: secrets.token_hex(8))
+    nonce: str = msgspec.field(default_factory=lambda: secrets.token_hex(8))
 
     def tempname(self, service: str) -> str:
         return f"reconciler-verify-{self.nonce[:8]}-{service}"

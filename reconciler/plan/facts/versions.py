@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 import msgspec
@@ -34,8 +33,7 @@ class VersionRead(msgspec.Struct, frozen=True):
     user_site: bool = True
 
 
-@dataclass(frozen=True)
-class Versions(HostProgram[dict[str, str | None]]):
+class Versions(HostProgram[dict[str, str | None]], frozen=True):
     """reconciler/sh/versions.sh for these reads: service -> version (None: unknown)."""
 
     name: ClassVar[str] = "versions"
