@@ -207,8 +207,8 @@ class Bench:
             cell.base.append(spawn([sys.executable, "-m", "reconciler", "--help"],
                                    {**self.env, "PYTHONPATH": str(self.baseline)}, "", cwd=self.baseline))
 
-    def floor(self, repo: DesiredRepo, hosts: list[fleetlib.Host], value: int, expect: str) -> Run:
-        """The floor converging `hosts` to the repo's unit with env BENCH_VALUE=value."""
+    def floor_spec(self, repo: DesiredRepo, hosts: list[fleetlib.Host], value: int) -> Path:
+        """The floor's SPEC file: `hosts` converged to the repo's unit with env BENCH_VALUE=value."""
         state = load.load_desired(source.snapshot(repo.repo))
         spec = {"key": self.key, "known_hosts": str(self.kh), "service": SERVICE,
                 "hosts": [{"address": h.address, "files": floor_files(replace(
@@ -217,8 +217,12 @@ class Bench:
                           for h in hosts]}
         path = self.tmp / "floor.json"
         path.write_text(json.dumps(spec))
-        return spawn([sys.executable, "-m", "bench.floor", str(path)], self.env, f"{len(hosts)} {expect}",
-                     pids=(self.pids, hosts))
+        return path
+
+    def floor(self, repo: DesiredRepo, hosts: list[fleetlib.Host], value: int, expect: str) -> Run:
+        """The floor converging `hosts` to the repo's unit with env BENCH_VALUE=value."""
+        return spawn([sys.executable, "-m", "bench.floor", str(self.floor_spec(repo, hosts, value))], self.env,
+                     f"{len(hosts)} {expect}", pids=(self.pids, hosts))
 
     def reset(self, hosts: list[fleetlib.Host], script: str = RESET) -> None:
         def one(h: fleetlib.Host) -> None:
