@@ -8,6 +8,7 @@ point. Also which GPUs a server claims (`gpu_claim`).
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from collections.abc import Mapping
@@ -303,10 +304,22 @@ def parse_command(svc: ServiceSpec) -> Command:
     skipped), continuation lines are joined, ${VAR}/$VAR are expanded from the unit's
     Environment= lines and the service's env. A unit without a recognised server gives a
     Command whose server is None (no server rules apply to it).
+
+    Parsed once per unit text and env (PARSED): a start's pre-flight reads its command four
+    times (the rules, the engine check, the version read, the readiness probes), at about
+    0.2 ms a parse. A Command is frozen, and nothing changes its mappings.
     """
-    entries = unit_entries(svc.unit_text)
+    return _parse(svc.unit_text, tuple(svc.env.items()))
+
+
+PARSED = 1024      # the commands kept: a unit text and env each (a daemon's fleet of hosts, each its own)
+
+
+@functools.lru_cache(maxsize=PARSED)
+def _parse(unit_text: str, service_env: tuple[tuple[str, str], ...]) -> Command:
+    entries = unit_entries(unit_text)
     env = environment_lines(entries)
-    env.update(svc.env)              # the reconciler's env file: EnvironmentFile= wins over Environment=
+    env.update(service_env)          # the reconciler's env file: EnvironmentFile= wins over Environment=
     exec_start: str | None = None
     for key, value in entries:
         if key == "ExecStart":

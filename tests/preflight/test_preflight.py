@@ -141,6 +141,17 @@ def test_parse_env_merge_order_and_expansion():
     assert cmd.visible_devices == ["0", "1"]
 
 
+def test_a_command_is_parsed_once_per_unit_text_and_env():
+    # the pre-flight of a start reads a service's command four times: one parse serves them
+    text = unit("/usr/bin/python3 -m sglang.launch_server --model-path /models/x --tp-size $TP")
+    first = pf.parse_command(ServiceSpec(name="a", unit_text=text, env={"TP": "2"}))
+    assert pf.parse_command(ServiceSpec(name="b", unit_text=text, env={"TP": "2"})) is first
+    other = pf.parse_command(ServiceSpec(name="a", unit_text=text, env={"TP": "4"}))
+    assert other is not first and other.value("--tp-size") == "4" and first.value("--tp-size") == "2"
+    changed = pf.parse_command(ServiceSpec(name="a", unit_text=text.replace("/models/x", "/models/y"), env={"TP": "2"}))
+    assert changed.model == "/models/y" and first.model == "/models/x"
+
+
 def test_parse_shell_wrapper():
     text = unit("/bin/bash -c 'SGLANG_ENABLE_SPEC_V2=1 exec python3 -m sglang.launch_server "
                 "--model-path /m --speculative-algorithm EAGLE'")
