@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -43,6 +42,7 @@ from ..plan.rollout import (
     plan_rollouts,
 )
 from ..reasons import Reason
+from ..values import replace
 from .host_run import Pass, lock_and_observe, reconcile_host, ssh_connector
 from .live import look
 from .options import RunIO, RunOptions
@@ -264,7 +264,7 @@ class _FleetRun:
                 # planned again only where a hold or a quarantine now asks something else of it.
                 unlocked = self._unlocked(h)
                 if unlocked and not hold and not qs and h.name not in self.passed:
-                    r = dataclasses.replace(before, seconds=0.0)
+                    r = replace(before, seconds=0.0)
                 else:
                     r = await self.host_pass(h, Pass(t, dry_run=unlocked, hold=hold, quarantine=qs,
                                                      facts=None if fresh and not unlocked else before.facts,
