@@ -176,6 +176,9 @@ class HostProgram(msgspec.Struct, Generic[T_co], frozen=True):
     # assignments, then its text, then its payload (the apply script's steps, which are calls
     # of the program's functions): it runs alone.
     script_on_stdin: ClassVar[bool] = False
+    # Its text is POSIX sh that bash runs alike and it never `exec`s: a host session's bash may
+    # run it itself, with no sh of its own (shell.ShScript; the warm daemon's observation).
+    in_session: ClassVar[bool] = False
 
     def params(self) -> shell.Params:
         """The named parameters (a sequence: the name once per item; None: left out; or
@@ -238,4 +241,4 @@ def _command(programs: tuple[type[HostProgram[Any]], ...]) -> str:
     texts = [p.text() for p in programs]
     script = "".join(f"(\n{t})\n" for t in texts[:-1]) + texts[-1]
     name = f"reconciler-{programs[0].name}" if len(programs) == 1 else "reconciler-batch"
-    return shell.sh_c(script, name)
+    return shell.ShScript(script, name) if all(p.in_session for p in programs) else shell.sh_c(script, name)

@@ -81,6 +81,21 @@ def sh_c(script: str, name: str = "sh") -> str:
     return f"sh -c {shlex.quote(script)} {shlex.quote(name)}"
 
 
+class ShScript(str):
+    """`sh -c SCRIPT NAME` (the command line, as `sh_c` makes it) that also carries its SCRIPT:
+    a shell already running on the host (a host session's bash, host/session.py) may run the
+    script itself, with no `sh` of its own. Only for a script that bash runs as sh does and
+    that never `exec`s (the session's shell writes its end record after it): frames.HostProgram
+    says which (`in_session`)."""
+
+    script: str
+
+    def __new__(cls, script: str, name: str = "sh") -> ShScript:
+        cmd = super().__new__(cls, sh_c(script, name))
+        cmd.script = script
+        return cmd
+
+
 def assignments(values: Mapping[str, str | int | Sequence[str] | None]) -> str:
     """Named parameters of a program the shell reads from stdin: `NAME='value'` lines (a
     sequence: its items a word each, for a list of plain words; None: left out)."""

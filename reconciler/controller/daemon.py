@@ -111,8 +111,9 @@ class Daemon:
         self.hub: Hub | None = Hub() if cfg.web else None
         self.commit_status = CommitStatus(cfg)   # deploy status on the commit: git notes, forge status
         # One SSH connection per host kept open between runs (pool.py): a warm no-change round
-        # costs the host lock and one observation per host, not a handshake.
-        self.pool = Pool(ssh_connector(cfg.identity))
+        # costs one observation per host, not a handshake, through the connection's standing
+        # session (session.py), not an sshd session and a login shell of its own.
+        self.pool = Pool(ssh_connector(cfg.identity), standing=True)
         self._loaded: tuple[str | None, DesiredState, RuleSet] | None = None   # the last tree loaded
         self._git = asyncio.Lock()                 # one open or fetch of the repo at a time (_head)
         if cfg.webhook_allow:                      # where fleet.toml's webhook may go: this config says

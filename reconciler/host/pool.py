@@ -21,6 +21,13 @@ What keeps it safe:
   (`retain`), are closed; a host that is leased twice at once gets a second, unpooled connection.
 - `close()` closes them all (the daemon's SIGTERM).
 
+A `standing` pool (the daemon's) also keeps a standing session on each reused connection
+(session.py: the session loop in bash, no lock), started at its second lease: a run's commands
+go through it while it is free, each a frame on a channel already open, where a channel of their
+own costs the host an sshd session and a login shell, and the observation runs in that bash
+itself. One that broke (a command timed out) is started again at the next lease; one that never
+came up (no bash) is not, on that connection.
+
 The pool is I/O glue: no decision of the planner depends on whether a connection was reused.
 """
 
@@ -36,6 +43,7 @@ import msgspec
 
 from ..desired.spec import HostSpec, SSHSpec
 from ..errors import ConnectError
+from .session import HostSession, SessionTransport, stand
 from .transport import Completed, Spawned, Transport
 
 Connect = Callable[[HostSpec], Awaitable[Transport]]
@@ -48,6 +56,13 @@ class _Entry(msgspec.Struct):
     key: tuple[str, SSHSpec]
     leased: bool = False
     used: float = msgspec.field(default_factory=time.monotonic)
+    session: HostSession | None = None      # its standing session (a standing pool's)
+
+    def through(self, t: Transport) -> Transport:
+        """Where a command on `t` goes: the standing session while it is up on this connection
+        (it sends a command it cannot take to a channel of its own), else `t` itself."""
+        s = self.session
+        return SessionTransport(t, s) if s is not None and t is self.transport and not s.broken else t
 
 
 def _alive(t: Transport) -> bool:
@@ -60,8 +75,9 @@ def _alive(t: Transport) -> bool:
 class Pool:
     """One open connection per host, leased to one run at a time."""
 
-    def __init__(self, connect: Connect, *, idle: float = IDLE, clock: Callable[[], float] = time.monotonic):
-        self._connect, self.idle, self.clock = connect, idle, clock
+    def __init__(self, connect: Connect, *, idle: float = IDLE, clock: Callable[[], float] = time.monotonic,
+                 standing: bool = False):
+        self._connect, self.idle, self.clock, self.standing = connect, idle, clock, standing
         self._entries: dict[str, _Entry] = {}
         self.opened = 0          # connections opened since the pool started (for tests and metrics)
         self.reused = 0          # leases served by an open connection
@@ -80,6 +96,9 @@ class Pool:
             if e.key == key and _alive(e.transport):
                 e.leased, e.used = True, self.clock()
                 self.reused += 1
+                if self.standing and (e.session is None or (e.session.broken and e.session.came_up)):
+                    # it outlives the pool's own idle limit: the pool closes the connection first
+                    e.session = await stand(e.transport, self.idle + 60)
                 return _Leased(self, e, host, reused=True)
             del self._entries[host.name]           # broken, or the host is now reached another way
             await _close(e.transport)
@@ -96,6 +115,7 @@ class Pool:
     async def _fresh(self, e: _Entry, host: HostSpec) -> Transport:
         """Replace a leased entry's dead connection with a new one (same lease)."""
         await _close(e.transport)
+        e.session = None
         e.transport = await self._connect(host)
         self.opened += 1
         return e.transport
@@ -158,7 +178,8 @@ class _Leased:
 
     async def run(self, cmd: str, *, input: str | None = None, check: bool = False,
                   timeout: float | None = 60.0, what: str = "command") -> Completed:
-        return await self._call(lambda t: t.run(cmd, input=input, check=check, timeout=timeout, what=what))
+        return await self._call(lambda t: self._entry.through(t).run(cmd, input=input, check=check,
+                                                                      timeout=timeout, what=what))
 
     async def open_connection(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:

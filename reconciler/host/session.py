@@ -22,10 +22,19 @@ the channel, never on a command line (`ps` would show it to every user), and no 
 them. The command runs as it would in its own channel: `sh -c ...` or `sh -s` with its input
 on stdin, in a process group of its own (so a kill reaches all of it).
 
+A program whose text bash runs as sh does (frames.HostProgram.in_session: the observation) is
+run by the session's bash itself, with no sh of its own (shell.ShScript): a process fewer, and
+bash reads a file's lines in blocks where dash reads a byte per call.
+
 One command at a time: while one runs (the health watches of several services run at once),
 another goes through a channel of its own, as before. A host without bash, a holder that did
 not come back whole, a command that timed out (killed, its output unread): the session is left
 and every later command has its own channel.
+
+The warm daemon keeps a *standing* session on each kept connection (host/pool.py): the same
+loop with no lock (`standing_command`), started once per connection, through which its rounds
+observe the host: a round then costs the host no sshd session and no login shell. One that
+never says READY (no bash on the host) leaves its commands to their own channels.
 """
 
 from __future__ import annotations
@@ -33,8 +42,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import shlex
 
-from .. import frames
+from .. import frames, shell
 from ..errors import CommandError, ConnectError
 from .transport import Completed, Spawned, StreamSpawned, Transport, checked
 
@@ -46,11 +56,14 @@ class _NotSent(Exception):
 class HostSession:
     """The controller's end of the holder's command loop."""
 
-    def __init__(self, host: str, proc: StreamSpawned, token: str):
+    def __init__(self, host: str, proc: StreamSpawned, token: str, *, standing: bool = False):
         self.host, self.proc, self.token = host, proc, token
         self.busy = False
         self.broken = False
-        self._ready = False
+        # standing: a session of its own (no lock) that may never come up (no bash on the host):
+        # its first command then goes to a channel of its own
+        self.standing = standing
+        self.came_up = False
         # A command's token is the holder's (`token`), then the command's own: the ends are
         # looked for by the holder's part, the same text for every command (asyncssh compiles a
         # reader's separator to a regex per call, and Python keeps the ones it compiled last).
@@ -62,6 +75,8 @@ class HostSession:
 
     async def run(self, cmd: str, *, input: str | None, timeout: float | None, what: str) -> Completed:
         tok = self._prefix + secrets.token_hex(8)
+        if isinstance(cmd, shell.ShScript):     # a program's text: this bash runs it itself
+            cmd = cmd.script
         size = len(cmd.encode())
         more = "-" if input is None else str(len(input.encode()))
         self.busy = True
@@ -90,9 +105,15 @@ class HostSession:
         return ended(out, tok, err)
 
     async def _collect(self, tok: str) -> tuple[str, str]:
-        if not self._ready:             # whatever the holder wrote to stderr before its loop
-            await self.proc.readuntil(f"{self.token} READY\n", stderr=True)
-            self._ready = True
+        if not self.came_up:            # whatever the holder wrote to stderr before its loop
+            try:
+                await self.proc.readuntil(f"{self.token} READY\n", stderr=True)
+            except (asyncio.IncompleteReadError, OSError):
+                if not self.standing:
+                    raise
+                self.broken = True      # never came up: nothing ran the command
+                raise _NotSent() from None
+            self.came_up = True
         own = tok[len(self._prefix):]
         out, err = await asyncio.gather(self._until(f"{own} END "), self._until(f"{own} END\n", stderr=True))
         return out, err[: -len(f"\n{tok} END\n")]
@@ -113,6 +134,27 @@ class HostSession:
         self.broken = True
         with contextlib.suppress(OSError, RuntimeError):
             self.proc.write("K\n")
+
+
+def standing_command(token: str, idle: float) -> str:
+    """The command line of a standing session: session.sh in bash, with no lock (nothing to let
+    go), ending after `idle` seconds of silence; where the host has no bash, it ends at once."""
+    loop = f"T={token}\nIDLE={int(idle)}\nlet_go() {{ :; }}\n" + shell.program("session")
+    return f"command -v bash >/dev/null && exec bash -c {shlex.quote(loop)} reconciler-session"
+
+
+async def stand(t: Transport, idle: float) -> HostSession | None:
+    """A standing session on this connection (its first command waits for it to come up), or
+    None where it cannot start (the connection is gone: the caller's next command finds that)."""
+    token = secrets.token_hex(8)
+    try:
+        proc = await t.spawn(standing_command(token, idle))
+    except ConnectError:
+        return None
+    if not isinstance(proc, StreamSpawned):
+        await proc.close()
+        return None
+    return HostSession(t.host, proc, token, standing=True)
 
 
 def ended(out: str, tok: str, err: str) -> Completed:

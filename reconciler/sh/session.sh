@@ -16,8 +16,11 @@
 # The command text and its input come on the channel, never on a command line, and no file
 # holds them. Each runs in the background in a process group of its own (so a kill reaches all
 # of it), while the loop goes on reading heartbeats. Once it reads frames it says "$T READY" on
-# stderr (what the holder wrote there before is not a command's). Needs from holder.sh: T (its
-# token), IDLE (seconds), let_go (what it runs as it ends).
+# stderr (what the holder wrote there before is not a command's). A command is any shell text:
+# `sh -c ...` as in a channel of its own, or a program's own text, which this bash runs itself
+# (no sh of its own: host/session.py). Needs from holder.sh: T (its token), IDLE (seconds),
+# let_go (what it runs as it ends). The warm daemon's standing session (no lock) is this loop
+# with those three set in front of it, on a kept connection of its own (host/pool.py).
 # shellcheck disable=SC2154  # T and IDLE are set by holder.sh, which sources this file
 
 HERE_MAX=60000    # bytes of input given as a here-string: under a pipe's 64 KiB
@@ -28,33 +31,37 @@ shopt -s lastpipe
 pid=
 stop() { [ -z "$pid" ] || kill -TERM -- "-$pid"; pid=; }
 trap 'stop; let_go' EXIT
+begin() {  # token: in a command's group, before the command: its ends, written by the group's
+  # EXIT trap (an `exit` in the command ends it too), the token written into the trap as it is
+  # set (a command this shell runs itself may set any variable); the host's clock for the
+  # command from bash's own printf (apply's @@now: no `date` process)
+  # shellcheck disable=SC2064  # expanded now, on purpose
+  trap "printf '\n%s END %s\n' $1 \"\$?\"; printf '\n%s END\n' $1 >&2" EXIT
+  printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
+}
 while IFS= read -r -t "$IDLE" line && [ -n "$line" ]; do
   case $line in
   R\ *)
     read -r _ tok size more <<< "$line"
+    case $tok in ''|*[!0-9a-f:]*) break ;; esac
     cmd='' inp=''
     [ "$size" = 0 ] || LC_ALL=C read -r -N "$size" cmd || break
     case $more in -|0) ;; *) LC_ALL=C read -r -N "$more" inp || break ;; esac
-    # The group's EXIT trap writes the ends (an `exit` in the command ends it too); the host's
-    # clock for the command from bash's own printf (apply's @@now: no `date` process).
     if [ "$more" = - ]; then
       {
-        trap 'printf "\n%s END %s\n" "$tok" "$?"; printf "\n%s END\n" "$tok" >&2' EXIT
-        printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
+        begin "$tok"
         eval "$cmd" 4>&- 9>&-
       } </dev/null 2>&4 &
     elif [ "$more" -le "$HERE_MAX" ]; then
       # Input that fits a pipe: a here-string, which bash writes into a pipe itself (no process,
       # and no file), its final newline the input's own (one is added where it has none).
       {
-        trap 'printf "\n%s END %s\n" "$tok" "$?"; printf "\n%s END\n" "$tok" >&2' EXIT
-        printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
+        begin "$tok"
         eval "$cmd" 4>&- 9>&- <<< "${inp%$'\n'}"
       } </dev/null 2>&4 &
     else
       {   # more than a pipe holds: bash would put a here-string in a temp file; never a file
-        trap 'printf "\n%s END %s\n" "$tok" "$?"; printf "\n%s END\n" "$tok" >&2' EXIT
-        printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
+        begin "$tok"
         printf %s "$inp" | eval "$cmd" 4>&- 9>&-
       } </dev/null 2>&4 &
     fi

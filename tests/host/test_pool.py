@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from reconciler.desired.spec import HostSpec, SSHSpec
-from reconciler.errors import ConnectError
+from reconciler.errors import CommandError, ConnectError
 from reconciler.host.pool import Pool
 from reconciler.host.transport import Completed
 
@@ -185,3 +185,95 @@ def test_retain_closes_hosts_that_left_the_fleet_and_idle_ones_never_a_leased_on
         await pool.close()
     run(scenario())
     assert all(t._conn.closed for t in made) and len(pool) == 0
+
+
+class LocalHost(FakeTransport):
+    """A connection whose spawned commands run here in sh, over pipes read as the SSH channel's
+    are (the standing session's loop is the real session.sh in bash); `run` is a channel of its
+    own, counted."""
+
+    async def run(self, cmd: str, **kw: object) -> Completed:
+        self.commands.append(str(kw.get("what", cmd)))
+        p = await asyncio.create_subprocess_exec("sh", "-c", cmd, stdin=asyncio.subprocess.PIPE,
+                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await p.communicate()
+        return Completed(p.returncode, out.decode(), err.decode())
+
+    async def spawn(self, cmd: str) -> Piped:
+        self.commands.append("spawn")
+        return Piped(await asyncio.create_subprocess_exec(
+            "sh", "-c", cmd.replace("command -v bash >/dev/null", "[ -z \"$NO_BASH\" ] && command -v bash >/dev/null"),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
+
+
+class Piped:
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+
+    async def readline(self) -> str:  # pragma: no cover - the session reads through readuntil
+        assert self.proc.stdout is not None
+        return (await self.proc.stdout.readline()).decode()
+
+    async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
+        stream = self.proc.stderr if stderr else self.proc.stdout
+        assert stream is not None
+        return (await stream.readuntil(separator.encode())).decode()
+
+    def write(self, data: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data.encode())
+
+    async def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        await self.proc.wait()
+
+
+@pytest.fixture
+def standing(made: list[FakeTransport]) -> Pool:
+    async def connect(h: HostSpec) -> FakeTransport:
+        t = LocalHost(h.name, len(made))
+        made.append(t)
+        return t
+    return Pool(connect, clock=Clock(), standing=True)  # type: ignore[arg-type]
+
+
+def test_a_standing_pool_runs_a_reused_connections_commands_through_its_standing_session(standing, made):
+    """The daemon's pool: the first lease of a connection runs its commands on channels of their
+    own; from the second on, one standing session (started once) runs them, each a frame; one
+    that broke (a command timed out: killed) is started again at the next lease."""
+    async def scenario() -> None:
+        t = await standing.lease(host())
+        assert (await t.run("echo cold", what="observe")).stdout == "cold\n"
+        await t.close()
+        for i in range(3):
+            t = await standing.lease(host())
+            r = await t.run(f"echo warm {i}; echo err >&2; exit 3", what="observe")
+            assert (r.exit_status, r.stdout, r.stderr) == (3, f"warm {i}\n", "err\n")
+            await t.close()
+        assert made[0].commands == ["observe", "spawn"]
+        t = await standing.lease(host())
+        with pytest.raises(CommandError, match="timed out"):
+            await t.run("sleep 30", timeout=0.3, what="slow")
+        assert (await t.run("echo own", what="after")).stdout == "own\n"      # left: its own channel
+        await t.close()
+        t = await standing.lease(host())
+        assert (await t.run("echo back", what="observe")).stdout == "back\n"
+        await t.close()
+        assert made[0].commands == ["observe", "spawn", "after", "spawn"]
+        await standing.close()
+    run(scenario())
+
+
+def test_a_standing_session_that_never_came_up_is_not_started_again_on_that_connection(
+        standing, made, monkeypatch):
+    monkeypatch.setenv("NO_BASH", "1")
+
+    async def scenario() -> None:
+        for i in range(3):
+            t = await standing.lease(host())
+            assert (await t.run(f"echo {i}", what="observe")).stdout == f"{i}\n"
+            await t.close()
+        await standing.close()
+    run(scenario())
+    assert made[0].commands == ["observe", "spawn", "observe", "observe"]

@@ -13,14 +13,15 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from reconciler.errors import CommandError
 from reconciler.frames import HostProgram, Records
-from reconciler.host import lock
-from reconciler.host.session import SessionTransport
+from reconciler.host import lock, programs
+from reconciler.host.session import HostSession, SessionTransport, standing_command
 from reconciler.host.transport import Completed
 from tests.host.procs import running, wait_gone
 from tests.host.programs import local_programs
@@ -370,3 +371,73 @@ def test_who_holds_the_lock_is_redacted_then_cut() -> None:
     assert len(said) == OWNER_MAX and "***" in said and not leaked(secret, said)
     assert holder_said("reconcile on ctl pid 7 since 2026-12-03 10:00:00\n") == \
         "reconcile on ctl pid 7 since 2026-12-03 10:00:00"
+
+
+class Record(HostProgram[str], frozen=True):
+    """reconciler/sh/host-record.sh with its record in a test's directory: a program bash runs as
+    sh does (in_session), as the observation is."""
+
+    name = "host-record"
+    in_session = True
+    path: str = ""
+
+    def params(self) -> dict[str, str]:
+        return {}
+
+    def parse(self, answer: Records) -> str:
+        return "|".join(f.payload for f in answer.whole("cut short"))
+
+
+def _standing(proc_cmd: list[str]) -> tuple[_Channels, list[str], Callable[[], Awaitable[SessionTransport]]]:
+    """A standing session (no lock) over local pipes, and the frames it was sent."""
+    ch, sent = _Channels(), []
+
+    async def start() -> SessionTransport:
+        p = await asyncio.create_subprocess_exec(*proc_cmd, stdin=asyncio.subprocess.PIPE,
+                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        piped = _Piped(p)
+        write = piped.write
+        piped.write = lambda data: (sent.append(data), write(data))[1]  # type: ignore[method-assign]
+        return SessionTransport(ch, HostSession("h1", piped, "ab12", standing=True))  # type: ignore[arg-type]
+    return ch, sent, start
+
+
+def test_a_program_bash_runs_as_sh_runs_in_the_sessions_own_bash_and_answers_as_in_its_own_sh(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm daemon's standing session (no lock: standing_command) runs an in_session program's
+    text in its own bash, with no sh of its own; its answer is the one `sh -c` gives on a channel
+    of its own, to the byte: lines, a last line without its newline, blanks and backslashes."""
+    record = tmp_path / "host.json"
+    record.write_text('{"a": "x\\\\y"}\n\n  two  \\\n{"last": true}')
+    monkeypatch.setattr(Record, "constants", {"HOST_RECORD": str(record)})
+    ch, sent, start = _standing(["sh", "-c", standing_command("ab12", 30)])
+
+    async def go() -> None:
+        t = await start()
+        own = await programs.run(ch, Record(), what="record")          # its own channel: sh -c
+        assert ch.ran == ["record"]
+        said = await programs.run(t, Record(), what="record")
+        assert ch.ran == ["record"] and said == own
+        assert said.split("|")[:4] == ['L {"a": "x\\\\y"}', "L ", "L   two  \\", 'P {"last": true}']
+        frame = next(s for s in sent if s.startswith("R "))
+        assert frame.split("\n", 1)[1].startswith("#!/bin/sh\nHOST_RECORD=")    # the text itself, no `sh -c`
+        # a command that sets the session's own names (tok, T, cmd) still ends as itself
+        r = await t.run("tok=x T=y cmd=z pid=; echo $tok$T$cmd; exit 5")
+        assert (r.exit_status, r.stdout) == (5, "xyz\n") and ch.ran == ["record"]
+        await t.session.proc.close()
+    asyncio.run(go())
+
+
+def test_a_standing_session_that_never_comes_up_leaves_its_command_to_its_own_channel() -> None:
+    """Where the host has no bash, the standing session's shell ends before it says READY: the
+    command it was given goes to a channel of its own, and so does every later one."""
+    ch, _, start = _standing(["sh", "-c", "exit 0"])
+
+    async def go() -> None:
+        t = await start()
+        r = await t.run("echo here", what="first")
+        assert (r.exit_status, r.stdout) == (0, "here\n") and ch.ran == ["first"]
+        assert t.session.broken and not t.session.came_up
+        assert (await t.run("echo again", what="second")).stdout == "again\n"
+        assert ch.ran == ["first", "second"]
+    asyncio.run(go())
