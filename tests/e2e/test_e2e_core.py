@@ -296,3 +296,53 @@ def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
         # through the lock holder's shell: no SSH channel of its own (session.py)
         assert seen[h.name] == ["lock"], seen
     assert "LOG_LEVEL=debug" in fleet.environment(hosts[1], "model-a")
+
+
+def test_the_warm_daemons_standing_session_reads_a_host_as_a_channel_of_its_own_does(fleet, repo):
+    # The daemon's pool runs a reused connection's observation in its standing session's bash
+    # (host/pool.py, session.py), not in an sh of its own on a channel: what it reads of a real
+    # host is the same, to the byte: the unit, the env drop-in and file, the records, a foreign
+    # drop-in whose last line has no newline and holds backslashes, a stale temp file, and
+    # systemd's reading.
+    import asyncio
+
+    from reconciler.host.pool import Pool
+    from reconciler.loop.host_run import observe, ssh_connector
+    from reconciler.loop.options import RunOptions
+    from reconciler.loop.revision import load_revision
+
+    h = fleet.hosts[0]
+    write_fleet(repo, [h], {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "info"}}})
+    repo.commit("one host")
+    run_cli("--repo", str(repo.path), check_codes=(0,))
+    fleet.ssh(h, "mkdir -p /etc/systemd/system/model-a.service.d && "
+                 "printf '[Service]\\nEnvironment=\"A=x\\\\\\\\y\"\\n\\n  Nice=5' "
+                 "> /etc/systemd/system/model-a.service.d/zz-foreign.conf && "
+                 "touch /etc/systemd/system/.reconciler-tmp.123.4")
+    spec = load_revision(RunOptions(repo=str(repo.path)))[1].state.hosts[h.name]
+    connect = ssh_connector(str(fleetlib.client_key_path()))
+
+    async def both():
+        own = await connect(spec)
+        try:
+            plain = await observe(own, spec)
+        finally:
+            await own.close()
+        pool = Pool(connect, standing=True)
+        try:
+            await (await pool.lease(spec)).close()            # the first lease: no session yet
+            t = await pool.lease(spec)
+            in_session = await observe(t, spec)
+            session = pool._entries[h.name].session
+            await t.close()
+            return plain, in_session, session is not None and session.came_up and not session.broken
+        finally:
+            await pool.close()
+
+    plain, in_session, used = asyncio.run(both())
+    assert used                                                 # it did go through the session
+    assert in_session == plain
+    assert plain.services["model-a"].dropins["/etc/systemd/system/model-a.service.d/zz-foreign.conf"] == (
+        '[Service]\nEnvironment="A=x\\\\y"\n\n  Nice=5')
+    assert plain.stale_temps == ("/etc/systemd/system/.reconciler-tmp.123.4",)
+    assert plain.services["model-a"].props["ActiveState"] == "active"

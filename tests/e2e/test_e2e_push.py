@@ -288,7 +288,7 @@ def test_metrics_endpoint(fleet, deploy):
 @pytest.mark.timeout(90)
 def test_warm_daemon_reuses_its_connections_and_replaces_one_closed_on_the_host(fleet, deploy):
     """`watch` keeps one SSH connection per host between runs (reconciler/host/pool.py): interval runs
-    reuse it; when the host ends it (here: its sshd session is killed, as a host's sshd restart
+    reuse it, and its standing session (session.py); when the host ends it (here: its sshd session is killed, as a host's sshd restart
     or reboot would), the next run connects afresh and still converges."""
     hosts = fleet.hosts[:2]
     deploy.write(hosts)
@@ -309,6 +309,8 @@ def test_warm_daemon_reuses_its_connections_and_replaces_one_closed_on_the_host(
     assert m["reconciler_ssh_connections_opened_total"] == 2, m       # one per host, ever
     assert m["reconciler_ssh_connections_reused_total"] >= 6, m
     assert m["reconciler_ssh_connections_open"] == 2, m
+    for h in hosts:          # and on each, one standing session that the rounds observed through
+        assert fleet.ssh(h, "pgrep -fc '[r]econciler-session'").strip() == "1"
     # End the daemon's session on the first host from the host's side (not this look's own).
     fleet.ssh(hosts[0], "for p in $(pgrep -f '^sshd: root@notty'); do [ $p = $PPID ] || kill $p; done")
     deploy.write(hosts, {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "debug"}}})
