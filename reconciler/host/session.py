@@ -10,7 +10,6 @@ model fetch or a GPU wait may take many minutes) and still lets go of the lock I
 after the run went silent.
 
     R <token> <command bytes> <input bytes, or ->     then the command, then its input
-    D                                                 the last command's end was read
     K                                                 kill the running command (a time-out)
     .                                                 heartbeat
     (empty line, EOF, or IDLE s of silence)           kill any running command, let go
@@ -100,8 +99,6 @@ class HostSession:
                 raise
         finally:
             self.busy = False
-        with contextlib.suppress(OSError, RuntimeError):
-            self.proc.write("D\n")
         return ended(out, tok, err)
 
     async def _collect(self, tok: str) -> tuple[str, str]:

@@ -5,7 +5,6 @@
 # keep the lock). Frames from the run on stdin:
 #
 #   R <token> <command bytes> <input bytes, or -> then the command, then its input
-#   D                                             the last command's end was read
 #   K                                             kill the running command (a time-out)
 #   .                                             heartbeat
 #   (empty line, EOF, or $IDLE s of silence)      kill any running command, let go
@@ -29,7 +28,15 @@ printf '%s READY\n' "$T" >&4
 set -m
 shopt -s lastpipe
 pid=
-stop() { [ -z "$pid" ] || kill -TERM -- "-$pid"; pid=; }
+stop() {  # the last command's process group, TERM, while its leader is this shell's child: a
+  # command that ended is not told apart otherwise (no frame says its end was read), and the PID
+  # of one whose end was reaped may since be another process's (/proc: no process to ask)
+  [ -n "$pid" ] || return 0
+  ppid=
+  while read -r k v; do [ "$k" != PPid: ] || { ppid=$v; break; }; done < "/proc/$pid/status"
+  [ "$ppid" != "$$" ] || kill -TERM -- "-$pid"
+  pid=
+}
 trap 'stop; let_go' EXIT
 begin() {  # token: in a command's group, before the command: its ends, written by the group's
   # EXIT trap (an `exit` in the command ends it too), the token written into the trap as it is
@@ -66,7 +73,6 @@ while IFS= read -r -t "$IDLE" line && [ -n "$line" ]; do
       } </dev/null 2>&4 &
     fi
     pid=$! ;;
-  D) pid= ;;
   K) stop ;;
   esac
 done

@@ -288,8 +288,9 @@ def test_metrics_endpoint(fleet, deploy):
 @pytest.mark.timeout(90)
 def test_warm_daemon_reuses_its_connections_and_replaces_one_closed_on_the_host(fleet, deploy):
     """`watch` keeps one SSH connection per host between runs (reconciler/host/pool.py): interval runs
-    reuse it, and its standing session (session.py); when the host ends it (here: its sshd session is killed, as a host's sshd restart
-    or reboot would), the next run connects afresh and still converges."""
+    reuse it, and its standing session (session.py); when the host ends it (here: its sshd session
+    is killed, as a host's sshd restart or reboot would), the next run connects afresh and still
+    converges."""
     hosts = fleet.hosts[:2]
     deploy.write(hosts)
     rev = deploy.commit("v1")

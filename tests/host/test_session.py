@@ -441,3 +441,21 @@ def test_a_standing_session_that_never_comes_up_leaves_its_command_to_its_own_ch
         assert (await t.run("echo again", what="second")).stdout == "again\n"
         assert ch.ran == ["first", "second"]
     asyncio.run(go())
+
+
+def test_the_sessions_end_signals_no_process_group_of_a_command_whose_end_was_read(locked: Path) -> None:
+    """No frame tells the loop that a command's end was read: as the session ends it signals the
+    last command's process group only while that group's leader is still its own child, never a
+    PID that a command that ended had (it may be another process's by then). What a command left
+    running stays, as on a channel of its own."""
+    async def go() -> int:
+        _, held, t = await _session(then=None)
+        r = await t.run("sleep 30 >/dev/null 2>&1 & echo $!")
+        await held.release()
+        return int(r.stdout)
+    left = asyncio.run(go())
+    try:
+        os.kill(left, 0)                    # still running after the holder went (release waits for it)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(left, 9)
