@@ -72,7 +72,10 @@ while IFS= read -r -t "$IDLE" line && [ -n "$line" ]; do
         printf %s "$inp" | eval "$cmd" 4>&- 9>&-
       } </dev/null 2>&4 &
     fi
-    pid=$! ;;
+    # The loop keeps no job of its own: a command's group is known by its PID alone. A job
+    # table kept for each command that ran grows for as long as the loop lives (the daemon's
+    # standing session: a command a round), and so does the cost of every fork.
+    pid=$!; disown -a ;;
   K) stop ;;
   esac
 done

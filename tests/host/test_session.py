@@ -459,3 +459,26 @@ def test_the_sessions_end_signals_no_process_group_of_a_command_whose_end_was_re
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(left, 9)
+
+
+def test_a_standing_session_keeps_nothing_per_command_it_ran() -> None:
+    """The daemon's standing session lives as long as its connection, a command a round: its loop
+    keeps no job table entry for a command that ran (one kept per command made its memory, and
+    the cost of each fork, grow for as long as it lived: about 230 kB a thousand commands)."""
+    _, _, start = _standing(["sh", "-c", standing_command("ab12", 30)])
+
+    async def go() -> tuple[int, int]:
+        t = await start()
+        pid = t.session.proc.proc.pid                 # sh, exec'd into the loop's bash
+        def rss() -> int:
+            return int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0])
+        for _ in range(200):
+            assert (await t.run("true")).exit_status == 0
+        before = rss()
+        for _ in range(1500):
+            await t.run("true")
+        after = rss()
+        await t.session.proc.close()
+        return before, after
+    before, after = asyncio.run(go())
+    assert after - before < 64, (before, after)        # kB
