@@ -14,6 +14,8 @@ included, as a user runs it:
   reconcile    python -m reconciler --repo R --concurrency N    the real CLI
   baseline     the same command from another checkout (--baseline DIR, e.g. a git worktree of
                an older revision), in the same rounds: what a change to the code costs or saves
+               (where the two send different lock holder programs, each run installs its own
+               again, sh/install.sh, and both pay for it: run them one after the other instead)
 
 A fourth scenario, `help` (`reconcile --help`; its floor is the interpreter's own start,
 `python -c pass`), is the cost of starting the command at all.

@@ -49,6 +49,10 @@ from .transport import Completed, Spawned, Transport
 Connect = Callable[[HostSpec], Awaitable[Transport]]
 _T = TypeVar("_T")
 IDLE = 900.0          # seconds a connection may sit unused before the pool closes it
+# Seconds of silence after which a standing session ends by itself: a backstop only (the pool
+# closes the connection, and the session with it). A daemon's interval may be longer than the
+# pool's own `idle` (a connection used at every run is kept), so it is not that.
+STANDING_IDLE = 24 * 3600.0
 
 
 class _Entry(msgspec.Struct):
@@ -97,8 +101,7 @@ class Pool:
                 e.leased, e.used = True, self.clock()
                 self.reused += 1
                 if self.standing and (e.session is None or (e.session.broken and e.session.came_up)):
-                    # it outlives the pool's own idle limit: the pool closes the connection first
-                    e.session = await stand(e.transport, self.idle + 60)
+                    e.session = await stand(e.transport, STANDING_IDLE)
                 return _Leased(self, e, host, reused=True)
             del self._entries[host.name]           # broken, or the host is now reached another way
             await _close(e.transport)
