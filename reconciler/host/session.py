@@ -133,11 +133,17 @@ class HostSession:
             self.proc.write("K\n")
 
 
-def standing_command(token: str, idle: float) -> str:
+def standing_command(idle: float) -> str:
     """The command line of a standing session: session.sh in bash, with no lock (nothing to let
-    go), ending after `idle` seconds of silence; where the host has no bash, it ends at once."""
-    loop = f"T={token}\nIDLE={int(idle)}\nlet_go() {{ :; }}\n" + shell.program("session")
+    go), ending after `idle` seconds of silence; where the host has no bash, it ends at once. Its
+    token is the first line on its stdin (`standing_input`), not on the command line."""
+    loop = f"IFS= read -r T\nIDLE={int(idle)}\nlet_go() {{ :; }}\n" + shell.program("session")
     return f"command -v bash >/dev/null && exec bash -c {shlex.quote(loop)} reconciler-session"
+
+
+def standing_input(token: str) -> str:
+    """What a standing session reads first: its token."""
+    return token + "\n"
 
 
 async def stand(t: Transport, idle: float) -> HostSession | None:
@@ -145,12 +151,14 @@ async def stand(t: Transport, idle: float) -> HostSession | None:
     None where it cannot start (the connection is gone: the caller's next command finds that)."""
     token = secrets.token_hex(8)
     try:
-        proc = await t.spawn(standing_command(token, idle))
+        proc = await t.spawn(standing_command(idle))
     except ConnectError:
         return None
     if not isinstance(proc, StreamSpawned):
         await proc.close()
         return None
+    with contextlib.suppress(OSError, RuntimeError):   # a write that fails: it never comes up
+        proc.write(standing_input(token))
     return HostSession(t.host, proc, token, standing=True)
 
 

@@ -21,7 +21,7 @@ import pytest
 from reconciler.errors import CommandError
 from reconciler.frames import HostProgram, Records
 from reconciler.host import lock, programs
-from reconciler.host.session import HostSession, SessionTransport, standing_command
+from reconciler.host.session import HostSession, SessionTransport, standing_command, standing_input
 from reconciler.host.transport import Completed
 from tests.host.procs import running, wait_gone
 from tests.host.programs import local_programs
@@ -389,7 +389,7 @@ class Record(HostProgram[str], frozen=True):
 
 
 def _standing(proc_cmd: list[str]) -> tuple[_Channels, list[str], Callable[[], Awaitable[SessionTransport]]]:
-    """A standing session (no lock) over local pipes, and the frames it was sent."""
+    """A standing session (no lock) over local pipes, and what it was sent (its token first)."""
     ch, sent = _Channels(), []
 
     async def start() -> SessionTransport:
@@ -398,6 +398,7 @@ def _standing(proc_cmd: list[str]) -> tuple[_Channels, list[str], Callable[[], A
         piped = _Piped(p)
         write = piped.write
         piped.write = lambda data: (sent.append(data), write(data))[1]  # type: ignore[method-assign]
+        piped.write(standing_input("ab12"))                   # as session.stand does
         return SessionTransport(ch, HostSession("h1", piped, "ab12", standing=True))  # type: ignore[arg-type]
     return ch, sent, start
 
@@ -410,7 +411,7 @@ def test_a_program_bash_runs_as_sh_runs_in_the_sessions_own_bash_and_answers_as_
     record = tmp_path / "host.json"
     record.write_text('{"a": "x\\\\y"}\n\n  two  \\\n{"last": true}')
     monkeypatch.setattr(Record, "constants", {"HOST_RECORD": str(record)})
-    ch, sent, start = _standing(["sh", "-c", standing_command("ab12", 30)])
+    ch, sent, start = _standing(["sh", "-c", standing_command(30)])
 
     async def go() -> None:
         t = await start()
@@ -465,7 +466,7 @@ def test_a_standing_session_keeps_nothing_per_command_it_ran() -> None:
     """The daemon's standing session lives as long as its connection, a command a round: its loop
     keeps no job table entry for a command that ran (one kept per command made its memory, and
     the cost of each fork, grow for as long as it lived: about 230 kB a thousand commands)."""
-    _, _, start = _standing(["sh", "-c", standing_command("ab12", 30)])
+    _, _, start = _standing(["sh", "-c", standing_command(30)])
 
     async def go() -> tuple[int, int]:
         t = await start()
