@@ -13,6 +13,7 @@ from reconciler.desired.spec import HostSpec, SSHSpec
 from reconciler.errors import CommandError, ConnectError
 from reconciler.host.pool import Pool
 from reconciler.host.transport import Completed
+from tests.host.procs import Piped
 
 
 class FakeConn:
@@ -68,13 +69,18 @@ def made() -> list[FakeTransport]:
     return []
 
 
-@pytest.fixture
-def pool(made: list[FakeTransport]) -> Pool:
+def _pool(made: list[FakeTransport], kind: type[FakeTransport] = FakeTransport, **kw: object) -> Pool:
+    """A pool whose connections are `kind`, each kept in `made` in the order made."""
     async def connect(h: HostSpec) -> FakeTransport:
-        t = FakeTransport(h.name, len(made))
+        t = kind(h.name, len(made))
         made.append(t)
         return t
-    return Pool(connect, clock=Clock())  # type: ignore[arg-type]
+    return Pool(connect, clock=Clock(), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def pool(made: list[FakeTransport]) -> Pool:
+    return _pool(made)
 
 
 def run(coro):  # type: ignore[no-untyped-def]
@@ -206,36 +212,9 @@ class LocalHost(FakeTransport):
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
 
 
-class Piped:
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
-
-    async def readline(self) -> str:  # pragma: no cover - the session reads through readuntil
-        assert self.proc.stdout is not None
-        return (await self.proc.stdout.readline()).decode()
-
-    async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
-        stream = self.proc.stderr if stderr else self.proc.stdout
-        assert stream is not None
-        return (await stream.readuntil(separator.encode())).decode()
-
-    def write(self, data: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(data.encode())
-
-    async def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        await self.proc.wait()
-
-
 @pytest.fixture
 def standing(made: list[FakeTransport]) -> Pool:
-    async def connect(h: HostSpec) -> FakeTransport:
-        t = LocalHost(h.name, len(made))
-        made.append(t)
-        return t
-    return Pool(connect, clock=Clock(), standing=True)  # type: ignore[arg-type]
+    return _pool(made, LocalHost, standing=True)
 
 
 def test_a_standing_pool_runs_a_reused_connections_commands_through_its_standing_session(standing, made):

@@ -23,35 +23,10 @@ from reconciler.frames import HostProgram, Records
 from reconciler.host import lock, programs
 from reconciler.host.session import HostSession, SessionTransport, standing_command, standing_input
 from reconciler.host.transport import Completed
-from tests.host.procs import running, wait_gone
+from tests.host.procs import Piped, running, wait_gone
 from tests.host.programs import local_programs
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class _Piped:
-    """A spawned holder over local pipes, read as the SSH one is (StreamSpawned)."""
-
-    def __init__(self, proc: asyncio.subprocess.Process):
-        self.proc = proc
-
-    async def readline(self) -> str:
-        assert self.proc.stdout is not None
-        return (await self.proc.stdout.readline()).decode()
-
-    async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
-        stream = self.proc.stderr if stderr else self.proc.stdout
-        assert stream is not None
-        return (await stream.readuntil(separator.encode())).decode()
-
-    def write(self, data: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(data.encode())
-
-    async def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        await self.proc.wait()
 
 
 class _Channels:
@@ -70,10 +45,10 @@ class _Channels:
         out, err = await p.communicate(input.encode() if input is not None else None)
         return Completed(p.returncode, out.decode(), err.decode())
 
-    async def spawn(self, cmd: str) -> _Piped:
+    async def spawn(self, cmd: str) -> Piped:
         p = await asyncio.create_subprocess_exec("sh", "-c", cmd, stdin=asyncio.subprocess.PIPE,
                                                  stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        return _Piped(p)
+        return Piped(p)
 
     async def open_connection(self, host: str, port: int):  # type: ignore[no-untyped-def]
         raise NotImplementedError
@@ -149,12 +124,12 @@ def test_an_end_line_of_another_command_is_output_and_every_command_reads_the_sa
     commands, so asyncssh's per-call regex is compiled once); a line that carries the session's
     part but another command's is output like any other line."""
     seps: list[str] = []
-    real = _Piped.readuntil
+    real = Piped.readuntil
 
-    async def counted(self: _Piped, separator: str, *, stderr: bool = False) -> str:
+    async def counted(self: Piped, separator: str, *, stderr: bool = False) -> str:
         seps.append(separator)
         return await real(self, separator, stderr=stderr)
-    monkeypatch.setattr(_Piped, "readuntil", counted)
+    monkeypatch.setattr(Piped, "readuntil", counted)
 
     async def go() -> None:
         _, held, t = await _session()
@@ -395,7 +370,7 @@ def _standing(proc_cmd: list[str]) -> tuple[_Channels, list[str], Callable[[], A
     async def start() -> SessionTransport:
         p = await asyncio.create_subprocess_exec(*proc_cmd, stdin=asyncio.subprocess.PIPE,
                                                  stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        piped = _Piped(p)
+        piped = Piped(p)
         write = piped.write
         piped.write = lambda data: (sent.append(data), write(data))[1]  # type: ignore[method-assign]
         piped.write(standing_input("ab12"))                   # as session.stand does
