@@ -20,7 +20,7 @@ import msgspec
 from ..desired.tables import After, Check, Invalid, Table
 from ..errors import describe
 from ._message import Severity, placeholder_problem
-from ._versions import Unknown, covers
+from ._versions import Unknown, covers, plain_range
 
 _RULE_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,79}\Z")
 _FLAG_NAME = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_-]*\Z")
@@ -63,6 +63,8 @@ Values = Annotated[tuple[str, ...], Check(lambda v: _values(v, allow_bool=False)
 
 
 def _specifier(v: str) -> str:
+    if plain_range(v):          # the rule pack's own: valid, with no import of packaging (5-8 ms)
+        return v
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
     try:
         SpecifierSet(v)
