@@ -64,8 +64,8 @@ class HostSession:
         self.standing = standing
         self.came_up = False
         # A command's token is the holder's (`token`), then the command's own: the ends are
-        # looked for by the holder's part, the same text for every command (asyncssh compiles a
-        # reader's separator to a regex per call, and Python keeps the ones it compiled last).
+        # looked for by the holder's part, the same text for every command (the SSH end compiles
+        # each text it reads up to once: transport._SSHSpawned).
         self._prefix = token + ":"
 
     def takes(self, cmd: str, input: str | None) -> bool:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import re
 import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -213,6 +214,10 @@ class SSHTransport:
 class _SSHSpawned:
     def __init__(self, proc: asyncssh.SSHClientProcess[str]):
         self.proc = proc
+        # asyncssh compiles a separator given as text to a regex at every read; a session reads
+        # up to the same few texts all its life (session.py), and a daemon keeps a session a host
+        # (more than Python's own cache of compiled regexes holds): each is compiled once here
+        self._separators: dict[str, re.Pattern[str]] = {}
 
     async def readline(self) -> str:
         try:
@@ -223,7 +228,10 @@ class _SSHSpawned:
     async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
         import asyncssh
         try:
-            return await (self.proc.stderr if stderr else self.proc.stdout).readuntil(separator)
+            pattern = self._separators.get(separator)
+            if pattern is None:
+                pattern = self._separators[separator] = re.compile(re.escape(separator))
+            return await (self.proc.stderr if stderr else self.proc.stdout).readuntil(pattern, len(separator))
         except asyncssh.Error as e:      # the connection went (keepalives unanswered, a reset)
             raise ConnectionError(e.reason or type(e).__name__) from None
 

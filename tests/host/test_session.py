@@ -458,3 +458,36 @@ def test_a_standing_session_keeps_nothing_per_command_it_ran() -> None:
         return before, after
     before, after = asyncio.run(go())
     assert after - before < 64, (before, after)        # kB
+
+
+class _Reader:
+    """An asyncssh reader's readuntil, as the session's SSH end calls it (the separator it gets)."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[object, int]] = []
+
+    async def readuntil(self, separator: object, max_separator_len: int = 0) -> str:
+        self.got.append((separator, max_separator_len))
+        return ""
+
+
+def test_the_ssh_end_compiles_each_separator_once():
+    """asyncssh compiles a text separator to a regex at every read; a daemon reads through a
+    session a host, more distinct separators than Python's cache of regexes keeps. The SSH end
+    gives it each one compiled, once, matching the text literally."""
+    from types import SimpleNamespace
+
+    from reconciler.host.transport import _SSHSpawned
+    out, err = _Reader(), _Reader()
+    spawned = _SSHSpawned(SimpleNamespace(stdout=out, stderr=err))    # type: ignore[arg-type]
+
+    async def reads() -> None:
+        for _ in range(3):
+            await spawned.readuntil("\nab.c:")
+            await spawned.readuntil("\nab.c:", stderr=True)
+        await spawned.readuntil("\n")
+    asyncio.run(reads())
+    (first, n), *rest = out.got[:3]
+    assert n == len("\nab.c:") and all(p is first for p, _ in rest + err.got)
+    assert first.search("x\nab.c:y") and not first.search("x\nabxc:y")     # literal: the dot is a dot
+    assert out.got[3][0] is not first and out.got[3][1] == 1
