@@ -58,6 +58,7 @@ from ..dirs import default_state_dir, own_dir
 from ..errors import ConfigError, ReconcilerError, SourceError
 from ..host import notify
 from ..host.pool import Pool
+from ..host.programs import Seen
 from ..loop.fleet import run_fleet, selected
 from ..loop.host_run import ssh_connector
 from ..loop.options import RunIO, RunOptions, confirm_margin_from
@@ -114,6 +115,9 @@ class Daemon:
         # costs one observation per host, not a handshake, through the connection's standing
         # session (session.py), not an sshd session and a login shell of its own.
         self.pool = Pool(ssh_connector(cfg.identity), standing=True)
+        # Each host's last observation and what it was read as: a host that answers the same
+        # text as in the last round is not parsed again (host/programs.Seen)
+        self.seen = Seen()
         self._loaded: tuple[str | None, DesiredState, RuleSet] | None = None   # the last tree loaded
         self._git = asyncio.Lock()                 # one open or fetch of the repo at a time (_head)
         if cfg.webhook_allow:                      # where fleet.toml's webhook may go: this config says
@@ -233,12 +237,13 @@ class Daemon:
                 run_io = RunIO(connect=self.pool.connector(), on_phase=self.hub.tee(view) if self.hub else view,
                                on_progress=self.hub.progress if self.hub else None,
                                on_planned=view.planned, on_rollout=self.hub.rollout if self.hub else None,
-                               supersede=self.supersede)
+                               supersede=self.supersede, seen=self.seen)
                 result = await run_fleet(rev, opts, run_io)
                 print_result(console, result, shown=view.shown, in_sync_rows=False)
                 for r, why in rev.refused.items():       # rollback targets the signing policy refused
                     console.print(f"refused to roll back to {r[:7]}: {why}", soft_wrap=True, markup=False)
                 await self.pool.retain(mine)             # hosts that left the fleet (or shard), idle ones
+                self.seen.retain(mine)
                 remember(self.store, result)
                 if self.hub is not None:     # the fleet page: the store has the results now
                     self.hub.run_finished(result)

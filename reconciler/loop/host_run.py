@@ -73,9 +73,11 @@ def observation(host: HostSpec, *, secrets: bool = True) -> Observe:
     return Observe(tuple(host.services), tuple(secret_files(host)) if secrets else None)
 
 
-async def observe(t: Transport, host: HostSpec, *, secrets: bool = True) -> HostFacts:
-    """Read everything the planner needs from the host, in one round trip."""
-    return await programs.run(t, observation(host, secrets=secrets), timeout=30, what="observe")
+async def observe(t: Transport, host: HostSpec, *, secrets: bool = True,
+                  seen: programs.Seen | None = None) -> HostFacts:
+    """Read everything the planner needs from the host, in one round trip (seen: as the last
+    reading, where the host answered the same)."""
+    return await programs.run(t, observation(host, secrets=secrets), timeout=30, what="observe", seen=seen)
 
 
 async def lock_and_observe(t: Transport, host: HostSpec, wait: float,
@@ -343,7 +345,7 @@ async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: Ru
     t = p.transport
     step = RunPhase.OBSERVE
     try:
-        facts = p.facts if p.facts is not None else await observe(t, host)
+        facts = p.facts if p.facts is not None else await observe(t, host, seen=io.seen)
         result.facts = facts
         run = _HostRun(host, rev, opts, io, result, p)
         step = RunPhase.PREFLIGHT
@@ -357,7 +359,7 @@ async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: Ru
                 if rnd:
                     run.retry = False     # --retry is one more try: the first round's, not every round's
                     step = RunPhase.OBSERVE
-                    facts = await observe(t, host)
+                    facts = await observe(t, host, seen=io.seen)
                     step = RunPhase.PREFLIGHT
                     plan = await run.plan(facts)
                     result.plan = merge_plans(result.plan, plan)

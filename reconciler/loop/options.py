@@ -21,6 +21,7 @@ from ..desired.trust import TrustPolicy
 if TYPE_CHECKING:
     from ..desired.spec import HostSpec
     from ..host.notify import Notifier
+    from ..host.programs import Seen
     from ..host.progress import LoadProgress
     from ..host.transport import Transport
     from ..plan.rollout import RolloutResult
@@ -88,3 +89,4 @@ class RunIO(msgspec.Struct, frozen=True):
     expect_changes: frozenset[str] = frozenset()  # hosts locked at once, without a first look (the store's hint)
     on_planned: Callable[[HostResult], None] | None = None   # a host's plan, before it is applied (the report)
     clock: Clock = REAL                           # what the run's waits are measured on (the GPU gate, a fetch's ticks)
+    seen: Seen | None = None                      # the hosts' last readings (the daemon: host/programs.Seen)

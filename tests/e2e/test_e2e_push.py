@@ -302,16 +302,28 @@ def test_warm_daemon_reuses_its_connections_and_replaces_one_closed_on_the_host(
         return deploy.metrics().get('reconciler_runs_total{result="ok"}', 0.0)
 
     start = runs()
+    locked = [fleet.ssh(h, "cat /var/lib/reconciler/.lock.count") for h in hosts]
     deadline = time.monotonic() + 30
     while runs() < start + 3:                       # three more interval runs, no change
         assert time.monotonic() < deadline, deploy.daemon_log()[-3000:]
         time.sleep(0.2)
+    # each read the hosts in sync, and so took no host's lock
+    assert [fleet.ssh(h, "cat /var/lib/reconciler/.lock.count") for h in hosts] == locked
     m = deploy.metrics()
     assert m["reconciler_ssh_connections_opened_total"] == 2, m       # one per host, ever
     assert m["reconciler_ssh_connections_reused_total"] >= 6, m
     assert m["reconciler_ssh_connections_open"] == 2, m
     for h in hosts:          # and on each, one standing session that the rounds observed through
         assert fleet.ssh(h, "pgrep -fc '[r]econciler-session'").strip() == "1"
+    # The rounds read the hosts' same answers as they read them before (host/programs.Seen): a
+    # hand edit between two rounds is still seen at the next one, and reverted.
+    unit = "/etc/systemd/system/model-a.service"
+    good = fleet.ssh(hosts[1], f"cat {unit}")
+    fleet.ssh(hosts[1], f"sed -i 's/--port 30000/--port 30000 --speculative-algo NEXTN/' {unit}")
+    deadline = time.monotonic() + 30
+    while fleet.ssh(hosts[1], f"cat {unit}") != good:
+        assert time.monotonic() < deadline, deploy.daemon_log()[-3000:]
+        time.sleep(0.2)
     # End the daemon's session on the first host from the host's side (not this look's own).
     fleet.ssh(hosts[0], "for p in $(pgrep -f '^sshd: root@notty'); do [ $p = $PPID ] || kill $p; done")
     deploy.write(hosts, {"model-a": {"port": 30000, "env": {"LOG_LEVEL": "debug"}}})
