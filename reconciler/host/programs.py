@@ -64,12 +64,12 @@ class Seen:
 
 
 def _fingerprint(program: HostProgram[Any], answer: Records) -> bytes:
-    """What a parse of `answer` depends on: the program (its class and what it asks) and the
-    answer's text in the pieces between its tokens (each with its length: no two splits of
-    different texts give the same bytes)."""
+    """What a parse of `answer` depends on besides the program's class (Seen's key): what the
+    program asks, and the answer's text in the pieces between its tokens (each with its length:
+    no two splits of different texts give the same bytes)."""
     h = hashlib.blake2b(digest_size=16)
-    for part in (type(program).__qualname__.encode(), msgspec.json.encode(program)):
-        h.update(len(part).to_bytes(8, "little") + part)
+    asked = msgspec.json.encode(program)
+    h.update(len(asked).to_bytes(8, "little") + asked)
     for text in (answer.stdout, answer.stderr):
         pieces = text.split(answer.token)
         h.update(len(pieces).to_bytes(8, "little"))
@@ -80,12 +80,13 @@ def _fingerprint(program: HostProgram[Any], answer: Records) -> bytes:
 
 
 async def _answers(t: Transport, programs: Sequence[HostProgram[Any]], *, what: str, timeout: float,
-                   check: bool) -> list[Records]:
-    """Run programs one after the other in one sh (frames.batch): each one's answer."""
+                   check: bool) -> tuple[list[Records], Completed]:
+    """Run programs one after the other in one sh (frames.batch): each one's answer, and how the
+    command ended."""
     toks = tokens(len(programs))
     cmd, stdin = batch(programs, toks)
     res = await t.run(cmd, input=stdin, check=check, timeout=timeout, what=what)
-    return [Records(res.stdout, tok, t.host, res.stderr) for tok in toks]
+    return [Records(res.stdout, tok, t.host, res.stderr) for tok in toks], res
 
 
 async def run(t: Transport, program: HostProgram[T], *, what: str, timeout: float = 60.0,
@@ -93,7 +94,7 @@ async def run(t: Transport, program: HostProgram[T], *, what: str, timeout: floa
     """Run one program and read its answer. check: a non-zero exit is a CommandError (what
     says which step, for the message). seen: read as the host's last answer was, where this
     one is the same."""
-    (answer,) = await _answers(t, [program], what=what, timeout=timeout, check=check)
+    (answer,), _ = await _answers(t, [program], what=what, timeout=timeout, check=check)
     return seen.parse(program, answer) if seen is not None else program.parse(answer)
 
 
@@ -101,10 +102,8 @@ async def run_with_status(t: Transport, program: HostProgram[T], *, what: str,
                           timeout: float = 60.0) -> tuple[T, Completed]:
     """Run one program: its answer, and how the command ended (its exit status and stderr),
     for a caller that judges both (the executor: a step that failed, or the script itself)."""
-    tok = tokens(1)[0]
-    cmd, stdin = batch([program], [tok])
-    res = await t.run(cmd, input=stdin, check=False, timeout=timeout, what=what)
-    return program.parse(Records(res.stdout, tok, t.host, res.stderr)), res
+    (answer,), res = await _answers(t, [program], what=what, timeout=timeout, check=False)
+    return program.parse(answer), res
 
 
 async def run_all(t: Transport, programs: Sequence[HostProgram[Any]], *, what: str, timeout: float = 60.0,
@@ -113,5 +112,5 @@ async def run_all(t: Transport, programs: Sequence[HostProgram[Any]], *, what: s
     order. Empty: nothing runs."""
     if not programs:
         return []
-    answers = await _answers(t, programs, what=what, timeout=timeout, check=check)
+    answers, _ = await _answers(t, programs, what=what, timeout=timeout, check=check)
     return [p.parse(a) for p, a in zip(programs, answers, strict=True)]

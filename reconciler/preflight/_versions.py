@@ -65,8 +65,7 @@ def plain_covers(versions: str, version: str) -> bool | None:
     dev and local releases never apply); None for anything else, which packaging decides.
     Importing packaging's specifiers (they compile a large regex) costs a deploy 5-8 ms."""
     v = _release(version)
-    clauses = _plain_clauses(versions) if v is not None else None
-    if v is None or clauses is None:
+    if v is None or (clauses := _plain_clauses(versions)) is None:
         return None
     for op, r in clauses:
         n = max(len(v), len(r))
