@@ -113,6 +113,21 @@ def test_model_check_of_a_model_and_of_a_missing_one(tmp_path: Path):
     assert got[str(tmp_path / "gone")].problems() == [f"model directory {tmp_path / 'gone'} missing"]
 
 
+def test_model_check_reads_free_space_only_where_a_fetch_may_fill_it(tmp_path: Path):
+    """df runs for the `spaces` alone (a fetch's room); the others' free space stays unknown. A
+    path missing reads the space of its nearest existing directory."""
+    (tmp_path / "m").mkdir()
+    paths = [str(tmp_path / "m"), str(tmp_path / "gone" / "deeper")]
+    res = run_here(ModelCheck(paths, [paths[1]]), tokens=["T0"])
+    assert [ln.split(" ")[1] for ln in res.stdout.splitlines()].count("A") == 1
+    got = ModelCheck(paths, [paths[1]]).parse(Records(res.stdout, "T0"))
+    assert got[paths[0]].free_bytes is None
+    free = shutil.disk_usage(tmp_path).free
+    assert got[paths[1]].free_bytes is not None and abs(got[paths[1]].free_bytes - free) < 64 * 2**20
+    none = answer(ModelCheck(paths))
+    assert [none[p].free_bytes for p in paths] == [None, None]
+
+
 def test_verify_without_systemd_analyze(tmp_path: Path):
     units = {"a": ("[Service]\nExecStart=/bin/true\n", None)}
     (tmp_path / "sh").symlink_to("/bin/sh")           # sh alone on the PATH

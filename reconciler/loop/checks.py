@@ -52,7 +52,7 @@ class Preflight(msgspec.Struct):
 # ---- the one round trip -------------------------------------------------------------------------
 
 
-def _batch(units: Units, paths: list[str], gpu: int | None, reads: list[VersionRead],
+def _batch(units: Units, model: ModelCheck | None, gpu: int | None, reads: list[VersionRead],
            engine: HostProgram[Any] | None = None) -> dict[str, HostProgram[Any]]:
     """Every fact the pre-flight reads, by name: one round trip and one sh for all of them
     (programs.run_all). `engine`: an engine check that rides along, last: after the GPU read (a
@@ -61,8 +61,8 @@ def _batch(units: Units, paths: list[str], gpu: int | None, reads: list[VersionR
     facts: dict[str, HostProgram[Any]] = {}
     if units:
         facts["verify"] = Verify(units)
-    if paths:
-        facts["model"] = ModelCheck(paths)
+    if model is not None:
+        facts["model"] = model
     if gpu is not None:      # the GPUs, and their health with the kernel log since `gpu` (gpuhealth)
         facts["gpu"] = GpuRead(health_since=gpu)
     if reads:
@@ -81,13 +81,13 @@ def _read_units(out: Preflight, verified: Verified) -> None:
                   + f" (source: {UNIT_SOURCE})")
 
 
-async def _read(t: Transport, out: Preflight, units: Units, paths: list[str], gpu: int | None,
+async def _read(t: Transport, out: Preflight, units: Units, model: ModelCheck | None, gpu: int | None,
                 reads: list[VersionRead], engine: HostProgram[Any] | None = None,
                 engine_seconds: float = 0) -> tuple[dict[str, str | None], Any]:
     """Read every fact in one round trip and put each into `out`; the read server versions (the
     caller warns about those it could not read where that matters: loop/preflight.py), and the
     answer of `engine` (None where there is none; it may take `engine_seconds` more)."""
-    facts = _batch(units, paths, gpu, reads, engine)
+    facts = _batch(units, model, gpu, reads, engine)
     answers = dict(zip(facts, await programs.run_all(t, list(facts.values()), timeout=120 + engine_seconds,
                                                      what="pre-flight"), strict=True))
     versions: dict[str, str | None] = answers.get("versions", {})

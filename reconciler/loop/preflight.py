@@ -45,6 +45,7 @@ from ..plan.ready import Probe, readiness_probes
 from ..preflight import (
     EngineVerdict,
     Hardware,
+    ModelCheck,
     RuleSet,
     check_host,
     engine_run_for,
@@ -153,6 +154,7 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
         return out
     specs = {n: model_from_command(effective_spec(tg.spec, facts)) for n, tg in targets.items()}
     paths = sorted({s.model.path for s in specs.values() if s.model})
+    spaces = sorted({s.model.path for s in specs.values() if s.model and s.model.fetch})   # a fetch reads df
     # A rollback target passed health here: a rule pack or an engine that changed since must
     # not keep the fleet from going back to it (systemd's check and the model check still apply).
     fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
@@ -164,7 +166,8 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     asks = _asks(out, host, fresh, engine)
     riding = _riding(asks)
     ride = riding.probe if riding is not None else None
-    versions, answer = await _read(t, out, units, paths, since, reads, ride, ride.timeout() if ride else 0)
+    model = ModelCheck(paths, spaces) if paths else None
+    versions, answer = await _read(t, out, units, model, since, reads, ride, ride.timeout() if ride else 0)
     if bound(rules):
         out.warnings.extend(unknown(reads, versions))
     verdicts = await _engines(t, host, asks, riding, answer)

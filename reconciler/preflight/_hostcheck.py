@@ -195,15 +195,21 @@ class ModelCheck(HostProgram[dict[str, ModelFacts]], frozen=True):
     whether it is a directory, config.json (line by line, builtins only) and
     model.safetensors.index.json (whole, in base64: it may be megabytes), the size of every
     weight file (*.safetensors, one sub-directory deep, *.bin, *.gguf; symlinks followed, as in a
-    Hugging Face cache; one stat for all of them) and the free space of its file system (one df)."""
+    Hugging Face cache; one stat for all of them) and, for `spaces`, the free space of its file
+    system (one df: only a fetch reads it)."""
 
     name: ClassVar[str] = "model-check"
     constants: ClassVar[Mapping[str, str]] = {"CONFIG_FILE": CONFIG_FILE, "INDEX_FILE": INDEX_FILE}
     paths: Sequence[str]
+    spaces: Sequence[str] = ()      # of those, the paths whose free space is read (a fetch may fill them)
 
     def params(self) -> Mapping[str, Sequence[str]]:
         # a path with a line break (none the desired state lets through) is not read: unchecked
-        return {"path": [p for p in self.paths if "\n" not in p and "\r" not in p]}
+        return {"path": _lines(self.paths), "space": _lines(self.spaces)}
 
     def parse(self, answer: Records) -> dict[str, ModelFacts]:
         return parse_model_check(answer.stdout, answer.token, answer.host)
+
+
+def _lines(paths: Sequence[str]) -> list[str]:
+    return [p for p in paths if "\n" not in p and "\r" not in p]

@@ -3,19 +3,20 @@
 # parse_model_check reads it). POSIX sh, no python on the host.
 #
 # stdin, named parameters (one a line, then an empty line): token; path (repeated; one with `*`
-# is a pattern: its last matching directory, as a Hugging Face cache's snapshots/*).
+# is a pattern: its last matching directory, as a Hugging Face cache's snapshots/*); space
+# (repeated: the paths whose free space is read, those a fetch may fill; no df for the others).
 #
 # Per path: "P NAME", whether it is a directory (D), CONFIG_FILE line by line (F NAME L|P TEXT,
 # then F NAME E: builtins only, no process for a file of a few KiB) and INDEX_FILE whole in one
 # record (F NAME B BASE64, then F NAME E: one base64, which reads in blocks: sh's `read` takes a
 # byte per system call, and a large model's index is megabytes), the size of every weight file
-# (one stat for all) and the free space of its file system (one df). A name of printable
+# (one stat for all) and, where asked (space), the free space of its file system (one df). A name of printable
 # ASCII without spaces comes as it is (@name), any other in base64. Each record is a line
 # "TOKEN KIND ...", the last "TOKEN END". Constants (the sender's): CONFIG_FILE, INDEX_FILE.
-T='' paths=''
+T='' paths='' spaces=''
 nl='
 '
-params T=token paths+=path
+params T=token paths+=path spaces+=space
 # One file's size: stat, else wc (only when the one stat in weights() does not line up).
 size() { stat -L -c %s -- "$1" 2>/dev/null || wc -c < "$1" 2>/dev/null | tr -d ' '; }
 name() {  # a name as an S line carries it: @ and the name when printable ASCII without spaces, else base64
@@ -96,12 +97,14 @@ for p in $paths; do
   else
     printf '%s D 0\n' "$T"
   fi
-  q=$d        # the nearest existing directory (dirname's steps, by parameter expansion)
-  while [ ! -d "$q" ] && [ "$q" != / ] && [ "$q" != . ]; do
-    case "$q" in */*) q=${q%/*}; [ -n "$q" ] || q=/ ;; *) q=. ;; esac
-  done
-  free "$q"
-  printf '%s A %s\n' "$T" "$a"
+  case "$nl$spaces" in *"$nl$p$nl"*)
+    q=$d        # the nearest existing directory (dirname's steps, by parameter expansion)
+    while [ ! -d "$q" ] && [ "$q" != / ] && [ "$q" != . ]; do
+      case "$q" in */*) q=${q%/*}; [ -n "$q" ] || q=/ ;; *) q=. ;; esac
+    done
+    free "$q"
+    printf '%s A %s\n' "$T" "$a" ;;
+  esac
   IFS=$nl; set -f
 done
 unset IFS; set +f

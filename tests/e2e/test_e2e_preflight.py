@@ -122,6 +122,24 @@ def test_failing_or_slow_fetch_blocks_the_deploy(fleet, repo):
         assert not fleet.exists(h, UNIT)
 
 
+
+@pytest.mark.timeout(60)
+def test_a_fetch_the_disk_has_no_room_for_is_refused_before_it_runs(fleet, repo):
+    """The host's free space (df, read only for a model a fetch may fill) against the model's
+    size: 1,000,000 GB does not fit, so the fetch never runs and nothing is written."""
+    h = fleet.hosts[0]
+    write_fleet(repo, [h], {"sglang": svc("Qwen3-8B")}, extra={})
+    text = (repo.path / f"hosts/{h.name}.toml").read_text().replace(
+        'path = "/models/Qwen3-8B" }',
+        'path = "/tmp/model-fetched/Z", fetch = "touch /tmp/fetch-ran", size_gb = 1000000 }')
+    repo.write(f"hosts/{h.name}.toml", text)
+    repo.commit("a model no disk holds")
+    code, out = run_json("--repo", str(repo.path), check_codes=(4,))
+    r = out["hosts"][0]
+    assert r["reason"] == "ModelFetchFailed", r
+    assert "not enough disk for Qwen/Qwen3-8B at /tmp/model-fetched/Z: needs 1000000.0 GB" in r["message"]
+    assert not fleet.exists(h, "/tmp/fetch-ran") and not fleet.exists(h, UNIT)
+
 # ---- issue 11: what the server will load, which release it is, the GPU gate on every start ----
 
 QWEN35 = "Qwen3.5-122B-A10B"

@@ -12,7 +12,7 @@ from reconciler.host.versions import VersionRead
 from reconciler.loop.checks import _batch
 from reconciler.loop.preflight import _riding
 from reconciler.plan.facts.versions import Versions
-from reconciler.preflight import EngineRun, EngineVerdict
+from reconciler.preflight import EngineRun, EngineVerdict, ModelCheck
 
 
 def _run(service: str) -> EngineRun:
@@ -36,10 +36,10 @@ def test_the_probe_runs_last_after_the_gpu_read():
     only where the probe runs (frames.batch refuses a `last` program anywhere else)."""
     read = VersionRead("m", "/usr/bin/python3", "sglang")
     probe = EngineProbe(_run("m"))
-    facts = _batch({"m": ("[Service]\n", None)}, ["/models/m"], 0, [read], probe)
+    facts = _batch({"m": ("[Service]\n", None)}, ModelCheck(["/models/m"]), 0, [read], probe)
     assert list(facts) == ["verify", "model", "gpu", "versions", "engine"]
     assert facts["engine"] is probe
-    assert list(_batch({}, [], 0, [read])) == ["gpu", "versions"]
+    assert list(_batch({}, None, 0, [read])) == ["gpu", "versions"]
     with pytest.raises(ValueError, match="goes last"):
         batch([probe, read_program(read)], ["t1", "t2"])
 

@@ -640,15 +640,15 @@ source = "https://docs.vllm.ai/en/latest/"
 # ---- model presence ---------------------------------------------------------------------------
 
 
-def run_check(paths: list[str]) -> dict[str, pf.ModelFacts]:
+def run_check(paths: list[str], spaces: tuple[str, ...] = ()) -> dict[str, pf.ModelFacts]:
     from reconciler.host import programs
-    return asyncio.run(programs.run(LocalTransport(), pf.ModelCheck(paths), what="model check"))
+    return asyncio.run(programs.run(LocalTransport(), pf.ModelCheck(paths, spaces), what="model check"))
 
 
 def test_model_check_on_the_fixture_models():
     paths = [str(MODELS / n) for n in ("Qwen3-8B", "Broken-MissingShard", "Qwen3.5-122B-A10B",
                                        "Hybrid-Unknown")] + ["/nonexistent/model dir"]
-    facts = run_check(paths)
+    facts = run_check(paths, (paths[0], paths[4]))
     assert list(facts) == paths
     good = facts[paths[0]]
     assert good.exists and good.complete and good.problems() == []
@@ -665,6 +665,7 @@ def test_model_check_on_the_fixture_models():
     gone = facts[paths[4]]
     assert not gone.exists and gone.problems() == ["model directory /nonexistent/model dir missing"]
     assert gone.free_bytes is not None                  # of the nearest existing parent (/)
+    assert broken.free_bytes is None                    # not asked: no fetch would fill it
 
 
 def test_model_check_edge_cases(tmp_path: Path):

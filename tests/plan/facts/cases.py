@@ -49,7 +49,7 @@ BUILD: dict[str, Callable[[Mapping[str, Any]], HostProgram[Any]]] = {
     "journal": lambda p: Journal(p["unit"], p["since"]),
     "progress": lambda p: JournalTail(tuple((i, c) for i, c in p["reads"])),
     "versions": lambda p: Versions([VersionRead(**r) for r in p["reads"]]),
-    "model-check": lambda p: ModelCheck(p["paths"]),
+    "model-check": lambda p: ModelCheck(p["paths"], p.get("spaces", ())),
     "verify": lambda p: Verify({k: (u, e) for k, (u, e) in p["units"].items()}, nonce=p["nonce"]),
     "gpu": lambda p: GpuRead(p.get("health_since"), p.get("device_prefix", "/dev/nvidia")),
     "engine-probe": _engine,

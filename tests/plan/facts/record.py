@@ -73,7 +73,8 @@ def cases(invocation: str) -> list[tuple[str, str, dict[str, Any]]]:
             {"service": "m", "executable": "/usr/bin/python3", "module": "sglang"},
             {"service": "gone", "executable": "/opt/none/bin/python3", "module": "vllm"}]}),
         ("model-check", "complete-broken-and-missing", {"paths": ["/models/Qwen3-8B", "/models/Broken-MissingShard",
-                                                                  "/models/none"]}),
+                                                                  "/models/none"],
+                                                        "spaces": ["/models/Qwen3-8B", "/models/none"]}),
         ("verify", "good-and-bad", {"nonce": "0f1e2d3c4b5a6978", "units": {
             "good": ["[Service]\nExecStart=/bin/true\n", None],
             "bad": ["[Service]\nExecStart=/bin/true\nBogus=1\n", "[Service]\nEnvironmentFile=/etc/x.env\n"]}}),
