@@ -18,37 +18,12 @@ import click
 from ..errors import ConfigError, SourceError
 from ..loop.options import RunOptions, confirm_margin_from
 from .output import console, escape, fail, fail_input, print_json, run_async
-from .run import converge, opened, trust_policy
-
-PATH = click.Path(path_type=Path)
-
-
-def repo_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--repo", default=".", envvar="RECONCILER_REPO", metavar="PATH|URL", show_envvar=False,
-                        help="Desired-state repo: a local path (clone or bare) or a URL.")(f)
-
-
-def rev_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--rev", metavar="REV", help="Revision to deploy (default: HEAD of the branch).")(f)
-
-
-def path_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--path", default="", envvar="RECONCILER_PATH", metavar="DIR",
-                        help="Sub-directory of the repo that holds fleet.toml and hosts/.")(f)
-
-
-def json_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
+from .run import PATH, converge, json_opt, opened, path_opt, repo_opt, rev_opt, state_opt, trust_policy
 
 
 def cache_opt(f):  # type: ignore[no-untyped-def]
     return click.option("--cache-dir", type=PATH, envvar="RECONCILER_CACHE_DIR", metavar="DIR",
                         help="Where URL repos are mirrored.")(f)
-
-
-def state_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--state-dir", type=PATH, envvar="RECONCILER_STATE_DIR", metavar="DIR",
-                        help="Where the state store lives (default ~/.local/state/reconciler).")(f)
 
 
 def age_opt(f):  # type: ignore[no-untyped-def]

@@ -7,6 +7,7 @@ only with `--allow-insecure-transport`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -18,26 +19,22 @@ import click
 from ..desired.trust import RevisionRefused, TrustPolicy
 from ..errors import ConfigError, Problem, SourceError
 from .output import console, fail, fail_input, print_json, run_async, say
-from .run import check_state_dirs, refused, unusable_settings
+from .run import PATH, check_state_dirs, json_opt, path_opt, refused, repo_opt, rev_opt, state_opt, unusable_settings
 
 if TYPE_CHECKING:
     from ..pull import PullOptions
 
-PATH = click.Path(path_type=Path)
-
 
 @click.command()
-@click.option("--repo", default=".", envvar="RECONCILER_REPO", metavar="PATH|URL",
-              help="Desired-state repo: a local path (clone or bare) or a URL.")
-@click.option("--rev", metavar="REV", help="Revision to deploy (default: HEAD of the branch).")
-@click.option("--path", default="", envvar="RECONCILER_PATH", metavar="DIR",
-              help="Sub-directory of the repo that holds fleet.toml and hosts/.")
+@repo_opt
+@rev_opt
+@path_opt
 @click.option("--host", "-H", metavar="NAME", help="This host's name in hosts/ (default: its hostname).")
 @click.option("--dir", "workdir", type=PATH, envvar="RECONCILER_PULL_DIR", metavar="DIR",
               help="Where a URL repo is mirrored (default /var/lib/reconciler/pull).")
 @click.option("--dry-run", "-n", is_flag=True,
               help="Show what this host would deploy, and the diff; change and report nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_opt
 @click.option("--retry", is_flag=True, help="Re-apply quarantined (failed) service versions once more.")
 @click.option("--allow-rewind", is_flag=True, help="Deploy a revision that does not descend from the one this host "
                                                    "records as applied.")
@@ -49,8 +46,7 @@ PATH = click.Path(path_type=Path)
 @click.option("--age-identity", envvar="RECONCILER_AGE_IDENTITY", metavar="KEYFILE",
               help="An age identity on this host that decrypts the repo's age secrets (without one, a service "
                    "that has some is blocked).")
-@click.option("--state-dir", type=PATH, envvar="RECONCILER_STATE_DIR", metavar="DIR",
-              help="Where the state store lives (default ~/.local/state/reconciler).")
+@state_opt
 @click.option("--install", is_flag=True, help="Install and start reconciler-pull.service and .timer (and .path for "
                                               "a repo on this host), which run this command with these options.")
 @click.option("--uninstall", is_flag=True, help="Stop and remove those units.")
@@ -163,14 +159,12 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
                 outcome = run_async(pull_once(opts, on_phase=view, on_choice=chosen))
         except (ConfigError, SourceError) as e:
             fail_input(e, as_json, f"{opts.repo}@{opts.rev or 'HEAD'}")
-            return
         except RevisionRefused as e:     # nothing was changed
             refused(e, as_json)
         if outcome.result is not None and not opts.dry_run:
             from ..controller.store import Store, remember
-            store = Store(state_dir)
-            remember(store, outcome.result)
-            store.close()
+            with contextlib.closing(Store(state_dir)) as store:
+                remember(store, outcome.result)
         if as_json:
             print_json(outcome.to_json())
         else:
@@ -252,7 +246,6 @@ def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir
         name = this_host(state, opts.host)
     except (ConfigError, SourceError) as e:
         fail_input(e, False, f"{repo}@{opts.rev or 'HEAD'}")
-        return
     except RevisionRefused as e:
         refused(e, False)
     argv = _unit_argv(opts, repo, name, state_dir)

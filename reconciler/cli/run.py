@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+import click
+
 from .. import redact
 from ..desired.trust import RevisionRefused, TrustPolicy
 from ..errors import ConfigError, Problem, SourceError
@@ -27,14 +29,30 @@ if TYPE_CHECKING:
     from ..loop.results import FleetResult
     from ..loop.revision import Revision
 
-CONFIG = "/etc/reconciler/config.toml"
+PATH = click.Path(path_type=Path)
 
 
-def config_file() -> Path:
-    """The controller's config as controller/config.py finds it ($RECONCILER_CONFIG, else
-    /etc/reconciler/config.toml), named here so that a run on a host without one never imports
-    the config's schema (pydantic)."""
-    return Path(os.environ.get("RECONCILER_CONFIG") or CONFIG)
+def repo_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--repo", default=".", envvar="RECONCILER_REPO", metavar="PATH|URL", show_envvar=False,
+                        help="Desired-state repo: a local path (clone or bare) or a URL.")(f)
+
+
+def rev_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--rev", metavar="REV", help="Revision to deploy (default: HEAD of the branch).")(f)
+
+
+def path_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--path", default="", envvar="RECONCILER_PATH", metavar="DIR",
+                        help="Sub-directory of the repo that holds fleet.toml and hosts/.")(f)
+
+
+def json_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
+
+
+def state_opt(f):  # type: ignore[no-untyped-def]
+    return click.option("--state-dir", type=PATH, envvar="RECONCILER_STATE_DIR", metavar="DIR",
+                        help="Where the state store lives (default ~/.local/state/reconciler).")(f)
 
 
 def trust_policy(require_signed: bool, allowed_signers: str | None, insecure_transport: bool, *,
@@ -48,7 +66,7 @@ def trust_policy(require_signed: bool, allowed_signers: str | None, insecure_tra
     env = os.environ if env is None else env
     found, bad = trustvars.read(env)
     flags = trustvars.TrustVars(require_signed or None, allowed_signers, insecure_transport or None)
-    path = config_file()
+    path = trustvars.config_path()
     root = (os.geteuid() if euid is None else euid) == 0 and path.exists()
     cfg = None
     if root:

@@ -77,7 +77,6 @@ from ..desired.trust import TrustPolicy
 from ..errors import ConfigError, Problem
 from . import trustvars
 
-DEFAULT_PATH = Path("/etc/reconciler/config.toml")
 SERVED = {"web": "the fleet page", "metrics": "the Prometheus metrics"}
 
 
@@ -227,10 +226,6 @@ class ControllerConfig(BaseModel):
                               insecure_transport=self.allow_insecure_transport, origin=origin)
 
 
-def config_path() -> Path:
-    return Path(os.environ.get("RECONCILER_CONFIG") or DEFAULT_PATH)
-
-
 def _credentials() -> dict[str, str]:
     """The keys systemd passed as credentials ($CREDENTIALS_DIRECTORY), as config values."""
     creds = os.environ.get("CREDENTIALS_DIRECTORY")
@@ -247,7 +242,7 @@ def load_config(path: Path | None = None, overrides: Mapping[str, object] | None
     came from: the option, the environment variable, or the file and key. A trust variable that
     would loosen the file's policy, or verify nothing, is a problem too (trustvars.problems).
     `environ`: the variables to read (the process's by default)."""
-    p = path or config_path()
+    p = path or trustvars.config_path()
     data: dict[str, object] = {}
     if p.exists():
         try:

@@ -257,16 +257,16 @@ class Daemon:
             except RevisionRefused as e:
                 code = 1
                 out.say(f"refused: {e.reason}: {e}")
-                self.metrics.run_failed("refused", time.monotonic() - started)
+                self.metrics.count_run("refused", time.monotonic() - started)
             except ConfigError as e:
                 code = 1
                 print_config_error(out.console(), e, rev_name[:7])
-                self.metrics.run_failed("invalid", time.monotonic() - started)
+                self.metrics.count_run("invalid", time.monotonic() - started)
             except (SourceError, ReconcilerError, OSError) as e:
                 code = 1
                 out.say(f"run failed: {type(e).__name__}: {e}")
                 self.commit_status.failed(rev_name, f"{type(e).__name__}: {e}")
-                self.metrics.run_failed("error", time.monotonic() - started)
+                self.metrics.count_run("error", time.monotonic() - started)
         if rev_name != "unknown":
             write_exit(self.runs_dir, rev_name, code)
         return code
@@ -311,7 +311,7 @@ class Daemon:
                 raise
             except Exception:            # a bug: say it, count it, retry; never end the loop
                 print(redact.redact("reconciler: run crashed:\n" + traceback.format_exc()), flush=True)
-                self.metrics.run_failed("crash", time.monotonic() - started)
+                self.metrics.count_run("crash", time.monotonic() - started)
                 code = 1
             finally:
                 self.running = False

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from .. import redact
 from ..errors import ConfigError, SourceError
+from .trigger import user_name
 
 if TYPE_CHECKING:
     import pygit2
@@ -142,21 +143,13 @@ def pre_receive() -> int:
 def _refuse_notes(updates: list[tuple[str, str, str]], allowed: list[str]) -> bool:
     """Say why each update of a deploy status notes ref is refused (a pusher not in
     notes_pushers); True when there was one."""
-    refused = [ref for _old, _new, ref in updates if ref.startswith(NOTES)] if _pusher() not in allowed else []
+    pusher = user_name()        # the hook runs as the pushing user
+    refused = [ref for _old, _new, ref in updates if ref.startswith(NOTES)] if pusher not in allowed else []
     for ref in refused:
         print(f"reconciler: rejected {ref}: deploy status notes are written by the daemon, and pushed only by "
-              f"the users in notes_pushers of the controller's config (pull-mode hosts), not {_pusher()}",
+              f"the users in notes_pushers of the controller's config (pull-mode hosts), not {pusher}",
               file=sys.stderr)
     return bool(refused)
-
-
-def _pusher() -> str:
-    """The pushing user's name (the hook runs as that user), or its uid."""
-    import pwd
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        return str(os.geteuid())
 
 
 def post_receive() -> int:
@@ -368,7 +361,3 @@ def failure_line(hook: str, e: BaseException) -> str:
                    "check that the pushing user can read it (see systemd/README.md, the pushing users)")
         return f"reconciler: {hook}: cannot use {path}: {cause}; {verdict}. Fix: {fix}"
     return f"reconciler: {hook}: failed: {type(e).__name__}: {e} ({verdict})"
-
-
-if __name__ == "__main__":
-    sys.exit(main())

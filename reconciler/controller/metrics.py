@@ -128,9 +128,7 @@ class Metrics:
 
     def observe_run(self, res: FleetResult, seconds: float) -> None:
         code = res.exit_code()
-        self.runs.labels({0: "ok", 3: "rolled_back", 4: "host_failed"}.get(code, str(code))).inc()
-        self.duration.observe(seconds)
-        self.last_run.set_to_current_time()
+        self.count_run({0: "ok", 3: "rolled_back", 4: "host_failed"}.get(code, str(code)), seconds)
         self.revision.clear()
         self.revision.labels(redact(res.revision)).set(1)
         label = functools.cache(redact)          # a name is in several series: redacted once a run
@@ -157,7 +155,9 @@ class Metrics:
         self._seen = (opened, reused)
         self.ssh_open.set(open_now)
 
-    def run_failed(self, result: str, seconds: float) -> None:
+    def count_run(self, result: str, seconds: float) -> None:
+        """One run ended with `result` (ok, rolled_back, host_failed; refused, invalid, error,
+        crash: a run that never reached the hosts' results)."""
         self.runs.labels(result).inc()
         self.duration.observe(seconds)
         self.last_run.set_to_current_time()

@@ -9,23 +9,20 @@ $NOTIFY_SOCKET) every call does nothing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
 
-def notify(message: str) -> bool:
-    """Send one sd_notify message; False when not run by systemd with a notify socket."""
+def notify(message: str) -> None:
+    """Send one sd_notify message; nothing when not run by systemd with a notify socket."""
     path = os.environ.get("NOTIFY_SOCKET")
     if not path:
-        return False
+        return
     addr = "\0" + path[1:] if path.startswith("@") else path
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-            s.connect(addr)
-            s.sendall(message.encode())
-        return True
-    except OSError:
-        return False
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        s.sendall(message.encode())
 
 
 def watchdog_interval() -> float | None:

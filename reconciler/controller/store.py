@@ -287,22 +287,18 @@ def service_quote(r: HostResult, service: str) -> str | None:
 def remember(store: Store, result: FleetResult) -> None:
     """Write every attempt and the latest per-service status to the state store (one commit)."""
     with store.batch():
-        _remember(store, result)
-
-
-def _remember(store: Store, result: FleetResult) -> None:
-    for r in result.hosts:
-        for e in r.events:
-            o = e.outcome
-            store.add_attempt(r.host, e.service, e.revision, e.content_hash, str(e.action),
-                              o.reason if o else str(e.action).capitalize(), (o.message if o else e.note) or "",
-                              o.quote if o else e.quote, o.journal if o else None, o.seconds if o else 0.0)
-        for svc, steps in sorted(r.costs.items()):
-            store.set_cost(r.host, svc, result.revision, steps, r.lost.get(svc))
-        event = f"{r.status}: {r.message}" if r.message else str(r.status)
-        for svc in sorted(r.plan.states if r.plan else ()):
-            store.set_status(r.host, svc, desired_rev=result.revision, running_rev=r.running.get(svc),
-                             health=service_health(r, svc), last_event=event, quote=service_quote(r, svc))
-        if r.status == Result.FAILED and not r.plan:
-            store.set_status(r.host, "*", desired_rev=result.revision, running_rev=None, health="unknown",
-                             last_event=f"failed: {r.reason}: {r.message}")
+        for r in result.hosts:
+            for e in r.events:
+                o = e.outcome
+                store.add_attempt(r.host, e.service, e.revision, e.content_hash, str(e.action),
+                                  o.reason if o else str(e.action).capitalize(), (o.message if o else e.note) or "",
+                                  o.quote if o else e.quote, o.journal if o else None, o.seconds if o else 0.0)
+            for svc, steps in sorted(r.costs.items()):
+                store.set_cost(r.host, svc, result.revision, steps, r.lost.get(svc))
+            event = f"{r.status}: {r.message}" if r.message else str(r.status)
+            for svc in sorted(r.plan.states if r.plan else ()):
+                store.set_status(r.host, svc, desired_rev=result.revision, running_rev=r.running.get(svc),
+                                 health=service_health(r, svc), last_event=event, quote=service_quote(r, svc))
+            if r.status == Result.FAILED and not r.plan:
+                store.set_status(r.host, "*", desired_rev=result.revision, running_rev=None, health="unknown",
+                                 last_event=f"failed: {r.reason}: {r.message}")

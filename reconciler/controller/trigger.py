@@ -26,7 +26,7 @@ def prepare_trigger(path: Path) -> str | None:
     except FileExistsError:
         fd = -1
     except OSError as e:
-        return (f"cannot create it ({e.strerror}); make it the daemon's: install -m 0660 -o {_me()} "
+        return (f"cannot create it ({e.strerror}); make it the daemon's: install -m 0660 -o {user_name()} "
                 f"/dev/null {path}")
     try:
         if fd < 0:
@@ -54,8 +54,9 @@ def prepare_trigger(path: Path) -> str | None:
             os.close(fd)
 
 
-def _me() -> str:
-    """The daemon's user name (for a fix to show), or its uid."""
+def user_name() -> str:
+    """This process's user name (the daemon's, for a fix to show; the pusher's, in a hook), or
+    its uid."""
     import pwd
     try:
         return pwd.getpwuid(os.geteuid()).pw_name

@@ -1,5 +1,6 @@
-"""The trust policy's environment variables, and what they may do (pure; no pydantic, so that a
-`reconcile` run reads them without the config's schema).
+"""The trust policy's environment variables and what they may do (pure), and where the
+controller's config is (config_path): no pydantic, so that a `reconcile` run reads them without
+the config's schema.
 
     RECONCILER_REQUIRE_SIGNED          only signed revisions deploy
     RECONCILER_ALLOWED_SIGNERS         by a key in this ssh allowed_signers file
@@ -24,6 +25,7 @@ that would not take effect is an error, never dropped in silence.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,6 +42,12 @@ NAMES = (REQUIRE, SIGNERS, INSECURE)
 TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 NEVER_LOOSER = "an environment variable may make the trust policy stricter, never looser"
+DEFAULT_CONFIG = Path("/etc/reconciler/config.toml")
+
+
+def config_path() -> Path:
+    """The controller's config: $RECONCILER_CONFIG, else /etc/reconciler/config.toml."""
+    return Path(os.environ.get("RECONCILER_CONFIG") or DEFAULT_CONFIG)
 
 
 class TrustVars(msgspec.Struct, frozen=True):

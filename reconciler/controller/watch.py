@@ -19,22 +19,14 @@ from .config import ControllerConfig
 from .trigger import prepare_trigger
 
 
-def trigger_path(cfg: ControllerConfig) -> Path | None:
-    """The trigger file: the config's, else <repo>/reconciler.trigger of a local repo; None for
-    a URL repo without one."""
-    if cfg.trigger_file:
-        return Path(cfg.trigger_file)
-    if not source.is_url(cfg.repo):
-        return Path(source.open_repo(cfg.repo).path) / "reconciler.trigger"
-    return None
-
-
 def watch_paths(cfg: ControllerConfig) -> tuple[list[Path], set[str]]:
     """The folders to watch and the files in them whose changes ask for a run: the trigger file
-    (made ready here, or said to be refused) and a local repo's branch ref and packed-refs."""
+    (the config's, else <repo>/reconciler.trigger of a local repo; made ready here, or said to be
+    refused) and a local repo's branch ref and packed-refs."""
     paths: list[Path] = []
     names: set[str] = set()
-    trigger = trigger_path(cfg)
+    gitdir = None if source.is_url(cfg.repo) else Path(source.open_repo(cfg.repo).path)
+    trigger = Path(cfg.trigger_file) if cfg.trigger_file else gitdir and gitdir / "reconciler.trigger"
     if trigger:
         trigger.parent.mkdir(parents=True, exist_ok=True)
         refused = prepare_trigger(trigger)
@@ -44,8 +36,7 @@ def watch_paths(cfg: ControllerConfig) -> tuple[list[Path], set[str]]:
         else:
             paths.append(trigger.parent)
             names.add(str(trigger))
-    if not source.is_url(cfg.repo):
-        gitdir = Path(source.open_repo(cfg.repo).path)
+    if gitdir is not None:
         paths.append(gitdir)
         names |= {str(gitdir / "refs" / "heads" / cfg.branch), str(gitdir / "packed-refs")}
     return paths, names

@@ -146,12 +146,10 @@ class PullOutcome(msgspec.Struct):
             "result": self.result.to_json() if self.result is not None else None})
 
 
-def local_connector() -> Connector:
-    """A Connector for the host the run is on: commands in a local shell, health probes to its
+async def connect_local(host: HostSpec) -> Transport:
+    """The Connector for the host the run is on: commands in a local shell, health probes to its
     own addresses, the host lock held by a local process."""
-    async def connect(host: HostSpec) -> Transport:
-        return LocalTransport(host.name)
-    return connect
+    return LocalTransport(host.name)
 
 
 def this_host(state: DesiredState, name: str | None) -> str:
@@ -274,7 +272,7 @@ async def pull_once(opts: PullOptions, *, on_phase: HostPhase | None = None, con
     head, signer, fallback = signed_head(repo, branch_head, opts)
     state = load_desired(head)
     name = this_host(state, opts.host)
-    connect = connect or local_connector()
+    connect = connect or connect_local
     probe = await connect(state.hosts[name])
     try:
         applied = await _applied(probe)

@@ -17,7 +17,6 @@ before it is made the ExecStart= of a root service.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import stat
@@ -148,8 +147,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
 def _write(path: Path, text: str) -> None:
     """Write a unit root-only from its first byte (never readable by others, even for a moment)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
+    tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, UNIT_MODE)
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), UNIT_MODE)
@@ -221,8 +219,7 @@ def uninstall(*, unit_dir: Path = UNIT_DIR, run: Run = _run) -> list[str]:
     if triggers:
         _systemctl(run, "disable", "--now", *triggers, check=False)
     for name in present:
-        with contextlib.suppress(FileNotFoundError):
-            (unit_dir / name).unlink()
+        (unit_dir / name).unlink(missing_ok=True)
         said.append(f"{unit_dir / name}: removed")
     if present:
         _systemctl(run, "daemon-reload")

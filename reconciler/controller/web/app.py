@@ -43,7 +43,7 @@ from ..config import is_loopback
 from ..store import Store
 from . import hosts, view
 from .hub import SECTIONS, Hub, PageState
-from .stream import MAX_STREAMS, Refusals, SharedEvents, Streams
+from .stream import MAX_STREAMS, EventStream, Refusals, SharedEvents, Streams
 from .view import CommitInfo, Commits
 
 HEADERS = [(b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"),
@@ -117,11 +117,8 @@ class Page:
 
     def rows(self) -> list[dict[str, Any]]:
         """The store's status rows, each with its service's last measured restart cost."""
-        store = Store(self.state_dir)
-        try:
+        with contextlib.closing(Store(self.state_dir)) as store:
             return hosts.with_costs(store.status(), store.costs())
-        finally:
-            store.close()
 
     def model(self, snap: PageState, sections: tuple[str, ...], rows: list[dict[str, Any]] | None = None,
               **filters: str) -> dict[str, Any]:
@@ -163,11 +160,8 @@ class Page:
 
     def _host(self, name: str) -> tuple[str, bool]:
         snap = self.hub.snapshot()
-        store = Store(self.state_dir)
-        try:
+        with contextlib.closing(Store(self.state_dir)) as store:
             attempts, rows = store.history(name, limit=200), hosts.with_costs(store.status(), store.costs())
-        finally:
-            store.close()
         if not attempts and name not in snap.fleet and not any(r["host"] == name for r in rows):
             return self.render("missing.html", view.redacted({"about": self.about, "name": name})), False
         m = view.redacted({"about": self.about, "h": hosts.history(name, attempts, rows, snap, self.commits)})
@@ -180,7 +174,7 @@ class Page:
         for s in SECTIONS:
             with contextlib.suppress(ValueError):
                 seen[s] = int(request.query_params.get(s, ""))
-        return self.streams.response(seen)
+        return EventStream(self.streams, seen)
 
 
 def allowed_hosts(bind: str) -> list[str]:

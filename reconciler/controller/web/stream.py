@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 
 from starlette.responses import PlainTextResponse, StreamingResponse
@@ -133,10 +133,6 @@ class Streams:
         if client is not None and self.by_client[client] >= self.cap_per_client:
             return f"event streams over the cap of {self.cap_per_client} per client"
         return None
-
-    def response(self, seen: Mapping[str, int]) -> EventStream:
-        """The response to `GET /events` from a client that has the sections at `seen`."""
-        return EventStream(self, dict(seen))
 
     async def events(self, seen: dict[str, int]) -> AsyncIterator[bytes]:
         """The stream's bytes: every section whose version moved since `seen`, as the hub moves."""
