@@ -30,8 +30,6 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("mid-apply", "before-apply", "after-apply", "in-watch", "after-verdict", "in-rollback-watch")
-
 
 def armed(point: str) -> bool:
     """True when the environment asks for a fault at `point`."""
@@ -43,16 +41,13 @@ _PAUSES = {"pause-after-temp": "RC_PAUSE_AFTER_TEMP", "pause-after-rename": "RC_
            "pause-before-reload": "RC_PAUSE_BEFORE_RELOAD"}
 
 
-def _pause_seconds() -> str:
-    """RECONCILER_FAULT_PAUSE as a plain number of seconds (default 5)."""
+def host_pauses() -> dict[str, str]:
+    """The apply script's pauses the environment asks for (none normally): each one's variable
+    and RECONCILER_FAULT_PAUSE as a plain number of seconds (default 5)."""
     seconds = os.environ.get("RECONCILER_FAULT_PAUSE", "5")
-    return seconds if seconds.replace(".", "", 1).isdigit() else "5"
-
-
-def host_pauses() -> list[str]:
-    """Shell lines that arm the apply script's pauses the environment asks for (none normally)."""
-    seconds = _pause_seconds()
-    return [f"{var}={seconds}" for point, var in _PAUSES.items() if armed(point)]
+    if not seconds.replace(".", "", 1).isdigit():
+        seconds = "5"
+    return {var: seconds for point, var in _PAUSES.items() if armed(point)}
 
 
 def block_loop_if_asked() -> None:

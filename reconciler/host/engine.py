@@ -134,7 +134,6 @@ class EngineProbe(HostProgram[EngineAnswer], frozen=True):
         "ENV_ALLOW": " ".join([*(p + "*" for p in ENV_PREFIXES), *ENV_NAMES]), "ENV_DENY": " ".join(ENV_DENY)}
     run: EngineRun
     cached: str = ""
-    memory_max: str = MEMORY_MAX
     seconds: int = SECONDS
 
     def timeout(self) -> float:
@@ -146,7 +145,7 @@ class EngineProbe(HostProgram[EngineAnswer], frozen=True):
         return {"arg": list(run.args), "env": str(self._env().count("\n")), "interp": run.interpreter,
                 "probe": str(len(probe_text(run.server).encode())), "probesum": probe_digest(run.server),
                 "user": run.user or "",
-                "mem": self.memory_max, "secs": str(self.seconds), "mode": run.mode, "model": _model_dir(run),
+                "mem": MEMORY_MAX, "secs": str(self.seconds), "mode": run.mode, "model": _model_dir(run),
                 "cached": self.cached, "stage": STAGE[run.server], "usersite": str(int(run.user_site)),
                 "pythonpath": [p for p in run.env.get("PYTHONPATH", "").split(":") if p],
                 "envfile": _unit_files(run), "prop": list(probe_properties(run.unit, run.mode))}
@@ -299,11 +298,6 @@ def answered(host: str, asked: Ask, answer: EngineAnswer, store: VerdictCache) -
     return answer.verdict
 
 
-def unran(run: EngineRun, why: str) -> EngineVerdict:
-    """The verdict of a probe that could not run (the connection, a timeout)."""
-    return EngineVerdict(run.service, run.server, "inconclusive", message=f"the check could not run: {why}")
-
-
 async def probe(t: Transport, host: str, asked: Ask, store: VerdictCache) -> EngineVerdict:
     """An asked engine check in a round trip of its own (its answer given without the host
     where it has one)."""
@@ -313,7 +307,8 @@ async def probe(t: Transport, host: str, asked: Ask, store: VerdictCache) -> Eng
     try:
         answer = await programs.run(t, asked.probe, timeout=asked.probe.timeout(),
                                     what=f"engine check of {asked.run.service}", check=False)
-    except ReconcilerError as e:
-        return unran(asked.run, str(e))
+    except ReconcilerError as e:      # the connection, a timeout: the probe could not run
+        return EngineVerdict(asked.run.service, asked.run.server, "inconclusive",
+                             message=f"the check could not run: {e}")
     return answered(host, asked, answer, store)
 

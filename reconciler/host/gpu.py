@@ -20,7 +20,6 @@ from ..plan.facts.gpu import DEVICE_PREFIX, GpuFacts, GpuRead, Holder
 from . import programs
 from .transport import Transport
 
-Policy = Literal["report", "kill"]
 POLICIES: tuple[str, ...] = ("report", "kill")
 
 

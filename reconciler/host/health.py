@@ -71,13 +71,14 @@ class Outcome(msgspec.Struct):
                 "seconds": round(self.seconds, 2)}
 
 
-async def http_probe(t: Transport, url: str, timeout: float = 5.0, ca_pem: str | None = None) -> tuple[int | None, str]:
-    """GET url from the host itself (through the SSH connection): (status, body) or (None, why).
+async def http_probe(t: Transport, url: str, ca_pem: str | None = None) -> tuple[int | None, str]:
+    """GET url from the host itself (through the SSH connection), verified against `ca_pem`,
+    within 5 s: (status, body) or (None, why).
 
     httpx over the SSH channel (reconciler/host/probe.py), imported on first use: a run that
     restarts nothing never pays for it."""
     from .probe import http_probe as probe
-    return await probe(t, url, timeout=timeout, ca_pem=ca_pem)
+    return await probe(t, url, ca_pem=ca_pem)
 
 
 Phase = Callable[[str, str, float, float], None]   # (service, phase, elapsed, timeout)

@@ -46,8 +46,6 @@ from . import programs
 from .session import HostSession, SessionTransport
 from .transport import Spawned, StreamSpawned, Transport
 
-OWNER = LOCK_OWNER
-COUNT = LOCK_COUNT
 IDLE = 30            # seconds without a heartbeat before the holder lets go
 HEARTBEAT = 5.0      # seconds between heartbeats
 WAIT = 30.0          # default: how long a run waits for another run's lock
@@ -64,7 +62,7 @@ PARAMS = HostProgram.fragments        # holder.sh and launch.sh read their param
 
 def holder_constants() -> Mapping[str, str]:
     """What holder.sh shares with the Python side (plan/layout.py, this module's IDLE)."""
-    return {"LOCK": LOCK, "COUNT": COUNT, "OWNER": OWNER, "CONFIRM": confirm.CONFIRM_DIR,
+    return {"LOCK": LOCK, "COUNT": LOCK_COUNT, "OWNER": LOCK_OWNER, "CONFIRM": confirm.CONFIRM_DIR,
             "REARM": confirm.REARM_SCRIPT, "IDLE": str(IDLE)}
 
 

@@ -48,8 +48,6 @@ from .outbox import Outbox
 
 log = logging.getLogger("reconciler.host.notify")
 
-EVENTS = ("rollout.start", "rollout.finish", "rollout.halt", "rollback")
-
 ALLOW_ENV = "RECONCILER_WEBHOOK_ALLOW"           # the `reconcile` command's webhook_allow
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _allowed: tuple[Network, ...] | None = None      # set by the daemon from its config (allow())

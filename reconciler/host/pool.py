@@ -34,7 +34,6 @@ The pool is I/O glue: no decision of the planner depends on whether a connection
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TypeVar
@@ -44,7 +43,7 @@ import msgspec
 from ..desired.spec import HostSpec, SSHSpec
 from ..errors import ConnectError
 from .session import HostSession, SessionTransport, stand
-from .transport import Completed, Spawned, Transport
+from .transport import Completed, Spawned, Transport, close_quietly
 
 Connect = Callable[[HostSpec], Awaitable[Transport]]
 _T = TypeVar("_T")
@@ -104,7 +103,7 @@ class Pool:
                     e.session = await stand(e.transport, STANDING_IDLE)
                 return _Leased(self, e, host, reused=True)
             del self._entries[host.name]           # broken, or the host is now reached another way
-            await _close(e.transport)
+            await close_quietly(e.transport)
         elif e is not None:                         # leased already: a second, unpooled connection
             t = await self._connect(host)
             self.opened += 1
@@ -117,7 +116,7 @@ class Pool:
 
     async def _fresh(self, e: _Entry, host: HostSpec) -> Transport:
         """Replace a leased entry's dead connection with a new one (same lease)."""
-        await _close(e.transport)
+        await close_quietly(e.transport)
         e.session = None
         e.transport = await self._connect(host)
         self.opened += 1
@@ -128,7 +127,7 @@ class Pool:
         if broken or not _alive(e.transport):
             if self._entries.get(e.key[0]) is e:
                 del self._entries[e.key[0]]
-            await _close(e.transport)
+            await close_quietly(e.transport)
 
     async def retain(self, names: Iterable[str]) -> None:
         """Close the connections of hosts not in `names` and those idle for longer than `idle`."""
@@ -136,16 +135,11 @@ class Pool:
         gone = [n for n, e in self._entries.items()
                 if not e.leased and (n not in keep or now - e.used > self.idle)]
         for n in gone:
-            await _close(self._entries.pop(n).transport)
+            await close_quietly(self._entries.pop(n).transport)
 
     async def close(self) -> None:
         entries, self._entries = list(self._entries.values()), {}
-        await asyncio.gather(*(_close(e.transport) for e in entries))
-
-
-async def _close(t: Transport) -> None:
-    with contextlib.suppress(Exception):          # a connection that broke has nothing left to close
-        await t.close()
+        await asyncio.gather(*(close_quietly(e.transport) for e in entries))
 
 
 class _Leased:

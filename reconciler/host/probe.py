@@ -53,18 +53,7 @@ async def http_probe(t: Transport, url: str, *, timeout: float = 5.0, ca_pem: st
     of body are read; the rest is left unread and the connection closed. `ca_pem` is the PEM
     text of the CA bundle that `https://` must chain to (None: the system's default CAs).
     """
-    backend = _ChannelBackend(t)
-    try:
-        ssl_context = _ssl_context(ca_pem) if url.lower().startswith("https:") else None
-    except (ssl.SSLError, ValueError, TypeError) as e:
-        return None, f"tls: ca_pem is not a usable CA bundle: {_ssl_reason(e)}"
-    try:
-        async with asyncio.timeout(timeout):
-            return await _get(backend, ssl_context, url, timeout, max_body)
-    except TimeoutError:  # the overall deadline, named for where it struck
-        return None, f"{backend.phase}: {'ReadTimeout' if backend.phase == 'read' else 'ConnectTimeout'}"
-    except Exception as e:  # a network failure is an answer, not a bug in the caller
-        return None, _describe(backend, e)
+    return await http_request(t, url, timeout=timeout, ca_pem=ca_pem, max_body=max_body)
 
 
 async def _get(backend: _ChannelBackend, ssl_context: ssl.SSLContext | None, url: str,

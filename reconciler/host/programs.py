@@ -26,12 +26,6 @@ from .transport import Completed, Transport
 T = TypeVar("T")
 
 
-def tokens(n: int) -> list[str]:
-    """n fresh tokens, one per program of a round trip (random per run: host output cannot
-    forge a record)."""
-    return [secrets.token_hex(8) for _ in range(n)]
-
-
 class Seen:
     """Each host's last answer to a program, and what it was read as. A parser is pure, and its
     answer's token is random per run only so that host output cannot forge a record: two
@@ -83,7 +77,7 @@ async def _answers(t: Transport, programs: Sequence[HostProgram[Any]], *, what: 
                    check: bool) -> tuple[list[Records], Completed]:
     """Run programs one after the other in one sh (frames.batch): each one's answer, and how the
     command ended."""
-    toks = tokens(len(programs))
+    toks = [secrets.token_hex(8) for _ in programs]   # random per run: host output cannot forge a record
     cmd, stdin = batch(programs, toks)
     res = await t.run(cmd, input=stdin, check=check, timeout=timeout, what=what)
     return [Records(res.stdout, tok, t.host, res.stderr) for tok in toks], res

@@ -317,7 +317,7 @@ class ApplyScript(HostProgram[ApplyAnswer], frozen=True):
 
     def params(self) -> Mapping[str, str]:
         # fault injection only (faults.py): the pauses the environment asks for
-        return dict(p.split("=", 1) for p in faults.host_pauses())
+        return faults.host_pauses()
 
     def payload(self) -> str:
         return "".join(c + "\n" for c in self.calls)

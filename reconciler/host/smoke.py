@@ -29,14 +29,12 @@ async def ask(t: Transport, spec: SmokeSpec, *, clock: Clock = REAL) -> tuple[Sm
     for number, check in enumerate(spec.checks, 1):
         req = request(spec, check, model)
         body = json.dumps(req.body)
-        if spec.ttft is not None:
-            lines: list[tuple[float, str]] = []
-            status, said = await http_request(t, req.url, method="POST", body=body, timeout=spec.timeout,
-                                              lines=lines)
-            answer = streamed(status, lines) if status is not None else Answer(None, None, error=said)
+        lines: list[tuple[float, str]] | None = [] if spec.ttft is not None else None
+        status, said = await http_request(t, req.url, method="POST", body=body, timeout=spec.timeout, lines=lines)
+        if status is None:
+            answer = Answer(None, None, error=said)
         else:
-            status, said = await http_request(t, req.url, method="POST", body=body, timeout=spec.timeout)
-            answer = whole(status, said) if status is not None else Answer(None, None, error=said)
+            answer = streamed(status, lines) if lines is not None else whole(status, said)
         answers.append(answer)
         if not judge_check(spec, check, number, answer).healthy:
             break

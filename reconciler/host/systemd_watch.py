@@ -97,12 +97,10 @@ class SystemdWatch:
         round trip."""
         journal = self.loads.command(self.clock.now(), units)
         show = UnitShow(units, WATCH_PROPS)
-        if journal is None:
-            shown: dict[str, dict[str, str]] = await programs.run(self.t, show, timeout=TICK_TIMEOUT, what="health",
-                                                                  check=False)
-            return shown
-        tail, shown = await programs.run_all(self.t, [journal, show], timeout=TICK_TIMEOUT, what="health", check=False)
-        self.loads.take(tail)
+        *tail, shown = await programs.run_all(self.t, [show] if journal is None else [journal, show],
+                                              timeout=TICK_TIMEOUT, what="health", check=False)
+        if tail:
+            self.loads.take(tail[0])
         return shown
 
 

@@ -110,6 +110,12 @@ def checked(host: str, res: Completed, check: bool, what: str) -> Completed:
     return res
 
 
+async def close_quietly(t: Transport) -> None:
+    """Close `t`; a connection that already broke has nothing left to close."""
+    with contextlib.suppress(Exception):
+        await t.close()
+
+
 def identity_files(explicit: str | None) -> list[str] | None:
     """The client key files: --identity, else $RECONCILER_IDENTITY, else None (ssh defaults)."""
     path = explicit or os.environ.get("RECONCILER_IDENTITY")

@@ -18,7 +18,6 @@ One host failing never stops the others: every host ends with a HostResult.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -27,7 +26,7 @@ from ..desired.spec import HostSpec
 from ..desired.trust import rewind_problem
 from ..errors import HostError, ReconcilerError
 from ..host import lock
-from ..host.transport import Transport
+from ..host.transport import Transport, close_quietly
 from ..plan.records import Quarantine, Result
 from ..plan.rollout import (
     RolloutPlan,
@@ -73,6 +72,7 @@ class _FleetRun:
         self.connect = io.connect or ssh_connector(opts.identity)
         self.sem = asyncio.Semaphore(opts.concurrency or rev.state.settings.concurrency)
         self.hosts = hosts
+        self.by_name = {h.name: h for h in hosts}
         self.transports: dict[str, Transport] = {}
         self.locks: dict[str, lock.HostLock] = {}
         self.raw: dict[str, Transport] = {}        # a locked host's own connection (under the holder's session)
@@ -113,18 +113,13 @@ class _FleetRun:
                     *(self._rollout(ro) for ro in rollouts))
         finally:
             await asyncio.gather(*(held.release() for held in self.locks.values()))
-            await asyncio.gather(*(self._close(t) for t in self.transports.values()))
+            await asyncio.gather(*(close_quietly(t) for t in self.transports.values()))
         res = FleetResult(self.state.revision, self.dry_run, [self.results[h.name] for h in self.hosts],
                           rollouts)
         if self.notifier is not None:
             await self.notifier.close()
             res.warnings.extend(self.notifier.failures)
         return res
-
-    @staticmethod
-    async def _close(t: Transport) -> None:
-        with contextlib.suppress(Exception):   # a connection that already broke has nothing left to close
-            await t.close()
 
     # -- survey --
 
@@ -173,7 +168,7 @@ class _FleetRun:
         if self.results[h.name].plan is None and self.results[h.name].status is Result.FAILED:
             # It could not even be observed: report it, and leave it out of every pass.
             self.transports.pop(h.name, None)
-            await self._close(t)
+            await close_quietly(t)
 
     async def _lock(self, h: HostSpec, t: Transport, r: HostResult | None, t0: float, wait: float,
                     first: bool = False) -> tuple[HostResult, Transport] | None:
@@ -186,10 +181,9 @@ class _FleetRun:
             if first and isinstance(e, lock.LockedError):
                 self.busy[h.name] = t0
                 return None
-            self.results[h.name] = HostResult(h.name, h.ssh.address, Result.FAILED, reason=e.reason,
-                                              message=e.message, seconds=time.monotonic() - t0)
+            self.results[h.name] = failed_result(h.name, h.ssh.address, e, time.monotonic() - t0)
             self.transports.pop(h.name, None)
-            await self._close(t)
+            await close_quietly(t)
             return None
         # From here on, the host's commands go through the holder's shell (session.py)
         self.raw[h.name] = t
@@ -212,19 +206,14 @@ class _FleetRun:
             self.transports[n] = self.raw.pop(n)
         self.locks.clear()
         self.busy.clear()
-        by_name = {h.name: h for h in self.hosts}
         deadline = time.monotonic() + self.opts.lock_wait
         for n in names:
-            h = by_name[n]
+            h = self.by_name[n]
             wait = max(0, math.ceil(deadline - time.monotonic()))
             locked = await self._lock(h, self.transports[n], None, started[n], wait=wait)
             if locked is not None:
                 r, t = locked
                 await self._surveyed(h, t, r)
-
-    def _unlocked(self, h: HostSpec) -> bool:
-        """A host surveyed in sync and so never locked: no pass may write to it."""
-        return not self.dry_run and h.name not in self.locks
 
     async def _apply_halts(self) -> None:
         """Keep halted rollouts halted: extend each group's live halt to members that hold no
@@ -262,7 +251,7 @@ class _FleetRun:
                 # A host surveyed in sync was never locked: it is never written to (only hosts
                 # with something to do are locked). Its survey planned it from the same look:
                 # planned again only where a hold or a quarantine now asks something else of it.
-                unlocked = self._unlocked(h)
+                unlocked = not self.dry_run and h.name not in self.locks
                 if unlocked and not hold and not qs and h.name not in self.passed:
                     r = replace(before, seconds=0.0)
                 else:
@@ -280,13 +269,10 @@ class _FleetRun:
                 self.results[h.name] = r
             else:
                 merge_result(before, r)
-            self._notify_failures(h.name, r)
+            if self.notifier is not None:
+                for fields in rollback_notices(h.name, r):
+                    self.notifier.send("rollback", **fields)
             return r
-
-    def _notify_failures(self, host: str, r: HostResult) -> None:
-        if self.notifier is not None:
-            for fields in rollback_notices(host, r):
-                self.notifier.send("rollback", **fields)
 
     # -- rollouts --
 
@@ -297,7 +283,6 @@ class _FleetRun:
         ro.status = RolloutStatus.RUNNING
         self._send("rollout.start", ro, hosts=list(p.pending), waves=[w.to_json() for w in p.waves])
         self._tell("start", ro)
-        by_name = {h.name: h for h in self.hosts}
         # Starts of this revision that failed with sick GPUs in an earlier run count here too
         faulted = excuses_on_record(svc, self.state.revision, {
             h: r.facts.gpu_fault for h in p.members if (r := self.results.get(h)) is not None and r.facts is not None})
@@ -311,8 +296,9 @@ class _FleetRun:
             waits(waves, self.results)
             ro.plan = waves.as_run(wave)
             self._tell("wave", ro)
-            others = {h: frozenset(by_name[h].services) - {svc} for h in wave.hosts}
-            results = await asyncio.gather(*(self._pass(by_name[h], hold=others[h], fresh=True) for h in wave.hosts))
+            others = {h: frozenset(self.by_name[h].services) - {svc} for h in wave.hosts}
+            results = await asyncio.gather(*(self._pass(self.by_name[h], hold=others[h], fresh=True)
+                                             for h in wave.hosts))
             verdict = judge_wave(wave, (wave_outcome(svc, h, r) for h, r in zip(wave.hosts, results, strict=True)),
                                  faulted)
             ro.excused += verdict.excused
@@ -321,7 +307,7 @@ class _FleetRun:
             ro.waves_done = wave.number
             if verdict.halt:
                 p = ro.plan = waves.as_run(wave)
-                hashes = {h: by_name[h].services[svc].content_hash() for h in (*wave.hosts, *p.after(wave))}
+                hashes = {h: self.by_name[h].services[svc].content_hash() for h in (*wave.hosts, *p.after(wave))}
                 stop = halt(p, wave, verdict.halt, self.state.revision, hashes, now=int(time.time()))
                 ro.halted(stop)
                 await self._halt(ro, stop)
@@ -351,14 +337,13 @@ class _FleetRun:
         """Record the halt (rollout.halt): a pass on each failed and each untouched host writes
         its quarantine, and its result says the halt in the rollout's words."""
         svc = ro.plan.group.service
-        by_name = {h.name: h for h in self.hosts}
 
         def untouched(r: HostResult, before: HostResult) -> None:
             if r.status is Result.QUARANTINED and r.message:
                 r.message = stop.untouched_message(svc, r.running.get(svc) or before.running.get(svc))
 
         async def mark(name: str, failed: bool) -> None:
-            spec = by_name[name]
+            spec = self.by_name[name]
             hold = frozenset(spec.services) - {svc}
             r = await self._pass(spec, hold=hold, fresh=True, quarantine={svc: stop.quarantines[name]},
                                  say=None if failed else untouched)

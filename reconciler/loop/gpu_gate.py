@@ -86,6 +86,11 @@ class GpuGate:
         svc = sp.target.spec if sp is not None and sp.target is not None else None
         return ({pid} if pid else set()), claimed_gpus(svc, self.gpu), {f"{n}.service" for n in self.managed - {name}}
 
+    def _strays(self, name: str, now: GpuFacts) -> list[Holder]:
+        """The strays on a service's GPUs in `now` (strays_on)."""
+        pids, gpus, own = self._service(name)
+        return strays_on(now, gpus, own_unit=f"{name}.service", own_pids=pids, managed=own)
+
     async def __call__(self, a: Action) -> str | None:
         """Run one gate step of the plan."""
         assert a.service is not None
@@ -96,9 +101,9 @@ class GpuGate:
         return await self._wait(a.service)
 
     async def _wait(self, name: str) -> str | None:
-        pids, gpus, own = self._service(name)
+        pids, gpus, _ = self._service(name)
         ok, after, waited = await wait_released(self.t, pids=pids, timeout=self.timeout, gpus=gpus, clock=self.clock)
-        strays = strays_on(after, gpus, own_unit=f"{name}.service", own_pids=pids, managed=own)
+        strays = self._strays(name, after)
         for s in strays:
             self.notes.append(f"{name}: stray GPU holder pid {s.pid} ({s.comm}, {s.used_mib} MiB)")
         if not ok and strays and name in self.kills:
@@ -113,7 +118,5 @@ class GpuGate:
         return f"GPUs still busy {waited:.0f}s after stopping {name}: {after.summary()} (stray-process policy {policy})"
 
     async def _kill(self, name: str, now: GpuFacts) -> None:
-        pids, gpus, own = self._service(name)
-        strays = strays_on(now, gpus, own_unit=f"{name}.service", own_pids=pids, managed=own)
-        for o in await kill_strays(self.t, strays, "kill", clock=self.clock):
+        for o in await kill_strays(self.t, self._strays(name, now), "kill", clock=self.clock):
             self.notes.append(f"{name}: stray pid {o.holder.pid} ({o.holder.comm}) on its GPUs: {o.outcome}")

@@ -19,12 +19,12 @@ read is one row (service "*") that says why.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
 from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..errors import ReconcilerError
+from ..host.transport import close_quietly
 from ..plan.facts import HostFacts, ServiceFacts
 from ..plan.records import ServiceRecord
 from ..plan.state import live_quarantine
@@ -34,8 +34,6 @@ from .host_run import observe, ssh_connector
 from .options import RunIO, RunOptions
 from .results import FleetResult, HostResult, failed_result
 from .revision import Revision
-
-RUNNING = UP
 
 
 def desired_hash(spec: ServiceSpec | None) -> str | None:
@@ -47,7 +45,7 @@ def desired_hash(spec: ServiceSpec | None) -> str | None:
 
 
 def _running_rev(rec: ServiceRecord, active: str) -> str | None:
-    if active not in RUNNING:
+    if active not in UP:
         return None
     if rec.pending is not None and rec.pending.started:
         return rec.pending.revision
@@ -62,7 +60,7 @@ def record_health(rec: ServiceRecord, f: ServiceFacts) -> str:
         return "unhealthy"
     if active == "activating":
         return "starting"
-    if active not in RUNNING:
+    if active not in UP:
         return "stopped"
     return "healthy" if rec.verified else "unverified"
 
@@ -84,7 +82,7 @@ def _event(name: str, host: str, rec: ServiceRecord, f: ServiceFacts, spec: Serv
     want = desired_hash(spec)
     q = live_quarantine(rec.quarantine, None, want) if want is not None else rec.quarantine
     if q is not None:
-        running = f.unit.active_state in RUNNING
+        running = f.unit.active_state in UP
         why = q.why(host)
         if q.rollback_failed:
             return (f"failed: desired {q.revision[:7]} quarantined ({why}); its rollback failed too: "
@@ -178,14 +176,11 @@ async def look(rev: Revision, opts: RunOptions, io: RunIO, hosts: list[HostSpec]
         async with sem:
             try:
                 t = await connect(h)
+                try:
+                    facts = await observe(t, h, secrets=False)
+                finally:
+                    await close_quietly(t)
             except ReconcilerError as e:
                 return failed_result(h.name, h.ssh.address, e, time.monotonic() - t0)
-            try:
-                facts = await observe(t, h, secrets=False)
-            except ReconcilerError as e:
-                return failed_result(h.name, h.ssh.address, e, time.monotonic() - t0)
-            finally:
-                with contextlib.suppress(Exception):
-                    await t.close()
         return HostResult(h.name, h.ssh.address, facts=facts, seconds=time.monotonic() - t0)
     return FleetResult(rev.revision, True, list(await asyncio.gather(*(one(h) for h in hosts))))

@@ -30,8 +30,6 @@ from ..redact import escape_controls, redact
 from .forecasts import host_lines, rollout_line
 from .results import FleetResult, HostResult
 
-BUDGET_BLOCKED = Reason.BUDGET_BLOCKED
-
 
 def _t(text: object, plain: bool = False) -> str:
     """Text from a run, redacted, its control characters made visible (a journal line's ESC
@@ -374,7 +372,7 @@ def _print_rollout_end(console: Console, ro: RolloutResult, revision: str) -> No
     """How the rollout ended: blocked by its budget, halted (where, why, the journal line, the
     hosts left quarantined), or done."""
     p = ro.plan
-    if ro.reason == BUDGET_BLOCKED:
+    if ro.reason == Reason.BUDGET_BLOCKED:
         console.print(f"  [bold red]{_t(ro.reason)}: {_t(ro.message or '')}[/]", highlight=False)
     elif ro.status == "halted":
         console.print(f"  [bold red]halted at {_t(ro.halted_at or '?')} (wave {ro.halted_wave}"

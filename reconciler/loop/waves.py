@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from ..clock import REAL, Clock
 from ..desired.spec import DesiredState, ServiceSpec
 from ..host import programs
+from ..host.health import first_miss, http_probe
 from ..host.transport import Transport
 from ..plan.budget import Member, Step, forecast_steps, next_step
 from ..plan.drain import a_preview_may_ask
@@ -38,19 +39,13 @@ BLOCKED_WAIT = 1.0
 HostGet = Callable[[Transport, str, "str | None"], Awaitable[tuple["int | None", str]]]
 
 
-async def _get(t: Transport, url: str, ca_pem: str | None) -> tuple[int | None, str]:
-    from ..host.probe import http_probe  # httpx loads when a budget is read, not at start-up
-    return await http_probe(t, url, timeout=5.0, ca_pem=ca_pem)
-
-
 async def read_member(name: str, t: Transport | None, spec: ServiceSpec, *, sick: bool = False,
-                      allowed: Collection[str] = (), get: HostGet = _get, preview: bool = False) -> Member:
+                      allowed: Collection[str] = (), get: HostGet = http_probe, preview: bool = False) -> Member:
     """One member of a group as it is now: ready, or why not. `get`: how a URL is read from the
     host (a test's own). `preview` (a dry run): the balancer is asked only by a call that runs
     nothing of the revision (plan/drain.a_preview_may_ask); another counts the member by its
     readiness alone."""
     from ..host import rotation  # httpx loads when a budget is read, not at start-up
-    from ..host.health import first_miss
     from .preflight import ready_probes
     if t is None:
         return Member(name, False, "not read (not reached in this run)")
