@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import schema_drain
-from .health import check_health_url
+from .health import url_problem
 from .merge import At
 from .placeholders import PLACEHOLDER, origin
 from .spec import CALL_TIMEOUT, DRAIN_INTERVAL, DRAIN_TIMEOUT, CallSpec, DrainSpec, InflightSpec, SmokeCheck, SmokeSpec
@@ -81,10 +81,10 @@ def _haproxy(table: schema_drain.HaproxyTable, at: At, render: Render,
 def _call(table: schema_drain.CallTable, at: At, render: Render, report: Report) -> CallSpec | None:
     timeout = float(table.timeout) if table.timeout is not None else CALL_TIMEOUT
     if table.http is not None:
-        url = render(table.http, At(at.file, f"{at.key}.http"))
-        why = None if PLACEHOLDER.search(url) else check_health_url(url)
-        if why:
-            report(At(at.file, f"{at.key}.http"), f"expected an http(s) URL with a host and port, got {url!r}: {why}")
+        url_at = At(at.file, f"{at.key}.http")
+        url = render(table.http, url_at)
+        if problem := url_problem(url):
+            report(url_at, problem)
             return None
         body = render(table.body, At(at.file, f"{at.key}.body")) if table.body is not None else None
         return CallSpec(kind="http", target=url, method=table.method or "POST", body=body,
@@ -103,10 +103,10 @@ def _inflight(table: schema_drain.InflightTable | None, at: At, health_url: str 
     if table is None:
         return None, True
     if table.url is not None:
-        url = render(table.url, At(at.file, f"{at.key}.url"))
-        why = None if PLACEHOLDER.search(url) else check_health_url(url)
-        if why:
-            report(At(at.file, f"{at.key}.url"), f"expected an http(s) URL with a host and port, got {url!r}: {why}")
+        url_at = At(at.file, f"{at.key}.url")
+        url = render(table.url, url_at)
+        if problem := url_problem(url):
+            report(url_at, problem)
             return None, False
     elif table.metric is not None and origin(health_url) is not None:
         url = f"{origin(health_url)}/metrics"
@@ -132,10 +132,9 @@ def smoke_spec(merged: dict[str, tuple[Any, At]], table_at: At | None, health_ur
         return None
     if "url" in values:
         url = render(values["url"], at["url"]).rstrip("/")
-        why = None if PLACEHOLDER.search(url) else check_health_url(url)
-        if why:
-            report(at["url"], f"expected the server's OpenAI API base URL, like http://{{host.address}}:30000/v1, "
-                              f"got {url!r}: {why}")
+        if problem := url_problem(url, "expected the server's OpenAI API base URL, like "
+                                       "http://{host.address}:30000/v1"):
+            report(at["url"], problem)
             return None
     elif origin(health_url) is not None:
         url = f"{origin(health_url)}/v1"

@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 from .collect import Problems
 from .merge import At
+from .placeholders import PLACEHOLDER
 from .repo import SnapshotLike
 
 
@@ -26,6 +27,13 @@ def check_health_url(url: str) -> str | None:
     if port is None or port == 0:
         return "it needs an explicit port, like http://{host.address}:30000/health"
     return None
+
+
+def url_problem(url: str, expected: str = "expected an http(s) URL with a host and port") -> str | None:
+    """A rendered URL's problem in words (what was expected, what it renders to, why it is
+    unusable), or None: a usable URL, or one still holding a placeholder (render reports those)."""
+    why = None if PLACEHOLDER.search(url) else check_health_url(url)
+    return f"{expected}, got {url!r}: {why}" if why else None
 
 
 def read_ca_bundle(snap: SnapshotLike, problems: Problems, path: str, at: At) -> str | None:

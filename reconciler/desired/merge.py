@@ -10,7 +10,8 @@ is not the host's file.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -18,6 +19,8 @@ from . import schema
 from .problems import dotted
 from .spec import RolloutPolicy
 from .tables import Table
+
+V = TypeVar("V")
 
 
 class At(msgspec.Struct, frozen=True):
@@ -32,7 +35,6 @@ class Merged(msgspec.Struct):
 
     unit: tuple[str, At] | None = None        # inline unit text
     unit_file: tuple[str, At] | None = None   # repo path of the unit file
-    conflict: bool = False                    # a layer set both unit and unit_file
     env: dict[str, tuple[str, At]] = msgspec.field(default_factory=dict)
     vars: dict[str, tuple[str, At]] = msgspec.field(default_factory=dict)
     model: dict[str, tuple[str | float, At]] = msgspec.field(default_factory=dict)  # fetch_timeout, size_gb: float
@@ -50,8 +52,7 @@ class Merged(msgspec.Struct):
     def add_rollout(self, table: schema.RolloutTable | None, file: str, prefix: tuple[str, ...]) -> None:
         if table is None:
             return
-        for name, value in _set(table).items():
-            self.rollout[name] = (value, At(file, dotted(*prefix, "rollout", name)))
+        _add(self.rollout, _set(table), file, (*prefix, "rollout"))
 
     def policy(self) -> RolloutPolicy:
         return RolloutPolicy(**{k: v for k, (v, _) in self.rollout.items()})
@@ -59,19 +60,15 @@ class Merged(msgspec.Struct):
     def add_health(self, table: schema.HealthTable | None, file: str, prefix: tuple[str, ...]) -> None:
         if table is None:
             return
-        for name, value in _set(table).items():
-            self.health[name] = (value, At(file, dotted(*prefix, "health", name)))
+        _add(self.health, _set(table), file, (*prefix, "health"))
 
     def add_layer(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
         """Merge a definition or a host's service table over what is here."""
         self._add_unit(table, file, prefix)
-        for k, v in table.env.items():
-            self.env[k] = (v, At(file, dotted(*prefix, "env", k)))
-        for k, v in table.vars.items():
-            self.vars[k] = (v, At(file, dotted(*prefix, "vars", k)))
+        _add(self.env, table.env, file, (*prefix, "env"))
+        _add(self.vars, table.vars, file, (*prefix, "vars"))
         if table.model is not None:
-            for k, v in _set(table.model).items():
-                self.model[k] = (v, At(file, dotted(*prefix, "model", k)))
+            _add(self.model, _set(table.model), file, (*prefix, "model"))
         self.add_health(table.health, file, prefix)
         if table.gpu_policy is not None:
             self.gpu_policy = table.gpu_policy
@@ -81,18 +78,15 @@ class Merged(msgspec.Struct):
             self.adopt = table.adopt
         if table.allow_dropins is not None:
             self.allow_dropins = tuple(table.allow_dropins)
-        for k, ref in table.secrets.items():
-            self.secrets[k] = (ref, At(file, dotted(*prefix, "secrets", k)))
+        _add(self.secrets, table.secrets, file, (*prefix, "secrets"))
         self.add_rollout(table.rollout, file, prefix)
         for name, keys in (("drain", self.drain), ("smoke", self.smoke)):
             sub = getattr(table, name)
             if sub is not None:
                 self.tables[name] = At(file, dotted(*prefix, name))
-                _add_keys(keys, sub, file, (*prefix, name))
+                _add(keys, _set(sub), file, (*prefix, name))
 
     def _add_unit(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
-        if table.unit is not None and table.unit_file is not None:
-            self.conflict = True
         if table.unit is not None or table.unit_file is not None:
             # The pair is replaced as a whole: a host's unit_file clears the definition's unit.
             self.unit = (table.unit, At(file, dotted(*prefix, "unit"))) if table.unit is not None else None
@@ -101,10 +95,10 @@ class Merged(msgspec.Struct):
             )
 
 
-def _add_keys(into: dict[str, tuple[Any, At]], table: Table, file: str, prefix: tuple[str, ...]) -> None:
-    """A table's set keys over the layer below, each value as written (a sub-table or a list
+def _add(into: dict[str, tuple[V, At]], values: Mapping[str, V], file: str, prefix: tuple[str, ...]) -> None:
+    """A layer's keys over the layer below, each value as written (a sub-table or a list
     replaces the one below whole: a call or the smoke checks are never merged part by part)."""
-    for name, value in _set(table).items():
+    for name, value in values.items():
         into[name] = (value, At(file, dotted(*prefix, name)))
 
 

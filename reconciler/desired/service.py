@@ -19,9 +19,9 @@ from ..values import replace
 from . import schema
 from .collect import Problems, Use
 from .drain import drain_spec, smoke_spec
-from .health import check_health_url, read_ca_bundle
+from .health import read_ca_bundle, url_problem
 from .merge import At, Merged
-from .placeholders import PLACEHOLDER, Values, render
+from .placeholders import Values, render
 from .problems import dotted
 from .repo import FLEET_FILE, SERVICES_DIR, SnapshotLike
 from .rollout import RolloutGroups
@@ -217,9 +217,8 @@ class ServiceLoader:
         if "http" in merged.health:
             template, at = merged.health["http"]
             url = self._render_value(site, template, at, ctx)
-            why = None if PLACEHOLDER.search(url) else check_health_url(url)
-            if why:
-                self._report(site, at, f"expected an http(s) URL with a host and port, got {url!r}: {why}")
+            if problem := url_problem(url):
+                self._report(site, at, problem)
             values["http"] = url
         return values
 

@@ -153,8 +153,6 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     if not targets and not units:
         return out
     specs = {n: model_from_command(effective_spec(tg.spec, facts)) for n, tg in targets.items()}
-    paths = sorted({s.model.path for s in specs.values() if s.model})
-    spaces = sorted({s.model.path for s in specs.values() if s.model and s.model.fetch})   # a fetch reads df
     # A rollback target passed health here: a rule pack or an engine that changed since must
     # not keep the fleet from going back to it (systemd's check and the model check still apply).
     fresh = {n: s for n, s in specs.items() if not targets[n].rollback}
@@ -166,8 +164,8 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     asks = _asks(out, host, fresh, engine)
     riding = _riding(asks)
     ride = riding.probe if riding is not None else None
-    model = ModelCheck(paths, spaces) if paths else None
-    versions, answer = await _read(t, out, units, model, since, reads, ride, ride.timeout() if ride else 0)
+    versions, answer = await _read(t, out, units, _model_check(specs), since, reads, ride,
+                                   ride.timeout() if ride else 0)
     if bound(rules):
         out.warnings.extend(unknown(reads, versions))
     verdicts = await _engines(t, host, asks, riding, answer)
@@ -237,6 +235,14 @@ def model_from_command(svc: ServiceSpec) -> ServiceSpec:
         hub = cmd.env.get("HF_HUB_CACHE") or cmd.env.get("HF_HOME", "/root/.cache/huggingface") + "/hub"
         return replace(svc, model=ModelSpec(id=m, path=f"{hub}/models--{m.replace('/', '--')}/snapshots/*"))
     return svc
+
+
+def _model_check(specs: Mapping[str, ServiceSpec]) -> ModelCheck | None:
+    """The model directories the services load (None: none), with the free space of those a
+    fetch may fill (df runs for nothing else)."""
+    models = [s.model for s in specs.values() if s.model]
+    paths = sorted({m.path for m in models})
+    return ModelCheck(paths, sorted({m.path for m in models if m.fetch})) if paths else None
 
 
 def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Mapping[str, str | None]) -> None:

@@ -26,14 +26,11 @@ walking the precomputed waves; the dry run prints `forecast_steps`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 
 from ..desired.spec import RolloutPolicy
-from ..reasons import Reason
-
-BUDGET_BLOCKED = Reason.BUDGET_BLOCKED     # a rollout that stopped: no pending host could go within the budget
 
 
 class Member(msgspec.Struct, frozen=True):
@@ -62,7 +59,6 @@ class Step:
     ready: int = 0                   # members ready before the wave
     members: int = 0
     floor: int | None = None         # min_available
-    not_ready: tuple[Member, ...] = field(default=(), compare=False)
 
     @property
     def blocked(self) -> bool:
@@ -101,8 +97,7 @@ def next_step(members: Sequence[Member], pending: Sequence[str], policy: Rollout
             spare -= 1
         else:
             waits.append(Wait(host, _why(host, len(ready), len(members), floor, go, ready, not_ready)))
-    return Step(tuple(go), canary and bool(go), tuple(waits), len(ready), len(members), policy.min_available,
-                not_ready)
+    return Step(tuple(go), canary and bool(go), tuple(waits), len(ready), len(members), policy.min_available)
 
 
 def _why(host: str, ready: int, members: int, floor: int, going: list[str], ready_set: set[str],

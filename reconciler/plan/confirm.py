@@ -40,19 +40,10 @@ import msgspec
 from .. import shell
 from ..reasons import Reason
 from . import layout
-from .layout import (
-    CONFIRM_DIR,
-    KEPT,
-    REARM_LINK,
-    REARM_PATH,
-    REARM_SCRIPT,
-    REARM_UNIT,
-    TRANSIENT,
-    WANTS,
-)
+from .layout import CONFIRM_DIR, KEPT, REARM_SCRIPT, WANTS
 from .records import Quarantine, ServiceRecord
 
-__all__ = ["CONFIRM_DIR", "KEPT", "REARM_LINK", "REARM_PATH", "REARM_SCRIPT", "REARM_UNIT", "TRANSIENT", "WANTS"]
+__all__ = ["CONFIRM_DIR", "KEPT", "REARM_SCRIPT"]
 
 
 def unit_name(service: str) -> str:

@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from ..reasons import Reason
+from .lenient import json_or_none
 from .xid import bus_key
 from .xid import xid_health as xid_health  # the kernel log's reader, for gpuhealth's callers
 
@@ -120,10 +121,7 @@ class GpuFault(msgspec.Struct, frozen=True):
     def parse(cls, text: str) -> GpuFault:
         """Read leniently (total); a file that is not a fault record still says the host was
         marked: it stays marked (with that said) until cleared."""
-        try:
-            return cls.from_json(json.loads(text)) or cls(quote="unreadable gpu-fault.json")
-        except (ValueError, RecursionError):    # not JSON, an integer too long, nesting too deep
-            return cls(quote="unreadable gpu-fault.json")
+        return cls.from_json(json_or_none(text)) or cls(quote="unreadable gpu-fault.json")
 
 
 # ---- the readers ----------------------------------------------------------------------------------

@@ -151,11 +151,6 @@ class Pending:
     unjudged: Text | None = None     # why the last watch of it came to no verdict: it is started again
     attempts: Whole = 0              # watches of it that came to no verdict (capped: MAX_UNJUDGED)
 
-    @classmethod
-    def from_json(cls, data: object) -> Pending | None:
-        """Read leniently (`read`); None without a hash."""
-        return read(cls, data)
-
     def to_json(self) -> dict[str, Any]:
         """Every field."""
         return asdict(self)
@@ -170,11 +165,6 @@ class Adopted:
     was_active: bool = False
     fragment: Text | None = None     # where systemd loaded it from at adoption
     masked: bool = False             # it was masked (a link to /dev/null): masked again on the way out
-
-    @classmethod
-    def from_json(cls, data: object) -> Adopted | None:
-        """Read leniently (`read`)."""
-        return read(cls, data)
 
     def to_json(self) -> dict[str, Any]:
         """Every field."""

@@ -78,9 +78,6 @@ class RolloutPlan(msgspec.Struct, frozen=True):
     bound: int                   # max_unavailable as a number of hosts
     waves: tuple[Wave, ...]
 
-    def wave_of(self, host: str) -> Wave | None:
-        return next((w for w in self.waves if host in w.hosts), None)
-
     def after(self, wave: Wave) -> tuple[str, ...]:
         """The hosts of every wave after `wave`: what a halt there leaves untouched."""
         return tuple(h for w in self.waves if w.number > wave.number for h in w.hosts)

@@ -82,7 +82,7 @@ from ._engine import EngineRun, EngineVerdict, engine_run_for, parse_verdict, re
 from ._enginebox import elsewhere, probe_env, probe_properties
 from ._hardware import GpuHolder, GpuState, Hardware, weights_bytes
 from ._hostcheck import ModelCheck, ModelFacts, parse_model_check
-from ._models import ModelInfo, model_info
+from ._models import model_info
 from ._rules import Finding, RuleSet, load_rules
 from ._secrets import argv_secret_warnings, env_secret_warnings, secret_file, secret_problems, secret_warnings
 from ._unitfile import unit_entries
@@ -98,7 +98,6 @@ __all__ = [
     "Hardware",
     "ModelCheck",
     "ModelFacts",
-    "ModelInfo",
     "RuleSet",
     "argv_secret_warnings",
     "check_desired",

@@ -14,7 +14,7 @@ from ._drain import stop_timeout
 from ._hardware import Hardware
 from ._models import model_info
 from ._rules import Finding, RuleSet, evaluate_rule
-from ._secrets import Read, secret_warnings
+from ._secrets import Read, read_toml, secret_warnings
 
 
 def check_service(svc: ServiceSpec, *, rules: RuleSet, model_config: Mapping[str, Any] | None,
@@ -121,15 +121,7 @@ def rollout_warnings(state: DesiredState, read: Read | None = None) -> list[str]
     """A fleet-wide [rollout] policy only shapes services that use a shared definition: a service
     of the same name defined inline on several hosts is deployed on all of them at once. Say so,
     once per such service, instead of leaving the operator to expect waves."""
-    data = read("fleet.toml") if read is not None else None
-    if data is None:
-        return []
-    import tomllib  # here: a run that validates nothing parses no TOML
-    try:
-        fleet = tomllib.loads(data.decode())
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError):
-        fleet = {}
-    if "rollout" not in fleet:
+    if "rollout" not in read_toml(read, "fleet.toml"):
         return []
     inline: dict[str, list[str]] = {}
     for name, host in sorted(state.hosts.items()):

@@ -126,7 +126,6 @@ def load_rules(snap: SnapshotLike | None = None) -> RuleSet:
         models.extend(parsed.model)
         for d in parsed.disable:
             disabled[d] = file
-    shipped = set(rules)
     repo_models: list[ModelEntry] = []
     if snap is not None:
         seen: dict[str, str] = {}
@@ -158,7 +157,7 @@ def load_rules(snap: SnapshotLike | None = None) -> RuleSet:
             repo_models.extend(parsed.model)
             for d in parsed.disable:
                 disabled[d] = file
-    known = set(rules) | set(BUILTIN_RULES) | shipped
+    known = set(rules) | set(BUILTIN_RULES)
     for rid, file in disabled.items():
         if rid not in known:
             import difflib

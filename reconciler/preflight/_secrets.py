@@ -43,6 +43,16 @@ def secret_file(name: str) -> str:
     return f"secrets/{name.lower().replace('_', '-')}.age"
 
 
+def read_toml(read: Read | None, path: str) -> Mapping[str, Any]:
+    """A repo file's TOML tables; empty where it cannot be read (the loader said why)."""
+    import tomllib  # here: a run that validates nothing parses no TOML
+    data = read(path) if read is not None else None
+    try:
+        return tomllib.loads(data.decode()) if data is not None else {}
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):
+        return {}
+
+
 class _Origins:
     """Where a service's env or secrets key is set: the host file or the shared definition."""
 
@@ -51,13 +61,8 @@ class _Origins:
         self.parsed: dict[str, Mapping[str, Any]] = {}
 
     def _table(self, path: str) -> Mapping[str, Any]:
-        import tomllib  # here: only a secret-looking value is traced to its file
         if path not in self.parsed:
-            data = self.read(path) if self.read is not None else None
-            try:
-                self.parsed[path] = tomllib.loads(data.decode()) if data is not None else {}
-            except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError):   # the loader said why
-                self.parsed[path] = {}
+            self.parsed[path] = read_toml(self.read, path)
         return self.parsed[path]
 
     def of(self, host: HostSpec, svc: ServiceSpec, section: str, key: str) -> tuple[str, str, bool]:

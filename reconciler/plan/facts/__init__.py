@@ -8,9 +8,6 @@ layout's paths, for the modules that have always imported them from here (plan/l
 where they live)."""
 
 from ..layout import (
-    CREDSTORE,
-    ENV_DIR,
-    ENV_DROPIN,
     HOST_RECORD,
     STATE_DIR,
     UNIT_DIR,
@@ -26,6 +23,6 @@ from ..layout import (
 from .observe import SHOW_PROPS, HostFacts, Observe, ServiceFacts, parse_observation
 from .show import parse_show
 
-__all__ = ["CREDSTORE", "ENV_DIR", "ENV_DROPIN", "HOST_RECORD", "SHOW_PROPS", "STATE_DIR", "UNIT_DIR", "HostFacts",
-           "Observe", "ServiceFacts", "adopted_copy", "cred_env_path", "cred_path", "env_path", "envfile_path",
-           "parse_observation", "parse_show", "record_path", "secrets_path", "unit_path"]
+__all__ = ["HOST_RECORD", "SHOW_PROPS", "STATE_DIR", "UNIT_DIR", "HostFacts", "Observe", "ServiceFacts",
+           "adopted_copy", "cred_env_path", "cred_path", "env_path", "envfile_path", "parse_observation",
+           "parse_show", "record_path", "secrets_path", "unit_path"]

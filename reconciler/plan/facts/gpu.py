@@ -79,10 +79,6 @@ class GpuFacts(msgspec.Struct, frozen=True):
     health: GpuHealth | None = None  # the GPUs' health, when it was asked for (GpuRead's health_since)
 
     @property
-    def gpu_count(self) -> int:
-        return len(self.gpus)
-
-    @property
     def observed_gpu_count(self) -> int | None:
         """The GPU count to give preflight.check_host: None when it could not be observed (no
         nvidia-smi, as on the test fleet, or nvidia-smi failing), so that GPU-count checks are

@@ -9,13 +9,13 @@ lines mean is plan/health.py's (`explain`, `spawn_failure`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import ClassVar
 
 import msgspec
 
 from ...frames import HostProgram, Param, Records
+from ..lenient import json_or_none
 
 JOURNAL_LINES = 200          # journal entries read for a failure
 JOURNAL_BYTES = 1 << 20      # the newest bytes of them kept (a cut first entry is no JSON: skipped)
@@ -67,10 +67,7 @@ def parse_journal(stdout: str) -> list[JournalEntry]:
     line that is not a JSON object of journal fields is skipped, whatever it holds."""
     out: list[JournalEntry] = []
     for line in stdout.splitlines():
-        try:
-            e = json.loads(line)
-        except (ValueError, RecursionError):     # not JSON, a number of 4,300 digits, nested too deep
-            continue
+        e = json_or_none(line)
         if not isinstance(e, dict):
             continue
         from_systemd = _field(e, "_PID") == "1" or _field(e, "SYSLOG_IDENTIFIER") == "systemd"

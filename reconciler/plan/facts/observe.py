@@ -199,7 +199,7 @@ class _Observation:
     def whole(self, kind: str, name: str, text: str | None) -> None:
         """A file read to its end (text), or found absent (None)."""
         if kind == "H" and name == "gpu":
-            self.gpu_fault = _gpu_fault(text) if text is not None else None
+            self.gpu_fault = GpuFault.parse(text) if text is not None else None
         elif kind == "H":
             self.host_record = HostRecord.parse(text) if text is not None else None
         elif kind == "D":
@@ -226,15 +226,6 @@ class _Observation:
         return HostFacts(services=services, record=self.host_record, gpu_fault=self.gpu_fault,
                          secret_files=self.secret_files,
                          lock_count=self.lock_count, stale_temps=tuple(sorted(self.temps)))
-
-
-def _gpu_fault(text: str) -> GpuFault:
-    """gpu-fault.json as GpuFault.parse reads it, but any text: one it cannot read at all (JSON
-    nested deeper than the parser goes, a number of 4,300 digits) still marks the host."""
-    try:
-        return GpuFault.parse(text) or GpuFault(quote="unreadable gpu-fault.json")
-    except (ValueError, RecursionError):
-        return GpuFault(quote="unreadable gpu-fault.json")
 
 
 def parse_observation(stdout: str, token: str, host: str = "?") -> HostFacts:

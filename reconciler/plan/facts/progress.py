@@ -97,54 +97,44 @@ class LoadProgress(msgspec.Struct, frozen=True):
 Progressed = Callable[[str, "LoadProgress"], None]   # (service, its load progress): told of each change
 
 
-# What each line says: (kind, pattern). A record may hold several (carriage-return redraws, or
+# What each line says: (stage, what of it, pattern): a bar's count, the stage's beginning or end,
+# the number of CUDA graph batch sizes. A record may hold several (carriage-return redraws, or
 # a bar followed by another process's line): every match counts, in the order of the text.
 _COUNT = rf"([0-9]{{1,{COUNT_DIGITS}}})"
 _BAR_TAIL = rf":\s*[0-9]{{1,4}}%(?: Completed \||\|[^|\r\n]*\|)\s*{_COUNT}/{_COUNT}(?![0-9])"
-_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("shards", re.compile(r"[Ll]oading (?:safetensors|pt|np_cache)[^:\r\n]*" + _BAR_TAIL)),
-    ("graph-bar", re.compile(r"(?:Capturing batches \([^)\r\n]*\)|Capturing CUDA graphs(?: \([^)\r\n]*\))?)"
-                             + _BAR_TAIL)),
-    ("weights-begin", re.compile(r"\bLoad weight begin\b|\bStarting to load model\b")),
-    ("weights-end", re.compile(r"\bLoad weight end\b|\bLoading weights took [0-9.]{1,32} s|\bModel loading took\b")),
-    ("graph-sizes", re.compile(r"\bCapture cuda graph bs \[([0-9, ]{0,1000})\]")),
-    ("graph-begin", re.compile(r"\bCapture [\w -]{0,60}? begin\b")),
-    ("graph-end", re.compile(r"\bCapture [\w -]{0,60}? end\. |\bGraph capturing finished in\b")),
-    ("ready", re.compile(r"The server is fired up and ready to roll!|\bApplication startup complete\.")),
+_RULES: tuple[tuple[str, str, re.Pattern[str]], ...] = (
+    (WEIGHTS, "bar", re.compile(r"[Ll]oading (?:safetensors|pt|np_cache)[^:\r\n]*" + _BAR_TAIL)),
+    (GRAPHS, "bar", re.compile(r"(?:Capturing batches \([^)\r\n]*\)|Capturing CUDA graphs(?: \([^)\r\n]*\))?)"
+                               + _BAR_TAIL)),
+    (WEIGHTS, "begin", re.compile(r"\bLoad weight begin\b|\bStarting to load model\b")),
+    (WEIGHTS, "end", re.compile(r"\bLoad weight end\b|\bLoading weights took [0-9.]{1,32} s|\bModel loading took\b")),
+    (GRAPHS, "sizes", re.compile(r"\bCapture cuda graph bs \[([0-9, ]{0,1000})\]")),
+    (GRAPHS, "begin", re.compile(r"\bCapture [\w -]{0,60}? begin\b")),
+    (GRAPHS, "end", re.compile(r"\bCapture [\w -]{0,60}? end\. |\bGraph capturing finished in\b")),
+    (READY, "begin", re.compile(r"The server is fired up and ready to roll!|\bApplication startup complete\.")),
 )
 
 
-def _quote(segment: str, start: int, kind: str) -> str:
+def _quote(segment: str, start: int, what: str) -> str:
     """The words a progress quotes: a bar from its name to its closing bracket (not what another
     process appended), a log line whole; stripped and bounded (its start kept: what `take` hands
     `advance` was redacted whole before this cut)."""
-    text = segment[start:] if kind in ("shards", "graph-bar") else segment
-    if kind in ("shards", "graph-bar") and "]" in text:
+    text = segment[start:] if what == "bar" else segment
+    if what == "bar" and "]" in text:
         text = text[:text.index("]") + 1]
     return text.strip()[:QUOTE_MAX]
 
 
-def _step(before: LoadProgress | None, kind: str, m: re.Match[str], quote: str) -> LoadProgress:
+def _step(before: LoadProgress | None, stage: str, what: str, m: re.Match[str], quote: str) -> LoadProgress:
     """One recognised line on top of what was known: counts carry within a stage."""
-    same = before if before is not None else LoadProgress(WEIGHTS)
-    if kind == "shards":
-        return LoadProgress(WEIGHTS, int(m.group(1)), int(m.group(2)), line=quote)
-    if kind == "graph-bar":
-        return LoadProgress(GRAPHS, int(m.group(1)), int(m.group(2)), line=quote)
-    if kind == "weights-begin":
-        return LoadProgress(WEIGHTS, line=quote)
-    if kind == "weights-end":
-        carry = same.stage == WEIGHTS
-        return LoadProgress(WEIGHTS, same.done if carry else None, same.total if carry else None, True, quote)
-    if kind == "graph-sizes":
+    if what == "bar":
+        return LoadProgress(stage, int(m.group(1)), int(m.group(2)), line=quote)
+    if what == "sizes":
         sizes = [s for s in m.group(1).replace(" ", "").split(",") if s]
-        return LoadProgress(GRAPHS, None, len(sizes) or None, line=quote)
-    if kind == "graph-begin":
-        return LoadProgress(GRAPHS, line=quote)
-    if kind == "graph-end":
-        carry = same.stage == GRAPHS
-        return LoadProgress(GRAPHS, same.done if carry else None, same.total if carry else None, True, quote)
-    return LoadProgress(READY, line=quote)
+        return LoadProgress(stage, None, len(sizes) or None, line=quote)
+    if what == "end" and before is not None and before.stage == stage:
+        return LoadProgress(stage, before.done, before.total, True, quote)
+    return LoadProgress(stage, finished=what == "end", line=quote)
 
 
 def advance(before: LoadProgress | None, lines: Iterable[str]) -> LoadProgress | None:
@@ -154,12 +144,12 @@ def advance(before: LoadProgress | None, lines: Iterable[str]) -> LoadProgress |
     now = before
     for record in lines:
         for segment in record.split("\r"):
-            hits = sorted((m.start(), i, m) for i, (_, pat) in enumerate(_RULES) for m in pat.finditer(segment))
+            hits = sorted((m.start(), i, m) for i, (_, _, pat) in enumerate(_RULES) for m in pat.finditer(segment))
             for start, i, m in hits:
-                kind = _RULES[i][0]
-                if kind in ("shards", "graph-bar") and int(m.group(1)) > int(m.group(2)):
+                stage, what, _ = _RULES[i]
+                if what == "bar" and int(m.group(1)) > int(m.group(2)):
                     continue            # past its total: no count we take
-                now = _step(now, kind, m, _quote(segment, start, kind))
+                now = _step(now, stage, what, m, _quote(segment, start, what))
     return now
 
 
