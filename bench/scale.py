@@ -47,7 +47,7 @@ from pathlib import Path
 
 from bench.compare import Run, machine, spawn
 from bench.floor import CIPHERS, read_command
-from reconciler.plan.facts import env_path, envfile_path, unit_path
+from reconciler.plan.layout import env_path, envfile_path, unit_path
 from tests import fleet as fleetlib
 from tests.conftest import STANDIN_UNIT, DesiredRepo
 

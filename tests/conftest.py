@@ -20,8 +20,8 @@ from typing import Any
 import pygit2
 import pytest
 
-from reconciler.plan.facts import envfile_path
 from reconciler.plan.files import parse_env_file
+from reconciler.plan.layout import envfile_path
 from tests import fleet as fleetlib
 
 FLEET_SIZE = int(os.environ.get("RECONCILER_TEST_FLEET_SIZE", "10"))

@@ -223,7 +223,7 @@ def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir
     the units that run the same command, and say what was installed."""
     from ..desired import source
     from ..desired.cache import load_desired
-    from ..desired.schema import parse_duration
+    from ..desired.fields import parse_duration
     from ..pull import install, render_units, this_host
     from ..pull._git import branch_dir, open_clone
     every = parse_duration(interval)

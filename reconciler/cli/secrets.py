@@ -125,7 +125,7 @@ def secrets_encrypt(name: str, repo: Path, out: Path | None, recipient: tuple[st
     import re
 
     from ..desired import secrets as age
-    from ..desired.schema import ENV_KEY
+    from ..desired.fields import ENV_KEY
     from ..preflight import secret_file
     if not re.match(ENV_KEY, name):
         fail(f"{name!r} is not a valid name: letters, digits and '_', not starting with a digit (the server "

@@ -31,6 +31,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 from . import schema
 from .collect import Problems
+from .fields import HOST_NAME, SERVICE_NAME, host_key_problem
 from .merge import At
 from .problems import dotted
 from .repo import FLEET_FILE, HOSTS_DIR, SERVICES_DIR, MemorySnapshot, SnapshotLike
@@ -120,7 +121,7 @@ class _Loader:
         return definitions
 
     def _load_definition(self, name: str, path: str) -> schema.ServiceDefinition | None:
-        if not schema.SERVICE_NAME.fullmatch(name):
+        if not SERVICE_NAME.fullmatch(name):
             self.problems.add(
                 path, "", f"invalid definition name {name!r}: use letters, digits, '_' and '-' (no dots)"
             )
@@ -163,7 +164,7 @@ class _Loader:
         services: ServiceLoader,
         endpoints: dict[tuple[str, int], str],
     ) -> HostSpec | None:
-        if not schema.HOST_NAME.fullmatch(name):
+        if not HOST_NAME.fullmatch(name):
             self.problems.add(
                 path,
                 "",
@@ -214,7 +215,7 @@ def _known_hosts_line_problem(line: str) -> str | None:
         fields = fields[1:]
     if len(fields) < 3:
         return "expected '<host patterns> <key type> <base64 key>'"
-    return schema.host_key_problem(" ".join(fields[1:3]))
+    return host_key_problem(" ".join(fields[1:3]))
 
 
 def _settings(fleet: schema.FleetFile, waves: tuple[PullWave, ...]) -> FleetSettings:

@@ -16,13 +16,6 @@ from typing import Literal
 import msgspec
 
 from .fields import (
-    ENV_KEY,
-    HOST_NAME,
-    LABEL,
-    RESERVED_PREFIX,
-    SERVICE_NAME,
-    USER,
-    VAR_NAME,
     AbsPath,
     Address,
     Boolean,
@@ -52,16 +45,9 @@ from .fields import (
     VarName,
     VarValue,
     Webhook,
-    host_key_problem,
-    parse_duration,
 )
 from .schema_drain import DrainTable, MinAvailable, SmokeTable
 from .tables import Table
-
-# What other modules import from here, wherever it is defined (fields.py).
-__all__ = ["ENV_KEY", "HOST_NAME", "LABEL", "RESERVED_PREFIX", "SERVICE_NAME", "USER", "VAR_NAME",
-           "host_key_problem", "parse_duration"]
-
 
 # ---- tables ---------------------------------------------------------------------------------
 

@@ -37,9 +37,10 @@ from ..host.gpu import GpuFacts
 from ..host.transport import Transport
 from ..host.versions import bound, reads_for, unknown
 from ..plan.actions import starting
-from ..plan.facts import HostFacts, unit_path
+from ..plan.facts import HostFacts
 from ..plan.files import foreign_dropins, own_files, render_env_dropin
 from ..plan.gpuhealth import xid_since
+from ..plan.layout import unit_path
 from ..plan.model import HostPlan, Kind, ModelFetch
 from ..plan.ready import Probe, readiness_probes
 from ..preflight import (

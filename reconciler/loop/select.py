@@ -39,7 +39,7 @@ def select_hosts(state: DesiredState, names: list[str] | None, labels: list[str]
 def _wanted_labels(labels: list[str]) -> dict[str, str]:
     """The --label KEY=VALUE selectors as key -> value. Raises SourceError for a malformed one, or
     for a key given twice with different values (no host could match both)."""
-    from ..desired.schema import LABEL
+    from ..desired.fields import LABEL
     wanted: dict[str, str] = {}
     for item in labels:
         key, sep, value = item.partition("=")

@@ -6,15 +6,7 @@ from __future__ import annotations
 from ..desired.spec import HostSpec, ServiceSpec
 from ..values import replace
 from .confirm import Previous, arm, unit_name
-from .facts import (
-    HostFacts,
-    ServiceFacts,
-    adopted_copy,
-    env_path,
-    envfile_path,
-    secrets_path,
-    unit_path,
-)
+from .facts import HostFacts, ServiceFacts
 from .files import (
     describe_secret_changes,
     has_install,
@@ -26,6 +18,7 @@ from .files import (
     unified_diff,
 )
 from .gpuhealth import GpuFault, in_force
+from .layout import adopted_copy, env_path, envfile_path, secrets_path, unit_path
 from .model import ORDER, Action, Context, HostPlan, Kind, Reason, ServicePlan, State, Target, Watch
 from .records import Adopted, Pending, Result, ServiceRecord
 from .rejoin import rejoins

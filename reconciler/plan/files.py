@@ -10,16 +10,8 @@ from collections.abc import Mapping
 
 from ..desired.spec import HostSpec, ServiceSpec
 from ..redact import MASK, redact, secret_name
-from .facts import (
-    UNIT_DIR,
-    ServiceFacts,
-    cred_env_path,
-    cred_path,
-    env_path,
-    envfile_path,
-    secrets_path,
-    unit_path,
-)
+from .facts import ServiceFacts
+from .layout import UNIT_DIR, cred_env_path, cred_path, env_path, envfile_path, secrets_path, unit_path
 from .model import Block, Reason
 from .records import ServiceRecord
 

@@ -42,14 +42,10 @@ from collections.abc import Mapping
 import msgspec
 
 from ..desired.spec import HostSpec, ServiceSpec
-from .facts import (
-    HostFacts,
-    ServiceFacts,
-    env_path,
-    envfile_path,
-)
+from .facts import HostFacts, ServiceFacts
 from .files import desired_files, foreign_dropins, legacy_env_dropin, secret_blocks, secret_changes
 from .gpuhealth import GpuFault
+from .layout import env_path, envfile_path
 from .model import Block, Context, ModelFetch, Reason, ServicePlan, State, Target
 from .records import MAX_UNJUDGED, Pending, Quarantine, Result, ServiceRecord
 

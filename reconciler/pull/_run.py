@@ -48,8 +48,8 @@ from ..loop.fleet import run_fleet
 from ..loop.options import Connector, HostPhase, RunIO, RunOptions, confirm_margin_from
 from ..loop.results import FleetResult, HostResult
 from ..loop.revision import open_revision
-from ..plan.facts import STATE_DIR
 from ..plan.facts.host_record import HostRecordRead
+from ..plan.layout import STATE_DIR
 from ..plan.records import SUPERSEDED
 from ..redact import redact, redact_data
 from . import _git

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from reconciler.desired import schema, toml_files
+from reconciler.desired import fields, toml_files
 from reconciler.errors import ConfigError
 from tests.desired.test_load import base_files, find, load, problems
 
@@ -49,8 +49,8 @@ def test_a_name_with_a_trailing_newline_is_refused(files: dict[str, str], file: 
     assert expected in find(problems(base_files(files)), file, key).message
 
 
-@pytest.mark.parametrize("pattern", [schema.SERVICE_NAME, schema.HOST_NAME, schema.ENV_KEY, schema.VAR_NAME,
-                                     schema.LABEL, schema.USER])
+@pytest.mark.parametrize("pattern", [fields.SERVICE_NAME, fields.HOST_NAME, fields.ENV_KEY, fields.VAR_NAME,
+                                     fields.LABEL, fields.USER])
 def test_the_name_patterns_refuse_a_trailing_newline_with_match_too(pattern) -> None:
     """Other layers call .match on them (`--label`, `secrets encrypt NAME`): `\\Z`, not `$`."""
     assert pattern.match("ab") and pattern.fullmatch("ab")

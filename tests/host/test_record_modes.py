@@ -13,7 +13,8 @@ from reconciler.host.apply import write_record
 from reconciler.host.script import call, steps
 from reconciler.host.transport import Completed
 from reconciler.plan.actions import plan_host
-from reconciler.plan.facts import HOST_RECORD, HostFacts, record_path
+from reconciler.plan.facts import HostFacts
+from reconciler.plan.layout import HOST_RECORD, record_path
 from reconciler.plan.model import Context
 from reconciler.plan.records import ServiceRecord
 from tests.host.programs import apply_here

@@ -210,9 +210,7 @@ def test_a_look_stands_under_the_lock_until_another_holder_has_had_it(tmp_path: 
     one holds it as the look is read, the host is read again under the lock."""
     from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
     from reconciler.loop.host_run import lock_and_observe, observe
-    from reconciler.plan import facts
     local_programs(monkeypatch, tmp_path)
-    monkeypatch.setattr(facts, "STATE_DIR", str(tmp_path))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     shows = tmp_path / "shows"

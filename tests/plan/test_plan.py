@@ -13,9 +13,10 @@ import pytest
 
 from reconciler.desired.spec import HostSpec, ModelSpec, ServiceSpec, SSHSpec
 from reconciler.plan.actions import plan_host
-from reconciler.plan.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
+from reconciler.plan.facts import HostFacts, ServiceFacts
 from reconciler.plan.files import mask_secrets, parse_env_file, render_env_dropin, render_env_file
 from reconciler.plan.gpuhealth import GPU_FAULT, GpuFault, GpuHealth
+from reconciler.plan.layout import env_path, envfile_path, unit_path
 from reconciler.plan.model import (
     ORDER,
     Action,

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from reconciler.desired.spec import HostSpec, ServiceSpec, SSHSpec
 from reconciler.plan.actions import plan_host
-from reconciler.plan.facts import HostFacts, ServiceFacts, env_path, envfile_path, unit_path
+from reconciler.plan.facts import HostFacts, ServiceFacts
 from reconciler.plan.files import desired_files, render_env_dropin, render_env_file
+from reconciler.plan.layout import env_path, envfile_path, unit_path
 from reconciler.plan.model import Action, Checks, Context, HostPlan, Kind, Reason, State
 from reconciler.plan.records import (
     INCONCLUSIVE,

@@ -11,8 +11,9 @@ from reconciler.desired.spec import SecretSpec, ServiceSpec
 from reconciler.host import script
 from reconciler.plan.actions import plan_host
 from reconciler.plan.confirm import KEPT, Previous, arm
-from reconciler.plan.facts import HostFacts, cred_env_path, cred_path, secrets_path
+from reconciler.plan.facts import HostFacts
 from reconciler.plan.files import render_secrets, secret_files
+from reconciler.plan.layout import cred_env_path, cred_path, secrets_path
 from reconciler.plan.model import Context, Kind, Reason, State
 from reconciler.plan.records import ServiceRecord
 from reconciler.values import replace

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from reconciler.desired.fields import parse_duration
 from reconciler.desired.load import MemorySnapshot, load_desired
-from reconciler.desired.schema import parse_duration
 from reconciler.desired.spec import PullWave
 from reconciler.errors import ConfigError
 from reconciler.plan.records import Result
