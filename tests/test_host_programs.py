@@ -142,6 +142,39 @@ def test_versions_with_no_server_installed():
     assert Versions(reads).parse(Records(res.stdout, "TOKEN0")) == {"here": None, "gone": None}
 
 
+def test_versions_are_read_from_lib64_and_from_the_system_site_directories_of_rhel_and_fedora(tmp_path: Path):
+    """An interpreter's own lib64 (RHEL, Fedora: where a wheel with compiled code goes), and the
+    system's site directories as venv.sh's SYSTEM_SITES lists them, /usr/local's of a `pip
+    install` as root among them (moved under tmp_path here: this machine's /usr is not the
+    test's). Neither was looked at before: the version read unknown."""
+    def metadata(site: Path, name: str, version: str) -> None:
+        (site / f"{name}-{version}.dist-info").mkdir(parents=True)
+        (site / f"{name}-{version}.dist-info" / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\nA description\n")
+
+    def python_in(prefix: Path) -> str:      # no pyvenv.cfg: no venv, so it sees the system's sites
+        (prefix / "bin").mkdir(parents=True)
+        (prefix / "bin" / "python3").symlink_to(sys.executable)
+        return str(prefix / "bin" / "python3")
+
+    metadata(tmp_path / "opt" / "lib64" / "python3.11" / "site-packages", "vllm", "0.11.0")
+    metadata(tmp_path / "usr" / "local" / "lib64" / "python3.11" / "site-packages", "sglang", "0.5.9")
+    metadata(tmp_path / "usr" / "lib64" / "python3.12" / "site-packages", "vllm", "0.10.1")
+
+    class Here(Versions):
+        @classmethod
+        def text(cls) -> str:
+            sites = super().text().split("SYSTEM_SITES='", 1)[1].split("'", 1)[0]
+            assert sites.splitlines()[0] == "/usr/local/lib64/python3*/site-packages"
+            return super().text().replace(sites, sites.replace("/usr/", f"{tmp_path}/usr/"))
+
+    reads = [VersionRead("own", python_in(tmp_path / "opt"), "vllm"),
+             VersionRead("local", python_in(tmp_path / "bare"), "sglang"),
+             VersionRead("system", str(tmp_path / "bare" / "bin" / "python3"), "vllm")]
+    res = run_here(Here(reads))
+    assert Here(reads).parse(Records(res.stdout, "TOKEN0")) == {"own": "0.11.0", "local": "0.5.9", "system": "0.10.1"}
+
+
 def test_the_preflights_programs_in_one_sh_each_read_by_its_parser(tmp_path: Path):
     """As pre-flight batches them (one sh, each program but the last a subshell): the units on
     stdin still reach verify.sh, each program reads its own parameters, and each parser finds

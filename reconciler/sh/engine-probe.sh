@@ -26,9 +26,9 @@
 #   prop      one systemd-run property (repeated, in order)
 #
 # Where the interpreter would find the engine, in import order: PYTHONPATH, the user's site
-# directory (when it reads it), its own site-packages, the system's dist-packages (no venv, or
-# one with include-system-site-packages), each site directory followed by the directories its
-# .pth files name. PYTHONPATH, the user site and what its .pth files name go to the probe as
+# directory (when it reads it), its own site-packages, the system's site directories (no venv,
+# or one with include-system-site-packages: venv.sh's SYSTEM_SITES, Debian's and Fedora's), each
+# site directory followed by the directories its .pth files name. PYTHONPATH, the user site and what its .pth files name go to the probe as
 # --path options (it puts them on sys.path itself); python adds the others.
 #
 # Output, each line "TOKEN KIND ...": N (the engine's argument stage is not installed there), or
@@ -103,9 +103,9 @@ set +f
 if [ "$usersite" = 1 ] && [ -n "$home" ]; then
   for d in "$home"/.local/lib/python3*/site-packages; do site "$d" 1; done
 fi
-for d in "$bin"/../lib/python3*/site-packages; do site "$d" ""; done
+for d in "$bin"/../lib/python3*/site-packages "$bin"/../lib64/python3*/site-packages; do site "$d" ""; done
 if [ "$syssite" = 1 ]; then
-  for d in /usr/local/lib/python3*/dist-packages /usr/lib/python3*/dist-packages; do site "$d" ""; done
+  for d in $SYSTEM_SITES; do site "$d" ""; done      # venv.sh
 fi
 set -f
 stagefile=

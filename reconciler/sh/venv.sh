@@ -1,6 +1,18 @@
 #!/bin/sh
-# A fragment, not a program: the function the programs that read a Python environment share
+# A fragment, not a program: what the programs that read a Python environment share
 # (engine-probe.sh, versions.sh), put in front of their text as it is sent (HostProgram.fragments).
+
+# The system's site directories (globs, one a line), in the order its python imports from them:
+# Fedora's and RHEL's /usr/local (a `pip install` as root; lib64 for a wheel with compiled code),
+# Debian's and Ubuntu's dist-packages, then the distribution's own site-packages (lib64 again).
+# The interpreter's own, BIN/../lib and BIN/../lib64, each program looks at first.
+# shellcheck disable=SC2034  # read by the programs this fragment goes in front of
+SYSTEM_SITES='/usr/local/lib64/python3*/site-packages
+/usr/local/lib/python3*/site-packages
+/usr/local/lib/python3*/dist-packages
+/usr/lib/python3*/dist-packages
+/usr/lib64/python3*/site-packages
+/usr/lib/python3*/site-packages'
 
 # venv_system_site BIN: true where the interpreter in BIN sees the system's site-packages (and
 # the user's): it is no venv (no pyvenv.cfg beside or above it), or a venv that includes them.

@@ -12,8 +12,8 @@
 # line is "TOKEN END".
 #
 # The version is that of the package the interpreter would import: the first directory in its
-# import order (PYTHONPATH; the user's site directory; its own site-packages; the system's
-# dist-packages, unless it is a venv without them; each site directory followed by the
+# import order (PYTHONPATH; the user's site directory; its own site-packages; the system's site
+# directories, venv.sh's SYSTEM_SITES, unless it is a venv without them; each site directory followed by the
 # directories its .pth files name) that holds the package's metadata
 # (MODULE-*.dist-info/METADATA: its Version: line) or the package itself (MODULE/__init__.py:
 # its `__version__ = "..."` line, read as text). Builtins only: no process.
@@ -103,12 +103,12 @@ version_of() {  # service executable module pythonpath user usersite
     fi
   fi
   if [ -z "$ver" ]; then
-    for d in "$bin"/../lib/python3*/site-packages; do site "$d"; [ -n "$ver" ] && break; done
-  fi
-  if [ -z "$ver" ] && [ "$syssite" = 1 ]; then
-    for d in /usr/local/lib/python3*/dist-packages /usr/lib/python3*/dist-packages; do
+    for d in "$bin"/../lib/python3*/site-packages "$bin"/../lib64/python3*/site-packages; do
       site "$d"; [ -n "$ver" ] && break
     done
+  fi
+  if [ -z "$ver" ] && [ "$syssite" = 1 ]; then
+    for d in $SYSTEM_SITES; do site "$d"; [ -n "$ver" ] && break; done      # venv.sh
   fi
   set -f
   case $ver in

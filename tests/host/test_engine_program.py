@@ -245,6 +245,23 @@ def test_a_pth_of_a_site_directory_is_followed_and_an_editable_finder_counts_as_
     assert a.verdict is not None and a.verdict.verdict == "inconclusive" and "not installed" in a.verdict.message
 
 
+def test_the_engine_in_an_interpreters_lib64_counts_as_installed(host_bin: Path, tmp_path: Path):
+    """RHEL and Fedora put a wheel with compiled code (vLLM's, SGLang's kernels) under lib64,
+    beside lib: python imports from there, so the check runs. Before, only lib was looked at
+    and the check said the engine was not installed."""
+    prefix = tmp_path / "opt"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "python3").symlink_to(sys.executable)       # no pyvenv.cfg: no venv
+    python = str(prefix / "bin" / "python3")
+    a, _ = ask(run_of(unit(python=python)))
+    assert a.verdict is not None and "not installed" in a.verdict.message
+    stage = prefix / "lib64" / "python3.11" / "site-packages" / STAGE
+    stage.parent.mkdir(parents=True)
+    stage.write_text("")
+    a, _ = ask(run_of(unit(python=python)))
+    assert a.verdict is not None and a.verdict.verdict == "ok" and (tmp_path / "rec").exists()
+
+
 def test_every_pythonpath_entry_is_searched_and_passed_in_order_relative_ones_left_out(host_bin: Path,
                                                                                       tmp_path: Path):
     (tmp_path / "first").mkdir()
