@@ -127,7 +127,7 @@ def open_repo(repo: str, cache_dir: Path | None = None, *, also_fetch: Sequence[
                          callbacks=callbacks())
     except (pygit2.GitError, KeyError, ValueError, SourceError) as e:
         problem = next((c.problem for c in reversed(used) if c.problem), None)
-        raise SourceError(f"cannot fetch {_redact(repo)}: {problem or e}") from None
+        raise SourceError(f"cannot fetch {shown_url(repo)}: {problem or e}") from None
     for c in used:
         c.succeeded()
     return r
@@ -166,9 +166,16 @@ def _network_timeouts(pygit2: Any) -> None:
         settings.server_timeout = SERVER_TIMEOUT_MS
 
 
-def _redact(url: str) -> str:
-    """Drop user:password@ from a URL so a token in it never reaches a message."""
-    return re.sub(r"//[^/@]*@", "//***@", url)
+def shown_url(repo: str) -> str:
+    """A repo URL fit for a message: any user name and password replaced by *** (up to the last
+    @ of the authority: a password may hold an @ of its own)."""
+    if "://" not in repo:
+        return repo
+    scheme, rest = repo.split("://", 1)
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        authority = "***@" + authority.rsplit("@", 1)[1]
+    return f"{scheme}://{authority}{slash}{path}"
 
 
 def snapshot(repo: pygit2.Repository, rev: str | None = None, subdir: str = "") -> Snapshot:

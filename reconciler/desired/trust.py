@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from ..errors import ReconcilerError
 from ..values import replace
+from .source import shown_url
 
 if TYPE_CHECKING:      # pygit2 is imported where a commit is read (a run in sync never needs it)
     import pygit2
@@ -154,17 +155,6 @@ def url_scheme(repo: str) -> str | None:
     if "://" not in repo:
         return "ssh"
     return repo.split("://", 1)[0].lower()
-
-
-def shown_url(repo: str) -> str:
-    """A repo URL fit for a message: any user name and password replaced by ***."""
-    if "://" not in repo:
-        return repo
-    scheme, rest = repo.split("://", 1)
-    authority, slash, path = rest.partition("/")
-    if "@" in authority:
-        authority = "***@" + authority.rsplit("@", 1)[1]
-    return f"{scheme}://{authority}{slash}{path}"
 
 
 def url_credentials(repo: str) -> str | None:

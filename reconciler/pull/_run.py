@@ -38,8 +38,9 @@ import pygit2
 from ..desired import source
 from ..desired.cache import load_desired
 from ..desired.gitauth import GitAuth
+from ..desired.source import shown_url
 from ..desired.spec import DesiredState, HostSpec
-from ..desired.trust import RevisionRefused, TrustPolicy, shown_url, url_credentials
+from ..desired.trust import RevisionRefused, TrustPolicy, url_credentials
 from ..errors import ConfigError, SourceError
 from ..host import lock, programs
 from ..host.apply import write_state_file

@@ -8,15 +8,15 @@ import pytest
 
 from reconciler.controller.config import load_config
 from reconciler.controller.hooks import shim
+from reconciler.desired.source import open_repo, shown_url
 from reconciler.desired.trust import (
     RevisionRefused,
     TrustPolicy,
     check_descends,
-    shown_url,
     url_credentials,
     verify_signature,
 )
-from reconciler.errors import ConfigError
+from reconciler.errors import ConfigError, SourceError
 from tests.conftest import DesiredRepo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,3 +175,15 @@ def test_a_credential_in_a_url_is_named_never_shown():
         TrustPolicy().check_url(f"http://oauth2:{token}@127.0.0.1/x.git")
     assert token not in str(e.value) and "http://***@127.0.0.1/x.git" in str(e.value)
     assert shown_url(f"https://{token}@127.0.0.1/x.git") == "https://***@127.0.0.1/x.git"
+
+
+def test_a_fetch_that_fails_names_no_part_of_a_password_that_holds_an_at(tmp_path: Path):
+    """git reads a URL's authority up to its last @: a password with an @ of its own is still
+    all password. The message of a fetch that fails (nobody listens on port 9) shows none of it;
+    before, only what came before its first @ was masked."""
+    url = "https://oauth2:s3cret@half@127.0.0.1:9/x.git"
+    assert shown_url(url) == "https://***@127.0.0.1:9/x.git"
+    with pytest.raises(SourceError) as e:
+        open_repo(url, tmp_path / "cache")
+    assert "cannot fetch https://***@127.0.0.1:9/x.git: " in str(e.value)
+    assert "s3cret" not in str(e.value) and "half" not in str(e.value)
