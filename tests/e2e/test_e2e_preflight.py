@@ -86,16 +86,21 @@ def test_complete_model_and_good_flags_pass_the_gate(fleet, repo):
     assert out["hosts"][0]["status"] == "converged"
 
 
+def commit_model_fetch(repo, h, model: str, message: str = "a model to fetch") -> None:
+    """The fleet with h's service loading `model` (what follows `path = ` in its model table:
+    a directory, a fetch command and their settings) in place of /models/Qwen3-8B."""
+    write_fleet(repo, [h], {"sglang": svc("Qwen3-8B")}, extra={})
+    text = (repo.path / f"hosts/{h.name}.toml").read_text().replace('path = "/models/Qwen3-8B" }', f"path = {model} }}")
+    repo.write(f"hosts/{h.name}.toml", text)
+    repo.commit(message)
+
+
 @pytest.mark.timeout(60)
 def test_model_fetch_downloads_a_missing_model_before_the_start(fleet, repo):
     h = fleet.hosts[0]
-    write_fleet(repo, [h], {"sglang": svc("Qwen3-8B")}, extra={})
     # point the service at a directory that does not exist yet, with a fetch command that fills it
-    text = (repo.path / f"hosts/{h.name}.toml").read_text().replace(
-        'path = "/models/Qwen3-8B" }',
-        'path = "/tmp/model-fetched/Qwen3-8B", fetch = "sleep 1 && cp -r /models/Qwen3-8B/. .", fetch_timeout = 20 }')
-    repo.write(f"hosts/{h.name}.toml", text)
-    repo.commit()
+    commit_model_fetch(repo, h, '"/tmp/model-fetched/Qwen3-8B", fetch = "sleep 1 && cp -r /models/Qwen3-8B/. .", '
+                                'fetch_timeout = 20')
     code, out = run_json("--repo", str(repo.path), "--dry-run", check_codes=(2,))
     fetch = [a for a in out["hosts"][0]["actions"] if a["kind"] == "fetch-model"]
     assert fetch and "fetch Qwen/Qwen3-8B into /tmp/model-fetched/Qwen3-8B first" in fetch[0]["detail"]
@@ -111,16 +116,10 @@ def test_failing_or_slow_fetch_blocks_the_deploy(fleet, repo):
     h = fleet.hosts[0]
     for fetch, expect in (("echo 'hub: 401 Unauthorized' >&2; exit 3", "401 Unauthorized"),
                           ("sleep 30", "did not finish within 2s")):
-        write_fleet(repo, [h], {"sglang": svc("Qwen3-8B")}, extra={})
-        text = (repo.path / f"hosts/{h.name}.toml").read_text().replace(
-            'path = "/models/Qwen3-8B" }',
-            f'path = "/tmp/model-fetched/X", fetch = "{fetch}", fetch_timeout = 2 }}')
-        repo.write(f"hosts/{h.name}.toml", text)
-        repo.commit(fetch)
+        commit_model_fetch(repo, h, f'"/tmp/model-fetched/X", fetch = "{fetch}", fetch_timeout = 2', fetch)
         code, out = run_json("--repo", str(repo.path), check_codes=(4,))
         assert out["hosts"][0]["reason"] == "ModelFetchFailed" and expect in out["hosts"][0]["message"]
         assert not fleet.exists(h, UNIT)
-
 
 
 @pytest.mark.timeout(60)
@@ -128,12 +127,8 @@ def test_a_fetch_the_disk_has_no_room_for_is_refused_before_it_runs(fleet, repo)
     """The host's free space (df, read only for a model a fetch may fill) against the model's
     size: 1,000,000 GB does not fit, so the fetch never runs and nothing is written."""
     h = fleet.hosts[0]
-    write_fleet(repo, [h], {"sglang": svc("Qwen3-8B")}, extra={})
-    text = (repo.path / f"hosts/{h.name}.toml").read_text().replace(
-        'path = "/models/Qwen3-8B" }',
-        'path = "/tmp/model-fetched/Z", fetch = "touch /tmp/fetch-ran", size_gb = 1000000 }')
-    repo.write(f"hosts/{h.name}.toml", text)
-    repo.commit("a model no disk holds")
+    commit_model_fetch(repo, h, '"/tmp/model-fetched/Z", fetch = "touch /tmp/fetch-ran", size_gb = 1000000',
+                       "a model no disk holds")
     code, out = run_json("--repo", str(repo.path), check_codes=(4,))
     r = out["hosts"][0]
     assert r["reason"] == "ModelFetchFailed", r
