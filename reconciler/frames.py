@@ -96,7 +96,7 @@ def ended(stdout: str, token: str) -> tuple[str, int | None]:
     holder's session ends each command's stdout so, host/session.py): the text before that
     record ("" where there is none), and the status (0-255; None where the record says none, or
     there is no record)."""
-    body, end, status = stdout.rpartition(f"\n{token} END ")
+    body, end, status = stdout.rpartition(f"{token} END ")
     code = number(status.strip(), 3) if end else None
     return body, (code if code is not None and code <= 255 else None)
 

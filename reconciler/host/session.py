@@ -15,7 +15,8 @@ after the run went silent.
     (empty line, EOF, or IDLE s of silence)           kill any running command, let go
 
 A command's stdout and stderr go to the channel's own streams, each ended by its token's END
-record (frames.py), on stdout with the exit status: `TOKEN END STATUS`. Nothing is parsed from
+record (frames.py), right after the command's last byte, on stdout with the exit status:
+`TOKEN END STATUS`. Nothing is parsed from
 the command's output, and output of another command never passes for it. The command text and its input travel on
 the channel, never on a command line (`ps` would show it to every user), and no file holds
 them. The command runs as it would in its own channel: `sh -c ...` or `sh -s` with its input
@@ -113,7 +114,7 @@ class HostSession:
             self.came_up = True
         own = tok[len(self._prefix):]
         out, err = await asyncio.gather(self._until(f"{own} END "), self._until(f"{own} END\n", stderr=True))
-        return out, err[: -len(f"\n{tok} END\n")]
+        return out, err[: -len(f"{tok} END\n")]
 
     async def _until(self, own: str, *, stderr: bool = False) -> str:
         """The stream up to and including the command's END record: the holder's part of the
@@ -121,7 +122,7 @@ class HostSession:
         line's end). An END record with another token is output like any other line."""
         got = ""
         while True:
-            got += await self.proc.readuntil(f"\n{self._prefix}", stderr=stderr)
+            got += await self.proc.readuntil(self._prefix, stderr=stderr)
             got += (line := await self.proc.readuntil("\n", stderr=stderr))
             if line.startswith(own):
                 return got

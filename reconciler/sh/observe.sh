@@ -8,7 +8,9 @@
 # (and the host's GPU fault, gpu-fault.json),
 # the lock's count, stale temp files, and a keyed hash of each SECRET_FILE (never its content).
 # Each record is a line "TOKEN KIND ...", the last "TOKEN END": TOKEN is random per run, so no
-# file's content can forge a record. Builtins only per file: no process per file.
+# file's content can forge a record. Builtins only per file: no process per file. The answer is
+# gathered in $o and written at the end (`out`: past 4 KiB as it goes): one write, so the SSH
+# channel carries it in one packet or few, where a write a line cost a packet each.
 #
 # stdin, named parameters (one a line, then an empty line): token, service (repeated), secret
 # (repeated: a file whose keyed hash is asked for; none asked: nothing is written).
@@ -16,8 +18,12 @@
 # UNIT_DIR, ENV_DIR, ENV_DROPIN, DROPIN_DIRS, SHOW_PROPS, KEY, TEMP, ROTATION.
 NL='
 '
-T='' services='' secrets=''
+T='' services='' secrets='' o=''
 params T=token services+=service secrets+=secret
+out() {  # text: gathered into $o (one write at the end; one each 4 KiB before)
+  o=$o$1
+  [ "${#o}" -lt 4096 ] || { printf '%s' "$o"; o=; }
+}
 names=' '
 for n in $services; do names="$names$n "; done      # service names: no blank, no glob character
 # The lock's count: 0 where the lock was never taken, - where it cannot be trusted: a holder
@@ -27,11 +33,11 @@ g=-
 if [ -f "$COUNT" ]; then read -r g < "$COUNT" || :; elif [ ! -e "$LOCK" ]; then g=0; fi
 [ ! -s "$OWNER" ] || g=-
 for f in "$CONFIRM"/*.sh; do [ ! -e "$f" ] || g=-; done
-printf '%s G %s\n' "$T" "${g:--}"
+out "$T G ${g:--}$NL"
 for f in "$UNIT_DIR/$TEMP".* "$UNIT_DIR"/*.service.d/"$TEMP".* "$ENV_DIR/$TEMP".* \
          "$D/$TEMP".* "$D"/*/"$TEMP".* "$D"/credstore/*/"$TEMP".*; do
   [ -e "$f" ] || [ -L "$f" ] || continue
-  printf '%s T %s\n' "$T" "$(printf '%s' "$f" | base64 -w0)"
+  out "$T T $(printf '%s' "$f" | base64 -w0)$NL"
 done
 if [ -n "$secrets" ]; then
   # files that hold secrets: a keyed hash of each, never the content
@@ -41,7 +47,7 @@ if [ -n "$secrets" ]; then
   IFS=$NL; set -f
   for f in $secrets; do
     h=-; [ -f "$f" ] && h=$(cat "$KEY" "$f" | sha256sum | cut -c1-32)
-    printf '%s K %s %s\n' "$T" "$(printf '%s' "$f" | base64 -w0)" "$h"
+    out "$T K $(printf '%s' "$f" | base64 -w0) $h$NL"
   done
   unset IFS; set +f
 fi
@@ -49,10 +55,10 @@ emit() {  # kind name path: each line of the file after "$T kind name L ", a las
   # newline as P, then F; or "-" when there is no such file. Builtins only: no process per file.
   if [ -f "$3" ]; then
     l=
-    while IFS= read -r l; do printf '%s %s %s L %s\n' "$T" "$1" "$2" "$l"; done < "$3"
-    [ -z "$l" ] || printf '%s %s %s P %s\n' "$T" "$1" "$2" "$l"
-    printf '%s %s %s F\n' "$T" "$1" "$2"
-  else printf '%s %s %s -\n' "$T" "$1" "$2"; fi
+    while IFS= read -r l; do out "$T $1 $2 L $l$NL"; done < "$3"
+    [ -z "$l" ] || out "$T $1 $2 P $l$NL"
+    out "$T $1 $2 F$NL"
+  else out "$T $1 $2 -$NL"; fi
 }
 
 for f in "$D"/services/*.json; do
@@ -74,8 +80,8 @@ for n in $names; do
     for f in "$d/$n.service.d/"*.conf; do
       [ -f "$f" ] || continue
       case "$f" in
-        *"$NL"*) printf '%s D %s B %s\n' "$T" "$n" "$(printf '%s' "$f" | base64 -w0)" ;;
-        *) printf '%s D %s N %s\n' "$T" "$n" "$f" ;;
+        *"$NL"*) out "$T D $n B $(printf '%s' "$f" | base64 -w0)$NL" ;;
+        *) out "$T D $n N $f$NL" ;;
       esac
       emit D "$n" "$f"
     done
@@ -83,10 +89,10 @@ for n in $names; do
   units="$units $n.service"
 done
 if [ -n "$units" ]; then
-  # last, and as it is (no base64 process): everything up to the END line is systemctl's
-  printf '%s S -\n' "$T"
+  # last, and as it is (no base64 process): everything up to the END line is systemctl's, and
+  # a blank line ($(...) drops the output's last newline: put back)
   # shellcheck disable=SC2086 # $units is a list of unit names, one argument each
-  systemctl show -p "$SHOW_PROPS" $units
-  echo
+  s=$(systemctl show -p "$SHOW_PROPS" $units)
+  o="$o$T S -$NL${s:+$s$NL}$NL"
 fi
-printf '%s END\n' "$T"
+printf '%s%s END\n' "$o" "$T"

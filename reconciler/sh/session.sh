@@ -10,8 +10,11 @@
 #   (empty line, EOF, or $IDLE s of silence)      kill any running command, let go
 #
 # A command's stdout and stderr go to the channel's own streams, each ended by its token's END
-# record on a line of its own: "<token> END <exit status>" on stdout, "<token> END" on stderr.
-# Every command's token begins with the holder's own ($T), so the ends are found by one text.
+# record: "<token> END <exit status>" on stdout, "<token> END" on stderr, right after the
+# command's last byte (no newline of its own in front: each record is one write, so one SSH
+# packet, where bash's line-buffered printf wrote a newline in front as a write, and a packet,
+# of its own). Every command's token begins with the holder's own ($T), which no command's
+# output holds, so the ends are found by one text wherever they start.
 # The command text and its input come on the channel, never on a command line, and no file
 # holds them. Each runs in the background in a process group of its own (so a kill reaches all
 # of it), while the loop goes on reading heartbeats. Once it reads frames it says "$T READY" on
@@ -43,7 +46,7 @@ begin() {  # token: in a command's group, before the command: its ends, written 
   # set (a command this shell runs itself may set any variable); the host's clock for the
   # command from bash's own printf (apply's @@now: no `date` process)
   # shellcheck disable=SC2064  # expanded now, on purpose
-  trap "printf '\n%s END %s\n' $1 \"\$?\"; printf '\n%s END\n' $1 >&2" EXIT
+  trap "printf '%s END %s\n' $1 \"\$?\"; printf '%s END\n' $1 >&2" EXIT
   printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
 }
 while IFS= read -r -t "$IDLE" line && [ -n "$line" ]; do

@@ -331,7 +331,7 @@ def test_the_first_run_on_a_host_installs_the_holder_by_content_and_later_ones_f
 def test_a_commands_exit_status_is_what_its_end_line_says_or_255(status: str, code: int) -> None:
     from reconciler.host.session import ended
     tok = "ab:cd"
-    res = ended(f"out\n{tok} END {status}", tok, "err")
+    res = ended(f"out{tok} END {status}", tok, "err")
     assert (res.exit_status, res.stdout, res.stderr) == (code, "out", "err")
 
 
