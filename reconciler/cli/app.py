@@ -20,38 +20,24 @@ from ..loop.options import RunOptions, confirm_margin_from
 from .output import console, escape, fail, fail_input, print_json, run_async
 from .run import PATH, converge, json_opt, opened, path_opt, repo_opt, rev_opt, state_opt, trust_policy
 
-
-def cache_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--cache-dir", type=PATH, envvar="RECONCILER_CACHE_DIR", metavar="DIR",
-                        help="Where URL repos are mirrored.")(f)
-
-
-def age_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--age-identity", envvar="RECONCILER_AGE_IDENTITY", metavar="KEYFILE",
-                        help="The controller's age identity, to decrypt the repo's age secrets (needed only when "
-                             "the desired state has some).")(f)
-
-
-def identity_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--identity", "-i", envvar="RECONCILER_IDENTITY", metavar="KEYFILE",
-                        help="SSH private key (default: ~/.ssh defaults).")(f)
+cache_opt = click.option("--cache-dir", type=PATH, envvar="RECONCILER_CACHE_DIR", metavar="DIR",
+                         help="Where URL repos are mirrored.")
+age_opt = click.option("--age-identity", envvar="RECONCILER_AGE_IDENTITY", metavar="KEYFILE",
+                       help="The controller's age identity, to decrypt the repo's age secrets (needed only when "
+                            "the desired state has some).")
+identity_opt = click.option("--identity", "-i", envvar="RECONCILER_IDENTITY", metavar="KEYFILE",
+                            help="SSH private key (default: ~/.ssh defaults).")
+concurrency_opt = click.option("--concurrency", type=click.IntRange(min=1), metavar="N",
+                               help="Hosts at once (default: fleet.toml, 20).")
+lock_wait_opt = click.option("--lock-wait", type=click.FloatRange(min=0), default=30.0, metavar="SECONDS",
+                             help="How long to wait for another run's lock on a host before reporting it Locked "
+                                  "(exit 4).")
 
 
 def hosts_opt(f):  # type: ignore[no-untyped-def]
     f = click.option("--label", "-l", multiple=True, metavar="KEY=VALUE",
                      help="Only hosts with this label (repeatable: all must match).")(f)
     return click.option("--host", "-H", multiple=True, metavar="NAME", help="Only these hosts (repeatable).")(f)
-
-
-def concurrency_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--concurrency", type=click.IntRange(min=1), metavar="N",
-                        help="Hosts at once (default: fleet.toml, 20).")(f)
-
-
-def lock_wait_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--lock-wait", type=click.FloatRange(min=0), default=30.0, metavar="SECONDS",
-                        help="How long to wait for another run's lock on a host before reporting it Locked "
-                             "(exit 4).")(f)
 
 
 @click.group(invoke_without_command=True, context_settings={"max_content_width": 120},

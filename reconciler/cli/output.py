@@ -8,13 +8,15 @@ masked. On a terminal rich lays the output out; written to a pipe, a log or CI i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO, TypeVar, cast
 
 from .. import redact
-from ..errors import ConfigError
+from ..desired.trust import RevisionRefused
+from ..errors import ConfigError, SourceError
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -84,9 +86,28 @@ def fail_input(err: Exception, as_json: bool, where: str) -> NoReturn:
         from ..loop.report import print_config_error
         print_config_error(console(stderr=True), err, where)
     else:
-        # one line, never wrapped at the console's width (a log, CI, a hook reads it whole)
-        console(stderr=True).print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)
+        fail(str(err))
     raise SystemExit(1)
+
+
+def refused(e: RevisionRefused, as_json: bool) -> NoReturn:
+    """The trust policy refused the revision (or the repo's URL): one line, or --json; exit 1."""
+    if as_json:
+        print_json({"error": "RevisionRefused", "reason": e.reason, "message": str(e)})
+        raise SystemExit(1)
+    fail(f"refused ({e.reason}): {e}")
+
+
+@contextlib.contextmanager
+def exits_on_bad_input(as_json: bool, where: str) -> Iterator[None]:
+    """Bad input (ConfigError, SourceError) exits 1 naming file and key (`where`: the repo and
+    revision); a refused revision or URL exits 1 saying why."""
+    try:
+        yield
+    except (ConfigError, SourceError) as e:
+        fail_input(e, as_json, where)
+    except RevisionRefused as e:
+        refused(e, as_json)
 
 
 def say(text: str) -> None:
@@ -96,7 +117,8 @@ def say(text: str) -> None:
 
 
 def fail(message: str) -> NoReturn:
-    """One error line on stderr, exit 1."""
+    """One error line on stderr, never wrapped at the console's width (a log, CI, a hook reads it
+    whole); exit 1."""
     console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise SystemExit(1)
 

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import click
 
-from ..desired.trust import RevisionRefused, TrustPolicy
-from ..errors import ConfigError, Problem, SourceError
-from .output import console, fail, fail_input, print_json, run_async, say
-from .run import PATH, check_state_dirs, json_opt, path_opt, refused, repo_opt, rev_opt, state_opt, unusable_settings
+from ..desired.trust import TrustPolicy
+from ..errors import Problem
+from .output import console, exits_on_bad_input, fail, print_json, run_async, say
+from .run import PATH, check_state_dirs, json_opt, path_opt, repo_opt, rev_opt, state_opt, unusable_settings
 
 if TYPE_CHECKING:
     from ..pull import PullOptions
@@ -154,13 +154,9 @@ def _pull_run(opts: PullOptions, as_json: bool, state_dir: Path | None) -> None:
 
     outcome = None
     for _ in range(3):
-        try:
-            with PhaseView(console(stderr=True), plans=None if as_json or opts.dry_run else out) as view:
-                outcome = run_async(pull_once(opts, on_phase=view, on_choice=chosen))
-        except (ConfigError, SourceError) as e:
-            fail_input(e, as_json, f"{opts.repo}@{opts.rev or 'HEAD'}")
-        except RevisionRefused as e:     # nothing was changed
-            refused(e, as_json)
+        with (exits_on_bad_input(as_json, f"{opts.repo}@{opts.rev or 'HEAD'}"),    # refused: nothing changed
+              PhaseView(console(stderr=True), plans=None if as_json or opts.dry_run else out) as view):
+            outcome = run_async(pull_once(opts, on_phase=view, on_choice=chosen))
         if outcome.result is not None and not opts.dry_run:
             from ..controller.store import Store, remember
             with contextlib.closing(Store(state_dir)) as store:
@@ -233,21 +229,15 @@ def _pull_install(opts: PullOptions, interval: str, splay: str | None, state_dir
     if spread is None:
         fail(f"--splay {splay!r}: expected a duration like 5s or 2m")
     repo = opts.repo if source.is_url(opts.repo) else str(Path(opts.repo).resolve())
-    try:
+    with exits_on_bad_input(False, repo):
         opts.check_source()          # a plaintext URL, or one with a token, is refused before anything else
-    except RevisionRefused as e:
-        refused(e, False)
     _check_interpreter()
-    try:
+    with exits_on_bad_input(False, f"{repo}@{opts.rev or 'HEAD'}"):
         clone = open_clone(repo, opts.workdir, opts.auth)
         head = source.snapshot(clone, opts.rev, opts.path)
         signer = opts.trust.verify(clone, head.revision)
         state = load_desired(head)
         name = this_host(state, opts.host)
-    except (ConfigError, SourceError) as e:
-        fail_input(e, False, f"{repo}@{opts.rev or 'HEAD'}")
-    except RevisionRefused as e:
-        refused(e, False)
     argv = _unit_argv(opts, repo, name, state_dir)
     watch = None if source.is_url(repo) else branch_dir(clone, opts.rev)
     units = render_units(argv, interval=every, splay=spread, watch=watch)

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, NoReturn
 import click
 
 from .. import redact
-from ..desired.trust import RevisionRefused, TrustPolicy
-from ..errors import ConfigError, Problem, SourceError
+from ..desired.trust import TrustPolicy
+from ..errors import ConfigError, Problem
 from ..loop.options import RunIO, RunOptions
-from .output import console, escape, fail, fail_input, print_json, run_async, say
+from .output import console, escape, exits_on_bad_input, fail, fail_input, print_json, run_async, say
 
 if TYPE_CHECKING:
     from ..desired.source import Snapshot
@@ -32,27 +32,15 @@ if TYPE_CHECKING:
 PATH = click.Path(path_type=Path)
 
 
-def repo_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--repo", default=".", envvar="RECONCILER_REPO", metavar="PATH|URL", show_envvar=False,
-                        help="Desired-state repo: a local path (clone or bare) or a URL.")(f)
-
-
-def rev_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--rev", metavar="REV", help="Revision to deploy (default: HEAD of the branch).")(f)
-
-
-def path_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--path", default="", envvar="RECONCILER_PATH", metavar="DIR",
-                        help="Sub-directory of the repo that holds fleet.toml and hosts/.")(f)
-
-
-def json_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
-
-
-def state_opt(f):  # type: ignore[no-untyped-def]
-    return click.option("--state-dir", type=PATH, envvar="RECONCILER_STATE_DIR", metavar="DIR",
-                        help="Where the state store lives (default ~/.local/state/reconciler).")(f)
+# The options several commands share (click.option makes a new Option at each use).
+repo_opt = click.option("--repo", default=".", envvar="RECONCILER_REPO", metavar="PATH|URL", show_envvar=False,
+                        help="Desired-state repo: a local path (clone or bare) or a URL.")
+rev_opt = click.option("--rev", metavar="REV", help="Revision to deploy (default: HEAD of the branch).")
+path_opt = click.option("--path", default="", envvar="RECONCILER_PATH", metavar="DIR",
+                        help="Sub-directory of the repo that holds fleet.toml and hosts/.")
+json_opt = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+state_opt = click.option("--state-dir", type=PATH, envvar="RECONCILER_STATE_DIR", metavar="DIR",
+                         help="Where the state store lives (default ~/.local/state/reconciler).")
 
 
 def trust_policy(require_signed: bool, allowed_signers: str | None, insecure_transport: bool, *,
@@ -115,26 +103,14 @@ def check_state_dirs(state_dir: Path | None, as_json: bool) -> None:
         fail_input(e, as_json, str(state_dir or default_state_dir()))
 
 
-def refused(e: RevisionRefused, as_json: bool) -> NoReturn:
-    """The trust policy refused the revision (or the repo's URL): one line, or --json; exit 1."""
-    if as_json:
-        print_json({"error": "RevisionRefused", "reason": e.reason, "message": str(e)})
-        raise SystemExit(1)
-    fail(f"refused ({e.reason}): {e}")
-
-
 def opened(opts: RunOptions, as_json: bool) -> tuple[Snapshot, Revision]:
     """The revision the options name, opened for a run (verified under the run's trust policy);
-    bad input exits 1 naming file and key, a refused revision exits 1 saying why."""
+    bad input and a refused revision exit 1 (exits_on_bad_input)."""
     from ..loop.fleet import selected
     from ..loop.revision import load_revision
-    try:
+    with exits_on_bad_input(as_json, f"{opts.repo}@{opts.rev or 'HEAD'}"):
         snap, rev = load_revision(opts)
         selected(rev.state, opts)          # a --host or --label that matches nothing: before any host
-    except (ConfigError, SourceError) as e:
-        fail_input(e, as_json, f"{opts.repo}@{opts.rev or 'HEAD'}")
-    except RevisionRefused as e:
-        refused(e, as_json)
     return snap, rev
 
 
@@ -153,10 +129,8 @@ def converge(opts: RunOptions, *, as_json: bool = False, state_dir: Path | None 
              f"that nobody reads). Run it on a local clone; the deploy repo's pre-receive hook takes "
              f"refs/notes/reconciler* only from the users in notes_pushers of the controller's config")
     check_state_dirs(state_dir, as_json)
-    try:
+    with exits_on_bad_input(as_json, opts.repo):
         opts.trust.check_url(opts.repo)      # before anything is fetched
-    except RevisionRefused as e:
-        refused(e, as_json)
     snap, rev = opened(opts, as_json)
     if rev.signer is not None:
         say(f"{snap.short}: signed by {rev.signer}")

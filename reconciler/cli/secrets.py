@@ -11,11 +11,10 @@ import click
 
 from .. import redact
 from .output import fail, say
+from .run import PATH
 
-PATH = click.Path(path_type=Path)
 
-
-@click.group(help="Secrets encrypted in git with age: make the controller's key, encrypt a value.")
+@click.group()
 def secrets() -> None:
     """Secrets encrypted in git with age: make the controller's key, encrypt a value."""
 

@@ -1,44 +1,6 @@
-"""The reconciler's own configuration (the controller, not the fleet): one documented place.
-
-    /etc/reconciler/config.toml   (or $RECONCILER_CONFIG)
-
-    repo = "/srv/git/fleet.git"          # path or URL of the desired-state repo
-    branch = "main"                      # the branch that deploys
-    path = ""                            # sub-directory holding fleet.toml and hosts/
-    identity = "/etc/reconciler/id_ed25519"   # SSH client key (never in the repo)
-    state_dir = "/var/lib/reconciler-controller"
-    cache_dir = "/var/cache/reconciler"
-    interval = 60                        # seconds between periodic reconciles (fleet.toml may override)
-    trigger_file = ""                    # touched by the post-receive hook (default: <repo>/reconciler.trigger)
-    metrics = "127.0.0.1:9187"           # Prometheus endpoint ("" = off)
-    web = "127.0.0.1:9188"               # the read-only fleet page ("" = off); loopback: open it through ssh -L
-    metrics_public = false               # allow a non-loopback `metrics` (e.g. "0.0.0.0:9187")
-    web_public = false                   # allow a non-loopback `web`: the page is then served to the network
-                                         #   with no login and over plain HTTP (said in the log at start)
-    allow_rewind = false                 # deploy a revision that does not descend from the last applied
-    lock_wait = 30                       # seconds to wait for another run's lock on a host (then: Locked)
-    require_signed = false               # only deploy commits signed by a key in allowed_signers
-    allowed_signers = "/etc/reconciler/allowed_signers"   # ssh-keygen -Y verify format
-    allow_insecure_transport = false     # fetch a repo URL over http:// or git:// (plaintext: refused by default)
-    age_identity = "/etc/reconciler/age.key"  # decrypts the repo's age secrets (reconcile secrets keygen)
-    notes = true                         # record each run's outcome as git notes (refs/notes/reconciler)
-    forge_url = ""                       # commit statuses on a forge: API base (https://api.github.com, or
-                                         #   https://GITEA/api/v1); "" = off. See forge.py.
-    forge_repo = ""                      # owner/name on the forge
-    forge_token_file = ""                # the forge token: a file (0600, the daemon's) ...
-    forge_token_env = ""                 # ... or the name of an environment variable holding it
-    forge_target_url = ""                # optional link on each status; {sha} {short} {host} are filled in
-    forge_timeout = 5                    # seconds per request
-    labels = []                          # only hosts carrying every KEY=VALUE here (a shard of the
-                                         #   fleet: ["shard=a"]); env: RECONCILER_LABELS="shard=a,gpu=h200"
-    notes_pushers = []                   # users who may push refs/notes/reconciler* (pull-mode hosts' own
-                                         #   account; the pre-receive hook refuses everyone else)
-    webhook_allow = []                   # non-public networks fleet.toml's [notify] webhook may reach
-                                         #   (["127.0.0.0/8"]); loopback, private, link-local: refused
-                                         #   otherwise. env: RECONCILER_WEBHOOK_ALLOW="127.0.0.0/8,..."
-    drain_programs = []                  # programs a service's [drain] `controller` call may run on this
-                                         #   host (["socat"]): the repo alone never names a program the
-                                         #   controller runs. env: RECONCILER_DRAIN_PROGRAMS="socat,..."
+"""The reconciler's own configuration (the controller, not the fleet): one documented place,
+/etc/reconciler/config.toml (or $RECONCILER_CONFIG). Every key, its default and what it does:
+systemd/config.toml.example (tests/controller/test_config_example.py keeps both in step).
 
 Every key can be overridden by an environment variable RECONCILER_<KEY> (e.g.
 RECONCILER_REPO, RECONCILER_INTERVAL), except that the trust keys' (RECONCILER_REQUIRE_SIGNED,
@@ -120,7 +82,7 @@ CREDENTIALS = (("identity", "id_ed25519"), ("age_identity", "age.key"))
 
 
 class ControllerConfig(BaseModel):
-    """Validated controller settings (see the module docstring for each key)."""
+    """Validated controller settings (systemd/config.toml.example says what each key does)."""
 
     model_config = ConfigDict(extra="forbid")
 

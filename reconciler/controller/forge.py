@@ -1,12 +1,7 @@
 """Deploy status as a forge commit status (the GitHub / Gitea commit-status API), optional.
 
-Configured in the controller's config (never in the desired-state repo, so a push cannot point
-the token somewhere else):
-
-    forge_url = "https://gitea.example.internal/api/v1"   # API base (GitHub: https://api.github.com)
-    forge_repo = "ops/fleet"                               # owner/name on the forge
-    forge_token_file = "/etc/reconciler/forge-token"       # or forge_token_env = "FORGE_TOKEN"
-    forge_target_url = "https://fleet.example.internal/hosts/{host}"   # optional link; {sha} {short} {host}
+Configured in the controller's config, the forge_* keys (systemd/config.toml.example), never in
+the desired-state repo, so a push cannot point the token somewhere else.
 
 Each daemon run posts `POST {forge_url}/repos/{owner}/{repo}/statuses/{sha}` with
 `{"state": "pending"|"success"|"failure"|"error", "context": "reconciler/<host>" or

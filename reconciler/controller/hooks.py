@@ -68,12 +68,9 @@ def _push_options() -> set[str]:
 
 
 def _updates() -> list[tuple[str, str, str]]:
-    out = []
-    for line in sys.stdin.read().splitlines():
-        parts = line.split()
-        if len(parts) == 3:
-            out.append((parts[0], parts[1], parts[2]))
-    return out
+    """The ref updates on stdin: (old, new, ref) a line."""
+    lines = (line.split() for line in sys.stdin.read().splitlines())
+    return [(p[0], p[1], p[2]) for p in lines if len(p) == 3]
 
 
 def _err(line: str) -> None:

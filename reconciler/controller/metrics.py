@@ -13,7 +13,6 @@ once and the daemon goes on without metrics: it must never keep the daemon from 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 from typing import TYPE_CHECKING, cast
 
@@ -25,7 +24,7 @@ from ..plan.model import State
 from ..redact import redact
 from ..values import replace
 from .config import parse_address, public_note
-from .web.gate import Limits
+from .web.gate import Limits, stop_server
 
 if TYPE_CHECKING:
     import uvicorn
@@ -65,9 +64,7 @@ class MetricsServer(msgspec.Struct):
     gated: Gated
 
     async def stop(self) -> None:
-        self.server.should_exit = True
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await asyncio.wait_for(self.task, 5)
+        await stop_server(self.server, self.task)
         self.gated.clients.owners.close()
 
 

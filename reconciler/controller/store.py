@@ -180,12 +180,7 @@ class Store:
     def history(self, host: str, limit: int = 50) -> list[dict]:
         rows = self.db.execute("SELECT * FROM attempts WHERE host = ? ORDER BY at DESC, id DESC LIMIT ?",
                                (host, limit)).fetchall()
-        out = []
-        for r in rows:
-            d = dict(r)
-            d["journal"] = json.loads(d["journal"] or "[]")
-            out.append(d)
-        return out
+        return [{**dict(r), "journal": json.loads(r["journal"] or "[]")} for r in rows]
 
     def set_cost(self, host: str, service: str, revision: str, steps: dict[str, float],
                  lost: float | None) -> None:

@@ -217,7 +217,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(app: ASGIApp, sock: socket.socket, gated: Gated) -> tuple[uvicorn.Server, asyncio.Task[None]]:
     """Serve `app` on the listening `sock` from the running loop, behind the gate; the server and
-    its task (set `server.should_exit` to stop it). uvicorn's serve takes SIGINT and SIGTERM for
+    its task (stop_server stops them). uvicorn's serve takes SIGINT and SIGTERM for
     itself while it runs and raises a caught one again when it ends; the daemon's own handlers
     (the loop's) see each signal all the same, through the loop's wake-up descriptor."""
     import uvicorn
@@ -230,3 +230,10 @@ def serve(app: ASGIApp, sock: socket.socket, gated: Gated) -> tuple[uvicorn.Serv
                             backlog=BACKLOG)
     server = uvicorn.Server(config)
     return server, asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+
+
+async def stop_server(server: uvicorn.Server, task: asyncio.Task[None]) -> None:
+    """Stop a server `serve` started: ask it to exit, and wait for its task 5 s at most."""
+    server.should_exit = True
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)

@@ -226,13 +226,10 @@ def history(host: str, rows: Iterable[Mapping[str, Any]], status_rows: Iterable[
             snap: PageState, lookup: Commits) -> Model:
     """One host's page: its labels, its services now, and every attempt (newest first)."""
     info = snap.fleet.get(host)
-    attempts = []
-    for r in rows:
-        attempts.append({"when": age(snap.wall - r["at"]), "at": r["at"], "service": r["service"],
-                         "action": r["action"], "revision": revision(r["revision"], lookup, snap.wall),
-                         "result": r["result"], "ok": r["result"] == "Healthy",
-                         "seconds": round(r["seconds"] or 0.0, 1),
-                         "message": r["message"] or "", "quote": r["quote"]})
+    attempts = [{"when": age(snap.wall - r["at"]), "at": r["at"], "service": r["service"], "action": r["action"],
+                 "revision": revision(r["revision"], lookup, snap.wall), "result": r["result"],
+                 "ok": r["result"] == "Healthy", "seconds": round(r["seconds"] or 0.0, 1),
+                 "message": r["message"] or "", "quote": r["quote"]} for r in rows]
     failed = sum(1 for a in attempts if not a["ok"] and a["action"] in _WATCHED)
     took = sorted(a["seconds"] for a in attempts if a["seconds"])
     current = grid([r for r in status_rows if r["host"] == host], PageState(

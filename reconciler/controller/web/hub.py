@@ -176,9 +176,7 @@ class Hub:
             if self.run is None:
                 return
             key = f"{ro.plan.group.service}/{ro.plan.group.definition}"
-            data = ro.to_json()
-            data["current_wave"] = ro.waves_done + 1 if event == "wave" else None
-            self.run.rollouts[key] = data
+            self.run.rollouts[key] = {**ro.to_json(), "current_wave": ro.waves_done + 1 if event == "wave" else None}
         self._bump("live", "grid")
 
     @_guarded
@@ -195,16 +193,11 @@ class Hub:
             for r in result.hosts:
                 run.hosts[r.host] = {"status": str(r.status), "reason": r.reason, "message": r.message}
                 for e in r.events:
-                    final, quote = _final(e.action, e.outcome, Event), None
-                    if e.outcome is not None and not e.outcome.healthy:
-                        quote = e.outcome.quote
-                    elif e.outcome is None:
-                        quote = e.quote
+                    final = _final(e.action, e.outcome, Event)
                     if final is None:
                         continue
-                    p = run.phases.get((r.host, e.service))
-                    if p is None:
-                        p = run.phases[(r.host, e.service)] = PhaseInfo("", 0.0, 0.0, self.clock())
+                    quote = e.quote if e.outcome is None else None if e.outcome.healthy else e.outcome.quote
+                    p = run.phases.setdefault((r.host, e.service), PhaseInfo("", 0.0, 0.0, self.clock()))
                     if not (final == "quarantined" and p.final):     # "rolled back" says more
                         p.final = final
                     p.quote = quote or p.quote

@@ -125,9 +125,7 @@ class Clients:
         if peer is not None:
             self.by_peer.pop((str(peer[0]), int(peer[1])), None)
         if client is not None:
-            self.connections[client] -= 1
-            if self.connections[client] <= 0:
-                del self.connections[client]
+            self.connections -= Counter({client: 1})      # in place; a client at zero is dropped
 
     def of(self, peer: tuple[Any, ...] | list[Any] | None) -> str | None:
         """The client of the connection a request came on (its scope's "client"), or None."""

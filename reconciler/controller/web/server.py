@@ -1,10 +1,7 @@
-"""The page's HTTP server: uvicorn inside the daemon's event loop, behind gate.py's limits (which
-say how), so that the loop and the daemon's file descriptors stay free for deploys whatever the
-clients do: at most MAX_CONNECTIONS sockets, MAX_CONNECTIONS_PER_CLIENT of one client (peer.py:
-a local user by uid, `ssh -L` included; a remote peer by address; review N10), a request's head
-within HEAD_TIMEOUT seconds, a client that leaves SEND_BUFFER unread for SLOW_CLIENT seconds
-dropped. Event streams have caps of their own and share one render per change (stream.py).
-`/metrics` is served here too when the daemon's metrics share the page's address (metrics.py).
+"""The page's HTTP server: uvicorn inside the daemon's event loop, behind gate.py's limits (LIMITS
+below; gate.py says how), so that the loop and the daemon's file descriptors stay free for deploys
+whatever the clients do. Event streams have caps of their own and share one render per change
+(stream.py). `/metrics` is served here too when the metrics share the page's address (metrics.py).
 
 A port it cannot listen on (taken by someone else, a bad address) is said once and the page is
 left off: deploys never wait on it, and the daemon still starts. A local user who binds the port
@@ -15,7 +12,6 @@ a socket bound before any user can (a systemd socket unit, a port below 1024) wo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ...values import replace
 from ..config import public_note
 from .app import create_app
-from .gate import Gated, Limits, listen_at, serve
+from .gate import Gated, Limits, listen_at, serve, stop_server
 from .hub import Hub
 from .peer import Clients
 from .stream import MAX_STREAMS, MAX_STREAMS_PER_CLIENT, Refusals, Streams
@@ -61,9 +57,7 @@ class PageServer:
 
     async def stop(self, hub: Hub) -> None:
         hub.close()                      # event streams end, so the shutdown waits for nothing
-        self.server.should_exit = True
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await asyncio.wait_for(self.task, 5)
+        await stop_server(self.server, self.task)
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.clients.owners.close()
 

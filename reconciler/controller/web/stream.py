@@ -179,6 +179,4 @@ class EventStream(StreamingResponse):
         finally:
             streams.open -= 1
             if client is not None:
-                streams.by_client[client] -= 1
-                if streams.by_client[client] <= 0:
-                    del streams.by_client[client]
+                streams.by_client -= Counter({client: 1})     # in place; a client at zero is dropped

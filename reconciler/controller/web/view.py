@@ -18,6 +18,7 @@ and in hosts.py, from the same words: the grid (hosts x services) and one host's
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -182,9 +183,7 @@ def _run(run: RunInfo, commits: Commits, snap: PageState) -> Model:
     others = [{"host": h, "service": s, "phase": phase_model(p, snap.mono)}
               for (h, s), p in sorted(run.phases.items(), key=lambda kv: (natural_key(kv[0][0]), kv[0][1]))
               if (h, s) not in waved]
-    counts: dict[str, int] = {}
-    for r in run.hosts.values():
-        counts[r["status"] or "?"] = counts.get(r["status"] or "?", 0) + 1
+    counts = Counter(r["status"] or "?" for r in run.hosts.values())
     problems = [{"host": h, **r} for h, r in sorted(run.hosts.items(), key=lambda kv: natural_key(kv[0]))
                 if r.get("reason")]
     running = run.finished is None
