@@ -85,10 +85,8 @@ def render_at(snap: Snapshot, cache_dir: Path | None = None) -> Callable[[str], 
     return at
 
 
-def _where(cache_dir: Path | None) -> Path | None:
-    if cache_dir is None:
-        cache_dir = dirs.default_cache_dir()
-    return cache_dir / _DIR
+def _where(cache_dir: Path | None) -> Path:
+    return (cache_dir or dirs.default_cache_dir()) / _DIR
 
 
 @functools.cache

@@ -54,9 +54,7 @@ def _quote_hint(value: object) -> str:
 
 def _int_in(lo: int, hi: int | None, expected: str) -> Check:
     def check(value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _fail(expected, value)
-        if value < lo or (hi is not None and value > hi):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
             raise _fail(expected, value)
         return value
 
@@ -67,9 +65,8 @@ def _seconds(*, allow_zero: bool) -> Check:
     expected = "a number of seconds >= 0" if allow_zero else "a number of seconds > 0"
 
     def check(value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _fail(expected, value)
-        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0
+                or (value == 0 and not allow_zero)):
             raise _fail(expected, value)
         return float(value)
 
@@ -79,18 +76,12 @@ def _seconds(*, allow_zero: bool) -> Check:
 def _max_unavailable(value: Any) -> int | str:
     # A count, or a percentage of the group's hosts. Integer percentages only: "12.5%" would
     # suggest a precision that rounding to whole hosts does not have.
-    expected = 'an integer >= 1 or a percentage 1-100 like "25%"'
-    if isinstance(value, bool):
-        raise _fail(expected, value)
-    if isinstance(value, int):
-        if value >= 1:
-            return value
-        raise _fail(expected, value)
-    if isinstance(value, str):
-        m = _PERCENT.fullmatch(value)
-        if m and 1 <= int(m.group(1)) <= 100:
-            return f"{int(m.group(1))}%"
-    raise _fail(expected, value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    m = _PERCENT.fullmatch(value) if isinstance(value, str) else None
+    if m and 1 <= int(m.group(1)) <= 100:
+        return f"{int(m.group(1))}%"
+    raise _fail('an integer >= 1 or a percentage 1-100 like "25%"', value)
 
 
 _PERCENT = re.compile(r"^([0-9]{1,3})%\Z")
@@ -114,16 +105,12 @@ def parse_duration(text: str) -> float | None:
 
 
 def _duration(value: Any) -> float:
-    expected = 'a duration like "30m", "2h", "90s" or "1h30m", or a number of seconds >= 0'
-    if isinstance(value, bool):
-        raise _fail(expected, value)
-    if isinstance(value, int | float):
-        if not math.isfinite(value) or value < 0:
-            raise _fail(expected, value)
-        return float(value)
-    seconds = parse_duration(value) if isinstance(value, str) else None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value) if math.isfinite(value) and value >= 0 else None
+    else:
+        seconds = parse_duration(value) if isinstance(value, str) else None
     if seconds is None:
-        raise _fail(expected, value)
+        raise _fail('a duration like "30m", "2h", "90s" or "1h30m", or a number of seconds >= 0', value)
     return seconds
 
 
@@ -178,9 +165,8 @@ def _text(value: Any) -> str:
 
 def _no_space(expected: str, *, absolute: bool = False) -> Check:
     def check(value: Any) -> str:
-        if not isinstance(value, str) or not value or _WHITESPACE_OR_CONTROL.search(value):
-            raise _fail(expected, value)
-        if absolute and not value.startswith("/"):
+        if (not isinstance(value, str) or not value or _WHITESPACE_OR_CONTROL.search(value)
+                or (absolute and not value.startswith("/"))):
             raise _fail(expected, value)
         return value
 
@@ -205,12 +191,9 @@ def _address(value: Any) -> str:
 
 
 def _repo_path(value: Any) -> str:
-    expected = "a path inside the repository like 'units/x.service'"
-    if not isinstance(value, str) or not value or value.startswith("/") or "\\" in value:
-        raise _fail(expected, value)
-    parts = value.split("/")
-    if any(part in ("", ".", "..") for part in parts) or _WHITESPACE_OR_CONTROL.search(value):
-        raise _fail(expected, value)
+    if (not isinstance(value, str) or not value or value.startswith("/") or "\\" in value
+            or any(part in ("", ".", "..") for part in value.split("/")) or _WHITESPACE_OR_CONTROL.search(value)):
+        raise _fail("a path inside the repository like 'units/x.service'", value)
     return value
 
 
@@ -241,11 +224,9 @@ def _host_key(value: Any) -> str:
 
 
 def _http_template(value: Any) -> str:
-    expected = "an http:// or https:// URL (placeholders allowed)"
-    if not isinstance(value, str) or _WHITESPACE_OR_CONTROL.search(value):
-        raise _fail(expected, value)
-    if not value.startswith(("http://", "https://")):
-        raise _fail(expected, value)
+    if (not isinstance(value, str) or _WHITESPACE_OR_CONTROL.search(value)
+            or not value.startswith(("http://", "https://"))):
+        raise _fail("an http:// or https:// URL (placeholders allowed)", value)
     return value
 
 
@@ -262,12 +243,6 @@ def _webhook(value: Any) -> str:
         # The URL may carry a token (Slack's does): name its kind, never its text.
         raise Invalid(f"expected {expected}; the value is not shown")
     return value
-
-
-def _notify_format(value: Any) -> str:
-    if value not in ("json", "slack"):
-        raise _fail("'json' or 'slack'", value)
-    return str(value)
 
 
 def _boolean(value: Any) -> bool:
@@ -324,7 +299,7 @@ ModelId = Annotated[str, _no_space("a model id without whitespace, like 'Qwen/Qw
 ModelPath = Annotated[str, _no_space("an absolute path without whitespace, like '/models/Qwen3-8B'", absolute=True)]
 HttpTemplate = Annotated[str, Check(_http_template)]
 Webhook = Annotated[str, Check(_webhook)]
-NotifyFormat = Annotated[str, Check(_notify_format)]
+NotifyFormat = Annotated[str, _pattern(re.compile(r"json|slack"), "'json' or 'slack'")]
 Boolean = Annotated[bool, Check(_boolean)]
 DropIn = Annotated[str, Check(_dropin)]
 

@@ -195,12 +195,7 @@ def request(url: str) -> dict[str, str]:
 
 def parse_helper(text: str) -> dict[str, str]:
     """PURE: git credential's `key=value` lines."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, value = line.partition("=")
-        if sep and key:
-            out[key] = value
-    return out
+    return {key: value for key, sep, value in (line.partition("=") for line in text.splitlines()) if sep and key}
 
 
 def helper_call(action: str, fields: dict[str, str]) -> dict[str, str] | None:

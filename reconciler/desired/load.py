@@ -13,17 +13,11 @@ Loading is all-or-nothing: every problem in every file is collected (file, dotte
 expected) and raised together as one ConfigError, so a bad commit is rejected before anything is
 applied anywhere. Nothing here does I/O other than snap.read and snap.list.
 
-Merging, lowest layer first: fleet.toml [health]/[rollout] < services/<def>.toml < the host's
-table. env, vars, model, health and rollout merge key by key; unit and unit_file replace each
-other as a pair. The hosts that share a definition must end with one rollout policy.
-Placeholders {host.name} {host.address} {service.name} {model.id} {model.path} {vars.<name>}
-are substituted in the unit text, env values, vars, health.http and model.fetch; any other
-brace (systemd's ${VAR}, %i, JSON) passes through untouched.
-
 This module is the entry and loads the files themselves (fleet.toml, known_hosts, the
 definitions, the hosts); the parts live beside it: repo (layout, snapshots), collect (problems),
-toml_files (parse and validate), merge (layers), placeholders, units, health, service (one
-service on one host) and rollout (the checks across hosts).
+toml_files (parse and validate), merge (the layers, lowest first, and how they merge),
+placeholders (what they are, where they are substituted), units, health, service (one service on
+one host) and rollout (the checks across hosts: one rollout policy per shared definition).
 """
 
 from __future__ import annotations
@@ -106,8 +100,7 @@ class _Loader:
             self.problems.add(path, "", "not UTF-8 text")
             return None
         for number, line in enumerate(text.splitlines(), 1):
-            why = _known_hosts_line_problem(line)
-            if why:
+            if why := _known_hosts_line_problem(line):
                 self.problems.add(path, "", f"line {number}: {why}")
         return text
 

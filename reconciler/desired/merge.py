@@ -49,27 +49,21 @@ class Merged(msgspec.Struct):
     smoke: dict[str, tuple[Any, At]] = msgspec.field(default_factory=dict)
     tables: dict[str, At] = msgspec.field(default_factory=dict)   # "drain"/"smoke" -> where the top layer wrote it
 
-    def add_rollout(self, table: schema.RolloutTable | None, file: str, prefix: tuple[str, ...]) -> None:
-        if table is None:
-            return
-        _add(self.rollout, _set(table), file, (*prefix, "rollout"))
-
     def policy(self) -> RolloutPolicy:
         return RolloutPolicy(**{k: v for k, (v, _) in self.rollout.items()})
 
-    def add_health(self, table: schema.HealthTable | None, file: str, prefix: tuple[str, ...]) -> None:
-        if table is None:
-            return
-        _add(self.health, _set(table), file, (*prefix, "health"))
+    def add_table(self, name: str, table: Table | None, file: str, prefix: tuple[str, ...]) -> None:
+        """A sub-table's keys (model, health, rollout, drain, smoke) over the layer below."""
+        if table is not None:
+            _add(getattr(self, name), _set(table), file, (*prefix, name))
 
     def add_layer(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
         """Merge a definition or a host's service table over what is here."""
         self._add_unit(table, file, prefix)
         _add(self.env, table.env, file, (*prefix, "env"))
         _add(self.vars, table.vars, file, (*prefix, "vars"))
-        if table.model is not None:
-            _add(self.model, _set(table.model), file, (*prefix, "model"))
-        self.add_health(table.health, file, prefix)
+        self.add_table("model", table.model, file, prefix)
+        self.add_table("health", table.health, file, prefix)
         if table.gpu_policy is not None:
             self.gpu_policy = table.gpu_policy
         if table.engine_check is not None:
@@ -79,12 +73,11 @@ class Merged(msgspec.Struct):
         if table.allow_dropins is not None:
             self.allow_dropins = tuple(table.allow_dropins)
         _add(self.secrets, table.secrets, file, (*prefix, "secrets"))
-        self.add_rollout(table.rollout, file, prefix)
-        for name, keys in (("drain", self.drain), ("smoke", self.smoke)):
-            sub = getattr(table, name)
-            if sub is not None:
+        self.add_table("rollout", table.rollout, file, prefix)
+        for name in ("drain", "smoke"):
+            if getattr(table, name) is not None:
                 self.tables[name] = At(file, dotted(*prefix, name))
-                _add(keys, _set(sub), file, (*prefix, name))
+            self.add_table(name, getattr(table, name), file, prefix)
 
     def _add_unit(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
         if table.unit is not None or table.unit_file is not None:

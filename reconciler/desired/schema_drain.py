@@ -25,6 +25,7 @@ from .fields import (
     SingleLine,
     _fail,
     _int_in,
+    _pattern,
 )
 from .tables import After, Check, Invalid, Table
 
@@ -60,19 +61,6 @@ def _text(value: Any) -> str:
     return value
 
 
-def _metric(value: Any) -> str:
-    if not isinstance(value, str) or not _METRIC.fullmatch(value):
-        raise _fail("a Prometheus metric name like 'vllm:num_requests_running' or 'sglang:num_running_reqs'",
-                    value)
-    return value
-
-
-def _haproxy_server(value: Any) -> str:
-    if not isinstance(value, str) or not _HAPROXY_SERVER.fullmatch(value):
-        raise _fail("'<backend>/<server>' as haproxy.cfg names them, like 'models/{host.name}'", value)
-    return value
-
-
 def _expect(value: Any) -> str:
     if not isinstance(value, str) or not value.strip() or _CONTROL_BUT_NEWLINE.search(value):
         raise _fail("the text the answer must hold (not empty)", value)
@@ -81,8 +69,10 @@ def _expect(value: Any) -> str:
 
 Argv = Annotated[list[str], Check(_argv)]
 Text = Annotated[str, Check(_text)]
-MetricName = Annotated[str, Check(_metric)]
-HaproxyServer = Annotated[str, Check(_haproxy_server)]
+MetricName = Annotated[str, _pattern(
+    _METRIC, "a Prometheus metric name like 'vllm:num_requests_running' or 'sglang:num_running_reqs'")]
+HaproxyServer = Annotated[str, _pattern(
+    _HAPROXY_SERVER, "'<backend>/<server>' as haproxy.cfg names them, like 'models/{host.name}'")]
 Expect = Annotated[str, Check(_expect)]
 MaxTokens = Annotated[int, _int_in(1, 4096, "an integer 1-4096")]
 MinAvailable = Annotated[int, _int_in(1, None, "an integer >= 1")]

@@ -10,6 +10,7 @@ problem yields no spec: the load fails, listing them all.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -115,8 +116,8 @@ class ServiceLoader:
     def _layers(self, site: _Site, table: schema.ServiceTable) -> _Layers | None:
         """fleet.toml < the definition it uses < the host's table; None when it cannot merge."""
         merged = Merged()
-        merged.add_health(self.fleet.health, FLEET_FILE, ())
-        merged.add_rollout(self.fleet.rollout, FLEET_FILE, ())
+        merged.add_table("health", self.fleet.health, FLEET_FILE, ())
+        merged.add_table("rollout", self.fleet.rollout, FLEET_FILE, ())
         sources = [site.host_file]
         def_file = None
         if table.use is not None:
@@ -233,8 +234,7 @@ class ServiceLoader:
                 self._report(site, at, why)
             return rendered
 
-        def report(at: At, message: str) -> None:
-            self._report(site, at, message)
+        report = functools.partial(self._report, site)
         return (drain_spec(merged.drain, merged.tables.get("drain"), health_url, render_at, report),
                 smoke_spec(merged.smoke, merged.tables.get("smoke"), health_url, render_at, report))
 

@@ -77,7 +77,7 @@ class Snapshot:
     def list(self, directory: str) -> list[str]:
         """Names of the files directly inside a directory (sorted; [] when absent)."""
         import pygit2
-        obj = self._entry(directory) if directory else self._entry("")
+        obj = self._entry(directory)
         if obj is None or obj.type != pygit2.GIT_OBJECT_TREE:
             return []
         return sorted(e.name for e in obj if e.type == pygit2.GIT_OBJECT_BLOB)

@@ -163,14 +163,8 @@ def _dict(tp: Any, value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]
     if not isinstance(value, dict):
         return _error(errors, "dict_type", loc, _expected("a table", value), value)
     k_tp, v_tp = get_args(tp)
-    out = {}
-    bad = False
-    for k, v in value.items():
-        kk = _check(k_tp, k, (*loc, k, DICT_KEY), errors)
-        vv = _check(v_tp, v, (*loc, k), errors)
-        bad = bad or kk is _BAD or vv is _BAD
-        out[kk] = vv
-    return _BAD if bad else out
+    out = {_check(k_tp, k, (*loc, k, DICT_KEY), errors): _check(v_tp, v, (*loc, k), errors) for k, v in value.items()}
+    return _BAD if _BAD in out or _BAD in out.values() else out
 
 
 def _table(cls: type[Table], value: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> Any:

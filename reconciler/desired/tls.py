@@ -39,9 +39,7 @@ def _is_ca(cert: x509.Certificate) -> bool:
 
 def ssl_context(ca_pem: str | None) -> ssl.SSLContext:
     # create_default_context: CERT_REQUIRED, check_hostname, modern protocols. With cadata it
-    # trusts exactly that bundle; without, the system's default CA paths.
-    if ca_pem is None:
-        return ssl.create_default_context()
+    # trusts exactly that bundle; without (None), the system's default CA paths.
     return ssl.create_default_context(cadata=ca_pem)
 
 

@@ -164,16 +164,8 @@ def under(path: tuple[str, ...], bad: set[tuple[str, ...]]) -> bool:
     return any(b[: len(path)] == path for b in bad)
 
 
-def _without(data: dict[str, Any], paths: set[tuple[str, ...]]) -> dict[str, Any]:
-    """A copy of parsed TOML with the keys at `paths` removed (absent ones are ignored)."""
-
-    def prune(table: dict[str, Any], prefix: tuple[str, ...]) -> dict[str, Any]:
-        out = {}
-        for key, value in table.items():
-            path = (*prefix, key)
-            if path in paths:
-                continue
-            out[key] = prune(value, path) if isinstance(value, dict) else value
-        return out
-
-    return prune(data, ())
+def _without(data: dict[str, Any], paths: set[tuple[str, ...]], prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A copy of parsed TOML (the table at `prefix`) with the keys at `paths` removed (absent ones
+    are ignored)."""
+    return {key: _without(value, paths, (*prefix, key)) if isinstance(value, dict) else value
+            for key, value in data.items() if (*prefix, key) not in paths}

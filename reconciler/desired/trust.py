@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from ..errors import ReconcilerError
 from ..values import replace
-from .source import shown_url
+from .source import is_url, shown_url
 
 if TYPE_CHECKING:      # pygit2 is imported where a commit is read (a run in sync never needs it)
     import pygit2
@@ -149,7 +149,6 @@ DEFAULT_SIGNERS = "/etc/reconciler/allowed_signers"
 def url_scheme(repo: str) -> str | None:
     """The scheme a repo URL is fetched over: "ssh" for git's scp-like `user@host:path`, None for
     a local path."""
-    from .source import is_url
     if not is_url(repo):
         return None
     if "://" not in repo:

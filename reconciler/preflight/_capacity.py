@@ -31,7 +31,7 @@ from ._hardware import GpuState, Hardware, service_gpus
 from ._models import ModelInfo, checkpoint_quantization, text_config
 from ._registry import Failed, RuleFacts, builtin, positive_int
 from ._shapes import moe_shape
-from ._versions import plain_covers
+from ._versions import covers
 
 _SGL = "https://github.com/sgl-project/sglang/blob/v0.5.23/python/sglang/srt"
 _VLLM = "https://github.com/vllm-project/vllm/blob/v0.33.0/vllm"
@@ -63,16 +63,7 @@ def _shards(cmd: Command) -> int | None:
 
 def _at_least(version: str | None, release: str) -> bool:
     """Whether a known version is at least this release (unknown or unreadable: False)."""
-    if not version:
-        return False
-    plain = plain_covers(f">={release}", version)
-    if plain is not None:
-        return plain
-    from packaging.version import InvalidVersion, Version
-    try:
-        return Version(version) >= Version(release)
-    except InvalidVersion:
-        return False
+    return covers(f">={release}", "skip", version or None)
 
 
 def _budget(cmd: Command, gpu: GpuState, free: int, version: str | None) -> tuple[float, str]:

@@ -42,12 +42,11 @@ def _check_command(svc: ServiceSpec, cmd: Command, rules: RuleSet, model_config:
         return []
     facts = replace(facts, drain_timeout=svc.drain.timeout if svc.drain is not None else None,
                     stop_timeout=stop_timeout(svc.unit_text))
-    version = facts.version
     info = model_info(svc, model_config, rules.models)
     findings: list[Finding] = []
     for rule in rules.rules:
         if rules.enabled(rule.id):
-            f = evaluate_rule(rule, svc, cmd, info, version)
+            f = evaluate_rule(rule, svc, cmd, info, facts.version)
             if f is not None:
                 findings.append(f)
     for builtin in BUILTIN_RULES.values():

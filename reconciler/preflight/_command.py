@@ -119,9 +119,7 @@ class Command(msgspec.Struct, frozen=True):
     def model(self) -> str | None:
         """The model path or id the server loads."""
         if self.server == "vllm":
-            if self.positionals:
-                return self.positionals[0]
-            return self.value("--model")
+            return self.positionals[0] if self.positionals else self.value("--model")
         if self.server == "sglang":
             return self.value("--model-path")
         return None

@@ -194,10 +194,9 @@ def describe_resolved(resolved: Mapping[str, Any]) -> str:
         if value is None or value is False:
             continue
         seen.add(label)
-        if isinstance(value, list) and len(value) == 2 and value[0] != value[1]:
-            parts.append(f"{label} {_short(value[0])} -> {_short(value[1])}")
-        elif isinstance(value, list) and len(value) == 2:
-            parts.append(f"{label} {_short(value[1])}")
+        if isinstance(value, list) and len(value) == 2:     # [requested, resolved]
+            shown = _short(value[1]) if value[0] == value[1] else f"{_short(value[0])} -> {_short(value[1])}"
+            parts.append(f"{label} {shown}")
         elif value is True:
             parts.append(label)
         else:

@@ -100,8 +100,7 @@ def runs_as_root(entries: Sequence[tuple[str, str]]) -> bool:
 def elsewhere(entries: Sequence[tuple[str, str]]) -> str | None:
     """Why the probe cannot run as the unit would (it runs in another root), or None."""
     for key in ELSEWHERE_KEYS:
-        value = _last(entries, key)
-        if value:
+        if value := _last(entries, key):
             return f"the unit runs in {key}={value}, where the engine check does not look"
     return None
 

@@ -14,7 +14,6 @@ service's, so a verdict that depends on it is only a warning.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -109,6 +108,5 @@ def weights_bytes(facts: ModelFacts | None) -> int | None:
         return None
     if facts.total_size:
         return facts.total_size
-    sizes: Iterable[int | None] = facts.files.values()
-    known = [s for s in sizes if s is not None]
+    known = [s for s in facts.files.values() if s is not None]
     return sum(known) if known and len(known) == len(facts.files) else None

@@ -14,9 +14,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from .. import redact
 from ..errors import ObserveError
-from ..frames import Frame, HostProgram, Records, decode, number
+from ..frames import Frame, HostProgram, Records, decode, malformed, number
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -154,7 +153,7 @@ class _ModelReading:
         elif f.kind == "F" and self.current is not None and len(fields) >= 2:
             self.file(f, *f.fields(2))
         elif self.current is None or not (f.kind == "A" or _ARITY.get(f.kind) == len(fields)):
-            raise ObserveError(self.host, f"malformed model check line: {redact.clip(f.line, 80)!r}")
+            raise malformed(self.host, "model check", f)
         elif f.kind == "D":
             self.exists = fields[0] == "1"
         elif f.kind == "S":
@@ -173,11 +172,11 @@ class _ModelReading:
             try:
                 self.lines.setdefault(name, []).append(decode(text, plain=False))
             except ValueError:
-                raise ObserveError(self.host, f"malformed model check line: {redact.clip(f.line, 80)!r}") from None
+                raise malformed(self.host, "model check", f) from None
         elif op == "E":
             self.raw[name] = "".join(self.lines.pop(name, []))
         else:
-            raise ObserveError(self.host, f"malformed model check line: {redact.clip(f.line, 80)!r}")
+            raise malformed(self.host, "model check", f)
 
 
 def parse_model_check(stdout: str, token: str, host: str = "?") -> dict[str, ModelFacts]:

@@ -62,10 +62,10 @@ def _recurrent_layers(config: Mapping[str, Any]) -> str | None:
         for key in ("layer_types", "layers_block_type"):
             kinds = section.get(key)
             if isinstance(kinds, list):
-                n = sum(1 for k in kinds if isinstance(k, str) and k.lower() in _RECURRENT_LAYER_KINDS)
-                if n:
-                    names = sorted({k for k in kinds if isinstance(k, str) and k.lower() in _RECURRENT_LAYER_KINDS})
-                    return f"config.json {prefix}{key} has {n} of {len(kinds)} {'/'.join(names)} layers"
+                found = [k for k in kinds if isinstance(k, str) and k.lower() in _RECURRENT_LAYER_KINDS]
+                if found:
+                    names = "/".join(sorted(set(found)))
+                    return f"config.json {prefix}{key} has {len(found)} of {len(kinds)} {names} layers"
         pattern = section.get("hybrid_override_pattern")
         if isinstance(pattern, str) and "M" in pattern:
             return f"config.json {prefix}hybrid_override_pattern has {pattern.count('M')} Mamba layers"
@@ -141,18 +141,13 @@ def _table_traits(table: Iterable[ModelEntry], model_id: str | None, archs: list
 
 
 def _entry_match(entry: ModelEntry, model_id: str | None, archs: list[str], model_type: str | None) -> str | None:
-    if model_id:
-        p = glob_any(model_id, entry.ids)
-        if p:
-            return f"model id matches {p}"
+    if model_id and (p := glob_any(model_id, entry.ids)):
+        return f"model id matches {p}"
     for a in archs:
-        p = glob_any(a, entry.architectures)
-        if p:
+        if glob_any(a, entry.architectures):
             return f"architecture {a}"
-    if model_type:
-        p = glob_any(model_type, entry.model_types)
-        if p:
-            return f"model_type {model_type}"
+    if model_type and glob_any(model_type, entry.model_types):
+        return f"model_type {model_type}"
     return None
 
 

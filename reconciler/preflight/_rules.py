@@ -124,8 +124,7 @@ def load_rules(snap: SnapshotLike | None = None) -> RuleSet:
             rules[r.id] = r
             origin[r.id] = file
         models.extend(parsed.model)
-        for d in parsed.disable:
-            disabled[d] = file
+        disabled.update(dict.fromkeys(parsed.disable, file))
     repo_models: list[ModelEntry] = []
     if snap is not None:
         seen: dict[str, str] = {}
@@ -155,8 +154,7 @@ def load_rules(snap: SnapshotLike | None = None) -> RuleSet:
                 rules[r.id] = r           # replaces a shipped rule of the same id
                 origin[r.id] = file
             repo_models.extend(parsed.model)
-            for d in parsed.disable:
-                disabled[d] = file
+            disabled.update(dict.fromkeys(parsed.disable, file))
     known = set(rules) | set(BUILTIN_RULES)
     for rid, file in disabled.items():
         if rid not in known:
@@ -250,13 +248,8 @@ def evaluate_rule(rule: Rule, svc: ServiceSpec, cmd: Command, info: ModelInfo,
     """One declarative rule against one service: a Finding when it fails, else None (pure).
 
     version: the server's version on the host (None: unknown), for rules with a range."""
-    if rule.server != "any" and rule.server != cmd.server:
-        return None
-    if not rule.covers(version):
-        return None
-    if not condition_holds(rule.when, cmd, info):
-        return None
-    if rule.unless is not None and condition_holds(rule.unless, cmd, info):
+    if (rule.server not in ("any", cmd.server) or not rule.covers(version) or not condition_holds(rule.when, cmd, info)
+            or (rule.unless is not None and condition_holds(rule.unless, cmd, info))):
         return None
     missing: list[str] = []
     if rule.require is not None:

@@ -21,6 +21,7 @@ a definition is named in the host file.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -58,12 +59,7 @@ class _Origins:
 
     def __init__(self, read: Read | None):
         self.read = read
-        self.parsed: dict[str, Mapping[str, Any]] = {}
-
-    def _table(self, path: str) -> Mapping[str, Any]:
-        if path not in self.parsed:
-            self.parsed[path] = read_toml(self.read, path)
-        return self.parsed[path]
+        self.table = functools.cache(functools.partial(read_toml, read))     # each file parsed once
 
     def of(self, host: HostSpec, svc: ServiceSpec, section: str, key: str) -> tuple[str, str, bool]:
         """(file, dotted key, whether the file is the shared definition)."""
@@ -71,7 +67,7 @@ class _Origins:
         in_host = (host_file, dotted("services", svc.name, section, key), False)
         if svc.definition is None or self.read is None:
             return in_host
-        table: Any = self._table(host_file)
+        table: Any = self.table(host_file)
         for part in ("services", svc.name, section):
             table = table.get(part) if isinstance(table, Mapping) else None
         if isinstance(table, Mapping) and key in table:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ._command import Command
+from ._command import PARALLEL_FLAGS, Command
 from ._models import ModelInfo, text_config
 from ._registry import Failed, RuleFacts, builtin, positive_int
 
@@ -140,7 +140,7 @@ def _fp8_blocks(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | Non
         found = _moe_block(cmd, moe[1] // ranks[0], ranks[0], bn, bk, facts)
         if found is not None:
             return found
-    tp = cmd.int_value(_TP[cmd.server or "sglang"], 1)
+    tp = cmd.int_value(PARALLEL_FLAGS[cmd.server or "sglang"][0], 1)
     inter = positive_int(text.get("intermediate_size"))
     if (inter is None or not tp or tp <= 1 or not _has_dense_mlp(text) or inter % tp
             or (cmd.server == "sglang" and cmd.has("--enable-dp-attention"))):
@@ -155,9 +155,6 @@ def _fp8_blocks(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | Non
                           f"use a tensor-parallel size whose slice of {inter} is a multiple of {size} "
                           f"(e.g. {_good_split(inter, tp, bn, bk)}), or a checkpoint that is not block-quantized")
     return None
-
-
-_TP = {"sglang": "--tp-size", "vllm": "--tensor-parallel-size"}
 
 
 def _good_split(size: int, tp: int, bn: int, bk: int) -> int:

@@ -25,7 +25,7 @@ def unit_entries(unit_text: str, section: str = "Service") -> list[tuple[str, st
     out: list[tuple[str, str]] = []
     current: str | None = None
     pending = ""
-    for raw in unit_text.splitlines():
+    for raw in [*unit_text.splitlines(), ""]:      # the blank last line ends a continuation left open
         line = raw.strip()
         if pending:
             if line.startswith(("#", ";")):
@@ -43,10 +43,6 @@ def unit_entries(unit_text: str, section: str = "Service") -> list[tuple[str, st
         key, sep, value = line.partition("=")
         if sep and current == section:
             out.append((key.strip(), value.strip()))
-    if pending:
-        key, sep, value = pending.partition("=")
-        if sep and current == section:
-            out.append((key.strip(), value.strip()))
     return out
 
 
@@ -54,9 +50,7 @@ def environment_lines(entries: list[tuple[str, str]]) -> dict[str, str]:
     """The variables a unit's Environment= lines set (later ones win), as systemd splits them."""
     env: dict[str, str] = {}
     for key, value in entries:
-        if key != "Environment":
-            continue
-        if not value:
+        if key != "Environment" or not value:
             continue  # an empty Environment= in a drop-in does not clear; nothing to add
         try:
             words = shlex.split(value)
@@ -74,11 +68,8 @@ def expand(tokens: list[str], env: Mapping[str, str]) -> list[str]:
     out: list[str] = []
     for tok in tokens:
         bare = BARE_VAR.match(tok)
-        if bare:
-            if bare.group(1) in env:
-                out.extend(env[bare.group(1)].split())
-                continue
-            out.append(tok)
-            continue
-        out.append(VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), tok))
+        if bare and bare.group(1) in env:
+            out.extend(env[bare.group(1)].split())
+        else:              # an unknown $VAR stays as it is, like an unknown ${VAR}
+            out.append(VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), tok))
     return out
