@@ -69,30 +69,30 @@ class _Builder:
 
     def converge(self, sp: ServicePlan, f: ServiceFacts | None) -> None:
         """Bring one service to its target version: write, restart, watch (any state with a target)."""
-        assert sp.target is not None
-        s = sync_with(sp.target, f, self.facts.secret_files)
-        why_sub = f"substitute last good {sp.target.revision[:7]}: {sp.note}" if sp.target.rollback else ""
+        target = sp.target
+        assert target is not None
+        s = sync_with(target, f, self.facts.secret_files)
+        why_sub = f"substitute last good {target.revision[:7]}: {sp.note}" if target.rollback else ""
         for path, have, want in s.moved_env:
             assert want is not None
             self.add(Kind.WRITE, Reason.ENV_CHANGED, sp.name, path=path, content=want,
-                     diff=unified_diff(path, have, want, self.host.name, sp.target.revision[:7]),
+                     diff=unified_diff(path, have, want, self.host.name, target.revision[:7]),
                      detail=f"env moved to {envfile_path(sp.name)}, same values: no restart")
             self.reload = True
-        if self._nothing_to_apply(sp, f, s, why_sub):
+        if self._nothing_to_apply(sp, target, f, s, why_sub):
             return
         fetch = self.ctx.checks.fetch.get(sp.name)
-        if fetch is not None and not sp.target.rollback:
+        if fetch is not None and not target.rollback:
             m = fetch.model
             self.add(Kind.FETCH, Reason.FETCH_MODEL, sp.name, model=m,
                      detail=f"fetch {m.id} into {m.path} first ({m.fetch})")
-        rec = self._intent(sp, f, s)
-        self._files(sp, f, s, why_sub)
-        self._start(sp, f, s, rec, why_sub)
+        rec = self._intent(sp, target, f, s)
+        self._files(sp, target, f, s, why_sub)
+        self._start(sp, target, f, s, rec, why_sub)
 
-    def _nothing_to_apply(self, sp: ServicePlan, f: ServiceFacts | None, s: Sync, why_sub: str) -> bool:
+    def _nothing_to_apply(self, sp: ServicePlan, target: Target, f: ServiceFacts | None, s: Sync,
+                          why_sub: str) -> bool:
         """The target's files are in place and it runs: at most a re-verify (and an enable)."""
-        target = sp.target
-        assert target is not None
         if s.pending is not None and s.pending.started and not s.files_differ:
             if s.pending.unjudged is not None and not is_up(f):
                 return False          # its last watch came to no verdict and it is not up: start it again
@@ -108,11 +108,9 @@ class _Builder:
             return True
         return False
 
-    def _intent(self, sp: ServicePlan, f: ServiceFacts | None, s: Sync) -> ServiceRecord:
+    def _intent(self, sp: ServicePlan, target: Target, f: ServiceFacts | None, s: Sync) -> ServiceRecord:
         """Record what is about to be deployed before anything changes; returns the record the
         later steps build on (with the adopted originals named, for an adoption)."""
-        target = sp.target
-        assert target is not None
         rec = self.base_record(sp.name, f)
         if sp.state is State.ADOPT and f is not None:
             # Durable first: the intent names the originals (the unit and its drop-ins) before
@@ -135,10 +133,8 @@ class _Builder:
                 self.add(Kind.ADOPT, Reason.ADOPT, sp.name, path=path, detail=f"keep the original {path}")
         return replace(rec, pending=pending)
 
-    def _files(self, sp: ServicePlan, f: ServiceFacts | None, s: Sync, why_sub: str) -> None:
+    def _files(self, sp: ServicePlan, target: Target, f: ServiceFacts | None, s: Sync, why_sub: str) -> None:
         """Write what differs, remove what must not be there (foreign drop-ins kept aside)."""
-        target = sp.target
-        assert target is not None
         short = target.revision[:7]
         for path, have, want in s.files:
             diff = unified_diff(path, have, want, self.host.name, short)
@@ -159,10 +155,10 @@ class _Builder:
         self.reload |= any(needs_reload(p) for p, _, _ in s.files) or bool(s.dropins) \
             or (f is not None and f.unit.need_daemon_reload)
 
-    def _start(self, sp: ServicePlan, f: ServiceFacts | None, s: Sync, rec: ServiceRecord, why_sub: str) -> None:
+    def _start(self, sp: ServicePlan, target: Target, f: ServiceFacts | None, s: Sync, rec: ServiceRecord,
+               why_sub: str) -> None:
         """(Re)start it (through the GPU gate on a GPU host), record it started, watch it."""
-        target = sp.target
-        assert target is not None and rec.pending is not None
+        assert rec.pending is not None
         reason, detail = self._start_reason(sp, s, s.running, why_sub)
         gated = self.ctx.checks.gpu_gate
         if gated:
@@ -172,7 +168,7 @@ class _Builder:
                 self.add(Kind.KILL_STRAYS, Reason.GPU_GATE, sp.name,
                          detail='kill what else holds the GPUs it claims, after the stop (gpu_policy = "kill")')
             self.add(Kind.WAIT_GPUS, Reason.GPU_GATE, sp.name, detail="wait until the GPUs it claims are released")
-        self._arm(sp, f, s, rec)
+        self._arm(sp, target, f, s, rec)
         fresh = f is not None and f.unit.load_state == "not-found" and f.unit.active_state == "inactive"
         self.add(Kind.RESTART if s.running and not gated else Kind.START, reason, sp.name, detail=detail,
                  fresh=fresh)
@@ -185,12 +181,10 @@ class _Builder:
                  watch=self._watch(target, f, fresh=not s.running or gated),
                  detail=why_sub or f"until healthy (start-up timeout {target.spec.health.startup_timeout:.0f}s)")
 
-    def gate_closed(self, sp: ServicePlan, f: ServiceFacts | None, why: str) -> None:
+    def gate_closed(self, sp: ServicePlan, target: Target, f: ServiceFacts | None, why: str) -> None:
         """Its GPUs stayed busy after this run stopped it (the gate's answer, Checks.gate): it was
         not started. Its record says so (pending, not started, and why), so the next run applies
         it again through the gate."""
-        target = sp.target
-        assert target is not None
         rec = self.base_record(sp.name, f)
         pending = rec.pending or Pending(hash=target.hash, revision=target.revision, rollback=target.rollback,
                                          replaces_hash=rec.hash, replaces_revision=rec.revision)
@@ -199,11 +193,9 @@ class _Builder:
             self.add(Kind.RECORD, Reason.GPU_BUSY, sp.name, record=replace(rec, pending=blocked),
                      detail=f"not started: {why}")
 
-    def _arm(self, sp: ServicePlan, f: ServiceFacts | None, s: Sync, rec: ServiceRecord) -> None:
+    def _arm(self, sp: ServicePlan, target: Target, f: ServiceFacts | None, s: Sync, rec: ServiceRecord) -> None:
         """Arm the deploy's dead-man's switch (not for a rollback: the last good is what it would
         restore). It restores what runs now when that is the verified version, else it stops."""
-        target = sp.target
-        assert target is not None
         if target.rollback or self.ctx.confirm_margin is None:
             return
         h = target.spec.health
@@ -325,7 +317,7 @@ def _service_plan(b: _Builder, svc: ServiceSpec, f: ServiceFacts | None, gpu: Gp
     if not blocks or sp.target is None or sp.state is State.IN_SYNC:
         return sp
     if sp.name in ctx.checks.gate:
-        b.gate_closed(sp, f, ctx.checks.gate[sp.name])
+        b.gate_closed(sp, sp.target, f, ctx.checks.gate[sp.name])
     return blocked_plan(sp, blocks, gpu.quote if gpu is not None else None)
 
 

@@ -110,14 +110,10 @@ def arm(service: str, *, revision: str, new_hash: str, window: int, record: Serv
     q = Quarantine(hash=new_hash, revision=revision, reason=Reason.NOT_CONFIRMED,
                    quote=f"the controller did not confirm {revision[:7]}: it died or lost the host, and nobody "
                          f"came back within {window}s; --retry or a new commit tries again")
-    if previous is not None:
-        fired = ServiceRecord(hash=record.last_good_hash, revision=previous.revision,
-                              last_good_hash=record.last_good_hash, last_good_revision=record.last_good_revision,
-                              quarantine=q, adopted=record.adopted, secrets=record.secrets)
-    else:
-        fired = ServiceRecord(hash=new_hash, revision=revision, last_good_hash=record.last_good_hash,
-                              last_good_revision=record.last_good_revision, quarantine=q, adopted=record.adopted,
-                              secrets=record.secrets)
+    fired = ServiceRecord(hash=record.last_good_hash if previous else new_hash,
+                          revision=previous.revision if previous else revision,
+                          last_good_hash=record.last_good_hash, last_good_revision=record.last_good_revision,
+                          quarantine=q, adopted=record.adopted, secrets=record.secrets)
     params = {"SERVICE": service, "ACTION": "restore" if previous is not None else "stop",
               "UNIT": _b64(previous.unit_text) if previous else "-",
               "DROPIN": _b64(previous.env_text) if previous else "-",

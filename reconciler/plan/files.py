@@ -69,12 +69,7 @@ _ENV_LINE = re.compile(r'^Environment="([^=]+)=(.*)"$')
 def parse_env(text: str | None) -> dict[str, str]:
     """Best-effort reading of Environment= lines (an env drop-in an older reconciler wrote, or a
     hand-edited one) for reasons."""
-    out: dict[str, str] = {}
-    for line in (text or "").splitlines():
-        m = _ENV_LINE.match(line.strip())
-        if m:
-            out[m.group(1)] = m.group(2)
-    return out
+    return {m.group(1): m.group(2) for line in (text or "").splitlines() if (m := _ENV_LINE.match(line.strip()))}
 
 
 def render_secrets(svc: ServiceSpec) -> str | None:

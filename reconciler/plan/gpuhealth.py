@@ -147,10 +147,8 @@ def _tree(lines: Iterable[str]) -> list[tuple[str, list[tuple[tuple[str, ...], s
         while stack and stack[-1][0] >= indent:
             stack.pop()
         path = (*(k for _, k in stack), key.strip())
-        if sep:
-            gpus[-1][1].append((path, value.strip()))
-        else:
-            gpus[-1][1].append((path, None))
+        gpus[-1][1].append((path, value.strip() if sep else None))
+        if not sep:
             stack.append((indent, key.strip()))
     return gpus
 

@@ -147,7 +147,7 @@ def spawn_failure(props: dict[str, str], entries: Sequence[JournalEntry], baseli
     if props.get("ExecMainCode") == "1" and props.get("ExecMainStatus") in SPAWN_FAILURES:
         ends.append(("exited", props["ExecMainStatus"]))
     setup = [s for c, s in ends if c == "exited" and s in SPAWN_FAILURES]
-    if any(not (c == "exited" and s in SPAWN_FAILURES) for c, s in ends):
+    if len(setup) < len(ends):          # an end of its own: an exit status, a signal
         return None
     if setup:
         names = ", ".join(dict.fromkeys(f"{s}/{SPAWN_FAILURES[s]}" for s in setup))

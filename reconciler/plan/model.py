@@ -218,10 +218,9 @@ class HostPlan(msgspec.Struct, frozen=True):
             reverify = [a.service for a in self.watches if a.service]
             return f"in sync; re-verify {', '.join(reverify)}" if reverify else "in sync"
         parts = []
-        for kind, word in ((Kind.WRITE, "write"), (Kind.REMOVE, "remove")):
-            n = sum(a.kind is kind for a in self.actions)
-            if n:
-                parts.append(f"{word} {n} file{'s' * (n != 1)}")
+        for kind in (Kind.WRITE, Kind.REMOVE):
+            if n := sum(a.kind is kind for a in self.actions):
+                parts.append(f"{kind.value} {n} file{'s' * (n != 1)}")
         for kind in (Kind.FETCH, Kind.ADOPT, Kind.SECRETS, Kind.RESTORE, Kind.DAEMON_RELOAD, Kind.STOP, Kind.DISABLE,
                      Kind.KILL_STRAYS, Kind.WAIT_GPUS, Kind.ENABLE, Kind.START, Kind.RESTART, Kind.REJOIN):
             names = sorted({a.service for a in self.actions if a.kind is kind and a.service})

@@ -70,21 +70,12 @@ _EXIT = {Result.IN_SYNC: 0, Result.CONVERGED: 0, Result.WOULD_CHANGE: 2, Result.
 
 
 R = TypeVar("R")
-# What a key that is absent (or does not read as its type) means when a record is read, where
-# that is not the field's default: a record written before `schema` existed is of schema 1.
-_ABSENT: dict[type, dict[str, Any]] = {}
 
 
 def read(cls: type[R], data: object) -> R | None:
     """PURE: a record of type `cls` from JSON data, read leniently (lenient.read): unknown keys
     ignored, a missing key or one that does not read as its field's type is its default."""
     return lenient.read(cls, data, _ABSENT)
-
-
-# Written with dataclasses.asdict, not msgspec.to_builtins: a dataclass msgspec decoded holds a
-# field left at its default only on its class, and to_builtins leaves such a field out.
-def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if v is not None and v is not False}
 
 
 @dataclass(frozen=True)
@@ -110,7 +101,9 @@ class Quarantine:
 
     def to_json(self) -> dict[str, Any]:
         """Every field that is set (None and False left out)."""
-        return _drop_none(asdict(self))
+        # dataclasses.asdict, not msgspec.to_builtins: a dataclass msgspec decoded holds a field
+        # left at its default only on its class, and to_builtins leaves such a field out.
+        return {k: v for k, v in asdict(self).items() if v is not None and v is not False}
 
     def merged(self, other: Quarantine | None) -> Quarantine:
         """This quarantine, with what it lacks filled in from another one for the same hash (the
@@ -242,8 +235,10 @@ def _dumps(data: dict[str, Any]) -> str:
     return json.dumps(data, sort_keys=True) + "\n"
 
 
-_ABSENT.update({Quarantine: {"revision": "", "reason": Reason.FAILED}, Pending: {"revision": ""},
-                ServiceRecord: {"schema": 1}, HostRecord: {"schema": 1}})
+# What a key that is absent (or does not read as its type) means when a record is read, where
+# that is not the field's default: a record written before `schema` existed is of schema 1.
+_ABSENT: dict[type, dict[str, Any]] = {Quarantine: {"revision": "", "reason": Reason.FAILED}, Pending: {"revision": ""},
+                                       ServiceRecord: {"schema": 1}, HostRecord: {"schema": 1}}
 
 
 SUPERSEDED = Reason.SUPERSEDED
@@ -276,7 +271,6 @@ class Judged:
 
     record: ServiceRecord
     stop: bool
-    detail: dict[str, str] = field(default_factory=dict)
 
 
 def judge(rec: ServiceRecord, *, hash: str, revision: str, rollback: bool, verdict: Verdict, now: int,

@@ -203,10 +203,8 @@ def judge_wave(wave: Wave, outcomes: Iterable[HostOutcome], before: Iterable[Exc
             failed.append(o)
         else:
             skipped.append(o.host)
-    if failed:
-        return WaveVerdict(tuple(failed), tuple(excused), tuple(faulted), tuple(skipped))
     seen = [*before, *faulted]
-    if faulted and (wave.canary or len({e.host for e in seen}) >= 2):
+    if not failed and faulted and (wave.canary or len({e.host for e in seen}) >= 2):
         if wave.canary:
             why = (f"the canary's start failed while its GPUs were sick ({faulted[0].quote}): a revision can "
                    f"provoke a GPU fault, so a canary's is no excuse")
@@ -214,10 +212,9 @@ def judge_wave(wave: Wave, outcomes: Iterable[HostOutcome], before: Iterable[Exc
             said = "; ".join(f"{e.host}: {e.quote}" for e in seen)
             why = (f"GPU faults on {len({e.host for e in seen})} hosts at this revision ({said}): a revision "
                    f"that provokes GPU faults is not excused twice")
-        halt = tuple(HostOutcome(e.host, Reason.GPU_FAULT, why, e.quote, started=True) for e in faulted)
-        return WaveVerdict(halt, tuple(h for h in excused if h not in {e.host for e in faulted}), tuple(faulted),
-                           tuple(skipped))
-    return WaveVerdict((), tuple(excused), tuple(faulted), tuple(skipped))
+        failed = [HostOutcome(e.host, Reason.GPU_FAULT, why, e.quote, started=True) for e in faulted]
+        excused = [h for h in excused if h not in {e.host for e in faulted}]
+    return WaveVerdict(tuple(failed), tuple(excused), tuple(faulted), tuple(skipped))
 
 
 class Stop(msgspec.Struct, frozen=True):

@@ -56,11 +56,7 @@ def live_quarantine(recorded: Quarantine | None, fleet: Quarantine | None, want:
     the fleet fills in what it lacks, e.g. where the rollout halted). None when neither matches."""
     rec = recorded if recorded is not None and recorded.hash == want else None
     flt = fleet if fleet is not None and fleet.hash == want else None
-    if rec is not None:
-        return rec.merged(flt)
-    return flt
-
-
+    return rec.merged(flt) if rec is not None else flt
 
 
 class Sync(msgspec.Struct, frozen=True):
@@ -99,11 +95,8 @@ def _have(f: ServiceFacts | None, path: str) -> str | None:
 
 def sync_with(target: Target, f: ServiceFacts | None, observed: Mapping[str, str | None]) -> Sync:
     rec = (f.record if f else None) or ServiceRecord()
-    files = []
-    for path, want in desired_files(target.spec).items():
-        have = _have(f, path)
-        if have != want:
-            files.append((path, have, want))
+    files = [(path, have, want) for path, want in desired_files(target.spec).items()
+             if (have := _have(f, path)) != want]
     pending = rec.pending if rec.pending is not None and rec.pending.hash == target.hash else None
     moved: list[tuple[str, str | None, str | None]] = []
     env_files = {env_path(target.spec.name), envfile_path(target.spec.name)}
@@ -174,11 +167,10 @@ def classify(name: str, svc: ServiceSpec, f: ServiceFacts | None, host: str,
                                note=f"desired {rev7} quarantined ({why}); left as it is until a new commit "
                                     f"changes it or --retry", quote=q.quote)
         good_rev = rec.last_good_revision
-        first = not good_rev
         what = f"last good {good_rev[:7]} cannot be rendered" if good_rev else "first deploy failed"
         return ServicePlan(name, State.QUARANTINED_NO_GOOD, result=Result.FAILED, reason=Reason.NO_ROLLBACK,
                            note=f"desired {rev7} quarantined ({why}); {what}: left stopped until a new commit "
-                                f"changes it or --retry", quote=q.quote, first_deploy=first)
+                                f"changes it or --retry", quote=q.quote, first_deploy=not good_rev)
     pend = rec.pending
     if (pend is not None and pend.hash == desired.hash and pend.started and pend.unjudged is not None
             and pend.attempts >= MAX_UNJUDGED and not ctx.retry):

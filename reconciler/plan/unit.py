@@ -20,8 +20,7 @@ UP = ("active", "activating", "reloading", "refreshing")   # up, or on its way u
 
 def _count(text: str | None) -> int:
     """A counter or a PID as systemd prints it (decimal, at most 19 digits); 0 for anything else."""
-    n = number(text or "", 19)
-    return n if n is not None else 0
+    return number(text or "", 19) or 0
 
 
 class UnitState(msgspec.Struct, frozen=True):

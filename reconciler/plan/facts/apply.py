@@ -45,8 +45,8 @@ class ApplyAnswer(msgspec.Struct, frozen=True):
     shown: dict[str, dict[str, str]] | None = msgspec.field(default=None)
 
 
-def _status(text: str) -> int:
-    """An exit status as the script prints it ($?: 0-255); 1 for anything else."""
+def status_of(text: str) -> int:
+    """An exit status as a host program prints it ($?: 0-255); 1 for anything else."""
     status = number(text, 3)
     return status if status is not None and status <= 255 else 1
 
@@ -83,7 +83,7 @@ def parse_apply(answer: Records, steps: int) -> ApplyAnswer:
             clock = float(fields[0]) if _CLOCK.fullmatch(fields[0]) else clock
         elif f.kind == "fail" and n is not None and n < steps and len(fields) >= 2:
             last = [x for x in printed.get(n, []) if x.strip()][-SOFT_LINES:]
-            failures.append(StepFailed(n, _status(fields[1]), redact.clip("\n".join(last).strip(), MESSAGE_MAX)))
+            failures.append(StepFailed(n, status_of(fields[1]), redact.clip("\n".join(last).strip(), MESSAGE_MAX)))
         elif f.kind == "fatal" and n is not None and n < steps and len(fields) >= 2:
-            fatal = StepFailed(n, _status(fields[1]), redact.clip("\n".join(printed.get(n, [])).strip(), MESSAGE_MAX))
+            fatal = StepFailed(n, status_of(fields[1]), redact.clip("\n".join(printed.get(n, [])).strip(), MESSAGE_MAX))
     return ApplyAnswer(clock, tuple(failures), fatal, parse_show(shown) if mark and end else None)

@@ -15,7 +15,8 @@ from typing import ClassVar
 import msgspec
 
 from ... import redact
-from ...frames import HostProgram, Param, Records, number
+from ...frames import HostProgram, Param, Records
+from .apply import status_of
 
 TAIL_LINES = 3            # the last lines of what a failed fetch printed, for its message
 TAIL_MAX = 600            # characters kept of them (redacted first)
@@ -57,7 +58,6 @@ def parse_fetch(answer: Records) -> Fetched:
     for f in answer:
         if f.kind == "F":
             fields = f.fields()
-            n = number(fields[0], 3) if fields else None
-            status = n if n is not None and n <= 255 else 1
+            status = status_of(fields[0]) if fields else 1
     lines = [x.strip() for x in answer.stderr.split("\n") if x.strip()][-TAIL_LINES:]
     return Fetched(status, tuple(redact.clip(x, TAIL_MAX) for x in lines))

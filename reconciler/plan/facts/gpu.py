@@ -18,7 +18,7 @@ from typing import ClassVar
 import msgspec
 
 from ...errors import ObserveError
-from ...frames import Frame, HostProgram, Param, Records, decode, malformed
+from ...frames import Frame, HostProgram, Param, Records, decode, malformed, number
 from ..gpuhealth import SMI_SECTIONS, GpuHealth, dcgm_health, gpu_buses, smi_health
 from ..xid import XID_LINES, xid_health
 
@@ -157,18 +157,14 @@ def unit_of_cgroup(text: str) -> str | None:
     return found
 
 
-_NUMBER, _WHOLE = re.compile(r"[0-9]{1,15}(?:\.[0-9]{1,9})?"), re.compile(r"[0-9]{1,12}")
+_NUMBER = re.compile(r"[0-9]{1,15}(?:\.[0-9]{1,9})?")
+_WHOLE = 12             # the most digits of a pid, a GPU index or an epoch (frames.number)
 
 
 def _int(v: str) -> int | None:
     """A number nvidia-smi printed, rounded down; None for "[N/A]" or anything but a plain decimal
     of at most 15 digits (host output is data: never inf, never 400 digits)."""
     return int(float(v.strip())) if _NUMBER.fullmatch(v.strip()) else None
-
-
-def _whole(v: str) -> int | None:
-    """A pid, a GPU index or an epoch: ASCII digits, at most 12 of them; else None."""
-    return int(v) if _WHOLE.fullmatch(v) else None
 
 
 def _text(payload: str) -> str:
@@ -213,7 +209,7 @@ class _GpuReading:
 
     def holder(self, f: Frame) -> None:
         parts = f.payload.split()
-        if len(parts) < 3 or (pid := _whole(parts[0])) is None:
+        if len(parts) < 3 or (pid := number(parts[0], _WHOLE)) is None:
             raise malformed(self.host, "GPU holder", f)
         try:
             comm, cgroup = _text(parts[1]).strip(), _text(parts[2])
@@ -223,7 +219,7 @@ class _GpuReading:
 
     def cgroup(self, f: Frame) -> None:
         word, _, cg = f.payload.partition(" ")
-        if (pid := _whole(word)) is None:
+        if (pid := number(word, _WHOLE)) is None:
             return
         try:
             self.app_units[pid] = unit_of_cgroup(_text(cg.strip() or "-"))
@@ -242,7 +238,7 @@ class _GpuReading:
         if not payload.strip() or payload.lower().startswith("no running"):
             return
         fields = [x.strip() for x in payload.split(",")]
-        if len(fields) < 3 or (pid := _whole(fields[0])) is None:
+        if len(fields) < 3 or (pid := number(fields[0], _WHOLE)) is None:
             self.errors.append(payload.strip())
             return
         # process_name may itself hold commas: pid first, memory and uuid last.
@@ -267,7 +263,7 @@ class _GpuReading:
         gpus: list[Gpu] = []
         for payload in self.gpu_lines:
             fields = [x.strip() for x in payload.split(",")]
-            index = _whole(fields[0])
+            index = number(fields[0], _WHOLE)
             if len(fields) in (4, 5) and index is not None:
                 cap = fields[-1] if len(fields) == 5 and re.fullmatch(r"[0-9]{1,3}\.[0-9]{1,3}", fields[-1]) else None
                 gpus.append(Gpu(index=index, uuid=fields[1], used_mib=_int(fields[2]),
@@ -305,7 +301,7 @@ class _GpuReading:
             tail = [x.strip() for x in self.said["Q"] if x.strip()][-1:]
             notes.insert(0, f"nvidia-smi -q exited {self.rc['QRC']}" + (f": {tail[0]}" if tail else ""))
         return GpuHealth(read=read, faults=tuple(faults + xf + df), signs=tuple(signs),
-                         now=_whole(self.rc.get("NOW", "")) or 0, notes=tuple(notes))
+                         now=number(self.rc.get("NOW", ""), _WHOLE) or 0, notes=tuple(notes))
 
     def facts(self) -> GpuFacts:
         gpus = self.gpus()

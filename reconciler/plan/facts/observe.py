@@ -26,7 +26,7 @@ from .. import layout
 from ..gpuhealth import GpuFault
 from ..layout import unit_path
 from ..records import HostRecord, ServiceRecord
-from ..unit import UnitState
+from ..unit import UP, UnitState
 from .show import parse_show
 
 SHOW_PROPS = ("Id,LoadState,ActiveState,SubState,Result,NRestarts,ExecMainCode,ExecMainStatus,"
@@ -69,7 +69,7 @@ class ServiceFacts(msgspec.Struct, frozen=True, dict=True):   # dict: room for i
     @property
     def running(self) -> bool:
         """Started (or being started/restarted by systemd): stopping it is a restart, not a start."""
-        return self.active_state in ("active", "activating", "reloading", "refreshing")
+        return self.active_state in UP
 
     @property
     def enabled(self) -> bool:
@@ -210,19 +210,11 @@ class _Observation:
             self.files.setdefault(name, {})[kind] = text
 
     def facts(self, show: dict[str, dict[str, str]]) -> HostFacts:
-        services = {}
-        for name, f in self.files.items():
-            rec_text = f.get("R")
-            services[name] = ServiceFacts(
-                name=name,
-                unit_text=f.get("U"),
-                env_text=f.get("E"),
-                envfile_text=f.get("V"),
-                record=ServiceRecord.parse(rec_text) if rec_text is not None else None,
-                props=show.get(f"{name}.service", {}),
-                dropins=self.dropins.get(name, {}),
-                left_rotation=f.get("O") is not None,
-            )
+        services = {name: ServiceFacts(name=name, unit_text=f.get("U"), env_text=f.get("E"), envfile_text=f.get("V"),
+                                       record=ServiceRecord.parse(rec) if (rec := f.get("R")) is not None else None,
+                                       props=show.get(f"{name}.service", {}), dropins=self.dropins.get(name, {}),
+                                       left_rotation=f.get("O") is not None)
+                    for name, f in self.files.items()}
         return HostFacts(services=services, record=self.host_record, gpu_fault=self.gpu_fault,
                          secret_files=self.secret_files,
                          lock_count=self.lock_count, stale_temps=tuple(sorted(self.temps)))
