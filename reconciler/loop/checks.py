@@ -58,18 +58,12 @@ def _batch(units: Units, model: ModelCheck | None, gpu: int | None, reads: list[
     (programs.run_all). `engine`: an engine check that rides along, last: after the GPU read (a
     probe that may touch a GPU must never read as a stray holder of the service's GPUs), and
     reading its probe program, the end of the round trip's stdin, only where it runs it."""
-    facts: dict[str, HostProgram[Any]] = {}
-    if units:
-        facts["verify"] = Verify(units)
-    if model is not None:
-        facts["model"] = model
-    if gpu is not None:      # the GPUs, and their health with the kernel log since `gpu` (gpuhealth)
-        facts["gpu"] = GpuRead(health_since=gpu)
-    if reads:
-        facts["versions"] = Versions(reads)
-    if engine is not None:
-        facts["engine"] = engine
-    return facts
+    facts: dict[str, HostProgram[Any] | None] = {
+        "verify": Verify(units) if units else None, "model": model,
+        # the GPUs, and their health with the kernel log since `gpu` (gpuhealth)
+        "gpu": GpuRead(health_since=gpu) if gpu is not None else None,
+        "versions": Versions(reads) if reads else None, "engine": engine}
+    return {name: program for name, program in facts.items() if program is not None}
 
 
 def _read_units(out: Preflight, verified: Verified) -> None:
@@ -94,7 +88,6 @@ async def _read(t: Transport, out: Preflight, units: Units, model: ModelCheck | 
     out.versions = dict(versions)
     if "verify" in answers:
         _read_units(out, answers["verify"])
-    if "gpu" in answers:
-        out.gpu = answers["gpu"]
+    out.gpu = answers.get("gpu", out.gpu)
     out.models = answers.get("model", {})
     return versions, answers.get("engine")

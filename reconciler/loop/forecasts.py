@@ -21,10 +21,6 @@ from ..values import replace
 from .results import HostResult
 
 
-def _cutover(spec: ServiceSpec) -> bool:
-    return spec.drain is not None or spec.smoke is not None or spec.rollout.min_available is not None
-
-
 def host_forecasts(r: HostResult) -> dict[str, tuple[list[str], HostForecast]]:
     """Service -> (its restart's steps as lines, its forecast) for each service the host's plan
     restarts with a cutover declared."""
@@ -34,9 +30,11 @@ def host_forecasts(r: HostResult) -> dict[str, tuple[list[str], HostForecast]]:
     running = {a.service for a in r.plan.actions if a.kind in (Kind.STOP, Kind.RESTART)}
     for name in dict.fromkeys(r.plan.restarts):
         sp = r.plan.services.get(name)
-        if sp is None or sp.target is None or not _cutover(sp.target.spec):
+        if sp is None or sp.target is None:
             continue
         spec = sp.target.spec
+        if spec.drain is None and spec.smoke is None and spec.rollout.min_available is None:
+            continue        # no cutover declared: it restarts as it always has
         gate = any(a.kind is Kind.WAIT_GPUS and a.service == name for a in r.plan.actions)
         f = r.facts.services.get(name) if r.facts is not None else None
         measured = measured_steps(f.record.steps) if f is not None and f.record is not None else {}

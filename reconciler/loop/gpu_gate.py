@@ -23,30 +23,25 @@ WAIT = 120.0      # seconds a start waits for its GPUs before the gate gives up
 
 def gpu_indexes(h: Holder) -> set[int]:
     """The GPUs a holder is known to use: nvidia-smi's compute contexts, /dev/nvidiaN fds."""
-    idx = set(h.gpus)
-    for d in h.devices:
-        tail = d[len(DEVICE_PREFIX):]
-        if d.startswith(DEVICE_PREFIX) and tail.isdigit():
-            idx.add(int(tail))
-    return idx
+    tails = (d[len(DEVICE_PREFIX):] for d in h.devices if d.startswith(DEVICE_PREFIX))
+    return set(h.gpus) | {int(tail) for tail in tails if tail.isdigit()}
 
 
-def strays_on(gpu: GpuFacts, claimed: set[int] | None, *, own_unit: str, own_pids: set[int],
+def main_pids(facts: HostFacts, name: str) -> set[int]:
+    """A service's own PIDs as `facts` read them: its main process (none where it runs none)."""
+    f = facts.services.get(name)
+    return {f.unit.exec_main_pid} - {0} if f is not None else set()
+
+
+def strays_on(gpu: GpuFacts, claimed: set[int] | None, name: str, own_pids: set[int],
               managed: set[str]) -> list[Holder]:
-    """Compute processes on the GPUs a service claims that are neither its own (by PID or
-    cgroup) nor another managed service's. Only processes nvidia-smi lists with GPU memory
-    count: a daemon that merely holds /dev/nvidia* open (nvidia-persistenced, an exporter) is
-    no stray."""
-    out = []
-    for h in gpu.holders:
-        if h.pid in own_pids or h.unit == own_unit or (h.unit is not None and h.unit in managed):
-            continue
-        if h.used_mib is None:
-            continue
-        idx = gpu_indexes(h)
-        if claimed is None or idx & claimed:
-            out.append(h)
-    return out
+    """Compute processes on the GPUs service `name` claims that are neither its own (by PID or
+    cgroup) nor another managed service's (`managed`: the host's service names). Only processes
+    nvidia-smi lists with GPU memory count: a daemon that merely holds /dev/nvidia* open
+    (nvidia-persistenced, an exporter) is no stray."""
+    units = {f"{n}.service" for n in managed} | {f"{name}.service"}
+    return [h for h in gpu.holders if h.used_mib is not None and h.pid not in own_pids and h.unit not in units
+            and (claimed is None or gpu_indexes(h) & claimed)]
 
 
 def claimed_gpus(svc: ServiceSpec | None, gpu: GpuFacts) -> set[int] | None:
@@ -77,19 +72,16 @@ class GpuGate:
         self.managed = set(plan.services) | facts.inventory
         self.notes: list[str] = []
 
-    def _service(self, name: str) -> tuple[set[int], set[int] | None, set[str]]:
-        """A service's own PIDs (its main process before the stop), the GPUs it claims (None:
-        all) and the other managed services' units (never strays)."""
-        f = self.facts.services.get(name)
-        pid = f.unit.exec_main_pid if f is not None else 0
+    def _service(self, name: str) -> tuple[set[int], set[int] | None]:
+        """A service's own PIDs (its main process before the stop) and the GPUs it claims (None: all)."""
         sp = self.plan.services.get(name)
         svc = sp.target.spec if sp is not None and sp.target is not None else None
-        return ({pid} if pid else set()), claimed_gpus(svc, self.gpu), {f"{n}.service" for n in self.managed - {name}}
+        return main_pids(self.facts, name), claimed_gpus(svc, self.gpu)
 
     def _strays(self, name: str, now: GpuFacts) -> list[Holder]:
-        """The strays on a service's GPUs in `now` (strays_on)."""
-        pids, gpus, own = self._service(name)
-        return strays_on(now, gpus, own_unit=f"{name}.service", own_pids=pids, managed=own)
+        """The strays on a service's GPUs in `now` (strays_on); other managed services' are none."""
+        pids, gpus = self._service(name)
+        return strays_on(now, gpus, name, pids, self.managed)
 
     async def __call__(self, a: Action) -> str | None:
         """Run one gate step of the plan."""
@@ -101,7 +93,7 @@ class GpuGate:
         return await self._wait(a.service)
 
     async def _wait(self, name: str) -> str | None:
-        pids, gpus, _ = self._service(name)
+        pids, gpus = self._service(name)
         ok, after, waited = await wait_released(self.t, pids=pids, timeout=self.timeout, gpus=gpus, clock=self.clock)
         strays = self._strays(name, after)
         for s in strays:

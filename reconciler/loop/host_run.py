@@ -42,7 +42,7 @@ from ..plan.actions import plan_host
 from ..plan.facts import HostFacts, Observe
 from ..plan.files import secret_files
 from ..plan.gpuhealth import blames_gpu, mark_note, recorded_after, start_fault
-from ..plan.model import Action, Checks, Context, HostPlan, Kind
+from ..plan.model import Action, Checks, Context, HostPlan, Kind, Watch
 from ..plan.records import Quarantine, Result, ServiceRecord, Verdict, judge
 from ..plan.state import needs_last_good
 from ..reasons import Reason
@@ -132,6 +132,7 @@ class _HostRun:
         self.gate: dict[str, str] = {}      # service -> why its GPUs stayed busy after this run stopped it
         self.systemd = SystemdWatch(self.t)      # every health watch on this host: one round trip per tick
         self.cutover = Cutover(self.t, clock=io.clock, allowed=opts.drain_programs)   # drain, smoke, rejoin
+        self.on_phase: Phase | None = functools.partial(io.on_phase, host.name) if io.on_phase else None
 
     def _context(self, facts: HostFacts, pf: Preflight | None = None) -> Context:
         ctx = Context(self.revision, fleet_quarantine=self.fleet_q, deferred=self.deferred, retry=self.retry,
@@ -158,18 +159,11 @@ class _HostRun:
             pf, self.reuse = self.reuse, None
         else:
             from .preflight import preflight_host
-            engine = engine_check(self.opts.dry_run, self.opts.engine_check, self.rev.signer)
             pf = await preflight_host(self.t, self.host, plan, facts, self.rev.rules(), fetched=fetched,
-                                      engine=engine)
+                                      engine=engine_check(self.opts.dry_run, self.opts.engine_check, self.rev.signer))
         self.preflight = self.result.checked = pf
         self.result.notes.extend(w for w in pf.warnings if w not in self.result.notes)
         return plan_host(self.host, facts, self._context(facts, pf))
-
-    def _progress(self) -> Phase:
-        def cb(service: str, phase: str, elapsed: float, timeout: float) -> None:
-            if self.io.on_phase:
-                self.io.on_phase(self.host.name, service, phase, elapsed, timeout)
-        return cb
 
     async def fetch(self, plan: HostPlan, facts: HostFacts) -> HostPlan:
         """Run the plan's model fetches (host/apply.fetch_model: before anything stops), then plan
@@ -179,7 +173,7 @@ class _HostRun:
             if a.kind is not Kind.FETCH or a.model is None or a.model.path in fetched:
                 continue
             m = a.model
-            fetched[m.path] = await fetch_model(self.t, a, clock=self.io.clock, on_phase=self._progress())
+            fetched[m.path] = await fetch_model(self.t, a, clock=self.io.clock, on_phase=self.on_phase)
             self.result.notes.append(fetched[m.path] or f"fetched {m.id} into {m.path}")
         return await self.plan(facts, fetched=fetched)
 
@@ -212,8 +206,7 @@ class _HostRun:
         self.result.notes.extend(n for n in self.cutover.notes if n not in self.result.notes)
         if not plan.watches:
             return True
-        verdicts = await asyncio.gather(*(self.watch(a, plan, applied) for a in plan.watches))
-        return all(verdicts)
+        return all(await asyncio.gather(*(self.watch(a, plan, applied) for a in plan.watches)))
 
     async def watch(self, a: Action, plan: HostPlan, applied: Applied) -> bool:
         """Watch one service to a verdict and record it on the host at once."""
@@ -226,25 +219,24 @@ class _HostRun:
         faults.hit("in-rollback-watch" if w.rollback else "in-watch")
         target = plan.services[name].target
         assert target is not None
-        out = await self._watched(a, plan, applied, since)
+        out = await self._watched(w, name, target.spec, applied, since)
         out = await self.cutover.judge(target.spec, out)      # a healthy server's answers (smoke test)
         kind = Event.ROLLBACK if w.rollback else Event.REVERIFY if w.reverify else Event.DEPLOY
         self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
-        unjudged, record = await self._recorded(a, plan, out)
+        unjudged, record = await self._recorded(w, name, plan, out)
         if out.healthy and target.spec.drain is not None:
             await self._rejoined(name, target.spec, record)
         self.result.notes.extend(n for n in self.cutover.notes if n not in self.result.notes)
         return self._followed(name, w.revision, out, unjudged=unjudged)
 
-    async def _recorded(self, a: Action, plan: HostPlan, out: Outcome) -> tuple[bool, ServiceRecord]:
+    async def _recorded(self, w: Watch, name: str, plan: HostPlan, out: Outcome) -> tuple[bool, ServiceRecord]:
         """The verdict on the host's record at once (records.judge), with the step times a healthy
         start measured: whether the deploy is still unjudged (its dead-man's switch stays armed),
         and the record written."""
-        w, name = a.watch, a.service
-        assert w is not None and name is not None
+        f = self.facts.services.get(name) if self.facts else None
         rec = next((r for x in plan.actions if x.kind is Kind.RECORD and x.service == name
-                    and (r := x.record) is not None), None)
-        judged = judge(rec or self._record(name), hash=w.hash, revision=w.revision, rollback=w.rollback,
+                    and (r := x.record) is not None), None) or (f.record if f is not None else None)
+        judged = judge(rec or ServiceRecord(), hash=w.hash, revision=w.revision, rollback=w.rollback,
                        verdict=Verdict(out.healthy, out.reason, out.quote, out.message), now=int(time.time()),
                        fleet=self.fleet_q.get(name))
         unjudged = judged.record.pending is not None       # no verdict: the switch stays armed
@@ -262,21 +254,16 @@ class _HostRun:
         else:
             await write_record(self.t, name, replace(record, steps=self.cutover.measured(name)), disarm=False)
 
-    async def _watched(self, a: Action, plan: HostPlan, applied: Applied, since: float) -> Outcome:
+    async def _watched(self, w: Watch, name: str, spec: ServiceSpec, applied: Applied, since: float) -> Outcome:
         """The health watch's outcome for a WATCH step, a GPU's fault blamed where it was one."""
-        w, name = a.watch, a.service
-        assert w is not None and name is not None
-        sp = plan.services[name]
-        assert sp.target is not None
         failure = applied.failed(name)
         loading = functools.partial(self.io.on_progress, self.host.name) if self.io.on_progress else None
         from .preflight import ready_probes
-        probes, note = ready_probes(sp.target.spec, self.facts,
-                                    self.preflight.versions if self.preflight is not None else {})
+        probes, note = ready_probes(spec, self.facts, self.preflight.versions if self.preflight is not None else {})
         if note is not None and note not in self.result.notes:
             self.result.notes.append(note)
-        out = await watch_service(self.t, name, sp.target.spec.health, baseline_restarts=w.baseline_restarts,
-                                  since_epoch=since, on_phase=self._progress(),
+        out = await watch_service(self.t, name, spec.health, baseline_restarts=w.baseline_restarts,
+                                  since_epoch=since, on_phase=self.on_phase,
                                   baseline_invocation=w.baseline_invocation,
                                   baseline_active_enter=w.baseline_active_enter,
                                   start_error=failure.message if failure else None, cancel=self.io.supersede,
@@ -331,10 +318,6 @@ class _HostRun:
         return replace(out, reason=Reason.GPU_FAULT, quote=fault.quote,
                        message=f"GpuFault: the start failed ({out.reason}: {out.message}) while the host's GPUs "
                                f"were sick: {fault.quote}")
-
-    def _record(self, name: str) -> ServiceRecord:
-        f = self.facts.services.get(name) if self.facts else None
-        return (f.record if f is not None else None) or ServiceRecord()
 
 
 async def reconcile_host(host: HostSpec, rev: Revision, opts: RunOptions, io: RunIO, p: Pass) -> HostResult:

@@ -56,7 +56,7 @@ from ..preflight import (
 from ..reasons import Reason
 from ..values import replace
 from .checks import Preflight, _read
-from .gpu_gate import claimed_gpus, strays_on
+from .gpu_gate import claimed_gpus, main_pids, strays_on
 from .preview import REAL_RUN, EngineCheck
 
 # Rules about which GPUs a service claims: only meaningful on a host that has GPUs to claim
@@ -199,12 +199,9 @@ def _judge_strays(out: Preflight, gpu: GpuFacts, specs: Mapping[str, ServiceSpec
                   host: HostSpec) -> None:
     """Before anything stops: a stray on a service's claimed GPUs blocks its deploy (policy
     "report"), or is noted for the kill after the stop (policy "kill")."""
-    managed = {f"{n}.service" for n in host.services} | {f"{n}.service" for n in facts.inventory}
+    managed = set(host.services) | facts.inventory
     for name, svc in sorted(specs.items()):
-        f = facts.services.get(name)
-        pid = f.unit.exec_main_pid if f is not None else 0
-        strays = strays_on(gpu, claimed_gpus(svc, gpu), own_unit=f"{name}.service", own_pids={pid} - {0},
-                           managed=managed - {f"{name}.service"})
+        strays = strays_on(gpu, claimed_gpus(svc, gpu), name, main_pids(facts, name), managed)
         if not strays:
             continue
         what = "; ".join(str(s) for s in strays)

@@ -25,7 +25,6 @@ class EngineCheck(msgspec.Struct, frozen=True):
         return f"engine check {'ran' if self.run else 'skipped'}: {self.why}"
 
 
-SKIPPED = "the revision is not signed; --engine-check runs it"
 REAL_RUN = EngineCheck(True, "a real run")
 
 
@@ -42,4 +41,4 @@ def engine_check(dry_run: bool, asked: bool, signer: str | None) -> EngineCheck:
         return EngineCheck(True, f"signed by {signer}")
     if asked:
         return EngineCheck(True, "--engine-check")
-    return EngineCheck(False, SKIPPED)
+    return EngineCheck(False, "the revision is not signed; --engine-check runs it")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -162,10 +163,7 @@ def print_result(console: Console, res: FleetResult, shown: set[str] | frozenset
     listed = [r for r in res.hosts if in_sync_rows or r.status != Result.IN_SYNC]
     if listed:
         _table(console, res, listed)
-    counts: dict[str, int] = {}
-    for r in res.hosts:
-        counts[r.status] = counts.get(r.status, 0) + 1
-    parts = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    parts = ", ".join(f"{n} {s}" for s, n in sorted(Counter(r.status for r in res.hosts).items()))
     _say(console, [f"{len(res.hosts)} host{'s' * (len(res.hosts) != 1)}: {parts}; exit {res.exit_code()}"],
          _plain(console))
 

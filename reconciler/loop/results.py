@@ -120,9 +120,7 @@ class FleetResult(msgspec.Struct):
     def exit_code(self) -> int:
         """0 converged/in sync, 2 dry-run found changes, 3 rolled back / on last good, 4 failed."""
         code = max((Result(h.status).exit_code for h in self.hosts), default=0)
-        if code == 2 and not self.dry_run:
-            return 0
-        return code
+        return 0 if code == 2 and not self.dry_run else code
 
     def to_json(self) -> dict[str, object]:
         return {"revision": self.revision, "short": self.revision[:7], "dry_run": self.dry_run,
@@ -146,9 +144,8 @@ def merge_result(into: HostResult, r: HostResult) -> None:
 def failed_result(host: str, address: str, e: ReconcilerError, seconds: float) -> HostResult:
     """A host that could not be reached or read: failed, for the error's reason (Failed for an
     error that is not a host's)."""
-    if isinstance(e, HostError):
-        return HostResult(host, address, Result.FAILED, reason=e.reason, message=e.message, seconds=seconds)
-    return HostResult(host, address, Result.FAILED, reason=Reason.FAILED, message=str(e), seconds=seconds)
+    reason, message = (e.reason, e.message) if isinstance(e, HostError) else (Reason.FAILED, str(e))
+    return HostResult(host, address, Result.FAILED, reason=reason, message=message, seconds=seconds)
 
 
 class RunPhase(StrEnum):
@@ -262,9 +259,8 @@ def merge_plans(a: HostPlan | None, b: HostPlan | None) -> HostPlan | None:
         if sp.state is not State.DEFERRED or name not in services:
             services[name] = sp
     # Every pass ends by recording the revision: one such line says it.
-    actions = a.actions + tuple(x for x in b.actions if not (x.kind is Kind.RECORD and x.service is None and
-                                                             any(y.kind is Kind.RECORD and y.service is None
-                                                                 for y in a.actions)))
+    recorded = any(y.kind is Kind.RECORD and y.service is None for y in a.actions)
+    actions = a.actions + tuple(x for x in b.actions if not (recorded and x.kind is Kind.RECORD and x.service is None))
     return HostPlan(a.host, b.revision, actions, services, a.dropped_records + b.dropped_records)
 
 

@@ -70,11 +70,6 @@ async def read_member(name: str, t: Transport | None, spec: ServiceSpec, *, sick
     return Member(name, True)
 
 
-async def read_members(reads: Sequence[Awaitable[Member]]) -> list[Member]:
-    """Every member's read, at once."""
-    return list(await asyncio.gather(*reads))
-
-
 def members_reader(p: RolloutPlan, state: DesiredState, transports: Mapping[str, Transport],
                    results: Mapping[str, HostResult], allowed: Collection[str], *,
                    preview: bool = False) -> ReadMembers | None:
@@ -88,9 +83,9 @@ def members_reader(p: RolloutPlan, state: DesiredState, transports: Mapping[str,
         r = results.get(h)
         return r is not None and r.facts is not None and r.facts.gpu_fault is not None
 
-    def read() -> Awaitable[Sequence[Member]]:
-        return read_members([read_member(h, transports.get(h), state.hosts[h].services[svc], sick=sick(h),
-                                         allowed=allowed, preview=preview) for h in p.members])
+    async def read() -> Sequence[Member]:       # every member's read, at once
+        return await asyncio.gather(*(read_member(h, transports.get(h), state.hosts[h].services[svc], sick=sick(h),
+                                                  allowed=allowed, preview=preview) for h in p.members))
     return read
 
 
