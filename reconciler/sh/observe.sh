@@ -8,9 +8,7 @@
 # (and the host's GPU fault, gpu-fault.json),
 # the lock's count, stale temp files, and a keyed hash of each SECRET_FILE (never its content).
 # Each record is a line "TOKEN KIND ...", the last "TOKEN END": TOKEN is random per run, so no
-# file's content can forge a record. Builtins only per file: no process per file. The answer is
-# gathered in $o and written at the end (`out`: past 4 KiB as it goes): one write, so the SSH
-# channel carries it in one packet or few, where a write a line cost a packet each.
+# file's content can forge a record. Builtins only per file: no process per file.
 #
 # stdin, named parameters (one a line, then an empty line): token, service (repeated), secret
 # (repeated: a file whose keyed hash is asked for; none asked: nothing is written).
@@ -18,12 +16,8 @@
 # UNIT_DIR, ENV_DIR, ENV_DROPIN, DROPIN_DIRS, SHOW_PROPS, KEY, TEMP, ROTATION.
 NL='
 '
-T='' services='' secrets='' o=''
+T='' services='' secrets=''
 params T=token services+=service secrets+=secret
-out() {  # text: gathered into $o (one write at the end; one each 4 KiB before)
-  o=$o$1
-  [ "${#o}" -lt 4096 ] || { printf '%s' "$o"; o=; }
-}
 names=' '
 for n in $services; do names="$names$n "; done      # service names: no blank, no glob character
 # The lock's count: 0 where the lock was never taken, - where it cannot be trusted: a holder
@@ -33,11 +27,11 @@ g=-
 if [ -f "$COUNT" ]; then read -r g < "$COUNT" || :; elif [ ! -e "$LOCK" ]; then g=0; fi
 [ ! -s "$OWNER" ] || g=-
 for f in "$CONFIRM"/*.sh; do [ ! -e "$f" ] || g=-; done
-out "$T G ${g:--}$NL"
+printf '%s G %s\n' "$T" "${g:--}"
 for f in "$UNIT_DIR/$TEMP".* "$UNIT_DIR"/*.service.d/"$TEMP".* "$ENV_DIR/$TEMP".* \
          "$D/$TEMP".* "$D"/*/"$TEMP".* "$D"/credstore/*/"$TEMP".*; do
   [ -e "$f" ] || [ -L "$f" ] || continue
-  out "$T T $(printf '%s' "$f" | base64 -w0)$NL"
+  printf '%s T %s\n' "$T" "$(printf '%s' "$f" | base64 -w0)"
 done
 if [ -n "$secrets" ]; then
   # files that hold secrets: a keyed hash of each, never the content
@@ -47,7 +41,7 @@ if [ -n "$secrets" ]; then
   IFS=$NL; set -f
   for f in $secrets; do
     h=-; [ -f "$f" ] && h=$(cat "$KEY" "$f" | sha256sum | cut -c1-32)
-    out "$T K $(printf '%s' "$f" | base64 -w0) $h$NL"
+    printf '%s K %s %s\n' "$T" "$(printf '%s' "$f" | base64 -w0)" "$h"
   done
   unset IFS; set +f
 fi
@@ -55,10 +49,10 @@ emit() {  # kind name path: each line of the file after "$T kind name L ", a las
   # newline as P, then F; or "-" when there is no such file. Builtins only: no process per file.
   if [ -f "$3" ]; then
     l=
-    while IFS= read -r l; do out "$T $1 $2 L $l$NL"; done < "$3"
-    [ -z "$l" ] || out "$T $1 $2 P $l$NL"
-    out "$T $1 $2 F$NL"
-  else out "$T $1 $2 -$NL"; fi
+    while IFS= read -r l; do printf '%s %s %s L %s\n' "$T" "$1" "$2" "$l"; done < "$3"
+    [ -z "$l" ] || printf '%s %s %s P %s\n' "$T" "$1" "$2" "$l"
+    printf '%s %s %s F\n' "$T" "$1" "$2"
+  else printf '%s %s %s -\n' "$T" "$1" "$2"; fi
 }
 
 for f in "$D"/services/*.json; do
@@ -80,8 +74,8 @@ for n in $names; do
     for f in "$d/$n.service.d/"*.conf; do
       [ -f "$f" ] || continue
       case "$f" in
-        *"$NL"*) out "$T D $n B $(printf '%s' "$f" | base64 -w0)$NL" ;;
-        *) out "$T D $n N $f$NL" ;;
+        *"$NL"*) printf '%s D %s B %s\n' "$T" "$n" "$(printf '%s' "$f" | base64 -w0)" ;;
+        *) printf '%s D %s N %s\n' "$T" "$n" "$f" ;;
       esac
       emit D "$n" "$f"
     done
@@ -89,10 +83,10 @@ for n in $names; do
   units="$units $n.service"
 done
 if [ -n "$units" ]; then
-  # last, and as it is (no base64 process): everything up to the END line is systemctl's, and
-  # a blank line ($(...) drops the output's last newline: put back)
+  # last, and as it is (no base64 process): everything up to the END line is systemctl's
+  printf '%s S -\n' "$T"
   # shellcheck disable=SC2086 # $units is a list of unit names, one argument each
-  s=$(systemctl show -p "$SHOW_PROPS" $units)
-  o="$o$T S -$NL${s:+$s$NL}$NL"
+  systemctl show -p "$SHOW_PROPS" $units
+  echo
 fi
-printf '%s%s END\n' "$o" "$T"
+printf '%s END\n' "$T"
