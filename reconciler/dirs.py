@@ -35,20 +35,19 @@ class UnsafePath(Exception):
 
 def default_state_dir() -> Path:
     """$RECONCILER_STATE_DIR, else $XDG_STATE_HOME/reconciler, else ~/.local/state/reconciler."""
-    env = os.environ.get("RECONCILER_STATE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "reconciler"
+    return _default_dir("RECONCILER_STATE_DIR", "XDG_STATE_HOME", ".local/state")
 
 
 def default_cache_dir() -> Path:
     """Where URL repos are mirrored: $RECONCILER_CACHE_DIR or the user's cache dir."""
-    env = os.environ.get("RECONCILER_CACHE_DIR")
-    if env:
+    return _default_dir("RECONCILER_CACHE_DIR", "XDG_CACHE_HOME", ".cache")
+
+
+def _default_dir(own: str, xdg: str, home: str) -> Path:
+    """$own, else $xdg/reconciler, else ~/home/reconciler."""
+    if env := os.environ.get(own):
         return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "reconciler"
+    return Path(os.environ.get(xdg) or str(Path.home() / home)) / "reconciler"
 
 
 def ours(st: os.stat_result) -> bool:

@@ -113,8 +113,7 @@ def describe(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        shown = value if len(value) <= 80 else value[:77] + "..."
-        return repr(shown)
+        return repr(value if len(value) <= 80 else value[:77] + "...")
     if isinstance(value, int | float):
         return repr(value)
     return kind_of(value)

@@ -166,12 +166,10 @@ def read_answer(run: EngineRun, stdout: str, token: str) -> EngineAnswer:
     for f in Records(stdout, token):
         fields = f.fields()
         if f.kind == "N":
-            return EngineAnswer("", EngineVerdict(run.service, run.server, "inconclusive",
-                                            message=f"{run.server} is not installed for {run.interpreter} "
-                                                    f"(no {STAGE[run.server]} in its package directories)"))
+            return EngineAnswer("", _inconclusive(run, f"{run.server} is not installed for {run.interpreter} "
+                                                       f"(no {STAGE[run.server]} in its package directories)"))
         if f.kind == "U" and len(fields) == 4:
-            return EngineAnswer("", EngineVerdict(run.service, run.server, "inconclusive",
-                                            message=_untrusted(run, *fields)))
+            return EngineAnswer("", _inconclusive(run, _untrusted(run, *fields)))
         if f.kind == "S" and fields:
             stamp = fields[0]
         elif f.kind == "C":
@@ -187,6 +185,11 @@ def read_answer(run: EngineRun, stdout: str, token: str) -> EngineAnswer:
     if cached:
         return EngineAnswer(stamp, None)
     return EngineAnswer(stamp, parse_verdict(run.service, run.server, out, exit_status=status, tail=err))
+
+
+def _inconclusive(run: EngineRun, message: str) -> EngineVerdict:
+    """No verdict on `run`'s command line, and why."""
+    return EngineVerdict(run.service, run.server, "inconclusive", message=message)
 
 
 def _untrusted(run: EngineRun, uid: str, gid: str, mode: str, path: str) -> str:
@@ -232,10 +235,9 @@ class VerdictCache(CacheFile):
         if not isinstance(raw, dict):
             return None
         try:
-            v = EngineVerdict(**{**raw, "service": service, "cached": True})
+            return EngineVerdict(**{**raw, "service": service, "cached": True})
         except TypeError:
             return None
-        return v
 
     def remember(self, host: str, key: str, stamp: str, verdict: EngineVerdict) -> None:
         if not stamp or not verdict.answered:
@@ -272,13 +274,11 @@ def ask(host: str, run: EngineRun, store: VerdictCache, seconds: int = SECONDS) 
     request, if any), or the answer where none may run."""
     why = refusal(run)
     if why is not None:
-        return Ask(run, early=EngineVerdict(run.service, run.server, "inconclusive",
-                                            message=f"the engine check did not run: {why}"))
+        return Ask(run, early=_inconclusive(run, f"the engine check did not run: {why}"))
     try:
         key = request_key(run)
     except OSError as e:
-        return Ask(run, early=EngineVerdict(run.service, run.server, "inconclusive",
-                                            message=f"no probe for {run.server}: {e}"))
+        return Ask(run, early=_inconclusive(run, f"no probe for {run.server}: {e}"))
     cached = store.verdict(host, key, run.service)
     taken = store.stamp(host, key) if cached else ""
     return Ask(run, EngineProbe(run, cached=taken, seconds=seconds), key, cached)
@@ -292,8 +292,7 @@ def answered(host: str, asked: Ask, answer: EngineAnswer, store: VerdictCache) -
         taken = asked.probe.cached
         if asked.cached is not None and taken and answer.stamp == taken:
             return asked.cached          # taken on the host's stamp of now: it stands
-        return EngineVerdict(run.service, run.server, "inconclusive",
-                             message="the host kept no answer for its stamp (nothing cached was used)")
+        return _inconclusive(run, "the host kept no answer for its stamp (nothing cached was used)")
     store.remember(host, asked.key, answer.stamp, answer.verdict)
     return answer.verdict
 
@@ -308,7 +307,6 @@ async def probe(t: Transport, host: str, asked: Ask, store: VerdictCache) -> Eng
         answer = await programs.run(t, asked.probe, timeout=asked.probe.timeout(),
                                     what=f"engine check of {asked.run.service}", check=False)
     except ReconcilerError as e:      # the connection, a timeout: the probe could not run
-        return EngineVerdict(asked.run.service, asked.run.server, "inconclusive",
-                             message=f"the check could not run: {e}")
+        return _inconclusive(asked.run, f"the check could not run: {e}")
     return answered(host, asked, answer, store)
 

@@ -21,6 +21,7 @@ from . import programs
 from .transport import Transport
 
 POLICIES: tuple[str, ...] = ("report", "kill")
+Fate = Literal["reported", "terminated", "killed", "gone", "survived", "failed"]
 
 
 async def gpu_facts(t: Transport, *, timeout: float = 30.0, device_prefix: str = DEVICE_PREFIX,
@@ -69,7 +70,7 @@ class KillOutcome(msgspec.Struct, frozen=True):
     sent, e.g. not permitted)."""
 
     holder: Holder
-    outcome: Literal["reported", "terminated", "killed", "gone", "survived", "failed"]
+    outcome: Fate
 
 
 class Signal(HostProgram[dict[str, set[int]]], frozen=True):
@@ -102,6 +103,15 @@ async def _alive(t: Transport, pids: list[int]) -> set[int]:
     return said["A"]
 
 
+async def _still_alive(t: Transport, pids: set[int], until: float, poll: float, clock: Clock) -> set[int]:
+    """Which of pids are alive, read again every `poll` seconds while any is, until `until`."""
+    alive = await _alive(t, sorted(pids))
+    while alive and clock.now() < until:
+        await clock.sleep(poll)
+        alive = await _alive(t, sorted(alive))
+    return alive
+
+
 async def kill_strays(t: Transport, holders: list[Holder], policy: str = "report", *,
                       grace: float = 10.0, poll: float = 0.25, clock: Clock = REAL) -> list[KillOutcome]:
     """Deal with stray GPU holders according to the service's policy.
@@ -119,31 +129,20 @@ async def kill_strays(t: Transport, holders: list[Holder], policy: str = "report
     said = await programs.run(t, Signal("term", tuple((h.pid, h.comm) for h in holders)), timeout=15,
                               what="SIGTERM stray GPU holders", check=False)
     signalled, failed = said["S"], said["F"]
-    deadline = clock.now() + grace
-    alive = await _alive(t, sorted(signalled))
-    while alive and clock.now() < deadline:
-        await clock.sleep(poll)
-        alive = await _alive(t, sorted(alive))
+    alive = await _still_alive(t, signalled, clock.now() + grace, poll, clock)
     killed: set[int] = set()
     if alive:
         said = await programs.run(t, Signal("kill", tuple((p, "") for p in sorted(alive))), timeout=15,
                                   what="SIGKILL stray GPU holders", check=False)
         killed = said["S"]
-        end = clock.now() + 5.0
-        alive = await _alive(t, sorted(alive))
-        while alive and clock.now() < end:
-            await clock.sleep(poll)
-            alive = await _alive(t, sorted(alive))
-    out: list[KillOutcome] = []
-    for h in holders:
-        if h.pid in failed:
-            out.append(KillOutcome(h, "failed"))
-        elif h.pid not in signalled:
-            out.append(KillOutcome(h, "gone"))
-        elif h.pid in alive:
-            out.append(KillOutcome(h, "survived"))
-        elif h.pid in killed:
-            out.append(KillOutcome(h, "killed"))
-        else:
-            out.append(KillOutcome(h, "terminated"))
-    return out
+        alive = await _still_alive(t, alive, clock.now() + 5.0, poll, clock)
+
+    def fate(pid: int) -> Fate:
+        if pid in failed:
+            return "failed"
+        if pid not in signalled:
+            return "gone"
+        if pid in alive:
+            return "survived"
+        return "killed" if pid in killed else "terminated"
+    return [KillOutcome(h, fate(h.pid)) for h in holders]

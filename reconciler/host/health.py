@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import PurePath
@@ -112,7 +113,7 @@ async def watch_service(t: Transport, name: str, health: HealthSpec, *, baseline
     w = _Watch(t, name, health, systemd, clock if clock is not None else systemd.clock, on_phase, since_epoch,
                baseline_invocation, on_progress,
                probes if probes is not None else readiness_probes(None, None, health),
-               http if http is not None else _host_get(t, health))
+               http if http is not None else functools.partial(http_probe, t, ca_pem=health.ca_pem))
     try:
         return await _watch(w, baseline_restarts, baseline_active_enter, start_error, cancel)
     except ReconcilerError:
@@ -272,13 +273,6 @@ async def first_miss(probes: Sequence[Probe], get: HttpGet) -> str | None:
         if (why := failed(p, status, body)) is not None:
             return why
     return None
-
-
-def _host_get(t: Transport, health: HealthSpec) -> HttpGet:
-    """GET a URL from the host behind `t` (http_probe), verified against health.ca_pem."""
-    async def get(url: str) -> tuple[int | None, str]:
-        return await http_probe(t, url, ca_pem=health.ca_pem)
-    return get
 
 
 def inconclusive(service: str, what: str, e: Exception, seconds: float = 0.0) -> Outcome:

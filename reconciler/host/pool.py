@@ -154,22 +154,16 @@ class _Leased:
 
     async def _call(self, op: Callable[[Transport], Awaitable[_T]]) -> _T:
         try:
-            out = await op(self._entry.transport)
-        except ConnectError:
-            if not self._retry:
-                self._broken = True
-                raise
-            self._retry = False
             try:
-                t = await self._pool._fresh(self._entry, self._spec)
+                out = await op(self._entry.transport)
             except ConnectError:
-                self._broken = True
-                raise
-            try:
-                out = await op(t)
-            except ConnectError:
-                self._broken = True
-                raise
+                if not self._retry:
+                    raise
+                self._retry = False
+                out = await op(await self._pool._fresh(self._entry, self._spec))
+        except ConnectError:        # the connection (or the fresh one) is gone: not given back
+            self._broken = True
+            raise
         self._retry = False
         return out
 

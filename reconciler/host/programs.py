@@ -53,8 +53,7 @@ class Seen:
 
     def retain(self, hosts: Iterable[str]) -> None:
         keep = set(hosts)
-        for gone in [k for k in self._last if k[0] not in keep]:
-            del self._last[gone]
+        self._last = {k: v for k, v in self._last.items() if k[0] in keep}
 
 
 def _fingerprint(program: HostProgram[Any], answer: Records) -> bytes:

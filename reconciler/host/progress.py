@@ -98,24 +98,21 @@ class LoadFollower(msgspec.Struct):
         return f.error if f is not None else None
 
 
-def _read(before: LoadProgress | None, lines: list[str]) -> LoadProgress | None:
-    """The progress after one read's lines of a unit: at most LINES of them, each redacted whole,
-    then cut to its last LINE_MAX characters (as progress.sh cuts), before `advance` reads and
-    quotes them; the quote's control characters shown as escapes."""
-    clean = [redact.clip(x, LINE_MAX, tail=True) for x in lines[-LINES:]]
-    _injected(clean)
-    got = advance(before, clean)
-    if got is not None and got is not before:
-        got = replace(got, line=redact.escape_controls(got.line))
-    return got
-
-
 # RECONCILER_FAULT=progress-raises (reconciler/faults.py, for the tests only): reading a line with
 # a count longer than COUNT_DIGITS raises, as reading E4's line did before counts were bounded, so
 # a test on real hosts reaches the health watch's containment of an exception.
 _OVERLONG = re.compile(rf"[0-9]{{{COUNT_DIGITS + 1},}}/[0-9]")
 
 
-def _injected(lines: list[str]) -> None:
-    if faults.armed("progress-raises") and any(_OVERLONG.search(x) for x in lines):
+def _read(before: LoadProgress | None, lines: list[str]) -> LoadProgress | None:
+    """The progress after one read's lines of a unit: at most LINES of them, each redacted whole,
+    then cut to its last LINE_MAX characters (as progress.sh cuts), before `advance` reads and
+    quotes them; the quote's control characters shown as escapes."""
+    clean = [redact.clip(x, LINE_MAX, tail=True) for x in lines[-LINES:]]
+    if faults.armed("progress-raises") and any(_OVERLONG.search(x) for x in clean):
         raise OverflowError("injected fault progress-raises: a count longer than the parser takes")
+    got = advance(before, clean)
+    if got is not None and got is not before:
+        got = replace(got, line=redact.escape_controls(got.line))
+    return got
+

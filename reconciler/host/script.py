@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 import re
 import shlex
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import ClassVar
 
 from .. import faults
@@ -123,63 +123,40 @@ def _secrets(i: int, service: str, wanted: Sequence[SecretSpec], *, remove: bool
     yield call("secrets_env", step=i, service=service, keep=" ".join(keep), env=" ".join(env))
 
 
-FileStep = Callable[[int, Action, int], Iterator[str]]      # a file step's calls (a step of kind N is step i)
-
 # Steps that name a path alone, by their reason: a temp file a killed run left (removed only if
 # older than this run's lock), a masked unit's link put back.
 _PATH_ONLY = {Reason.STALE_TEMP: "remove_stale", Reason.RESTORE_MASK: "mask"}
 
 
-def _remove(i: int, a: Action, now: int) -> Iterator[str]:
-    assert a.path is not None and a.service is not None
-    backup = f"{REMOVED_DIR}/{a.service}/{now}{a.path}" if a.reason is Reason.FOREIGN_DROPIN else None
-    yield call("remove", step=i, path=a.path, backup=backup)
-
-
-def _adopt(i: int, a: Action, now: int) -> Iterator[str]:
-    assert a.path is not None and a.service is not None
-    yield call("copy_file", step=i, **{"from": a.path}, to=adopted_copy(a.service, a.path))
-
-
-def _restore(i: int, a: Action, now: int) -> Iterator[str]:
-    assert a.path is not None and a.service is not None
-    yield call("copy_file", step=i, **{"from": adopted_copy(a.service, a.path)}, to=a.path)
-
-
-def _deliver(i: int, a: Action, now: int) -> Iterator[str]:
-    assert a.service is not None
-    yield from _secrets(i, a.service, a.secrets, remove=a.reason is Reason.REMOVED)
-
-
-def _reload(i: int, a: Action, now: int) -> Iterator[str]:
-    yield call("reload", step=i)
-
-
-def _arm(i: int, a: Action, now: int) -> Iterator[str]:
-    assert a.switch is not None
-    yield call("arm_timer", step=i, service=a.switch.service, script=confirm.rearm_text(), unit=confirm.REARM_UNIT_TEXT)
-
-
-def _disarm(i: int, a: Action, now: int) -> Iterator[str]:
-    yield call("disarm", step=i, service=a.service, wait=1)
-
-
-def _or_path_only(step: FileStep) -> FileStep:
-    """The step, or for a reason in _PATH_ONLY, that call with the action's path alone."""
-    def run(i: int, a: Action, now: int) -> Iterator[str]:
-        if (fn := _PATH_ONLY.get(a.reason)) is None:
-            yield from step(i, a, now)
-            return
+def _file_step(i: int, a: Action, now: int) -> Iterator[str]:
+    """The calls of a file step that writes no file of its own (a step of kind N is step i);
+    ValueError for a step that is none."""
+    if a.kind in (Kind.REMOVE, Kind.RESTORE) and (fn := _PATH_ONLY.get(a.reason)) is not None:
         assert a.path is not None
         yield call(fn, step=i, path=a.path)
-    return run
-
-
-# The calls of each file step that writes no file of its own (a step of kind N is step i).
-_FILE_STEPS: dict[Kind, FileStep] = {
-    Kind.REMOVE: _or_path_only(_remove), Kind.ADOPT: _adopt, Kind.RESTORE: _or_path_only(_restore),
-    Kind.SECRETS: _deliver,
-    Kind.DAEMON_RELOAD: _reload, Kind.ARM_TIMER: _arm, Kind.DISARM: _disarm}
+    elif a.kind is Kind.REMOVE:
+        assert a.path is not None and a.service is not None
+        backup = f"{REMOVED_DIR}/{a.service}/{now}{a.path}" if a.reason is Reason.FOREIGN_DROPIN else None
+        yield call("remove", step=i, path=a.path, backup=backup)
+    elif a.kind is Kind.ADOPT:
+        assert a.path is not None and a.service is not None
+        yield call("copy_file", step=i, **{"from": a.path}, to=adopted_copy(a.service, a.path))
+    elif a.kind is Kind.RESTORE:
+        assert a.path is not None and a.service is not None
+        yield call("copy_file", step=i, **{"from": adopted_copy(a.service, a.path)}, to=a.path)
+    elif a.kind is Kind.SECRETS:
+        assert a.service is not None
+        yield from _secrets(i, a.service, a.secrets, remove=a.reason is Reason.REMOVED)
+    elif a.kind is Kind.DAEMON_RELOAD:
+        yield call("reload", step=i)
+    elif a.kind is Kind.ARM_TIMER:
+        assert a.switch is not None
+        yield call("arm_timer", step=i, service=a.switch.service, script=confirm.rearm_text(),
+                   unit=confirm.REARM_UNIT_TEXT)
+    elif a.kind is Kind.DISARM:
+        yield call("disarm", step=i, service=a.service, wait=1)
+    else:
+        raise ValueError(a.kind)
 
 
 def _fatal(i: int, a: Action, plan: HostPlan, now: int) -> Iterator[str]:
@@ -187,10 +164,7 @@ def _fatal(i: int, a: Action, plan: HostPlan, now: int) -> Iterator[str]:
     calls stop the script where they fail."""
     written = _files(a, plan, now)
     if written is None:
-        step = _FILE_STEPS.get(a.kind)
-        if step is None:
-            raise ValueError(a.kind)
-        yield from step(i, a, now)
+        yield from _file_step(i, a, now)
         return
     if a.kind is Kind.RECORD and not a.service:          # what a batch cannot carry, by itself
         yield from (call("drop_record", step=i, service=n) for n in plan.dropped_records)
@@ -280,8 +254,7 @@ def steps(plan: HostPlan, actions: Sequence[Action], now: int) -> list[str]:
         i = index[id(a)]
         if out.staged(i, a):
             continue
-        start = paired.get(id(a))
-        if start is not None:
+        if (start := paired.get(id(a))) is not None:
             out.add([call("enable_now", step=i, start=index[id(start)], unit=unit_name(a.service), wait=wait,
                           fresh=1 if start.fresh else None)])
             continue

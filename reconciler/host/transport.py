@@ -234,8 +234,7 @@ class _SSHSpawned:
     async def readuntil(self, separator: str, *, stderr: bool = False) -> str:
         import asyncssh
         try:
-            pattern = self._separators.get(separator)
-            if pattern is None:
+            if (pattern := self._separators.get(separator)) is None:
                 pattern = self._separators[separator] = re.compile(re.escape(separator))
             return await (self.proc.stderr if stderr else self.proc.stdout).readuntil(pattern, len(separator))
         except asyncssh.Error as e:      # the connection went (keepalives unanswered, a reset)
