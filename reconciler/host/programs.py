@@ -58,18 +58,10 @@ class Seen:
 
 def _fingerprint(program: HostProgram[Any], answer: Records) -> bytes:
     """What a parse of `answer` depends on besides the program's class (Seen's key): what the
-    program asks, and the answer's text in the pieces between its tokens (each with its length:
-    no two splits of different texts give the same bytes)."""
-    h = hashlib.blake2b(digest_size=16)
-    asked = msgspec.json.encode(program)
-    h.update(len(asked).to_bytes(8, "little") + asked)
-    for text in (answer.stdout, answer.stderr):
-        pieces = text.split(answer.token)
-        h.update(len(pieces).to_bytes(8, "little"))
-        for piece in pieces:
-            b = piece.encode()
-            h.update(len(b).to_bytes(8, "little") + b)
-    return h.digest()
+    program asks, and the answer's text in the pieces between its tokens (msgpack: each piece
+    with its length, so no two splits of different texts give the same bytes)."""
+    pieces = (program, answer.stdout.split(answer.token), answer.stderr.split(answer.token))
+    return hashlib.blake2b(msgspec.msgpack.encode(pieces), digest_size=16).digest()
 
 
 async def _answers(t: Transport, programs: Sequence[HostProgram[Any]], *, what: str, timeout: float,
