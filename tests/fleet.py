@@ -385,11 +385,14 @@ def stop(name: str) -> None:
         pass
 
 
-def down(hosts: list[Host] | None = None) -> None:
-    """Stop the given hosts, or every host this module started on this machine."""
+def down(hosts: list[Host] | None = None, prefix: str | None = None) -> None:
+    """Stop the given hosts, else those `up` named with `prefix` (the prefix, then the address's
+    last number: `h` is h2 and h3, never the test suite's rt20 or a bench's cmp40), else every
+    host this module started on this machine (a test run's too)."""
     names = [h.name for h in hosts] if hosts else [p.stem for p in RUN_DIR.glob("*.pid")]
     for n in names:
-        stop(n)
+        if hosts or prefix is None or re.fullmatch(re.escape(prefix) + r"[0-9]+", n):
+            stop(n)
 
 
 # Brings a host back to its freshly booted state: every unit file placed under
@@ -434,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("count", type=int)
     p_up.add_argument("--first", type=int, default=2)
     p_up.add_argument("--prefix", default="rt")
-    sub.add_parser("down")
+    p_down = sub.add_parser("down")
+    p_down.add_argument("--prefix", help="only the hosts `up --prefix` named so (default: every one)")
     sub.add_parser("hostkey")
     sub.add_parser("wheels")
     args = ap.parse_args(argv)
@@ -445,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
             for h in up(args.count, args.first, args.prefix):
                 print(f"{h.name} {h.address} pid={h.pid}")
         elif args.cmd == "down":
-            down()
+            down(prefix=args.prefix)
         elif args.cmd == "hostkey":
             print(host_public_key())
         elif args.cmd == "wheels":
