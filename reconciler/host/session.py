@@ -15,12 +15,12 @@ after the run went silent.
     (empty line, EOF, or IDLE s of silence)           kill any running command, let go
 
 A command's stdout and stderr go to the channel's own streams, each ended by its token's END
-record (frames.py), right after the command's last byte, on stdout with the exit status:
-`TOKEN END STATUS`. Nothing is parsed from
-the command's output, and output of another command never passes for it. The command text and its input travel on
-the channel, never on a command line (`ps` would show it to every user), and no file holds
-them. The command runs as it would in its own channel: `sh -c ...` or `sh -s` with its input
-on stdin, in a process group of its own (so a kill reaches all of it).
+record (frames.py), right after the command's last byte, on stdout with the exit status: `TOKEN
+END STATUS`. Nothing is parsed from the command's output, and output of another command never
+passes for it. The command text and its input travel on the channel, never on a command line
+(`ps` would show it to every user), and no file holds them. The command runs as it would in its
+own channel: `sh -c ...` or `sh -s` with its input on stdin, in a process group of its own (so a
+kill reaches all of it).
 
 A program whose text bash runs as sh does (frames.HostProgram.in_session: the observation) is
 run by the session's bash itself, with no sh of its own (shell.ShScript): a process fewer, and

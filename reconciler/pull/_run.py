@@ -38,7 +38,6 @@ import pygit2
 from ..desired import source
 from ..desired.cache import load_desired
 from ..desired.gitauth import GitAuth
-from ..desired.source import shown_url
 from ..desired.spec import DesiredState, HostSpec
 from ..desired.trust import RevisionRefused, TrustPolicy, url_credentials
 from ..errors import ConfigError, SourceError
@@ -109,7 +108,8 @@ class PullOptions(msgspec.Struct, frozen=True):
         self.trust.check_url(self.repo)
         creds = url_credentials(self.repo)
         if creds is not None:
-            raise RevisionRefused("CredentialsInUrl", f"--repo {shown_url(self.repo)}: the URL carries {creds}; it "
+            shown = source.shown_url(self.repo)
+            raise RevisionRefused("CredentialsInUrl", f"--repo {shown}: the URL carries {creds}; it "
                                   "would be readable by every local user (units, ps, systemctl show). Give the host a "
                                   "read-only deploy key or a git credential helper instead")
 

@@ -2,10 +2,12 @@
 # A fragment, not a program: what the programs that read a Python environment share
 # (engine-probe.sh, versions.sh), put in front of their text as it is sent (HostProgram.fragments).
 
-# The system's site directories (globs, one a line), in the order its python imports from them:
-# Fedora's and RHEL's /usr/local (a `pip install` as root; lib64 for a wheel with compiled code),
-# Debian's and Ubuntu's dist-packages, then the distribution's own site-packages (lib64 again).
-# The interpreter's own, BIN/../lib and BIN/../lib64, each program looks at first.
+# The system's site directories (globs, one a line), listed in the order python's site module
+# puts them on sys.path: Fedora's and RHEL's /usr/local (a `pip install` as root; lib64 for a
+# wheel with compiled code), Debian's and Ubuntu's dist-packages, then the distribution's own
+# site-packages (lib64 again). The interpreter's own, BIN/../lib and BIN/../lib64, each program
+# looks at first. Only read, with shell builtins: nothing here runs an interpreter (the engine
+# check's probe is the one program that does, `python -I`, and a preview skips it).
 # shellcheck disable=SC2034  # read by the programs this fragment goes in front of
 SYSTEM_SITES='/usr/local/lib64/python3*/site-packages
 /usr/local/lib/python3*/site-packages
