@@ -31,22 +31,26 @@ printf '%s READY\n' "$T" >&4
 set -m
 shopt -s lastpipe
 pid=
-stop() {  # the last command's process group, TERM, while its leader is this shell's child: a
-  # command that ended is not told apart otherwise (no frame says its end was read), and the PID
-  # of one whose end was reaped may since be another process's (/proc: no process to ask)
+stop() {  # the last command's process group, TERM, while its leader is this shell's child and
+  # has not begun to write its ends (no frame says a command's end was read: its leader names
+  # itself "ended" first, so one that is still on its way out is told apart from one that runs;
+  # the PID of one that was reaped may since be another process's; /proc: no process to ask)
   [ -n "$pid" ] || return 0
-  ppid=
-  while read -r k v; do [ "$k" != PPid: ] || { ppid=$v; break; }; done < "/proc/$pid/status"
-  [ "$ppid" != "$$" ] || kill -TERM -- "-$pid"
+  ppid='' name=''
+  while read -r k v; do
+    case $k in Name:) name=$v ;; PPid:) ppid=$v; break ;; esac
+  done < "/proc/$pid/status"
+  [ "$ppid" != "$$" ] || [ "$name" = ended ] || kill -TERM -- "-$pid"
   pid=
 }
 trap 'stop; let_go' EXIT
 begin() {  # token: in a command's group, before the command: its ends, written by the group's
   # EXIT trap (an `exit` in the command ends it too), the token written into the trap as it is
   # set (a command this shell runs itself may set any variable); the host's clock for the
-  # command from bash's own printf (apply's @@now: no `date` process)
+  # command from bash's own printf (apply's @@now: no `date` process). The group's leader names
+  # itself "ended" before its ends (stop: what it left running stays)
   # shellcheck disable=SC2064  # expanded now, on purpose
-  trap "printf '%s END %s\n' $1 \"\$?\"; printf '%s END\n' $1 >&2" EXIT
+  trap "s=\$?; printf ended 2>/dev/null >/proc/self/comm; printf '%s END %s\n' $1 \$s; printf '%s END\n' $1 >&2" EXIT
   printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
 }
 while IFS= read -r -t "$IDLE" line && [ -n "$line" ]; do

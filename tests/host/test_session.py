@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -435,6 +436,30 @@ def test_the_sessions_end_signals_no_process_group_of_a_command_whose_end_was_re
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(left, 9)
+
+
+@pytest.mark.parametrize(("leader_named", "status"), [("ended", 0), ("", 143)])
+def test_the_sessions_stop_lets_be_a_group_whose_leader_has_begun_to_write_its_ends(
+        tmp_path: Path, leader_named: str, status: int) -> None:
+    """A command's group leader that has written its ends may not have exited yet when the run's
+    release reaches the loop (CI, under load): the leader names itself "ended" before its ends, and
+    stop() lets that group be (what it left running stays). A leader that still runs its command
+    is TERMed with its whole group. The leader here waits on what it started; its exit status says
+    whether stop() signalled it (143: TERM; 0: its wait ended as the test KILLed the sleep)."""
+    text = lock.installed_texts()[1]
+    start = text.index("stop() {")
+    stop = text[start:text.index("\n}\n", start) + 3]
+    fifo = tmp_path / "started"
+    os.mkfifo(fifo)
+    name = f"printf {leader_named} >/proc/self/comm; " if leader_named else ""
+    script = stop + f"""set -m
+( {name}sleep 30 >/dev/null 2>&1 & echo "$!" > {fifo}; wait ) &
+pid=$!; leader=$pid; read -r left < {fifo}
+stop
+kill -KILL "$left"; wait "$leader"; echo "$?"
+"""
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=20)
+    assert out.stdout.split() == [str(status)], out
 
 
 def test_a_standing_session_keeps_nothing_per_command_it_ran() -> None:
