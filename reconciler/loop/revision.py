@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ..desired.spec import DesiredState
+from ..desired.spec import DesiredState, HostSpec
 
 if TYPE_CHECKING:
     from ..desired.source import Snapshot
+    from ..plan.facts import HostFacts
+    from ..plan.model import Context, HostPlan
     from ..preflight import RuleSet
     from .options import RunOptions
 
@@ -57,6 +59,8 @@ class Revision(msgspec.Struct, frozen=True):
     signer: str | None = None                     # who signed it (None: the policy asks no signature)
     # rollback targets the trust policy refused (revision -> why), filled as the run renders them
     refused: dict[str, str] = msgspec.field(default_factory=dict)
+    # the plans this run made, by host name: (desired, facts, context, plan), the last two (host_run)
+    planned: dict[str, list[tuple[HostSpec, HostFacts, Context, HostPlan]]] = msgspec.field(default_factory=dict)
 
     @property
     def revision(self) -> str:
