@@ -63,9 +63,11 @@ def test_observe_hashes_secret_files_with_a_key_of_the_hosts_own(tmp_path: Path)
     state = tmp_path / "state"
     (tmp_path / "secret").write_text("s3cret")
 
-    class Here(Observe):
-        constants: ClassVar[Mapping[str, str]] = {**Observe.constants, "D": str(state),
-                                                  "KEY": str(state / "secret.key"), "LOCK": str(state / ".lock")}
+    class Here(Observe):     # every path of the reconciler's own in tmp: this machine may have its own
+        constants: ClassVar[Mapping[str, str]] = {
+            **Observe.constants, "D": str(state), "KEY": str(state / "secret.key"), "LOCK": str(state / ".lock"),
+            "COUNT": str(state / ".lock.count"), "OWNER": str(state / ".lock.owner"),
+            "CONFIRM": str(state / "confirm"), "ROTATION": str(state / "rotation")}
     f = answer(Here((), (str(tmp_path / "secret"), str(tmp_path / "gone"))))
     assert len(f.secret_files[str(tmp_path / "secret")] or "") == 32
     assert f.secret_files[str(tmp_path / "gone")] is None and f.services == {}
