@@ -176,8 +176,10 @@ class HostProgram(msgspec.Struct, Generic[T_co], frozen=True):
     # assignments, then its text, then its payload (the apply script's steps, which are calls
     # of the program's functions): it runs alone.
     script_on_stdin: ClassVar[bool] = False
-    # Its text is POSIX sh that bash runs alike and it never `exec`s: a host session's bash may
-    # run it itself, with no sh of its own (shell.ShScript; the warm daemon's observation).
+    # Its text is POSIX sh that bash runs alike; it never exits, `exec`s or sets a trap, and sets
+    # every name it reads: a host session's bash may run it itself, with no sh of its own
+    # (shell.ShScript), and a standing session in its own shell, run after run (the warm daemon's
+    # observation: session.sh's here()).
     in_session: ClassVar[bool] = False
 
     def params(self) -> shell.Params:

@@ -10,6 +10,7 @@ model fetch or a GPU wait may take many minutes) and still lets go of the lock I
 after the run went silent.
 
     R <token> <command bytes> <input bytes, or ->     then the command, then its input
+    F ...                                             as R: a standing session's read, in its shell
     K                                                 kill the running command (a time-out)
     .                                                 heartbeat
     (empty line, EOF, or IDLE s of silence)           kill any running command, let go
@@ -24,7 +25,9 @@ kill reaches all of it).
 
 A program whose text bash runs as sh does (frames.HostProgram.in_session: the observation) is
 run by the session's bash itself, with no sh of its own (shell.ShScript): a process fewer, and
-bash reads a file's lines in blocks where dash reads a byte per call.
+bash reads a file's lines in blocks where dash reads a byte per call. A standing session runs
+it in the loop's own shell, in the foreground (an `F` frame): no fork either, so a daemon's round
+costs the host its systemctl alone.
 
 One command at a time: while one runs (the health watches of several services run at once),
 another goes through a channel of its own, as before. A host without bash, a holder that did
@@ -75,14 +78,16 @@ class HostSession:
 
     async def run(self, cmd: str, *, input: str | None, timeout: float | None, what: str) -> Completed:
         tok = self._prefix + secrets.token_hex(8)
+        kind = "R"
         if isinstance(cmd, shell.ShScript):     # a program's text: this bash runs it itself
             cmd = cmd.script
+            kind = "F" if self.standing else "R"    # a standing session's read: in its own shell
         size = len(cmd.encode())
         more = "-" if input is None else str(len(input.encode()))
         self.busy = True
         try:
             try:
-                self.proc.write(f"R {tok} {size} {more}\n{cmd}{input or ''}")
+                self.proc.write(f"{kind} {tok} {size} {more}\n{cmd}{input or ''}")
             except (OSError, RuntimeError):
                 self.broken = True
                 raise _NotSent() from None

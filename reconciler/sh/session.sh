@@ -5,6 +5,7 @@
 # keep the lock). Frames from the run on stdin:
 #
 #   R <token> <command bytes> <input bytes, or -> then the command, then its input
+#   F ...                                         as R: a read this shell runs itself (here())
 #   K                                             kill the running command (a time-out)
 #   .                                             heartbeat
 #   (empty line, EOF, or $IDLE s of silence)      kill any running command, let go
@@ -53,14 +54,39 @@ begin() {  # token: in a command's group, before the command: its ends, written 
   trap "s=\$?; printf ended 2>/dev/null >/proc/self/comm; printf '%s END %s\n' $1 \$s; printf '%s END\n' $1 >&2" EXIT
   printf -v RECONCILER_NOW '%(%s)T' -1; export RECONCILER_NOW
 }
+here() {  # token input-size: an F frame's program (the standing session's reads: host/session.py)
+  # run by this shell itself, in the foreground, with no process of its own: a daemon's round
+  # costs the host its systemctl alone. Only for a program that sets every name it reads and
+  # never exits, execs or sets a trap (frames.HostProgram.in_session). No K reaches it (nothing
+  # reads frames meanwhile): a time-out leaves the session, as for any command.
+  local -x RECONCILER_NOW
+  printf -v RECONCILER_NOW '%(%s)T' -1
+  in_here "$2"
+  printf '%s END %s\n' "$1" "$?"     # here()'s own $1: what the program set was in_here's
+  printf '%s END\n' "$1" >&4
+}
+in_here() {  # input-size: the program; the loop's names are local here (what it sets of them is
+  # gone as it returns), and so are its positional parameters, its options (local -) and IFS
+  local more=$1 cmd=$cmd inp=$inp tok='' line='' size='' kind='' pid=$pid IFS -
+  set +m
+  if [ "$more" = - ]; then
+    eval "$cmd" 2>&4 4>&- 9>&- </dev/null
+  else
+    eval "$cmd" 2>&4 4>&- 9>&- <<< "${inp%$'\n'}"
+  fi
+}
 while IFS= read -r -t "$IDLE" line && [ -n "$line" ]; do
   case $line in
-  R\ *)
-    read -r _ tok size more <<< "$line"
+  [RF]\ *)
+    read -r kind tok size more <<< "$line"
     case $tok in ''|*[!0-9a-f:]*) break ;; esac
     cmd='' inp=''
     [ "$size" = 0 ] || LC_ALL=C read -r -N "$size" cmd || break
     case $more in -|0) ;; *) LC_ALL=C read -r -N "$more" inp || break ;; esac
+    if [ "$kind" = F ] && { [ "$more" = - ] || [ "$more" -le "$HERE_MAX" ]; }; then
+      here "$tok" "$more"
+      continue
+    fi
     if [ "$more" = - ]; then
       {
         begin "$tok"

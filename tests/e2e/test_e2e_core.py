@@ -300,7 +300,8 @@ def test_a_host_expected_to_change_is_locked_without_a_first_look(fleet, repo):
 
 def test_the_warm_daemons_standing_session_reads_a_host_as_a_channel_of_its_own_does(fleet, repo):
     # The daemon's pool runs a reused connection's observation in its standing session's bash
-    # (host/pool.py, session.py), not in an sh of its own on a channel: what it reads of a real
+    # (host/pool.py, session.py; the loop's own shell, round after round), not in an sh of its own
+    # on a channel: what it reads of a real
     # host is the same, to the byte: the unit, the env drop-in and file, the records, a foreign
     # drop-in whose last line has no newline and holds backslashes, a stale temp file, and
     # systemd's reading.
@@ -333,8 +334,10 @@ def test_the_warm_daemons_standing_session_reads_a_host_as_a_channel_of_its_own_
             await (await pool.lease(spec)).close()            # the first lease: no session yet
             t = await pool.lease(spec)
             in_session = await observe(t, spec)
+            again = await observe(t, spec)         # a later round, in the same shell (session.sh's here())
             session = pool._entries[h.name].session
             await t.close()
+            assert again == in_session
             return plain, in_session, session is not None and session.came_up and not session.broken
         finally:
             await pool.close()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from reconciler import shell
 from reconciler.errors import CommandError
 from reconciler.frames import HostProgram, Records
 from reconciler.host import lock, programs
@@ -396,11 +397,34 @@ def test_a_program_bash_runs_as_sh_runs_in_the_sessions_own_bash_and_answers_as_
         said = await programs.run(t, Record(), what="record")
         assert ch.ran == ["record"] and said == own
         assert said.split("|")[:4] == ['L {"a": "x\\\\y"}', "L ", "L   two  \\", 'P {"last": true}']
-        frame = next(s for s in sent if s.startswith("R "))
+        frame = next(s for s in sent if s.startswith("F "))      # run by the loop's own shell (here())
         assert frame.split("\n", 1)[1].startswith("#!/bin/sh\nHOST_RECORD=")    # the text itself, no `sh -c`
         # a command that sets the session's own names (tok, T, cmd) still ends as itself
         r = await t.run("tok=x T=y cmd=z pid=; echo $tok$T$cmd; exit 5")
         assert (r.exit_status, r.stdout) == (5, "xyz\n") and ch.ran == ["record"]
+        await t.session.proc.close()
+    asyncio.run(go())
+
+
+def test_a_standing_sessions_read_runs_in_the_loops_own_shell_and_leaves_it_as_it_was() -> None:
+    """A standing session runs an in_session program (an F frame) in the loop's own shell, with no
+    process of its own (a daemon's round then costs the host its systemctl alone). What the
+    program sets (the loop's own names, IFS, set -f and -u) is the loop's again after it: the next
+    read and the next command run as they would have."""
+    ch, sent, start = _standing(["sh", "-c", standing_command(30)])
+
+    async def go() -> None:
+        t = await start()
+        loop = t.session.proc.proc.pid                 # sh, exec'd into the loop's bash
+        said = await t.run(shell.ShScript("echo $BASHPID; tok=x T=y cmd=z line=w pid=1 more=q size=0 kind=R"
+                                          " inp=v IFS=:; set -f -u; set -- a b; exit_status=3"), what="read")
+        assert (said.exit_status, said.stdout, said.stderr) == (0, f"{loop}\n", "")
+        again = await t.run(shell.ShScript("echo $BASHPID a:b; echo \"${nosuch-none}\" >&2; false"), what="again")
+        assert (again.exit_status, again.stdout, again.stderr) == (1, f"{loop} a:b\n", "none\n")
+        own = await t.run("echo $BASHPID; echo /proc/self/statu?; echo $nosuch")     # an R frame: its own group
+        pid, glob, unset = own.stdout.split("\n")[:3]
+        assert int(pid) != loop and (glob, unset, own.exit_status) == ("/proc/self/status", "", 0)
+        assert [f[0] for f in sent[1:]] == ["F", "F", "R"] and ch.ran == []
         await t.session.proc.close()
     asyncio.run(go())
 
@@ -465,7 +489,8 @@ kill -KILL "$left"; wait "$leader"; echo "$?"
 def test_a_standing_session_keeps_nothing_per_command_it_ran() -> None:
     """The daemon's standing session lives as long as its connection, a command a round: its loop
     keeps no job table entry for a command that ran (one kept per command made its memory, and
-    the cost of each fork, grow for as long as it lived: about 230 kB a thousand commands)."""
+    the cost of each fork, grow for as long as it lived: about 230 kB a thousand commands), and
+    a read it runs in its own shell (an F frame) leaves nothing behind either."""
     _, _, start = _standing(["sh", "-c", standing_command(30)])
 
     async def go() -> tuple[int, int]:
@@ -473,11 +498,14 @@ def test_a_standing_session_keeps_nothing_per_command_it_ran() -> None:
         pid = t.session.proc.proc.pid                 # sh, exec'd into the loop's bash
         def rss() -> int:
             return int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0])
+        read = shell.ShScript("f() { v=$1; }; f x; true")        # as observe does: run by the loop's shell
         for _ in range(200):
             assert (await t.run("true")).exit_status == 0
+            assert (await t.run(read)).exit_status == 0
         before = rss()
         for _ in range(1500):
             await t.run("true")
+            await t.run(read)
         after = rss()
         await t.session.proc.close()
         return before, after
