@@ -97,8 +97,13 @@ def ended(stdout: str, token: str) -> tuple[str, int | None]:
     record ("" where there is none), and the status (0-255; None where the record says none, or
     there is no record)."""
     body, end, status = stdout.rpartition(f"{token} END ")
-    code = number(status.strip(), 3) if end else None
-    return body, (code if code is not None and code <= 255 else None)
+    return body, exit_status(status.strip()) if end else None
+
+
+def exit_status(text: str) -> int | None:
+    """An exit status as a host program prints it ($?: 0-255); None for anything else."""
+    code = number(text, 3)
+    return code if code is not None and code <= 255 else None
 
 
 def malformed(host: str, what: str, frame: Frame) -> ObserveError:

@@ -78,10 +78,10 @@ class HostSession:
 
     async def run(self, cmd: str, *, input: str | None, timeout: float | None, what: str) -> Completed:
         tok = self._prefix + secrets.token_hex(8)
-        kind = "R"
-        if isinstance(cmd, shell.ShScript):     # a program's text: this bash runs it itself
+        # a program's text: this bash runs it itself (F: a standing session's read, in its own shell)
+        kind = "F" if self.standing and isinstance(cmd, shell.ShScript) else "R"
+        if isinstance(cmd, shell.ShScript):
             cmd = cmd.script
-            kind = "F" if self.standing else "R"    # a standing session's read: in its own shell
         size = len(cmd.encode())
         more = "-" if input is None else str(len(input.encode()))
         self.busy = True

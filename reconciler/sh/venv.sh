@@ -6,8 +6,10 @@
 # puts them on sys.path: Fedora's and RHEL's /usr/local (a `pip install` as root; lib64 for a
 # wheel with compiled code), Debian's and Ubuntu's dist-packages, then the distribution's own
 # site-packages (lib64 again). The interpreter's own, BIN/../lib and BIN/../lib64, each program
-# looks at first. Only read, with shell builtins: nothing here runs an interpreter (the engine
-# check's probe is the one program that does, `python -I`, and a preview skips it).
+# looks at first. Only read, with shell builtins: nothing here runs an interpreter. The engine
+# check's probe is the one program that does (engine-probe.sh): `python -I -B` under systemd-run,
+# with the unit's identity and sandbox and the controller's allowlisted copy of the service's
+# environment; a preview runs it only for a signed revision or with --engine-check.
 # shellcheck disable=SC2034  # read by the programs this fragment goes in front of
 SYSTEM_SITES='/usr/local/lib64/python3*/site-packages
 /usr/local/lib/python3*/site-packages

@@ -18,7 +18,7 @@ import re
 import msgspec
 
 from ... import redact
-from ...frames import Records, number
+from ...frames import Records, exit_status, number
 from .show import parse_show
 
 MESSAGE_MAX = 2000        # characters kept of what a failed step printed (redacted first)
@@ -46,9 +46,9 @@ class ApplyAnswer(msgspec.Struct, frozen=True):
 
 
 def status_of(text: str) -> int:
-    """An exit status as a host program prints it ($?: 0-255); 1 for anything else."""
-    status = number(text, 3)
-    return status if status is not None and status <= 255 else 1
+    """An exit status as a host program prints it (frames.exit_status); 1 for anything else."""
+    status = exit_status(text)
+    return 1 if status is None else status
 
 
 def step_output(stderr: str, token: str) -> dict[int, list[str]]:
