@@ -119,6 +119,9 @@ class Daemon:
         # text as in the last round is not parsed again (host/programs.Seen)
         self.seen = Seen()
         self._loaded: tuple[str | None, DesiredState, RuleSet] | None = None   # the last tree loaded
+        # The plans the last run made (Revision.planned), by its revision: a run at the same
+        # revision plans a host again only where its facts or context moved (plan_host is pure).
+        self._planned: tuple[str, dict] = ("", {})
         self._git = asyncio.Lock()                 # one open or fetch of the repo at a time (_head)
         if cfg.webhook_allow:                      # where fleet.toml's webhook may go: this config says
             notify.allow(cfg.webhook_allow)        # (none: $RECONCILER_WEBHOOK_ALLOW, already in cfg)
@@ -226,6 +229,9 @@ class Daemon:
                 # Age secrets decrypted with the controller's identity, at this revision and at any
                 # a rollback renders; one that cannot be decrypted blocks its service (the core).
                 rev = open_revision(snap, opts, state=state, rules=rules)
+                if self._planned[0] == snap.revision:
+                    rev = replace(rev, planned=self._planned[1])
+                self._planned = (snap.revision, rev.planned)
                 for w in secret_warnings(rev.state, snap.read):
                     console.print(w, soft_wrap=True, markup=False)
                 view = PhaseView(console, plans=console)    # each host's diff before its health progress

@@ -174,3 +174,35 @@ def test_the_daemons_runs_allow_the_drain_programs_of_its_own_config(tmp_path):
     assert load_config(tmp_path / "config.toml", environ={}).drain_programs == ["socat"]
     assert load_config(tmp_path / "config.toml", environ={"RECONCILER_DRAIN_PROGRAMS": "socat, lbctl"}
                        ).drain_programs == ["socat", "lbctl"]
+
+
+def test_a_run_at_the_revision_of_the_last_takes_over_its_plans_and_a_new_revision_starts_afresh(
+        tmp_path, monkeypatch):
+    """plan_host is pure: the daemon's next run at the same revision (an interval run, no push)
+    is handed the plans the last made (Revision.planned), so a host whose facts came back the same
+    (host/programs.Seen) is not planned again; a run at another revision starts with none."""
+    from reconciler.controller import daemon
+    from reconciler.loop.results import FleetResult
+    from tests.conftest import DesiredRepo
+    r = DesiredRepo(tmp_path / "r")
+    r.write("fleet.toml", "")
+    r.write("units/m.service", "[Service]\nExecStart=/usr/bin/server\n")
+    r.write("hosts/a.toml", 'address = "127.0.0.9"\n[services.m]\nunit_file = "units/m.service"\n')
+    r.commit("one")
+    handed: list[tuple[str, dict]] = []
+
+    async def run_fleet(rev, opts, io):  # type: ignore[no-untyped-def]
+        handed.append((rev.revision, rev.planned))
+        rev.planned.setdefault("a", []).append(len(handed))      # as _HostRun._plan records a plan
+        return FleetResult(rev.revision, dry_run=False)
+    monkeypatch.setattr(daemon, "run_fleet", run_fleet)
+    d = Daemon(ControllerConfig(repo=str(r.path), state_dir=str(tmp_path / "state"), metrics="", web="",
+                                notes=False), interval=60)
+    assert [asyncio.run(d.run_once()) for _ in range(2)] == [0, 0]
+    r.write("hosts/a.toml", 'address = "127.0.0.10"\n[services.m]\nunit_file = "units/m.service"\n')
+    r.commit("two")
+    assert asyncio.run(d.run_once()) == 0
+    (one, first), (same, second), (two, third) = handed
+    assert one == same != two
+    assert second is first and first == {"a": [1, 2]}
+    assert third == {"a": [3]} and third is not first
