@@ -48,7 +48,7 @@ class StepKind(StrEnum):
 
     LEAVE = "leave"          # out of the load balancer
     DRAIN = "drain"
-    STOP = "stop"  # x
+    STOP = "stop"
     WAIT_GPUS = "wait-gpus"
     START = "start"
     READY = "ready"
