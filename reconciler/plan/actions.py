@@ -159,7 +159,7 @@ class _Builder:
                why_sub: str) -> None:
         """(Re)start it (through the GPU gate on a GPU host), record it started, watch it."""
         assert rec.pending is not None
-        reason, detail = self._start_reason(sp, s, s.running, why_sub)
+        reason, detail = self._start_reason(sp, s, why_sub)
         gated = self.ctx.checks.gpu_gate
         if gated:
             if s.running:
@@ -215,7 +215,7 @@ class _Builder:
         self.add(Kind.ARM_TIMER, Reason.CONFIRM, sp.name, switch=sw,
                  detail=f"{unit_name(sp.name)}.timer, if the controller goes")
 
-    def _start_reason(self, sp: ServicePlan, s: Sync, running: bool, why_sub: str) -> tuple[Reason, str]:
+    def _start_reason(self, sp: ServicePlan, s: Sync, why_sub: str) -> tuple[Reason, str]:
         if why_sub:
             return Reason.SUBSTITUTE, why_sub
         if sp.state is State.NEW:
@@ -226,7 +226,7 @@ class _Builder:
             return Reason.START_AGAIN, f"no verdict on {s.pending.revision[:7]} ({s.pending.unjudged}): start it again"
         if s.pending is not None:
             return Reason.INTERRUPTED, f"the deploy of {s.pending.revision[:7]} was cut short: start it again"
-        if not running:
+        if not s.running:
             return Reason.NOT_RUNNING, "not running"
         if s.files or s.dropins:
             return Reason.UNIT_CHANGED, "unit or env changed"

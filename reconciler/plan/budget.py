@@ -1,26 +1,15 @@
 """PURE: which hosts of a rollout group may restart next without taking the group below its
-`min_available`, and why the others wait (issue 42).
+`min_available`, and why the others wait (issue 42). The rule, with an example, is in
+docs/drain.md ("The budget: min_available").
 
 No I/O, no clock. The caller reads, before each wave, which members of the group are ready now
 (serving: the engine's readiness and, with a drain, in the balancer's rotation); a member it
-could not read counts as not ready. Counting is by hosts that serve, not by hosts the rollout
-touched: a host already down, unhealthy or excused (GpuFault) is not ready whatever its cause.
+could not read counts as not ready. The pending hosts come in wave order (plan/rollout.py
+`order_hosts`: canaries first). Without min_available the waves are exactly plan/rollout.py's
+`plan_waves`.
 
-The rule, for the pending hosts in wave order (plan/rollout.py `order_hosts`: canaries first):
-
-  * a wave has at most `bound` hosts (max_unavailable as a count), and while canaries are left
-    at most that many (the canary goes alone, as without a budget);
-  * a pending host that is not ready restarts at no cost to the budget: it serves nothing now;
-  * a ready host restarts only while the ready hosts left after the wave are >= min_available;
-  * a ready host that cannot go says why (it waits); when no pending host can go at all, the
-    group is blocked (`Step.blocked`): waiting changes nothing, since nothing is restarting.
-
-So with one host of three already down and min_available = 2, that host goes first (as the
-canary, when the labelled canary cannot go), and the others follow one at a time once it is
-back. Without min_available the waves are exactly plan/rollout.py's `plan_waves`.
-
-Wiring (phase 2): loop/fleet.py's `_rollout` asks `next_step` before each wave instead of
-walking the precomputed waves; the dry run prints `forecast_steps`.
+loop/waves.py asks `next_step` before each wave instead of walking the precomputed waves; the
+dry run prints `forecast_steps`.
 """
 
 from __future__ import annotations

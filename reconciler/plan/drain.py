@@ -1,22 +1,10 @@
 """PURE: the drain of a host's restart, as data (issue 42): its steps, when its wait for
 in-flight work is over, and the readings it waits on (the engine's metric, HAProxy's stats).
 
-No I/O, no clock. A restart of a service with a drain declared (desired/spec.DrainSpec) is
-
-    leave     out of the balancer's rotation (HAProxy `state drain`, an HTTP call, a command)
-    drain     wait until the in-flight work reads 0 twice in a row, or the drain timeout
-    stop      systemd stops the old server (nothing is in flight any more)
-    wait-gpus the GPU gate, where the host has one
-    start     the new server
-    ready     the health watch to its verdict (start-up, the engine's readiness, stable_for)
-    smoke     the smoke test's answers (plan/smoke.py judges them), when one is declared
-    rejoin    back into rotation
-    serving   until the balancer sends it traffic again, when that can be asked
-
-A server that fails `ready` or `smoke` never rejoins: it is rolled back with the same steps
-from `stop` on (it is out of rotation already), and only a healthy, judged server rejoins.
-Without a drain the steps are stop, start, ready (and smoke): what a restart is today.
-`restart_steps` is what the plan and a dry run print; loop/host.py runs them (phase 2).
+No I/O, no clock. The steps of a restart of a service with a drain declared
+(desired/spec.DrainSpec), and what each does, are in docs/drain.md ("What a restart does");
+without a drain they are stop, start, ready (and smoke). `restart_steps` is what the plan and
+a dry run print; loop/cutover.py runs them.
 """
 
 from __future__ import annotations
@@ -48,7 +36,7 @@ class StepKind(StrEnum):
 
     LEAVE = "leave"          # out of the load balancer
     DRAIN = "drain"
-    STOP = "stop"  # x
+    STOP = "stop"
     WAIT_GPUS = "wait-gpus"
     START = "start"
     READY = "ready"
@@ -72,8 +60,9 @@ def restart_steps(spec: ServiceSpec, *, running: bool = True, in_rotation: bool 
         steps.append(RestartStep(StepKind.STOP, f"systemctl stop {spec.name}.service"))
     if gpu_gate:
         steps.append(RestartStep(StepKind.WAIT_GPUS, "until the service's GPUs hold no process and no memory"))
+    h, probe = spec.health, spec.health.http or "systemd's state"
     steps += [RestartStep(StepKind.START, f"systemctl start {spec.name}.service ({what})"),
-              RestartStep(StepKind.READY, _ready_detail(spec), spec.health.startup_timeout)]
+              RestartStep(StepKind.READY, f"{probe} healthy, then stable for {h.stable_for:g}s", h.startup_timeout)]
     if spec.smoke is not None:
         n = len(spec.smoke.checks)
         ttft = f", first token within {spec.smoke.ttft:g}s" if spec.smoke.ttft is not None else ""
@@ -92,12 +81,6 @@ def _drain_detail(d: DrainSpec) -> str:
         return "wait the drain timeout (no in-flight read declared)"
     what = d.inflight.metric or "the in-flight count"
     return f"wait for {what} at {d.inflight.url} to reach 0, read every {d.interval:g}s"
-
-
-def _ready_detail(spec: ServiceSpec) -> str:
-    h = spec.health
-    probe = h.http or "systemd's state"
-    return f"{probe} healthy, then stable for {h.stable_for:g}s"
 
 
 # ---- the wait for in-flight work ------------------------------------------------------------

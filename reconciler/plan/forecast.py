@@ -1,18 +1,14 @@
-"""PURE: what a change will cost before it is deployed, and what it cost after (issue 42).
+"""PURE: what a change will cost before it is deployed, and what it cost after (issue 42); what
+the dry run prints of it is in docs/drain.md ("The cost, before and after").
 
 A host is unavailable from the moment it leaves rotation (with a drain) or its server stops
 (without one) until it rejoins (or, without a drain, until it is ready and judged): every step
 of plan/drain.py's `restart_steps` lies in that window, so the forecast is the sum of the
 steps' estimates. Each estimate is the host's own last measurement of that step for that
-service (recorded per host and service: phase 2 puts them in the service's record), else:
-
-  * the drain without an in-flight read: its timeout (a fixed wait);
-  * `ready` never measured: the health check's startup_timeout, an upper bound;
-  * any other step never measured: 0, marked as such.
-
-The dry run prints each host's forecast and the rollout's: the sum over hosts (host-seconds of
-lost capacity) and the wall time (the waves one after another, each as long as its slowest host).
-After the deploy, `unavailable` measures the same window from the steps' times.
+service (ServiceRecord.steps), else: the drain without an in-flight read, its timeout (FIXED);
+`ready`, the health check's startup_timeout, an upper bound (BOUND); any other step, 0
+(UNMEASURED). After the deploy, `unavailable_seconds` measures the same window from the steps'
+times.
 """
 
 from __future__ import annotations

@@ -160,12 +160,8 @@ def _count(v: str | None) -> int:
         return 0          # N/A, [Not Supported], "Requested functionality has been deprecated"
 
 
-def _yes(v: str | None) -> bool:
-    return (v or "").strip().lower() == "yes"
-
-
 # The Yes/No fields of `nvidia-smi -q` that say a GPU is sick: (section, field) -> what a "Yes"
-# says. Those of "ECC Errors" count only directly under it (its Volatile counters: _volatile_ecc).
+# says. Those of "ECC Errors" count only directly under it (its Volatile counters: _finding).
 _FLAGS: Mapping[tuple[str, str], str] = {
     ("ECC Errors", "Unrepairable Memory"): "fault",        # driver 580 on an H200, say
     ("ECC Errors", "Channel Repair Pending"): "note",      # a repair that waits for the next reset, as a remap
@@ -183,30 +179,19 @@ def _finding(path: tuple[str, ...], value: str) -> str | None:
     """What one `nvidia-smi -q` field says of its GPU: "fault", "note" or None."""
     head, last = path[0], path[-1]
     if head == "GPU Recovery Action":
-        return _recovery_action(path, value)
+        # The driver's action (the section's own value): a fault unless it says none is needed,
+        # or that the driver does not report it.
+        quiet = value in ("None", "N/A", "") or value.startswith("Requested functionality")
+        return None if len(path) != 1 or quiet else "fault"
     if head == "ECC Errors" and len(path) >= 2 and path[1] == "Volatile":
-        return _volatile_ecc(path, value)
+        # A counter since the driver loaded: a fault when it counts an uncorrectable error
+        # (Ampere and newer: SRAM/DRAM Uncorrectable ...; older GPUs: Double Bit / Total).
+        older = len(path) == 4 and path[2] == "Double Bit" and last == "Total"
+        return "fault" if ("Uncorrectable" in last or older) and _count(value) > 0 else None
     said = _FLAGS.get((head, last))
     if said is None or (head == "ECC Errors" and len(path) != 2):
         return None
-    return said if _yes(value) else None
-
-
-def _volatile_ecc(path: tuple[str, ...], value: str) -> str | None:
-    """An ECC counter since the driver loaded: a fault when it counts an uncorrectable error.
-    Ampere and newer: SRAM/DRAM Uncorrectable ...; older GPUs: Double Bit / Total."""
-    last = path[-1]
-    older = len(path) == 4 and path[2] == "Double Bit" and last == "Total"
-    return "fault" if ("Uncorrectable" in last or older) and _count(value) > 0 else None
-
-
-def _recovery_action(path: tuple[str, ...], value: str) -> str | None:
-    """The driver's "GPU Recovery Action" (the section's own value): a fault unless it says none
-    is needed, or that the driver does not report it."""
-    if len(path) != 1:
-        return None
-    quiet = value in ("None", "N/A", "") or value.startswith("Requested functionality")
-    return None if quiet else "fault"
+    return said if value.strip().lower() == "yes" else None
 
 
 def smi_health(text: str) -> tuple[list[str], list[str]]:

@@ -1,11 +1,7 @@
 """PURE: which reads say that a server is ready to serve, by engine (issue 42): the engine's
-own, not a 200 that answers before the model does.
-
-* SGLang from 0.5.20: `GET /ready`, 200 only when it is up, not paused and not shutting down
-  (its http_server.py; `/health` also generates a token, and answers 503 while it shuts down).
-  Before 0.5.20 there is no /ready: its `/health` (= /health_generate).
-* vLLM: `GET /health` (200 unless the engine is dead), then `GET /v1/models` listing the model.
-* Any other server, or an unknown one: the service's own `health.http`.
+own, not a 200 that answers before the model does. Which read for which engine and release:
+docs/health.md ("Ready: the engine's own readiness"). (SGLang's `/health` also generates a
+token, and answers 503 while it shuts down: its http_server.py.)
 
 The server and its version come from the pre-flight's reading of the unit (preflight's
 parse_command, and the version the host reports: loop/preflight.py `ready_probes`); the health

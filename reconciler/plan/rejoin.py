@@ -1,22 +1,12 @@
-"""PURE: a leave of rotation that no rejoin followed (issue 42). A run records the leave on the
-host before it takes a service out of its balancer's rotation (loop/cutover.py writes
-layout.ROTATION_DIR/NAME.left) and removes the record after the rejoin; a run killed between
-the two leaves the record, and the observation reads it (ServiceFacts.left_rotation). What the
-next run does with it is decided here, from the plan it has already made:
+"""PURE: a leave of rotation that no rejoin followed (issue 42), and what the next run does with
+it, decided from the plan it has already made (docs/drain.md, "A run that dies between the
+leave and the rejoin"). loop/cutover.py records the leave on the host (layout.ROTATION_DIR/
+NAME.left) and removes it after the rejoin; the observation reads it (ServiceFacts.left_rotation).
 
-    the plan stops, starts, restarts or watches it   nothing here: its own cutover (the drain,
-                                                     the verdict, the rejoin) puts it back or
-                                                     keeps it out, and removes the record
-    another pass converges it (a rollout wave)       nothing here: that pass decides
-    it left the desired state (an orphan)            nothing here: it goes
-    it runs the version its record says passed       REJOIN: back into rotation, not restarted
-    health here, with no deploy pending, and
-    declares how it rejoins
-    anything else (stopped, failed, never judged     HOLD: it stays out of rotation, the note
-    healthy, quarantined with nothing running,       says why; the record stays for a later run
-    no drain declared)
-
-A server taken out of rotation by hand has no record, so no run puts it back.
+A service the plan stops, starts, restarts or watches (its own cutover decides), one another
+pass converges (a rollout wave), and an orphan get nothing here. One that runs the version its
+record says passed health here, with no deploy pending, and declares how it rejoins, gets a
+REJOIN (not restarted); anything else a HOLD that says why, the record kept for a later run.
 """
 
 from __future__ import annotations

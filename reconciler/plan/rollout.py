@@ -1,33 +1,18 @@
-"""PURE: rolling a change out over the hosts that share a service definition, in waves.
+"""PURE: rolling a change out over the hosts that share a service definition, in waves; the
+rules (canary first, bounded, stop at the first failure, a sick GPU excused once) are in
+docs/rollouts.md.
 
 No I/O, no clock, no globals: the fleet run (fleet.py) observes and plans every host first, then
 asks this module which hosts restart together, and in which order.
 
-A **rollout group** is one service name on every host whose service comes from the same shared
-definition (``use = "<definition>"``): ``(service, definition)``. Only hosts whose plan for that
-service restarts (or starts) it take part in its waves; a group with fewer than two such hosts
-needs no waves (a change that touches one host is just applied there). Services without a shared
-definition have no group and are never waved.
-
-Waves, for the pending hosts of one group and its policy (spec.RolloutPolicy):
-
-  * order: hosts labelled ``canary = "true"`` first, then the rest, each in natural name order
-    (``gpu-2`` before ``gpu-10``) - deterministic, so a dry-run shows exactly what will happen;
-  * the first ``canary`` hosts of that order form the canary wave(s); the others follow;
-  * every wave has at most ``bound`` hosts, where bound = max_unavailable as a count of the
-    hosts that run the service (the whole group, selected or not; a percentage is rounded down,
-    but at least 1). More canaries than the bound are split into several canary waves.
-
-The executor runs a wave's hosts concurrently and waits for every one to be healthy (or rolled
-back) before the next wave starts, so at most ``bound`` hosts are down at once. A failed wave
-halts the group: see ``quarantine_cover`` for how the halt reaches hosts that never restarted.
-A host whose start failed because its GPUs are sick (``GpuFault``) does not fail its wave: it
-is the host's fault, not the change's (``host_fault``), so the rollout goes on without it;
-unless it is the canary, or the second host whose start of this revision failed so: a revision
-can provoke a GPU fault, so then the rollout halts as for a failure (``judge_wave``). A host
-already marked GpuFault is left out of the waves (its plan starts nothing until its GPUs read
-healthy again). Where a wave halts, ``halt`` says which host gets which quarantine and how the
-hosts' results say it; the executor only runs the passes that record them.
+A rollout group is one service name on every host whose service comes from the same shared
+definition (`GroupKey`); only hosts whose plan for that service restarts (or starts) it take
+part in its waves. Every wave has at most `bound` hosts: max_unavailable as a count of the hosts
+that run the service (the whole group, selected or not); more canaries than the bound are split
+into several canary waves. `judge_wave` is the verdict on a wave (`host_fault`: a failure its
+host's GPUs may explain). Where a wave halts, `halt` says which host gets which quarantine and
+how the hosts' results say it, and `quarantine_cover` how the halt reaches hosts that never
+restarted; the executor only runs the passes that record them.
 """
 
 from __future__ import annotations

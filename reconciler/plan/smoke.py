@@ -1,13 +1,12 @@
 """PURE: the smoke test of a new server (issue 42): the requests it sends, how an answer is read
-from what the server sent back, and the verdict: healthy, or why not with the answer quoted.
+from what the server sent back, and the verdict: healthy, or why not with the answer quoted
+(`WrongAnswer`, `SlowAnswer`, `SmokeFailed`: docs/drain.md says what each one does).
 
-No I/O, no clock. The caller (phase 2: host/ beside the health probe, through the SSH channel)
-sends `request(...)` to the server, reads the answer (whole, or streamed when the spec has a
-time-to-first-token limit: `streamed` takes the lines as they came, with their times), and asks
-`judge_smoke` for the verdict. A server that is up but answers wrong is `WrongAnswer`, rolled
-back and quarantined like a crash loop; one too slow to its first token is `SlowAnswer`; one
-that gives no answer at all is `SmokeFailed`. The quote is redacted first, then cut
-(redact.py: a secret cut in half would no longer be recognized), its control characters escaped.
+No I/O, no clock. The caller (host/smoke.py) sends `request(...)` to the server, reads the
+answer (whole, or streamed when the spec has a time-to-first-token limit: `streamed` takes the
+lines as they came, with their times), and asks `judge_smoke` for the verdict. The quote is
+redacted first, then cut (redact.py: a secret cut in half would no longer be recognized), its
+control characters escaped.
 """
 
 from __future__ import annotations

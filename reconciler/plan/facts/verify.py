@@ -47,14 +47,11 @@ class Verify(HostProgram[Verified], frozen=True):
     units: Units
     nonce: str = msgspec.field(default_factory=lambda: secrets.token_hex(8))
 
-    def tempname(self, service: str) -> str:
-        return f"reconciler-verify-{self.nonce[:8]}-{service}"
-
     def params(self) -> Mapping[str, Param]:
         heads = []
         for name, (unit, env) in sorted(self.units.items()):
             nenv = _lines(env)[0] if env else "-"
-            heads.append(f"{name} {self.tempname(name)} {_lines(unit)[0]} {nenv}")
+            heads.append(f"{name} reconciler-verify-{self.nonce[:8]}-{name} {_lines(unit)[0]} {nenv}")
         return {"dir": self.nonce, "unit": heads}
 
     def payload(self) -> str:
