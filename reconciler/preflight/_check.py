@@ -8,7 +8,7 @@ from typing import Any
 from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..errors import Problem
 from ..values import replace
-from ._builtin import BUILTIN_RULES, HostRule, RuleFacts, ServiceRule
+from ._builtin import BUILTIN_RULES, RuleFacts
 from ._command import Command, parse_command
 from ._drain import stop_timeout
 from ._hardware import Hardware
@@ -50,7 +50,7 @@ def _check_command(svc: ServiceSpec, cmd: Command, rules: RuleSet, model_config:
             if f is not None:
                 findings.append(f)
     for builtin in BUILTIN_RULES.values():
-        if isinstance(builtin, ServiceRule) and rules.enabled(builtin.id):
+        if builtin.scope == "service" and rules.enabled(builtin.id):
             failed = builtin.check(cmd, info, facts)
             if failed is not None:
                 findings.append(Finding(builtin.id, svc.name, failed.severity, failed.message, failed.fix,
@@ -82,7 +82,7 @@ def check_host(host: HostSpec, *, rules: RuleSet, model_configs: Mapping[str, Ma
         findings.extend(_check_command(svc, cmd, rules, config, facts))
         if cmd.server is not None:
             commands[name] = cmd
-    pair_rules = [r for r in BUILTIN_RULES.values() if isinstance(r, HostRule) and rules.enabled(r.id)]
+    pair_rules = [r for r in BUILTIN_RULES.values() if r.scope == "host" and rules.enabled(r.id)]
     names = sorted(commands)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
