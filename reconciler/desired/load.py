@@ -1,13 +1,6 @@
 """TOML files of one revision -> a validated, merged and rendered DesiredState.
 
-The repository layout (desired-state/README.md documents it for users)::
-
-    fleet.toml               optional: [ssh], [health] and [rollout] defaults, [notify], concurrency,
-                             [pull] waves
-    known_hosts              named by fleet.toml ssh.known_hosts
-    hosts/<host>.toml        one per host: address, labels, [ssh], [services.<name>]
-    services/<def>.toml      shared service definitions, merged under `use = "<def>"`
-    units/<x>.service        unit files named by unit_file
+The repository layout (its names: repo.py) is documented for users in desired-state/README.md.
 
 Loading is all-or-nothing: every problem in every file is collected (file, dotted key, what is
 expected) and raised together as one ConfigError, so a bad commit is rejected before anything is
