@@ -54,7 +54,7 @@ def load_desired(snap: SnapshotLike, cache_dir: Path | None = None) -> DesiredSt
     this loader, else loaded (desired.load.load_desired: ConfigError on bad input) and kept."""
     tree: str | None = getattr(snap, "tree_id", None)
     revision: str | None = getattr(snap, "revision", None)
-    where = _where(cache_dir) if tree and revision else None
+    where = (cache_dir or dirs.default_cache_dir()) / _DIR if tree and revision else None
     if where is not None and dirs.usable_dir(where.parent) and dirs.usable_dir(where):
         entry = _read(where, f"{tree}.json")
         if entry is not None and revision and (entry.format, entry.tree, entry.fingerprint) == (FORMAT, tree,
@@ -83,10 +83,6 @@ def render_at(snap: Snapshot, cache_dir: Path | None = None) -> Callable[[str], 
                 kept[rev] = None
         return kept[rev]
     return at
-
-
-def _where(cache_dir: Path | None) -> Path:
-    return (cache_dir or dirs.default_cache_dir()) / _DIR
 
 
 @functools.cache

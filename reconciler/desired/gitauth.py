@@ -5,7 +5,7 @@ the pygit2 RemoteCallbacks every network operation of the reconciler passes (rev
   the running user's ~/.ssh/known_hosts (libgit2's own; libssh2 checks it). An unknown or
   changed key refuses the connection, before any credential is offered. (pygit2's default
   callback lets every SSH host key through; this one never does.) Over https the TLS
-  certificate must verify, as before.
+  certificate must verify.
 - **Over SSH, the client.** The key file GitAuth.ssh_key (a deploy key: a regular file of this
   user's alone, no permission for group or others, as ssh itself requires; its `.pub` beside it
   is used when present), else the keys of a running ssh-agent, else the user's default identity

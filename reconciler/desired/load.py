@@ -1,13 +1,6 @@
 """TOML files of one revision -> a validated, merged and rendered DesiredState.
 
-The repository layout (desired-state/README.md documents it for users)::
-
-    fleet.toml               optional: [ssh], [health] and [rollout] defaults, [notify], concurrency,
-                             [pull] waves
-    known_hosts              named by fleet.toml ssh.known_hosts
-    hosts/<host>.toml        one per host: address, labels, [ssh], [services.<name>]
-    services/<def>.toml      shared service definitions, merged under `use = "<def>"`
-    units/<x>.service        unit files named by unit_file
+The repository layout (its names: repo.py) is documented for users in desired-state/README.md.
 
 Loading is all-or-nothing: every problem in every file is collected (file, dotted key, what is
 expected) and raised together as one ConfigError, so a bad commit is rejected before anything is
@@ -65,18 +58,20 @@ class _Loader:
         self.files = TomlFiles(snap, self.problems)
         self.units = UnitFiles(snap, self.problems)
         self.groups = RolloutGroups()
+        self.endpoints: dict[tuple[str, int], str] = {}  # (address, port) -> the first host file with it
 
     def load(self) -> DesiredState:
-        fleet = self._load_fleet()
-        known_hosts = self._load_known_hosts(fleet)
-        definitions = self._load_definitions()
-        services = ServiceLoader(self.snap, self.problems, self.units, fleet, definitions, self.groups)
-        hosts = self._load_hosts(fleet, known_hosts, services)
+        self.fleet = self._load_fleet()
+        self.known_hosts = self._load_known_hosts()
+        definitions = {name: self._load_definition(name, path)
+                       for name, path in self.files.listed(SERVICES_DIR, "definition")}
+        self.services = ServiceLoader(self.snap, self.problems, self.units, self.fleet, definitions, self.groups)
+        hosts = self._load_hosts()
         self.groups.check(self.problems)
-        waves = pull_waves(fleet.pull, hosts, self.problems)
+        waves = pull_waves(self.fleet.pull, hosts, self.problems)
         if self.problems:
             raise ConfigError(self.problems.result())
-        return DesiredState(revision=self.snap.revision, hosts=hosts, settings=_settings(fleet, waves))
+        return DesiredState(revision=self.snap.revision, hosts=hosts, settings=_settings(self.fleet, waves))
 
     # -- fleet.toml and known_hosts --
 
@@ -86,8 +81,8 @@ class _Loader:
             return schema.FleetFile()
         return self.files.validate(FLEET_FILE, schema.FleetFile, data)[0] or schema.FleetFile()
 
-    def _load_known_hosts(self, fleet: schema.FleetFile) -> str | None:
-        path = fleet.ssh.known_hosts
+    def _load_known_hosts(self) -> str | None:
+        path = self.fleet.ssh.known_hosts
         if path is None:
             return None
         data = self.snap.read(path)
@@ -104,16 +99,10 @@ class _Loader:
                 self.problems.add(path, "", f"line {number}: {why}")
         return text
 
-    # -- services/<def>.toml --
-
-    def _load_definitions(self) -> dict[str, schema.ServiceDefinition | None]:
-        """Every definition, used or not; None for one that exists but is invalid."""
-        definitions: dict[str, schema.ServiceDefinition | None] = {}
-        for name, path in self.files.listed(SERVICES_DIR, "definition"):
-            definitions[name] = self._load_definition(name, path)
-        return definitions
+    # -- services/<def>.toml: every definition, used or not --
 
     def _load_definition(self, name: str, path: str) -> schema.ServiceDefinition | None:
+        """A definition; None for one that is invalid."""
         if not SERVICE_NAME.fullmatch(name):
             self.problems.add(
                 path, "", f"invalid definition name {name!r}: use letters, digits, '_' and '-' (no dots)"
@@ -134,29 +123,18 @@ class _Loader:
 
     # -- hosts/<name>.toml --
 
-    def _load_hosts(
-        self, fleet: schema.FleetFile, known_hosts: str | None, services: ServiceLoader
-    ) -> dict[str, HostSpec]:
+    def _load_hosts(self) -> dict[str, HostSpec]:
         files = self.files.listed(HOSTS_DIR, "host")
         if not files:
             self.problems.add(f"{HOSTS_DIR}/", "", "no hosts: add hosts/<name>.toml")
         hosts: dict[str, HostSpec] = {}
-        endpoints: dict[tuple[str, int], str] = {}  # (address, port) -> the first host file with it
         for name, path in files:
-            host = self._load_host(name, path, fleet, known_hosts, services, endpoints)
+            host = self._load_host(name, path)
             if host is not None:
                 hosts[name] = host
         return hosts
 
-    def _load_host(
-        self,
-        name: str,
-        path: str,
-        fleet: schema.FleetFile,
-        known_hosts: str | None,
-        services: ServiceLoader,
-        endpoints: dict[tuple[str, int], str],
-    ) -> HostSpec | None:
+    def _load_host(self, name: str, path: str) -> HostSpec | None:
         if not HOST_NAME.fullmatch(name):
             self.problems.add(
                 path,
@@ -168,8 +146,9 @@ class _Loader:
         host, bad = self.files.validate(path, schema.HostFile, self.snap.read(path) or b"")
         if host is None:
             return None
+        fleet = self.fleet
         port = host.ssh.port if host.ssh.port is not None else fleet.ssh.port
-        other = endpoints.setdefault((host.address, port), path)
+        other = self.endpoints.setdefault((host.address, port), path)
         if other != path and not under(("ssh",), bad):
             self.problems.add(
                 path, "address", f"{host.address}:{port} is also the address of {other}: one file per host"
@@ -180,7 +159,7 @@ class _Loader:
                 self.groups.declare(service_name, table.use, path)
             if under(("services", service_name), bad):
                 continue
-            spec = services.load(name, path, host, service_name, table)
+            spec = self.services.load(name, path, host, service_name, table)
             if spec is not None:
                 specs[service_name] = spec
         return HostSpec(
@@ -190,8 +169,8 @@ class _Loader:
                 port=port,
                 user=host.ssh.user if host.ssh.user is not None else fleet.ssh.user,
                 host_key=host.ssh.host_key,
-                known_hosts=known_hosts,
-                known_hosts_file=fleet.ssh.known_hosts if known_hosts is not None else None,
+                known_hosts=self.known_hosts,
+                known_hosts_file=fleet.ssh.known_hosts if self.known_hosts is not None else None,
             ),
             services=specs,
             labels=dict(host.labels),

@@ -226,14 +226,9 @@ class ServiceLoader:
     def _drain(self, site: _Site, merged: Merged, ctx: Values,
                health_url: str | None) -> tuple[DrainSpec | None, SmokeSpec | None]:
         """The drain and smoke test, rendered and checked across their layers (drain.py)."""
-        def render_at(value: str, at: At) -> str:
-            # Not _render_value: a controller's stdin may span lines (every value here was
-            # checked by the schema, and a placeholder renders no control character).
-            rendered, unknown = render(value, ctx)
-            for _, why in unknown:
-                self._report(site, at, why)
-            return rendered
-
+        # Not _render_value: a controller's stdin may span lines (every value here was checked
+        # by the schema, and a placeholder renders no control character).
+        render_at = functools.partial(self._render, site, ctx)
         report = functools.partial(self._report, site)
         return (drain_spec(merged.drain, merged.tables.get("drain"), health_url, render_at, report),
                 smoke_spec(merged.smoke, merged.tables.get("smoke"), health_url, render_at, report))
@@ -287,12 +282,17 @@ class ServiceLoader:
         """A problem at a value's file and key; one in a shared file also names this service and host."""
         self.problems.add(at.file, at.key, message, site.use if at.file != site.host_file else None)
 
-    def _render_value(self, site: _Site, value: str, at: At, ctx: Values) -> str:
-        """Render placeholders in a one-line value (env, vars, health.http). The problem names
-        the key and the placeholder, never the value: env values may be secrets."""
+    def _render(self, site: _Site, ctx: Values, value: str, at: At) -> str:
+        """Render placeholders in a value; each unknown one is a problem naming the key and the
+        placeholder, never the value: env values may be secrets."""
         rendered, unknown = render(value, ctx)
         for _, why in unknown:
             self._report(site, at, why)
+        return rendered
+
+    def _render_value(self, site: _Site, value: str, at: At, ctx: Values) -> str:
+        """Render placeholders in a one-line value (env, vars, health.http)."""
+        rendered = self._render(site, ctx, value, at)
         if _CONTROL.search(rendered):  # impossible by validation; kept as the last line of defence
             self.problems.add(at.file, at.key, "renders to a value with a control character")
         return rendered

@@ -26,15 +26,11 @@ class HealthSpec(msgspec.Struct, frozen=True):
 
 
 class RolloutPolicy(msgspec.Struct, frozen=True):
-    """How a change to a shared service definition spreads over the hosts that use it.
-
-    canary: how many hosts restart first, alone (0: no canary wave).
-    max_unavailable: at most this many hosts of the group restart at once: a count (int >= 1)
-    or a percentage of the hosts that run the service ("25%"), rounded down but at least 1.
-    A host counts as unavailable from the moment its service stops until it is healthy again;
-    each wave waits for the health of all its hosts, so the wave size is the bound.
-    min_available: the hosts of the group that must stay ready (serving), counting hosts already
-    down; None: no such floor. A rollout takes a host only while the others keep it.
+    """How a change to a shared service definition spreads over the hosts that use it
+    (docs/rollouts.md): `canary` hosts first, alone (0: no canary wave), then waves of at most
+    `max_unavailable` hosts, a count (int >= 1) or a percentage ("25%"). min_available: the
+    hosts of the group that must stay ready (serving), counting hosts already down; None: no
+    such floor. A rollout takes a host only while the others keep it.
     """
 
     canary: int = 1

@@ -1,26 +1,14 @@
 """Pre-flight checks before a model server is (re)started: flag rules as data, model presence.
 
-Everything here is pure except the text of one shell command:
+See docs/preflight.md for what is checked and when.
 
-* `parse_command(svc)` reads the server command line of a rendered unit (its last
-  ExecStart=, after systemd's prefixes and line continuations), splits it into flags and env,
-  and detects the server kind (sglang or vllm).
-* The rule pack is data: TOML files shipped in reconciler/rules/ plus the desired-state repo's
-  own rules/*.toml (`load_rules`), validated by desired/tables.py (the schema imported with
-  the first rule file read: a run that starts nothing never loads it); a bad user file is a ConfigError
-  naming file and key. `check_service` and `check_host` evaluate them, together with a few
-  built-in checks that need arithmetic or look across services (parallel sizes vs GPUs, heads
-  divisibility, quantization vs checkpoint, GPUs and ports shared on one host), each one
-  function registered with `@builtin(id, sources=...)`; with the host's GPUs (`Hardware`) and
-  the checkpoint's size also memory per GPU and quantization vs compute capability. Every
-  result is a `Finding` with a rule id, the fix and the source that justifies the rule.
-* Model presence: `ModelCheck(paths)` (a host program) reads config.json, the safetensors index
-  and the size of every weight file in one round trip; `parse_model_check` names what is missing.
-
-What a model is ("hybrid": it keeps recurrent linear-attention / SSM state) comes from the
-model's own config.json when the caller has read it from the host (dry-run, apply), and
-otherwise (validate: no host access) from the model id and the declared architecture, looked
-up in the `[[model]]` tables of the rule files (rules/models.toml, extendable from the repo).
+Everything here is pure except the text of one shell command (`ModelCheck`, _hostcheck). The
+rule pack is data: the shipped reconciler/rules/*.toml plus the repo's own rules/*.toml
+(`load_rules`; their schema, _schema, comes with the first rule file read: a run that starts
+nothing never loads it). `check_service`, `check_host` and `check_desired` evaluate it together
+with the built-in rules (`@builtin`, _registry), each result a `Finding`. Where no config.json
+was read from the host (validate), what a model is comes from the `[[model]]` tables of the
+rule files (rules/models.toml, extendable from the repo).
 
 A rule file::
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from ._command import PARALLEL_FLAGS, WILDCARD_HOSTS, Command, gpu_claim, gpu_positions
 from ._models import ModelInfo, checkpoint_quantization, text_config
-from ._registry import BUILTIN_RULES, Failed, HostRule, RuleFacts, ServiceRule, builtin, positive_int
+from ._registry import BUILTIN_RULES, Failed, RuleFacts, builtin, positive_int
 
-__all__ = ["BUILTIN_RULES", "Failed", "HostRule", "RuleFacts", "ServiceRule", "builtin"]
+__all__ = ["BUILTIN_RULES", "Failed", "RuleFacts", "builtin"]
 
 # The rules, in the order RuleSet.ids lists them.
 

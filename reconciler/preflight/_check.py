@@ -7,8 +7,7 @@ from typing import Any
 
 from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 from ..errors import Problem
-from ..values import replace
-from ._builtin import BUILTIN_RULES, HostRule, RuleFacts, ServiceRule
+from ._builtin import BUILTIN_RULES, RuleFacts
 from ._command import Command, parse_command
 from ._drain import stop_timeout
 from ._hardware import Hardware
@@ -31,17 +30,12 @@ def check_service(svc: ServiceSpec, *, rules: RuleSet, model_config: Mapping[str
     checkpoint's size on the host (`weights_bytes(model_facts)`), or None (estimated from
     config.json, and then only a warning).
     """
-    facts = RuleFacts(gpu_count=gpu_count, version=version, weights_bytes=weights_bytes,
-                         hardware=hardware, unit=f"{svc.name}.service")
-    return _check_command(svc, parse_command(svc), rules, model_config, facts)
-
-
-def _check_command(svc: ServiceSpec, cmd: Command, rules: RuleSet, model_config: Mapping[str, Any] | None,
-                   facts: RuleFacts) -> list[Finding]:
+    cmd = parse_command(svc)
     if cmd.server is None:
         return []
-    facts = replace(facts, drain_timeout=svc.drain.timeout if svc.drain is not None else None,
-                    stop_timeout=stop_timeout(svc.unit_text))
+    facts = RuleFacts(gpu_count=gpu_count, version=version, weights_bytes=weights_bytes, hardware=hardware,
+                      unit=f"{svc.name}.service", drain_timeout=svc.drain.timeout if svc.drain is not None else None,
+                      stop_timeout=stop_timeout(svc.unit_text))
     info = model_info(svc, model_config, rules.models)
     findings: list[Finding] = []
     for rule in rules.rules:
@@ -50,7 +44,7 @@ def _check_command(svc: ServiceSpec, cmd: Command, rules: RuleSet, model_config:
             if f is not None:
                 findings.append(f)
     for builtin in BUILTIN_RULES.values():
-        if isinstance(builtin, ServiceRule) and rules.enabled(builtin.id):
+        if builtin.scope == "service" and rules.enabled(builtin.id):
             failed = builtin.check(cmd, info, facts)
             if failed is not None:
                 findings.append(Finding(builtin.id, svc.name, failed.severity, failed.message, failed.fix,
@@ -74,15 +68,14 @@ def check_host(host: HostSpec, *, rules: RuleSet, model_configs: Mapping[str, Ma
     commands: dict[str, Command] = {}
     for name in sorted(host.services):
         svc = host.services[name]
+        model = svc.model
+        findings.extend(check_service(svc, rules=rules, model_config=model_configs.get(model.path) if model else None,
+                                      gpu_count=gpu_count, version=(versions or {}).get(name), hardware=hardware,
+                                      weights_bytes=(weights or {}).get(model.path) if model else None))
         cmd = parse_command(svc)
-        config = model_configs.get(svc.model.path) if svc.model else None
-        facts = RuleFacts(gpu_count=gpu_count, version=(versions or {}).get(name), hardware=hardware,
-                             weights_bytes=(weights or {}).get(svc.model.path) if svc.model else None,
-                             unit=f"{name}.service")
-        findings.extend(_check_command(svc, cmd, rules, config, facts))
         if cmd.server is not None:
             commands[name] = cmd
-    pair_rules = [r for r in BUILTIN_RULES.values() if isinstance(r, HostRule) and rules.enabled(r.id)]
+    pair_rules = [r for r in BUILTIN_RULES.values() if r.scope == "host" and rules.enabled(r.id)]
     names = sorted(commands)
     for i, a in enumerate(names):
         for b in names[i + 1:]:

@@ -183,10 +183,6 @@ def _is_flag(token: str) -> bool:
     return len(token) > 1 and token.startswith("-") and not re.match(r"^-\d", token)
 
 
-def _basename(token: str) -> str:
-    return token.rsplit("/", 1)[-1]
-
-
 def _locate_server(tokens: list[str], env: dict[str, str]) -> tuple[Server | None, list[str]]:
     """Find the server entry point; return its kind and the tokens after it.
 
@@ -196,7 +192,7 @@ def _locate_server(tokens: list[str], env: dict[str, str]) -> tuple[Server | Non
     i = 0
     while i < len(tokens):
         tok = tokens[i]
-        base = _basename(tok)
+        base = tok.rsplit("/", 1)[-1]
         m = ENV_ASSIGNMENT.match(tok)
         if m:
             # Before the server's entry point, VAR=value is an assignment (`env A=1 python ...`,

@@ -1,15 +1,8 @@
-"""Built-in rules about what a stop does to the requests in flight (issue 42), read from the
-engines' wheels (../shared/reviews/2026-12-03-anchors.md §1.3-1.4):
-
-* vLLM's `--shutdown-timeout` defaults to 0: on SIGTERM the engine aborts every request in
-  flight (v1/engine/core.py `_handle_shutdown`, mode "abort"); S > 0 lets them finish for up
-  to S seconds. A vLLM service with 0 (or unset) and no drain declared drops its in-flight
-  requests at every restart: a warning.
-* systemd stops a unit at TimeoutStopSec= (DefaultTimeoutStopSec, 90 s) with SIGKILL. The
-  stop's own wait for in-flight work is vLLM's S; SGLang drains in-flight requests on SIGTERM
-  without bound (tokenizer_manager.py `sigterm_watchdog`), so what is left when a declared drain
-  times out can run as long as that drain allowed. Either, plus the 15 s SGLang gives its
-  schedulers to release the GPUs, longer than TimeoutStopSec is killed mid-drain: a warning.
+"""Built-in rules about what a stop does to the requests in flight (issue 42): see
+docs/preflight.md, "What a stop does to the requests in flight". Read from the engines' wheels
+(../shared/reviews/2026-12-03-anchors.md §1.3-1.4): vLLM's v1/engine/core.py `_handle_shutdown`
+(mode "abort"; --shutdown-timeout S > 0 lets them finish for up to S seconds) and SGLang's
+tokenizer_manager.py `sigterm_watchdog` (it drains them on SIGTERM without a bound).
 
 `RuleFacts.drain_timeout` (None: no drain) and `stop_timeout` (None: systemd's default) come
 from the service (_check.py); `stop_timeout` parses systemd's time spans here.

@@ -2,25 +2,17 @@
 
 The rule pack trails the engines (they change weekly); the engine installed on the host does
 not. Before anything is stopped, a small probe (reconciler/engines/<server>_probe.py, copied to
-the host) runs with the unit's own interpreter, user and environment on the unit's own server
-arguments, and calls what the launcher calls before any GPU or weight work (SGLang:
-`prepare_server_args`, `resolve_once`, `check_server_args`; vLLM: `make_arg_parser`,
-`validate_parsed_serve_args`, `create_engine_config`). Its last stdout line is
-`RECONCILER-ENGINE {json}`. The review with the commands and results behind this design:
-docs/engine-check.md.
+the host) runs the launcher's own checks, before any GPU or weight work, on the unit's server
+arguments with the unit's interpreter, user and environment; its last stdout line is
+`RECONCILER-ENGINE {json}`. What it calls, and the review behind this design: docs/engine-check.md.
 
 Here: which services have an engine check (`engine_run_for`), what the probe's answer means
 (`parse_verdict`, `EngineVerdict`), and how it reads to an operator (`EngineVerdict.block`,
 `.note`). The host edge (the command, systemd-run with guards, the cache) is host/engine.py.
 
-Verdicts: `rejected` (argparse's usage errors, the engine's own configuration errors) blocks
-that service with reason EngineRejected, the engine's message quoted and its version named;
-`inconclusive` (the engine would not import, no accelerator, a timeout, a probe that printed no
-answer, a release without the hook the host's GPU facts go through) is a warning, and the static
-rules decide; `ok` shows what the engine resolved that matters (the dry run prints it). Any
-verdict may carry the engine's `warnings` (a variable it does not know or retired, a flag it
-marks deprecated or a no-op, in its own words) and the probe's `notes` (what it left out of the
-command line): the dry run shows both with the verdict.
+Verdicts (`ok`, `rejected`, `inconclusive`) and what each does: docs/engine-check.md,
+"Verdicts". Any verdict may carry the engine's `warnings` (in its own words) and the probe's
+`notes` (what it left out of the command line): the dry run shows both with the verdict.
 """
 
 from __future__ import annotations

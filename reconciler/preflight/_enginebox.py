@@ -1,24 +1,16 @@
 """The engine probe's box (pure): which environment it gets, under which systemd properties it
-runs, and when it does not run at all.
+runs, and when it does not run at all. What each part lets through: docs/engine-check.md, "The
+box"; here, with the lists, why.
 
 The probe starts the unit's interpreter and imports the unit's engine: code that the revision
 (the interpreter it names, its environment) and the host (the packages installed there) choose.
-So it gets no more than the engine's argument checks need, and never more than the unit has:
-
-* **Environment** (`probe_env`, and the same lists in reconciler/sh/engine-probe.sh, which
-  filters the unit's EnvironmentFile=s on the host): only the engine's own variables, by name
-  (`ENV_PREFIXES`, `ENV_NAMES`); never a name that matches `ENV_DENY`: search paths and
-  loaders (`*PATH*`: `PYTHONPATH`, `LD_LIBRARY_PATH`, `CUDA_INJECTION64_PATH`,
-  `VLLM_LOGGING_CONFIG_PATH`, ...; `*PLUGIN*`: NCCL's network and tuner plugins;
-  `HF_MODULES_CACHE`: transformers puts it on `sys.path`) and anything secret-looking (the check
-  needs no secret). Whatever is not listed is dropped: `PYTHON*`, `LD_*`, `BROWSER`, `HOME`, ...
-* **Identity** (`probe_properties`): the unit's `User=`, `Group=`, `SupplementaryGroups=`,
-  `DynamicUser=`; a unit that would run as root (no `User=`, or `User=root`) has its probe run
-  as `DynamicUser=yes` instead, without a root group.
-* **Sandbox**: the unit's own sandbox settings (`SANDBOX_KEYS`), then the probe's own (`OWN`,
-  set last: a later assignment wins in systemd, and each is at least as strict as any value a
-  unit may give), `PrivateDevices=yes` when the GPUs are hidden, and a cap on the size of any
-  file the probe writes (its output included) and on its tasks.
+So it gets no more than the engine's argument checks need, and never more than the unit has.
+`ENV_DENY` keeps out search paths and loaders (`*PLUGIN*`: NCCL's network and tuner plugins;
+`HF_MODULES_CACHE`: transformers puts it on `sys.path`) and anything secret-looking (the check
+needs no secret); reconciler/sh/engine-probe.sh holds the same lists, for the unit's
+EnvironmentFile=s it filters on the host. The probe's own settings (`OWN`) come after the
+unit's: a later assignment wins in systemd, and each is at least as strict as any value a unit
+may give.
 """
 
 from __future__ import annotations

@@ -11,14 +11,14 @@ Severity = Literal["error", "warning"]      # an error blocks the service's depl
 
 PLACEHOLDER = re.compile(r"\{([^{}]*)\}")
 FIXED = ("model", "model.why", "missing")
-_FLAG_NAME = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_-]*\Z")
+FLAG_NAME = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_-]*\Z")
 
 
 def placeholder_problem(text: str) -> str | None:
     """What is wrong with a message's placeholders (an unknown one), or None."""
     for m in PLACEHOLDER.finditer(text):
         name = m.group(1)
-        if name in FIXED or (name.startswith("flag:") and _FLAG_NAME.match(name[5:])):
+        if name in FIXED or (name.startswith("flag:") and FLAG_NAME.match(name[5:])):
             continue
         return (f"unknown placeholder {{{name}}} (allowed: {{flag:--name}}, "
                 + ", ".join("{" + p + "}" for p in FIXED) + ")")

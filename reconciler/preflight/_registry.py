@@ -1,7 +1,7 @@
 """The registry of built-in rules: what a check is given (RuleFacts), what it returns (Failed),
 and the `@builtin` decorator that files it under its id.
 
-A built-in rule is one decorated function; its docstring is the rule's summary::
+A built-in rule is one decorated function, its docstring saying what it finds::
 
     @builtin("tp-exceeds-gpus", sources={"sglang": "https://...", "vllm": "https://..."})
     def _gpu_count(cmd: Command, info: ModelInfo, facts: RuleFacts) -> Failed | None:
@@ -72,28 +72,15 @@ class BuiltinRule:
 
     id: str
     sources: Mapping[str, str]       # server ("sglang", "vllm", "any") -> URL
-    summary: str
+    scope: Literal["service", "host"]
+    check: Callable[..., Failed | None]   # a ServiceCheck or a HostCheck, as scope says
 
     def source(self, server: str | None) -> str:
         """The URL that justifies the rule for this server (else the general one)."""
         return self.sources.get(server or "any") or self.sources.get("any") or next(iter(self.sources.values()))
 
 
-@dataclass(frozen=True)
-class ServiceRule(BuiltinRule):
-    """A built-in rule with scope="service"."""
-
-    check: ServiceCheck
-
-
-@dataclass(frozen=True)
-class HostRule(BuiltinRule):
-    """A built-in rule with scope="host"."""
-
-    check: HostCheck
-
-
-BUILTIN_RULES: dict[str, ServiceRule | HostRule] = {}
+BUILTIN_RULES: dict[str, BuiltinRule] = {}
 
 
 @overload
@@ -113,9 +100,7 @@ def builtin(rule_id: str, *, sources: Mapping[str, str],
     def register(check: Callable[..., Failed | None]) -> Callable[..., Failed | None]:
         if rule_id in BUILTIN_RULES:
             raise ValueError(f"built-in rule {rule_id!r} is registered twice")
-        summary = (check.__doc__ or "").strip().split("\n")[0]
-        kind = ServiceRule if scope == "service" else HostRule
-        BUILTIN_RULES[rule_id] = kind(rule_id, sources, summary, check)
+        BUILTIN_RULES[rule_id] = BuiltinRule(rule_id, sources, scope, check)
         return check
 
     return register

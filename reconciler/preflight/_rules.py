@@ -96,16 +96,6 @@ def parse_rule_file(data: bytes, file: str) -> RuleFile:
         raise ConfigError(validation_problems(file, RuleFile, e.errors, data=raw)) from None
 
 
-def _package_files() -> list[tuple[str, bytes]]:
-    import importlib.resources  # only a load reads the rule pack
-    root = importlib.resources.files("reconciler").joinpath(RULES_DIR)
-    out = []
-    for entry in sorted(root.iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".toml") and entry.is_file():
-            out.append((f"reconciler/{RULES_DIR}/{entry.name}", entry.read_bytes()))
-    return out
-
-
 def load_rules(snap: SnapshotLike | None = None) -> RuleSet:
     """The shipped rule pack plus the repo's own rules/*.toml (when a snapshot is given).
 
@@ -118,8 +108,12 @@ def load_rules(snap: SnapshotLike | None = None) -> RuleSet:
     origin: dict[str, str] = {}
     models: list[ModelEntry] = []
     disabled: dict[str, str] = {}
-    for file, shipped_data in _package_files():
-        parsed = parse_rule_file(shipped_data, file)     # a broken shipped file is a bug: raise
+    import importlib.resources  # only a load reads the rule pack
+    for entry in sorted(importlib.resources.files("reconciler").joinpath(RULES_DIR).iterdir(), key=lambda p: p.name):
+        if not entry.name.endswith(".toml") or not entry.is_file():
+            continue
+        file = f"reconciler/{RULES_DIR}/{entry.name}"
+        parsed = parse_rule_file(entry.read_bytes(), file)     # a broken shipped file is a bug: raise
         for r in parsed.rule:
             rules[r.id] = r
             origin[r.id] = file

@@ -19,11 +19,10 @@ import msgspec
 
 from ..desired.tables import After, Check, Invalid, Table
 from ..errors import describe
-from ._message import Severity, placeholder_problem
+from ._message import FLAG_NAME, Severity, placeholder_problem
 from ._versions import Unknown, covers, plain_range
 
 _RULE_ID = re.compile(r"^[a-z0-9][a-z0-9-]{0,79}\Z")
-_FLAG_NAME = re.compile(r"^--?[A-Za-z0-9][A-Za-z0-9_-]*\Z")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _TRAIT = re.compile(r"^[a-z][a-z0-9_-]{0,39}\Z")
 
@@ -54,7 +53,7 @@ def _values(v: Any, *, allow_bool: bool) -> tuple[str, ...] | bool:
     raise _fail(f"expected a string, an integer or a non-empty list of them{extra}, got {describe(v)}")
 
 
-FlagName = Annotated[str, _checked_str(_FLAG_NAME, "a flag such as '--tp-size'")]
+FlagName = Annotated[str, _checked_str(FLAG_NAME, "a flag such as '--tp-size'")]
 EnvName = Annotated[str, _checked_str(_ENV_NAME, "an environment variable name")]
 RuleId = Annotated[str, _checked_str(_RULE_ID, "a rule id: lowercase letters, digits and '-'")]
 Trait = Annotated[str, _checked_str(_TRAIT, "a trait name such as 'hybrid'")]
