@@ -95,20 +95,15 @@ class Signal(HostProgram[dict[str, set[int]]], frozen=True):
         return out
 
 
-async def _alive(t: Transport, pids: list[int]) -> set[int]:
-    if not pids:
-        return set()
-    said = await programs.run(t, Signal("alive", tuple((p, "") for p in pids)), timeout=15,
-                              what="GPU holder check", check=False)
-    return said["A"]
-
-
 async def _still_alive(t: Transport, pids: set[int], until: float, poll: float, clock: Clock) -> set[int]:
     """Which of pids are alive, read again every `poll` seconds while any is, until `until`."""
-    alive = await _alive(t, sorted(pids))
-    while alive and clock.now() < until:
+    alive = pids
+    while alive:
+        alive = (await programs.run(t, Signal("alive", tuple((p, "") for p in sorted(alive))), timeout=15,
+                                    what="GPU holder check", check=False))["A"]
+        if not alive or clock.now() >= until:
+            break
         await clock.sleep(poll)
-        alive = await _alive(t, sorted(alive))
     return alive
 
 

@@ -78,8 +78,8 @@ async def http_probe(t: Transport, url: str, ca_pem: str | None = None) -> tuple
 
     httpx over the SSH channel (reconciler/host/probe.py), imported on first use: a run that
     restarts nothing never pays for it."""
-    from .probe import http_probe as probe
-    return await probe(t, url, ca_pem=ca_pem)
+    from .probe import http_request
+    return await http_request(t, url, ca_pem=ca_pem)
 
 
 Phase = Callable[[str, str, float, float], None]   # (service, phase, elapsed, timeout)
