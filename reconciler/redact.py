@@ -229,8 +229,7 @@ def _mask_settings(text: str) -> str:
 
 
 def _masked(m: re.Match[str]) -> str:
-    head = m.groupdict().get("head")
-    return (head or "") + MASK
+    return (m.groupdict().get("head") or "") + MASK
 
 
 def redact(text: str) -> str:

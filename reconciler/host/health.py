@@ -67,9 +67,7 @@ class Outcome(msgspec.Struct):
     seconds: float = 0.0
 
     def to_json(self) -> dict:
-        return {"service": self.service, "healthy": self.healthy, "reason": self.reason,
-                "message": self.message, "quote": self.quote, "journal": self.journal[-20:],
-                "seconds": round(self.seconds, 2)}
+        return {**msgspec.structs.asdict(self), "journal": self.journal[-20:], "seconds": round(self.seconds, 2)}
 
 
 async def http_probe(t: Transport, url: str, ca_pem: str | None = None) -> tuple[int | None, str]:
