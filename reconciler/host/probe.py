@@ -49,14 +49,13 @@ async def http_request(t: Transport, url: str, *, method: str = "GET", body: str
                        content_type: str = "application/json", timeout: float = 5.0, ca_pem: str | None = None,
                        max_body: int = 65536, lines: list[tuple[float, str]] | None = None) -> tuple[int | None, str]:
     """A request from the host behind `t` (a GET: the health probe, `http_probe`; a drain's call,
-    a smoke test's completion): `(status, body)` or `(None, short error)`, never raising for the
-    network.
+    a smoke test's completion): `(status, body)` or `(None, short error)`.
 
-    `timeout` bounds the whole exchange (connect, TLS, request, body). At most `max_body` bytes
-    of body are read; the rest is left unread and the connection closed. `ca_pem` is the PEM
-    text of the CA bundle that `https://` must chain to (None: the system's default CAs).
-    `lines`: read the answer line by line into it, each with the seconds since the request was
-    sent (a streamed completion's time to its first token).
+    `timeout` bounds the whole exchange (connect, TLS, request, body); past `max_body` bytes of
+    body the rest is left unread and the connection closed. `ca_pem`: the PEM text of the CA
+    bundle that `https://` must chain to (None: the system's default CAs). `lines`: read the
+    answer line by line into it, each with the seconds since the request was sent (a streamed
+    completion's time to its first token).
     """
     backend = _ChannelBackend(t)
     try:
