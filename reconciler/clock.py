@@ -32,11 +32,9 @@ class RealClock:
     """The machine's clock: time.monotonic() and asyncio.sleep()."""
 
     def now(self) -> float:
-        """time.monotonic()."""
         return time.monotonic()
 
     async def sleep(self, seconds: float) -> None:
-        """asyncio.sleep(seconds)."""
         await asyncio.sleep(seconds)
 
 

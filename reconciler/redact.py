@@ -28,15 +28,9 @@ What is masked:
   unless the value is a `$VARIABLE` or a `{placeholder}` (max_tokens=, a name that only contains
   one of them, is left alone: server logs are full of those).
 
-`redact_data` never rewrites the keys of a mapping: keys are names (hosts, services, env
-names, fields of a JSON document), and a consumer of --json relies on them.
-
-`clip` is how a text from a host is bounded: redacted whole first, then cut; a text cut at its
-front (its end kept) starts at its first whole word.
-
-`escape_controls` is the other rule for text that reaches a reader: control characters (ESC
-and the other C0/C1 controls but newline and tab) shown as visible `\\x1b` escapes, so that a
-journal line or a commit subject cannot drive the operator's terminal.
+`redact_data` never rewrites the keys of a mapping; `clip` is how a text from a host is bounded
+(redacted whole, then cut); `escape_controls` is the other rule for text that reaches a reader
+(no control character drives the operator's terminal).
 """
 
 from __future__ import annotations
@@ -120,9 +114,8 @@ _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def maskable(value: str) -> bool:
-    """Whether a registered value is masked by value: not when it is shorter than 4 characters,
-    a plain word of letters shorter than 8, or digits only shorter than 6 (masking those would
-    turn ordinary text into `***`, and tell whoever writes text what the secret is)."""
+    """Whether a registered value is masked by value: not one too short or too common (see the
+    module docstring: masking it would be an oracle)."""
     v = value.strip()
     if len(v) < _MIN:
         return False
@@ -229,8 +222,7 @@ def _mask_settings(text: str) -> str:
 
 
 def _masked(m: re.Match[str]) -> str:
-    head = m.groupdict().get("head")
-    return (head or "") + MASK
+    return (m.groupdict().get("head") or "") + MASK
 
 
 def redact(text: str) -> str:
@@ -253,8 +245,8 @@ def redact(text: str) -> str:
 def redact_data(data: Any) -> Any:
     """A copy of JSON-like data (dicts, lists, tuples, strings) with every string value redacted,
     for --json, webhook bodies and the store, before serializing (a value escaped by JSON would
-    no longer match the text registered). Keys are kept as they are: they are names, and a
-    consumer of the JSON looks them up."""
+    no longer match the text registered). Keys are kept as they are: they are names (hosts,
+    services, env names, fields of a JSON document), and a consumer of the JSON looks them up."""
     if isinstance(data, str):
         return redact(data)
     if isinstance(data, dict):

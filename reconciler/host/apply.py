@@ -46,6 +46,7 @@ from ..plan.gpuhealth import FAULT_FILE, GpuFault
 from ..plan.model import ORDER, Action, HostPlan, Kind
 from ..plan.records import ServiceRecord
 from . import programs
+from .health import Phase
 from .script import CONTROLLER, RECORD_MODE, ApplyScript, call, record_calls
 from .transport import Transport
 
@@ -141,15 +142,12 @@ async def _calls(t: Transport, calls: tuple[str, ...], steps: int, what: str, ti
         raise CommandError(t.host, what, res.exit_status, answer.fatal.message if answer.fatal else res.stderr)
 
 
-# Told every second while a model is fetched: service, what goes on, seconds so far, the limit.
-FetchPhase = Callable[[str, str, float, float], None]
-
-
 async def fetch_model(t: Transport, a: Action, *, clock: Clock = REAL,
-                      on_phase: FetchPhase | None = None) -> str | None:
+                      on_phase: Phase | None = None) -> str | None:
     """Run a FETCH step (the planner decided it may: plan/state.fetch_refused): the model's own
     fetch command in its directory, made first (reconciler/sh/fetch.sh, plan/facts/fetch.py),
-    within model.fetch_timeout, telling `on_phase` every second (on `clock`) while it runs.
+    within model.fetch_timeout, telling `on_phase` every second (on `clock`: service, what goes on,
+    seconds so far, the limit) while it runs.
     Returns why it failed, or None."""
     model = a.model
     assert a.kind is Kind.FETCH and model is not None and model.fetch

@@ -2,25 +2,13 @@
 preflight/_engine.py for what the answers mean, preflight/_enginebox.py for the box the probe
 runs in).
 
-`EngineProbe(run, ...)` is reconciler/sh/engine-probe.sh with its named parameters (the token,
-the server's arguments, the interpreter, the probe, the unit's user, PYTHONPATH entries,
-EnvironmentFile=s and the probe's systemd properties, one a line), then the service's
-environment, allowlisted, as an env file (values never go on a command line). On the host it
-runs the probe as `python -I` under `systemd-run` with the unit's identity (a unit that would
-run as root: a dynamic user) and sandbox and the probe's own (no network, the file system
-read-only, no capabilities), `MemoryMax=`, `RuntimeMaxSec=`,
-`TasksMax=`, `LimitFSIZE=`, `Nice=19`, idle I/O, no hub downloads (`HF_HUB_OFFLINE=1`) and, by
-default, no GPU visible (`CUDA_VISIBLE_DEVICES=`, `PrivateDevices=yes`) with the host's GPU
-facts from nvidia-smi passed in instead: the old server keeps its GPUs untouched while the new
-command line is checked (bench/results/engine_probe_h200.txt has the measurements). It refuses
-to run where the interpreter, a directory on its path or the engine's files may be changed by
-anyone but root or the unit's user.
-
-A probe costs a python start-up that imports the engine (8-15 s), so answers are cached on the
-controller per host and per request (interpreter, arguments, environment, unit settings,
-probe) with the host's stamp (every file and directory the answer depends on, the unit's env
-files, the model's config.json, the GPU facts, the probe) for at most `MAX_AGE`: a cached
-answer costs a `stat` and a hash on the host.
+`EngineProbe(run, ...)` is reconciler/sh/engine-probe.sh with its named parameters (one a
+line), then the service's environment, allowlisted, as an env file (values never go on a
+command line). How the host runs the probe (`python -I` under `systemd-run`, the unit's
+identity and sandbox and the probe's own, its limits, no GPU visible by default), when it
+refuses to, and what the cache keys and stamps: docs/engine-check.md. Answers are cached on the
+controller per host and per request (`VerdictCache`) for at most `MAX_AGE`: a cached answer
+costs a `stat` and a hash on the host.
 """
 
 from __future__ import annotations
@@ -104,8 +92,7 @@ def request_key(run: EngineRun) -> str:
 def refusal(run: EngineRun) -> str | None:
     """Why the check does not run at all (None: it runs): a unit in another root, or a setting
     the host program's one-a-line header cannot carry."""
-    where = elsewhere(run.unit)
-    if where:
+    if where := elsewhere(run.unit):
         return where
     if any("\n" in v or "\r" in v for v in (run.interpreter, run.user or "", run.env.get("PYTHONPATH", ""),
                                              *run.env_files, *(v for _, v in run.unit), *run.args)):

@@ -1,11 +1,6 @@
-"""The GPU gate's executor: read a host's GPUs (plan/facts/gpu.py's GpuRead), wait until they
-are free after a stop, and deal with stray holders.
-
-`gpu_facts(t)` reads them in one round trip; `wait_released(t, pids=...)` polls after a stop,
-bounded, until the old processes are gone and the memory is back; `kill_strays(t, holders,
-policy)`: "report" never kills, "kill" sends SIGTERM, then SIGKILL after a grace period
-(sh/signal.sh: each PID's name is checked again first, since PIDs are reused).
-"""
+"""The GPU gate's executor: read a host's GPUs (plan/facts/gpu.py's GpuRead) in one round trip
+(`gpu_facts`), wait until they are free after a stop (`wait_released`), and deal with stray
+holders (`kill_strays`, sh/signal.sh)."""
 
 from __future__ import annotations
 
@@ -95,20 +90,15 @@ class Signal(HostProgram[dict[str, set[int]]], frozen=True):
         return out
 
 
-async def _alive(t: Transport, pids: list[int]) -> set[int]:
-    if not pids:
-        return set()
-    said = await programs.run(t, Signal("alive", tuple((p, "") for p in pids)), timeout=15,
-                              what="GPU holder check", check=False)
-    return said["A"]
-
-
 async def _still_alive(t: Transport, pids: set[int], until: float, poll: float, clock: Clock) -> set[int]:
     """Which of pids are alive, read again every `poll` seconds while any is, until `until`."""
-    alive = await _alive(t, sorted(pids))
-    while alive and clock.now() < until:
+    alive = pids
+    while alive:
+        alive = (await programs.run(t, Signal("alive", tuple((p, "") for p in sorted(alive))), timeout=15,
+                                    what="GPU holder check", check=False))["A"]
+        if not alive or clock.now() >= until:
+            break
         await clock.sleep(poll)
-        alive = await _alive(t, sorted(alive))
     return alive
 
 
@@ -125,7 +115,6 @@ async def kill_strays(t: Transport, holders: list[Holder], policy: str = "report
         raise ValueError(f"unknown stray-process policy {policy!r} (expected one of {', '.join(POLICIES)})")
     if policy == "report" or not holders:
         return [KillOutcome(h, "reported") for h in holders]
-    # Signal only a PID whose comm is still the one observed (PIDs get reused).
     said = await programs.run(t, Signal("term", tuple((h.pid, h.comm) for h in holders)), timeout=15,
                               what="SIGTERM stray GPU holders", check=False)
     signalled, failed = said["S"], said["F"]

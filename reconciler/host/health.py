@@ -67,9 +67,7 @@ class Outcome(msgspec.Struct):
     seconds: float = 0.0
 
     def to_json(self) -> dict:
-        return {"service": self.service, "healthy": self.healthy, "reason": self.reason,
-                "message": self.message, "quote": self.quote, "journal": self.journal[-20:],
-                "seconds": round(self.seconds, 2)}
+        return {**msgspec.structs.asdict(self), "journal": self.journal[-20:], "seconds": round(self.seconds, 2)}
 
 
 async def http_probe(t: Transport, url: str, ca_pem: str | None = None) -> tuple[int | None, str]:
@@ -78,8 +76,8 @@ async def http_probe(t: Transport, url: str, ca_pem: str | None = None) -> tuple
 
     httpx over the SSH channel (reconciler/host/probe.py), imported on first use: a run that
     restarts nothing never pays for it."""
-    from .probe import http_probe as probe
-    return await probe(t, url, ca_pem=ca_pem)
+    from .probe import http_request
+    return await http_request(t, url, ca_pem=ca_pem)
 
 
 Phase = Callable[[str, str, float, float], None]   # (service, phase, elapsed, timeout)

@@ -95,9 +95,7 @@ def check_address(address: str) -> None:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
-    if ip.is_global and not ip.is_multicast:
-        return
-    if any(ip in net for net in allowed()):
+    if (ip.is_global and not ip.is_multicast) or any(ip in net for net in allowed()):
         return
     kind = next((k for k, yes in (("loopback", ip.is_loopback), ("link-local", ip.is_link_local),
                                   ("multicast", ip.is_multicast), ("private", ip.is_private)) if yes), "not public")

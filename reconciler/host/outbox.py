@@ -8,8 +8,7 @@ returns at once; one task of the running loop sends them in order through one
 `max_pending` wait, and a request put under a key still queued replaces it (the forge keeps
 only the newest status per commit and context); past the bound the oldest is dropped and that
 is said. Every warning is redacted, kept in `failures` (the newest KEEP) and told by `_say`;
-`Outbox` never raises into the caller. `drain` waits a bounded time for the queue to empty,
-`close` drops what is left and closes the client.
+`Outbox` never raises into the caller.
 """
 
 from __future__ import annotations

@@ -104,12 +104,11 @@ class Pool:
                 return _Leased(self, e, host, reused=True)
             del self._entries[host.name]           # broken, or the host is now reached another way
             await close_quietly(e.transport)
-        elif e is not None:                         # leased already: a second, unpooled connection
-            t = await self._connect(host)
-            self.opened += 1
-            return t
+            e = None
         t = await self._connect(host)
         self.opened += 1
+        if e is not None:                           # leased already: a second, unpooled connection
+            return t
         e = _Entry(t, key, leased=True, used=self.clock())
         self._entries[host.name] = e
         return _Leased(self, e, host, reused=False)

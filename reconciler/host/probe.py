@@ -45,51 +45,18 @@ _HEADERS = {
 }
 
 
-async def http_probe(t: Transport, url: str, *, timeout: float = 5.0, ca_pem: str | None = None,
-                     max_body: int = 65536) -> tuple[int | None, str]:
-    """GET `url` from the host behind `t`: `(status, body)` or `(None, short error)`.
-
-    `timeout` bounds the whole exchange (connect, TLS, request, body). At most `max_body` bytes
-    of body are read; the rest is left unread and the connection closed. `ca_pem` is the PEM
-    text of the CA bundle that `https://` must chain to (None: the system's default CAs).
-    """
-    return await http_request(t, url, timeout=timeout, ca_pem=ca_pem, max_body=max_body)
-
-
-async def _get(backend: _ChannelBackend, ssl_context: ssl.SSLContext | None, url: str,
-               timeout: float, max_body: int, *, method: str = "GET", body: bytes | None = None,
-               headers: dict[str, str] | None = None,
-               lines: list[tuple[float, str]] | None = None) -> tuple[int, str]:
-    pool = httpcore.AsyncConnectionPool(ssl_context=ssl_context, network_backend=backend,
-                                        max_connections=1, retries=0, http1=True, http2=False)
-    client = httpx.AsyncClient(transport=_PoolTransport(pool), timeout=timeout, follow_redirects=False,
-                               trust_env=False, headers=_HEADERS)
-    sent = time.monotonic()
-    async with client, client.stream(method, url, content=body, headers=headers) as response:
-        if lines is not None:
-            # A streamed answer (server-sent events): each line with the seconds since the request went
-            read = 0
-            async for line in response.aiter_lines():
-                lines.append((time.monotonic() - sent, line))
-                read += len(line)
-                if read >= max_body:
-                    break
-            return response.status_code, "\n".join(text for _, text in lines)
-        got, limit = bytearray(), max(max_body, 0)
-        async for chunk in response.aiter_raw():
-            got += chunk[:limit - len(got)]
-            if len(got) >= limit:
-                break
-        return response.status_code, got.decode("utf-8", errors="replace")
-
-
 async def http_request(t: Transport, url: str, *, method: str = "GET", body: str | None = None,
                        content_type: str = "application/json", timeout: float = 5.0, ca_pem: str | None = None,
                        max_body: int = 65536, lines: list[tuple[float, str]] | None = None) -> tuple[int | None, str]:
-    """Any request from the host behind `t` (a drain's call, a smoke test's completion), as
-    `http_probe` makes a GET: `(status, body)` or `(None, short error)`, never raising for the
-    network. `lines`: read the answer line by line into it, each with the seconds since the
-    request was sent (a streamed completion's time to its first token)."""
+    """A request from the host behind `t` (a GET: the health probe, `http_probe`; a drain's call,
+    a smoke test's completion): `(status, body)` or `(None, short error)`.
+
+    `timeout` bounds the whole exchange (connect, TLS, request, body); past `max_body` bytes of
+    body the rest is left unread and the connection closed. `ca_pem`: the PEM text of the CA
+    bundle that `https://` must chain to (None: the system's default CAs). `lines`: read the
+    answer line by line into it, each with the seconds since the request was sent (a streamed
+    completion's time to its first token).
+    """
     backend = _ChannelBackend(t)
     try:
         ssl_context = _ssl_context(ca_pem) if url.lower().startswith("https:") else None
@@ -99,12 +66,34 @@ async def http_request(t: Transport, url: str, *, method: str = "GET", body: str
     headers = {"Content-Type": content_type} if data is not None else None
     try:
         async with asyncio.timeout(timeout):
-            return await _get(backend, ssl_context, url, timeout, max_body, method=method, body=data,
-                              headers=headers, lines=lines)
+            pool = httpcore.AsyncConnectionPool(ssl_context=ssl_context, network_backend=backend,
+                                                max_connections=1, retries=0, http1=True, http2=False)
+            client = httpx.AsyncClient(transport=_PoolTransport(pool), timeout=timeout, follow_redirects=False,
+                                       trust_env=False, headers=_HEADERS)
+            sent = time.monotonic()
+            async with client, client.stream(method, url, content=data, headers=headers) as response:
+                if lines is not None:
+                    # A streamed answer (server-sent events): each line with the seconds since the request went
+                    read = 0
+                    async for line in response.aiter_lines():
+                        lines.append((time.monotonic() - sent, line))
+                        read += len(line)
+                        if read >= max_body:
+                            break
+                    return response.status_code, "\n".join(text for _, text in lines)
+                got, limit = bytearray(), max(max_body, 0)
+                async for chunk in response.aiter_raw():
+                    got += chunk[:limit - len(got)]
+                    if len(got) >= limit:
+                        break
+                return response.status_code, got.decode("utf-8", errors="replace")
     except TimeoutError:
         return None, f"{backend.phase}: {'ReadTimeout' if backend.phase == 'read' else 'ConnectTimeout'}"
     except Exception as e:  # a network failure is an answer, not a bug in the caller
         return None, _describe(backend, e)
+
+
+http_probe = http_request       # the health probe's GET
 
 
 def _describe(backend: _ChannelBackend, e: Exception) -> str:

@@ -4,11 +4,8 @@
 `run_all(t, programs)` runs several in one sh, in one round trip and one exec of sh (the
 pre-flight reads its facts so), each given its own token and its parameters on stdin, and
 returns each one's answer. Nothing here decides what a reading means: the parsers are pure and
-live beside their programs; what the planner makes of them is the planner's.
-
-`Seen` keeps, for a warm daemon, each host's last answer to a program and what it was read as:
-a host that changed nothing gives the same answer round after round (but for its token), and
-it is not parsed again.
+live beside their programs; what the planner makes of them is the planner's. `Seen`: a warm
+daemon's answers that are not parsed again.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ async def call(t: Transport, c: CallSpec, *, allowed: Collection[str] = ()) -> C
     """Make one call of a drain. `allowed`: the programs a `controller` call may run."""
     try:
         if c.kind == "http":
-            status, body = await _http_request(t, c.target, method=c.method, body=c.body, timeout=c.timeout)
+            from .probe import http_request  # on first use: httpx loads when a drain calls, not at start-up
+            status, body = await http_request(t, c.target, method=c.method, body=c.body, timeout=c.timeout)
             ok = status is not None and (status == c.expect_status if c.expect_status is not None
                                          else 200 <= status < 300)
             return Called(ok, _said(f"HTTP {status}: {body}" if status is not None else body))
@@ -66,14 +67,6 @@ async def call(t: Transport, c: CallSpec, *, allowed: Collection[str] = ()) -> C
         return await _controller(c, allowed)
     except (OSError, TimeoutError) as e:
         return Called(False, _said(f"{type(e).__name__}: {e}"))
-
-
-async def _http_request(t: Transport, url: str, *, method: str = "GET", body: str | None = None,
-                        timeout: float = 5.0) -> tuple[int | None, str]:
-    """host/probe.http_request, imported on first use: httpx loads when a drain calls or reads
-    its balancer, not in every run's start-up."""
-    from .probe import http_request
-    return await http_request(t, url, method=method, body=body, timeout=timeout)
 
 
 def _said(text: str) -> str:
@@ -114,7 +107,8 @@ async def _controller(c: CallSpec, allowed: Collection[str]) -> Called:
 
 async def read_inflight(t: Transport, spec: InflightSpec, at: float, *, timeout: float = 5.0) -> Reading:
     """One in-flight read from the host, `at` seconds after the leave."""
-    status, body = await _http_request(t, spec.url, timeout=timeout)
+    from .probe import http_request  # on first use, as call's
+    status, body = await http_request(t, spec.url, timeout=timeout)
     if status != 200:
         return Reading(at, None, _said(f"HTTP {status}" if status is not None else body))
     value = inflight_of(body, spec.metric)

@@ -1,13 +1,12 @@
 """One shell per host run: the commands of a locked run go through the lock holder's own shell
 (its command loop is reconciler/sh/session.sh; this is the controller's end of it).
 
-A host run used to open an SSH channel per command: pre-flight, apply, each health reading,
-each verdict. Every channel costs the host's sshd a session and a login shell (`bash -c`),
-and costs the run a round trip to open it. Once the holder (lock.py) holds the lock and has
-read the host, it becomes this loop (bash): it reads frames from the run on its stdin and runs
-each command in the background, so it goes on reading heartbeats while a command runs (a
-model fetch or a GPU wait may take many minutes) and still lets go of the lock IDLE seconds
-after the run went silent.
+A channel per command (pre-flight, apply, each health reading, each verdict) would cost the
+host's sshd a session and a login shell (`bash -c`) each, and the run a round trip to open it.
+Once the holder (lock.py) holds the lock and has read the host, it becomes this loop (bash): it
+reads frames from the run on its stdin and runs each command in the background, so it goes on
+reading heartbeats while a command runs (a model fetch or a GPU wait may take many minutes) and
+still lets go of the lock IDLE seconds after the run went silent.
 
     R <token> <command bytes> <input bytes, or ->     then the command, then its input
     F ...                                             as R: a standing session's read, in its shell
@@ -23,21 +22,19 @@ passes for it. The command text and its input travel on the channel, never on a 
 own channel: `sh -c ...` or `sh -s` with its input on stdin, in a process group of its own (so a
 kill reaches all of it).
 
-A program whose text bash runs as sh does (frames.HostProgram.in_session: the observation) is
-run by the session's bash itself, with no sh of its own (shell.ShScript): a process fewer, and
-bash reads a file's lines in blocks where dash reads a byte per call. A standing session runs
-it in the loop's own shell, in the foreground (an `F` frame): no fork either, so a daemon's round
-costs the host its systemctl alone.
+A program marked `in_session` (the observation: shell.ShScript) runs in the session's bash
+itself, with no sh of its own (a process fewer, and bash reads a file's lines in blocks where
+dash reads a byte per call); a standing session runs it in the loop's own shell, in the
+foreground (an `F` frame): see docs/architecture.md, "Where a program runs".
 
 One command at a time: while one runs (the health watches of several services run at once),
-another goes through a channel of its own, as before. A host without bash, a holder that did
-not come back whole, a command that timed out (killed, its output unread): the session is left
-and every later command has its own channel.
+another goes through a channel of its own. A host without bash, a holder that did not come back
+whole, a command that timed out (killed, its output unread): the session is left and every
+later command has its own channel.
 
-The warm daemon keeps a *standing* session on each kept connection (host/pool.py): the same
-loop with no lock (`standing_command`), started once per connection, through which its rounds
-observe the host: a round then costs the host no sshd session and no login shell. One that
-never says READY (no bash on the host) leaves its commands to their own channels.
+A *standing* session (`standing_command`: the same loop with no lock) is the warm daemon's, one
+on each kept connection (host/pool.py). One that never says READY (no bash on the host) leaves
+its commands to their own channels.
 """
 
 from __future__ import annotations

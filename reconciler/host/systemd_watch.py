@@ -1,9 +1,6 @@
-"""The systemd side of every health watch on one host: one `systemctl show` per tick for all.
-
-Split from health.py (which re-exports it): the watches of one host share one `SystemdWatch`,
-and each tick also reads, for the services still loading, what their engine wrote since the
-last look (progress.LoadFollower).
-"""
+"""The systemd side of every health watch on one host (health.py re-exports it): one
+`systemctl show` per tick for all, with the journal read of the services still loading
+(progress.LoadFollower)."""
 
 from __future__ import annotations
 

@@ -116,12 +116,6 @@ async def close_quietly(t: Transport) -> None:
         await t.close()
 
 
-def identity_files(explicit: str | None) -> list[str] | None:
-    """The client key files: --identity, else $RECONCILER_IDENTITY, else None (ssh defaults)."""
-    path = explicit or os.environ.get("RECONCILER_IDENTITY")
-    return [str(Path(path).expanduser())] if path else None
-
-
 def known_hosts_for(spec: SSHSpec) -> asyncssh.SSHKnownHosts:
     """Trusted keys for one host: its pinned host_key, else the fleet's known_hosts text.
 
@@ -153,7 +147,7 @@ class SSHTransport:
                       connect_timeout: float = 10.0) -> SSHTransport:
         """Connect and verify the host key strictly; map failures to ConnectError/HostKeyError."""
         import asyncssh  # here, not at the top: a run that never connects (or a local one) skips it
-        keys = identity_files(identity)
+        keys = identity or os.environ.get("RECONCILER_IDENTITY")     # --identity, else ssh's defaults
         kwargs: dict = dict(
             port=spec.port, username=spec.user, known_hosts=known_hosts_for(spec),
             agent_forwarding=False, config=[], connect_timeout=connect_timeout,
@@ -163,8 +157,8 @@ class SSHTransport:
             keepalive_interval=KEEPALIVE, keepalive_count_max=KEEPALIVE_COUNT,
             encryption_algs=CIPHERS,
         )
-        if keys is not None:
-            kwargs["client_keys"] = keys
+        if keys:
+            kwargs["client_keys"] = [str(Path(keys).expanduser())]
             kwargs["agent_path"] = None
         where = f"{spec.user}@{spec.address}:{spec.port}"
         try:
