@@ -1,5 +1,15 @@
-"""`python -m reconciler` runs the `reconcile` command."""
+"""`python -m reconciler` and the `reconcile` command (its console script starts at `console`):
+the command tree is imported with the collector off and then frozen out of its collections
+(process.starting: all of it lives as long as the process), then the command runs."""
 
-from .cli import console
+from .process import starting
 
-console()
+
+def console() -> None:
+    with starting():
+        from .cli import console as run
+    run()
+
+
+if __name__ == "__main__":
+    console()

@@ -11,6 +11,13 @@ warm rounds each, 300 simulated hosts as bench/scale.py sets them up, 2026-12-04
 cycles are still collected, only less often; memory held meanwhile is at most GC_YOUNG objects
 more.
 
+The start-up: what a one-shot command imports and loads before its first host (the command
+tree, the run's modules, the revision) lives as long as the process, and is made with the
+collector off and then frozen out of its collections (`starting`: gc.freeze, the documented way
+to keep long-lived objects out of every later collection). With the default threshold, the
+import of the command tree alone ran some 35 collections that each walked objects none of which
+could be garbage; `reconcile` on one host took about 13 ms less CPU in alternated runs.
+
 The exit: the `reconcile` and `reconcile-hook` console scripts end through `leave`. By the time a command
 returns it has closed its connections, committed its store and printed its report; what
 Python's finalization did after that (clearing some 340 modules and collecting their objects)
@@ -23,10 +30,12 @@ stdout and stderr are flushed.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import NoReturn
 
 GC_YOUNG = 20_000
@@ -37,6 +46,20 @@ def tune_gc() -> None:
     generations' as they are."""
     _, middle, old = gc.get_threshold()
     gc.set_threshold(GC_YOUNG, middle, old)
+
+
+@contextlib.contextmanager
+def starting() -> Iterator[None]:
+    """A one-shot command's start: its modules imported and its revision loaded with the
+    collector off (all of it lives as long as the process, so a collection would only walk it),
+    then frozen out of every later collection (gc.freeze) and the collector on again, whatever
+    happened meanwhile."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def leave(code: object) -> NoReturn:

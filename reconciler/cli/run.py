@@ -22,9 +22,13 @@ from .. import redact
 from ..desired.trust import TrustPolicy
 from ..errors import ConfigError, Problem
 from ..loop.options import RunIO, RunOptions
+from ..process import starting
 from .output import console, escape, exits_on_bad_input, fail, fail_input, print_json, run_async, say
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
+    from ..controller.store import Store
     from ..desired.source import Snapshot
     from ..loop.results import FleetResult
     from ..loop.revision import Revision
@@ -120,31 +124,16 @@ def converge(opts: RunOptions, *, as_json: bool = False, state_dir: Path | None 
     exits with the run's code.
 
     A one-shot run collects young cycles after 20,000 allocations rather than 700: a 10-host env
-    change took about 40 ms less CPU in alternated runs (the daemon keeps the default)."""
+    change took about 40 ms less CPU in alternated runs (the daemon keeps the default). What it
+    imports and loads before the first host is made with the collector off, then frozen
+    (process.starting)."""
     import gc
     gc.set_threshold(20_000, 20, 20)
-    from ..desired import source
-    if notes and source.is_url(opts.repo):
-        fail(f"--notes writes to a local repo; {redact.redact(opts.repo)} is a URL (its local mirror is a cache "
-             f"that nobody reads). Run it on a local clone; the deploy repo's pre-receive hook takes "
-             f"refs/notes/reconciler* only from the users in notes_pushers of the controller's config")
-    check_state_dirs(state_dir, as_json)
-    with exits_on_bad_input(as_json, opts.repo):
-        opts.trust.check_url(opts.repo)      # before anything is fetched
-    snap, rev = opened(opts, as_json)
-    if rev.signer is not None:
-        say(f"{snap.short}: signed by {rev.signer}")
-    from ..controller.store import Store, expect_changes, remember, remember_in_sync
-    from ..loop.fleet import run_fleet, selected
-    from ..loop.report import PhaseView, print_result
-    from ..preflight import secret_warnings
-    # Which hosts this run is expected to change (store.expect_changes): they are locked at once.
-    store = None if opts.dry_run else Store(state_dir)
-    expect = expect_changes(store.in_sync(), rev.revision, selected(rev.state, opts)) if store is not None \
-        else frozenset()
-    out = console()
-    for w in secret_warnings(rev.state, snap.read):
-        console(stderr=True).print(f"[yellow]{escape(w)}[/]", soft_wrap=True)
+    with starting():
+        from ..controller.store import remember, remember_in_sync
+        from ..loop.fleet import run_fleet
+        from ..loop.report import PhaseView, print_result
+        snap, rev, store, expect, out = _start(opts, as_json, state_dir, notes)
     with PhaseView(console(stderr=True), plans=None if as_json or opts.dry_run else out) as view:
         io = RunIO(on_phase=view, on_planned=view.planned, expect_changes=expect)
         result = run_async(run_fleet(rev, opts, io))
@@ -171,6 +160,34 @@ def converge(opts: RunOptions, *, as_json: bool = False, state_dir: Path | None 
             out.print(escape(str(engine["line"])), soft_wrap=True, highlight=False)
         print_result(out, result, shown=view.shown)
     raise SystemExit(result.exit_code())
+
+
+def _start(opts: RunOptions, as_json: bool, state_dir: Path | None,
+           notes: bool) -> tuple[Snapshot, Revision, Store | None, frozenset[str], Console]:
+    """A run up to its first host: the checks of its input, the revision opened, the store and
+    the hosts it is expected to change (store.expect_changes: they are locked at once), the
+    secret warnings said; the modules the run needs imported."""
+    from ..desired import source
+    if notes and source.is_url(opts.repo):
+        fail(f"--notes writes to a local repo; {redact.redact(opts.repo)} is a URL (its local mirror is a cache "
+             f"that nobody reads). Run it on a local clone; the deploy repo's pre-receive hook takes "
+             f"refs/notes/reconciler* only from the users in notes_pushers of the controller's config")
+    check_state_dirs(state_dir, as_json)
+    with exits_on_bad_input(as_json, opts.repo):
+        opts.trust.check_url(opts.repo)      # before anything is fetched
+    snap, rev = opened(opts, as_json)
+    if rev.signer is not None:
+        say(f"{snap.short}: signed by {rev.signer}")
+    from ..controller.store import Store, expect_changes
+    from ..loop.fleet import selected
+    from ..preflight import secret_warnings
+    store = None if opts.dry_run else Store(state_dir)
+    expect = expect_changes(store.in_sync(), rev.revision, selected(rev.state, opts)) if store is not None \
+        else frozenset()
+    out = console()
+    for w in secret_warnings(rev.state, snap.read):
+        console(stderr=True).print(f"[yellow]{escape(w)}[/]", soft_wrap=True)
+    return snap, rev, store, expect, out
 
 
 def engine_check_said(opts: RunOptions, rev: Revision, result: FleetResult) -> dict[str, object] | None:
