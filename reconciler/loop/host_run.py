@@ -59,10 +59,10 @@ if TYPE_CHECKING:     # pre-flight (the rule pack) and the GPU gate load when a 
 MAX_ROUNDS = 6
 
 
-def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0) -> Connector:
+def ssh_connector(identity: str | None = None) -> Connector:
     """Connects to a host over SSH (a new connection each time: the daemon's pool keeps them)."""
     async def connect(host: HostSpec) -> Transport:
-        return await SSHTransport.connect(host.name, host.ssh, identity=identity, connect_timeout=connect_timeout)
+        return await SSHTransport.connect(host.name, host.ssh, identity=identity)
     return connect
 
 
