@@ -16,11 +16,9 @@ and host/smoke.py's; this module strings them around loop/host_run.py's apply an
     rejoin_recorded   a plan's REJOIN steps (plan/rejoin.py): a leave recorded by a run killed
              before its rejoin, of a service that runs healthy and is not restarted now
 
-A service leaves rotation once per run: a rollback starts from a stopped unit, out of rotation
-already, and rejoins once it is healthy and judged. A server started from stopped (down when
-the run began) rejoins too: the next wave's budget counts it only once the balancer serves it.
-Each service's step times are kept here (`steps`) and, on a healthy verdict, in its record on
-the host: the forecast's measurements.
+A service leaves rotation once per run (a rollback, and a server started from stopped, rejoin as
+docs/drain.md says: what a restart does). Each service's step times are kept here (`steps`)
+and, on a healthy verdict, in its record on the host: the forecast's measurements.
 """
 
 from __future__ import annotations

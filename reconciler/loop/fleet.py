@@ -230,9 +230,7 @@ class _FleetRun:
             self.results[name] = r
 
     def _hash_at(self, revision: str, host: str, service: str) -> str | None:
-        state = self.rev.render_at(revision)
-        h = state.hosts.get(host) if state is not None else None
-        spec = h.services.get(service) if h is not None else None
+        spec = self.rev.spec_at(revision, host, service)
         return spec.content_hash() if spec is not None else None
 
     # -- passes --
@@ -290,9 +288,7 @@ class _FleetRun:
         while (wave := await waves.next()) is not None:
             if self.io.supersede is not None and self.io.supersede.is_set():
                 ro.status = RolloutStatus.SUPERSEDED      # a newer revision rolls out instead
-                ro.seconds = time.monotonic() - t0
-                self._tell("superseded", ro)
-                return
+                break
             waits(waves, self.results)
             ro.plan = waves.as_run(wave)
             self._tell("wave", ro)
@@ -311,23 +307,21 @@ class _FleetRun:
                 stop = halt(p, wave, verdict.halt, self.state.revision, hashes, now=int(time.time()))
                 ro.halted(stop)
                 await self._halt(ro, stop)
-                ro.seconds = time.monotonic() - t0
-                self._tell("halted", ro)
-                return
+                break
             waves.went(wave)
             ro.budget = tuple(waves.said)
-        ro.plan, ro.budget = waves.as_run(), tuple(waves.said)
-        if waves.blocked:
-            assert waves.step is not None
-            waits(waves, self.results)              # each waiting host's result says why, wave 1 too
-            blocked(ro, waves.step, waves.left, self.results)
-            ro.seconds = time.monotonic() - t0
-            self._tell("halted", ro)
-            return
-        ro.status = RolloutStatus.DONE
+        else:
+            ro.plan, ro.budget = waves.as_run(), tuple(waves.said)
+            if waves.blocked:
+                assert waves.step is not None
+                waits(waves, self.results)              # each waiting host's result says why, wave 1 too
+                blocked(ro, waves.step, waves.left, self.results)
+            else:
+                ro.status = RolloutStatus.DONE
         ro.seconds = time.monotonic() - t0
-        self._send("rollout.finish", ro, hosts=list(p.pending), seconds=round(ro.seconds, 2))
-        self._tell("done", ro)
+        if ro.status is RolloutStatus.DONE:
+            self._send("rollout.finish", ro, hosts=list(p.pending), seconds=round(ro.seconds, 2))
+        self._tell(str(ro.status), ro)     # "done", "halted" or "superseded"
 
     def _read(self, p: RolloutPlan) -> ReadMembers | None:
         return members_reader(p, self.state, self.transports, self.results, self.opts.drain_programs,

@@ -59,10 +59,10 @@ if TYPE_CHECKING:     # pre-flight (the rule pack) and the GPU gate load when a 
 MAX_ROUNDS = 6
 
 
-def ssh_connector(identity: str | None = None, connect_timeout: float = 10.0) -> Connector:
+def ssh_connector(identity: str | None = None) -> Connector:
     """Connects to a host over SSH (a new connection each time: the daemon's pool keeps them)."""
     async def connect(host: HostSpec) -> Transport:
-        return await SSHTransport.connect(host.name, host.ssh, identity=identity, connect_timeout=connect_timeout)
+        return await SSHTransport.connect(host.name, host.ssh, identity=identity)
     return connect
 
 
@@ -138,11 +138,7 @@ class _HostRun:
         ctx = Context(self.revision, fleet_quarantine=self.fleet_q, deferred=self.deferred, retry=self.retry,
                       confirm_margin=self.opts.confirm_margin)
         wanted = needs_last_good(self.host, facts, ctx)
-        last_good: dict[str, ServiceSpec | None] = {}
-        for name, rev in wanted.items():
-            state = self.rev.render_at(rev)
-            h = state.hosts.get(self.host.name) if state is not None else None
-            last_good[name] = h.services.get(name) if h is not None else None
+        last_good = {name: self.rev.spec_at(rev, self.host.name, name) for name, rev in wanted.items()}
         checks = pf.checks() if pf is not None else Checks()
         return replace(ctx, last_good=last_good, checks=replace(checks, gate=dict(self.gate)))
 
@@ -237,7 +233,11 @@ class _HostRun:
         self.result.events.append(ServiceEvent(name, kind, w.revision, w.hash, out))
         unjudged, record = await self._recorded(w, name, plan, out)
         if out.healthy and target.spec.drain is not None:
-            await self._rejoined(name, target.spec, record)
+            # back into rotation; the rejoin's own times on its record, for the next forecast
+            if (why := await self.cutover.rejoin(target.spec)) is not None:
+                self.result.worsen(Result.FAILED, Reason.REJOIN_FAILED, f"{name}: {why}")
+            else:
+                await write_record(self.t, name, replace(record, steps=self.cutover.measured(name)), disarm=False)
         self.result.notes.extend(n for n in self.cutover.notes if n not in self.result.notes)
         return self._followed(name, w.revision, out, unjudged=unjudged)
 
@@ -257,14 +257,6 @@ class _HostRun:
         await write_record(self.t, name, record, stop=judged.stop, disarm=not unjudged or judged.stop)
         faults.hit("after-verdict")
         return unjudged, record
-
-    async def _rejoined(self, name: str, spec: ServiceSpec, record: ServiceRecord) -> None:
-        """A healthy, judged server back into rotation; the rejoin's own times on its record, for
-        the next forecast (the verdict is on record already)."""
-        if (why := await self.cutover.rejoin(spec)) is not None:
-            self.result.worsen(Result.FAILED, Reason.REJOIN_FAILED, f"{name}: {why}")
-        else:
-            await write_record(self.t, name, replace(record, steps=self.cutover.measured(name)), disarm=False)
 
     async def _watched(self, w: Watch, name: str, spec: ServiceSpec, applied: Applied, since: float) -> Outcome:
         """The health watch's outcome for a WATCH step, a GPU's fault blamed where it was one."""

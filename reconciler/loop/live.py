@@ -1,18 +1,12 @@
-"""`reconcile status --live`: the fleet as the hosts' own records say, from any machine.
-
-The local store (controller/store.py) is the controller's memory and is empty anywhere else; the truth is
-on each host: /var/lib/reconciler/services/<name>.json and host.json (records.py). This reads
-them over SSH, every selected host at once, with the observation (plan/facts/observe.py) and no secret files (the
-one part of an observation that writes: the host's hash key), so it writes nothing and takes no
-lock. It never waits for a running reconcile, and never changes what one sees.
-
-The rows have the state store's shape (host, service, desired_rev, running_rev, health,
-last_event, quote, updated_at: report.print_status prints both), plus what only a host knows:
-systemd's ActiveState and SubState, the revision its files hold, the last good revision, the
-pending deploy and the quarantine, each as its record has it.
+"""`reconcile status --live`: the fleet as the hosts' own records say, from any machine (see
+docs/status.md). The truth is on each host: /var/lib/reconciler/services/<name>.json and
+host.json (records.py), read with the observation and no secret files (the one part of an
+observation that writes: the host's hash key), so it writes nothing and takes no lock. It never
+waits for a running reconcile, and never changes what one sees.
 
 `look` reads every selected host (fleet.run_fleet with RunOptions.look). `host_rows` is pure: a
-host's facts and its desired services at the revision -> rows. A host that cannot be reached or
+host's facts and its desired services at the revision -> rows of the state store's shape
+(report.print_status prints both) plus what only a host knows. A host that cannot be reached or
 read is one row (service "*") that says why.
 """
 

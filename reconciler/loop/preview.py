@@ -1,12 +1,5 @@
-"""What a preview runs on the hosts (PURE): whether a run's pre-flight may run the engine check.
-
-The engine check (host/engine.py) starts the revision's interpreter with the revision's
-environment on each host it would (re)start a service on, so a preview (`--dry-run`, plain or
-`--json`), which promises to run nothing of the revision there, runs it only for a revision the
-run's trust policy verified or when the operator asks for it (`--engine-check`). Everything
-else a dry run does on a host reads: the observation, systemd's unit check (`systemd-analyze
-verify` of a copy, `--man=no`), the model's files, the GPUs, the server version (read from the
-package's files, no python). `validate` and the pre-receive hook contact no host.
+"""What a preview runs on the hosts (PURE): whether a run's pre-flight may run the engine check
+(host/engine.py). Which runs do, and what else a dry run reads: docs/engine-check.md (when it runs).
 """
 
 from __future__ import annotations

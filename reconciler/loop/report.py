@@ -121,17 +121,6 @@ _STYLE = {"in-sync": "green", "converged": "green", "would-change": "yellow", "f
           "rolled-back": "bold yellow", "quarantined": "yellow"}
 
 
-def diff_lines(diff: str, plain: bool = False) -> list[str]:
-    """A unified diff as markup lines, coloured by kind (text redacted and escaped); or as plain
-    text lines (redacted)."""
-    out = []
-    for line in diff.rstrip("\n").splitlines():
-        style = ("bold" if line.startswith(("---", "+++")) else "green" if line.startswith("+")
-                 else "red" if line.startswith("-") else "cyan" if line.startswith("@@") else "")
-        out.append("    " + _style(style, _t(line, plain), plain))
-    return out
-
-
 def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
     """Diffs and actions with reasons for one host that has changes (or failed): one print of
     all its lines (rich's cost is per call; a fleet of hosts printed line by line adds up)."""
@@ -140,9 +129,11 @@ def print_host(console: Console, r: HostResult, dry_run: bool) -> None:
     verb = ("would change" if dry_run else "changes") if r.plan.changes else "holds"
     plain = _plain(console)
     lines = [_style("bold", f"── {_t(r.host, plain)} ({_t(r.address, plain)}) {verb} at {r.plan.revision[:7]}", plain)]
-    for a in r.plan.actions:
-        if a.diff:
-            lines += diff_lines(a.diff, plain)
+    for a in r.plan.actions:        # each diff coloured by kind of line
+        for line in (a.diff or "").rstrip("\n").splitlines():
+            style = ("bold" if line.startswith(("---", "+++")) else "green" if line.startswith("+")
+                     else "red" if line.startswith("-") else "cyan" if line.startswith("@@") else "")
+            lines.append("    " + _style(style, _t(line, plain), plain))
     lines += [f"  • {_t(a.describe(), plain)}" for a in r.plan.visible]
     if dry_run:
         lines += [_t(line, plain) for line in host_lines(r)]

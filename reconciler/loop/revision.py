@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from ..desired.spec import DesiredState, HostSpec
+from ..desired.spec import DesiredState, HostSpec, ServiceSpec
 
 if TYPE_CHECKING:
     from ..desired.source import Snapshot
@@ -65,6 +65,12 @@ class Revision(msgspec.Struct, frozen=True):
     @property
     def revision(self) -> str:
         return self.state.revision
+
+    def spec_at(self, revision: str, host: str, service: str) -> ServiceSpec | None:
+        """A host's service as `revision` declares it (None: not there, or not rendered)."""
+        state = self.render_at(revision)
+        h = state.hosts.get(host) if state is not None else None
+        return h.services.get(service) if h is not None else None
 
 
 def open_revision(snap: Snapshot, opts: RunOptions, *, state: DesiredState | None = None,

@@ -11,8 +11,7 @@ from .options import RunOptions
 def selected(state: DesiredState, opts: RunOptions) -> dict[str, HostSpec]:
     """The hosts a run is limited to, in natural order (every host without --host or --label)."""
     names = select_hosts(state, list(opts.hosts) or None, list(opts.labels) or None)
-    return {n: h for n, h in sorted(state.hosts.items(), key=lambda kv: natural_key(kv[0]))
-            if names is None or n in names}
+    return {n: state.hosts[n] for n in names or sorted(state.hosts, key=natural_key)}
 
 
 def select_hosts(state: DesiredState, names: list[str] | None, labels: list[str] | None) -> list[str] | None:

@@ -1,11 +1,8 @@
 """A rollout's waves as they go (issue 42): the plan's own (plan/rollout.py `plan_waves`), or,
 for a group with `min_available`, the budget's next step (plan/budget.py `next_step`) asked
-before each wave from what each member reads now: ready (serving), or why not.
-
-A member is ready when its health check answers 200 from the host (or, without one, systemd
-says the unit is active) and, where the drain can ask the balancer (`serving`), the balancer
-sends it traffic. A member this run could not reach, or whose GPUs are marked sick, is not
-ready, whatever the cause: the budget counts what serves, not what the rollout touched.
+before each wave from what each member reads now: ready (serving), or why not. When a member
+is ready: docs/drain.md (the budget: min_available); the budget counts what serves, not what the
+rollout touched.
 """
 
 from __future__ import annotations
