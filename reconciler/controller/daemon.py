@@ -1,6 +1,6 @@
 """`reconcile watch`: the long-running reconciler. What it does for the operator (asks, back-off,
-waiting for the first push, the watchdog, superseding): docs/push.md, "The daemon"; its kept
-connections: docs/concurrency.md, "A warm daemon".
+waiting for the first push, the watchdog): docs/push.md, "The daemon"; its kept connections and
+a newer push superseding a run: docs/concurrency.md, "A warm daemon" and "Superseded".
 
 Level-based, like controller-runtime: the timer (apscheduler), the file watcher on the branch ref
 and the trigger file (watchfiles) and the post-receive hook all only *ask* for a reconcile. One
