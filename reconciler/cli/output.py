@@ -90,24 +90,19 @@ def fail_input(err: Exception, as_json: bool, where: str) -> NoReturn:
     raise SystemExit(1)
 
 
-def refused(e: RevisionRefused, as_json: bool) -> NoReturn:
-    """The trust policy refused the revision (or the repo's URL): one line, or --json; exit 1."""
-    if as_json:
-        print_json({"error": "RevisionRefused", "reason": e.reason, "message": str(e)})
-        raise SystemExit(1)
-    fail(f"refused ({e.reason}): {e}")
-
-
 @contextlib.contextmanager
 def exits_on_bad_input(as_json: bool, where: str) -> Iterator[None]:
     """Bad input (ConfigError, SourceError) exits 1 naming file and key (`where`: the repo and
-    revision); a refused revision or URL exits 1 saying why."""
+    revision); a revision or URL the trust policy refused exits 1 saying why (one line, or --json)."""
     try:
         yield
     except (ConfigError, SourceError) as e:
         fail_input(e, as_json, where)
     except RevisionRefused as e:
-        refused(e, as_json)
+        if as_json:
+            print_json({"error": "RevisionRefused", "reason": e.reason, "message": str(e)})
+            raise SystemExit(1) from None
+        fail(f"refused ({e.reason}): {e}")
 
 
 def say(text: str) -> None:

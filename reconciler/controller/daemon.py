@@ -1,15 +1,12 @@
-"""`reconcile watch`: the long-running reconciler.
+"""`reconcile watch`: the long-running reconciler. What it does for the operator (asks, back-off,
+waiting for the first push, the watchdog): docs/push.md, "The daemon"; its kept connections and
+a newer push superseding a run: docs/concurrency.md, "A warm daemon" and "Superseded".
 
-Level-based, like controller-runtime: a timer (apscheduler, every `interval`), a file watcher on
-the repo's branch ref and a trigger file (watchfiles: a push starts a reconcile within a
-second), and a post-receive hook all only *ask* for a reconcile. One runner task does the work,
-so there are never two reconciles at once; asks that arrive during a run coalesce into one
-more run. A failed run (git unreachable, a host down) retries with back-off.
-
-Connections stay open between runs (pool.py: one per host, re-checked at each lease, retried
-once on a fresh connection when a kept one turns out dead, closed when idle or when the host
-leaves the fleet): a no-change round at the interval costs the host lock and one observation
-per host, so drift is checked every interval at that cost.
+Level-based, like controller-runtime: the timer (apscheduler), the file watcher on the branch ref
+and the trigger file (watchfiles) and the post-receive hook all only *ask* for a reconcile. One
+runner task does the work, so there are never two reconciles at once. One push asks twice (the
+branch ref changes, then the hook touches the trigger): an ask for the revision a run has
+already reconciled is dropped.
 
 SIGTERM: stop asking, cancel the run in flight, close SSH connections. Files on hosts are
 written atomically and the record last, so a killed run leaves every host runnable and the
@@ -21,21 +18,10 @@ Each run's output goes to the journal (stdout) and to <state_dir>/runs/<sha>.log
 left to the process umask (the unit runs with UMask=0077): the trigger file is group-writable
 (0660) so the post-receive hook can touch it; the state store stays the daemon's alone (0600).
 
-One push asks twice (the branch ref changes, then the hook touches the trigger): asks for a
-revision that a run has already reconciled are dropped, so a push starts exactly one run. A push
-of a newer revision during a run supersedes it: its health waits end at once without a verdict
-(the older revision is neither last good nor quarantined) and the newer revision runs next.
-
-Any exception in a run is caught, logged with its traceback, counted (reconciler_runs_total
-{result="crash"}) and retried with back-off: the loop never dies quietly. Under systemd
-(Type=notify, WatchdogSec=) the daemon says READY=1 once it serves, and pings the watchdog from
-its event loop: a wedged loop stops the pings and systemd restarts it.
-
-The last applied revision it remembers (a cache: the hosts' own records are the truth, and every
-run checks them) is kept per repo and branch, so a new or re-initialised deploy repo is never
-refused because of another one's history. A
-deploy repo whose branch does not exist yet is a state, "waiting for the first push", not a
-failure: it is said once, and the next push starts the first run.
+A crashed run is counted as reconciler_runs_total{result="crash"}. The last applied revision it
+remembers (a cache: the hosts' own records are the truth, and every run checks them) is kept per
+repo and branch, so a new or re-initialised deploy repo is never refused because of another
+one's history.
 """
 
 from __future__ import annotations
@@ -162,9 +148,6 @@ class Daemon:
         repo = self.cfg.repo if source.is_url(self.cfg.repo) else str(Path(self.cfg.repo).resolve())
         return f"last_applied_revision:{repo}:{self.cfg.branch}"
 
-    def _last_applied(self) -> str | None:
-        return self.store.get_value(self._applied_key())
-
     def head(self) -> str | None:
         """The deploy branch's head, or None when the branch does not exist (yet). Blocking (a URL
         repo is fetched): the loop calls it through _head."""
@@ -221,7 +204,7 @@ class Daemon:
                 console = out.start(snap.revision)
                 console.print(f"reconcile {snap.short} ({why})")
                 if not self.cfg.allow_rewind:
-                    check_descends(repo, self._last_applied(), snap.revision)
+                    check_descends(repo, self.store.get_value(self._applied_key()), snap.revision)
                 who = opts.trust.verify(repo, snap.revision)     # before its tree is read (open_revision: again)
                 if who is not None:
                     console.print(f"{snap.short}: signed by {who}")

@@ -1,22 +1,13 @@
-"""Deploy status as a forge commit status (the GitHub / Gitea commit-status API), optional.
+"""Deploy status as a forge commit status (the GitHub / Gitea commit-status API), optional: what
+is posted and when, where it is configured (the forge_* keys of the controller's config, never
+the repo), and how a slow or failing forge is kept from a deploy: docs/status.md, "Forge commit
+status".
 
-Configured in the controller's config, the forge_* keys (systemd/config.toml.example), never in
-the desired-state repo, so a push cannot point the token somewhere else.
-
-Each daemon run posts `POST {forge_url}/repos/{owner}/{repo}/statuses/{sha}` with
-`{"state": "pending"|"success"|"failure"|"error", "context": "reconciler/<host>" or
-"reconciler/fleet", "description": ..., "target_url": ...}`: pending for the fleet when the run
-starts, then one status per host (success: converged or in sync; failure: rolled back,
-quarantined or failed, with the journal line) and one for the fleet.
-
-A failing, slow or unreachable forge never blocks or fails a deploy (as notify.py does for
-webhooks): statuses go to a queue that one task of the daemon's event loop posts from, on
-httpx's async client (host/outbox.py). The queue keeps only the newest status per commit and
-context (a forge that is down does not make it grow run after run), and at most MAX_PENDING of
-them. No redirect is followed. Every failure is a warning line on stderr (the journal), naming
-the forge by scheme, host and port only. The token is read from its file or variable for each
-request (a rotated token is picked up), registered with redact, sent only in the Authorization
-header and never printed; every payload is redacted before it is queued.
+Statuses go to a queue that one task of the daemon's event loop posts from (host/outbox.py, as
+notify.py does for webhooks): at most MAX_PENDING, the newest per commit and context, so a
+forge that is down does not make it grow run after run. A failure's warning names the forge by
+scheme, host and port only. The token is read for each request (a rotated one is picked up) and
+registered with redact; every payload is redacted before it is queued.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Deploy status on the commit: the outcome of each run as a git note, `refs/notes/reconciler`.
-
-One line per host on the deployed commit, so `git log --notes=reconciler` (and any git UI that
-shows notes) says where a commit is live and why it is not:
-
-    rt20: converged 9a8b7c6 2026-11-30T12:00:00Z model-a healthy
-    rt21: rolled-back 9a8b7c6 2026-11-30T12:00:07Z sglang CrashLoop: "RuntimeError: ...", rolled back to 5f3e2d1
-
-that is `HOST: RESULT REVISION TIME DETAIL`, RESULT a records.Result (in-sync, converged,
-quarantined, rolled-back, failed) or `live-again`: a rollback to the last good commit puts a
-line on that commit too (`rt21: live-again 5f3e2d1 ... sglang rolled back here after 9a8b7c6
-failed (CrashLoop)`). The journal line that explains a failure is quoted.
+"""Deploy status on the commit: the outcome of each run as a git note, `refs/notes/reconciler`:
+one line per host, `HOST: RESULT REVISION TIME DETAIL`, RESULT a records.Result or `live-again`
+(on the last good commit a rollback went to). What the notes look like, and how to fetch and
+read them: docs/status.md.
 
 How lines accumulate (`merge`, pure): a later run for the same commit replaces that host's line
 and leaves the other hosts' lines alone; a run that changed and judged nothing on a host (a
@@ -20,11 +12,10 @@ are.
 
 Writing (`write`, the only I/O here): all the notes of one run go into one notes commit, built by
 libgit2's own notes code (fan-out aware) on a scratch ref at the current notes commit, then
-compare-and-swapped onto `refs/notes/reconciler`; a writer that lost the race (another reconciler
-process, a `git push` of notes) reads again and retries. Branch pushes never touch the notes ref.
-Objects and refs are written with the modes `core.sharedRepository` asks for (libgit2 itself
-ignores it), so a daemon running with UMask=0077 never leaves directories in a shared deploy repo
-that the pushing users cannot write.
+compare-and-swapped onto `refs/notes/reconciler` (docs/status.md). Objects and refs are written
+with the modes `core.sharedRepository` asks for (libgit2 itself ignores it), so a daemon running
+with UMask=0077 never leaves directories in a shared deploy repo that the pushing users cannot
+write.
 
 Everything in a note goes through redact.redact first, before it is flattened or cut (one_line).
 """

@@ -5,17 +5,12 @@ The hook files themselves (hooks/pre-receive, hooks/post-receive, written by
 `reconcile-hook` is a console script of its own so a push does not pay for importing the SSH
 and terminal-UI code.
 
-pre-receive: for a push to the deploy branch, refuse (exit 1, reasons shown to the pusher) a
-  branch deletion, a non-fast-forward (a force-push back) unless the push option
-  `reconcile.allow-rewind` is given and allow_rewind is on, an unsigned commit when
-  require_signed is on, and any revision `reconcile validate` rejects (file, key, reason).
-  Refuse any update of the deploy status notes, refs/notes/reconciler* (the daemon writes
-  refs/notes/reconciler in place; pull-mode hosts push refs/notes/reconciler-pull/<host>), unless
-  the pushing user is in the controller config's notes_pushers: a forged note would show a
-  deploy that never happened, or clear a wave for a commit a canary failed. Every other ref
-  (other branches, tags) is accepted as it is: nothing deploys from it.
-post-receive: touch the daemon's trigger file; with the push option `reconcile.wait` (or git
-  config reconciler.stream=true) stream the daemon's run for the pushed revision, Heroku-style.
+pre-receive validates a push to the deploy branch (refusing a deletion, a rewind unless the push
+option `reconcile.allow-rewind` is given and allow_rewind is on, an unsigned commit under
+require_signed, an invalid revision) and refuses an update of refs/notes/reconciler* from a user
+not in notes_pushers; post-receive touches the daemon's trigger file and, with the push option
+`reconcile.wait` (or git config reconciler.stream=true), streams the daemon's run for the pushed
+revision. What each refuses and why: docs/push.md ("pre-receive", "post-receive").
 
 What the hooks print passes through redact. The streamed run log is redacted by the daemon as
 it writes it; the stream masks token-like patterns once more, a whole line at a time (the hook

@@ -2,12 +2,10 @@
 rollbacks, the last applied revision, drift found. Served on 127.0.0.1 by default. Label values
 pass through redact (they are names and revisions, but nothing printed bypasses it).
 
-The endpoint is prometheus-client's ASGI app in the daemon's own event loop, no thread: at
-/metrics of the fleet page when both share an address (web/server.py), else on an uvicorn server
-of its own behind the page's gate (web/gate.py): at most MAX_SCRAPES connections at once (more
-are answered 503 at once), and a client that takes SCRAPE_TIMEOUT to send its request or to read
-the answer is dropped. A port it cannot listen on (taken by someone else, a bad address) is said
-once and the daemon goes on without metrics: it must never keep the daemon from starting.
+The endpoint is prometheus-client's ASGI app in the daemon's own event loop, no thread, at the
+page's /metrics or behind a gate of its own (MAX_SCRAPES, SCRAPE_TIMEOUT): docs/web.md, "How it
+is built". A port it cannot listen on (taken by someone else, a bad address) is said once and
+the daemon goes on without metrics: it must never keep the daemon from starting.
 """
 
 from __future__ import annotations

@@ -137,9 +137,10 @@ class Store:
         self.db.executescript(SCHEMA)
         self._batched = False
 
-    def _tx(self) -> contextlib.AbstractContextManager[object]:
-        """One transaction per write, or none inside batch() (whose own transaction covers it)."""
-        return contextlib.nullcontext() if self._batched else self.db
+    def _write(self, sql: str, params: tuple[object, ...]) -> None:
+        """One statement in a transaction of its own, or in batch()'s."""
+        with contextlib.nullcontext() if self._batched else self.db:
+            self.db.execute(sql, params)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -154,24 +155,21 @@ class Store:
     def add_attempt(self, host: str, service: str, revision: str, content_hash: str | None, action: str,
                     result: str, message: str = "", quote: str | None = None,
                     journal: list[str] | None = None, seconds: float = 0.0) -> None:
-        with self._tx():
-            self.db.execute(
-                "INSERT INTO attempts(at, host, service, revision, content_hash, action, result, message, quote,"
-                " journal, seconds) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (time.time(), host, service, revision, content_hash, action, result, redact(message),
-                 _opt(quote), json.dumps(redact_data(journal or [])), seconds))
+        self._write(
+            "INSERT INTO attempts(at, host, service, revision, content_hash, action, result, message, quote,"
+            " journal, seconds) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (time.time(), host, service, revision, content_hash, action, result, redact(message),
+             _opt(quote), json.dumps(redact_data(journal or [])), seconds))
 
     def set_status(self, host: str, service: str, *, desired_rev: str | None, running_rev: str | None,
                    health: str | None, last_event: str, quote: str | None = None) -> None:
         """Upsert one service's status; health None keeps the health recorded before."""
-        with self._tx():
-            self.db.execute(
-                "INSERT INTO services(host, service, desired_rev, running_rev, health, last_event, quote, updated_at)"
-                " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(host, service) DO UPDATE SET desired_rev=excluded.desired_rev,"
-                " running_rev=excluded.running_rev, health=COALESCE(excluded.health, services.health),"
-                " last_event=excluded.last_event,"
-                " quote=excluded.quote, updated_at=excluded.updated_at",
-                (host, service, desired_rev, running_rev, health, redact(last_event), _opt(quote), time.time()))
+        self._write(
+            "INSERT INTO services(host, service, desired_rev, running_rev, health, last_event, quote, updated_at)"
+            " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(host, service) DO UPDATE SET desired_rev=excluded.desired_rev,"
+            " running_rev=excluded.running_rev, health=COALESCE(excluded.health, services.health),"
+            " last_event=excluded.last_event, quote=excluded.quote, updated_at=excluded.updated_at",
+            (host, service, desired_rev, running_rev, health, redact(last_event), _opt(quote), time.time()))
 
     def status(self) -> list[dict]:
         rows = self.db.execute("SELECT * FROM services ORDER BY host, service").fetchall()
@@ -186,12 +184,11 @@ class Store:
                  lost: float | None) -> None:
         """What a service's last measured restart cost (issue 42): its step times and the requests
         its drain left in flight. It replaces the one before; a run that restarts nothing keeps it."""
-        with self._tx():
-            self.db.execute(
-                "INSERT INTO costs(host, service, revision, at, steps, lost) VALUES (?,?,?,?,?,?)"
-                " ON CONFLICT(host, service) DO UPDATE SET revision=excluded.revision, at=excluded.at,"
-                " steps=excluded.steps, lost=excluded.lost",
-                (host, service, revision, time.time(), json.dumps(steps, sort_keys=True), lost or None))
+        self._write(
+            "INSERT INTO costs(host, service, revision, at, steps, lost) VALUES (?,?,?,?,?,?)"
+            " ON CONFLICT(host, service) DO UPDATE SET revision=excluded.revision, at=excluded.at,"
+            " steps=excluded.steps, lost=excluded.lost",
+            (host, service, revision, time.time(), json.dumps(steps, sort_keys=True), lost or None))
 
     def costs(self) -> list[dict]:
         """Every service's last measured restart cost (steps decoded), by host and service."""
@@ -205,9 +202,8 @@ class Store:
         return row["value"] if row else None
 
     def set_value(self, key: str, value: str) -> None:
-        with self._tx():
-            self.db.execute("INSERT INTO controller(key, value) VALUES (?, ?) "
-                            "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (redact(key), value))
+        self._write("INSERT INTO controller(key, value) VALUES (?, ?) "
+                    "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (redact(key), value))
 
     def in_sync(self) -> dict[str, str]:
         """host -> the revision it was last left in sync with."""

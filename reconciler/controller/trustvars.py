@@ -7,20 +7,10 @@ the config's schema.
     RECONCILER_ALLOW_INSECURE_TRANSPORT   fetch over http:// or git://
 
 Every other RECONCILER_<KEY> simply overrides its key of the controller's config. These three
-decide who is root on the fleet, and root's environment can be a user's (`sudo -E`), so they
-follow one rule at every door: they may make the policy stricter, never looser, and a setting
-that would not take effect is an error, never dropped in silence.
-
-- A variable that loosens what the config file says (RECONCILER_REQUIRE_SIGNED=false where the
-  file requires signing, RECONCILER_ALLOW_INSECURE_TRANSPORT=true where the file does not allow
-  plaintext) is refused, and so is one that loosens the command line's `--require-signed`.
-- RECONCILER_ALLOWED_SIGNERS may not change who may deploy where the file requires signing (it
-  must name the file's allowed_signers), nor differ from `--allowed-signers`, and it needs
-  something that requires signing (the file, the flag, or RECONCILER_REQUIRE_SIGNED): alone it
-  would verify nothing.
-- Where no config file applies (a run that is not root's, a host without the controller), the
-  variables act as the flags of the same name: RECONCILER_REQUIRE_SIGNED=true refuses an unsigned
-  revision in a dry run as in a deploy.
+decide who is root on the fleet, and root's environment can be a user's (`sudo -E`), so at every
+door they may make the policy stricter, never looser, and a setting that would not take effect
+is an error, never dropped in silence: docs/push.md ("the environment") says what that refuses.
+RECONCILER_ALLOWED_SIGNERS may not differ from `--allowed-signers` either.
 """
 
 from __future__ import annotations

@@ -15,12 +15,9 @@
 Age secrets decrypt only with an identity on the host (--age-identity): without one, a service
 with an age secret is blocked (SecretUndecryptable), as on a controller without its key.
 
-Trust (desired/trust.py TrustPolicy, from the command line): the repo's URL must not be
-plaintext (http://, git://) unless allowed, nor carry a credential; the branch head must be
-signed by a key in the host's --allowed-signers file, else the run follows the head's newest
-first-parent ancestor that is, and says so (none, or an unsigned --rev: the run refuses,
-nothing changes); so must the revision the wave chooses (an unsigned one is passed over) and
-any revision a rollback renders. With --allow-unsigned every run says that unsigned revisions are accepted.
+Trust (desired/trust.py TrustPolicy, from the command line): which URLs, heads, wave choices and
+rollback targets it refuses or passes over, and the fallback to the newest signed first-parent
+ancestor of an unsigned head: docs/pull.md, "Whom a host trusts".
 """
 
 from __future__ import annotations

@@ -1,33 +1,15 @@
 """PURE: pull mode's wave schedule: which wave a host is in, and which revision it may deploy.
 
 In pull mode every host reconciles itself (`reconcile pull`); no controller runs waves. The
-schedule is fleet.toml `[pull] waves` (spec.PullWave), read at the branch head:
-
-    [pull]
-    waves = [
-      { name = "canary", labels = { wave = "canary" }, after = "0s" },
-      { name = "early",  labels = { wave = "early" },  after = "30m" },
-      { name = "rest",   after = "4h" },          # no labels: every host no earlier wave took
-    ]
-
-A host is in the first wave whose labels it carries; a host that matches none goes with the
-last wave. A host of wave N deploys a commit C of its branch (the first-parent history) when
-
-  * C is at least the wave's `after` old, by C's committer time on the host's own clock, and
-  * no host of an earlier wave stands against C. For each such host, its newest report on C or
-    on an ancestor of C decides: `ok` (healthy there) clears; `bad` (failed health, rolled back,
-    or holds a quarantined version) blocks; a `pending` report (deploying it right now) blocks
-    until the host's verdict replaces it or its deadline passes; an `inconclusive` report and
-    a stale pending one say nothing, so the report before them decides.
-
-It takes the newest commit that passes, never one older than the revision it has applied; when
-none passes it stays on that revision (and keeps it converged). No report is not a failure: a
-host of an earlier wave that never reported (down, or it cannot push) holds nobody back, and
-then the age alone gates.
+schedule is fleet.toml `[pull] waves` (spec.PullWave), read at the branch head. The rules (a
+host's wave, a commit's age, the earlier waves' reports, no report is not a failure):
+docs/pull.md, "Rollout waves in pull mode". Of an earlier wave's host, its newest report on a
+commit or an ancestor of it decides; an `inconclusive` report and a stale pending one say
+nothing, so the report before them decides.
 
 Reports travel in git, as notes: each host writes its own notes ref,
 `refs/notes/reconciler-pull/<host>`, one note per revision it reconciled (Report.dumps), so no
-two hosts ever write the same ref. `git log --notes='reconciler-pull/*'` shows them.
+two hosts ever write the same ref.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""The fleet page's server: a starlette app, served by uvicorn inside the daemon's event loop.
-
-Imported only when the page is on (`web` in the controller config, `reconcile watch --web`), so
-no other `reconcile` run loads starlette, uvicorn or Jinja2.
+"""The fleet page's ASGI app (starlette), imported only when the page is on (web/__init__.py).
 
     GET /               the page: the live rollout, hosts x services, commits; ?label=K=V&q=TEXT filter it
     GET /hosts/{name}   one host: its services and every attempt (durations, reasons, journal lines)
@@ -12,11 +9,10 @@ Read-only: there is no other method and no route that changes anything. The data
 state store (a connection per request: the store is SQLite, and the daemon writes it) and the
 hub; every model passes through redact (view.redacted) and Jinja2 escapes it. Rendering (the
 store's read, the view, Jinja2) runs in the page's own thread, one render at a time, never on the
-daemon's loop; the event streams share one render per change (stream.py), and the server limits
-connections and drops idle or slow clients (server.py). A Host header
-other than the loopback names is refused while the page listens on loopback (a DNS-rebinding
-page in the operator's browser cannot read it), and the responses forbid framing and scripts
-from anywhere else.
+daemon's loop (stream.py: the event streams share one render per change). A Host header other
+than the loopback names is refused while the page listens on loopback (a DNS-rebinding page in the
+operator's browser cannot read it), and the responses forbid framing and scripts from anywhere
+else.
 """
 
 from __future__ import annotations

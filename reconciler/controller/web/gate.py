@@ -1,21 +1,15 @@
 """An ASGI app served by uvicorn inside the daemon's event loop, behind a gate that keeps the loop,
-and the daemon's file descriptors, free for deploys whatever the clients do. The fleet page
-(server.py) and the metrics endpoint on an address of its own (metrics.py) are served this way.
-
-The gate is uvicorn's `http` protocol for each connection (a public setting of its Config): it
-sees the connection first, counts it and refuses it with a 503 before any HTTP is read, or hands
-it to uvicorn's own h11 protocol, which it creates and passes every event to (composition:
-nothing of uvicorn's is subclassed or imported from a private module).
+and the daemon's file descriptors, free for deploys whatever the clients do: the fleet page
+(server.py) and the metrics endpoint on an address of its own (metrics.py). How the gate sits in
+front of uvicorn, and the limits: docs/web.md ("Limits, per client", "How it is built"). Nothing
+of uvicorn's is subclassed or imported from a private module.
 
 - At most `max_connections` sockets at once, and `max_connections_per_client` of one client
-  (peer.py: a local user by the uid owning the connecting socket, a remote peer by its address):
-  the next one is answered 503 and closed as soon as it is accepted. (uvicorn's limit_concurrency
-  acts only once a request has arrived: sockets that never send one would still hold file
-  descriptors, which the daemon's SSH connections and its state store need.)
-- A connection must send a request's head within `head_timeout` seconds, the first one and every
-  next one on a kept-alive connection (a client that trickles a header byte by byte is dropped):
-  a small ASGI middleware tells the gate when a request's app starts and when its response went
-  out.
+  (peer.py), answered 503 as soon as accepted. (uvicorn's limit_concurrency acts only once a
+  request has arrived: sockets that never send one would still hold file descriptors, which the
+  daemon's SSH connections and its state store need.)
+- `head_timeout` holds for the first request's head and every next one on a kept-alive
+  connection (a client that trickles a header byte by byte is dropped).
 - What a client has not read is bounded: the socket's kernel send buffer is set to `send_buffer`
   (Linux would grow it to 4 MiB), the transport's to its 64 KiB high-water mark, and a client
   that leaves both full for `slow_client` seconds is dropped.

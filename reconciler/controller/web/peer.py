@@ -1,14 +1,8 @@
 """Who is on the other end of a connection to the page, so that its caps hold per client (review
-N10): one client can no longer take every connection or event stream and leave the operators a
-503.
-
-- A peer beyond loopback (the page is public: `web_public`): its address.
-- A loopback peer: the user that owns the socket it connects from, asked of the kernel's socket
-  table (NETLINK_SOCK_DIAG: one exact lookup by the connection's four addresses, as `ss -e`
-  does; no privilege needed). Through `ssh -L` that is the sshd of the operator's own login, so
-  each login account is one client; every local user is told apart from the others.
-- None where the kernel does not say (the peer is gone already, another network namespace, a
-  kernel without sock_diag): only the page's global caps apply to it.
+N10): who counts as one client is in docs/web.md ("Limits, per client"). A loopback peer's user
+is asked of the kernel's socket table (NETLINK_SOCK_DIAG: one exact lookup by the connection's
+four addresses, as `ss -e` does; no privilege needed); the kernel may not say (the peer is gone
+already, another network namespace, no sock_diag), and then only the page's global caps apply.
 
 A client is a string: "uid 1000", "203.0.113.7".
 """

@@ -5,13 +5,12 @@ going during a deploy: a page that stalls it for seconds gets the daemon killed 
 
 - One render per change, shared: SharedEvents renders the sections whose version moved once (in
   the page's own thread, not on the loop; at most one render per MIN_GAP) and every stream sends
-  the same bytes. Before, every stream rendered for itself on the loop: 500 viewers of a
-  30-host fleet stalled it for seconds at each phase of a rollout (bench/page_streams.py).
-- Caps: at most `cap` streams at once (MAX_STREAMS), and `cap_per_client` of one client
-  (MAX_STREAMS_PER_CLIENT; a client as peer.py tells them apart: a local user by uid, a remote
-  peer by address; one not told apart meets the global cap only); the next one is answered 503
-  with a Retry-After (the page's script tries again later), and the count is said in the log
-  (Refusals). One local user can no longer hold every stream (review N10).
+  the same bytes (500 viewers each rendering on the loop stalled it for seconds at each phase of
+  a rollout: bench/page_streams.py).
+- Caps: at most `cap` streams at once (MAX_STREAMS), and `cap_per_client` of one client (peer.py;
+  one not told apart meets the global cap only), so one local user cannot hold every stream
+  (review N10); the next one is answered 503 with a Retry-After (the page's script tries again
+  later), and the count is said in the log (Refusals).
 - Level-based, no backlog: a stream holds only the versions it sent. What a client has not read
   yet waits in its socket (the server's send blocks above the transport's 64 KiB high-water
   mark, so that is one event at most beyond it), and a client that does not read for SLOW_CLIENT

@@ -127,11 +127,6 @@ def load_model(progress: Mapping[str, Any] | None) -> Model | None:
 # -- the live rollout -------------------------------------------------------------------------
 
 
-def _policy(ro: Mapping[str, Any]) -> str:
-    return (f"canary = {ro['canary']}, max_unavailable = {json.dumps(ro['max_unavailable'])} "
-            f"(at most {ro['bound']} at once)")
-
-
 def _wave_state(ro: Mapping[str, Any], number: int) -> str:
     halted = ro.get("halted")
     if halted is not None:
@@ -171,7 +166,9 @@ def rollout(ro: Mapping[str, Any], run: RunInfo, mono: float) -> Model:
                 ph = {"text": text, "tone": tone, "clock": None, "quote": None}
             hosts.append({"name": h, "phase": ph})
         waves.append({"number": w["number"], "canary": w["canary"], "state": state, "hosts": hosts})
-    return {"service": svc, "definition": ro["definition"], "policy": _policy(ro), "status": ro["status"],
+    policy = (f"canary = {ro['canary']}, max_unavailable = {json.dumps(ro['max_unavailable'])} "
+              f"(at most {ro['bound']} at once)")
+    return {"service": svc, "definition": ro["definition"], "policy": policy, "status": ro["status"],
             "pending": len(ro["pending"]), "members": len(ro["members"]), "waves": waves,
             "halted": ro.get("halted"), "blocked": ro.get("blocked"), "untouched": sorted(untouched, key=natural_key),
             "skipped": list(ro.get("skipped") or ()), "seconds": ro.get("seconds") or 0}
