@@ -165,11 +165,7 @@ async def preflight_host(t: Transport, host: HostSpec, plan: HostPlan, facts: Ho
     asks = _asks(out, host, fresh, engine)
     riding = _riding(asks)
     ride = riding.probe if riding is not None else None
-    # the model directories the services load, with the free space of those a fetch may fill
-    # (df runs for nothing else)
-    models = [s.model for s in specs.values() if s.model]
-    paths = ModelCheck(sorted({m.path for m in models}), sorted({m.path for m in models if m.fetch}))
-    versions, answer = await _read(t, out, units, paths if models else None, since, reads, ride,
+    versions, answer = await _read(t, out, units, _model_check(specs), since, reads, ride,
                                    ride.timeout() if ride else 0)
     if bound(rules):
         out.warnings.extend(unknown(reads, versions))
@@ -237,6 +233,14 @@ def model_from_command(svc: ServiceSpec) -> ServiceSpec:
         hub = cmd.env.get("HF_HUB_CACHE") or cmd.env.get("HF_HOME", "/root/.cache/huggingface") + "/hub"
         return replace(svc, model=ModelSpec(id=m, path=f"{hub}/models--{m.replace('/', '--')}/snapshots/*"))
     return svc
+
+
+def _model_check(specs: Mapping[str, ServiceSpec]) -> ModelCheck | None:
+    """The model directories the services load (None: none), with the free space of those a
+    fetch may fill (df runs for nothing else)."""
+    models = [s.model for s in specs.values() if s.model]
+    paths = sorted({m.path for m in models})
+    return ModelCheck(paths, sorted({m.path for m in models if m.fetch})) if paths else None
 
 
 def _judge_models(out: Preflight, specs: Mapping[str, ServiceSpec], fetched: Mapping[str, str | None]) -> None:

@@ -81,20 +81,48 @@ def _hints(cls: Any) -> dict[str, Any]:
 
 def _readable_part(value: object, tp: Any) -> object:
     """What still reads of a value that does not read as its field's type: of a whole number
-    written as a finite float, its whole part (within the field's bounds); of a table or an
-    array, the entries (items) that read as the field's (a secret's version that is no string is
-    left out, the others kept); of a word an enum with a `read` (reasons.Reason) does not know,
-    what its `read` makes of it (a reason written by a newer version); None for anything else."""
-    args = get_args(tp)
+    written as a finite float, its whole part; of a table or an array, the entries (items) that
+    read as the field's (a secret's version that is no string is left out, the others kept); of
+    a word an enum with a `read` (reasons.Reason) does not know, what its `read` makes of it;
+    None for anything else."""
     if isinstance(value, str):
-        for arm in args or (tp,):
-            if isinstance(arm, type) and issubclass(arm, enum.Enum) and hasattr(arm, "read"):
-                return arm.read(value)
-    if isinstance(value, float) and tp in (Whole, Schema) and math.isfinite(value) and _reads(int(value), tp):
+        return _enum_word(value, tp)
+    if isinstance(value, float):
+        return _whole_part(value, tp)
+    if isinstance(value, dict):
+        return _readable_entries(value, tp)
+    if isinstance(value, list):
+        return _readable_items(value, tp)
+    return None
+
+
+def _enum_word(value: str, tp: Any) -> object:
+    """A word read by the `read` of the field's enum (a reason written by a newer version), or None."""
+    for arm in get_args(tp) or (tp,):
+        if isinstance(arm, type) and issubclass(arm, enum.Enum) and hasattr(arm, "read"):
+            return arm.read(value)
+    return None
+
+
+def _whole_part(value: float, tp: Any) -> int | None:
+    """The whole part of a finite float in a whole-number field, when it is in the field's bounds."""
+    if tp in (Whole, Schema) and math.isfinite(value) and _reads(int(value), tp):
         return int(value)
-    if isinstance(value, dict) and get_origin(tp) in (Mapping, dict) and len(args) == 2:
+    return None
+
+
+def _readable_entries(value: dict[Any, Any], tp: Any) -> dict[Any, Any] | None:
+    """The entries of a table whose values read as a mapping field's values, or None for another field."""
+    args = get_args(tp)
+    if get_origin(tp) in (Mapping, dict) and len(args) == 2:
         return {k: v for k, v in value.items() if _reads(v, args[1])}
-    if isinstance(value, list) and get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis:
+    return None
+
+
+def _readable_items(value: list[Any], tp: Any) -> tuple[Any, ...] | None:
+    """The items of an array that read as a `tuple[X, ...]` field's items, or None for another field."""
+    args = get_args(tp)
+    if get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis:
         return tuple(v for v in value if _reads(v, args[0]))
     return None
 

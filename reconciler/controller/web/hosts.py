@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import msgspec
+
 from ...plan.drain import StepKind
 from ...plan.forecast import unavailable_seconds
 from ...plan.rollout import natural_key
@@ -93,70 +95,127 @@ def _cell(row: Mapping[str, Any], commits: Commits, now: float, live: Model | No
             "updated": _updated(row, now), "live": live, "cost": cost_model(row.get("cost"), commits, now)}
 
 
-def _grid_cell(svc: str, info: HostInfo | None, stored: Mapping[str, Mapping[str, Any]], phase: PhaseInfo | None,
-               this_run: str | None, commits: Commits, snap: PageState) -> Model | None:
-    """One cell of a host's row: from the store when it has a row; "not reconciled yet" for a
-    service the desired state puts on the host but no run has reconciled there yet (what it should
-    run is this run's revision); None when the service is not on this host at all. Either way it
-    carries the run's live phase for the pair, if any."""
-    live = phase_model(phase, snap.mono) if phase is not None else None
-    if svc in stored:
-        return _cell(stored[svc], commits, snap.wall, live)
-    if info is None or svc not in info.services:
-        return None
+class _GridScope(msgspec.Struct, frozen=True):
+    """What every host row of one grid shares: the columns, the run's live phases and revision,
+    the commit look-up, the clocks and the filters."""
+
+    services: list[str]
+    phases: Mapping[tuple[str, str], PhaseInfo]
+    this_run: str | None             # the revision of the current (or last) run
+    commits: Commits
+    mono: float
+    wall: float
+    label: str
+    q: str
+
+
+def _grid_scope(services: list[str], snap: PageState, commits: Commits, label: str, q: str) -> _GridScope:
+    """The grid's shared inputs, taken from the snapshot once for all its rows."""
+    # The run's phases while it runs; after it, the store says the same in its own words.
+    phases = snap.run.phases if snap.run and snap.run.finished is None else {}
+    return _GridScope(services, phases, snap.run.revision if snap.run else None, commits, snap.mono, snap.wall,
+                      label, q)
+
+
+def _rows_by_host(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Mapping[str, Any]]]:
+    """The store's rows as host -> service -> row; service "*" is the host-wide row (a failure
+    before any service was reached, such as an unreachable host)."""
+    by_host: dict[str, dict[str, Mapping[str, Any]]] = {}
+    for r in rows:
+        by_host.setdefault(r["host"], {})[r["service"]] = r
+    return by_host
+
+
+def _grid_services(by_host: Mapping[str, Mapping[str, Any]], fleet: Mapping[str, HostInfo]) -> list[str]:
+    """The grid's columns: every service the store has a row for (not the host-wide "*") or the
+    desired state declares on some host, sorted."""
+    return sorted({s for cells in by_host.values() for s in cells if s != "*"}
+                  | {s for h in fleet.values() for s in h.services})
+
+
+def _unreached_cell(svc: str, scope: _GridScope, live: Model | None) -> Model:
+    """A service the desired state puts on a host but no run has reconciled there yet: it has no
+    row in the store, and what it should run is this run's revision."""
     return {"service": svc, "health": "-", "state": "idle", "verdict": "not reconciled yet",
-            "desired": revision(this_run, commits, snap.wall), "running": None, "same": False,
+            "desired": revision(scope.this_run, scope.commits, scope.wall), "running": None, "same": False,
             "event": "", "quote": None, "updated": "", "live": live, "cost": None}
 
 
-def _search_text(words: list[str], cells: list[Model | None], problem: Model | None) -> str:
+def _grid_cell(host: str, svc: str, info: HostInfo | None, stored: Mapping[str, Mapping[str, Any]],
+               scope: _GridScope) -> Model | None:
+    """One cell of a host's row: from the store when it has a row, "not reconciled yet" when only
+    the desired state declares it, None when the service is not on this host at all. Either
+    way it carries the run's live phase for the pair, if any."""
+    p = scope.phases.get((host, svc))
+    live = phase_model(p, scope.mono) if p is not None else None
+    if svc in stored:
+        return _cell(stored[svc], scope.commits, scope.wall, live)
+    if info is not None and svc in info.services:
+        return _unreached_cell(svc, scope, live)
+    return None
+
+
+def _host_problem(stored: Mapping[str, Mapping[str, Any]], now: float) -> Model | None:
+    """The host-wide row ("*"), shown under the host's name: what failed before any service was
+    reached. None when the store has no such row."""
+    if "*" not in stored:
+        return None
+    row = stored["*"]
+    return {"event": row.get("last_event") or "", "quote": row.get("quote"), "updated": _updated(row, now)}
+
+
+def _cell_words(c: Model) -> list[str]:
+    """What the search matches in one cell: its service, health, verdict, event, journal line,
+    the short SHA and subject of its desired and running revisions, and its restart's cost."""
+    cost = c["cost"] or {}
+    return [c["service"], c["health"], c["verdict"], c["event"], c["quote"] or "",
+            *(f"{r['short']} {r['subject']}" for r in (c["desired"], c["running"]) if r),
+            cost.get("text") or "", cost.get("lost") or ""]
+
+
+def _search_text(name: str, address: str, labels: list[str], cells: list[Model | None],
+                 problem: Model | None) -> str:
     """The text a host row is searched by (here for ?q=, and by the page's script as you type):
-    every word the row shows, masked, then lowercased. Of a cell: its service, health, verdict,
-    event, journal line, the short SHA and subject of its desired and running revisions, and its
-    restart's cost."""
+    every word the row shows, masked, then lowercased."""
+    words: list[str] = [name, address, *labels]
     for c in cells:
         if c is not None:
-            cost = c["cost"] or {}
-            words += [c["service"], c["health"], c["verdict"], c["event"], c["quote"] or "",
-                      *(f"{r['short']} {r['subject']}" for r in (c["desired"], c["running"]) if r),
-                      cost.get("text") or "", cost.get("lost") or ""]
+            words += _cell_words(c)
     if problem:
         words += [problem["event"], problem["quote"] or ""]
     # masked before lowercasing: a secret's value would no longer match once lowered
     return redact(" ".join(w for w in words if w)).lower()
 
 
+def _hidden(labels: list[str], search: str, label: str, q: str) -> bool:
+    """Whether the filters leave a host row out: it lacks the chosen label, or its text lacks the
+    search (case-insensitive)."""
+    return bool((label and label not in labels) or (q and q.lower() not in search))
+
+
+def _host_row(name: str, info: HostInfo | None, stored: Mapping[str, Mapping[str, Any]],
+              scope: _GridScope) -> Model:
+    """One host's row: its address and labels, a cell per column, its host-wide problem, the text
+    the search matches and whether the filters hide it."""
+    labels = _host_labels(info)
+    address = info.address if info else ""
+    cells = [_grid_cell(name, svc, info, stored, scope) for svc in scope.services]
+    problem = _host_problem(stored, scope.wall)
+    search = _search_text(name, address, labels, cells, problem)
+    return {"name": name, "address": address, "labels": labels, "cells": cells, "problem": problem,
+            "search": search, "hidden": _hidden(labels, search, scope.label, scope.q)}
+
+
 def grid(rows: Iterable[Mapping[str, Any]], snap: PageState, commits: Commits, *, label: str = "",
          q: str = "") -> Model:
     """Hosts x services from the store, the hosts the desired state declares but no run has
-    reached yet, and the run's live phase in each cell. Rows that the filters leave out (a host
-    without the chosen label, or whose text lacks the search, case-insensitive) are marked hidden
-    (the page's script filters again as you type).
-
-    The columns: every service the store has a row for or the desired state declares on some
-    host. The store's service "*" is the host-wide row, shown under the host's name: what failed
-    before any service was reached (an unreachable host)."""
-    by_host: dict[str, dict[str, Mapping[str, Any]]] = {}
-    for r in rows:
-        by_host.setdefault(r["host"], {})[r["service"]] = r
-    services = sorted({s for cells in by_host.values() for s in cells if s != "*"}
-                      | {s for h in snap.fleet.values() for s in h.services})
-    # The run's phases while it runs; after it, the store says the same in its own words.
-    phases = snap.run.phases if snap.run and snap.run.finished is None else {}
-    this_run = snap.run.revision if snap.run else None        # the revision of the current (or last) run
-    hosts: list[Model] = []
-    for name in sorted(set(by_host) | set(snap.fleet), key=natural_key):
-        info, stored = snap.fleet.get(name), by_host.get(name, {})
-        labels, address = _host_labels(info), info.address if info else ""
-        cells = [_grid_cell(svc, info, stored, phases.get((name, svc)), this_run, commits, snap) for svc in services]
-        star = stored.get("*")
-        problem = None if star is None else {"event": star.get("last_event") or "", "quote": star.get("quote"),
-                                             "updated": _updated(star, snap.wall)}
-        search = _search_text([name, address, *labels], cells, problem)
-        hidden = bool((label and label not in labels) or (q and q.lower() not in search))
-        hosts.append({"name": name, "address": address, "labels": labels, "cells": cells, "problem": problem,
-                      "search": search, "hidden": hidden})
-    return {"services": services, "hosts": hosts, "shown": sum(not h["hidden"] for h in hosts),
+    reached yet, and the run's live phase in each cell. Rows that the filters leave out are
+    marked hidden (the page's script filters again as you type)."""
+    by_host = _rows_by_host(rows)
+    scope = _grid_scope(_grid_services(by_host, snap.fleet), snap, commits, label, q)
+    names = sorted(set(by_host) | set(snap.fleet), key=natural_key)
+    hosts = [_host_row(name, snap.fleet.get(name), by_host.get(name, {}), scope) for name in names]
+    return {"services": scope.services, "hosts": hosts, "shown": sum(not h["hidden"] for h in hosts),
             "labels": sorted({lab for h in hosts for lab in h["labels"]})}
 
 
