@@ -104,7 +104,8 @@ class Daemon:
         # Each host's last observation and what it was read as: a host that answers the same
         # text as in the last round is not parsed again (host/programs.Seen)
         self.seen = Seen()
-        self._loaded: tuple[str | None, DesiredState, RuleSet] | None = None   # the last tree loaded
+        # the last tree loaded: its state, rule pack and secret warnings (all of them the tree's alone)
+        self._loaded: tuple[str | None, DesiredState, RuleSet, list[str]] | None = None
         # The plans the last run made (Revision.planned), by its revision: a run at the same
         # revision plans a host again only where its facts or context moved (plan_host is pure).
         self._planned: tuple[str, dict] = ("", {})
@@ -208,14 +209,14 @@ class Daemon:
                 who = opts.trust.verify(repo, snap.revision)     # before its tree is read (open_revision: again)
                 if who is not None:
                     console.print(f"{snap.short}: signed by {who}")
-                state, rules = self._load(snap)
+                state, rules, warnings = self._load(snap)
                 # Age secrets decrypted with the controller's identity, at this revision and at any
                 # a rollback renders; one that cannot be decrypted blocks its service (the core).
                 rev = open_revision(snap, opts, state=state, rules=rules)
                 if self._planned[0] == snap.revision:
                     rev = replace(rev, planned=self._planned[1])
                 self._planned = (snap.revision, rev.planned)
-                for w in secret_warnings(rev.state, snap.read):
+                for w in warnings:
                     console.print(w, soft_wrap=True, markup=False)
                 view = PhaseView(console, plans=console)    # each host's diff before its health progress
                 # A controller of one shard (config labels): only the hosts carrying its labels.
@@ -268,16 +269,18 @@ class Daemon:
                           confirm_margin=confirm_margin_from(), trust=self.cfg.trust_policy(),
                           drain_programs=tuple(self.cfg.drain_programs))
 
-    def _load(self, snap: source.Snapshot) -> tuple[DesiredState, RuleSet]:
-        """The desired state and rule pack at a snapshot; the same tree as the last run's (every
-        interval run until the next push) is not parsed again."""
+    def _load(self, snap: source.Snapshot) -> tuple[DesiredState, RuleSet, list[str]]:
+        """The desired state, rule pack and secret warnings at a snapshot (the warnings read env
+        values, unit texts and secret names: the tree's, whatever decryption fills in); the same
+        tree as the last run's (every interval run until the next push) is not read again."""
         key = snap.tree_id
         if key is not None and self._loaded is not None and self._loaded[0] == key:
-            return replace(self._loaded[1], revision=snap.revision), self._loaded[2]
+            return replace(self._loaded[1], revision=snap.revision), self._loaded[2], self._loaded[3]
         state = cache.load_desired(snap, self.cache_dir)
         rules = load_rules(snap)
-        self._loaded = (key, state, rules)
-        return state, rules
+        warnings = secret_warnings(state, snap.read)
+        self._loaded = (key, state, rules, warnings)
+        return state, rules, warnings
 
     def _observe_pool(self) -> None:
         self.metrics.observe_pool(self.pool.opened, self.pool.reused, len(self.pool))

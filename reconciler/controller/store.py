@@ -13,6 +13,7 @@ no secret value the controller knows, and no token-like pattern, is ever written
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sqlite3
@@ -136,6 +137,7 @@ class Store:
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
         self._batched = False
+        self._redact = redact
 
     def _write(self, sql: str, params: tuple[object, ...]) -> None:
         """One statement in a transaction of its own, or in batch()'s."""
@@ -144,13 +146,14 @@ class Store:
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
-        """Many writes in one transaction (a run's results: one commit, not one per service)."""
-        self._batched = True
+        """Many writes in one transaction (a run's results: one commit, not one per service),
+        each text redacted once (most hosts' last events read the same: "in-sync")."""
+        self._batched, self._redact = True, functools.cache(redact)
         try:
             with self.db:
                 yield
         finally:
-            self._batched = False
+            self._batched, self._redact = False, redact
 
     def add_attempt(self, host: str, service: str, revision: str, content_hash: str | None, action: str,
                     result: str, message: str = "", quote: str | None = None,
@@ -169,7 +172,7 @@ class Store:
             " VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(host, service) DO UPDATE SET desired_rev=excluded.desired_rev,"
             " running_rev=excluded.running_rev, health=COALESCE(excluded.health, services.health),"
             " last_event=excluded.last_event, quote=excluded.quote, updated_at=excluded.updated_at",
-            (host, service, desired_rev, running_rev, health, redact(last_event), _opt(quote), time.time()))
+            (host, service, desired_rev, running_rev, health, self._redact(last_event), _opt(quote), time.time()))
 
     def status(self) -> list[dict]:
         rows = self.db.execute("SELECT * FROM services ORDER BY host, service").fetchall()

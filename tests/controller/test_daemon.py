@@ -206,3 +206,45 @@ def test_a_run_at_the_revision_of_the_last_takes_over_its_plans_and_a_new_revisi
     assert one == same != two
     assert second is first and first == {"a": [1, 2]}
     assert third == {"a": [3]} and third is not first
+
+
+def test_the_secret_warnings_of_a_tree_are_said_every_run_and_made_once(tmp_path, monkeypatch):
+    """An env value that looks like a secret is warned about in every run's log (file and key,
+    never the value), and worked out once per tree: an interval run at the same tree says the
+    warnings it already made; a new tree's are made afresh."""
+    from reconciler.controller import daemon
+    from reconciler.loop.results import FleetResult
+    from tests.conftest import DesiredRepo
+    token = "hf_" + "aBcDeFgHiJkLmNoPqRsTuVwXyZ012345"
+    r = DesiredRepo(tmp_path / "r")
+    r.write("fleet.toml", "")
+    r.write("units/m.service", "[Service]\nExecStart=/usr/bin/server\n")
+    r.write("hosts/a.toml", f'address = "127.0.0.9"\n[services.m]\nunit_file = "units/m.service"\n'
+                            f'env = {{ HF_TOKEN = "{token}" }}\n')
+    one = r.commit("one")
+    made: list[str] = []
+    real = daemon.secret_warnings
+
+    def counted(state, read=None):  # type: ignore[no-untyped-def]
+        made.append(state.revision)
+        return real(state, read)
+
+    async def run_fleet(rev, opts, io):  # type: ignore[no-untyped-def]
+        return FleetResult(rev.revision, dry_run=False)
+    monkeypatch.setattr(daemon, "secret_warnings", counted)
+    monkeypatch.setattr(daemon, "run_fleet", run_fleet)
+    d = Daemon(ControllerConfig(repo=str(r.path), state_dir=str(tmp_path / "state"), metrics="", web="",
+                                notes=False), interval=60)
+    log = tmp_path / "state" / "runs" / f"{one}.log"
+    for _ in range(2):
+        log.unlink(missing_ok=True)
+        assert asyncio.run(d.run_once()) == 0
+        text = log.read_text()
+        assert "hosts/a.toml: services.m.env.HF_TOKEN: warning: the value looks like" in text
+        assert token not in text
+    assert made == [one]
+    r.write("hosts/a.toml", f'address = "127.0.0.10"\n[services.m]\nunit_file = "units/m.service"\n'
+                            f'env = {{ HF_TOKEN = "{token}" }}\n')
+    two = r.commit("two")
+    assert asyncio.run(d.run_once()) == 0
+    assert made == [one, two]

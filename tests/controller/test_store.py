@@ -42,3 +42,35 @@ def test_a_record_with_a_deploy_in_flight_reads_pending_not_healthy(tmp_path: Pa
     remember(store, in_sync_run(ServiceRecord(hash="h", revision=REV, pending=Pending("h2", "b" * 40)),
                                 "active"))
     assert next(r for r in store.status() if r["service"] == "m")["health"] == "pending"
+
+
+def test_a_batch_redacts_each_last_event_once_and_every_write_still_reads_redacted(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """A run's results go in one batch where most hosts' last events read the same ("in-sync"):
+    each text is redacted once a batch, a registered secret still masked in every row; outside a
+    batch every write redacts its own."""
+    from reconciler import redact
+    from reconciler.controller import store as store_module
+    secret = "s3cr3t-Value-9f8e7d6c"
+    redact.register(secret)
+    calls: list[str] = []
+
+    def counted(text: str) -> str:
+        calls.append(text)
+        return redact.redact(text)
+    monkeypatch.setattr(store_module, "redact", counted)
+    try:
+        s = Store(tmp_path)
+        with s.batch():
+            for h in ("gpu-1", "gpu-2", "gpu-3"):
+                s.set_status(h, "m", desired_rev=REV, running_rev=REV, health="healthy", last_event=f"failed: {secret}")
+        assert calls == [f"failed: {secret}"]
+        s.set_status("gpu-4", "m", desired_rev=REV, running_rev=REV, health="healthy", last_event="in-sync")
+        s.set_status("gpu-5", "m", desired_rev=REV, running_rev=REV, health="healthy", last_event="in-sync")
+        assert calls[1:] == ["in-sync", "in-sync"]
+        rows = {r["host"]: r["last_event"] for r in s.status()}
+        assert rows == {"gpu-1": f"failed: {redact.MASK}", "gpu-2": f"failed: {redact.MASK}",
+                        "gpu-3": f"failed: {redact.MASK}", "gpu-4": "in-sync", "gpu-5": "in-sync"}
+        s.close()
+    finally:
+        redact._values.discard(secret)
