@@ -1,34 +1,16 @@
-"""PURE: the on-host dead-man's switch of a deploy (what deploy-rs calls magic rollback).
+"""PURE: the on-host dead-man's switch of a deploy (what deploy-rs calls magic rollback). What it
+does, when it fires and what it leaves on the host: docs/health.md ("The dead-man's switch").
 
-Before a service is (re)started with a new version, the plan arms a timer on the host: unless
-the controller confirms the version within the window (start-up timeout + stable_for + margin),
-the timer runs a script that puts the previous, verified version back (unit and env), restarts
-it, and records the new version as quarantined (reason NotConfirmed); with no verified previous
-version it stops the service instead. The controller's verdict, whatever it is, disarms it. A
-controller killed or cut off mid-deploy thus leaves the host on its last good version by itself,
-and the records say so.
-
-The switch is a script, /var/lib/reconciler/confirm/<service>.sh (0600: it holds the previous
-env, which may be secret; systemd runs it with /bin/sh): reconciler/sh/confirm.sh after a header
+The switch is /var/lib/reconciler/confirm/<service>.sh: reconciler/sh/confirm.sh after a header
 of its named parameters (the service, the previous version's files, the record it writes) and
-constants (`arm`), so the host runs no shell composed here; and a transient timer and service,
-reconciler-confirm-<service>.{timer,service}, made by one `systemd-run --on-active` (no unit file
-is written, so arming it needs no daemon-reload, and an env-only deploy needs none at all).
-
-The timer is made when the controller goes, not before every start: the run's host lock holder
-(lock.py), the process that lives exactly as long as the controller's hold on the host, arms
-every switch whose script is still there as it lets go (reconciler/sh/holder.sh): after the verdict that
-is none, so a deploy that is confirmed costs no systemd-run and no stop (two systemd clients,
-about 40 ms of the host's CPU). A controller killed, cut off or silent for the lock's idle time
-ends the holder (EOF, a signal, or its read timing out), and its last act arms the switch, the
-window counted from then. A transient timer does not survive a reboot: one static unit,
-reconciler-rearm-switches.service (enabled, written once per host by the first deploy that arms
-a switch), arms every switch whose script is still there again at boot, so a host that reboots
-inside the window still fires it (the window then counts from boot). The holder's last act runs
-that same script. The switch's service takes the host lock first (it never interleaves with a
-reconcile run) and does nothing when it was disarmed meanwhile; once it runs, it counts itself
-and says who holds the lock, as every holder does (lock.py), so a run that looked at the host
-before knows to look again.
+constants (`arm`), so the host runs no shell composed here. Its transient timer and service are
+made by one `systemd-run --on-active` (no unit file is written, so arming it needs no
+daemon-reload, and an env-only deploy needs none at all), and only as the controller goes: the
+run's host lock holder (lock.py, reconciler/sh/holder.sh), as it lets go, runs
+reconciler/sh/rearm.sh (`rearm_text`), which arms every switch whose script is still there; the
+same script runs at boot (`REARM_UNIT_TEXT`). After a verdict there is none left, so a confirmed
+deploy costs no systemd-run and no stop (two systemd clients, about 40 ms of the host's CPU).
+The switch's service takes the host lock (rearm.sh's flock) before it runs the script.
 """
 
 from __future__ import annotations

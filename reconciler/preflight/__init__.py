@@ -1,51 +1,15 @@
 """Pre-flight checks before a model server is (re)started: flag rules as data, model presence.
 
-See docs/preflight.md for what is checked and when.
+See docs/preflight.md for what is checked and when, and its "Writing rules" section for the
+rule-file format and when a rule fires.
 
 Everything here is pure except the text of one shell command (`ModelCheck`, _hostcheck). The
 rule pack is data: the shipped reconciler/rules/*.toml plus the repo's own rules/*.toml
 (`load_rules`; their schema, _schema, comes with the first rule file read: a run that starts
 nothing never loads it). `check_service`, `check_host` and `check_desired` evaluate it together
-with the built-in rules (`@builtin`, _registry), each result a `Finding`. Where no config.json
-was read from the host (validate), what a model is comes from the `[[model]]` tables of the
+with the built-in rules (`@builtin`, _registry), each result a `Finding`. What a model is comes
+from its config.json where one was read from the host, and from the `[[model]]` tables of the
 rule files (rules/models.toml, extendable from the repo).
-
-A rule file::
-
-    disable = ["port-conflict"]          # optional: rule ids (shipped or built-in) to turn off
-
-    [[rule]]
-    id = "sglang-spec-hybrid-extra-buffer"   # lowercase, digits, '-'; a repo rule with the id
-                                             # of a shipped rule replaces it
-    server = "sglang"                    # "sglang" | "vllm" | "any"
-    severity = "error"                   # "error" blocks the deploy; "warning" is reported
-    when = { flag_any = ["--speculative-algorithm"], model = ["hybrid"] }
-    unless = { flag_any = ["--disable-radix-cache"] }      # optional
-    require = { flags = { "--mamba-scheduler-strategy" = "extra_buffer" },
-                env = { SGLANG_ENABLE_SPEC_V2 = ["1", "true"] } }   # optional
-    message = "... needs ... (missing: {missing})"
-    fix = "..."
-    source = "https://..."
-    versions = ">=0.5.10,<0.5.14"        # optional: the server versions the rule is true for
-    unknown_version = "apply"            # optional: "apply" (default) or "skip" where the
-                                         # host's server version cannot be read
-
-    [[model]]                            # model knowledge: ids/architectures -> traits
-    ids = ["*/Qwen3.5-*"]                # globs, case-insensitive
-    architectures = ["Qwen3_5*"]
-    traits = ["hybrid"]
-
-A rule fires when the server's version on the host is in `versions` (loop/checks.py reads it: the
-interpreter of ExecStart asked for the installed sglang/vllm version; `reconcile validate` has
-no host, so there every version is unknown), `when` holds, `unless` does not, and `require`
-(if any) is not met; without `require` it fires whenever `when` holds. Conditions (all given
-keys must hold): `flag_any`,
-`flag_none`, `flags` (flag given with one of the values; true = given, false = not given),
-`flags_not` (flag given with a value not listed), `env_any`, `env` (value listed), `env_not`
-(unset or not listed), `model` (traits, all of them), `architecture`, `model_type` and
-`model_id` (globs, any). A condition about the model is false when the model is unknown.
-Message placeholders: {flag:--name} (its value), {model}, {model.why}, {missing}. Env values
-never appear in messages (they may be secrets).
 
 The package, one concern a module (all private; this module's `__all__` is the interface):
 _unitfile (a unit file as systemd reads it), _command (the server command line), _engine (the
