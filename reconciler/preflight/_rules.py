@@ -190,7 +190,7 @@ def condition_holds(cond: Condition, cmd: Command, info: ModelInfo) -> bool:
     for f, values in cond.flags_not.items():
         if not cmd.has(f) or cmd.value(f) in values:
             return False
-    if not all(cmd.env.get(v) for v in cond.env_any):
+    if cond.env_any and not any(cmd.env.get(v) for v in cond.env_any):
         return False
     if not all(cmd.env.get(v) in values for v, values in cond.env.items()):
         return False

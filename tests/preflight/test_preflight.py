@@ -869,3 +869,23 @@ def test_parse_versions_payloads():
     from reconciler.plan.facts.versions import parse_versions
     out = "\n".join(["T V a @0.5.12", "T V b -", "T V c @", "T V d @!!", "T V e 0.5.13", "U V g @1", "T V h @1 x"])
     assert parse_versions(out, "T") == {"a": "0.5.12", "b": None, "c": None, "d": None, "e": None}
+
+
+@pytest.mark.parametrize(("env", "fires"), [({}, False), ({"A": ""}, False), ({"A": "1"}, True), ({"B": "1"}, True),
+                                            ({"A": "1", "B": "1"}, True), ({"C": "1"}, False)])
+def test_env_any_holds_when_any_one_of_its_variables_is_set(env: dict[str, str], fires: bool) -> None:
+    """`env_any`, like `flag_any`: one of the variables set and not empty is enough (it used to
+    need every one of them)."""
+    text = """
+[[rule]]
+id = "either-var"
+server = "vllm"
+severity = "warning"
+when = { env_any = ["A", "B"] }
+message = "m"
+fix = "f"
+source = "https://docs.vllm.ai/en/latest/"
+"""
+    rules = pf.load_rules(Snap({"rules/env.toml": text}))
+    found = pf.check_service(vllm(env=env), rules=rules, model_config=None, gpu_count=None)
+    assert [f.rule_id for f in found] == (["either-var"] if fires else [])
