@@ -166,7 +166,7 @@ def _start(opts: RunOptions, as_json: bool, state_dir: Path | None,
            notes: bool) -> tuple[Snapshot, Revision, Store | None, frozenset[str], Console]:
     """A run up to its first host: the checks of its input, the revision opened, the store and
     the hosts it is expected to change (store.expect_changes: they are locked at once), the
-    secret warnings said; the modules the run needs imported."""
+    secret warnings said."""
     from ..desired import source
     if notes and source.is_url(opts.repo):
         fail(f"--notes writes to a local repo; {redact.redact(opts.repo)} is a URL (its local mirror is a cache "

@@ -64,6 +64,8 @@ from .web.hub import Hub
 if TYPE_CHECKING:
     import pygit2
 
+    from ..loop.revision import Planned
+
 BACKOFF_START = 2.0
 # Asks that only say "the branch moved": dropped when a run already reconciled the branch head.
 PUSH_ASKS = frozenset({"push", "trigger"})
@@ -108,7 +110,7 @@ class Daemon:
         self._loaded: tuple[str | None, DesiredState, RuleSet, list[str]] | None = None
         # The plans the last run made (Revision.planned), by its revision: a run at the same
         # revision plans a host again only where its facts or context moved (plan_host is pure).
-        self._planned: tuple[str, dict] = ("", {})
+        self._planned: tuple[str, Planned] = ("", {})
         self._git = asyncio.Lock()                 # one open or fetch of the repo at a time (_head)
         if cfg.webhook_allow:                      # where fleet.toml's webhook may go: this config says
             notify.allow(cfg.webhook_allow)        # (none: $RECONCILER_WEBHOOK_ALLOW, already in cfg)

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
     from ..preflight import RuleSet
     from .options import RunOptions
 
+    # the plans a run made, by host name: (desired, facts, context, plan), the last two (host_run)
+    Planned = dict[str, list[tuple[HostSpec, HostFacts, Context, HostPlan]]]
+
 RenderAt = Callable[[str], DesiredState | None]
 # Whether a revision descends from another: True, False, or None (the other is not in the repo).
 Descends = Callable[[str, str], "bool | None"]
@@ -59,8 +62,7 @@ class Revision(msgspec.Struct, frozen=True):
     signer: str | None = None                     # who signed it (None: the policy asks no signature)
     # rollback targets the trust policy refused (revision -> why), filled as the run renders them
     refused: dict[str, str] = msgspec.field(default_factory=dict)
-    # the plans this run made, by host name: (desired, facts, context, plan), the last two (host_run)
-    planned: dict[str, list[tuple[HostSpec, HostFacts, Context, HostPlan]]] = msgspec.field(default_factory=dict)
+    planned: Planned = msgspec.field(default_factory=dict)      # the plans this run made (host_run)
 
     @property
     def revision(self) -> str:

@@ -30,7 +30,14 @@ def check_service(svc: ServiceSpec, *, rules: RuleSet, model_config: Mapping[str
     checkpoint's size on the host (`weights_bytes(model_facts)`), or None (estimated from
     config.json, and then only a warning).
     """
-    cmd = parse_command(svc)
+    return _check_command(svc, parse_command(svc), rules=rules, model_config=model_config, gpu_count=gpu_count,
+                          version=version, hardware=hardware, weights_bytes=weights_bytes)
+
+
+def _check_command(svc: ServiceSpec, cmd: Command, *, rules: RuleSet, model_config: Mapping[str, Any] | None,
+                   gpu_count: int | None, version: str | None, hardware: Hardware | None,
+                   weights_bytes: int | None) -> list[Finding]:
+    """check_service on the service's command line, already parsed."""
     if cmd.server is None:
         return []
     facts = RuleFacts(gpu_count=gpu_count, version=version, weights_bytes=weights_bytes, hardware=hardware,
@@ -68,11 +75,11 @@ def check_host(host: HostSpec, *, rules: RuleSet, model_configs: Mapping[str, Ma
     commands: dict[str, Command] = {}
     for name in sorted(host.services):
         svc = host.services[name]
-        model = svc.model
-        findings.extend(check_service(svc, rules=rules, model_config=model_configs.get(model.path) if model else None,
-                                      gpu_count=gpu_count, version=(versions or {}).get(name), hardware=hardware,
-                                      weights_bytes=(weights or {}).get(model.path) if model else None))
-        cmd = parse_command(svc)
+        model, cmd = svc.model, parse_command(svc)
+        findings.extend(_check_command(svc, cmd, rules=rules,
+                                       model_config=model_configs.get(model.path) if model else None,
+                                       gpu_count=gpu_count, version=(versions or {}).get(name), hardware=hardware,
+                                       weights_bytes=(weights or {}).get(model.path) if model else None))
         if cmd.server is not None:
             commands[name] = cmd
     pair_rules = [r for r in BUILTIN_RULES.values() if r.scope == "host" and rules.enabled(r.id)]
