@@ -196,6 +196,37 @@ def test_the_preflights_programs_in_one_sh_each_read_by_its_parser(tmp_path: Pat
     assert cmd.count("(\n#!/bin/sh") == 3           # the last runs in the sh itself
 
 
+def test_the_preflights_reads_answer_alike_in_a_lock_sessions_bash_and_in_sh(tmp_path: Path):
+    """In a locked run the holder's bash runs an in_session batch itself (shell.ShScript: its
+    script, with set -u from holder.sh, in a UTF-8 locale), where a channel of its own runs `sh
+    -c`: both answer byte for byte alike, names outside printable ASCII in base64 by both (bash
+    reads [:graph:] by its locale, so the programs test the byte range !-~), and the batch costs
+    no sh."""
+    model = tmp_path / "m 2"
+    (model / "sub").mkdir(parents=True)
+    (model / "config.json").write_text('{"x": 2}')
+    (model / "sub" / "\u00e9.safetensors").write_bytes(b"x" * 10)
+    (model / "gone.safetensors").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "nvidia0").write_text("")
+    progs: list[HostProgram[object]] = [
+        ModelCheck([str(model), str(tmp_path / "m*"), str(tmp_path / "none" / "*")], [str(model)]),
+        Versions([VersionRead("a", sys.executable, "pytest"), VersionRead("b", "/no/such/python3", "sglang")]),
+        GpuRead(device_prefix=str(tmp_path / "nvidia"))]
+    assert all(type(p).in_session for p in progs)
+    cmd, stdin = batch(progs, ["T0", "T1", "T2"])
+    assert isinstance(cmd, shell.ShScript)
+    env = {**os.environ, "LC_ALL": "C.UTF-8"}
+    in_sh = subprocess.run(["sh", "-c", cmd], input=stdin, capture_output=True, text=True, env=env, timeout=60)
+    in_bash = subprocess.run(["bash", "-u", "-c", cmd.script], input=stdin, capture_output=True, text=True,
+                             env=env, timeout=60)
+    assert (in_bash.returncode, in_bash.stderr) == (0, "")
+    assert in_bash.stdout == in_sh.stdout
+    assert "T0 S 10 c3ViL8OpLnNhZmV0ZW5zb3Jz\n" in in_bash.stdout      # sub/é.safetensors, in base64
+    got = progs[0].parse(Records(in_bash.stdout, "T0"))
+    assert got[str(model)].files == {"sub/\u00e9.safetensors": 10, "gone.safetensors": None}
+    assert progs[1].parse(Records(in_bash.stdout, "T1"))["b"] is None
+
+
 STANDIN_SMI = Path(__file__).resolve().parent / "hostpkg" / "nvidia-smi"
 
 

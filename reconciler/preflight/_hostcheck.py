@@ -198,6 +198,7 @@ class ModelCheck(HostProgram[dict[str, ModelFacts]], frozen=True):
     system (one df: only a fetch reads it)."""
 
     name: ClassVar[str] = "model-check"
+    in_session: ClassVar[bool] = True
     constants: ClassVar[Mapping[str, str]] = {"CONFIG_FILE": CONFIG_FILE, "INDEX_FILE": INDEX_FILE}
     paths: Sequence[str]
     spaces: Sequence[str] = ()      # of those, the paths whose free space is read (a fetch may fill them)

@@ -30,7 +30,7 @@ enc() {  # file -> e: @ and its one line when that is printable ASCII without sp
   { ok=1; IFS= read -r l; r=$?; IFS= read -r m; s=$?; } 2>/dev/null < "$1"
   [ -n "$ok" ] || return 1
   if [ "$r$s" = 01 ] && [ -z "$m" ]; then
-    case "$l" in ''|*[![:graph:]]*) ;; *) e=@$l; return 0 ;; esac
+    case "$l" in ''|*[!!-~]*) ;; *) e=@$l; return 0 ;; esac
   fi
   e=$(base64 -w0 < "$1" 2>/dev/null)
   return 0

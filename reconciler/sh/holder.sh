@@ -20,7 +20,8 @@
 #   since    the lock's count as the run's look saw it (absent: it looked at none)
 #   owner    who this run is (host name, PID, start time: no secrets)
 #   session  the path of session.sh (installed beside it)
-#   then     a program run once the lock is held (the observation): it reads its own parameters
+#   then     a program run once the lock is held (the observation, an in_session program: this
+#            shell runs it in a subshell): it reads its own parameters
 #            from the same stdin, which follow these (skipped when it does not run)
 # Constants (the sender's, from reconciler/plan/layout.py): LOCK, COUNT, OWNER, CONFIRM, REARM, IDLE.
 set -u
@@ -57,7 +58,10 @@ shell=
 printf '%s LOCKED %s %s\n' "$T" "$shell" "$same"
 if [ -n "$then" ]; then
   if [ -z "$same" ]; then
-    (sh "$then") 2>/dev/null      # it reads its own parameters, the lines after these
+    # it reads its own parameters, the lines after these. Read by this shell in a subshell, with
+    # no sh of its own (a process fewer: `then` is a program bash runs as sh does, in_session)
+    # shellcheck source=/dev/null  # the observation, installed by content
+    (set +u; . "$then") 2>/dev/null
   else
     params      # not run: its parameters are read and skipped
   fi

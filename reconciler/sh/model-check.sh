@@ -20,7 +20,8 @@ params T=token paths+=path spaces+=space
 # One file's size: stat, else wc (only when the one stat in weights() does not line up).
 size() { stat -L -c %s -- "$1" 2>/dev/null || wc -c < "$1" 2>/dev/null | tr -d ' '; }
 name() {  # a name as an S line carries it: @ and the name when printable ASCII without spaces, else base64
-  case "$1" in ''|*[![:graph:]]*) n=$(printf '%s' "$1" | base64 -w0) ;; *) n=@$1 ;; esac
+  # (the range !-~ holds those bytes in any locale; bash, which may run this, reads [:graph:] by its locale)
+  case "$1" in ''|*[!!-~]*) n=$(printf '%s' "$1" | base64 -w0) ;; *) n=@$1 ;; esac
 }
 weights() {  # dir: one S line per weight file (its size, or - when unreadable), in glob order
   d=$1; set --; ex=

@@ -122,6 +122,7 @@ class GpuRead(HostProgram[GpuFacts], frozen=True):
     every process's fds (others' /proc/PID/fd are unreadable)."""
 
     name: ClassVar[str] = "gpu"
+    in_session: ClassVar[bool] = True      # a lock session's bash runs the pre-flight with no sh of its own
     constants: ClassVar[Mapping[str, str]] = {
         "GPU_FIELDS": GPU_FIELDS, "OLD_GPU_FIELDS": OLD_GPU_FIELDS, "APP_FIELDS": APP_FIELDS, "SMI_FORMAT": SMI_FORMAT,
         "HEALTH_SECTIONS": HEALTH_SECTIONS, "XID_LINES": str(XID_LINES), "XID_MATCH": XID_MATCH,

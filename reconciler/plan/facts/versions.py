@@ -37,6 +37,7 @@ class Versions(HostProgram[dict[str, str | None]], frozen=True):
     """reconciler/sh/versions.sh for these reads: service -> version (None: unknown)."""
 
     name: ClassVar[str] = "versions"
+    in_session: ClassVar[bool] = True
     fragments: ClassVar[tuple[str, ...]] = ("venv",)
     reads: Sequence[VersionRead]
 
