@@ -1,8 +1,6 @@
 """The `reconcile` command line (click): the run, and its sub-commands.
 
-Exit codes: 0 converged / in sync; 1 bad input or internal error (nothing applied);
-2 --dry-run found changes (and click's own usage errors); 3 a host was rolled back or runs its
-last good version; 4 at least one host failed.
+Exit codes: docs/usage.md, "Exit codes".
 
 Each command imports what it uses when it runs: parsing the arguments (and --help) loads click
 alone, and a run loads only what it needs (the SSH stack when it connects, the rule pack when
@@ -18,7 +16,9 @@ import click
 from ..errors import ConfigError, SourceError
 from ..loop.options import RunOptions, confirm_margin_from
 from .output import console, escape, fail, fail_input, print_json, run_async
+from .pull import pull
 from .run import PATH, converge, json_opt, opened, path_opt, repo_opt, rev_opt, state_opt, trust_policy
+from .secrets import secrets as secrets_group
 
 cache_opt = click.option("--cache-dir", type=PATH, envvar="RECONCILER_CACHE_DIR", metavar="DIR",
                          help="Where URL repos are mirrored.")
@@ -264,12 +264,5 @@ def init_repo_cmd(path: Path, branch: str, state_dir: Path | None, stream: bool,
         out.print(f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
 
 
-def _register() -> None:
-    """The commands kept in modules of their own: pull mode and secrets."""
-    from .pull import pull
-    from .secrets import secrets
-    app.add_command(pull)
-    app.add_command(secrets)
-
-
-_register()
+app.add_command(pull)
+app.add_command(secrets_group)
