@@ -95,8 +95,7 @@ def unusable_settings(problems: list[Problem], as_json: bool) -> NoReturn:
 def check_state_dirs(state_dir: Path | None, as_json: bool) -> None:
     """Refuse, before anything is fetched or run, a state directory that is not this user's alone
     (dirs.own_dir): the store's (--state-dir) and the caches' ($RECONCILER_STATE_DIR, else the
-    user's). A run as root under `sudo -E` would otherwise keep its engine verdicts in, and write
-    its store through, a directory the user chose. Exit 1, one line naming it and the fix."""
+    user's; docs/usage.md says why). Exit 1, one line naming it and the fix."""
     from ..dirs import UnsafePath, default_state_dir, own_dir
     try:
         for d in dict.fromkeys((state_dir or default_state_dir(), default_state_dir())):

@@ -12,8 +12,7 @@
     report     its verdict on that revision (ok / bad / inconclusive) for the later waves
     record     /var/lib/reconciler/pull.json: what this run chose and why
 
-Age secrets decrypt only with an identity on the host (--age-identity): without one, a service
-with an age secret is blocked (SecretUndecryptable), as on a controller without its key.
+Age secrets decrypt only with an identity on the host (--age-identity): docs/pull.md, "Secrets".
 
 Trust (desired/trust.py TrustPolicy, from the command line): which URLs, heads, wave choices and
 rollback targets it refuses or passes over, and the fallback to the newest signed first-parent
