@@ -160,22 +160,18 @@ def status(as_json: bool, state_dir: Path | None, live: bool, repo: str, rev: st
         if rev or host or label:
             fail("--rev, --host and --label choose what `status --live` reads from the hosts; without --live, "
                  "status shows the local state store")
-        rows = Store(state_dir).status()
-        if as_json:
-            print_json(rows)
-        else:
-            print_status(console(), rows)
-        return
-    from ..loop.fleet import run_fleet
-    from ..loop.live import rows_of
-    opts = RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir, hosts=host, labels=label, look=True,
-                      concurrency=concurrency, identity=identity, age_identity=age_identity)
-    snap, revision = opened(opts, as_json)
-    rows = rows_of(run_async(run_fleet(revision, opts)), revision.state)
+        rows, at = Store(state_dir).status(), None
+    else:
+        from ..loop.fleet import run_fleet
+        from ..loop.live import rows_of
+        opts = RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir, hosts=host, labels=label, look=True,
+                          concurrency=concurrency, identity=identity, age_identity=age_identity)
+        snap, revision = opened(opts, as_json)
+        rows, at = rows_of(run_async(run_fleet(revision, opts)), revision.state), snap.short
     if as_json:
         print_json(rows)
     else:
-        print_status(console(), rows, live=snap.short)
+        print_status(console(), rows, live=at)
 
 
 @app.command()
