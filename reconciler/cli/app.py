@@ -1,8 +1,6 @@
 """The `reconcile` command line (click): the run, and its sub-commands.
 
-Exit codes: 0 converged / in sync; 1 bad input or internal error (nothing applied);
-2 --dry-run found changes (and click's own usage errors); 3 a host was rolled back or runs its
-last good version; 4 at least one host failed.
+Exit codes: docs/usage.md, "Exit codes".
 
 Each command imports what it uses when it runs: parsing the arguments (and --help) loads click
 alone, and a run loads only what it needs (the SSH stack when it connects, the rule pack when
@@ -18,7 +16,9 @@ import click
 from ..errors import ConfigError, SourceError
 from ..loop.options import RunOptions, confirm_margin_from
 from .output import console, escape, fail, fail_input, print_json, run_async
+from .pull import pull
 from .run import PATH, converge, json_opt, opened, path_opt, repo_opt, rev_opt, state_opt, trust_policy
+from .secrets import secrets as secrets_group
 
 cache_opt = click.option("--cache-dir", type=PATH, envvar="RECONCILER_CACHE_DIR", metavar="DIR",
                          help="Where URL repos are mirrored.")
@@ -160,22 +160,18 @@ def status(as_json: bool, state_dir: Path | None, live: bool, repo: str, rev: st
         if rev or host or label:
             fail("--rev, --host and --label choose what `status --live` reads from the hosts; without --live, "
                  "status shows the local state store")
-        rows = Store(state_dir).status()
-        if as_json:
-            print_json(rows)
-        else:
-            print_status(console(), rows)
-        return
-    from ..loop.fleet import run_fleet
-    from ..loop.live import rows_of
-    opts = RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir, hosts=host, labels=label, look=True,
-                      concurrency=concurrency, identity=identity, age_identity=age_identity)
-    snap, revision = opened(opts, as_json)
-    rows = rows_of(run_async(run_fleet(revision, opts)), revision.state)
+        rows, at = Store(state_dir).status(), None
+    else:
+        from ..loop.fleet import run_fleet
+        from ..loop.live import rows_of
+        opts = RunOptions(repo=repo, rev=rev, path=path, cache_dir=cache_dir, hosts=host, labels=label, look=True,
+                          concurrency=concurrency, identity=identity, age_identity=age_identity)
+        snap, revision = opened(opts, as_json)
+        rows, at = rows_of(run_async(run_fleet(revision, opts)), revision.state), snap.short
     if as_json:
         print_json(rows)
     else:
-        print_status(console(), rows, live=snap.short)
+        print_status(console(), rows, live=at)
 
 
 @app.command()
@@ -264,12 +260,5 @@ def init_repo_cmd(path: Path, branch: str, state_dir: Path | None, stream: bool,
         out.print(f"  git remote add deploy {path.resolve()}\n  git push deploy {branch}")
 
 
-def _register() -> None:
-    """The commands kept in modules of their own: pull mode and secrets."""
-    from .pull import pull
-    from .secrets import secrets
-    app.add_command(pull)
-    app.add_command(secrets)
-
-
-_register()
+app.add_command(pull)
+app.add_command(secrets_group)

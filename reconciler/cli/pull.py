@@ -181,7 +181,6 @@ def _unit_argv(opts: PullOptions, repo: str, name: str, state_dir: Path | None) 
     runs in /), its trust policy included."""
     from ..pull import DEFAULT_DIR
     argv = [sys.executable, "-m", "reconciler", "pull", "--repo", repo, "--host", name]
-    # the unit runs in /: paths as absolute ones
     for flag, value in (("--rev", opts.rev), ("--path", opts.path),
                         ("--age-identity", str(Path(opts.age_identity).resolve()) if opts.age_identity else None),
                         ("--state-dir", str(state_dir.resolve()) if state_dir else None),

@@ -59,16 +59,14 @@ def trust_policy(require_signed: bool, allowed_signers: str | None, insecure_tra
     found, bad = trustvars.read(env)
     flags = trustvars.TrustVars(require_signed or None, allowed_signers, insecure_transport or None)
     path = trustvars.config_path()
-    root = (os.geteuid() if euid is None else euid) == 0 and path.exists()
-    cfg = None
-    if root:
+    cfg = file = None
+    if (os.geteuid() if euid is None else euid) == 0 and path.exists():
         from ..controller.config import load_config
         try:
             cfg = load_config(path, environ={k: v for k, v in env.items() if k not in trustvars.NAMES})
         except ConfigError as e:
             fail_input(e, as_json, str(path))
-    file = trustvars.TrustVars(cfg.require_signed, cfg.allowed_signers, cfg.allow_insecure_transport) \
-        if cfg is not None else None
+        file = trustvars.TrustVars(cfg.require_signed, cfg.allowed_signers, cfg.allow_insecure_transport)
     bad += trustvars.problems(found, flags=flags, file=file, file_name=f"{path} (a run as root)")
     if bad:
         unusable_settings(bad, as_json)
@@ -97,8 +95,7 @@ def unusable_settings(problems: list[Problem], as_json: bool) -> NoReturn:
 def check_state_dirs(state_dir: Path | None, as_json: bool) -> None:
     """Refuse, before anything is fetched or run, a state directory that is not this user's alone
     (dirs.own_dir): the store's (--state-dir) and the caches' ($RECONCILER_STATE_DIR, else the
-    user's). A run as root under `sudo -E` would otherwise keep its engine verdicts in, and write
-    its store through, a directory the user chose. Exit 1, one line naming it and the fix."""
+    user's; docs/usage.md says why). Exit 1, one line naming it and the fix."""
     from ..dirs import UnsafePath, default_state_dir, own_dir
     try:
         for d in dict.fromkeys((state_dir or default_state_dir(), default_state_dir())):

@@ -102,8 +102,7 @@ def _read_value(name: str) -> bytes:
     """The secret from stdin (one trailing newline removed), or asked for without echo on a terminal."""
     if sys.stdin.isatty():
         import getpass
-        text = getpass.getpass(f"{name} (not echoed): ")
-        return text.encode()
+        return getpass.getpass(f"{name} (not echoed): ").encode()
     data = sys.stdin.buffer.read()
     if data.endswith(b"\n"):
         data = data[:-2] if data.endswith(b"\r\n") else data[:-1]

@@ -12,8 +12,7 @@
     report     its verdict on that revision (ok / bad / inconclusive) for the later waves
     record     /var/lib/reconciler/pull.json: what this run chose and why
 
-Age secrets decrypt only with an identity on the host (--age-identity): without one, a service
-with an age secret is blocked (SecretUndecryptable), as on a controller without its key.
+Age secrets decrypt only with an identity on the host (--age-identity): docs/pull.md, "Secrets".
 
 Trust (desired/trust.py TrustPolicy, from the command line): which URLs, heads, wave choices and
 rollback targets it refuses or passes over, and the fallback to the newest signed first-parent
@@ -224,9 +223,9 @@ def _choose(repo: pygit2.Repository, head: source.Snapshot, state: DesiredState,
         if attempt < MAX_TRIES:
             choice = choose(chain, applied, wave=wave, waves=waves, now=now, reports=reports, unusable=unusable)
         else:       # enough broken commits: stay where the host is
-            choice = Choice(applied, f"staying at {str(applied)[:7]}: the newer commits tried cannot be loaded",
-                            tuple(Skip(r, why) for r, why in unusable.items())) if applied else \
-                Choice(None, "no commit tried could be loaded", tuple(Skip(r, why) for r, why in unusable.items()))
+            tried = tuple(Skip(r, why) for r, why in unusable.items())
+            choice = Choice(applied, f"staying at {applied[:7]}: the newer commits tried cannot be loaded", tried) \
+                if applied else Choice(None, "no commit tried could be loaded", tried)
         rev = choice.revision
         if rev is None or rev in loaded:
             return choice, wave, loaded

@@ -126,20 +126,13 @@ def wave_of(labels: Mapping[str, str], waves: Sequence[PullWave]) -> int | None:
     there is no schedule."""
     if not waves:
         return None
-    for i, w in enumerate(waves):
-        if all(labels.get(k) == v for k, v in w.labels.items()):
-            return i
-    return len(waves) - 1
+    return next((i for i, w in enumerate(waves) if all(labels.get(k) == v for k, v in w.labels.items())),
+                len(waves) - 1)
 
 
 def earlier_hosts(labels: Mapping[str, Mapping[str, str]], waves: Sequence[PullWave], wave: int) -> dict[str, int]:
     """The hosts of the waves before `wave` (host -> its wave index): those whose reports count."""
-    out: dict[str, int] = {}
-    for host, lab in labels.items():
-        w = wave_of(lab, waves)
-        if w is not None and w < wave:
-            out[host] = w
-    return out
+    return {host: w for host, lab in labels.items() if (w := wave_of(lab, waves)) is not None and w < wave}
 
 
 def publishes(wave: int | None, waves: Sequence[PullWave]) -> bool:
