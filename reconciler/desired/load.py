@@ -7,10 +7,7 @@ expected) and raised together as one ConfigError, so a bad commit is rejected be
 applied anywhere. Nothing here does I/O other than snap.read and snap.list.
 
 This module is the entry and loads the files themselves (fleet.toml, known_hosts, the
-definitions, the hosts); the parts live beside it: repo (layout, snapshots), collect (problems),
-toml_files (parse and validate), merge (the layers, lowest first, and how they merge),
-placeholders (what they are, where they are substituted), units, health, service (one service on
-one host) and rollout (the checks across hosts: one rollout policy per shared definition).
+definitions, the hosts); the parts beside it: docs/architecture.md's module map.
 """
 
 from __future__ import annotations
@@ -29,16 +26,7 @@ from .toml_files import TomlFiles, under
 from .units import HEADER, UnitFiles
 
 # What other modules and tests import from here, wherever it is defined.
-__all__ = [
-    "FLEET_FILE",
-    "HEADER",
-    "HOSTS_DIR",
-    "SERVICES_DIR",
-    "MemorySnapshot",
-    "SnapshotLike",
-    "dotted",
-    "load_desired",
-]
+__all__ = ["HEADER", "MemorySnapshot", "dotted", "load_desired"]
 
 
 def load_desired(snap: SnapshotLike) -> DesiredState:

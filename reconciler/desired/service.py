@@ -182,13 +182,8 @@ class ServiceLoader:
             )
         if missing:
             return None
-        return ModelSpec(
-            id=str(model["id"][0]),
-            path=str(model["path"][0]),
-            architecture=str(model["architecture"][0]) if "architecture" in model else None,
-            fetch_timeout=float(model["fetch_timeout"][0]) if "fetch_timeout" in model else 3600.0,
-            size_gb=float(model["size_gb"][0]) if "size_gb" in model else None,
-        )
+        values: dict[str, Any] = {k: v for k, (v, _) in model.items() if k != "fetch"}  # each typed by the schema
+        return ModelSpec(**values)
 
     def _context(self, site: _Site, merged: Merged, model: ModelSpec | None) -> Values:
         """What placeholders may name, with the service's vars rendered (vars may not name vars)."""

@@ -24,7 +24,7 @@ import functools
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import msgspec
 
@@ -45,18 +45,16 @@ class Invalid(Exception):
         self.errors = list(errors)
 
 
-class Check:
+class Check(NamedTuple):
     """Annotated metadata: the function that checks a raw value (it alone decides)."""
 
-    def __init__(self, fn: Callable[[Any], Any]):
-        self.fn = fn
+    fn: Callable[[Any], Any]
 
 
-class After:
+class After(NamedTuple):
     """Annotated metadata: a function run on the value once its type is checked."""
 
-    def __init__(self, fn: Callable[[Any], Any]):
-        self.fn = fn
+    fn: Callable[[Any], Any]
 
 
 class Table(msgspec.Struct, frozen=True, kw_only=True):
