@@ -4,7 +4,7 @@ load.py parses each file (tomllib; tomlkit words a syntax error), validates it a
 these tables (tables.validate) and only then merges and renders. Every table forbids unknown keys (a typo must
 never silently do nothing), and every scalar is one of fields.py's types, checked by a
 validator of our own (no type is ever coerced). The drain and smoke tables of a service are in
-schema_drain.py.
+schema_drain.py. What each key means is desired-state/README.md's, for users.
 
 The values of `env` may be secrets: their validators never put the value in a message.
 """
@@ -31,8 +31,6 @@ class HealthTable(Table, frozen=True):
     stable_for: fields.NonNegativeSeconds | None = None
     expect_status: fields.HttpStatus | None = None
     body_contains: fields.SingleLine | None = None
-    # A PEM CA bundle in the repo that an https:// health URL must chain to (default: the
-    # controller's system CAs). Never a way to turn verification off.
     ca: fields.RepoPath | None = None
 
 
@@ -42,7 +40,6 @@ class RolloutTable(Table, frozen=True):
 
     canary: fields.Canary | None = None
     max_unavailable: fields.MaxUnavailable | None = None
-    # The hosts of the group that must stay ready (serving) through the rollout (issue 42).
     min_available: MinAvailable | None = None
 
 
@@ -76,20 +73,14 @@ class ModelTable(Table, frozen=True):
     id: fields.ModelId | None = None
     path: fields.ModelPath | None = None
     architecture: fields.SingleLine | None = None
-    # A shell command (one line) that downloads the model into model.path when it is missing
-    # or incomplete, run on the host before the old service is stopped.
     fetch: fields.SingleLine | None = None
     fetch_timeout: fields.PositiveSeconds | None = None
     size_gb: fields.PositiveSeconds | None = None     # the checkpoint's size, for the free-space check
 
 
 class SecretRef(Table, frozen=True):
-    """One entry of a service's `secrets` table: where the value comes from and how it reaches
-    the server. Exactly one of `file` (a file already on the host, provisioned by other means:
-    nothing secret passes through git or the controller) and `age` (a file in this repo,
-    encrypted to the controller's age key). `env = true`: the server gets it as an environment
-    variable (through a root-only EnvironmentFile=); default: as a systemd credential,
-    $CREDENTIALS_DIRECTORY/<NAME> (LoadCredential=)."""
+    """One entry of a service's `secrets` table: exactly one of `file` (a file already on the host)
+    and `age` (a file in this repo, encrypted to the controller's age key); `env`, how it is delivered."""
 
     file: fields.AbsPath | None = None
     age: fields.RepoPath | None = None
@@ -106,23 +97,11 @@ class ServiceDefinition(Table, frozen=True):
     vars: dict[fields.VarName, fields.VarValue] = msgspec.field(default_factory=dict)
     health: HealthTable | None = None
     rollout: RolloutTable | None = None
-    # What to do with a process that holds the service's GPUs but is not the service's own
-    # (found by the GPU gate before a start): "report" (default) or "kill".
     gpu_policy: Literal["report", "kill"] | None = None
-    # The installed engine's own check of the command line before a start (docs/engine-check.md):
-    # "hidden" (default: no GPU visible to the check, the host's GPU facts passed in), "visible"
-    # (the engine reads the GPUs itself) or "off".
     engine_check: Literal["hidden", "visible", "off"] | None = None
-    # Take over a unit of this name that the reconciler did not install (kept, and put back when
-    # the service leaves the desired state). Without it such a unit is reported Foreign, untouched.
     adopt: fields.Boolean | None = None
-    # Drop-ins for this service that someone else manages and that may stay (names or paths);
-    # every other drop-in the reconciler did not write is drift and is removed on apply.
     allow_dropins: list[fields.DropIn] | None = None
-    # Secrets by name (the name the server sees), by reference or encrypted in the repo.
     secrets: dict[fields.EnvKey, SecretRef] = msgspec.field(default_factory=dict)
-    # How the host leaves and rejoins rotation around a restart, and the answers that judge the
-    # new server before it rejoins (schema_drain.py).
     drain: DrainTable | None = None
     smoke: SmokeTable | None = None
 

@@ -190,12 +190,8 @@ class ServiceSpec:
     gpu_policy: str = "report"       # stray GPU holders before a start: "report" or "kill"
     engine_check: str = "hidden"     # the engine's own check before a start: "hidden", "visible" or "off"
     rollout: RolloutPolicy = field(default_factory=RolloutPolicy)   # used when definition is set
-    # Take over a unit of this name that the reconciler did not install (its original files are
-    # kept and put back when the service leaves the desired state). Without it such a unit is
-    # Foreign: never overwritten, stopped or deleted.
+    # adopt and allow_dropins: desired-state/README.md, "Units and drop-ins that are not ours".
     adopt: bool = False
-    # Drop-ins someone else manages that may stay (file names like "10-numa.conf", or absolute
-    # paths). Every other drop-in for the service is drift and is removed on apply.
     allow_dropins: tuple[str, ...] = ()
     secrets: tuple[SecretSpec, ...] = ()
     # Issue 42: how the host leaves and rejoins rotation around a restart, and the answers that
