@@ -92,9 +92,7 @@ class _Loader:
     def _load_definition(self, name: str, path: str) -> schema.ServiceDefinition | None:
         """A definition; None for one that is invalid."""
         if not SERVICE_NAME.fullmatch(name):
-            self.problems.add(
-                path, "", f"invalid definition name {name!r}: use letters, digits, '_' and '-' (no dots)"
-            )
+            self.problems.add(path, "", f"invalid definition name {name!r}: use letters, digits, '_' and '-' (no dots)")
             return None
         data = self.snap.read(path) or b""
         definition, bad = self.files.validate(path, schema.ServiceDefinition, data)
@@ -124,12 +122,9 @@ class _Loader:
 
     def _load_host(self, name: str, path: str) -> HostSpec | None:
         if not HOST_NAME.fullmatch(name):
-            self.problems.add(
-                path,
-                "",
-                f"invalid host name {name!r}: the file name must be <name>.toml where name has "
-                "letters, digits, '_', '.' and '-', starts with a letter or digit, at most 63",
-            )
+            self.problems.add(path, "", f"invalid host name {name!r}: the file name must be <name>.toml where "
+                                        "name has letters, digits, '_', '.' and '-', starts with a letter or digit, "
+                                        "at most 63")
             return None
         host, bad = self.files.validate(path, schema.HostFile, self.snap.read(path) or b"")
         if host is None:
@@ -138,9 +133,8 @@ class _Loader:
         port = host.ssh.port if host.ssh.port is not None else fleet.ssh.port
         other = self.endpoints.setdefault((host.address, port), path)
         if other != path and not under(("ssh",), bad):
-            self.problems.add(
-                path, "address", f"{host.address}:{port} is also the address of {other}: one file per host"
-            )
+            self.problems.add(path, "address",
+                              f"{host.address}:{port} is also the address of {other}: one file per host")
         specs: dict[str, ServiceSpec] = {}
         for service_name, table in host.services.items():
             if table.use is not None:      # its group counts it, even when it has problems of its own
