@@ -113,12 +113,8 @@ class _Loader:
         files = self.files.listed(HOSTS_DIR, "host")
         if not files:
             self.problems.add(f"{HOSTS_DIR}/", "", "no hosts: add hosts/<name>.toml")
-        hosts: dict[str, HostSpec] = {}
-        for name, path in files:
-            host = self._load_host(name, path)
-            if host is not None:
-                hosts[name] = host
-        return hosts
+        loaded = {name: self._load_host(name, path) for name, path in files}
+        return {name: host for name, host in loaded.items() if host is not None}
 
     def _load_host(self, name: str, path: str) -> HostSpec | None:
         if not HOST_NAME.fullmatch(name):

@@ -17,16 +17,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from .fields import (
-    AbsPath,
-    HttpStatus,
-    HttpTemplate,
-    PositiveSeconds,
-    SingleLine,
-    _fail,
-    _int_in,
-    _pattern,
-)
+from .fields import AbsPath, HttpStatus, HttpTemplate, PositiveSeconds, SingleLine, _fail, _int_in, _pattern
 from .tables import After, Check, Invalid, Table
 
 MAX_CHECKS = 10          # smoke checks per service: each costs a completion before the host rejoins

@@ -1,10 +1,9 @@
 """The tables of the desired-state TOML files, checked against their declared types.
 
-A table is a frozen msgspec Struct (the project's one serialiser; its import is a few
-milliseconds, where pydantic's and the building of its schema were about 0.15 s of every run that
-reads a new tree). `validate(Table, data)` checks parsed TOML against the table's annotations and
-builds it, or raises `Invalid` with every error of the file at once, each as a dict with `type`,
-`loc`, `msg` and `input`: the shape that problems.py turns into "file: key: what is expected".
+A table is a frozen msgspec Struct (why msgspec: docs/architecture.md, "One serialiser").
+`validate(Table, data)` checks parsed TOML against the table's annotations and builds it, or
+raises `Invalid` with every error of the file at once, each as a dict with `type`, `loc`, `msg`
+and `input`: the shape that problems.py turns into "file: key: what is expected".
 
 What an annotation may be (nothing else is declared in schema.py and schema_drain.py):
 - `Annotated[T, Check(fn)]`: `fn(value)` alone decides (returns the value, or raises `Invalid`
