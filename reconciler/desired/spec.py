@@ -207,12 +207,8 @@ class ServiceSpec:
         """A stable digest of everything that, when changed, requires a restart (computed once:
         the spec is frozen, and a run asks for it a dozen times per service)."""
         cached: str | None = self.__dict__.get("_content_hash")
-        if cached is None:
-            cached = self._digest()
-            object.__setattr__(self, "_content_hash", cached)
-        return cached
-
-    def _digest(self) -> str:
+        if cached is not None:
+            return cached
         h = hashlib.sha256()
         h.update(self.unit_text.encode())
         for k in sorted(self.env):
@@ -220,7 +216,9 @@ class ServiceSpec:
         for s in sorted(self.secrets, key=lambda s: s.name):
             # the reference and, for an age secret, the keyed digest of its value (never the value)
             h.update(f"\0secret {s.name} {s.source} {s.path} {s.env} {s.digest}".encode())
-        return h.hexdigest()[:16]
+        digest = h.hexdigest()[:16]
+        object.__setattr__(self, "_content_hash", digest)
+        return digest
 
 
 class SSHSpec(msgspec.Struct, frozen=True):
