@@ -1,21 +1,17 @@
 """How a fetch (or pull mode's push of its notes) of a repo URL authenticates, and whom it trusts:
-the pygit2 RemoteCallbacks every network operation of the reconciler passes (review N9a).
+the pygit2 RemoteCallbacks every network operation of the reconciler passes (review N9a). For
+users: docs/pull.md ("Over SSH", "Over https") and docs/usage.md.
 
-- **The server.** Over SSH its host key must be in a known_hosts file: GitAuth.known_hosts, else
-  the running user's ~/.ssh/known_hosts (libgit2's own; libssh2 checks it). An unknown or
-  changed key refuses the connection, before any credential is offered. (pygit2's default
-  callback lets every SSH host key through; this one never does.) Over https the TLS
+- **The server.** Over SSH its host key must be in GitAuth.known_hosts, else the running user's
+  ~/.ssh/known_hosts (libssh2 checks it), before any credential is offered (pygit2's default
+  callback lets every SSH host key through; this one never does). Over https the TLS
   certificate must verify.
-- **Over SSH, the client.** The key file GitAuth.ssh_key (a deploy key: a regular file of this
-  user's alone, no permission for group or others, as ssh itself requires; its `.pub` beside it
-  is used when present), else the keys of a running ssh-agent, else the user's default identity
-  file (~/.ssh/id_ed25519, id_ecdsa, id_rsa: what `ssh` and `git` would offer). A key the
-  server refuses is one clear error, never a loop of retries.
-- **Over http(s), the client.** A user name and password from git's own credential helpers
-  (`git credential fill`: whatever `credential.helper` the running user's or the system's git
-  config names), asked only when the server asks; approved after a fetch that worked, rejected
-  when the server refuses them. Nothing is prompted for: a helper that has nothing is an error
-  saying how to configure one. The values never appear in a message.
+- **The client.** Over SSH: GitAuth.ssh_key (this user's alone, as ssh requires; its `.pub`
+  beside it when present), else ssh-agent's keys, else ~/.ssh/id_ed25519, id_ecdsa, id_rsa (what
+  `ssh` would offer). Over http(s): git's credential helpers (`git credential fill`), asked only
+  when the server asks, approved after a fetch that worked, rejected when the server refuses
+  them; never a prompt. Each is offered once: a refusal is one clear error, never a loop of
+  retries. The values never appear in a message.
 """
 
 from __future__ import annotations

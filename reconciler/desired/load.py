@@ -7,10 +7,7 @@ expected) and raised together as one ConfigError, so a bad commit is rejected be
 applied anywhere. Nothing here does I/O other than snap.read and snap.list.
 
 This module is the entry and loads the files themselves (fleet.toml, known_hosts, the
-definitions, the hosts); the parts live beside it: repo (layout, snapshots), collect (problems),
-toml_files (parse and validate), merge (the layers, lowest first, and how they merge),
-placeholders (what they are, where they are substituted), units, health, service (one service on
-one host) and rollout (the checks across hosts: one rollout policy per shared definition).
+definitions, the hosts); the parts beside it: docs/architecture.md's module map.
 """
 
 from __future__ import annotations
@@ -29,16 +26,7 @@ from .toml_files import TomlFiles, under
 from .units import HEADER, UnitFiles
 
 # What other modules and tests import from here, wherever it is defined.
-__all__ = [
-    "FLEET_FILE",
-    "HEADER",
-    "HOSTS_DIR",
-    "SERVICES_DIR",
-    "MemorySnapshot",
-    "SnapshotLike",
-    "dotted",
-    "load_desired",
-]
+__all__ = ["HEADER", "MemorySnapshot", "dotted", "load_desired"]
 
 
 def load_desired(snap: SnapshotLike) -> DesiredState:
@@ -104,9 +92,7 @@ class _Loader:
     def _load_definition(self, name: str, path: str) -> schema.ServiceDefinition | None:
         """A definition; None for one that is invalid."""
         if not SERVICE_NAME.fullmatch(name):
-            self.problems.add(
-                path, "", f"invalid definition name {name!r}: use letters, digits, '_' and '-' (no dots)"
-            )
+            self.problems.add(path, "", f"invalid definition name {name!r}: use letters, digits, '_' and '-' (no dots)")
             return None
         data = self.snap.read(path) or b""
         definition, bad = self.files.validate(path, schema.ServiceDefinition, data)
@@ -127,21 +113,14 @@ class _Loader:
         files = self.files.listed(HOSTS_DIR, "host")
         if not files:
             self.problems.add(f"{HOSTS_DIR}/", "", "no hosts: add hosts/<name>.toml")
-        hosts: dict[str, HostSpec] = {}
-        for name, path in files:
-            host = self._load_host(name, path)
-            if host is not None:
-                hosts[name] = host
-        return hosts
+        loaded = {name: self._load_host(name, path) for name, path in files}
+        return {name: host for name, host in loaded.items() if host is not None}
 
     def _load_host(self, name: str, path: str) -> HostSpec | None:
         if not HOST_NAME.fullmatch(name):
-            self.problems.add(
-                path,
-                "",
-                f"invalid host name {name!r}: the file name must be <name>.toml where name has "
-                "letters, digits, '_', '.' and '-', starts with a letter or digit, at most 63",
-            )
+            self.problems.add(path, "", f"invalid host name {name!r}: the file name must be <name>.toml where "
+                                        "name has letters, digits, '_', '.' and '-', starts with a letter or digit, "
+                                        "at most 63")
             return None
         host, bad = self.files.validate(path, schema.HostFile, self.snap.read(path) or b"")
         if host is None:
@@ -150,9 +129,8 @@ class _Loader:
         port = host.ssh.port if host.ssh.port is not None else fleet.ssh.port
         other = self.endpoints.setdefault((host.address, port), path)
         if other != path and not under(("ssh",), bad):
-            self.problems.add(
-                path, "address", f"{host.address}:{port} is also the address of {other}: one file per host"
-            )
+            self.problems.add(path, "address",
+                              f"{host.address}:{port} is also the address of {other}: one file per host")
         specs: dict[str, ServiceSpec] = {}
         for service_name, table in host.services.items():
             if table.use is not None:      # its group counts it, even when it has problems of its own

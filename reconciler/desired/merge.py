@@ -47,7 +47,7 @@ class Merged(msgspec.Struct):
     secrets: dict[str, tuple[schema.SecretRef, At]] = msgspec.field(default_factory=dict)
     drain: dict[str, tuple[Any, At]] = msgspec.field(default_factory=dict)   # key -> value (sub-tables whole)
     smoke: dict[str, tuple[Any, At]] = msgspec.field(default_factory=dict)
-    tables: dict[str, At] = msgspec.field(default_factory=dict)   # "drain"/"smoke" -> where the top layer wrote it
+    tables: dict[str, At] = msgspec.field(default_factory=dict)   # sub-table -> where the top layer wrote it
 
     def policy(self) -> RolloutPolicy:
         return RolloutPolicy(**{k: v for k, (v, _) in self.rollout.items()})
@@ -55,37 +55,26 @@ class Merged(msgspec.Struct):
     def add_table(self, name: str, table: Table | None, file: str, prefix: tuple[str, ...]) -> None:
         """A sub-table's keys (model, health, rollout, drain, smoke) over the layer below."""
         if table is not None:
+            self.tables[name] = At(file, dotted(*prefix, name))
             _add(getattr(self, name), _set(table), file, (*prefix, name))
 
     def add_layer(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
         """Merge a definition or a host's service table over what is here."""
-        self._add_unit(table, file, prefix)
-        _add(self.env, table.env, file, (*prefix, "env"))
-        _add(self.vars, table.vars, file, (*prefix, "vars"))
-        self.add_table("model", table.model, file, prefix)
-        self.add_table("health", table.health, file, prefix)
-        if table.gpu_policy is not None:
-            self.gpu_policy = table.gpu_policy
-        if table.engine_check is not None:
-            self.engine_check = table.engine_check
-        if table.adopt is not None:
-            self.adopt = table.adopt
-        if table.allow_dropins is not None:
-            self.allow_dropins = tuple(table.allow_dropins)
-        _add(self.secrets, table.secrets, file, (*prefix, "secrets"))
-        self.add_table("rollout", table.rollout, file, prefix)
-        for name in ("drain", "smoke"):
-            if getattr(table, name) is not None:
-                self.tables[name] = At(file, dotted(*prefix, name))
-            self.add_table(name, getattr(table, name), file, prefix)
-
-    def _add_unit(self, table: schema.ServiceDefinition, file: str, prefix: tuple[str, ...]) -> None:
         if table.unit is not None or table.unit_file is not None:
             # The pair is replaced as a whole: a host's unit_file clears the definition's unit.
             self.unit = (table.unit, At(file, dotted(*prefix, "unit"))) if table.unit is not None else None
             self.unit_file = (
                 (table.unit_file, At(file, dotted(*prefix, "unit_file"))) if table.unit_file is not None else None
             )
+        for name in ("env", "vars", "secrets"):
+            _add(getattr(self, name), getattr(table, name), file, (*prefix, name))
+        for name in ("gpu_policy", "engine_check", "adopt"):
+            if getattr(table, name) is not None:
+                setattr(self, name, getattr(table, name))
+        if table.allow_dropins is not None:
+            self.allow_dropins = tuple(table.allow_dropins)
+        for name in ("model", "health", "rollout", "drain", "smoke"):
+            self.add_table(name, getattr(table, name), file, prefix)
 
 
 def _add(into: dict[str, tuple[V, At]], values: Mapping[str, V], file: str, prefix: tuple[str, ...]) -> None:

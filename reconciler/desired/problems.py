@@ -133,13 +133,9 @@ def _model_at(model: type, path: tuple[str, ...]) -> type | None:
 
 def _strip(tp: Any) -> Any:
     """Annotated[X, ...] -> X; X | None -> X."""
-    while True:
-        if hasattr(tp, "__metadata__"):
-            tp = get_args(tp)[0]
-            continue
-        if get_origin(tp) in (Union, types.UnionType):
-            args = [a for a in get_args(tp) if a is not type(None)]
-            if len(args) == 1:
-                tp = args[0]
-                continue
-        return tp
+    if hasattr(tp, "__metadata__"):
+        return _strip(get_args(tp)[0])
+    args = [a for a in get_args(tp) if a is not type(None)]
+    if get_origin(tp) in (Union, types.UnionType) and len(args) == 1:
+        return _strip(args[0])
+    return tp

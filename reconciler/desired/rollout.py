@@ -31,9 +31,8 @@ def pull_waves(table: schema.PullTable, hosts: Mapping[str, HostSpec], problems:
     return tuple(waves)
 
 
-def _check_wave(
-    i: int, wave: PullWave, waves: list[PullWave], hosts: Mapping[str, HostSpec], problems: Problems
-) -> None:
+def _check_wave(i: int, wave: PullWave, waves: list[PullWave], hosts: Mapping[str, HostSpec],
+                problems: Problems) -> None:
     """Problems with wave number i+1 after the `waves` before it."""
     key = f"pull.waves[#{i + 1}]"
     earlier = next((j for j, x in enumerate(waves) if x.name == wave.name), None)
@@ -76,12 +75,10 @@ class RolloutGroups:
         size is what the repo says, not what survived this load's problems)."""
         self._hosts.setdefault((service, definition), set()).add(host_file)
 
-    def add(
-        self, service: str, definition: str, host_file: str, own_rollout: At | None,
-        policy: RolloutPolicy, base: RolloutPolicy, floor_at: At | None = None,
-    ) -> None:
-        self._groups.setdefault((service, definition), []).append(
-            _Member(host_file, own_rollout, policy, base, floor_at))
+    def add(self, service: str, definition: str, host_file: str, own_rollout: At | None, policy: RolloutPolicy,
+            base: RolloutPolicy, floor_at: At | None = None) -> None:
+        member = _Member(host_file, own_rollout, policy, base, floor_at)
+        self._groups.setdefault((service, definition), []).append(member)
 
     def check(self, problems: Problems) -> None:
         """The hosts that share a definition roll out as one group, so under one policy: a host
@@ -94,8 +91,7 @@ class RolloutGroups:
                 continue
             for m in members:
                 if m.own_rollout is not None and m.policy != m.base:
-                    problems.add(
-                        m.own_rollout.file, m.own_rollout.key,
+                    problems.add(m.own_rollout.file, m.own_rollout.key,
                         f"this host's policy ({m.policy.describe()}) differs from the other hosts using "
                         f"services/{definition}.toml ({m.base.describe()}): the hosts that share a definition "
                         f"roll out {service} as one group under one policy; set rollout in "

@@ -4,7 +4,7 @@ load.py parses each file (tomllib; tomlkit words a syntax error), validates it a
 these tables (tables.validate) and only then merges and renders. Every table forbids unknown keys (a typo must
 never silently do nothing), and every scalar is one of fields.py's types, checked by a
 validator of our own (no type is ever coerced). The drain and smoke tables of a service are in
-schema_drain.py.
+schema_drain.py. What each key means is desired-state/README.md's, for users.
 
 The values of `env` may be secrets: their validators never put the value in a message.
 """
@@ -15,37 +15,7 @@ from typing import Literal
 
 import msgspec
 
-from .fields import (
-    AbsPath,
-    Address,
-    Boolean,
-    Canary,
-    Concurrency,
-    DefinitionName,
-    DropIn,
-    Duration,
-    EnvKey,
-    EnvValue,
-    HostKey,
-    HttpStatus,
-    HttpTemplate,
-    LabelText,
-    MaxUnavailable,
-    ModelId,
-    ModelPath,
-    NonNegativeSeconds,
-    NotifyFormat,
-    Port,
-    PositiveSeconds,
-    RepoPath,
-    ServiceName,
-    SingleLine,
-    UnitText,
-    User,
-    VarName,
-    VarValue,
-    Webhook,
-)
+from . import fields
 from .schema_drain import DrainTable, MinAvailable, SmokeTable
 from .tables import Table
 
@@ -55,42 +25,39 @@ from .tables import Table
 class HealthTable(Table, frozen=True):
     """[health] in fleet.toml, a definition or a service; unset keys fall through to the layer below."""
 
-    http: HttpTemplate | None = None
-    startup_timeout: PositiveSeconds | None = None
-    interval: PositiveSeconds | None = None
-    stable_for: NonNegativeSeconds | None = None
-    expect_status: HttpStatus | None = None
-    body_contains: SingleLine | None = None
-    # A PEM CA bundle in the repo that an https:// health URL must chain to (default: the
-    # controller's system CAs). Never a way to turn verification off.
-    ca: RepoPath | None = None
+    http: fields.HttpTemplate | None = None
+    startup_timeout: fields.PositiveSeconds | None = None
+    interval: fields.PositiveSeconds | None = None
+    stable_for: fields.NonNegativeSeconds | None = None
+    expect_status: fields.HttpStatus | None = None
+    body_contains: fields.SingleLine | None = None
+    ca: fields.RepoPath | None = None
 
 
 class RolloutTable(Table, frozen=True):
     """rollout = { canary, max_unavailable, min_available } in fleet.toml [rollout], a definition or a service;
     unset keys fall through to the layer below."""
 
-    canary: Canary | None = None
-    max_unavailable: MaxUnavailable | None = None
-    # The hosts of the group that must stay ready (serving) through the rollout (issue 42).
+    canary: fields.Canary | None = None
+    max_unavailable: fields.MaxUnavailable | None = None
     min_available: MinAvailable | None = None
 
 
 class NotifyTable(Table, frozen=True):
     """[notify] in fleet.toml: a webhook for rollout events."""
 
-    webhook: Webhook
-    format: NotifyFormat = "json"
-    timeout: PositiveSeconds | None = None
+    webhook: fields.Webhook
+    format: fields.NotifyFormat = "json"
+    timeout: fields.PositiveSeconds | None = None
 
 
 class PullWaveTable(Table, frozen=True):
     """One wave of pull mode ([pull] waves in fleet.toml): the hosts whose labels all match (no
     labels: every host no earlier wave took), and how old a commit must be before they deploy it."""
 
-    name: LabelText | None = None
-    labels: dict[LabelText, LabelText] = msgspec.field(default_factory=dict)
-    after: Duration = 0.0
+    name: fields.LabelText | None = None
+    labels: dict[fields.LabelText, fields.LabelText] = msgspec.field(default_factory=dict)
+    after: fields.Duration = 0.0
 
 
 class PullTable(Table, frozen=True):
@@ -103,56 +70,38 @@ class ModelTable(Table, frozen=True):
     """model = { id, path, architecture, fetch, fetch_timeout, size_gb }; id and path are
     required once merged."""
 
-    id: ModelId | None = None
-    path: ModelPath | None = None
-    architecture: SingleLine | None = None
-    # A shell command (one line) that downloads the model into model.path when it is missing
-    # or incomplete, run on the host before the old service is stopped.
-    fetch: SingleLine | None = None
-    fetch_timeout: PositiveSeconds | None = None
-    size_gb: PositiveSeconds | None = None     # the checkpoint's size, for the free-space check
+    id: fields.ModelId | None = None
+    path: fields.ModelPath | None = None
+    architecture: fields.SingleLine | None = None
+    fetch: fields.SingleLine | None = None
+    fetch_timeout: fields.PositiveSeconds | None = None
+    size_gb: fields.PositiveSeconds | None = None     # the checkpoint's size, for the free-space check
 
 
 class SecretRef(Table, frozen=True):
-    """One entry of a service's `secrets` table: where the value comes from and how it reaches
-    the server. Exactly one of `file` (a file already on the host, provisioned by other means:
-    nothing secret passes through git or the controller) and `age` (a file in this repo,
-    encrypted to the controller's age key). `env = true`: the server gets it as an environment
-    variable (through a root-only EnvironmentFile=); default: as a systemd credential,
-    $CREDENTIALS_DIRECTORY/<NAME> (LoadCredential=)."""
+    """One entry of a service's `secrets` table: exactly one of `file` (a file already on the host)
+    and `age` (a file in this repo, encrypted to the controller's age key); `env`, how it is delivered."""
 
-    file: AbsPath | None = None
-    age: RepoPath | None = None
-    env: Boolean = False
+    file: fields.AbsPath | None = None
+    age: fields.RepoPath | None = None
+    env: fields.Boolean = False
 
 
 class ServiceDefinition(Table, frozen=True):
     """services/<def>.toml: a service table shared by several hosts (top-level keys)."""
 
-    unit_file: RepoPath | None = None
-    unit: UnitText | None = None
-    env: dict[EnvKey, EnvValue] = msgspec.field(default_factory=dict)
+    unit_file: fields.RepoPath | None = None
+    unit: fields.UnitText | None = None
+    env: dict[fields.EnvKey, fields.EnvValue] = msgspec.field(default_factory=dict)
     model: ModelTable | None = None
-    vars: dict[VarName, VarValue] = msgspec.field(default_factory=dict)
+    vars: dict[fields.VarName, fields.VarValue] = msgspec.field(default_factory=dict)
     health: HealthTable | None = None
     rollout: RolloutTable | None = None
-    # What to do with a process that holds the service's GPUs but is not the service's own
-    # (found by the GPU gate before a start): "report" (default) or "kill".
     gpu_policy: Literal["report", "kill"] | None = None
-    # The installed engine's own check of the command line before a start (docs/engine-check.md):
-    # "hidden" (default: no GPU visible to the check, the host's GPU facts passed in), "visible"
-    # (the engine reads the GPUs itself) or "off".
     engine_check: Literal["hidden", "visible", "off"] | None = None
-    # Take over a unit of this name that the reconciler did not install (kept, and put back when
-    # the service leaves the desired state). Without it such a unit is reported Foreign, untouched.
-    adopt: Boolean | None = None
-    # Drop-ins for this service that someone else manages and that may stay (names or paths);
-    # every other drop-in the reconciler did not write is drift and is removed on apply.
-    allow_dropins: list[DropIn] | None = None
-    # Secrets by name (the name the server sees), by reference or encrypted in the repo.
-    secrets: dict[EnvKey, SecretRef] = msgspec.field(default_factory=dict)
-    # How the host leaves and rejoins rotation around a restart, and the answers that judge the
-    # new server before it rejoins (schema_drain.py).
+    adopt: fields.Boolean | None = None
+    allow_dropins: list[fields.DropIn] | None = None
+    secrets: dict[fields.EnvKey, SecretRef] = msgspec.field(default_factory=dict)
     drain: DrainTable | None = None
     smoke: SmokeTable | None = None
 
@@ -160,32 +109,32 @@ class ServiceDefinition(Table, frozen=True):
 class ServiceTable(ServiceDefinition, frozen=True):
     """[services.<name>] in a host file: a definition plus `use` (merge over services/<use>.toml)."""
 
-    use: DefinitionName | None = None
+    use: fields.DefinitionName | None = None
 
 
 class HostSSH(Table, frozen=True):
     """[ssh] in a host file. known_hosts is deliberately fleet-wide only."""
 
-    user: User | None = None
-    port: Port | None = None
-    host_key: HostKey | None = None
+    user: fields.User | None = None
+    port: fields.Port | None = None
+    host_key: fields.HostKey | None = None
 
 
 class HostFile(Table, frozen=True):
     """hosts/<name>.toml."""
 
-    address: Address
-    labels: dict[LabelText, LabelText] = msgspec.field(default_factory=dict)
+    address: fields.Address
+    labels: dict[fields.LabelText, fields.LabelText] = msgspec.field(default_factory=dict)
     ssh: HostSSH = msgspec.field(default_factory=HostSSH)
-    services: dict[ServiceName, ServiceTable] = msgspec.field(default_factory=dict)
+    services: dict[fields.ServiceName, ServiceTable] = msgspec.field(default_factory=dict)
 
 
 class FleetSSH(Table, frozen=True):
     """[ssh] in fleet.toml: defaults for every host, and the fleet's known_hosts file."""
 
-    user: User = "root"
-    port: Port = 22
-    known_hosts: RepoPath | None = None
+    user: fields.User = "root"
+    port: fields.Port = 22
+    known_hosts: fields.RepoPath | None = None
 
 
 class FleetFile(Table, frozen=True):
@@ -193,7 +142,7 @@ class FleetFile(Table, frozen=True):
 
     ssh: FleetSSH = msgspec.field(default_factory=FleetSSH)
     health: HealthTable = msgspec.field(default_factory=HealthTable)
-    concurrency: Concurrency = 20
+    concurrency: fields.Concurrency = 20
     rollout: RolloutTable = msgspec.field(default_factory=RolloutTable)
     notify: NotifyTable | None = None
     pull: PullTable = msgspec.field(default_factory=PullTable)

@@ -1,9 +1,4 @@
-"""A service's `drain` and `smoke` tables, exactly as written (issue 42).
-
-`drain`: how the host leaves the load balancer's rotation before its server stops and rejoins
-it once the new server is ready and judged; how to read the server's in-flight work; how long to
-wait for it to reach zero. `smoke`: greedy completions through the server's OpenAI-compatible
-API with the text each answer must hold, judged before the host rejoins.
+"""A service's `drain` and `smoke` tables, exactly as written (what they are for: docs/drain.md).
 
 A call (`leave`, `rejoin`, `serving`) is exactly one of: an HTTP request made from the host (as
 the health probe is), a command run on the controller (an argv list, never a shell), or a shell
@@ -17,16 +12,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from .fields import (
-    AbsPath,
-    HttpStatus,
-    HttpTemplate,
-    PositiveSeconds,
-    SingleLine,
-    _fail,
-    _int_in,
-    _pattern,
-)
+from .fields import AbsPath, HttpStatus, HttpTemplate, PositiveSeconds, SingleLine, _fail, _int_in, _pattern
 from .tables import After, Check, Invalid, Table
 
 MAX_CHECKS = 10          # smoke checks per service: each costs a completion before the host rejoins

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -46,10 +47,6 @@ class _Site(msgspec.Struct, frozen=True):
         """Its table's key path in the host file."""
         return ("services", self.name)
 
-    @property
-    def use(self) -> Use:
-        return Use(self.name, self.host_name)
-
 
 class _Layers(msgspec.Struct, frozen=True):
     """The merged service and what the merge learned on the way."""
@@ -70,28 +67,19 @@ class _Unit(msgspec.Struct, frozen=True):
     source: str
 
 
+@dataclass
 class ServiceLoader:
     """Loads the services of every host of one revision, against its fleet.toml and definitions."""
 
-    def __init__(
-        self,
-        snap: SnapshotLike,
-        problems: Problems,
-        units: UnitFiles,
-        fleet: schema.FleetFile,
-        definitions: dict[str, schema.ServiceDefinition | None],
-        groups: RolloutGroups,
-    ):
-        self.snap = snap
-        self.problems = problems
-        self.units = units
-        self.fleet = fleet
-        self.definitions = definitions
-        self.groups = groups
+    snap: SnapshotLike
+    problems: Problems
+    units: UnitFiles
+    fleet: schema.FleetFile
+    definitions: dict[str, schema.ServiceDefinition | None]
+    groups: RolloutGroups
 
-    def load(
-        self, host_name: str, host_file: str, host: schema.HostFile, name: str, table: schema.ServiceTable
-    ) -> ServiceSpec | None:
+    def load(self, host_name: str, host_file: str, host: schema.HostFile, name: str,
+             table: schema.ServiceTable) -> ServiceSpec | None:
         """Merge one service's layers, render it, and check everything that needs the host."""
         site = _Site(host_name, host_file, host.address, name)
         problems_before = self.problems.count
@@ -134,8 +122,7 @@ class ServiceLoader:
         merged.add_layer(table, site.host_file, site.prefix)
         own_rollout = At(site.host_file, dotted(*site.prefix, "rollout")) if table.rollout is not None else None
         if own_rollout is not None and table.use is None:
-            self.problems.add(
-                own_rollout.file, own_rollout.key,
+            self.problems.add(own_rollout.file, own_rollout.key,
                 "has no effect here: only a service that uses a shared definition (`use`) rolls out in "
                 "waves over the hosts that share it; set rollout in services/<definition>.toml")
         return _Layers(merged, sources, def_file, base_policy, own_rollout)
@@ -145,11 +132,8 @@ class ServiceLoader:
         invalid (its own problems are already reported)."""
         if use not in self.definitions:
             available = ", ".join(self.definitions) or "none"
-            self.problems.add(
-                site.host_file,
-                dotted(*site.prefix, "use"),
-                f"unknown definition {use!r}: no services/{use}.toml (available: {available})",
-            )
+            self.problems.add(site.host_file, dotted(*site.prefix, "use"),
+                              f"unknown definition {use!r}: no services/{use}.toml (available: {available})")
             return None
         return self.definitions[use]
 
@@ -176,19 +160,12 @@ class ServiceLoader:
         missing = [k for k in ("id", "path") if k not in model]
         for k in missing:
             where = f" (not set here nor in {layers.def_file})" if layers.def_file else ""
-            self.problems.add(
-                site.host_file, dotted(*site.prefix, "model", k),
-                f"required key missing: a model needs id and path{where}",
-            )
+            self.problems.add(site.host_file, dotted(*site.prefix, "model", k),
+                              f"required key missing: a model needs id and path{where}")
         if missing:
             return None
-        return ModelSpec(
-            id=str(model["id"][0]),
-            path=str(model["path"][0]),
-            architecture=str(model["architecture"][0]) if "architecture" in model else None,
-            fetch_timeout=float(model["fetch_timeout"][0]) if "fetch_timeout" in model else 3600.0,
-            size_gb=float(model["size_gb"][0]) if "size_gb" in model else None,
-        )
+        values: dict[str, Any] = {k: v for k, (v, _) in model.items() if k != "fetch"}  # each typed by the schema
+        return ModelSpec(**values)
 
     def _context(self, site: _Site, merged: Merged, model: ModelSpec | None) -> Values:
         """What placeholders may name, with the service's vars rendered (vars may not name vars)."""
@@ -243,16 +220,8 @@ class ServiceLoader:
             self._report(site, unit.at, where + why)
         return managed_unit(rendered, unit.source)
 
-    def _spec(
-        self,
-        site: _Site,
-        table: schema.ServiceTable,
-        layers: _Layers,
-        unit_text: str,
-        env: dict[str, str],
-        health: dict[str, Any],
-        model: ModelSpec | None,
-    ) -> ServiceSpec:
+    def _spec(self, site: _Site, table: schema.ServiceTable, layers: _Layers, unit_text: str, env: dict[str, str],
+              health: dict[str, Any], model: ModelSpec | None) -> ServiceSpec:
         """The finished service; it joins its definition's rollout group."""
         merged = layers.merged
         policy = merged.policy()
@@ -280,7 +249,8 @@ class ServiceLoader:
 
     def _report(self, site: _Site, at: At, message: str) -> None:
         """A problem at a value's file and key; one in a shared file also names this service and host."""
-        self.problems.add(at.file, at.key, message, site.use if at.file != site.host_file else None)
+        use = Use(site.name, site.host_name) if at.file != site.host_file else None
+        self.problems.add(at.file, at.key, message, use)
 
     def _render(self, site: _Site, ctx: Values, value: str, at: At) -> str:
         """Render placeholders in a value; each unknown one is a problem naming the key and the

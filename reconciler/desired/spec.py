@@ -190,12 +190,8 @@ class ServiceSpec:
     gpu_policy: str = "report"       # stray GPU holders before a start: "report" or "kill"
     engine_check: str = "hidden"     # the engine's own check before a start: "hidden", "visible" or "off"
     rollout: RolloutPolicy = field(default_factory=RolloutPolicy)   # used when definition is set
-    # Take over a unit of this name that the reconciler did not install (its original files are
-    # kept and put back when the service leaves the desired state). Without it such a unit is
-    # Foreign: never overwritten, stopped or deleted.
+    # adopt and allow_dropins: desired-state/README.md, "Units and drop-ins that are not ours".
     adopt: bool = False
-    # Drop-ins someone else manages that may stay (file names like "10-numa.conf", or absolute
-    # paths). Every other drop-in for the service is drift and is removed on apply.
     allow_dropins: tuple[str, ...] = ()
     secrets: tuple[SecretSpec, ...] = ()
     # Issue 42: how the host leaves and rejoins rotation around a restart, and the answers that
@@ -211,12 +207,8 @@ class ServiceSpec:
         """A stable digest of everything that, when changed, requires a restart (computed once:
         the spec is frozen, and a run asks for it a dozen times per service)."""
         cached: str | None = self.__dict__.get("_content_hash")
-        if cached is None:
-            cached = self._digest()
-            object.__setattr__(self, "_content_hash", cached)
-        return cached
-
-    def _digest(self) -> str:
+        if cached is not None:
+            return cached
         h = hashlib.sha256()
         h.update(self.unit_text.encode())
         for k in sorted(self.env):
@@ -224,7 +216,9 @@ class ServiceSpec:
         for s in sorted(self.secrets, key=lambda s: s.name):
             # the reference and, for an age secret, the keyed digest of its value (never the value)
             h.update(f"\0secret {s.name} {s.source} {s.path} {s.env} {s.digest}".encode())
-        return h.hexdigest()[:16]
+        digest = h.hexdigest()[:16]
+        object.__setattr__(self, "_content_hash", digest)
+        return digest
 
 
 class SSHSpec(msgspec.Struct, frozen=True):

@@ -1,10 +1,9 @@
 """The tables of the desired-state TOML files, checked against their declared types.
 
-A table is a frozen msgspec Struct (the project's one serialiser; its import is a few
-milliseconds, where pydantic's and the building of its schema were about 0.15 s of every run that
-reads a new tree). `validate(Table, data)` checks parsed TOML against the table's annotations and
-builds it, or raises `Invalid` with every error of the file at once, each as a dict with `type`,
-`loc`, `msg` and `input`: the shape that problems.py turns into "file: key: what is expected".
+A table is a frozen msgspec Struct (why msgspec: docs/architecture.md, "One serialiser").
+`validate(Table, data)` checks parsed TOML against the table's annotations and builds it, or
+raises `Invalid` with every error of the file at once, each as a dict with `type`, `loc`, `msg`
+and `input`: the shape that problems.py turns into "file: key: what is expected".
 
 What an annotation may be (nothing else is declared in schema.py and schema_drain.py):
 - `Annotated[T, Check(fn)]`: `fn(value)` alone decides (returns the value, or raises `Invalid`
@@ -24,7 +23,7 @@ import functools
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, NamedTuple, Union, get_args, get_origin
 
 import msgspec
 
@@ -45,18 +44,16 @@ class Invalid(Exception):
         self.errors = list(errors)
 
 
-class Check:
+class Check(NamedTuple):
     """Annotated metadata: the function that checks a raw value (it alone decides)."""
 
-    def __init__(self, fn: Callable[[Any], Any]):
-        self.fn = fn
+    fn: Callable[[Any], Any]
 
 
-class After:
+class After(NamedTuple):
     """Annotated metadata: a function run on the value once its type is checked."""
 
-    def __init__(self, fn: Callable[[Any], Any]):
-        self.fn = fn
+    fn: Callable[[Any], Any]
 
 
 class Table(msgspec.Struct, frozen=True, kw_only=True):

@@ -6,11 +6,10 @@ allows.
 - `verify_signature(repo, commit, allowed_signers)`: SSH-signed commits (`git commit -S` with
   gpg.format=ssh), verified with `ssh-keygen -Y find-principals` + `ssh-keygen -Y verify`
   against an allowed-signers file.
-- `TrustPolicy`: the one policy every door reads (the daemon and the git hooks from
-  /etc/reconciler/config.toml, `reconcile` from its flags and, as root, that config too,
-  `reconcile pull` from its own flags on the host): whether a revision must be signed and by
-  whom, and over which URL schemes a repo may be fetched. The revision a run opens is verified
-  under it (loop/revision.py), and so is every revision a rollback renders.
+- `TrustPolicy`: the one policy every door reads (where each takes it from: docs/threat-model.md):
+  whether a revision must be signed and by whom, and over which URL schemes a repo may be
+  fetched. The revision a run opens is verified under it (loop/revision.py), and so is every
+  revision a rollback renders.
 """
 
 from __future__ import annotations
