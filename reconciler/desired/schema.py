@@ -15,7 +15,37 @@ from typing import Literal
 
 import msgspec
 
-from . import fields
+from .fields import (
+    AbsPath,
+    Address,
+    Boolean,
+    Canary,
+    Concurrency,
+    DefinitionName,
+    DropIn,
+    Duration,
+    EnvKey,
+    EnvValue,
+    HostKey,
+    HttpStatus,
+    HttpTemplate,
+    LabelText,
+    MaxUnavailable,
+    ModelId,
+    ModelPath,
+    NonNegativeSeconds,
+    NotifyFormat,
+    Port,
+    PositiveSeconds,
+    RepoPath,
+    ServiceName,
+    SingleLine,
+    UnitText,
+    User,
+    VarName,
+    VarValue,
+    Webhook,
+)
 from .schema_drain import DrainTable, MinAvailable, SmokeTable
 from .tables import Table
 
@@ -25,39 +55,39 @@ from .tables import Table
 class HealthTable(Table, frozen=True):
     """[health] in fleet.toml, a definition or a service; unset keys fall through to the layer below."""
 
-    http: fields.HttpTemplate | None = None
-    startup_timeout: fields.PositiveSeconds | None = None
-    interval: fields.PositiveSeconds | None = None
-    stable_for: fields.NonNegativeSeconds | None = None
-    expect_status: fields.HttpStatus | None = None
-    body_contains: fields.SingleLine | None = None
-    ca: fields.RepoPath | None = None
+    http: HttpTemplate | None = None
+    startup_timeout: PositiveSeconds | None = None
+    interval: PositiveSeconds | None = None
+    stable_for: NonNegativeSeconds | None = None
+    expect_status: HttpStatus | None = None
+    body_contains: SingleLine | None = None
+    ca: RepoPath | None = None
 
 
 class RolloutTable(Table, frozen=True):
     """rollout = { canary, max_unavailable, min_available } in fleet.toml [rollout], a definition or a service;
     unset keys fall through to the layer below."""
 
-    canary: fields.Canary | None = None
-    max_unavailable: fields.MaxUnavailable | None = None
+    canary: Canary | None = None
+    max_unavailable: MaxUnavailable | None = None
     min_available: MinAvailable | None = None
 
 
 class NotifyTable(Table, frozen=True):
     """[notify] in fleet.toml: a webhook for rollout events."""
 
-    webhook: fields.Webhook
-    format: fields.NotifyFormat = "json"
-    timeout: fields.PositiveSeconds | None = None
+    webhook: Webhook
+    format: NotifyFormat = "json"
+    timeout: PositiveSeconds | None = None
 
 
 class PullWaveTable(Table, frozen=True):
     """One wave of pull mode ([pull] waves in fleet.toml): the hosts whose labels all match (no
     labels: every host no earlier wave took), and how old a commit must be before they deploy it."""
 
-    name: fields.LabelText | None = None
-    labels: dict[fields.LabelText, fields.LabelText] = msgspec.field(default_factory=dict)
-    after: fields.Duration = 0.0
+    name: LabelText | None = None
+    labels: dict[LabelText, LabelText] = msgspec.field(default_factory=dict)
+    after: Duration = 0.0
 
 
 class PullTable(Table, frozen=True):
@@ -70,38 +100,38 @@ class ModelTable(Table, frozen=True):
     """model = { id, path, architecture, fetch, fetch_timeout, size_gb }; id and path are
     required once merged."""
 
-    id: fields.ModelId | None = None
-    path: fields.ModelPath | None = None
-    architecture: fields.SingleLine | None = None
-    fetch: fields.SingleLine | None = None
-    fetch_timeout: fields.PositiveSeconds | None = None
-    size_gb: fields.PositiveSeconds | None = None     # the checkpoint's size, for the free-space check
+    id: ModelId | None = None
+    path: ModelPath | None = None
+    architecture: SingleLine | None = None
+    fetch: SingleLine | None = None
+    fetch_timeout: PositiveSeconds | None = None
+    size_gb: PositiveSeconds | None = None     # the checkpoint's size, for the free-space check
 
 
 class SecretRef(Table, frozen=True):
     """One entry of a service's `secrets` table: exactly one of `file` (a file already on the host)
     and `age` (a file in this repo, encrypted to the controller's age key); `env`, how it is delivered."""
 
-    file: fields.AbsPath | None = None
-    age: fields.RepoPath | None = None
-    env: fields.Boolean = False
+    file: AbsPath | None = None
+    age: RepoPath | None = None
+    env: Boolean = False
 
 
 class ServiceDefinition(Table, frozen=True):
     """services/<def>.toml: a service table shared by several hosts (top-level keys)."""
 
-    unit_file: fields.RepoPath | None = None
-    unit: fields.UnitText | None = None
-    env: dict[fields.EnvKey, fields.EnvValue] = msgspec.field(default_factory=dict)
+    unit_file: RepoPath | None = None
+    unit: UnitText | None = None
+    env: dict[EnvKey, EnvValue] = msgspec.field(default_factory=dict)
     model: ModelTable | None = None
-    vars: dict[fields.VarName, fields.VarValue] = msgspec.field(default_factory=dict)
+    vars: dict[VarName, VarValue] = msgspec.field(default_factory=dict)
     health: HealthTable | None = None
     rollout: RolloutTable | None = None
     gpu_policy: Literal["report", "kill"] | None = None
     engine_check: Literal["hidden", "visible", "off"] | None = None
-    adopt: fields.Boolean | None = None
-    allow_dropins: list[fields.DropIn] | None = None
-    secrets: dict[fields.EnvKey, SecretRef] = msgspec.field(default_factory=dict)
+    adopt: Boolean | None = None
+    allow_dropins: list[DropIn] | None = None
+    secrets: dict[EnvKey, SecretRef] = msgspec.field(default_factory=dict)
     drain: DrainTable | None = None
     smoke: SmokeTable | None = None
 
@@ -109,32 +139,32 @@ class ServiceDefinition(Table, frozen=True):
 class ServiceTable(ServiceDefinition, frozen=True):
     """[services.<name>] in a host file: a definition plus `use` (merge over services/<use>.toml)."""
 
-    use: fields.DefinitionName | None = None
+    use: DefinitionName | None = None
 
 
 class HostSSH(Table, frozen=True):
     """[ssh] in a host file. known_hosts is deliberately fleet-wide only."""
 
-    user: fields.User | None = None
-    port: fields.Port | None = None
-    host_key: fields.HostKey | None = None
+    user: User | None = None
+    port: Port | None = None
+    host_key: HostKey | None = None
 
 
 class HostFile(Table, frozen=True):
     """hosts/<name>.toml."""
 
-    address: fields.Address
-    labels: dict[fields.LabelText, fields.LabelText] = msgspec.field(default_factory=dict)
+    address: Address
+    labels: dict[LabelText, LabelText] = msgspec.field(default_factory=dict)
     ssh: HostSSH = msgspec.field(default_factory=HostSSH)
-    services: dict[fields.ServiceName, ServiceTable] = msgspec.field(default_factory=dict)
+    services: dict[ServiceName, ServiceTable] = msgspec.field(default_factory=dict)
 
 
 class FleetSSH(Table, frozen=True):
     """[ssh] in fleet.toml: defaults for every host, and the fleet's known_hosts file."""
 
-    user: fields.User = "root"
-    port: fields.Port = 22
-    known_hosts: fields.RepoPath | None = None
+    user: User = "root"
+    port: Port = 22
+    known_hosts: RepoPath | None = None
 
 
 class FleetFile(Table, frozen=True):
@@ -142,7 +172,7 @@ class FleetFile(Table, frozen=True):
 
     ssh: FleetSSH = msgspec.field(default_factory=FleetSSH)
     health: HealthTable = msgspec.field(default_factory=HealthTable)
-    concurrency: fields.Concurrency = 20
+    concurrency: Concurrency = 20
     rollout: RolloutTable = msgspec.field(default_factory=RolloutTable)
     notify: NotifyTable | None = None
     pull: PullTable = msgspec.field(default_factory=PullTable)

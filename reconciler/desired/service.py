@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -67,8 +66,7 @@ class _Unit(msgspec.Struct, frozen=True):
     source: str
 
 
-@dataclass
-class ServiceLoader:
+class ServiceLoader(msgspec.Struct):
     """Loads the services of every host of one revision, against its fleet.toml and definitions."""
 
     snap: SnapshotLike

@@ -11,15 +11,15 @@ this code runs on the host, not in the controller.
 
 from __future__ import annotations
 
-from importlib import resources
+from pathlib import Path
 
 ADAPTERS = {"sglang": "SGLang", "vllm": "VLLM"}
 
 
 def probe_text(server: str) -> str:
     """The probe program for `server` ("sglang" or "vllm"), as one text."""
-    here = resources.files(__name__)
-    parts = [here.joinpath(name).read_text() for name in ("probe.py", "retired.py", f"{server}.py")]
+    here = Path(__file__).parent         # no importlib.resources: 3 ms to import
+    parts = [(here / name).read_text() for name in ("probe.py", "retired.py", f"{server}.py")]
     return (f"{parts[0]}\n\n# --- reconciler/engines/retired.py ---\n\n{parts[1]}\n\n"
             f"# --- the {server} adapter (reconciler/engines/{server}.py) ---\n\n{parts[2]}\n\n"
             f'if __name__ == "__main__":\n    run({ADAPTERS[server]}())\n')

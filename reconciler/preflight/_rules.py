@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -108,8 +109,7 @@ def load_rules(snap: SnapshotLike | None = None) -> RuleSet:
     origin: dict[str, str] = {}
     models: list[ModelEntry] = []
     disabled: dict[str, str] = {}
-    import importlib.resources  # only a load reads the rule pack
-    for entry in sorted(importlib.resources.files("reconciler").joinpath(RULES_DIR).iterdir(), key=lambda p: p.name):
+    for entry in sorted((Path(__file__).parents[1] / RULES_DIR).iterdir(), key=lambda p: p.name):
         if not entry.name.endswith(".toml") or not entry.is_file():
             continue
         file = f"reconciler/{RULES_DIR}/{entry.name}"
