@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -220,7 +221,11 @@ def test_the_preflights_reads_answer_alike_in_a_lock_sessions_bash_and_in_sh(tmp
     in_bash = subprocess.run(["bash", "-u", "-c", cmd.script], input=stdin, capture_output=True, text=True,
                              env=env, timeout=60)
     assert (in_bash.returncode, in_bash.stderr) == (0, "")
-    assert in_bash.stdout == in_sh.stdout
+
+    def free_space_masked(out: str) -> str:      # df's figure moves as other tests write
+        return re.sub(r"^(T0 A) \d+$", r"\1 N", out, flags=re.M)
+    assert in_bash.stdout.count("T0 A ") == 1
+    assert free_space_masked(in_bash.stdout) == free_space_masked(in_sh.stdout)
     assert "T0 S 10 c3ViL8OpLnNhZmV0ZW5zb3Jz\n" in in_bash.stdout      # sub/é.safetensors, in base64
     got = progs[0].parse(Records(in_bash.stdout, "T0"))
     assert got[str(model)].files == {"sub/\u00e9.safetensors": 10, "gone.safetensors": None}

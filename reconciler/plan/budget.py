@@ -15,7 +15,6 @@ dry run prints `forecast_steps`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import msgspec
 
@@ -38,8 +37,7 @@ class Wait(msgspec.Struct, frozen=True):
     why: str
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(msgspec.Struct, frozen=True):
     """The next wave: the hosts that restart together, and the hosts that wait for the budget."""
 
     go: tuple[str, ...]

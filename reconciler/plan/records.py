@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, TypeVar
 
+import msgspec
+
 from ..reasons import Reason
 from . import lenient
 from .gpuhealth import GPU_FAULT
@@ -255,8 +257,7 @@ NO_VERDICT = frozenset({SUPERSEDED, INCONCLUSIVE, START_LIMIT_HIT, GPU_FAULT})
 MAX_UNJUDGED = 3
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(msgspec.Struct, frozen=True):
     """The health verdict on one watched service (what the planner needs of health.Outcome)."""
 
     healthy: bool
@@ -265,8 +266,7 @@ class Verdict:
     message: str = ""
 
 
-@dataclass(frozen=True)
-class Judged:
+class Judged(msgspec.Struct, frozen=True):
     """A verdict applied to a record: the record to write and whether to stop the unit."""
 
     record: ServiceRecord
@@ -296,8 +296,8 @@ def judge(rec: ServiceRecord, *, hash: str, revision: str, rollback: bool, verdi
     kept = rec.pending if rec.pending is not None and rec.pending.hash == hash else None
     if verdict.reason == START_LIMIT_HIT and kept is not None and (kept.unjudged or "").startswith(START_LIMIT_HIT):
         # refused again after the planner started it again (reset-failed first): that start failed
-        verdict = replace(verdict, reason=Reason.START_FAILED, message=f"{verdict.message}, again after systemctl "
-                                                                  f"reset-failed")
+        verdict = msgspec.structs.replace(verdict, reason=Reason.START_FAILED,
+                                          message=f"{verdict.message}, again after systemctl reset-failed")
     elif verdict.reason in NO_VERDICT:
         pending = kept or Pending(hash=hash, revision=revision, rollback=rollback, started=True, at=now)
         if not pending.at:         # the intent's time is stamped on the host as it is written

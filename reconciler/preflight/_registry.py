@@ -22,7 +22,6 @@ conflict is reported on both services.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, overload
 
 import msgspec
@@ -66,8 +65,7 @@ ServiceCheck = Callable[[Command, ModelInfo, RuleFacts], Failed | None]
 HostCheck = Callable[[Command, str, Command], Failed | None]
 
 
-@dataclass(frozen=True)
-class BuiltinRule:
+class BuiltinRule(msgspec.Struct, frozen=True):
     """A check written in Python (arithmetic, or across services), with its id and sources."""
 
     id: str
