@@ -225,11 +225,34 @@ def _masked(m: re.Match[str]) -> str:
     return (m.groupdict().get("head") or "") + MASK
 
 
+# Short texts already redacted, while the registered values stay the same: a run redacts the
+# same host and service names, states and details many times over (its report, the store, the
+# daemon's metrics labels: a thousand host names a round).
+_MEMO_TEXT = 200            # characters: longer texts (journal lines, diffs) are rarely repeated
+_MEMO_MAX = 4096
+_memo: dict[str, str] = {}
+_memo_of: list[_Registry] = [_built]
+
+
 def redact(text: str) -> str:
     """The text with every registered value and every token-like pattern masked."""
     if not text:
         return text
     registry = _registry()
+    if _memo_of[0] is not registry:          # a value was registered since: nothing kept holds
+        _memo.clear()
+        _memo_of[0] = registry
+    if len(text) > _MEMO_TEXT:
+        return _redacted(registry, text)
+    out = _memo.get(text)
+    if out is None:
+        if len(_memo) >= _MEMO_MAX:
+            _memo.clear()
+        out = _memo[text] = _redacted(registry, text)
+    return out
+
+
+def _redacted(registry: _Registry, text: str) -> str:
     if registry.matchers:
         # A regex only for the values whose hint the text holds: one pattern of every value,
         # case-insensitive, costs a millisecond a line with a thousand values registered.

@@ -105,6 +105,21 @@ def test_a_registered_value_is_masked_in_any_case_and_normal_form() -> None:
         assert redact.redact(f"x {shown} y") == "x *** y", shown
 
 
+def test_a_text_redacted_before_a_value_was_registered_is_masked_after():
+    """Short texts are kept redacted while the registered values stay the same (a run redacts
+    the same names many times); a value registered since is masked in them all the same."""
+    value = "late-" + pysecrets.token_hex(8)
+    short, long_ = f"host {value}", f"line {value} " + "x" * 300
+    assert (redact.redact(short), redact.redact(long_)) == (short, long_)
+    redact.register(value)
+    try:
+        assert redact.redact(short) == "host ***"
+        assert redact.redact(long_) == "line *** " + "x" * 300
+    finally:
+        redact._values.discard(value)
+    assert redact.redact(short) == short
+
+
 def test_a_registered_value_is_masked_when_its_spaces_were_flattened_or_rewrapped() -> None:
     value = f"pa  ss\tword-{pysecrets.token_hex(4)}"
     redact.register(value)

@@ -11,7 +11,6 @@ the daemon goes on without metrics: it must never keep the daemon from starting.
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import TYPE_CHECKING, cast
 
 import msgspec
@@ -126,7 +125,7 @@ class Metrics:
         self.count_run({0: "ok", 3: "rolled_back", 4: "host_failed"}.get(code, str(code)), seconds)
         self.revision.clear()
         self.revision.labels(redact(res.revision)).set(1)
-        label = functools.cache(redact)          # a name is in several series: redacted once a run
+        label = redact          # kept redacted across runs (redact.py)
         for h in res.hosts:
             host = label(h.host)
             self.host_up.labels(host).set(0 if h.reason in ("Unreachable", "HostKeyUnverified") else 1)
