@@ -3,6 +3,7 @@ is true for the server version on the host. Pure; packaging only for what is not
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Literal
 
@@ -39,9 +40,11 @@ _ORDER = {"<=": operator.le, ">=": operator.ge, "==": operator.eq, "!=": operato
           ">": operator.gt}
 
 
-def _plain_clauses(versions: str) -> list[tuple[str, tuple[int, ...]]] | None:
+@functools.lru_cache(maxsize=256)
+def _plain_clauses(versions: str) -> tuple[tuple[str, tuple[int, ...]], ...] | None:
     """A range's clauses as (comparison, release), where every clause is a plain comparison with
-    a plain release, as the rule pack writes them; None for anything else."""
+    a plain release, as the rule pack writes them; None for anything else. Read once per range:
+    a pre-flight tests every rule bound to versions on every host."""
     out = []
     for clause in versions.split(","):
         clause = clause.strip()
@@ -50,7 +53,7 @@ def _plain_clauses(versions: str) -> list[tuple[str, tuple[int, ...]]] | None:
         if op is None or r is None:
             return None
         out.append((op, r))
-    return out
+    return tuple(out)
 
 
 def plain_range(versions: str) -> bool:
