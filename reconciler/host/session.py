@@ -89,7 +89,8 @@ class HostSession:
                 self.broken = True
                 raise _NotSent() from None
             try:
-                out, err = await asyncio.wait_for(self._collect(tok), timeout)
+                async with asyncio.timeout(timeout):        # in this task: wait_for would make one more
+                    out, err = await self._collect(tok)
             except TimeoutError:
                 self._abandon()
                 raise CommandError(self.host, what, None, f"timed out after {timeout}s") from None
@@ -115,7 +116,17 @@ class HostSession:
                 raise _NotSent() from None
             self.came_up = True
         own = tok[len(self._prefix):]
-        out, err = await asyncio.gather(self._until(f"{own} END "), self._until(f"{own} END\n", stderr=True))
+        # stderr read meanwhile (a command may write much there before its last stdout byte), in
+        # a task of its own; stdout in this one
+        errs = asyncio.get_running_loop().create_task(self._until(f"{own} END\n", stderr=True))
+        try:
+            out = await self._until(f"{own} END ")
+            err = await errs
+        finally:
+            if not errs.done():
+                errs.cancel()
+            elif not errs.cancelled():
+                errs.exception()        # seen: the connection's end, which stdout's read raised too
         return out, err[: -len(f"{tok} END\n")]
 
     async def _until(self, own: str, *, stderr: bool = False) -> str:
