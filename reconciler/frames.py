@@ -35,7 +35,7 @@ import base64
 import binascii
 from abc import abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar
 
 import msgspec
@@ -186,6 +186,9 @@ class HostProgram(msgspec.Struct, Generic[T_co], frozen=True):
     # (shell.ShScript), and a standing session in its own shell, run after run (the warm daemon's
     # observation: session.sh's here()).
     in_session: ClassVar[bool] = False
+    # Its parameters come from its fields alone, and its fields are hashable: they are made once
+    # for equal programs (the observation: a daemon asks every host the same each round).
+    same_params: ClassVar[bool] = False
 
     def params(self) -> shell.Params:
         """The named parameters (a sequence: the name once per item; None: left out; or
@@ -212,12 +215,12 @@ class HostProgram(msgspec.Struct, Generic[T_co], frozen=True):
         """Its stdin: `token=TOKEN`, its parameters, an empty line, then its payload. A program
         read from stdin: its text, then `T=TOKEN` and its parameters as assignments, then its
         payload."""
-        params = self.params()
         if self.script_on_stdin:
+            params = self.params()
             assert isinstance(params, Mapping)
             return self.text() + shell.assignments({"T": token, **params}) + self.payload()
-        head = {"token": token, **params} if isinstance(params, Mapping) else [("token", token), *params]
-        return shell.param_lines(head) + self.payload()
+        lines = _param_lines(self) if self.same_params else shell.param_lines(self.params())
+        return f"token={token}\n{lines}{self.payload()}"
 
 
 def batch(programs: Sequence[HostProgram[Any]], tokens: Sequence[str]) -> tuple[str, str]:
@@ -234,6 +237,13 @@ def batch(programs: Sequence[HostProgram[Any]], tokens: Sequence[str]) -> tuple[
         return "sh -s", programs[0].stdin(tokens[0])
     stdin = "".join(p.stdin(t) for p, t in zip(programs, tokens, strict=True))
     return _command(tuple(type(p) for p in programs)), stdin
+
+
+@lru_cache(maxsize=4096)
+def _param_lines(program: HostProgram[Any]) -> str:
+    """A program's parameter lines, made once for equal programs (HostProgram.same_params), each
+    time sent with a token of its own in front."""
+    return shell.param_lines(program.params())
 
 
 @cache

@@ -120,6 +120,7 @@ class Observe(HostProgram[HostFacts], frozen=True):
 
     name: ClassVar[str] = "observe"
     in_session: ClassVar[bool] = True      # the warm daemon's standing session runs it in its bash
+    same_params: ClassVar[bool] = True
     constants: ClassVar[Mapping[str, str]] = {
         "D": layout.STATE_DIR, "LOCK": layout.LOCK, "COUNT": layout.LOCK_COUNT, "OWNER": layout.LOCK_OWNER,
         "CONFIRM": layout.CONFIRM_DIR, "UNIT_DIR": layout.UNIT_DIR, "ENV_DIR": layout.ENV_DIR,
