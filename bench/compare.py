@@ -354,7 +354,9 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
     ap.add_argument("--draft", action="store_true", help="Mark the output as a draft (a busy machine).")
     ap.add_argument("--baseline", type=Path, metavar="DIR",
-                    help="Another checkout (e.g. `git worktree add --detach DIR REV`) whose CLI runs beside ours.")
+                    help="Another checkout (e.g. `git worktree add --detach DIR REV`) whose CLI runs beside ours. "
+                         "Only where both send the hosts the same programs: each run installs its own by content "
+                         "(host/lock.py), so alternating two sets measures the reinstalls; else run each by itself.")
     args = ap.parse_args()
     fleetlib.build()
     hosts = fleetlib.up(max(args.sizes), first=FIRST, prefix=PREFIX)
