@@ -1,16 +1,9 @@
 """PURE: a sick GPU is the host's fault, not the commit's.
 
 What the GPU read (host/gpu.py, sh/gpu.sh) says about the GPUs' health, read without a CUDA
-context, and what the planner makes of it:
-
-  * `nvidia-smi -q` (the sections kept by gpu.sh): ECC errors (volatile uncorrectable), retired
-    pages (pending), remapped rows (pending, failure), "GPU Reset Status" (reset required, drain
-    and reset recommended), "GPU Recovery Action", and nvidia-smi's own "GPU is lost" / "GPU
-    requires reset" answers;
-  * the kernel log's `NVRM: Xid` reports since a time, each classified by NVIDIA's Xid catalog:
-    read in xid.py, only as the kernel's own message and for a GPU nvidia-smi lists here
-    (`gpu_buses`), since a user's file name can be quoted inside any kernel message;
-  * DCGM's health watches (`dcgmi health -c`), where DCGM is installed and watches are set.
+context, and what the planner makes of it. What it reads (`nvidia-smi -q`'s health sections,
+the kernel log's Xid reports, read in xid.py for a GPU nvidia-smi lists here: `gpu_buses`, and
+DCGM's health watches) is in docs/health.md#sick-gpus-the-hosts-fault-not-the-commits.
 
 A reading has faults (a start must not happen on this host: it blocks, and a failed start that
 coincides with one is the GPU's), signs (a hardware memory event in the kernel log's window

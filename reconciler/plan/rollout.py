@@ -163,16 +163,9 @@ class WaveVerdict(msgspec.Struct, frozen=True):
 def judge_wave(wave: Wave, outcomes: Iterable[HostOutcome], before: Iterable[Excuse] = ()) -> WaveVerdict:
     """The verdict on one wave (pure), from its hosts' outcomes and the starts of this revision
     that failed with sick GPUs before it (`before`: earlier waves, and hosts whose gpu-fault.json
-    names this revision: excuses_on_record).
-
-    A failure of the change (any reason but GpuFault) halts the rollout there, as ever. A GPU
-    fault is the host's, not the change's, but NVIDIA says an Xid may be "a user application
-    problem", so a revision that provokes one must not walk the fleet: the rollout also halts
-    when the canary's start failed with sick GPUs (the canary is what vouches for the change),
-    or when a second host's start of this revision did (two excuses are a pattern). A host that
-    was blocked before its start (its GPUs read sick first) ran nothing of the revision: it is
-    excused and counts towards nothing.
-    """
+    names this revision: excuses_on_record). A failure of the change (any reason but GpuFault)
+    halts the rollout there; a GPU fault is no excuse on the canary (it vouches for the change)
+    or on a second host: docs/health.md, "Excuses are bounded"."""
     failed: list[HostOutcome] = []
     excused: list[str] = []
     faulted: list[Excuse] = []

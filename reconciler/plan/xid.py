@@ -1,16 +1,12 @@
 """PURE: the kernel log's Xid reports, read as the driver writes them, for the host's own GPUs.
 
 NVIDIA's driver reports a GPU error as a kernel message `NVRM: Xid (PCI:0000:3b:00): 79, pid=...,
-...` (older drivers: no `PCI:`). gpu.sh reads the kernel log with `journalctl -k -o json`: one
-entry a line, its message a field of its own, with its transport and facility, so a message
-spread over several lines (journald turns the kernel's escaped newlines back into newlines) is
-still one message, and nothing can pass for the start of one. Only an entry that *is* the
-driver's report counts: from the kernel (transport kernel, facility kern), its message starting
-with the report, for a GPU that nvidia-smi lists on this host (gpuhealth.gpu_buses). Kernel
-messages quote user-chosen text (the x86 segfault report ends with the name of the file mapped
-at the faulting address; exec's NULL-argv warning quotes a path): a local user's file named
-`NVRM: Xid (PCI:0000:41:00): 79, x` appears inside such a message, never at its start, and
-counted for nothing (security review N7).
+...` (older drivers: no `PCI:`). Which entries count (the kernel's own message, for a GPU
+nvidia-smi lists on this host: gpuhealth.gpu_buses) is docs/health.md's ("Sick GPUs") and
+security review N7's: gpu.sh reads `journalctl -k -o json`, so a message journald spread over
+lines (it turns the kernel's escaped newlines back into newlines) is still one, and user-chosen
+text a kernel message quotes (the segfault report's file name, exec's NULL-argv warning's
+path) is never at its start.
 
 Each report is classified by NVIDIA's Xid catalog (XID_FAULTS, XID_SIGNS). The reader is total:
 any text gives a value, numbers and lengths bounded (a 400-digit Xid code is not a code, an
@@ -27,14 +23,9 @@ from .lenient import json_or_none
 XID_SOURCE = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 
 # NVIDIA's Xid catalog for Ampere and newer (XID_SOURCE; its "Resolution Bucket (Immediate
-# Action)" column), the Xids the reconciler blames on the host. Faults: the catalog's immediate
-# action resets the GPU (RESET_GPU), restarts the machine (RESTART_BM, RESTART_VM) or follows a
-# hardware workflow (WORKFLOW_XID_48 for a double-bit ECC error, the NVLink workflows). Signs:
-# memory errors whose immediate action is only to restart the application (94 contained ECC
-# error) or nothing at all (63 row-remapping event, 92 high single-bit ECC rate): the application
-# that died of one died of the hardware. Every other Xid (13 graphics engine exception, 31 GPU
-# memory page fault, 43 GPU stopped processing, 45 preemptive cleanup, ...: RESTART_APP with an
-# application investigation, or IGNORE) is the application's: it says nothing about the host.
+# Action)" column): the Xids the reconciler blames on the host, faults and signs as
+# docs/health.md ("Sick GPUs") sorts them (an application that died of a sign died of the
+# hardware); every other Xid is the application's: it says nothing about the host.
 XID_FAULTS: Mapping[int, str] = {
     46: "GPU stopped processing (RESET_GPU)",
     48: "double-bit ECC error (WORKFLOW_XID_48)",
