@@ -112,12 +112,10 @@ class Metrics:
         from .web.stream import Refusals
         if (bound := listen_at(address, "metrics")) is None:
             return None
-        host, sock = bound
+        host, sock, url = bound
         gated = Gated(replace(LIMITS, **limits), Refusals(name="metrics endpoint"), Clients())
         server, task = serve(self.app(), sock, gated)
-        shown = f"[{host}]" if ":" in host else host
-        url = f"http://{shown}:{sock.getsockname()[1]}/metrics"
-        print(f"reconciler: metrics on {url}{public_note('metrics', host)}", flush=True)
+        print(f"reconciler: metrics on {url}metrics{public_note('metrics', host)}", flush=True)
         return MetricsServer(server, task, sock.getsockname()[1], gated)
 
     def observe_run(self, res: FleetResult, seconds: float) -> None:

@@ -181,18 +181,20 @@ class _Requests:
         await self.app(scope, receive, sent)
 
 
-def listen_at(address: str, what: str) -> tuple[str, socket.socket] | None:
-    """The listening socket for `address` (host:port) and its host; None, said once as "`what`
-    off: why" (a port in use, a bad address), where it cannot be had: a server of the daemon's
-    that cannot listen stays off, the daemon goes on."""
+def listen_at(address: str, what: str) -> tuple[str, socket.socket, str] | None:
+    """The listening socket for `address` (host:port), its host and its URL (http://host:port/);
+    None, said once as "`what` off: why" (a port in use, a bad address), where it cannot be had:
+    a server of the daemon's that cannot listen stays off, the daemon goes on."""
     from ...redact import redact
     from ..config import cannot_listen, parse_address
     try:
         host, port = parse_address(address)
-        return host, listen(host, port)
+        sock = listen(host, port)
     except (ValueError, OSError) as e:
         print(redact(f"reconciler: {what} off: {cannot_listen(address, e)}"), flush=True)
         return None
+    shown = f"[{host}]" if ":" in host else host
+    return host, sock, f"http://{shown}:{sock.getsockname()[1]}/"
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -71,7 +71,7 @@ async def serve_page(address: str, hub: Hub, state_dir: Path, *, repo: str = "",
     web_public) says so. `limits`: gate.Limits' fields other than the defaults (tests, bench)."""
     if (bound := listen_at(address, "fleet page")) is None:
         return None
-    host, sock = bound
+    host, sock, url = bound
     refusals, clients = Refusals(), Clients()
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fleet-page")
     app = create_app(hub, state_dir, repo=repo, branch=branch, bind=host, executor=executor, refusals=refusals,
@@ -81,8 +81,6 @@ async def serve_page(address: str, hub: Hub, state_dir: Path, *, repo: str = "",
     streams = app.state.page.streams
     streams.clients, streams.cap_per_client = clients, max_streams_per_client    # the streams' caps per client
     server, task = serve(app, sock, Gated(replace(LIMITS, **limits), refusals, clients))
-    shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{sock.getsockname()[1]}/"
     print(f"reconciler: fleet page on {url}{public_note('web', host)}", flush=True)
     if metrics is not None:
         print(f"reconciler: metrics on {url}metrics{public_note('metrics', host)}", flush=True)
