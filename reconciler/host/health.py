@@ -229,10 +229,9 @@ class _Watch:
             took = now - self.t0
             return Outcome(self.name, True, Reason.HEALTHY, f"healthy after {took:.1f}s", seconds=took)
         if self.first_ok is None and now - self.t0 >= self.health.startup_timeout:
-            h = self.health
             what = self.last_miss or ("never answered" if self.probes else "never ran")
             return await self.fail(Reason.START_TIMEOUT,
-                                   f"not healthy within startup_timeout={h.startup_timeout:.0f}s: {what}")
+                                   f"not healthy within startup_timeout={self.health.startup_timeout:.0f}s: {what}")
         return None
 
     async def probed(self, now: float) -> Outcome | None:

@@ -194,8 +194,7 @@ class SSHTransport:
         return checked(self.host, res, check, what)
 
     async def open_connection(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        reader, writer = await self._conn.open_connection(host, port)
-        return reader, writer  # type: ignore[return-value]
+        return await self._conn.open_connection(host, port)  # type: ignore[return-value]
 
     async def spawn(self, cmd: str) -> Spawned:
         import asyncssh
