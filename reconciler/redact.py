@@ -166,6 +166,7 @@ class _Registry:
                 else:
                     self.index.setdefault(h[:3], set()).add(i)
         self.direct = sum(len(hints) for hints, _p in self.matchers) <= self.DIRECT
+        self.memo: dict[str, str] = {}          # short texts as redacted by these values (redact)
 
     def candidates(self, folded: str) -> list[_Matcher]:
         """The matchers whose hint the casefolded text holds."""
@@ -225,13 +226,11 @@ def _masked(m: re.Match[str]) -> str:
     return (m.groupdict().get("head") or "") + MASK
 
 
-# Short texts already redacted, while the registered values stay the same: a run redacts the
-# same host and service names, states and details many times over (its report, the store, the
-# daemon's metrics labels: a thousand host names a round).
+# Short texts already redacted are kept by the registry that redacted them (a value registered
+# since makes a new one): a run redacts the same host and service names, states and details many
+# times over (its report, the store, the daemon's metrics labels: a thousand host names a round).
 _MEMO_TEXT = 200            # characters: longer texts (journal lines, diffs) are rarely repeated
 _MEMO_MAX = 4096
-_memo: dict[str, str] = {}
-_memo_of: list[_Registry] = [_built]
 
 
 def redact(text: str) -> str:
@@ -239,16 +238,14 @@ def redact(text: str) -> str:
     if not text:
         return text
     registry = _registry()
-    if _memo_of[0] is not registry:          # a value was registered since: nothing kept holds
-        _memo.clear()
-        _memo_of[0] = registry
     if len(text) > _MEMO_TEXT:
         return _redacted(registry, text)
-    out = _memo.get(text)
+    memo = registry.memo
+    out = memo.get(text)
     if out is None:
-        if len(_memo) >= _MEMO_MAX:
-            _memo.clear()
-        out = _memo[text] = _redacted(registry, text)
+        if len(memo) >= _MEMO_MAX:
+            memo.clear()
+        out = memo[text] = _redacted(registry, text)
     return out
 
 

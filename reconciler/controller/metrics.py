@@ -123,22 +123,21 @@ class Metrics:
         self.count_run({0: "ok", 3: "rolled_back", 4: "host_failed"}.get(code, str(code)), seconds)
         self.revision.clear()
         self.revision.labels(redact(res.revision)).set(1)
-        label = redact          # kept redacted across runs (redact.py)
         for h in res.hosts:
-            host = label(h.host)
+            host = redact(h.host)
             self.host_up.labels(host).set(0 if h.reason in ("Unreachable", "HostKeyUnverified") else 1)
             for name, state in (h.plan.states.items() if h.plan else ()):
                 if state is State.DRIFTED:
-                    self.drift.labels(host, label(name)).inc()
+                    self.drift.labels(host, redact(name)).inc()
                 if state in _HEALTH_OF_STATE:
                     # Not restarted in this run: what the host's records say (a daemon that was
                     # just restarted reports the fleet at once, not after the next deploy).
-                    self.healthy.labels(host, label(name)).set(_HEALTH_OF_STATE[state])
+                    self.healthy.labels(host, redact(name)).set(_HEALTH_OF_STATE[state])
             for e in h.events:
                 if e.outcome is not None:
-                    self.healthy.labels(host, label(e.service)).set(1 if e.outcome.healthy else 0)
+                    self.healthy.labels(host, redact(e.service)).set(1 if e.outcome.healthy else 0)
                 if e.action == "rollback" and e.outcome is not None and e.outcome.healthy:
-                    self.rollbacks.labels(host, label(e.service)).inc()
+                    self.rollbacks.labels(host, redact(e.service)).inc()
 
     def observe_pool(self, opened: int, reused: int, open_now: int) -> None:
         """The pool's running totals: counters advance by what changed since the last call."""
