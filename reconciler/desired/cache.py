@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .repo import SnapshotLike
     from .source import Snapshot
 
-FORMAT = 2                  # 2: msgspec's JSON (bytes as a base64 string; 1 wrote {"base64": ...})
+FORMAT = 3                  # 3: known_hosts texts once (2: in every host; 1 wrote bytes as {"base64": ...})
 KEEP = 32                   # entries kept; the oldest go when a new one is written
 MAX_BYTES = 64 << 20        # an entry larger than this is not read
 _DIR = "desired"
@@ -108,20 +108,43 @@ class CacheEntry(msgspec.Struct, frozen=True):
     tree: str
     fingerprint: str
     state: DesiredState
+    # As written: each known_hosts text once, and which one a host's SSHSpec holds (host ->
+    # index). Every host of a fleet holds the fleet's whole file: written into each it made an
+    # entry grow with the square of the fleet (1,000 hosts: 100 MB, over MAX_BYTES, so it was
+    # never read back). Empty in an entry as the loader gave it.
+    known_hosts: list[str] = msgspec.field(default_factory=list)
+    known_by: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 def encode(entry: CacheEntry) -> bytes:
-    """An entry as JSON (msgspec: dataclasses as objects, tuples as arrays, bytes as base64)."""
-    return msgspec.json.encode(entry)
+    """An entry as JSON (msgspec: dataclasses as objects, tuples as arrays, bytes as base64),
+    each known_hosts text once."""
+    texts: dict[str, int] = {}
+    by: dict[str, int] = {}
+    hosts = dict(entry.state.hosts)
+    for name, h in hosts.items():
+        if h.ssh.known_hosts is not None:
+            by[name] = texts.setdefault(h.ssh.known_hosts, len(texts))
+            hosts[name] = replace(h, ssh=replace(h.ssh, known_hosts=None))
+    return msgspec.json.encode(replace(entry, state=replace(entry.state, hosts=hosts), known_hosts=list(texts),
+                                       known_by=by))
 
 
 def decode(raw: bytes) -> CacheEntry | None:
     """The entry `encode` made, checked against the spec's annotations as it is read (a value of
-    another type, a missing field: None); None for anything that is not such an entry."""
+    another type, a missing field: None), each host's known_hosts text put back (the hosts that
+    share a text share one string); None for anything that is not such an entry."""
     try:
-        return msgspec.json.decode(raw, type=CacheEntry)
-    except (msgspec.MsgspecError, RecursionError, ValueError, TypeError):
+        entry = msgspec.json.decode(raw, type=CacheEntry)
+        hosts = dict(entry.state.hosts)
+        for name, i in entry.known_by.items():
+            h = hosts[name]
+            if i < 0 or h.ssh.known_hosts is not None:
+                return None
+            hosts[name] = replace(h, ssh=replace(h.ssh, known_hosts=entry.known_hosts[i]))
+    except (msgspec.MsgspecError, RecursionError, ValueError, TypeError, KeyError, IndexError):
         return None
+    return CacheEntry(entry.format, entry.tree, entry.fingerprint, replace(entry.state, hosts=hosts))
 
 
 # ---- the files: this user's, writable by no one else (the checks are dirs.py's) ---------------

@@ -25,6 +25,7 @@ from reconciler.desired.spec import (
     SSHSpec,
 )
 from reconciler.errors import ConfigError
+from reconciler.values import replace
 from tests.conftest import ROOT, DesiredRepo
 
 NOBODY = 65534
@@ -62,6 +63,46 @@ def test_every_field_comes_back_as_it_was() -> None:
     assert got.content_hash() == state.hosts["gpu-1"].services["sglang"].content_hash()
     assert type(got.rollout.max_unavailable) is int and type(got.health.startup_timeout) is float
     assert back.hosts["gpu-1"].services["vllm"].rollout.max_unavailable == "50%"
+
+
+def fleet_of(n: int, known_hosts: str) -> DesiredState:
+    """n hosts that hold the same known_hosts text (as the loader gives every host the fleet's
+    file), one that holds another and one that holds none."""
+    host = rich_state().hosts["gpu-1"]
+    hosts = {f"h{i}": replace(host, name=f"h{i}", ssh=SSHSpec(f"127.0.1.{i}", known_hosts=known_hosts,
+                                                              known_hosts_file="known_hosts"))
+             for i in range(n)}
+    hosts["other"] = replace(host, name="other", ssh=SSHSpec("127.0.2.1", known_hosts="other-host ssh-ed25519 BBBB\n"))
+    hosts["pinned"] = replace(host, name="pinned")
+    return DesiredState("a" * 40, hosts, FleetSettings())
+
+
+def test_a_known_hosts_text_every_host_holds_is_kept_once() -> None:
+    # one line a host, as a fleet's known_hosts file grows with the fleet
+    text = "".join(f"127.0.1.{i} ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAI{i:020d}\n" for i in range(300))
+    state = fleet_of(300, text)
+    raw = cache.encode(cache.CacheEntry(cache.FORMAT, "t", "f", state))
+    assert raw.count(b"AAAAC3NzaC1lZDI1NTE5AAAAI00000000000000000299") == 1
+    none = replace(state, hosts={n: replace(h, ssh=replace(h.ssh, known_hosts=None)) for n, h in state.hosts.items()})
+    bare = cache.encode(cache.CacheEntry(cache.FORMAT, "t", "f", none))
+    assert len(raw) - len(bare) < 2 * len(text)           # each text once, and an index a host (300 times: 6 MB)
+    entry = cache.decode(raw)
+    assert entry is not None
+    assert entry.state == state
+    back = entry.state.hosts
+    assert back["h0"].ssh.known_hosts == text and back["h0"].ssh.known_hosts is back["h299"].ssh.known_hosts
+    assert back["other"].ssh.known_hosts == "other-host ssh-ed25519 BBBB\n" and back["pinned"].ssh.known_hosts is None
+    assert (entry.known_hosts, entry.known_by) == ([], {})      # as the loader gave it
+
+
+@pytest.mark.parametrize("index", [-1, 2, "x"])
+def test_an_entry_whose_host_names_no_kept_known_hosts_text_is_a_miss(index: object) -> None:
+    doc = json.loads(cache.encode(cache.CacheEntry(cache.FORMAT, "t", "f", fleet_of(2, "k ssh-ed25519 A\n"))))
+    assert sorted(doc["known_by"].values()) == [0, 0, 1]
+    doc["known_by"]["h1"] = index
+    assert cache.decode(json.dumps(doc).encode()) is None
+    doc["known_by"] = {"h1": 0, "nobody": 0}                    # a host the state does not have
+    assert cache.decode(json.dumps(doc).encode()) is None
 
 
 def test_the_example_repo_comes_back_as_the_loader_made_it(tmp_path: Path) -> None:
